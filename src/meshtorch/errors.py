@@ -1,0 +1,57 @@
+"""The one exception hierarchy of meshtorch.
+
+Every error meshtorch raises on purpose derives from :class:`MeshTorchError`, so
+``except mt.MeshTorchError`` catches all of them. Messages name the tensor, dim
+or axis involved and say how to fix the problem.
+
+Example:
+    >>> import meshtorch as mt
+    >>> try:
+    ...     mt.Shape("batch:8,batch:4")
+    ... except mt.errors.ShapeError as e:
+    ...     print(type(e).__name__)
+    ShapeError
+"""
+
+from __future__ import annotations
+
+
+class MeshTorchError(Exception):
+    """Base class of every error meshtorch raises."""
+
+
+class ShapeError(MeshTorchError, ValueError):
+    """A named shape is malformed or two shapes do not fit together."""
+
+
+class MeshError(MeshTorchError, ValueError):
+    """A mesh spec is malformed, or does not match the processors available."""
+
+
+class LayoutError(MeshTorchError, ValueError):
+    """Layout rules are malformed, or a tensor cannot be laid out under them."""
+
+
+class CommError(MeshTorchError, RuntimeError):
+    """A collective failed, timed out, or processors disagreed about it."""
+
+
+class ProcessorError(MeshTorchError, RuntimeError):
+    """An exception raised on one processor, re-raised in the launching caller.
+
+    ``coords`` maps axis name to the failing processor's coordinate, and
+    ``rank`` is its row-major processor number.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, coords: dict | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.coords = coords or {}
+
+
+class PlacementError(MeshTorchError, ValueError):
+    """A device-placement problem is malformed or infeasible."""
+
+
+class CheckpointError(MeshTorchError, RuntimeError):
+    """A checkpoint is missing, corrupt, or does not match the model."""
