@@ -1,16 +1,73 @@
 """meshtorch: named tensor dimensions split over any axis of a processor mesh.
 
+Write the program once, from one processor's view; ``mt.launch`` runs it on
+every processor of a mesh, and layout rules decide which dims are split over
+which mesh axes.
+
 Example:
-    >>> import meshtorch as mt
-    >>> mt.Shape("batch:8,d_model:16").names
-    ('batch', 'd_model')
+    >>> import torch, meshtorch as mt
+    >>> def step():
+    ...     batch, d = mt.Dim("batch", 4), mt.Dim("d", 2)
+    ...     x = mt.from_global(torch.ones(4, 2), [batch, d])
+    ...     return mt.reduce_sum(x * 3).item()
+    >>> mt.launch(step, mesh="b:2", rules="batch:b")
+    [24.0, 24.0]
 """
 
 from __future__ import annotations
 
-from meshtorch import errors
+from meshtorch import errors, random
+from meshtorch.comm import CommStats, Communicator
+from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
 from meshtorch.errors import MeshTorchError
+from meshtorch.launch import launch
+from meshtorch.layout import Layout, LayoutRules
+from meshtorch.mesh import Mesh
+from meshtorch.ops.array import concat, gather, one_hot, pad, shift, slice
+from meshtorch.ops.einsum import einsum, matmul
+from meshtorch.ops.elementwise import (
+    abs,
+    add,
+    cast,
+    clamp,
+    cos,
+    divide,
+    equal,
+    exp,
+    gelu,
+    gelu_tanh,
+    greater,
+    greater_equal,
+    less,
+    less_equal,
+    log,
+    logical_and,
+    logical_not,
+    logical_or,
+    maximum,
+    minimum,
+    multiply,
+    negative,
+    not_equal,
+    pow,
+    relu,
+    rsqrt,
+    sigmoid,
+    silu,
+    sin,
+    sqrt,
+    square,
+    subtract,
+    tanh,
+    where,
+)
+from meshtorch.ops.nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
+from meshtorch.ops.reduce import reduce_logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
+from meshtorch.ops.reshape import relayout, rename, replace_dims, reshape, transpose
+from meshtorch.ops.slicewise import slicewise
+from meshtorch.shape import Dim, Shape
+from meshtorch.tensor import MeshTensor, from_global, full, ones, zeros
 
 __version__ = "0.1.0"
 
-__all__ = ["errors", "MeshTorchError", "__version__"]
+__all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]

@@ -1,0 +1,6 @@
+"""Communicators: the only place processors talk to each other (DESIGN §2)."""
+
+from meshtorch.comm.base import Communicator, LocalCommunicator
+from meshtorch.comm.stats import CommStats
+
+__all__ = ["Communicator", "LocalCommunicator", "CommStats"]

@@ -1,0 +1,182 @@
+"""Differentiable collectives: each a ``torch.autograd.Function`` with its
+conjugate backward (DESIGN §4). Every adapter the lowering uses lives here.
+
+All functions act along one mesh axis on *local* tensors and take the
+communicator explicitly, so backward never depends on which thread runs it.
+
+| function                 | forward            | backward                 |
+|--------------------------|--------------------|--------------------------|
+| ``all_reduce_sum``       | all_reduce(sum)    | identity                 |
+| ``all_reduce_extreme``   | all_reduce(max/min)| grad to the arg-extreme  |
+| ``identity_grad_sum``    | identity           | all_reduce(sum)          |
+| ``reduce_scatter``       | reduce_scatter     | all_gather               |
+| ``all_gather``           | all_gather         | reduce_scatter           |
+| ``all_gather_sliced``    | all_gather         | local slice              |
+| ``local_slice``          | local slice        | all_gather               |
+| ``all_to_all``           | all_to_all         | all_to_all (reversed)    |
+| ``shift``                | shift by k         | shift by -k              |
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.comm import autograd as ca
+    >>> def f():
+    ...     comm = mt.current().comm
+    ...     x = torch.ones(2, requires_grad=True)
+    ...     ca.all_gather(x, comm, "b", 0).sum().backward()
+    ...     return x.grad.tolist()
+    >>> mt.launch(f, mesh="b:2")
+    [[2.0, 2.0], [2.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.comm.base import Communicator
+
+
+def _slice(t: torch.Tensor, comm: Communicator, axis: str, dim: int) -> torch.Tensor:
+    n = comm.mesh.axis_size(axis)
+    return t.chunk(n, dim)[comm.coords[axis]].contiguous()
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis):
+        return comm.all_reduce(t, axis, "sum")
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _IdentityGradSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis):
+        ctx.comm, ctx.axis = comm, axis
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum"), None, None
+
+
+class _AllReduceExtreme(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, op):
+        out = comm.all_reduce(t, axis, op)
+        ctx.comm, ctx.axis = comm, axis
+        ctx.save_for_backward(t == out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (hit,) = ctx.saved_tensors
+        hits = ctx.comm.all_reduce(hit.to(g.dtype), ctx.axis, "sum")
+        # ties across processors share the gradient evenly, as torch.amax does
+        return g * hit / hits.clamp_min(1), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return comm.reduce_scatter(t.contiguous(), axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_gather(g.contiguous(), ctx.axis, ctx.dim), None, None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, dim, sliced_backward):
+        ctx.comm, ctx.axis, ctx.dim, ctx.sliced = comm, axis, dim, sliced_backward
+        return comm.all_gather(t.contiguous(), axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.sliced:
+            return _slice(g, ctx.comm, ctx.axis, ctx.dim), None, None, None, None
+        return ctx.comm.reduce_scatter(g.contiguous(), ctx.axis, ctx.dim), None, None, None, None
+
+
+class _LocalSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, dim):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return _slice(t, comm, axis, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_gather(g.contiguous(), ctx.axis, ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, split_dim, concat_dim):
+        ctx.comm, ctx.axis, ctx.split, ctx.concat = comm, axis, split_dim, concat_dim
+        return comm.all_to_all(t.contiguous(), axis, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        out = ctx.comm.all_to_all(g.contiguous(), ctx.axis, ctx.concat, ctx.split)
+        return out, None, None, None, None
+
+
+class _Shift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, offset, wrap):
+        ctx.comm, ctx.axis, ctx.offset, ctx.wrap = comm, axis, offset, wrap
+        return comm.shift(t.contiguous(), axis, offset, wrap)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.shift(g.contiguous(), ctx.axis, -ctx.offset, ctx.wrap), None, None, None, None
+
+
+def all_reduce_sum(t: torch.Tensor, comm: Communicator, axis: str) -> torch.Tensor:
+    """Partial sums → replicated total; backward identity."""
+    return _AllReduceSum.apply(t, comm, axis)
+
+
+def all_reduce_extreme(t: torch.Tensor, comm: Communicator, axis: str, op: str) -> torch.Tensor:
+    """Partial max/min → replicated; backward to where the extreme came from."""
+    return _AllReduceExtreme.apply(t, comm, axis, op)
+
+
+def identity_grad_sum(t: torch.Tensor, comm: Communicator, axis: str) -> torch.Tensor:
+    """A replicated input used whole by an op that varies along ``axis``."""
+    return _IdentityGradSum.apply(t, comm, axis)
+
+
+def reduce_scatter(t: torch.Tensor, comm: Communicator, axis: str, dim: int) -> torch.Tensor:
+    """Partial sums → summed and split on tensor dim ``dim``; backward all_gather."""
+    return _ReduceScatter.apply(t, comm, axis, dim)
+
+
+def all_gather(t: torch.Tensor, comm: Communicator, axis: str, dim: int) -> torch.Tensor:
+    """Split → whole, for an op that varies along ``axis``; backward reduce_scatter."""
+    return _AllGather.apply(t, comm, axis, dim, False)
+
+
+def all_gather_sliced(t: torch.Tensor, comm: Communicator, axis: str, dim: int) -> torch.Tensor:
+    """Split → whole, for an op that does not vary along ``axis``; backward slices."""
+    return _AllGather.apply(t, comm, axis, dim, True)
+
+
+def local_slice(t: torch.Tensor, comm: Communicator, axis: str, dim: int) -> torch.Tensor:
+    """Replicated → this processor's slice of tensor dim ``dim``; backward all_gather."""
+    return _LocalSlice.apply(t, comm, axis, dim)
+
+
+def all_to_all(
+    t: torch.Tensor, comm: Communicator, axis: str, split_dim: int, concat_dim: int
+) -> torch.Tensor:
+    """Move ``axis`` from tensor dim ``concat_dim`` to ``split_dim``; backward reversed."""
+    return _AllToAll.apply(t, comm, axis, split_dim, concat_dim)
+
+
+def shift(t: torch.Tensor, comm: Communicator, axis: str, offset: int, wrap: bool) -> torch.Tensor:
+    """Receive the tensor of the processor ``offset`` places before; backward reversed."""
+    return _Shift.apply(t, comm, axis, offset, wrap)

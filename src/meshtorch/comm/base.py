@@ -1,0 +1,237 @@
+"""The ``Communicator`` interface: the only place processors talk (DESIGN §2).
+
+A communicator gives one processor its coordinates on the mesh and grouped
+collectives over a set of axes. A collective over axes ``A`` runs among the
+processors that share this processor's coordinates on every other axis,
+ordered row-major over ``A``. Every call is counted in :attr:`stats`.
+Groups of one processor return their input without communicating or counting.
+
+Backends implement the underscored methods; the public methods validate,
+count and short-circuit, so every backend behaves the same.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> def f():
+    ...     comm = mt.current().comm
+    ...     return comm.all_reduce(torch.tensor([1.0 + comm.rank]), "b")
+    >>> [t.item() for t in mt.launch(f, mesh="b:2")]
+    [3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+
+from meshtorch.comm.stats import CommStats
+from meshtorch.errors import CommError
+from meshtorch.mesh import Mesh
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+def user_call_site() -> str:
+    """``file:line in function`` of the innermost frame outside meshtorch and torch."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        f = frame.filename.replace("\\", "/")
+        if "/meshtorch/" in f and "/tests/" not in f and "/examples/" not in f:
+            continue
+        if "/torch/" in f or "/threading.py" in f:
+            continue
+        return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"
+
+
+def as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+class Communicator(ABC):
+    """One processor's view of the mesh and its collectives.
+
+    Args:
+        mesh: the processor mesh.
+        rank: this processor's row-major number.
+        check: record each collective's call site so that mismatches between
+            processors can name both sides.
+    """
+
+    backend: str = "abstract"
+
+    def __init__(self, mesh: Mesh, rank: int, check: bool = False):
+        self.mesh = mesh
+        self.rank = rank
+        self.coords = mesh.coords(rank)
+        self.check = check
+        self.stats = CommStats()
+
+    # ----------------------------------------------------------------- helpers
+    def group(self, axes: str | Iterable[str]) -> tuple[int, ...]:
+        """Ranks of this processor's group over ``axes``, in group order."""
+        return self.mesh.group(self.rank, as_axes(axes))
+
+    def position(self, axes: str | Iterable[str]) -> int:
+        """This processor's index within its group over ``axes``."""
+        return self.group(axes).index(self.rank)
+
+    def _describe(self, kind: str, axes: tuple[str, ...], t: torch.Tensor) -> dict:
+        meta = {"kind": kind, "axes": axes, "shape": tuple(t.shape), "dtype": str(t.dtype)}
+        if self.check:
+            meta["site"] = user_call_site()
+        return meta
+
+    def _prepare(self, kind: str, axes, t: torch.Tensor) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        axes = as_axes(axes)
+        for a in axes:
+            self.mesh.axis_size(a)
+        if not isinstance(t, torch.Tensor):
+            raise CommError(f"{kind} needs a torch.Tensor, got {type(t).__name__}")
+        return axes, self.group(axes)
+
+    # ------------------------------------------------------------ collectives
+    def all_reduce(self, t: torch.Tensor, axes, op: str = "sum") -> torch.Tensor:
+        """Elementwise ``sum``/``max``/``min`` of ``t`` over the group; same on all."""
+        if op not in REDUCE_OPS:
+            raise CommError(f"all_reduce op {op!r} is not one of {REDUCE_OPS}")
+        axes, group = self._prepare("all_reduce", axes, t)
+        if len(group) == 1:
+            return t
+        self.stats.record("all_reduce", axes, t.numel() * t.element_size())
+        return self._all_reduce(t, axes, group, op)
+
+    def all_gather(self, t: torch.Tensor, axes, dim: int) -> torch.Tensor:
+        """Concatenate the group's tensors along tensor dim ``dim``, in group order."""
+        axes, group = self._prepare("all_gather", axes, t)
+        if len(group) == 1:
+            return t
+        self.stats.record("all_gather", axes, t.numel() * t.element_size())
+        return self._all_gather(t, axes, group, dim % max(t.dim(), 1))
+
+    def reduce_scatter(self, t: torch.Tensor, axes, dim: int, op: str = "sum") -> torch.Tensor:
+        """Reduce over the group, then keep this processor's chunk of tensor dim ``dim``."""
+        axes, group = self._prepare("reduce_scatter", axes, t)
+        if len(group) == 1:
+            return t
+        dim = dim % t.dim()
+        if t.shape[dim] % len(group):
+            raise CommError(
+                f"reduce_scatter over {axes}: tensor dim {dim} of size {t.shape[dim]} is not "
+                f"divisible by the group size {len(group)}"
+            )
+        self.stats.record("reduce_scatter", axes, t.numel() * t.element_size())
+        return self._reduce_scatter(t, axes, group, dim, op)
+
+    def all_to_all(self, t: torch.Tensor, axes, split_dim: int, concat_dim: int) -> torch.Tensor:
+        """Split ``split_dim`` into group-size chunks, send chunk i to member i, and
+        concatenate what arrives along ``concat_dim`` in group order."""
+        axes, group = self._prepare("all_to_all", axes, t)
+        if len(group) == 1:
+            return t
+        split_dim, concat_dim = split_dim % t.dim(), concat_dim % t.dim()
+        if t.shape[split_dim] % len(group):
+            raise CommError(
+                f"all_to_all over {axes}: tensor dim {split_dim} of size {t.shape[split_dim]} "
+                f"is not divisible by the group size {len(group)}"
+            )
+        self.stats.record("all_to_all", axes, t.numel() * t.element_size())
+        return self._all_to_all(t, axes, group, split_dim, concat_dim)
+
+    def permute(self, t: torch.Tensor, axis: str, sources: list[int | None]) -> torch.Tensor:
+        """Point-to-point along one axis: member ``i`` receives the tensor of member
+        ``sources[i]`` (zeros where ``sources[i]`` is ``None``). Every member must
+        pass the same ``sources``; each member sends to all who name it."""
+        axes, group = self._prepare("permute", axis, t)
+        if len(axes) != 1:
+            raise CommError(f"permute runs along one axis, got {axes}")
+        if len(sources) != len(group):
+            raise CommError(f"permute along {axis!r}: {len(sources)} sources for {len(group)}")
+        me = group.index(self.rank)
+        if all(s == i for i, s in enumerate(sources)):
+            return t
+        sends = sum(1 for i, s in enumerate(sources) if s == me and i != me)
+        self.stats.record("permute", axes, sends * t.numel() * t.element_size())
+        return self._permute(t, axes, group, list(sources))
+
+    def shift(self, t: torch.Tensor, axis: str, offset: int, wrap: bool = False) -> torch.Tensor:
+        """Receive the tensor of the member ``offset`` places before this one along
+        ``axis`` (with ``wrap``, cyclically; otherwise zeros at the edge)."""
+        n = self.mesh.axis_size(axis)
+        sources = []
+        for i in range(n):
+            j = i - offset
+            sources.append(j % n if wrap else (j if 0 <= j < n else None))
+        return self.permute(t, axis, sources)
+
+    def broadcast(self, t: torch.Tensor, axes, src: int = 0) -> torch.Tensor:
+        """The tensor of group member ``src`` (an index into the group), on all members."""
+        axes, group = self._prepare("broadcast", axes, t)
+        if len(group) == 1:
+            return t
+        if not 0 <= src < len(group):
+            raise CommError(f"broadcast over {axes}: src {src} is not in a group of {len(group)}")
+        self.stats.record("broadcast", axes, t.numel() * t.element_size())
+        return self._broadcast(t, axes, group, src)
+
+    def barrier(self) -> None:
+        """Wait until every processor of the mesh gets here."""
+        if self.mesh.size > 1:
+            self._barrier()
+
+    # -------------------------------------------------------- backend methods
+    @abstractmethod
+    def _all_reduce(self, t, axes, group, op): ...
+
+    @abstractmethod
+    def _all_gather(self, t, axes, group, dim): ...
+
+    @abstractmethod
+    def _reduce_scatter(self, t, axes, group, dim, op): ...
+
+    @abstractmethod
+    def _all_to_all(self, t, axes, group, split_dim, concat_dim): ...
+
+    @abstractmethod
+    def _permute(self, t, axes, group, sources): ...
+
+    @abstractmethod
+    def _broadcast(self, t, axes, group, src): ...
+
+    @abstractmethod
+    def _barrier(self): ...
+
+
+class LocalCommunicator(Communicator):
+    """The communicator of a one-processor mesh: every group is this processor."""
+
+    backend = "local"
+
+    def __init__(self, mesh: Mesh | None = None):
+        mesh = mesh or Mesh("")
+        if mesh.size != 1:
+            raise CommError(f"LocalCommunicator serves one processor, mesh '{mesh}' has {mesh.size}")
+        super().__init__(mesh, 0)
+
+    def _unreachable(self, *args):  # pragma: no cover - groups of one short-circuit
+        raise CommError("a one-processor mesh has nobody to talk to")
+
+    _all_reduce = _all_gather = _reduce_scatter = _all_to_all = _unreachable
+    _permute = _broadcast = _unreachable
+
+    def _barrier(self):
+        return None
+
+
+def reduce_stack(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce tensors in the given (group) order, so every member gets the same bits."""
+    out = parts[0].clone()
+    for p in parts[1:]:
+        if op == "sum":
+            out.add_(p)
+        elif op == "max":
+            torch.maximum(out, p, out=out)
+        else:
+            torch.minimum(out, p, out=out)
+    return out

@@ -1,0 +1,82 @@
+"""Counters of collective calls and bytes, per kind and per set of axes.
+
+Bytes are *payload* bytes: the size of the local tensor this processor hands
+to the collective (for ``shift``/``permute``: the bytes it actually sends).
+The planner turns payloads into link time with ring/tree cost formulas.
+
+Example:
+    >>> from meshtorch.comm.stats import CommStats
+    >>> s = CommStats()
+    >>> s.record("all_reduce", ("b",), 64)
+    >>> s.bytes(axis="b"), s.calls(kind="all_reduce")
+    (64, 1)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class CommStats:
+    """Calls and payload bytes per ``(kind, axes)``; one object per processor."""
+
+    def __init__(self) -> None:
+        self._calls: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+        self._bytes: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+
+    def record(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+        self._calls[(kind, axes)] += 1
+        self._bytes[(kind, axes)] += int(nbytes)
+
+    def reset(self) -> None:
+        self._calls.clear()
+        self._bytes.clear()
+
+    def _select(self, table: dict, axis: str | tuple[str, ...] | None, kind: str | None) -> int:
+        if isinstance(axis, str):
+            axis = (axis,)
+        return sum(
+            v
+            for (k, axes), v in table.items()
+            if (kind is None or k == kind) and (axis is None or axes == tuple(axis))
+        )
+
+    def bytes(self, axis: str | tuple[str, ...] | None = None, kind: str | None = None) -> int:
+        """Payload bytes, optionally only over exactly ``axis`` and/or of one ``kind``."""
+        return self._select(self._bytes, axis, kind)
+
+    def calls(self, axis: str | tuple[str, ...] | None = None, kind: str | None = None) -> int:
+        """Number of calls, filtered like :meth:`bytes`."""
+        return self._select(self._calls, axis, kind)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """``{"kind@axes": {"calls": n, "bytes": b}}``, sorted, JSON-ready."""
+        return {
+            f"{k}@{','.join(axes)}": {"calls": self._calls[(k, axes)], "bytes": self._bytes[(k, axes)]}
+            for k, axes in sorted(self._calls)
+        }
+
+    def copy(self) -> CommStats:
+        out = CommStats()
+        out._calls.update(self._calls)
+        out._bytes.update(self._bytes)
+        return out
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        out = self.copy()
+        for key, v in other._calls.items():
+            out._calls[key] -= v
+            out._bytes[key] -= other._bytes[key]
+            if not out._calls[key] and not out._bytes[key]:
+                del out._calls[key], out._bytes[key]
+        return out
+
+    def __str__(self) -> str:
+        rows = [f"{'collective':<16}{'axes':<10}{'calls':>8}{'bytes':>14}"]
+        for key, v in self.as_dict().items():
+            kind, axes = key.split("@")
+            rows.append(f"{kind:<16}{axes:<10}{v['calls']:>8}{v['bytes']:>14}")
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        return f"CommStats({self.as_dict()})"

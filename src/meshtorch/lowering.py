@@ -1,0 +1,276 @@
+"""Lowering: one op on MeshTensors → adapters + a local torch op (DESIGN §3–§4).
+
+An op is described by its inputs, its output shape, the dims it reduces
+(``"sum"``, ``"max"`` or ``"min"``), the dims its local function needs whole,
+and the local function. :func:`lower` then
+
+1. chooses, per mesh axis, the dim the *computation* is split on: among the
+   dims that some operand or the output holds on that axis, the one that moves
+   the fewest bytes forward and backward (ties: the output's); none if nothing
+   is split along the axis;
+2. brings every input to that computation layout with exactly one adapter of
+   :mod:`meshtorch.comm.autograd` per input and axis (DESIGN §4's table);
+3. runs the local function on the slices;
+4. turns the local result into the output's layout (partial sums →
+   ``all_reduce`` or ``reduce_scatter``; a split moved → ``all_to_all``; ...).
+
+This is the only place that decides communication, so individual ops never
+call collectives themselves.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.lowering import lower
+    >>> def f():
+    ...     x = mt.from_global(torch.arange(4.0), "batch:4")
+    ...     out = mt.Shape("")
+    ...     s = lower("sum", [x], out, lambda view, l: l.sum(0), reduced={"batch": "sum"})
+    ...     return s.item(), mt.comm_stats().calls(kind="all_reduce")
+    >>> mt.launch(f, mesh="b:2", rules="batch:b")
+    [(6.0, 1), (6.0, 1)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from meshtorch.comm import autograd as ca
+from meshtorch.context import current
+from meshtorch.errors import LayoutError, ShapeError
+from meshtorch.layout import Layout
+from meshtorch.shape import Shape
+from meshtorch.tensor import MeshTensor, layout_for
+
+REDUCTIONS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """The computation's slice on this processor: ``(start, size)`` per dim name."""
+
+    slices: dict[str, tuple[int, int]]
+
+    def start(self, name: str) -> int:
+        return self.slices[name][0]
+
+    def size(self, name: str) -> int:
+        return self.slices[name][1]
+
+
+def _dim_sizes(inputs: Sequence[MeshTensor], out: Shape, whole: set[str]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for where, shape in [(f"input {i}", x.shape) for i, x in enumerate(inputs)] + [("output", out)]:
+        for d in shape:
+            if d.name in whole:
+                continue
+            if sizes.setdefault(d.name, d.size) != d.size:
+                raise ShapeError(
+                    f"dim {d.name!r} has size {sizes[d.name]} in one tensor and {d.size} in "
+                    f"{where} [{shape}]; a dim name must mean one size — rename one of them"
+                )
+    return sizes
+
+
+def _cost(c, axis, n, inputs, out_layout, reduced, grad) -> float:
+    """Elements moved per processor (ring formulas), forward plus backward."""
+    total = 0.0
+    for x in inputs:
+        local = x.local.numel()
+        d = x.layout.dim_of(axis)
+        rg = x.requires_grad
+        if d == c:
+            continue
+        if d is not None:
+            if c is None:
+                total += (n - 1) * local
+            elif c not in x.shape:
+                total += (n - 1) * local * (2 if rg else 1)
+            else:
+                total += (n - 1) / n * local * (2 if rg else 1)
+        elif c is not None and rg:
+            total += (n - 1) / n * local * (1 if c in x.shape else 2)
+    d_out = out_layout.dim_of(axis)
+    out_whole = _numel(out_layout.local_sizes) * (n if d_out else 1)
+    if c is None:
+        total += (n - 1) / n * out_whole if (d_out and grad) else 0
+    elif c in reduced:
+        if reduced[c] == "sum":
+            total += (n - 1) / n * out_whole * (2 if d_out is None else (2 if grad else 1))
+        else:
+            total += (n - 1) / n * out_whole * (4 if grad else 2)
+    elif d_out != c:
+        if d_out is None:
+            total += (n - 1) / n * out_whole
+        else:
+            total += (n - 1) / n * out_whole / n * (2 if grad else 1)
+    return total
+
+
+def _numel(sizes: Iterable[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def choose_computation(
+    inputs: Sequence[MeshTensor],
+    out_shape: Shape,
+    out_layout: Layout,
+    reduced: dict[str, str],
+    whole: set[str],
+) -> dict[str, str | None]:
+    """Per mesh axis, the dim the computation is split on (``None``: not split)."""
+    ctx = current()
+    mesh, rules = ctx.mesh, ctx.rules
+    sizes = _dim_sizes(inputs, out_shape, whole)
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+    comp: dict[str, str | None] = {}
+    for axis in mesh.axis_names:
+        n = mesh.axis_size(axis)
+        held = {x.layout.dim_of(axis) for x in inputs} | {out_layout.dim_of(axis)}
+        # Only dims some operand already holds on this axis: splitting the work on a
+        # dim nobody holds would move data just to save compute. With none held the
+        # op is computed replicated along the axis, which needs no communication.
+        cands: list[str | None] = [
+            c for c in sorted(held - {None})
+            if c in sizes and rules.axis_of(c) == axis and sizes[c] % n == 0
+            and (c in out_shape or c in reduced)
+        ] or [None]
+        d_out = out_layout.dim_of(axis)
+
+        def key(c, axis=axis, n=n, d_out=d_out):
+            return (_cost(c, axis, n, inputs, out_layout, reduced, grad), c != d_out)
+
+        comp[axis] = min(cands, key=key)
+    return comp
+
+
+def to_computation(
+    x: MeshTensor, comp: dict[str, str | None], varying: Iterable[str] | None = None
+) -> torch.Tensor:
+    """``x``'s local tensor brought to the computation layout (DESIGN §4 table)."""
+    comm = current().comm
+    t = x.local
+    for axis, c in comp.items():
+        d = x.layout.dim_of(axis)
+        if d == c:
+            continue
+        if d is not None:
+            i = x.shape.index(d)
+            if c is None:
+                t = ca.all_gather_sliced(t, comm, axis, i)
+            elif c not in x.shape:
+                t = ca.all_gather(t, comm, axis, i)
+            else:
+                t = ca.all_to_all(t, comm, axis, x.shape.index(c), i)
+        elif c is not None:
+            if c in x.shape:
+                t = ca.local_slice(t, comm, axis, x.shape.index(c))
+            elif x.requires_grad:
+                t = ca.identity_grad_sum(t, comm, axis)
+    return t
+
+
+def from_computation(
+    t: torch.Tensor,
+    comp: dict[str, str | None],
+    out_shape: Shape,
+    out_layout: Layout,
+    reduced: dict[str, str],
+) -> torch.Tensor:
+    """A local result in the computation layout → the output's layout."""
+    comm = current().comm
+    for axis, c in comp.items():
+        d_out = out_layout.dim_of(axis)
+        if c is None:
+            if d_out is not None:
+                t = ca.local_slice(t, comm, axis, out_shape.index(d_out))
+        elif c in reduced:
+            if reduced[c] == "sum":
+                if d_out is None:
+                    t = ca.all_reduce_sum(t, comm, axis)
+                else:
+                    t = ca.reduce_scatter(t, comm, axis, out_shape.index(d_out))
+            else:
+                t = ca.all_reduce_extreme(t, comm, axis, reduced[c])
+                if d_out is not None:
+                    t = ca.local_slice(t, comm, axis, out_shape.index(d_out))
+        elif c in out_shape:
+            if d_out is None:
+                t = ca.all_gather_sliced(t, comm, axis, out_shape.index(c))
+            elif d_out != c:
+                t = ca.all_to_all(t, comm, axis, out_shape.index(d_out), out_shape.index(c))
+        else:  # pragma: no cover - choose_computation never picks such a dim
+            raise LayoutError(f"dim {c!r} is neither reduced nor in the output [{out_shape}]")
+    return t
+
+
+def lower(
+    op: str,
+    inputs: Sequence[MeshTensor],
+    out_shape: Shape,
+    local_fn: Callable[..., torch.Tensor],
+    *,
+    reduced: dict[str, str] | None = None,
+    whole: Iterable[str] = (),
+    name: str | None = None,
+) -> MeshTensor:
+    """Run ``local_fn(view, *local_inputs)`` as an SPMD op with minimal communication.
+
+    Args:
+        op: the op's name, for error messages.
+        inputs: the MeshTensor operands.
+        out_shape: the global output shape.
+        local_fn: maps the operands' local slices (dims in each operand's shape
+            order, sliced as the chosen computation layout says) to the local
+            result (dims in ``out_shape`` order). ``view`` gives each dim's
+            ``(start, size)`` in the computation.
+        reduced: dims of the inputs that are reduced away, with how.
+        whole: dims the local function needs unsplit (they are gathered).
+        name: the output's name, for error messages.
+    """
+    reduced = dict(reduced or {})
+    for d, how in reduced.items():
+        if how not in REDUCTIONS:
+            raise ShapeError(f"{op}: reduction {how!r} of dim {d!r} is not one of {REDUCTIONS}")
+    whole = set(whole)
+    ctx = current()
+    out_layout = layout_for(out_shape, name)
+    comp = choose_computation(inputs, out_shape, out_layout, reduced, whole)
+    locals_ = [to_computation(x, comp) for x in inputs]
+    split = {c: a for a, c in comp.items() if c is not None}
+    view_slices: dict[str, tuple[int, int]] = {}
+    for shape in [x.shape for x in inputs] + [out_shape]:
+        for d in shape:
+            if d.name in split:
+                n = ctx.mesh.axis_size(split[d.name])
+                size = d.size // n
+                view_slices[d.name] = (ctx.coords[split[d.name]] * size, size)
+            else:
+                view_slices.setdefault(d.name, (0, d.size))
+    result = local_fn(LocalView(view_slices), *locals_)
+    want = tuple(view_slices[d.name][1] if d.name in split else d.size for d in out_shape)
+    if tuple(result.shape) != want:
+        raise ShapeError(
+            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
+            f"output [{out_shape}] computed as {split or 'replicated'} needs {list(want)}"
+        )
+    out = from_computation(result, comp, out_shape, out_layout, reduced)
+    return MeshTensor(out, out_shape, out_layout, name)
+
+
+def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch.Tensor:
+    """Permute and unsqueeze a local tensor with dims ``names`` so it broadcasts
+    against dims ``target`` (a superset, any order)."""
+    names = list(names)
+    order = [names.index(n) for n in target if n in names]
+    t = t.permute(order) if order != list(range(len(order))) else t
+    present = [n for n in target if n in names]
+    shape = []
+    it = iter(t.shape)
+    for n in target:
+        shape.append(next(it) if n in present else 1)
+    return t.reshape(shape) if len(shape) != t.dim() else t

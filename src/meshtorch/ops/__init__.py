@@ -1,0 +1,1 @@
+"""Ops on MeshTensors, one file per family; all re-exported by ``meshtorch``."""

@@ -1,0 +1,193 @@
+"""Array ops along a dim: slice, concat, pad, shift, one_hot, gather.
+
+``shift`` along a split dim exchanges halos with neighbours through the
+communicator's point-to-point ``shift``; ``one_hot`` and ``gather`` work on a
+split vocabulary without gathering it (each processor handles its range and
+partial results are summed).
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> x = mt.from_global(torch.arange(4.0), "t:4")
+    >>> mt.shift(x, "t", 1).to_global().tolist()
+    [0.0, 0.0, 1.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from meshtorch.comm import autograd as ca
+from meshtorch.context import current
+from meshtorch.errors import ShapeError
+from meshtorch.lowering import lower
+from meshtorch.shape import Dim, dim_name
+from meshtorch.tensor import MeshTensor, as_mesh_tensor
+
+
+def slice(x: MeshTensor, dim: str | Dim, begin: int, size: int, name: str | None = None) -> MeshTensor:  # noqa: A001
+    """Elements ``begin .. begin+size-1`` of ``dim`` (the dim keeps its name).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.arange(5.0), "t:5")
+        >>> mt.slice(x, "t", 1, 3).to_global().tolist()
+        [1.0, 2.0, 3.0]
+    """
+    x = as_mesh_tensor(x)
+    d = x.shape[dim]
+    if begin < 0 or size < 0 or begin + size > d.size:
+        raise ShapeError(f"slice [{begin}, {begin + size}) is outside dim {d} of [{x.shape}]")
+    i = x.shape.index(d.name)
+    out = x.shape.replace(d.name, Dim(d.name, size))
+    return lower("slice", [x], out, lambda view, t: t.narrow(i, begin, size),
+                 whole={d.name}, name=name)
+
+
+def concat(xs: Sequence[MeshTensor], dim: str | Dim, name: str | None = None) -> MeshTensor:
+    """Concatenate along ``dim``; all other dims must agree.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.concat([mt.ones("t:2"), mt.zeros("t:3")], "t").to_global().tolist()
+        [1.0, 1.0, 0.0, 0.0, 0.0]
+    """
+    xs = [as_mesh_tensor(x) for x in xs]
+    if not xs:
+        raise ShapeError("concat needs at least one tensor")
+    n = dim_name(dim)
+    first = xs[0]
+    for x in xs[1:]:
+        if x.shape.without([n]) != first.shape.without([n]) or x.names != first.names:
+            raise ShapeError(
+                f"concat along {n!r}: shapes [{first.shape}] and [{x.shape}] differ elsewhere"
+            )
+    total = sum(x.shape[n].size for x in xs)
+    out = first.shape.replace(n, Dim(n, total))
+    i = first.shape.index(n)
+    return lower("concat", xs, out, lambda view, *ts: torch.cat(ts, i), whole={n}, name=name)
+
+
+def pad(x: MeshTensor, dim: str | Dim, before: int, after: int, value: float = 0.0,
+        name: str | None = None) -> MeshTensor:
+    """Pad ``dim`` with ``before`` and ``after`` elements of ``value``.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.pad(mt.ones("t:2"), "t", 1, 2).to_global().tolist()
+        [0.0, 1.0, 1.0, 0.0, 0.0]
+    """
+    x = as_mesh_tensor(x)
+    d = x.shape[dim]
+    if before < 0 or after < 0:
+        raise ShapeError(f"pad of {d.name!r} needs before, after >= 0 (got {before}, {after})")
+    i = x.shape.index(d.name)
+    out = x.shape.replace(d.name, Dim(d.name, d.size + before + after))
+    widths = [0, 0] * (x.shape.ndim - 1 - i) + [before, after]
+    return lower("pad", [x], out, lambda view, t: F.pad(t, widths, value=value),
+                 whole={d.name}, name=name)
+
+
+def _shift_local(t: torch.Tensor, i: int, k: int, wrap: bool) -> torch.Tensor:
+    if wrap:
+        return torch.roll(t, k, i)
+    n = t.shape[i]
+    if abs(k) >= n:
+        return torch.zeros_like(t)
+    if k >= 0:
+        return torch.cat([torch.zeros_like(t.narrow(i, 0, k)), t.narrow(i, 0, n - k)], i)
+    return torch.cat([t.narrow(i, -k, n + k), torch.zeros_like(t.narrow(i, 0, -k))], i)
+
+
+def shift(x: MeshTensor, dim: str | Dim, offset: int, wrap: bool = False,
+          name: str | None = None) -> MeshTensor:
+    """``out[i] = x[i - offset]`` along ``dim``: zeros shift in at the edge, or
+    with ``wrap`` the dim is cyclic. Along a split dim each processor receives
+    only the halo it needs from its neighbours (one or two point-to-point
+    shifts along the axis).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.arange(4.0), "t:4")
+        >>> mt.shift(x, "t", -1, wrap=True).to_global().tolist()
+        [1.0, 2.0, 3.0, 0.0]
+    """
+    x = as_mesh_tensor(x)
+    d = x.shape[dim]
+    i = x.shape.index(d.name)
+    axis = x.layout.axis_of(d.name)
+    t = x.local
+    if axis is None:
+        return MeshTensor(_shift_local(t, i, offset, wrap), x.shape, x.layout, name)
+    comm = current().comm
+    length = t.shape[i]
+    q, r = divmod(offset, length)
+    # global position g = c*L + j reads g - offset: from processor c-q at j-r, or c-q-1 at j-r+L
+    near = ca.shift(t.narrow(i, 0, length - r), comm, axis, q, wrap)
+    if r == 0:
+        out = near
+    else:
+        far = ca.shift(t.narrow(i, length - r, r), comm, axis, q + 1, wrap)
+        out = torch.cat([far, near], i)
+    return MeshTensor(out, x.shape, x.layout, name)
+
+
+def one_hot(ids: MeshTensor, dim: Dim, dtype: torch.dtype = torch.float32,
+            name: str | None = None) -> MeshTensor:
+    """``out[..., v] = (ids[...] == v)`` for ``v`` in ``dim``; works on a split ``dim``
+    without communication. Ids outside ``dim`` give all zeros.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> ids = mt.from_global(torch.tensor([2, 0]), "batch:2")
+        >>> mt.one_hot(ids, mt.Dim("vocab", 3)).to_global().tolist()
+        [[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
+    """
+    ids = as_mesh_tensor(ids)
+    if not isinstance(dim, Dim):
+        raise ShapeError(f"one_hot needs a Dim (name and size) for the new dim, got {dim!r}")
+    if dim.name in ids.shape:
+        raise ShapeError(f"one_hot: ids [{ids.shape}] already have a dim named {dim.name!r}")
+    out = ids.shape + [dim]
+
+    def local_fn(view, t):
+        start, size = view.slices[dim.name]
+        rng = torch.arange(start, start + size, device=t.device)
+        return (t.unsqueeze(-1) == rng).to(dtype)
+
+    return lower("one_hot", [ids], out, local_fn, name=name)
+
+
+def gather(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | None = None) -> MeshTensor:
+    """Embedding lookup: ``out[ids dims..., other dims] = table[ids[...], ...]`` along
+    ``dim``. With ``dim`` split, each processor looks up the ids in its range and
+    the partial results are summed (one all_reduce or reduce_scatter).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> table = mt.from_global(torch.arange(6.0).reshape(3, 2), "vocab:3,d:2")
+        >>> ids = mt.from_global(torch.tensor([2, 0]), "batch:2")
+        >>> mt.gather(table, ids, "vocab").to_global().tolist()
+        [[4.0, 5.0], [0.0, 1.0]]
+    """
+    table, ids = as_mesh_tensor(table), as_mesh_tensor(ids)
+    v = dim_name(dim)
+    vi = table.shape.index(v)
+    if ids.dtype.is_floating_point:
+        raise ShapeError(f"gather: ids must be integers, got {ids.dtype}")
+    clash = set(ids.names) & set(table.names)
+    if clash:
+        raise ShapeError(f"gather: ids [{ids.shape}] and table [{table.shape}] share dims {clash}")
+    out = ids.shape + table.shape.without([v])
+
+    def local_fn(view, tab, idx):
+        start, size = view.slices[v]
+        rel = idx - start
+        hit = (rel >= 0) & (rel < size)
+        rows = tab.movedim(vi, 0)[rel.clamp(0, size - 1)]
+        mask = hit.reshape(hit.shape + (1,) * (rows.dim() - hit.dim()))
+        return rows * mask.to(rows.dtype)
+
+    return lower("gather", [table, ids], out, local_fn, reduced={v: "sum"}, name=name)

@@ -1,0 +1,104 @@
+"""``einsum`` over named dims, and ``matmul``.
+
+Dims are matched by name: the equation ``"batch d_model, d_model d_ff -> batch
+d_ff"`` names each operand's dims (in any order) and the output's. Dims that
+appear in an input but not in the output are summed over. With
+``output_shape=`` instead of an equation, the output's dims are given and
+every other dim is contracted.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> x = mt.from_global(torch.ones(2, 3), "batch:2,d:3")
+    >>> w = mt.from_global(torch.ones(3, 4), "d:3,h:4")
+    >>> mt.einsum("batch d, d h -> batch h", x, w).to_global()[0].tolist()
+    [3.0, 3.0, 3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Iterable
+
+import torch
+
+from meshtorch.errors import ShapeError
+from meshtorch.lowering import lower
+from meshtorch.ops.elementwise import broadcast_shape
+from meshtorch.shape import Dim, Shape, as_shape, dim_name
+from meshtorch.tensor import MeshTensor, as_mesh_tensor
+
+
+def _parse(equation: str, xs: tuple[MeshTensor, ...]) -> list[str]:
+    lhs, arrow, rhs = equation.partition("->")
+    if not arrow:
+        raise ShapeError(f"einsum equation {equation!r} has no '->'; write 'a b, b c -> a c'")
+    parts = [p.split() for p in lhs.split(",")]
+    if len(parts) != len(xs):
+        raise ShapeError(f"einsum {equation!r} names {len(parts)} operands but got {len(xs)}")
+    for i, (names, x) in enumerate(zip(parts, xs)):
+        if sorted(names) != sorted(x.names):
+            raise ShapeError(
+                f"einsum {equation!r}: operand {i} is named '{' '.join(names)}' but its shape is "
+                f"[{x.shape}]; name exactly its dims"
+            )
+    return rhs.split()
+
+
+def einsum(
+    equation: str | MeshTensor,
+    *xs: MeshTensor,
+    output_shape: Shape | str | Iterable[Dim | str] | None = None,
+    name: str | None = None,
+) -> MeshTensor:
+    """Generalised contraction of MeshTensors by dim name.
+
+    Args:
+        equation: ``"a b, b c -> a c"`` (names, space separated), or omit it and
+            pass the first operand here with ``output_shape=``.
+        output_shape: the output's dims (``Dim``s or names of operand dims).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.arange(6.0).reshape(2, 3), "a:2,b:3")
+        >>> mt.einsum(x, output_shape=["b"]).to_global().tolist()
+        [3.0, 5.0, 7.0]
+    """
+    if isinstance(equation, MeshTensor):
+        xs = (equation,) + xs
+        if output_shape is None:
+            raise ShapeError("einsum without an equation needs output_shape=")
+        out_names = [dim_name(d) for d in (
+            output_shape.dims if isinstance(output_shape, Shape) else
+            as_shape(output_shape).dims if isinstance(output_shape, str) else output_shape)]
+    else:
+        xs = tuple(as_mesh_tensor(x) for x in xs)
+        out_names = _parse(equation, xs)
+    every = broadcast_shape(*(x.shape for x in xs))
+    for n in out_names:
+        if n not in every.names:
+            raise ShapeError(f"einsum output dim {n!r} is in no operand ({[str(x.shape) for x in xs]})")
+    out = Shape([every[n] for n in out_names])
+    letters = dict(zip(every.names, string.ascii_letters))
+    if len(every) > len(string.ascii_letters):
+        raise ShapeError("einsum supports at most 52 distinct dims")
+    spec = ",".join("".join(letters[n] for n in x.names) for x in xs)
+    spec += "->" + "".join(letters[n] for n in out_names)
+    reduced = {n: "sum" for n in every.names if n not in out_names}
+    return lower("einsum", xs, out, lambda view, *ls: torch.einsum(spec, *ls),
+                 reduced=reduced, name=name)
+
+
+def matmul(x: MeshTensor, y: MeshTensor, output_shape=None, name: str | None = None) -> MeshTensor:
+    """Contract the dims ``x`` and ``y`` share (or as ``output_shape`` says).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.ones(2, 3), "a:2,b:3")
+        >>> y = mt.from_global(torch.ones(3), "b:3")
+        >>> mt.matmul(x, y).to_global().tolist()
+        [3.0, 3.0]
+    """
+    if output_shape is None:
+        shared = set(x.names) & set(y.names)
+        output_shape = [n for n in broadcast_shape(x.shape, y.shape).names if n not in shared]
+    return einsum(x, y, output_shape=output_shape, name=name)

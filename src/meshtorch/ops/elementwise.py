@@ -1,0 +1,166 @@
+"""Elementwise ops: unary, and binary with broadcasting by dim name.
+
+Binary ops broadcast by *name*: the output has the first operand's dims, then
+the second's dims that the first lacks. Python numbers and 0-d torch tensors
+act as scalars.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> x = mt.from_global(torch.tensor([1.0, 2.0]), "a:2")
+    >>> y = mt.from_global(torch.tensor([10.0, 20.0, 30.0]), "b:3")
+    >>> (x + y).shape, mt.relu(x - 1.5).to_global().tolist()
+    (Shape('a:2,b:3'), [0.0, 0.5])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from meshtorch.errors import ShapeError
+from meshtorch.lowering import align, lower
+from meshtorch.shape import Shape
+from meshtorch.tensor import MeshTensor
+
+Scalar = (int, float, bool)
+
+
+def _is_scalar(v) -> bool:
+    return isinstance(v, Scalar) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+
+
+def unary(fn: Callable[[torch.Tensor], torch.Tensor], x: MeshTensor, op: str = "unary") -> MeshTensor:
+    """Apply an elementwise torch function to every slice; no communication."""
+    if not isinstance(x, MeshTensor):
+        raise ShapeError(f"{op} needs a MeshTensor, got {type(x).__name__}")
+    return MeshTensor(fn(x.local), x.shape, x.layout)
+
+
+def broadcast_shape(*shapes: Shape) -> Shape:
+    """The union of dims, in first-seen order; a shared name must agree in size."""
+    dims = {}
+    for s in shapes:
+        for d in s:
+            if d.name in dims and dims[d.name] != d:
+                raise ShapeError(
+                    f"cannot broadcast dim {d.name!r}: size {dims[d.name].size} vs {d.size} "
+                    f"(shapes {' and '.join(f'[{x}]' for x in shapes)})"
+                )
+            dims.setdefault(d.name, d)
+    return Shape(dims.values())
+
+
+def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
+    """Apply an elementwise torch function to operands broadcast by dim name."""
+    tensors = [x for x in xs if isinstance(x, MeshTensor)]
+    for x in xs:
+        if not isinstance(x, MeshTensor) and not _is_scalar(x):
+            raise ShapeError(
+                f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
+                "wrap torch tensors with mt.from_global(t, shape)"
+            )
+    if not tensors:
+        raise ShapeError(f"{op} needs at least one MeshTensor operand")
+    out = broadcast_shape(*(x.shape for x in tensors))
+    if all(x.shape == out and x.layout == tensors[0].layout for x in tensors):
+        locals_ = [x.local if isinstance(x, MeshTensor) else x for x in xs]
+        return MeshTensor(fn(*locals_), out, tensors[0].layout)
+    names = out.names
+
+    def local_fn(view, *ls):
+        it = iter(ls)
+        args = [align(next(it), x.names, names) if isinstance(x, MeshTensor) else x for x in xs]
+        res = fn(*args)
+        return res.expand([view.size(n) for n in names]) if tuple(res.shape) != tuple(
+            view.size(n) for n in names
+        ) else res
+
+    return lower(op, tensors, out, local_fn)
+
+
+def _binary(fn, op):
+    def f(x, y) -> MeshTensor:
+        return nary(fn, x, y, op=op)
+
+    f.__name__ = op
+    f.__doc__ = f"Elementwise ``{op}`` with broadcasting by dim name."
+    return f
+
+
+add = _binary(torch.add, "add")
+subtract = _binary(torch.sub, "subtract")
+multiply = _binary(torch.mul, "multiply")
+divide = _binary(torch.div, "divide")
+minimum = _binary(lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)), "minimum")
+maximum = _binary(lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)), "maximum")
+equal = _binary(torch.eq, "equal")
+not_equal = _binary(torch.ne, "not_equal")
+less = _binary(torch.lt, "less")
+less_equal = _binary(torch.le, "less_equal")
+greater = _binary(torch.gt, "greater")
+greater_equal = _binary(torch.ge, "greater_equal")
+logical_and = _binary(torch.logical_and, "logical_and")
+logical_or = _binary(torch.logical_or, "logical_or")
+
+
+def pow(x, y) -> MeshTensor:  # noqa: A001 - mirrors torch.pow
+    """``x ** y`` elementwise; either may be a scalar."""
+    return nary(torch.pow, x, y, op="pow")
+
+
+def where(condition, x, y) -> MeshTensor:
+    """``x`` where ``condition`` holds, else ``y``, broadcast by dim name.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.tensor([-1.0, 2.0]), "a:2")
+        >>> mt.where(x > 0, x, 0.0).to_global().tolist()
+        [0.0, 2.0]
+    """
+    return nary(lambda c, a, b: torch.where(c, a, b), condition, x, y, op="where")
+
+
+def _unary_op(fn, op, doc=None):
+    def f(x: MeshTensor) -> MeshTensor:
+        return unary(fn, x, op)
+
+    f.__name__ = op
+    f.__doc__ = doc or f"Elementwise ``{op}``; no communication."
+    return f
+
+
+relu = _unary_op(torch.relu, "relu")
+gelu = _unary_op(F.gelu, "gelu", "Elementwise GELU (exact erf form); no communication.")
+gelu_tanh = _unary_op(lambda t: F.gelu(t, approximate="tanh"), "gelu_tanh",
+                      "Elementwise GELU, tanh approximation (as GPT-2); no communication.")
+silu = _unary_op(F.silu, "silu")
+exp = _unary_op(torch.exp, "exp")
+log = _unary_op(torch.log, "log")
+tanh = _unary_op(torch.tanh, "tanh")
+sigmoid = _unary_op(torch.sigmoid, "sigmoid")
+rsqrt = _unary_op(torch.rsqrt, "rsqrt")
+sqrt = _unary_op(torch.sqrt, "sqrt")
+square = _unary_op(torch.square, "square")
+abs = _unary_op(torch.abs, "abs")  # noqa: A001 - mirrors torch.abs
+negative = _unary_op(torch.neg, "negative")
+sin = _unary_op(torch.sin, "sin")
+cos = _unary_op(torch.cos, "cos")
+logical_not = _unary_op(torch.logical_not, "logical_not")
+
+
+def cast(x: MeshTensor, dtype: torch.dtype) -> MeshTensor:
+    """``x`` converted to ``dtype``; gradients flow back in the original dtype.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> mt.cast(mt.ones("a:2"), torch.bfloat16).dtype
+        torch.bfloat16
+    """
+    return unary(lambda t: t.to(dtype), x, "cast")
+
+
+def clamp(x: MeshTensor, min: float | None = None, max: float | None = None) -> MeshTensor:  # noqa: A002
+    """Clamp every element into ``[min, max]``."""
+    return unary(lambda t: torch.clamp(t, min, max), x, "clamp")

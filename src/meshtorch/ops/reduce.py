@@ -1,0 +1,104 @@
+"""Reductions over named dims: sum, mean, max, min, logsumexp.
+
+``dims`` names the dims to reduce (a name, a ``Dim`` or a list); ``None``
+reduces every dim. Alternatively ``output_shape=`` names the dims to keep.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> x = mt.from_global(torch.arange(6.0).reshape(2, 3), "a:2,b:3")
+    >>> mt.reduce_sum(x, "b").to_global().tolist(), mt.reduce_max(x).item()
+    ([3.0, 12.0], 5.0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.lowering import lower
+from meshtorch.ops.elementwise import exp, log
+from meshtorch.shape import Dim, Shape, as_shape, dim_name
+from meshtorch.tensor import MeshTensor, as_mesh_tensor
+
+
+def _reduced_names(x: MeshTensor, dims, output_shape) -> list[str]:
+    if output_shape is not None:
+        keep = {dim_name(d) for d in as_shape(output_shape)} if isinstance(
+            output_shape, (Shape, str)) else {dim_name(d) for d in output_shape}
+        for k in keep:
+            x.shape.index(k)
+        return [n for n in x.names if n not in keep]
+    if dims is None:
+        return list(x.names)
+    if isinstance(dims, (str, Dim)):
+        dims = [dims]
+    names = [dim_name(d) for d in dims]
+    for n in names:
+        x.shape.index(n)
+    return names
+
+
+def _reduce(x: MeshTensor, dims, output_shape, how: str, torch_fn, name) -> MeshTensor:
+    x = as_mesh_tensor(x)
+    names = _reduced_names(x, dims, output_shape)
+    out = x.shape.without(names)
+    idx = [x.shape.index(n) for n in names]
+    if not idx:
+        return x
+
+    def local_fn(view, t):
+        return torch_fn(t, idx)
+
+    return lower(f"reduce_{how}", [x], out, local_fn, reduced=dict.fromkeys(names, how), name=name)
+
+
+def reduce_sum(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
+    """Sum over ``dims`` (all if ``None``).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> mt.reduce_sum(mt.ones("a:2,b:3")).item()
+        6.0
+    """
+    return _reduce(x, dims, output_shape, "sum", lambda t, i: t.sum(i), name)
+
+
+def reduce_max(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
+    """Maximum over ``dims``; the gradient goes to the maximal elements."""
+    return _reduce(x, dims, output_shape, "max", lambda t, i: t.amax(i), name)
+
+
+def reduce_min(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
+    """Minimum over ``dims``; the gradient goes to the minimal elements."""
+    return _reduce(x, dims, output_shape, "min", lambda t, i: t.amin(i), name)
+
+
+def reduce_mean(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
+    """Mean over ``dims`` (global count, whatever the layout).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> mt.reduce_mean(mt.full("a:4", 2.0)).item()
+        2.0
+    """
+    x = as_mesh_tensor(x)
+    names = _reduced_names(x, dims, output_shape)
+    count = 1
+    for n in names:
+        count *= x.shape[n].size
+    return reduce_sum(x, names, name=name) / count
+
+
+def reduce_logsumexp(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
+    """``log(sum(exp(x)))`` over ``dims``, computed stably across split dims.
+
+    Example:
+        >>> import torch, math, meshtorch as mt
+        >>> round(mt.reduce_logsumexp(mt.zeros("a:4")).item(), 6) == round(math.log(4), 6)
+        True
+    """
+    x = as_mesh_tensor(x)
+    names = _reduced_names(x, dims, output_shape)
+    # the shift cancels in value and gradient, so it needs no gradient of its own
+    m = reduce_max(x.detach(), names)
+    finite = MeshTensor(torch.where(torch.isfinite(m.local), m.local, 0.0), m.shape, m.layout)
+    return log(reduce_sum(exp(x - finite), names)) + finite

@@ -1,0 +1,163 @@
+"""Changing names, order and grouping of dims: rename, relayout, transpose, reshape.
+
+Since layouts follow from dim names and the rules, renaming a dim is how a
+program moves data between processors: ``rename(x, "d_ff", "d_ff_unsplit")``
+gathers a split ``d_ff`` if the new name has no rule, and two split dims
+trading places become one ``all_to_all``.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> x = mt.from_global(torch.arange(6.0).reshape(2, 3), "a:2,b:3")
+    >>> mt.reshape(x, "ab:6").to_global().tolist()
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from meshtorch.comm import autograd as ca
+from meshtorch.context import current
+from meshtorch.errors import ShapeError
+from meshtorch.lowering import lower
+from meshtorch.shape import Dim, Shape, as_shape, dim_name
+from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
+
+
+def relayout(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None = None) -> MeshTensor:
+    """The same values under new dim names (same sizes, same order), laid out
+    as the rules say for the new names: each axis that changes dim costs one
+    ``all_to_all``; an axis that becomes replicated, one ``all_gather``; an axis
+    that becomes split, a local slice.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.ones("a:2,b:4")
+        >>> mt.relayout(x, "a:2,c:4").shape
+        Shape('a:2,c:4')
+    """
+    x = as_mesh_tensor(x)
+    shape = as_shape(shape)
+    if shape.sizes != x.shape.sizes:
+        raise ShapeError(
+            f"relayout keeps sizes: [{x.shape}] has sizes {list(x.shape.sizes)}, but the new "
+            f"shape [{shape}] has {list(shape.sizes)}; use mt.reshape to change sizes"
+        )
+    out_layout = layout_for(shape, name)
+    comm = current().comm
+    t = x.local
+    new_of = dict(zip(x.names, shape.names))
+    for axis in current().mesh.axis_names:
+        d_in = x.layout.dim_of(axis)
+        d_in = new_of[d_in] if d_in is not None else None
+        d_out = out_layout.dim_of(axis)
+        if d_in == d_out:
+            continue
+        if d_in is None:
+            t = ca.local_slice(t, comm, axis, shape.index(d_out))
+        elif d_out is None:
+            t = ca.all_gather_sliced(t, comm, axis, shape.index(d_in))
+        else:
+            t = ca.all_to_all(t, comm, axis, shape.index(d_out), shape.index(d_in))
+    return MeshTensor(t, shape, out_layout, name)
+
+
+def relayout_like(x: MeshTensor, like: MeshTensor) -> MeshTensor:
+    """``x`` (of ``like``'s shape, possibly another layout) in ``like``'s layout."""
+    if x.shape != like.shape:
+        raise ShapeError(f"expected shape [{like.shape}], got [{x.shape}]")
+    if x.layout == like.layout:
+        return x
+    return relayout(x, like.shape)
+
+
+def rename(x: MeshTensor, old: str | Dim, new: str | Dim, name: str | None = None) -> MeshTensor:
+    """Rename one dim (its layout follows the new name's rule).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.rename(mt.ones("a:2,b:3"), "b", "c").shape
+        Shape('a:2,c:3')
+    """
+    x = as_mesh_tensor(x)
+    d = x.shape[old]
+    new_dim = new if isinstance(new, Dim) else Dim(new, d.size)
+    if new_dim.size != d.size:
+        raise ShapeError(f"rename keeps sizes: {d} cannot become {new_dim}; use mt.reshape")
+    return relayout(x, x.shape.replace(old, new_dim), name)
+
+
+def transpose(x: MeshTensor, order: Iterable[str | Dim], name: str | None = None) -> MeshTensor:
+    """The same tensor with its dims in another order (the layout may change,
+    since an earlier dim takes a shared axis first).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.transpose(mt.ones("a:2,b:3"), ["b", "a"]).shape
+        Shape('b:3,a:2')
+    """
+    x = as_mesh_tensor(x)
+    names = [dim_name(d) for d in order]
+    if sorted(names) != sorted(x.names):
+        raise ShapeError(f"transpose order {names} must list exactly the dims of [{x.shape}]")
+    out = Shape([x.shape[n] for n in names])
+    perm = [x.shape.index(n) for n in names]
+    return lower("transpose", [x], out, lambda view, t: t.permute(perm), name=name)
+
+
+def reshape(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None = None) -> MeshTensor:
+    """Reinterpret the elements, in row-major order of ``x``'s dims, as ``shape``
+    (as ``torch.reshape`` does). Dims kept with the same name, size and row-major
+    position stay split; the others are gathered and the result laid out anew.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.reshape(mt.ones("batch:2,h:2,d:3"), "batch:2,hd:6").shape
+        Shape('batch:2,hd:6')
+    """
+    x = as_mesh_tensor(x)
+    shape = as_shape(shape)
+    if shape.numel != x.shape.numel:
+        raise ShapeError(
+            f"reshape keeps the number of elements: [{x.shape}] has {x.shape.numel}, "
+            f"[{shape}] has {shape.numel}"
+        )
+
+    def prefixes(s: Shape) -> dict[str, tuple[int, int]]:
+        out, p = {}, 1
+        for d in s:
+            out[d.name] = (p, d.size)
+            p *= d.size
+        return out
+
+    old_p, new_p = prefixes(x.shape), prefixes(shape)
+    aligned = {n for n in old_p if n in new_p and old_p[n] == new_p[n]}
+    whole = (set(x.names) | set(shape.names)) - aligned
+
+    def local_fn(view, t):
+        return t.reshape([view.size(d.name) if d.name in aligned else d.size for d in shape])
+
+    return lower("reshape", [x], shape, local_fn, whole=whole, name=name)
+
+
+def replace_dims(
+    x: MeshTensor, old: Iterable[str | Dim], new: Shape | str | Iterable[Dim], name: str | None = None
+) -> MeshTensor:
+    """Replace adjacent dims ``old`` by dims ``new`` of the same total size
+    (merge or split dims in place).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.replace_dims(mt.ones("b:2,h:2,d:3"), ["h", "d"], "hd:6").shape
+        Shape('b:2,hd:6')
+    """
+    x = as_mesh_tensor(x)
+    old_names = [dim_name(d) for d in old]
+    idx = [x.shape.index(n) for n in old_names]
+    if idx != list(range(idx[0], idx[0] + len(idx))):
+        raise ShapeError(
+            f"replace_dims: dims {old_names} must be adjacent and in order in [{x.shape}]"
+        )
+    new = as_shape(new)
+    dims = x.shape.dims[: idx[0]] + new.dims + x.shape.dims[idx[-1] + 1 :]
+    return reshape(x, Shape(dims), name)

@@ -1,0 +1,189 @@
+"""Named tensor dimensions (``Dim``) and named shapes (``Shape``).
+
+A *dim* is a named tensor dimension; a *Shape* is an ordered tuple of dims with
+unique names. Mesh axes are a different thing (see :mod:`meshtorch.mesh`).
+
+Example:
+    >>> from meshtorch.shape import Dim, Shape
+    >>> s = Shape("batch:8,d_model:16")
+    >>> s["d_model"], s.names, s.sizes
+    (Dim(name='d_model', size=16), ('batch', 'd_model'), (8, 16))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from meshtorch.errors import ShapeError
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A named tensor dimension of a given size.
+
+    Example:
+        >>> Dim("batch", 64)
+        Dim(name='batch', size=64)
+    """
+
+    name: str
+    size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ShapeError(
+                f"dim name {self.name!r} is not an identifier; use letters, digits and '_'"
+            )
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ShapeError(f"dim {self.name!r} has size {self.size!r}; sizes are ints >= 0")
+
+    def __repr__(self) -> str:
+        return f"Dim(name={self.name!r}, size={self.size})"
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.size}"
+
+
+def dim_name(d: Dim | str) -> str:
+    """The name of a dim given as a ``Dim`` or a name."""
+    if isinstance(d, Dim):
+        return d.name
+    if isinstance(d, str):
+        return d
+    raise ShapeError(f"expected a Dim or a dim name, got {d!r}")
+
+
+def _parse(spec: str) -> list[Dim]:
+    dims = []
+    for part in re.split(r"[,;]", spec):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, size = part.partition(":")
+        if not sep or not size.strip().lstrip("-").isdigit():
+            raise ShapeError(f"cannot parse {part!r} in shape {spec!r}; write 'name:size,name:size'")
+        dims.append(Dim(name.strip(), int(size)))
+    return dims
+
+
+class Shape:
+    """An ordered tuple of dims with unique names.
+
+    Built from ``Dim``s, ``(name, size)`` pairs, another ``Shape``, or a string
+    ``"batch:8,seq:16"``.
+
+    Example:
+        >>> s = Shape([Dim("batch", 8), ("seq", 16)])
+        >>> str(s), s.numel, "seq" in s, s.index("seq")
+        ('batch:8,seq:16', 128, True, 1)
+    """
+
+    __slots__ = ("dims", "_index")
+
+    def __init__(self, dims: Shape | str | Iterable[Dim | tuple[str, int]] = ()):
+        if isinstance(dims, Shape):
+            self.dims: tuple[Dim, ...] = dims.dims
+            self._index = dims._index
+            return
+        items = _parse(dims) if isinstance(dims, str) else list(dims)
+        out = []
+        for d in items:
+            if isinstance(d, Dim):
+                out.append(d)
+            elif isinstance(d, tuple) and len(d) == 2:
+                out.append(Dim(*d))
+            else:
+                raise ShapeError(f"cannot make a dim of {d!r}; give Dim(name, size)")
+        self.dims = tuple(out)
+        self._index = {d.name: i for i, d in enumerate(self.dims)}
+        if len(self._index) != len(self.dims):
+            seen, dup = set(), []
+            for d in self.dims:
+                if d.name in seen:
+                    dup.append(d.name)
+                seen.add(d.name)
+            raise ShapeError(
+                f"shape {self} repeats dim name(s) {sorted(set(dup))}; "
+                "dim names must be unique — rename one (e.g. 'd_model_out')"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(d.size for d in self.dims)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d.size
+        return n
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    def index(self, d: Dim | str) -> int:
+        """Position of a dim, with an error naming the dims that exist."""
+        name = dim_name(d)
+        try:
+            return self._index[name]
+        except KeyError:
+            raise ShapeError(f"dim {name!r} is not in shape [{self}]") from None
+
+    def __getitem__(self, key: int | str | Dim) -> Dim:
+        if isinstance(key, int):
+            return self.dims[key]
+        return self.dims[self.index(key)]
+
+    def __contains__(self, d: object) -> bool:
+        return isinstance(d, (str, Dim)) and dim_name(d) in self._index and (
+            not isinstance(d, Dim) or self.dims[self._index[d.name]] == d
+        )
+
+    def __iter__(self) -> Iterator[Dim]:
+        return iter(self.dims)
+
+    def __len__(self) -> int:
+        return len(self.dims)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Shape):
+            return self.dims == other.dims
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.dims)
+
+    def __add__(self, other: Shape | Iterable[Dim]) -> Shape:
+        return Shape(self.dims + tuple(Shape(other).dims))
+
+    def __str__(self) -> str:
+        return ",".join(str(d) for d in self.dims)
+
+    def __repr__(self) -> str:
+        return f"Shape({str(self)!r})"
+
+    def without(self, names: Iterable[Dim | str]) -> Shape:
+        """This shape with the given dims left out."""
+        drop = {dim_name(n) for n in names}
+        for n in drop:
+            self.index(n)
+        return Shape([d for d in self.dims if d.name not in drop])
+
+    def replace(self, old: Dim | str, new: Dim) -> Shape:
+        """This shape with one dim replaced by another, in the same position."""
+        i = self.index(old)
+        return Shape(self.dims[:i] + (new,) + self.dims[i + 1 :])
+
+
+def as_shape(s: Shape | str | Iterable[Dim | tuple[str, int]]) -> Shape:
+    """Coerce anything shape-like to a ``Shape``."""
+    return s if isinstance(s, Shape) else Shape(s)

@@ -1,0 +1,287 @@
+"""``MeshTensor``: a named global shape, its layout, and this processor's slice.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> def f():
+    ...     x = mt.from_global(torch.arange(8.0).reshape(4, 2), "batch:4,d:2")
+    ...     return x.local.tolist(), (x * 2).to_global().sum().item()
+    >>> mt.launch(f, mesh="b:2", rules="batch:b")
+    [([[0.0, 1.0], [2.0, 3.0]], 56.0), ([[4.0, 5.0], [6.0, 7.0]], 56.0)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from meshtorch.comm import autograd as ca
+from meshtorch.context import current
+from meshtorch.errors import ShapeError
+from meshtorch.layout import Layout
+from meshtorch.shape import Dim, Shape, as_shape
+
+
+class MeshTensor:
+    """A distributed tensor with named dims.
+
+    Attributes:
+        shape: the global named ``Shape``.
+        layout: which dim holds which mesh axis (derived from the rules).
+        local: this processor's slice, a plain ``torch.Tensor`` whose dims are
+            in ``shape`` order and whose sizes are ``layout.local_sizes``.
+    """
+
+    __slots__ = ("shape", "layout", "local", "name")
+    __array_priority__ = 1000  # so numpy scalars defer to our operators
+
+    def __init__(self, local: torch.Tensor, shape: Shape, layout: Layout, name: str | None = None):
+        if tuple(local.shape) != layout.local_sizes:
+            raise ShapeError(
+                f"tensor {name or ''} of shape [{shape}] with layout {layout} needs a local slice "
+                f"of size {list(layout.local_sizes)}, got {list(local.shape)}"
+            )
+        self.shape = shape
+        self.layout = layout
+        self.local = local
+        self.name = name
+
+    # ------------------------------------------------------------ properties
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.shape.names
+
+    @property
+    def dims(self) -> tuple[Dim, ...]:
+        return self.shape.dims
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.local.requires_grad
+
+    def requires_grad_(self, flag: bool = True) -> MeshTensor:
+        """Make this tensor a leaf that accumulates ``.grad`` (in place)."""
+        self.local.requires_grad_(flag)
+        return self
+
+    @property
+    def grad(self) -> MeshTensor | None:
+        """The gradient, with this tensor's shape and layout."""
+        g = self.local.grad
+        return None if g is None else MeshTensor(g, self.shape, self.layout)
+
+    def zero_grad_(self) -> None:
+        self.local.grad = None
+
+    def backward(self, gradient: MeshTensor | None = None) -> None:
+        """Backpropagate from this tensor; a scalar needs no ``gradient``.
+
+        Every processor calls it (SPMD), as it calls every other op.
+        """
+        if gradient is None:
+            if self.shape.ndim:
+                raise ShapeError(
+                    f"backward() without a gradient needs a scalar; this tensor has shape "
+                    f"[{self.shape}] — reduce it first, e.g. mt.reduce_sum(x)"
+                )
+            self.local.backward()
+        else:
+            from meshtorch.ops.reshape import relayout_like
+
+            self.local.backward(relayout_like(gradient, self).local)
+
+    def detach(self) -> MeshTensor:
+        return MeshTensor(self.local.detach(), self.shape, self.layout, self.name)
+
+    def to_global(self) -> torch.Tensor:
+        """The whole tensor as a plain ``torch.Tensor``, on every processor."""
+        comm = current().comm
+        t = self.local
+        for dim, axis in self.layout.split.items():
+            t = ca.all_gather_sliced(t, comm, axis, self.shape.index(dim))
+        return t
+
+    def item(self) -> float | int | bool:
+        if self.shape.ndim:
+            raise ShapeError(f"item() needs a scalar; this tensor has shape [{self.shape}]")
+        return self.local.item()
+
+    def __repr__(self) -> str:
+        nm = f" {self.name!r}" if self.name else ""
+        return f"MeshTensor{nm}([{self.shape}], layout={self.layout}, dtype={self.dtype})"
+
+    def __bool__(self) -> bool:
+        raise ShapeError("a MeshTensor has no truth value; use mt.reduce_any or .item()")
+
+    # ------------------------------------------------------------ operators
+    def __add__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.add(self, o)
+
+    def __radd__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.add(o, self)
+
+    def __sub__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.subtract(self, o)
+
+    def __rsub__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.subtract(o, self)
+
+    def __mul__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.multiply(self, o)
+
+    def __rmul__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.multiply(o, self)
+
+    def __truediv__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.divide(self, o)
+
+    def __rtruediv__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.divide(o, self)
+
+    def __pow__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.pow(self, o)
+
+    def __rpow__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.pow(o, self)
+
+    def __neg__(self):
+        from meshtorch.ops import elementwise as ew
+        return ew.negative(self)
+
+    def __abs__(self):
+        from meshtorch.ops import elementwise as ew
+        return ew.abs(self)
+
+    def __lt__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.less(self, o)
+
+    def __le__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.less_equal(self, o)
+
+    def __gt__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.greater(self, o)
+
+    def __ge__(self, o):
+        from meshtorch.ops import elementwise as ew
+        return ew.greater_equal(self, o)
+
+    __hash__ = object.__hash__
+
+
+def layout_for(shape: Shape, name: str | None = None) -> Layout:
+    """The layout of ``shape`` under the current processor's mesh and rules."""
+    ctx = current()
+    return ctx.rules.layout(shape, ctx.mesh, name)
+
+
+def local_slices(layout: Layout) -> tuple[slice, ...]:
+    """Index of this processor's slice within the global tensor."""
+    return tuple(slice(s, s + n) for s, n in layout.slices(current().coords))
+
+
+def from_global(
+    t: torch.Tensor,
+    shape: Shape | str | Iterable[Dim],
+    requires_grad: bool = False,
+    name: str | None = None,
+) -> MeshTensor:
+    """Lay out a whole tensor (the same on every processor) by the current rules.
+
+    Each processor keeps only its slice; no communication happens. If ``t``
+    requires grad, gradients flow back into it.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.zeros(2, 3), "a:2,b:3")
+        >>> x.shape, x.local.shape
+        (Shape('a:2,b:3'), torch.Size([2, 3]))
+    """
+    shape = as_shape(shape)
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    if tuple(t.shape) != shape.sizes:
+        raise ShapeError(
+            f"from_global: tensor {name or ''} has torch shape {list(t.shape)} but the named "
+            f"shape [{shape}] needs {list(shape.sizes)}"
+        )
+    layout = layout_for(shape, name)
+    local = t[local_slices(layout)]
+    if not t.requires_grad:
+        local = local.detach().clone()
+        if requires_grad:
+            local.requires_grad_(True)
+    return MeshTensor(local, shape, layout, name)
+
+
+def full(
+    shape: Shape | str | Iterable[Dim],
+    value: float,
+    dtype: torch.dtype | None = None,
+    requires_grad: bool = False,
+    device: torch.device | str | None = None,
+    name: str | None = None,
+) -> MeshTensor:
+    """A tensor filled with ``value``, allocated slice by slice.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.full("a:2", 3.0).to_global().tolist()
+        [3.0, 3.0]
+    """
+    shape = as_shape(shape)
+    layout = layout_for(shape, name)
+    local = torch.full(layout.local_sizes, value, dtype=dtype, device=device)
+    return MeshTensor(local.requires_grad_(requires_grad), shape, layout, name)
+
+
+def zeros(shape, dtype=None, requires_grad=False, device=None, name=None) -> MeshTensor:
+    """A tensor of zeros; see :func:`full`.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.zeros("a:2").to_global().tolist()
+        [0.0, 0.0]
+    """
+    return full(shape, 0.0, dtype, requires_grad, device, name)
+
+
+def ones(shape, dtype=None, requires_grad=False, device=None, name=None) -> MeshTensor:
+    """A tensor of ones; see :func:`full`.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.ones("a:2").to_global().tolist()
+        [1.0, 1.0]
+    """
+    return full(shape, 1.0, dtype, requires_grad, device, name)
+
+
+def as_mesh_tensor(x) -> MeshTensor:
+    """Check that ``x`` is a ``MeshTensor`` with a useful error otherwise."""
+    if not isinstance(x, MeshTensor):
+        raise ShapeError(
+            f"expected a MeshTensor, got {type(x).__name__}; wrap torch tensors with "
+            "mt.from_global(t, shape)"
+        )
+    return x
