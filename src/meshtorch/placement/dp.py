@@ -1,0 +1,391 @@
+"""The exact dynamic program over ideals (Tarnawski et al., NeurIPS 2020, section 4).
+
+``g[a, c][J]`` is the smallest max-load with which the nodes *outside* the ideal
+``J`` can be placed on exactly ``a`` accelerators and ``c`` CPUs (every stage
+non-empty). A stage is ``I \\ J`` for an ideal ``I ⊋ J``; it is the first of the
+remaining ones, so under a 1F1B schedule it holds ``a + c`` micro-batches in
+flight (divided by its replica count), which makes the stashed-activation
+memory exact. The answer is ``min g[a, c][∅]`` over ``a <= k, c <= ℓ``.
+
+Speed: the pairs ``J ⊂ I`` are generated once, vectorised, and only inside a
+band: a pair whose compute alone exceeds an upper bound ``U`` on the optimum
+(from the same DP restricted to the prefixes of a topological order, which is
+fast) cannot be a stage of an optimal pipeline. Each DP layer is then a few
+numpy passes over the pair arrays.
+
+Example:
+    >>> from meshtorch.placement import OpGraph, Problem
+    >>> from meshtorch.placement.dp import solve_dp
+    >>> g = OpGraph()
+    >>> for n, t in zip("abcd", [4.0, 1.0, 1.0, 2.0]):
+    ...     _ = g.add_node(n, acc_time=t, cpu_time=10 * t)
+    >>> for u, v in ["ab", "ac", "bd", "cd"]:
+    ...     g.add_edge(u, v)
+    >>> solve_dp(g, Problem(devices=2)).max_load
+    4.0
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from meshtorch.errors import PlacementError
+from meshtorch.placement.graph import OpGraph
+from meshtorch.placement.ideals import (
+    Ideals,
+    enumerate_ideals,
+    ideals_from_masks,
+    prefix_masks,
+)
+from meshtorch.placement.prep import Contracted, contract, place_free
+from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate
+
+INF = math.inf
+_TOL = 1e-9
+
+
+@dataclass
+class _Pairs:
+    small: np.ndarray  # J (the ideal already placed downstream... i.e. the smaller one)
+    big: np.ndarray  # I
+    acc_cost: np.ndarray  # compute + comm on an accelerator (inf: not allowed)
+    cpu_cost: np.ndarray  # compute on a CPU (inf: not allowed)
+    mem: np.ndarray
+    act: np.ndarray
+    sync: np.ndarray
+    starts: np.ndarray  # first pair of each J that has pairs
+    groups: np.ndarray  # the J of each such run
+
+    @property
+    def count(self) -> int:
+        return int(self.small.size)
+
+
+def _pairs(ide: Ideals, prob: Problem, bound: float) -> _Pairs:
+    """All pairs J ⊂ I whose stage could carry load <= ``bound``."""
+    n = ide.n
+    rmax = prob.max_replicas if prob.devices else 1
+    acc_band = bound * rmax
+    scale = max(1.0, float(np.max(ide.acc, initial=0.0)), float(np.max(ide.cpu, initial=0.0)))
+    eps = 1e-9 * scale
+    order_a = np.argsort(ide.acc, kind="stable")
+    sorted_a = ide.acc[order_a]
+    use_cpu = bool(prob.cpus)
+    if use_cpu:
+        order_c = np.argsort(ide.cpu, kind="stable")
+        sorted_c = ide.cpu[order_c]
+    words = ide.bits.shape[1]
+    out: dict[str, list[np.ndarray]] = {k: [] for k in ("s", "b", "a", "c", "m", "x", "y")}
+    for j in range(n):
+        cands = []
+        if prob.devices:
+            lo = np.searchsorted(sorted_a, ide.acc[j] - eps, "left")
+            hi = np.searchsorted(sorted_a, ide.acc[j] + acc_band + eps, "right")
+            cands.append(order_a[lo:hi])
+        if use_cpu:
+            lo = np.searchsorted(sorted_c, ide.cpu[j] - eps, "left")
+            hi = np.searchsorted(sorted_c, ide.cpu[j] + bound + eps, "right")
+            cands.append(order_c[lo:hi])
+        cand = cands[0] if len(cands) == 1 else np.union1d(*cands)
+        if cand.size == 0:
+            continue
+        bj = ide.bits[j]
+        sub = np.ones(cand.size, dtype=bool)
+        for w in range(words):
+            if bj[w]:
+                sub &= (ide.bits[cand, w] & bj[w]) == bj[w]
+        sub &= cand != j
+        big = cand[sub]
+        if big.size == 0:
+            continue
+        acc_ok = ide.acc_bad[big] == ide.acc_bad[j]
+        mem = ide.mem[big] - ide.mem[j]
+        acc_ok &= mem <= prob.memory * (1 + _TOL)
+        acc_cost = np.where(acc_ok, ide.acc[big] - ide.acc[j] + ide.comm(big, j), INF)
+        if use_cpu:
+            cpu_cost = np.where(ide.cpu_bad[big] == ide.cpu_bad[j], ide.cpu[big] - ide.cpu[j], INF)
+        else:
+            cpu_cost = np.full(big.size, INF)
+        if prob.devices == 0:
+            acc_cost[:] = INF
+        keep = (acc_cost <= acc_band * (1 + _TOL) + eps) | (cpu_cost <= bound * (1 + _TOL) + eps)
+        if not keep.any():
+            continue
+        big = big[keep]
+        out["s"].append(np.full(big.size, j, dtype=np.int64))
+        out["b"].append(big.astype(np.int64))
+        out["a"].append(acc_cost[keep])
+        out["c"].append(cpu_cost[keep])
+        out["m"].append(mem[keep])
+        out["x"].append(ide.act[big] - ide.act[j])
+        out["y"].append(ide.sync[big] - ide.sync[j])
+    if not out["s"]:
+        e = np.zeros(0)
+        ei = np.zeros(0, dtype=np.int64)
+        return _Pairs(ei, ei, e, e, e, e, e, ei, ei)
+    cat = {k: np.concatenate(v) for k, v in out.items()}
+    small = cat["s"]
+    starts = np.flatnonzero(np.r_[True, small[1:] != small[:-1]])
+    return _Pairs(
+        small, cat["b"], cat["a"], cat["c"], cat["m"], cat["x"], cat["y"], starts, small[starts]
+    )
+
+
+def _run_dp(ide: Ideals, pairs: _Pairs, prob: Problem, full: int, training: bool):
+    """Layered DP; returns (best value, (a, c), choice tables)."""
+    n = ide.n
+    k, ell, rmax = prob.devices, prob.cpus, prob.max_replicas
+    g: dict[tuple[int, int], np.ndarray] = {}
+    choice: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    base = np.full(n, INF)
+    base[full] = 0.0
+    g[(0, 0)] = base
+    stash = training and prob.stash and bool(np.any(pairs.act > 0))
+    for d in range(1, k + ell + 1):
+        for c in range(0, min(ell, d) + 1):
+            a = d - c
+            if a > k:
+                continue
+            best = np.full(n, INF)
+            pick = np.full(n, -1, dtype=np.int64)
+            rep = np.zeros(n, dtype=np.int8)  # 0: cpu, r >= 1: accelerator with r replicas
+            options = []
+            if c > 0 and (a, c - 1) in g:
+                options.append((0, g[(a, c - 1)], pairs.cpu_cost))
+            for r in range(1, min(rmax, a) + 1):
+                prev = g.get((a - r, c))
+                if prev is None:
+                    continue
+                cost = pairs.acc_cost / r
+                if r > 1:
+                    cost = cost + 2.0 * (r - 1) / r * pairs.sync
+                if stash:
+                    in_flight = -(-(a + c) // r)
+                    over = pairs.mem + in_flight * pairs.act > prob.memory * (1 + _TOL)
+                    cost = np.where(over, INF, cost)
+                options.append((r, prev, cost))
+            for r, prev, cost in options:
+                if pairs.count == 0:
+                    continue
+                vals = np.maximum(cost, prev[pairs.big])
+                gmin = np.minimum.reduceat(vals, pairs.starts)
+                better = gmin < best[pairs.groups]
+                if not better.any():
+                    continue
+                # first pair of each run that attains the run minimum
+                run_of = np.repeat(np.arange(pairs.starts.size), np.diff(np.r_[pairs.starts,
+                                                                               pairs.count]))
+                hit = np.flatnonzero(vals <= gmin[run_of])
+                first_run, first_idx = np.unique(run_of[hit], return_index=True)
+                arg = np.empty(pairs.starts.size, dtype=np.int64)
+                arg[first_run] = hit[first_idx]
+                js = pairs.groups[better]
+                best[js] = gmin[better]
+                pick[js] = arg[better]
+                rep[js] = r
+            g[(a, c)] = best
+            choice[(a, c)] = (pick, rep, best)
+    best_val, best_key = INF, None
+    for key, arr in g.items():
+        if key != (0, 0) and arr[0] < best_val:
+            best_val, best_key = float(arr[0]), key
+    return best_val, best_key, choice
+
+
+def _backtrack(ide: Ideals, pairs: _Pairs, choice, key, full: int):
+    """Stages in pipeline order as (kind, replicas, ideal I, ideal J)."""
+    stages = []
+    j = 0
+    a, c = key
+    while j != full:
+        pick, rep, _ = choice[(a, c)]
+        p = int(pick[j])
+        if p < 0:
+            raise PlacementError("internal error: DP backtracking lost its way")
+        r = int(rep[j])
+        i = int(pairs.big[p])
+        stages.append((CPU if r == 0 else ACC, max(r, 1), i, j))
+        if r == 0:
+            c -= 1
+        else:
+            a -= r
+        j = i
+    return stages
+
+
+def _members(ide: Ideals, c: Contracted, i: int, j: int) -> list[int]:
+    diff = ide.bits[i] & ~ide.bits[j]
+    nodes = []
+    for w, word in enumerate(diff.tolist()):
+        while word:
+            low = word & -word
+            nodes.extend(c.members[64 * w + low.bit_length() - 1])
+            word ^= low
+    return nodes
+
+
+def _memory_never_binds(graph: OpGraph, prob: Problem) -> bool:
+    total = graph.total("mem_bytes")
+    if prob.training and prob.stash:
+        total += (prob.devices + prob.cpus) * sum(
+            n.act_bytes for n in graph.nodes if not n.backward
+        )
+    return total <= prob.memory
+
+
+def solve_on_ideals(
+    graph: OpGraph, prob: Problem, c: Contracted, ide: Ideals, bound: float
+) -> tuple[float, list[tuple[str, list[int], int]], dict]:
+    """Run the DP on a given family of ideals (all of them, or a chain of prefixes)."""
+    want = np.zeros(ide.bits.shape[1], dtype=np.uint64)
+    for v in range(c.m):
+        want[v // 64] |= np.uint64(1 << (v % 64))
+    full = int(np.flatnonzero((ide.bits == want).all(axis=1))[0])
+    empty = 0
+    if ide.bits[empty].any():
+        raise PlacementError("internal error: ideal 0 must be the empty set")
+    pairs = _pairs(ide, prob, bound)
+    val, key, choice = _run_dp(ide, pairs, prob, full, bool(prob.training))
+    info = {"ideals": ide.n, "pairs": pairs.count, "supernodes": c.m}
+    if key is None or not math.isfinite(val):
+        return INF, [], info
+    raw = _backtrack(ide, pairs, choice, key, full)
+    where = [-1] * len(graph)
+    stages = []
+    for s, (kind, r, i, j) in enumerate(raw):
+        for v in _members(ide, c, i, j):
+            where[v] = s
+        stages.append([kind, [], r])
+    place_free(c, where)
+    for v, s in enumerate(where):
+        stages[s][1].append(v)
+    return val, [tuple(s) for s in stages], info
+
+
+def _infeasible(graph: OpGraph, prob: Problem, c: Contracted) -> PlacementError:
+    too_big = [
+        graph.nodes[c.members[s][0]].name
+        for s in range(c.m)
+        if c.mem[s] > prob.memory and (prob.cpus == 0 or math.isinf(c.cpu[s]))
+    ]
+    no_dev = [
+        graph.nodes[c.members[s][0]].name
+        for s in range(c.m)
+        if (prob.devices == 0 or math.isinf(c.acc[s])) and (prob.cpus == 0 or math.isinf(c.cpu[s]))
+    ]
+    if no_dev:
+        return PlacementError(f"nodes {no_dev[:10]} (with their colocated nodes) fit on no device")
+    if too_big:
+        return PlacementError(
+            f"nodes {too_big[:10]} (with their colocated nodes) need more than the "
+            f"memory bound of {prob.memory:.4g} bytes"
+        )
+    return PlacementError(
+        f"no contiguous placement on {prob.devices} accelerators with {prob.memory:.4g} bytes "
+        f"each and {prob.cpus} CPUs exists (total memory {graph.total('mem_bytes'):.4g} bytes)"
+    )
+
+
+def solve_chain(graph: OpGraph, problem: Problem, *, order: list[int] | None = None) -> Placement:
+    """The DP restricted to the prefixes of one topological order of the supernodes.
+
+    Exact when the contracted graph is a chain (then every ideal is a prefix);
+    otherwise the best placement whose stages are consecutive in that order,
+    an upper bound. ``O(m^2)`` pairs at most.
+
+    Example:
+        >>> from meshtorch.placement import OpGraph, Problem
+        >>> g = OpGraph()
+        >>> for i, t in enumerate([3.0, 1.0, 1.0, 3.0]):
+        ...     _ = g.add_node(f"l{i}", acc_time=t, cpu_time=t)
+        >>> for i in range(3):
+        ...     g.add_edge(f"l{i}", f"l{i + 1}")
+        >>> solve_chain(g, Problem(devices=2)).max_load
+        4.0
+    """
+    t0 = time.perf_counter()
+    prob = problem.resolve(graph)
+    c = contract(graph, pendant=_memory_never_binds(graph, prob))
+    order = list(range(c.m)) if order is None else order
+    ide = ideals_from_masks(c, prefix_masks(c, order))
+    val, stages, info = solve_on_ideals(graph, prob, c, ide, INF)
+    if not stages:
+        raise _infeasible(graph, prob, c)
+    is_chain = all(c.preds[v] >> (v - 1) & 1 for v in range(1, c.m))
+    info["exact"] = is_chain
+    return _finish(graph, prob, stages, val, "chain", t0, info)
+
+
+def solve_dp(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000) -> Placement:
+    """The exact contiguous optimum (both modes), by the DP over ideals.
+
+    ``info`` of the result holds the DP's size: supernodes, ideals, pairs kept,
+    and the upper bound used to prune.
+    """
+    t0 = time.perf_counter()
+    prob = problem.resolve(graph)
+    c = contract(graph, pendant=_memory_never_binds(graph, prob))
+    # an upper bound from the best of a few linear extensions, to prune pairs
+    bound = INF
+    seeds: list[tuple[float, list]] = []
+    for order in _orders(c):
+        ide_c = ideals_from_masks(c, prefix_masks(c, order))
+        v, st, _ = solve_on_ideals(graph, prob, c, ide_c, INF)
+        if v < bound:
+            bound = v
+            seeds.append((v, st))
+    t1 = time.perf_counter()
+    ide = enumerate_ideals(c, ideal_limit)
+    t2 = time.perf_counter()
+    val, stages, info = solve_on_ideals(graph, prob, c, ide, bound)
+    if not stages:
+        if seeds:  # cannot happen: the chain solution is in the band
+            raise PlacementError("internal error: DP lost the chain solution")
+        raise _infeasible(graph, prob, c)
+    info.update(bound=bound, bound_seconds=t1 - t0, ideal_seconds=t2 - t1, exact=True)
+    return _finish(graph, prob, stages, val, "dp", t0, info)
+
+
+def _orders(c: Contracted) -> list[list[int]]:
+    """Two linear extensions: the contraction's and a depth-first one."""
+    first = list(range(c.m))
+    dg = nx.DiGraph()
+    dg.add_nodes_from(range(c.m))
+    for v in range(c.m):
+        x = c.preds[v]
+        while x:
+            low = x & -x
+            dg.add_edge(low.bit_length() - 1, v)
+            x ^= low
+    # depth-first: finish a branch before starting the next
+    order, done = [], [False] * c.m
+    indeg = {v: dg.in_degree(v) for v in dg}
+    stack = sorted((v for v in dg if indeg[v] == 0), reverse=True)
+    while stack:
+        v = stack.pop()
+        if done[v]:
+            continue
+        done[v] = True
+        order.append(v)
+        for w in sorted(dg.successors(v), reverse=True):
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                stack.append(w)
+    return [first] if order == first else [first, order]
+
+
+def _finish(graph, prob, stages, val, name, t0, info) -> Placement:
+    p = evaluate(graph, prob, stages, algorithm=name)
+    p.solve_seconds = time.perf_counter() - t0
+    info["objective"] = val
+    p.info = info
+    if abs(p.max_load - val) > 1e-6 * max(1.0, abs(val)):
+        raise PlacementError(
+            f"internal error: {name} predicted max load {val}, recomputation gives {p.max_load}"
+        )
+    return p

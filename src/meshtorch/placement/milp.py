@@ -1,0 +1,239 @@
+"""Mixed-integer program for placement, solved by HiGHS through ``scipy.optimize.milp``.
+
+The general (non-contiguous) problem, and, with ``contiguous=True``, the
+pipeline-ordered one that the DP solves — so it certifies the DP. Formulation
+(after contracting colour classes only, so it shares nothing else with the DP):
+
+* ``x[g, p]`` binary: group ``g`` on slot ``p``; slots ``0..k+ℓ-1`` in pipeline
+  order; ``y[p]`` binary: slot ``p`` is a CPU (``sum y = ℓ``);
+* ``z[u, p] >= |x[v, p] - x[u, p]|`` for every consumer ``v`` of producer ``u``:
+  ``u``'s output crosses the border of slot ``p`` (paid once per producer);
+* ``L >= sum acc·x + sum comm·z - B·y[p]`` and ``L >= sum cpu·x - B·(1 - y[p])``;
+* memory ``sum mem·x (+ (S - p)·sum act·x) <= M + B·y[p]``, with used slots packed at
+  the end of the pipeline when activations are stashed, so that slot ``p``
+  holds ``S - p`` micro-batches in flight;
+* contiguous: ``sum_p p·x[u, p] <= sum_p p·x[v, p]`` for each order constraint.
+
+Example:
+    >>> from meshtorch.placement import OpGraph, Problem
+    >>> from meshtorch.placement.milp import solve_milp
+    >>> g = OpGraph()
+    >>> for n, t in zip("abc", [2.0, 2.0, 2.0]):
+    ...     _ = g.add_node(n, acc_time=t, cpu_time=t, comm_time=0.1)
+    >>> g.add_edge("a", "b"); g.add_edge("b", "c")
+    >>> round(solve_milp(g, Problem(devices=3)).max_load, 6)
+    2.1
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from meshtorch.errors import PlacementError
+from meshtorch.placement.graph import OpGraph
+from meshtorch.placement.prep import _UF
+from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, order_constraints
+
+
+class _Rows:
+    """Sparse constraint rows ``lo <= A x <= hi`` built incrementally."""
+
+    def __init__(self) -> None:
+        self.r: list[int] = []
+        self.c: list[int] = []
+        self.v: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def add(self, coefs: dict[int, float] | list[tuple[int, float]], lo: float, hi: float) -> None:
+        row = len(self.lo)
+        items = coefs.items() if isinstance(coefs, dict) else coefs
+        for c, v in items:
+            self.r.append(row)
+            self.c.append(c)
+            self.v.append(v)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def constraint(self, nvar: int) -> LinearConstraint:
+        a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lo), nvar)).tocsr()
+        return LinearConstraint(a, np.array(self.lo), np.array(self.hi))
+
+
+def solve_milp(
+    graph: OpGraph,
+    problem: Problem,
+    *,
+    contiguous: bool = False,
+    time_limit: float | None = 60.0,
+    gap: float = 0.0,
+) -> Placement:
+    """Best placement found within ``time_limit`` seconds (optimal when ``info['optimal']``).
+
+    ``info['lower_bound']`` is HiGHS's dual bound, a certificate: no placement
+    (contiguous or not, as asked) has a smaller max load.
+    """
+    t0 = time.perf_counter()
+    prob = problem.resolve(graph)
+    if prob.max_replicas > 1:
+        raise PlacementError("the MILP does not model replicated stages; use --algorithm dp")
+    graph.validate()
+    n = len(graph)
+    uf = _UF(n)
+    first: dict[str, int] = {}
+    for i, nd in enumerate(graph.nodes):
+        if nd.color is not None:
+            uf.union(i, first.setdefault(nd.color, i))
+    roots = sorted({uf.find(i) for i in range(n)})
+    gid = {r: k for k, r in enumerate(roots)}
+    grp = [gid[uf.find(i)] for i in range(n)]
+    G = len(roots)
+    k, ell = prob.devices, prob.cpus
+    S = k + ell
+    acc = np.zeros(G)
+    cpu = np.zeros(G)
+    mem = np.zeros(G)
+    act = np.zeros(G)
+    no_acc = np.zeros(G, dtype=bool)
+    no_cpu = np.zeros(G, dtype=bool)
+    for i, nd in enumerate(graph.nodes):
+        g = grp[i]
+        if nd.acc_time is None:
+            no_acc[g] = True
+        else:
+            acc[g] += nd.acc_time
+        if nd.cpu_time is None:
+            no_cpu[g] = True
+        else:
+            cpu[g] += nd.cpu_time
+        mem[g] += nd.mem_bytes
+        if not nd.backward:
+            act[g] += nd.act_bytes
+    stash = bool(prob.training and prob.stash and act.any())
+    # producers: group of the producer and the groups of its consumers
+    producers: list[tuple[int, list[int], float]] = []
+    for u, outs in enumerate(graph.successors()):
+        c = graph.nodes[u].comm_time
+        gs = sorted({grp[v] for v in outs} - {grp[u]})
+        if c > 0 and gs:
+            producers.append((grp[u], gs, c))
+
+    # variable layout
+    X = 0
+    Y = X + G * S
+    Z = Y + S
+    U = Z + len(producers) * S
+    L = U + (S if stash else 0)
+    nvar = L + 1
+    xi = lambda g, p: X + g * S + p
+    zi = lambda q, p: Z + q * S + p
+    big_acc = acc.sum() + sum(c for _, _, c in producers) + 1.0
+    big_cpu = cpu.sum() + 1.0
+    mem_bound = prob.memory if math.isfinite(prob.memory) else None
+    big_mem = (mem.sum() + S * act.sum()) + 1.0
+
+    rows = _Rows()
+    for g in range(G):
+        rows.add({xi(g, p): 1.0 for p in range(S)}, 1.0, 1.0)
+    rows.add({Y + p: 1.0 for p in range(S)}, ell, ell)
+    lb = np.zeros(nvar)
+    ub = np.ones(nvar)
+    ub[Z : Z + len(producers) * S] = np.inf
+    ub[L] = np.inf
+    if not contiguous:
+        # slots are interchangeable: fix which ones are CPUs
+        for p in range(S):
+            lb[Y + p] = ub[Y + p] = 1.0 if p < ell else 0.0
+    for g in range(G):
+        for p in range(S):
+            if no_acc[g]:
+                rows.add({xi(g, p): 1.0, Y + p: -1.0}, -np.inf, 0.0)  # x <= y
+            if no_cpu[g]:
+                rows.add({xi(g, p): 1.0, Y + p: 1.0}, -np.inf, 1.0)  # x <= 1 - y
+    for q, (gu, gs, _) in enumerate(producers):
+        for p in range(S):
+            for gv in gs:
+                rows.add({zi(q, p): 1.0, xi(gv, p): -1.0, xi(gu, p): 1.0}, 0.0, np.inf)
+                rows.add({zi(q, p): 1.0, xi(gu, p): -1.0, xi(gv, p): 1.0}, 0.0, np.inf)
+    for p in range(S):
+        load = {L: 1.0, Y + p: big_acc}
+        for g in range(G):
+            if acc[g]:
+                load[xi(g, p)] = -acc[g]
+        for q, (_, _, c) in enumerate(producers):
+            load[zi(q, p)] = -c
+        rows.add(load, 0.0, np.inf)
+        load = {L: 1.0, Y + p: -big_cpu}
+        for g in range(G):
+            if cpu[g]:
+                load[xi(g, p)] = -cpu[g]
+        rows.add(load, -big_cpu, np.inf)
+        if mem_bound is not None:
+            memrow = {Y + p: -big_mem}
+            for g in range(G):
+                coef = mem[g] + ((S - p) * act[g] if stash else 0.0)
+                if coef:
+                    memrow[xi(g, p)] = coef
+            rows.add(memrow, -np.inf, mem_bound)
+        if stash:
+            for g in range(G):
+                rows.add({xi(g, p): 1.0, U + p: -1.0}, -np.inf, 0.0)  # x <= used
+            if p + 1 < S:
+                rows.add({U + p: 1.0, U + p + 1: -1.0}, -np.inf, 0.0)  # packed at the end
+    if contiguous:
+        seen = set()
+        for u, v in order_constraints(graph):
+            a, b = grp[u], grp[v]
+            if a == b or (a, b) in seen:
+                continue
+            seen.add((a, b))
+            row = {}
+            for p in range(1, S):
+                row[xi(a, p)] = row.get(xi(a, p), 0.0) + p
+                row[xi(b, p)] = row.get(xi(b, p), 0.0) - p
+            rows.add(row, -np.inf, 0.0)
+
+    cost = np.zeros(nvar)
+    cost[L] = 1.0
+    integrality = np.zeros(nvar)
+    integrality[X:Z] = 1
+    if stash:
+        integrality[U:L] = 1
+    options = {"disp": False, "mip_rel_gap": gap}
+    if time_limit is not None:
+        options["time_limit"] = float(time_limit)
+    res = milp(
+        cost, constraints=rows.constraint(nvar), integrality=integrality,
+        bounds=Bounds(lb, ub), options=options,
+    )
+    name = "ilp-contiguous" if contiguous else "ilp"
+    if res.x is None:
+        if res.status == 2:
+            raise PlacementError(
+                f"no placement fits: {k} accelerators with {prob.memory:.4g} bytes each and "
+                f"{ell} CPUs (the MILP is infeasible)"
+            )
+        raise PlacementError(f"the MILP found no placement within {time_limit} s ({res.message})")
+    x = res.x
+    stages = []
+    for p in range(S):
+        members = [i for i in range(n) if x[xi(grp[i], p)] > 0.5]
+        if members:
+            stages.append((CPU if x[Y + p] > 0.5 else ACC, members))
+    pl = evaluate(graph, prob, stages, algorithm=name)
+    pl.solve_seconds = time.perf_counter() - t0
+    lower = getattr(res, "mip_dual_bound", None)
+    pl.info = {
+        "optimal": res.status == 0,
+        "status": res.message,
+        "lower_bound": float(lower) if lower is not None and np.isfinite(lower) else None,
+        "objective": float(res.fun) if res.fun is not None else None,
+        "variables": nvar,
+        "constraints": len(rows.lo),
+    }
+    return pl

@@ -1,0 +1,301 @@
+"""The placement problem, a placement, and the one reference cost model.
+
+A placement is a pipeline: an ordered list of stages, each on one CPU or on
+``replicas`` accelerators. The load of a stage is the time it spends per
+sample; the pipeline's throughput is ``1 / max load``.
+
+* accelerator stage ``S``: ``(compute(S) + comm(S)) / r + 2 (r-1)/r * sync(S)``,
+  where ``comm(S)`` sums, once per producer, the ``comm_time`` of every node
+  ``u`` whose output crosses the stage boundary in either direction (``u`` in
+  ``S`` with a consumer outside, or ``u`` outside with a consumer in ``S``) —
+  the paper's definition — and ``r`` is the data-parallel replica count.
+* CPU stage: the CPUs' compute time only (host memory: no transfer, no bound).
+* memory of an accelerator stage: ``sum(mem_bytes)`` plus, in training with
+  ``stash``, the forward activations of the micro-batches in flight under a
+  1F1B schedule: ``ceil(d / r)`` of them, ``d`` being the number of devices
+  from this stage to the end of the pipeline.
+
+A placement is *contiguous* when every forward edge goes to the same or a
+later stage (see :func:`order_constraints`): the stages then form a pipeline
+in which activations only flow one way, and gradients the other.
+
+Example:
+    >>> from meshtorch.placement import OpGraph, Problem, evaluate
+    >>> g = OpGraph()
+    >>> for name, t in [("a", 2.0), ("b", 3.0), ("c", 1.0)]:
+    ...     _ = g.add_node(name, acc_time=t, cpu_time=10 * t, comm_time=0.5)
+    >>> g.add_edge("a", "b"); g.add_edge("b", "c")
+    >>> p = evaluate(g, Problem(devices=2), [("acc", [0, 1]), ("acc", [2])])
+    >>> p.max_load, [s.load for s in p.stages]
+    (5.5, [5.5, 1.5])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from meshtorch.errors import PlacementError
+from meshtorch.placement.graph import OpGraph
+
+ACC, CPU = "acc", "cpu"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to place on: ``devices`` accelerators of ``memory`` bytes and ``cpus`` CPUs.
+
+    ``None`` fields take the graph's defaults (``graph.meta``) in :meth:`resolve`,
+    else 1 device, 0 CPUs, unlimited memory. ``training=None`` means "the graph
+    has backward nodes". ``max_replicas > 1`` lets the DP replicate a stage
+    data-parallel (training only).
+
+    Example:
+        >>> Problem(devices=4, memory=16 * 2**30).devices
+        4
+    """
+
+    devices: int | None = None
+    memory: float | None = None
+    cpus: int | None = None
+    training: bool | None = None
+    stash: bool = True
+    max_replicas: int = 1
+
+    def resolve(self, graph: OpGraph) -> Problem:
+        """Fill the ``None`` fields from ``graph.meta`` and check the values."""
+        devices = self.devices if self.devices is not None else int(graph.meta.get("devices", 1))
+        cpus = self.cpus if self.cpus is not None else int(graph.meta.get("cpus", 0))
+        memory = self.memory if self.memory is not None else graph.meta.get("memory")
+        memory = math.inf if memory is None else float(memory)
+        training = graph.is_training if self.training is None else bool(self.training)
+        if devices < 0 or cpus < 0 or devices + cpus == 0:
+            raise PlacementError(f"need at least one device (devices={devices}, cpus={cpus})")
+        if not memory > 0:
+            raise PlacementError(f"memory bound must be positive, got {memory}")
+        if self.max_replicas < 1:
+            raise PlacementError(f"max_replicas must be >= 1, got {self.max_replicas}")
+        if self.max_replicas > 1 and not training:
+            raise PlacementError("data-parallel replication of a stage needs training mode")
+        return replace(
+            self, devices=devices, cpus=cpus, memory=memory, training=training,
+            max_replicas=min(self.max_replicas, max(devices, 1)),
+        )
+
+
+@dataclass
+class Stage:
+    """One pipeline stage and its cost breakdown (filled by :func:`evaluate`)."""
+
+    kind: str
+    nodes: list[int]
+    replicas: int = 1
+    compute: float = 0.0
+    comm: float = 0.0
+    sync: float = 0.0
+    memory: float = 0.0
+    load: float = 0.0
+    in_flight: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.replicas if self.kind == ACC else 1
+
+
+@dataclass
+class Placement:
+    """A pipeline placement: stages in order, their loads, and how it was found."""
+
+    graph: OpGraph
+    problem: Problem
+    stages: list[Stage]
+    algorithm: str = ""
+    solve_seconds: float = 0.0
+    violations: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_load(self) -> float:
+        return max((s.load for s in self.stages), default=0.0)
+
+    @property
+    def bottleneck(self) -> int:
+        """Index of the stage with the largest load."""
+        return max(range(len(self.stages)), key=lambda i: self.stages[i].load)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per time unit: 1 / max load."""
+        return 1.0 / self.max_load if self.max_load > 0 else math.inf
+
+    def device_of(self) -> list[int]:
+        """Stage index of every node."""
+        where = [-1] * len(self.graph)
+        for s, st in enumerate(self.stages):
+            for v in st.nodes:
+                where[v] = s
+        return where
+
+    def is_contiguous(self) -> bool:
+        return is_contiguous(self.graph, self.device_of())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` object: max_load, solve_seconds, algorithm, stages."""
+        names = [n.name for n in self.graph.nodes]
+        return {
+            "algorithm": self.algorithm,
+            "max_load": self.max_load,
+            "throughput": self.throughput,
+            "solve_seconds": self.solve_seconds,
+            "bottleneck": self.bottleneck if self.stages else None,
+            "contiguous": self.is_contiguous(),
+            "violations": self.violations,
+            "info": self.info,
+            "stages": [
+                {
+                    "device": st.kind,
+                    "replicas": st.replicas,
+                    "nodes": [names[v] for v in sorted(st.nodes)],
+                    "compute": st.compute,
+                    "comm": st.comm,
+                    "sync": st.sync,
+                    "memory": st.memory,
+                    "in_flight": st.in_flight,
+                    "load": st.load,
+                }
+                for st in self.stages
+            ],
+        }
+
+
+def order_constraints(graph: OpGraph) -> list[tuple[int, int]]:
+    """Pairs ``(u, v)`` of nodes whose stages must satisfy ``stage(u) <= stage(v)``.
+
+    Every forward edge; and, as in the paper, every edge between backward nodes
+    that touches an *orphan* backward node (one whose colour has no forward node,
+    so nothing else ties it to the pipeline) taken in reverse, since gradients
+    flow from later stages to earlier ones.
+    """
+    nodes = graph.nodes
+    fwd_colours = {nd.color for nd in nodes if not nd.backward and nd.color is not None}
+    orphan = [nd.backward and (nd.color is None or nd.color not in fwd_colours) for nd in nodes]
+    out = []
+    for u, v, _ in graph.edges:
+        bu, bv = nodes[u].backward, nodes[v].backward
+        if not bu and not bv:
+            out.append((u, v))
+        elif bu and bv and (orphan[u] or orphan[v]):
+            out.append((v, u))
+    return out
+
+
+def is_contiguous(graph: OpGraph, where: Sequence[int]) -> bool:
+    """Whether stage indices ``where`` respect :func:`order_constraints` (a one-way pipeline)."""
+    return all(where[u] <= where[v] for u, v in order_constraints(graph))
+
+
+def comm_of(graph: OpGraph, members: set[int] | Sequence[bool], succ: list[list[int]]) -> float:
+    """Communication time of the node set ``members`` under the paper's definition."""
+    inside = members if not isinstance(members, set) else None
+    has = (lambda x: inside[x]) if inside is not None else (lambda x: x in members)
+    total = 0.0
+    for u, outs in enumerate(succ):
+        if not outs:
+            continue
+        hu = has(u)
+        if any(has(v) != hu for v in outs):
+            total += graph.nodes[u].comm_time
+    return total
+
+
+def evaluate(
+    graph: OpGraph,
+    problem: Problem,
+    stages: Sequence[tuple[str, Sequence[int]] | tuple[str, Sequence[int], int] | Stage],
+    *,
+    strict: bool = True,
+    algorithm: str = "",
+    solve_seconds: float = 0.0,
+) -> Placement:
+    """Compute every stage's load and memory from the definition, and check feasibility.
+
+    ``stages`` are ``(kind, node_indices[, replicas])`` in pipeline order. With
+    ``strict`` a violated constraint (a node placed twice or not at all, split
+    colours, unsupported op, memory, device counts) raises
+    :class:`PlacementError`; otherwise it is listed in ``Placement.violations``.
+    """
+    prob = problem.resolve(graph)
+    n = len(graph)
+    norm: list[Stage] = []
+    for st in stages:
+        if isinstance(st, Stage):
+            norm.append(Stage(st.kind, list(st.nodes), st.replicas))
+        else:
+            kind, nodes = st[0], list(st[1])
+            norm.append(Stage(kind, nodes, int(st[2]) if len(st) > 2 else 1))
+    violations: list[str] = []
+    where = [-1] * n
+    for s, st in enumerate(norm):
+        if st.kind not in (ACC, CPU):
+            raise PlacementError(f"stage {s}: kind must be 'acc' or 'cpu', got {st.kind!r}")
+        for v in st.nodes:
+            if where[v] != -1:
+                violations.append(f"node {graph.nodes[v].name!r} is placed twice")
+            where[v] = s
+    missing = [graph.nodes[v].name for v in range(n) if where[v] == -1]
+    if missing:
+        violations.append(f"nodes not placed: {missing[:10]}")
+    n_acc = sum(st.devices for st in norm if st.kind == ACC)
+    n_cpu = sum(1 for st in norm if st.kind == CPU)
+    if n_acc > prob.devices:
+        violations.append(f"uses {n_acc} accelerators, only {prob.devices} available")
+    if n_cpu > prob.cpus:
+        violations.append(f"uses {n_cpu} CPUs, only {prob.cpus} available")
+    colour_home: dict[str, int] = {}
+    for v, nd in enumerate(graph.nodes):
+        if nd.color is not None and where[v] != -1:
+            h = colour_home.setdefault(nd.color, where[v])
+            if h != where[v]:
+                violations.append(f"colocated nodes of colour {nd.color!r} are split")
+    succ = graph.successors()
+    devices_after = 0
+    for st in reversed(norm):
+        devices_after += st.devices
+        members = [False] * n
+        for v in st.nodes:
+            members[v] = True
+        nodes = [graph.nodes[v] for v in st.nodes]
+        if st.kind == CPU:
+            if st.replicas != 1:
+                violations.append("a CPU stage cannot be replicated")
+            bad = [x.name for x in nodes if x.cpu_time is None]
+            if bad:
+                violations.append(f"nodes {bad[:10]} cannot run on a CPU")
+            st.compute = sum(x.cpu_time or 0.0 for x in nodes)
+            st.load = st.compute
+            st.in_flight = devices_after
+            continue
+        bad = [x.name for x in nodes if x.acc_time is None]
+        if bad:
+            violations.append(f"nodes {bad[:10]} cannot run on an accelerator")
+        r = st.replicas
+        if r > 1 and not prob.training:
+            violations.append("replicated stages need training mode")
+        st.compute = sum(x.acc_time or 0.0 for x in nodes)
+        st.comm = comm_of(graph, members, succ)
+        st.sync = 2.0 * (r - 1) / r * sum(x.sync_time for x in nodes) if r > 1 else 0.0
+        st.load = (st.compute + st.comm) / r + st.sync
+        st.in_flight = -(-devices_after // r)
+        st.memory = sum(x.mem_bytes for x in nodes)
+        if prob.training and prob.stash:
+            st.memory += st.in_flight * sum(x.act_bytes for x in nodes if not x.backward)
+        if st.memory > prob.memory * (1 + 1e-9):
+            violations.append(
+                f"stage with {len(nodes)} nodes needs {st.memory:.4g} bytes, "
+                f"bound is {prob.memory:.4g}"
+            )
+    if strict and violations:
+        raise PlacementError("infeasible placement: " + "; ".join(violations))
+    return Placement(graph, prob, norm, algorithm, solve_seconds, violations)

@@ -1,0 +1,226 @@
+"""The exact placement algorithms against each other and against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshtorch.errors import PlacementError
+from meshtorch.placement import OpGraph, Problem, evaluate, is_contiguous, place
+from meshtorch.placement.milp import solve_milp
+
+SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def brute_force(graph: OpGraph, prob: Problem, contiguous: bool) -> float:
+    """Min max-load over every assignment of colour groups to ordered stages."""
+    prob = prob.resolve(graph)
+    groups: dict[str, list[int]] = {}
+    for i, nd in enumerate(graph.nodes):
+        groups.setdefault(nd.color if nd.color is not None else f"#{i}", []).append(i)
+    members = list(groups.values())
+    S = prob.devices + prob.cpus
+    best = math.inf
+    kinds_options = set(itertools.permutations(["acc"] * prob.devices + ["cpu"] * prob.cpus))
+    for assign in itertools.product(range(S), repeat=len(members)):
+        for kinds in kinds_options:
+            stages = [(kinds[s], [i for g, s2 in zip(members, assign) if s2 == s for i in g])
+                      for s in range(S)]
+            stages = [s for s in stages if s[1]]
+            p = evaluate(graph, prob, stages, strict=False)
+            if p.violations:
+                continue
+            if contiguous and not is_contiguous(graph, p.device_of()):
+                continue
+            best = min(best, p.max_load)
+    return best
+
+
+@st.composite
+def dags(draw, max_nodes: int = 6, training: bool | None = None, chain: bool = False):
+    n = draw(st.integers(2, max_nodes))
+    train = draw(st.booleans()) if training is None else training
+    if train:
+        n = min(n, 4)
+    g = OpGraph()
+    times = st.integers(0, 9).map(float)
+    for i in range(n):
+        acc = draw(times)
+        g.add_node(
+            f"f{i}",
+            acc_time=None if draw(st.integers(0, 9)) == 0 else acc,
+            cpu_time=float(draw(st.integers(0, 40))),
+            mem_bytes=float(draw(st.integers(0, 5))),
+            act_bytes=float(draw(st.integers(0, 2))),
+            comm_time=float(draw(st.integers(0, 3))),
+            color=f"c{i}" if train else None,
+        )
+    edges = []
+    for j in range(1, n):
+        if chain:
+            edges.append((j - 1, j))
+            continue
+        for i in range(j):
+            if draw(st.integers(0, 2)) == 0:
+                edges.append((i, j))
+    for i, j in edges:
+        g.add_edge(i, j)
+    if train:
+        for i in range(n):
+            g.add_node(f"b{i}", acc_time=float(draw(st.integers(0, 9))),
+                       cpu_time=float(draw(st.integers(0, 40))), mem_bytes=0.0,
+                       comm_time=float(draw(st.integers(0, 3))), backward=True, color=f"c{i}")
+        for i, j in edges:
+            g.add_edge(f"b{j}", f"b{i}")
+        for i in range(n):  # the stashed activation feeds the node's backward
+            g.add_edge(f"f{i}", f"b{i}")
+    return g
+
+
+@st.composite
+def problems(draw, graph: OpGraph):
+    devices = draw(st.integers(1, 3))
+    cpus = draw(st.integers(0, 1)) if devices < 3 else 0
+    total = graph.total("mem_bytes") + 3 * graph.total("act_bytes")
+    memory = float(draw(st.integers(3, int(total) + 4)))
+    return Problem(devices=devices, cpus=cpus, memory=memory,
+                   stash=draw(st.booleans()))
+
+
+def check_placement(p, graph):
+    """Reported loads match an independent recomputation; constraints hold."""
+    again = evaluate(graph, p.problem, p.stages, strict=True)
+    assert again.max_load == pytest.approx(p.max_load, abs=1e-9)
+    for s, t in zip(p.stages, again.stages):
+        assert s.load == pytest.approx(t.load, abs=1e-9)
+        if s.kind == "acc":
+            assert s.memory <= p.problem.memory + 1e-9
+
+
+@SETTINGS
+@given(st.data())
+def test_dp_matches_brute_force_and_milp(data):
+    graph = data.draw(dags())
+    prob = data.draw(problems(graph))
+    brute_c = brute_force(graph, prob, contiguous=True)
+    brute_any = brute_force(graph, prob, contiguous=False)
+    if math.isinf(brute_c):
+        with pytest.raises(PlacementError):
+            place(graph, prob, "dp")
+        return
+    dp = place(graph, prob, "dp")
+    check_placement(dp, graph)
+    assert dp.is_contiguous()
+    assert dp.max_load == pytest.approx(brute_c, abs=1e-9)
+    ilp_c = solve_milp(graph, prob, contiguous=True, time_limit=None)
+    assert ilp_c.max_load == pytest.approx(brute_c, abs=1e-6)
+    ilp = solve_milp(graph, prob, contiguous=False, time_limit=None)
+    check_placement(ilp, graph)
+    assert ilp.max_load == pytest.approx(brute_any, abs=1e-6)
+    assert ilp.max_load <= dp.max_load + 1e-6
+
+
+@SETTINGS
+@given(st.data())
+def test_chain_solver_is_exact_on_chains(data):
+    graph = data.draw(dags(max_nodes=7, training=False, chain=True))
+    prob = data.draw(problems(graph))
+    brute_c = brute_force(graph, prob, contiguous=True)
+    if math.isinf(brute_c):
+        with pytest.raises(PlacementError):
+            place(graph, prob, "chain")
+        return
+    ch = place(graph, prob, "chain")
+    check_placement(ch, graph)
+    assert ch.info["exact"]
+    assert ch.max_load == pytest.approx(brute_c, abs=1e-9)
+    assert place(graph, prob, "dp").max_load == pytest.approx(brute_c, abs=1e-9)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_replicated_stages_beat_or_match_plain(data):
+    graph = data.draw(dags(max_nodes=4, training=True))
+    for nd in graph.nodes:
+        nd.sync_time = 0.5
+        nd.acc_time = 1.0 if nd.acc_time is None else nd.acc_time
+    plain = Problem(devices=3, memory=1e9, stash=False)
+    rep = Problem(devices=3, memory=1e9, stash=False, max_replicas=3)
+    a, b = place(graph, plain, "dp"), place(graph, rep, "dp")
+    check_placement(b, graph)
+    assert b.max_load <= a.max_load + 1e-9
+
+
+def test_hand_derived_loads():
+    # a -> b -> c with comm 0.5 on each producer: {a,b} | {c}
+    g = OpGraph()
+    for name, t in [("a", 2.0), ("b", 3.0), ("c", 1.0)]:
+        g.add_node(name, acc_time=t, cpu_time=10 * t, comm_time=0.5)
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    p = place(g, Problem(devices=2))
+    # best split: {a} | {b, c}: loads 2 + 0.5 and 4 + 0.5
+    assert [sorted(s.nodes) for s in p.stages] == [[0], [1, 2]]
+    assert p.max_load == 4.5
+    # diamond where the fork's output goes to both branches: paid once per device
+    d = OpGraph()
+    for name in "abcd":
+        d.add_node(name, acc_time=1.0, cpu_time=1.0, comm_time=1.0)
+    for u, v in ["ab", "ac", "bd", "cd"]:
+        d.add_edge(u, v)
+    q = evaluate(d, Problem(devices=2), [("acc", [0]), ("acc", [1, 2, 3])])
+    assert [s.load for s in q.stages] == [2.0, 4.0]
+
+
+def test_training_stash_counts_in_flight_micro_batches():
+    g = OpGraph()
+    for i in range(3):
+        g.add_node(f"f{i}", acc_time=1.0, cpu_time=1.0, act_bytes=10.0, color=str(i))
+        g.add_node(f"b{i}", acc_time=2.0, cpu_time=2.0, backward=True, color=str(i))
+    for i in range(2):
+        g.add_edge(f"f{i}", f"f{i + 1}")
+        g.add_edge(f"b{i + 1}", f"b{i}")
+    p = evaluate(g, Problem(devices=3, memory=100), [("acc", [0, 1]), ("acc", [2, 3]),
+                                                     ("acc", [4, 5])])
+    assert [s.in_flight for s in p.stages] == [3, 2, 1]
+    assert [s.memory for s in p.stages] == [30.0, 20.0, 10.0]
+    # with 25 bytes the first stage cannot hold 3 in-flight activations of 10 bytes
+    with pytest.raises(PlacementError, match="bytes"):
+        evaluate(g, Problem(devices=3, memory=25), p.stages)
+    best = place(g, Problem(devices=3, memory=25))
+    assert best.max_load == pytest.approx(
+        brute_force(g, Problem(devices=3, memory=25), contiguous=True)
+    )
+
+
+def test_errors_name_the_culprit():
+    g = OpGraph()
+    g.add_node("a", acc_time=1.0, cpu_time=1.0)
+    g.add_node("b", acc_time=1.0, cpu_time=1.0)
+    g.add_edge("a", "b")
+    g.add_edge("b", "a")
+    with pytest.raises(PlacementError, match="cycle: .*a.*b"):
+        place(g, Problem(devices=2))
+    h = OpGraph()
+    h.add_node("big", acc_time=1.0, cpu_time=None, mem_bytes=100.0)
+    with pytest.raises(PlacementError, match="big"):
+        place(h, Problem(devices=2, memory=10))
+    u = OpGraph()
+    u.add_node("gpu_only", acc_time=None, cpu_time=1.0)
+    with pytest.raises(PlacementError, match="gpu_only"):
+        place(u, Problem(devices=2, cpus=0))
+    w = OpGraph()
+    for i in range(3):
+        w.add_node(f"n{i}", acc_time=1.0, cpu_time=None, mem_bytes=6.0)
+    w.add_edge("n0", "n1")
+    w.add_edge("n1", "n2")
+    with pytest.raises(PlacementError, match="memory bound|bytes"):
+        place(w, Problem(devices=2, memory=10))
+    with pytest.raises(PlacementError, match="infeasible"):
+        solve_milp(w, Problem(devices=2, memory=10))
