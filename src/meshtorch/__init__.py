@@ -65,6 +65,7 @@ from meshtorch.ops.nn import cross_entropy, dropout, layer_norm, log_softmax, rm
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_max, reduce_mean, reduce_min, reduce_sum
 from meshtorch.ops.reshape import relayout, rename, replace_dims, reshape, transpose
 from meshtorch.ops.slicewise import slicewise
+from meshtorch.replicator import Replicator
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor, from_global, full, ones, zeros
 

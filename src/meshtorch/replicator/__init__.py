@@ -1,0 +1,16 @@
+"""``mt.replicator``: TF-Replicator's API for plain ``torch.nn`` code (DESIGN §8).
+
+Example:
+    >>> import meshtorch as mt
+    >>> mt.replicator.launch(lambda: mt.Replicator(device="cpu").num_replicas, num_replicas=2)
+    [2, 2]
+"""
+
+from meshtorch.replicator.batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from meshtorch.replicator.data import ReplicaLoader
+from meshtorch.replicator.launching import launch
+from meshtorch.replicator.optimizer import GradientSync
+from meshtorch.replicator.replicator import ReplicaContext, Replicator
+
+__all__ = ["Replicator", "ReplicaContext", "SyncBatchNorm", "convert_sync_batchnorm", "ReplicaLoader",
+           "GradientSync", "launch"]

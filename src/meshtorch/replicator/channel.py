@@ -1,0 +1,126 @@
+"""One replica's collectives, issued in program order, optionally in the background.
+
+Gradient buckets are all-reduced while ``backward()`` is still running, so a
+replica may have collectives in flight when another one (SyncBatchNorm's
+backward, ``repl.all_reduce``) is issued. Every member of a group must issue
+its collectives in the same order, so all of a replica's Replicator
+collectives go through one :class:`Channel`: a FIFO executed by at most one
+worker thread at a time. When nothing is pending, a call runs inline on the
+caller's thread (no thread hop on the common path).
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.replicator.channel import channel_for
+    >>> def f():
+    ...     chan = channel_for(mt.current().comm)
+    ...     fut = chan.submit(lambda: chan.all_reduce(torch.ones(2), ("replica",), "sum"))
+    ...     return fut.result().tolist()
+    >>> mt.launch(f, mesh="replica:2")
+    [[2.0, 2.0], [2.0, 2.0]]
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from meshtorch.comm.base import Communicator
+from meshtorch.errors import CommError
+
+
+class Channel:
+    """The ordered collective queue of one processor's communicator."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Future, Callable[[], Any]]] = deque()
+        self._worker: threading.Thread | None = None
+        # set while repl.context() holds the model-building lock (see replicator.py)
+        self.building = False
+
+    # -------------------------------------------------------------- ordering
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn`` (which issues collectives) behind everything already queued."""
+        fut: Future = Future()
+        with self._lock:
+            self._queue.append((fut, fn))
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._drain, name=f"meshtorch-replica-{self.comm.rank}-comm", daemon=True
+                )
+                self._worker.start()
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` after everything queued; inline when the queue is idle."""
+        with self._lock:
+            idle = self._worker is None
+        if idle:
+            return fn()
+        return self.submit(fn).result()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._worker = None
+                    return
+                fut, fn = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(e)
+
+    # ----------------------------------------------------------- collectives
+    def _check(self, kind: str) -> None:
+        if self.building:
+            raise CommError(
+                f"{kind} called inside repl.context(): replicas build their models there one at "
+                "a time (they share torch's random generator), so a collective there would wait "
+                "forever for replicas still queued. Call it after the `with repl.context():` block"
+            )
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        # thread-processors exchange tensors in host memory; replicas on different GPUs
+        # could not be summed there, so stage device tensors through the CPU
+        if self.comm.backend == "threads" and t.device.type != "cpu":
+            return t.detach().cpu()
+        return t.detach().contiguous()
+
+    def all_reduce(self, t: torch.Tensor, axes: tuple[str, ...], op: str) -> torch.Tensor:
+        self._check("all_reduce")
+        return self.comm.all_reduce(self._staged(t), axes, op).to(t.device)
+
+    def all_gather(self, t: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+        self._check("all_gather")
+        return self.comm.all_gather(self._staged(t), axes, dim).to(t.device)
+
+    def reduce_scatter(self, t: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+        self._check("reduce_scatter")
+        return self.comm.reduce_scatter(self._staged(t), axes, dim, "sum").to(t.device)
+
+    def broadcast(self, t: torch.Tensor, axes: tuple[str, ...], src: int) -> torch.Tensor:
+        self._check("broadcast")
+        return self.comm.broadcast(self._staged(t), axes, src).to(t.device)
+
+
+_channels: weakref.WeakKeyDictionary[Communicator, Channel] = weakref.WeakKeyDictionary()
+_channels_lock = threading.Lock()
+
+
+def channel_for(comm: Communicator) -> Channel:
+    """The one :class:`Channel` of ``comm`` (created on first use)."""
+    with _channels_lock:
+        chan = _channels.get(comm)
+        if chan is None:
+            chan = _channels[comm] = Channel(comm)
+        return chan

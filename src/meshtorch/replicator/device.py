@@ -1,0 +1,76 @@
+"""Which device a replica computes on: ``"auto"`` picks CUDA, then MPS, then CPU.
+
+On CUDA each replica gets one GPU, its *local* index: its rank on the threads
+backend (one process drives every GPU, one thread each) and ``LOCAL_RANK``
+on the torch backend (one process per GPU, as torchrun numbers them).
+
+Example:
+    >>> from meshtorch.replicator.device import resolve_device
+    >>> from meshtorch.comm.base import LocalCommunicator
+    >>> resolve_device("cpu", LocalCommunicator())
+    device(type='cpu')
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from meshtorch.comm.base import Communicator
+from meshtorch.errors import MeshError
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def _local_index(comm: Communicator) -> int:
+    if comm.backend == "threads" or comm.mesh.size == 1:
+        return comm.rank
+    return int(os.environ.get("LOCAL_RANK", comm.rank))
+
+
+def resolve_device(spec: str | torch.device, comm: Communicator) -> torch.device:
+    """The ``torch.device`` this processor's replica runs on.
+
+    Raises:
+        MeshError: the device kind is unknown or unavailable, or the threads
+            backend would put two replicas on one accelerator (their blocking
+            collectives inside backward would deadlock on its autograd thread).
+    """
+    if isinstance(spec, torch.device):
+        return spec
+    if not isinstance(spec, str):
+        raise MeshError(f"device {spec!r} is not one of {DEVICES} or a torch.device")
+    kind = spec.split(":")[0]
+    if kind not in DEVICES:
+        raise MeshError(f"device {spec!r} is not one of {DEVICES} (or e.g. 'cuda:1')")
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
+    if ":" in spec:
+        return torch.device(spec)
+    if kind == "cpu":
+        return torch.device("cpu")
+    threads = comm.backend == "threads"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise MeshError("device 'cuda' asked for, but torch sees no CUDA GPU; use device='auto'")
+        count = torch.cuda.device_count()
+        if threads and comm.mesh.size > count:
+            raise MeshError(
+                f"{comm.mesh.size} thread replicas but {count} CUDA GPUs: the threads backend puts "
+                f"one replica on each GPU; launch at most {count} replicas, or use the torch backend"
+            )
+        index = _local_index(comm) % count
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if not _mps_available():
+        raise MeshError("device 'mps' asked for, but torch.backends.mps is not available")
+    if threads and comm.mesh.size > 1:
+        raise MeshError(
+            f"{comm.mesh.size} thread replicas cannot share the one MPS device; launch 1 replica"
+        )
+    return torch.device("mps")
