@@ -16,7 +16,8 @@ Example:
 
 from __future__ import annotations
 
-from meshtorch import errors, random
+from meshtorch import amp, errors, nn, optim, random
+from meshtorch.amp import autocast
 from meshtorch.comm import CommStats, Communicator
 from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
 from meshtorch.errors import MeshTorchError

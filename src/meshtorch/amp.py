@@ -1,0 +1,125 @@
+"""Mixed precision: bf16/fp16 compute with fp32 master parameters, and loss scaling.
+
+Parameters stay fp32 (they are the master copy the optimizer updates);
+``mt.autocast`` runs the matmul-heavy local ops (einsum, matmul) in bf16 or
+fp16 through ``torch.autocast``, and collectives carry whatever dtype the
+local op produced. For fp16, :class:`LossScaler` scales the loss and skips
+the step when any processor saw an overflow — the decision is all-reduced, so
+every processor skips together and replicated parameters stay identical.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> x = mt.ones("batch:2,d:4")
+    >>> dense = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
+    >>> with mt.autocast(torch.bfloat16):
+    ...     y = dense(x)
+    >>> y.dtype, dense.kernel.dtype
+    (torch.bfloat16, torch.float32)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.errors import MeshTorchError
+from meshtorch.optim.params import Params, mesh_views
+from meshtorch.tensor import MeshTensor
+
+
+def _device_type() -> str:
+    dev = getattr(current().comm, "device", None)
+    return torch.device(dev).type if dev is not None else "cpu"
+
+
+def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True,
+             device_type: str | None = None) -> torch.autocast:
+    """``torch.autocast`` for this processor's device (CPU or CUDA) with ``dtype``.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> with mt.autocast(torch.float16):
+        ...     y = mt.einsum("a b, b c -> a c", mt.ones("a:2,b:2"), mt.ones("b:2,c:2"))
+        >>> y.dtype
+        torch.float16
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise MeshTorchError(f"autocast dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    return torch.autocast(device_type or _device_type(), dtype=dtype, enabled=enabled)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16, agreed across the mesh.
+
+    ``scale(loss)`` multiplies the loss; ``step(optimizer)`` unscales the
+    gradients, all-reduces whether any is inf/NaN, and steps only if none is;
+    ``update()`` halves the scale after an overflow and doubles it after
+    ``growth_interval`` clean steps. ``state_dict()`` is JSON-able, for ``mt.save(extra=)``.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> w = mt.from_global(torch.ones(2), "d:2", requires_grad=True)
+        >>> opt = torch.optim.SGD([w.local], lr=0.5)
+        >>> scaler = mt.amp.LossScaler(init_scale=1024.0)
+        >>> scaler.scale(mt.reduce_sum(w * w)).backward()
+        >>> scaler.step(opt, [w.local]), w.to_global().tolist()
+        (True, [0.0, 0.0])
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):
+        self.scale_value = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.enabled = growth_interval, enabled
+        self.good_steps = 0
+        self.found_inf = False
+
+    def scale(self, loss: MeshTensor | torch.Tensor) -> MeshTensor | torch.Tensor:
+        """``loss * scale`` (unchanged when disabled)."""
+        return loss * self.scale_value if self.enabled else loss
+
+    def unscale_(self, params: Params) -> bool:
+        """Divide the gradients by the scale; return whether any processor found inf/NaN."""
+        if not self.enabled:
+            return False
+        bad = torch.zeros(1)
+        for p, _ in mesh_views(params):
+            if p.grad is not None:
+                p.grad.detach().div_(self.scale_value)
+                if not torch.isfinite(p.grad).all():
+                    bad.fill_(1.0)
+        comm = current().comm
+        self.found_inf = bool(comm.all_reduce(bad, comm.mesh.axis_names, "max").item())
+        return self.found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer, params: Params | None = None) -> bool:
+        """Unscale the gradients of ``params`` (default: the optimizer's), step unless
+        there was an overflow anywhere, then :meth:`update`. Returns whether it stepped."""
+        if params is None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.unscale_(params):
+            self.update()
+            return False
+        optimizer.step()
+        self.update()
+        return True
+
+    def update(self) -> None:
+        """Adjust the scale after a step (called by :meth:`step`)."""
+        if not self.enabled:
+            return
+        if self.found_inf:
+            self.scale_value *= self.backoff_factor
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self.good_steps = 0
+        self.found_inf = False
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale_value, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_value, self.good_steps = float(state["scale"]), int(state["good_steps"])

@@ -1,0 +1,214 @@
+"""Layers over named dims: Dense, Embedding, LayerNorm, RMSNorm, Dropout, Sequential.
+
+Layers take dims positionally: ``Dense(d_model, d_ff)`` maps ``d_model`` to
+``d_ff`` and keeps every other dim of its input (batch, length, ...). Which
+dims are split is decided by the layout rules, not by the layer.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> d, h, v = mt.Dim("d", 4), mt.Dim("h", 3), mt.Dim("vocab", 10)
+    >>> model = mt.nn.Sequential(mt.nn.Embedding(v, d), mt.nn.Dense(d, h), mt.relu)
+    >>> ids = mt.from_global(torch.tensor([1, 7]), "batch:2")
+    >>> model(ids).shape, model.num_parameters()
+    (Shape('batch:2,h:3'), 55)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from meshtorch.errors import ShapeError
+from meshtorch.nn.module import InitFn, Module
+from meshtorch.ops.array import gather
+from meshtorch.ops.einsum import einsum
+from meshtorch.ops.elementwise import cast
+from meshtorch.ops.nn import dropout, layer_norm, rms_norm
+from meshtorch.shape import Dim
+from meshtorch.tensor import MeshTensor, as_mesh_tensor
+
+
+def _dims(x: Dim | Sequence[Dim], what: str) -> list[Dim]:
+    dims = [x] if isinstance(x, Dim) else list(x)
+    if not dims or not all(isinstance(d, Dim) for d in dims):
+        raise ShapeError(f"{what} must be a Dim or a non-empty sequence of Dims, got {x!r}")
+    return dims
+
+
+class Dense(Module):
+    """``y = x · kernel + bias``, contracting ``in_dims`` into ``out_dims``.
+
+    The kernel has shape ``in_dims + out_dims`` and is initialised with std
+    ``1/sqrt(fan_in)`` (LeCun normal) unless ``init`` says otherwise.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> d, h = mt.Dim("d", 4), mt.Dim("h", 2)
+        >>> mt.nn.Dense(d, h)(mt.ones("batch:3,d:4")).shape
+        Shape('batch:3,h:2')
+    """
+
+    def __init__(self, in_dims: Dim | Sequence[Dim], out_dims: Dim | Sequence[Dim], *,
+                 bias: bool = True, init: str | InitFn = "kaiming_normal", **init_kwargs: Any):
+        super().__init__()
+        self.in_dims, self.out_dims = _dims(in_dims, "in_dims"), _dims(out_dims, "out_dims")
+        if init == "kaiming_normal":
+            init_kwargs = {"gain": 1.0, "fan_in": [d.name for d in self.in_dims], **init_kwargs}
+        self.kernel = self.create_parameter("kernel", self.in_dims + self.out_dims, init, **init_kwargs)
+        self.bias = self.create_parameter("bias", self.out_dims, "zeros") if bias else None
+
+    def forward(self, x: MeshTensor) -> MeshTensor:
+        x = as_mesh_tensor(x)
+        ins = {d.name for d in self.in_dims}
+        for d in self.in_dims:
+            if d not in x.shape:
+                raise ShapeError(f"Dense expects dim {d} in its input, got [{x.shape}]")
+        out = [n for n in x.names if n not in ins] + [d.name for d in self.out_dims]
+        y = einsum(x, self.mesh_parameter("kernel"), output_shape=out)
+        if self.bias is None:
+            return y
+        b = self.mesh_parameter("bias")
+        # under autocast the einsum runs in low precision; keep the bias add there too
+        return y + (cast(b, y.dtype) if b.dtype != y.dtype else b)
+
+
+class Embedding(Module):
+    """Lookup of ``d_model`` vectors by id along ``vocab`` (which may be split).
+
+    ``attend(x)`` computes logits against the same table (tied output layer).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> emb = mt.nn.Embedding(mt.Dim("vocab", 5), mt.Dim("d", 2))
+        >>> emb(mt.from_global(torch.tensor([0, 4]), "batch:2")).shape
+        Shape('batch:2,d:2')
+    """
+
+    def __init__(self, vocab: Dim, d_model: Dim | Sequence[Dim], *, init: str | InitFn = "normal",
+                 **init_kwargs: Any):
+        super().__init__()
+        self.vocab = _dims(vocab, "vocab")[0]
+        self.d_model = _dims(d_model, "d_model")
+        self.table = self.create_parameter("table", [self.vocab] + self.d_model, init, **init_kwargs)
+
+    def forward(self, ids: MeshTensor) -> MeshTensor:
+        return gather(self.mesh_parameter("table"), as_mesh_tensor(ids), self.vocab.name)
+
+    def attend(self, x: MeshTensor) -> MeshTensor:
+        """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""
+        keep = [n for n in x.names if n not in {d.name for d in self.d_model}]
+        return einsum(x, self.mesh_parameter("table"), output_shape=keep + [self.vocab.name])
+
+
+class LayerNorm(Module):
+    """Layer normalisation over ``dim`` with a learned scale (and bias).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> ln = mt.nn.LayerNorm(mt.Dim("d", 2))
+        >>> [round(v, 3) for v in ln(mt.from_global(torch.tensor([1.0, 3.0]), "d:2")).to_global().tolist()]
+        [-1.0, 1.0]
+    """
+
+    def __init__(self, dim: Dim, *, eps: float = 1e-5, bias: bool = True):
+        super().__init__()
+        self.dim, self.eps = _dims(dim, "dim")[0], eps
+        self.weight = self.create_parameter("weight", [self.dim], "ones")
+        self.bias = self.create_parameter("bias", [self.dim], "zeros") if bias else None
+
+    def forward(self, x: MeshTensor) -> MeshTensor:
+        b = self.mesh_parameter("bias") if self.bias is not None else None
+        return layer_norm(x, self.dim.name, self.mesh_parameter("weight"), b, self.eps)
+
+
+class RMSNorm(Module):
+    """Root-mean-square normalisation over ``dim`` with a learned scale.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> rn = mt.nn.RMSNorm(mt.Dim("d", 2))
+        >>> [round(v, 3) for v in rn(mt.from_global(torch.tensor([3.0, 4.0]), "d:2")).to_global().tolist()]
+        [0.849, 1.131]
+    """
+
+    def __init__(self, dim: Dim, *, eps: float = 1e-6):
+        super().__init__()
+        self.dim, self.eps = _dims(dim, "dim")[0], eps
+        self.weight = self.create_parameter("weight", [self.dim], "ones")
+
+    def forward(self, x: MeshTensor) -> MeshTensor:
+        return rms_norm(x, self.dim.name, self.mesh_parameter("weight"), self.eps)
+
+
+class Dropout(Module):
+    """Dropout whose mask is layout-invariant (DESIGN §5).
+
+    Each call draws the next random stream of the processor context, so masks
+    differ between steps, agree across processors, and are restored with a
+    checkpoint (``mt.load`` restores the stream counter).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> drop = mt.nn.Dropout(0.5).eval()
+        >>> drop(mt.ones("t:4")).to_global().tolist()
+        [1.0, 1.0, 1.0, 1.0]
+    """
+
+    def __init__(self, rate: float):
+        super().__init__()
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
+        self.rate = rate
+
+    def forward(self, x: MeshTensor) -> MeshTensor:
+        return dropout(x, self.rate, training=self.training)
+
+
+class Fn(Module):
+    """Wrap a function of MeshTensors (``mt.relu``) as a module with no parameters."""
+
+    def __init__(self, fn: Callable[..., MeshTensor]):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> MeshTensor:
+        return self.fn(*args)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+class Sequential(Module):
+    """Apply layers in order; plain functions such as ``mt.relu`` are allowed.
+
+    Parameters are named by position: ``"0.kernel"``, ``"2.bias"``.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> d, h = mt.Dim("d", 2), mt.Dim("h", 3)
+        >>> seq = mt.nn.Sequential(mt.nn.Dense(d, h), mt.relu, mt.nn.Dense(h, d))
+        >>> [n for n, _ in seq.named_parameters()]
+        ['0.kernel', '0.bias', '2.kernel', '2.bias']
+    """
+
+    def __init__(self, *layers: torch.nn.Module | Callable[..., MeshTensor]):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, torch.nn.Module):
+                if not callable(layer):
+                    raise ShapeError(f"Sequential layer {i} is neither a module nor callable: {layer!r}")
+                layer = Fn(layer)
+            self.add_module(str(i), layer)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> torch.nn.Module:
+        return list(self._modules.values())[i]
+
+    def forward(self, x: Any) -> Any:
+        for layer in self._modules.values():
+            x = layer(x)
+        return x

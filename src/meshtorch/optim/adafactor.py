@@ -1,0 +1,147 @@
+"""Adafactor (Shazeer & Stern, 2018) over named dims, as in Mesh TensorFlow.
+
+For a parameter with at least two dims of size ``>= min_dim_size_to_factor``
+the second moment is factored over its two largest dims ``d0, d1``: a row
+statistic (mean of ``g²`` over ``d0``) and a column statistic (mean over
+``d1``), each a tensor with its own named shape and layout. Every mean is a
+lowered ``mt.reduce_mean``, so a split ``d0`` or ``d1`` costs one all_reduce
+(or reduce_scatter), and the result is the dense algorithm's on any layout.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> def f():
+    ...     model = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 4), bias=False)
+    ...     opt = mt.optim.Adafactor(model, lr=0.1, min_dim_size_to_factor=2)
+    ...     mt.reduce_sum(model(mt.ones("batch:2,d:4"))).backward()
+    ...     opt.step()
+    ...     return sorted(opt.state[model.kernel])
+    >>> mt.launch(f, mesh="m:2", rules="h:m")[0]
+    ['step', 'vc', 'vr']
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtorch.ops.elementwise import maximum, rsqrt, sqrt
+from meshtorch.ops.reduce import reduce_mean
+from meshtorch.ops.reshape import relayout_like
+from meshtorch.optim.params import Params, mesh_views, torch_params
+from meshtorch.shape import Dim, Shape
+from meshtorch.tensor import MeshTensor, layout_for
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor with factored second moments over named dims.
+
+    Args:
+        params: an ``mt.nn.Module``, its parameters, or param groups.
+        lr: a fixed learning rate, or ``None`` for the paper's relative step
+            ``min(1e-2, 1/sqrt(step))``.
+        beta1: first-moment decay (0 keeps no first moment, as in the paper).
+        decay_rate: the second-moment decay is ``1 - step**-decay_rate``.
+        clipping_threshold: update clipping ``d`` (RMS of the update ≤ d).
+        multiply_by_parameter_scale: scale the step by ``max(eps2, RMS(param))``.
+        eps1, eps2: the paper's ε₁ (added to g²) and ε₂.
+        min_dim_size_to_factor: factor only when the two largest dims are this big.
+        weight_decay: decoupled decay, ``param -= lr * weight_decay * param``.
+    """
+
+    def __init__(self, params: Params, lr: float | None = None, *, beta1: float = 0.0,
+                 decay_rate: float = 0.8, clipping_threshold: float | None = 1.0,
+                 multiply_by_parameter_scale: bool = True, eps1: float = 1e-30, eps2: float = 1e-3,
+                 min_dim_size_to_factor: int = 128, weight_decay: float = 0.0):
+        self._views = {id(p): v for p, v in mesh_views(params)}
+        defaults = dict(lr=lr, beta1=beta1, decay_rate=decay_rate,
+                        clipping_threshold=clipping_threshold,
+                        multiply_by_parameter_scale=multiply_by_parameter_scale, eps1=eps1, eps2=eps2,
+                        min_dim_size_to_factor=min_dim_size_to_factor, weight_decay=weight_decay)
+        super().__init__(torch_params(params), defaults)
+
+    # ------------------------------------------------------------ shapes
+    def factored_dims(self, shape: Shape, group: dict) -> tuple[Dim, Dim] | None:
+        """The two dims a moment of ``shape`` is factored over (largest first), or ``None``."""
+        dims = sorted(shape.dims, key=lambda d: -d.size)
+        if len(dims) < 2 or dims[1].size < group["min_dim_size_to_factor"]:
+            return None
+        return dims[0], dims[1]
+
+    def state_shape(self, p: torch.Tensor, key: str) -> Shape | None:
+        """The named shape of ``self.state[p][key]`` (for checkpoints); ``None`` for scalars."""
+        shape = self._views[id(p)].shape
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        f = self.factored_dims(shape, group)
+        if key == "vr" and f:
+            return shape.without([f[0]])
+        if key == "vc" and f:
+            return shape.without([f[1]])
+        if key in ("v", "m"):
+            return shape
+        return None
+
+    def _state(self, p: torch.Tensor, key: str) -> MeshTensor:
+        shape = self.state_shape(p, key)
+        layout = layout_for(shape)
+        st = self.state[p]
+        if key not in st:
+            st[key] = torch.zeros(layout.local_sizes, dtype=torch.float32, device=p.device)
+        return MeshTensor(st[key], shape, layout)
+
+    # ------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient (all processors call it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        view = self._views[id(p)]
+        st = self.state[p]
+        st["step"] = st.get("step", torch.zeros((), dtype=torch.float32)) + 1
+        t = float(st["step"])
+        w = MeshTensor(p.detach().float(), view.shape, view.layout)
+        g = MeshTensor(p.grad.detach().float(), view.shape, view.layout)
+        lr = group["lr"] if group["lr"] is not None else min(1e-2, 1.0 / math.sqrt(t))
+        scale = lr
+        if group["multiply_by_parameter_scale"]:
+            rms = sqrt(reduce_mean(w * w)).local
+            scale = lr * torch.clamp(rms, min=group["eps2"])
+        decay = 1.0 - t ** (-group["decay_rate"])
+        g2 = g * g + group["eps1"]
+        f = self.factored_dims(view.shape, group)
+        if f:
+            d0, d1 = f
+            vr, vc = self._state(p, "vr"), self._state(p, "vc")
+            new_vr = vr * decay + reduce_mean(g2, d0.name) * (1.0 - decay)
+            new_vc = vc * decay + reduce_mean(g2, d1.name) * (1.0 - decay)
+            vr.local.copy_(new_vr.local)
+            vc.local.copy_(new_vc.local)
+            row_mean = reduce_mean(new_vr, d1.name)
+            x = g * rsqrt(new_vr / row_mean) * rsqrt(new_vc)
+        else:
+            v = self._state(p, "v")
+            new_v = v * decay + g2 * (1.0 - decay)
+            v.local.copy_(new_v.local)
+            x = g * rsqrt(new_v)
+        if group["clipping_threshold"]:
+            denom = maximum(sqrt(reduce_mean(x * x)) / group["clipping_threshold"], 1.0)
+            x = x / denom
+        x = x * scale
+        if group["beta1"]:
+            m = self._state(p, "m")
+            new_m = m * group["beta1"] + x * (1.0 - group["beta1"])
+            m.local.copy_(new_m.local)
+            x = new_m
+        upd = relayout_like(x, view).local
+        if group["weight_decay"]:
+            p.mul_(1.0 - lr * group["weight_decay"])
+        p.sub_(upd.to(p.dtype))

@@ -1,0 +1,67 @@
+"""Global gradient norm and clipping: each element counted once, whatever the layout.
+
+A gradient split over axes ``S`` and replicated over the others contributes
+its local sum of squares, summed over ``S`` with one ``all_reduce``; the
+replicated copies are not counted again. Tensors with the same split axes
+share one collective.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> def f():
+    ...     w = mt.from_global(torch.tensor([3.0, 4.0]), "d:2", requires_grad=True)
+    ...     mt.reduce_sum(w * w).backward()   # grad = [6, 8]
+    ...     norm = mt.optim.clip_grad_norm_([w], 5.0).item()
+    ...     return norm, [round(v, 4) for v in w.grad.to_global().tolist()]
+    >>> mt.launch(f, mesh="m:2", rules="d:m")[0]
+    (10.0, [3.0, 4.0])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.errors import MeshTorchError
+from meshtorch.optim.params import Params, mesh_views
+
+
+def global_grad_norm(params: Params, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as one global vector; the same on every processor."""
+    comm = current().comm
+    views = [(p, v) for p, v in mesh_views(params) if p.grad is not None]
+    if not views:
+        return torch.tensor(0.0)
+    inf = math.isinf(norm_type)
+    by_axes: dict[tuple[str, ...], torch.Tensor] = {}
+    for p, v in views:
+        g = p.grad.detach().to(torch.float64)
+        part = g.abs().max() if inf else g.abs().pow(norm_type).sum()
+        axes = tuple(a for a in comm.mesh.axis_names if v.layout.dim_of(a) is not None)
+        acc = by_axes.get(axes)
+        by_axes[axes] = part if acc is None else (torch.maximum(acc, part) if inf else acc + part)
+    total = torch.zeros((), dtype=torch.float64)
+    for axes in sorted(by_axes):
+        part = comm.all_reduce(by_axes[axes].reshape(1), axes, "max" if inf else "sum")[0]
+        total = torch.maximum(total, part) if inf else total + part
+    norm = total if inf else total.pow(1.0 / norm_type)
+    return norm.to(torch.float32)
+
+
+def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale all gradients so that their global norm is at most ``max_norm``, in place.
+
+    Like ``torch.nn.utils.clip_grad_norm_`` on the dense model; returns the norm
+    before clipping. Every processor must call it (it communicates).
+    """
+    total = global_grad_norm(params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise MeshTorchError(f"the global gradient {norm_type}-norm is {total.item()}; "
+                             "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p, _ in mesh_views(params):
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return total

@@ -1,0 +1,64 @@
+"""Parameters as the optimizers in :mod:`meshtorch.optim` see them: local slice + named view.
+
+Example:
+    >>> import meshtorch as mt
+    >>> from meshtorch.optim.params import mesh_views
+    >>> dense = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3))
+    >>> [str(v.shape) for _, v in mesh_views(dense)]
+    ['d:2,h:3', 'h:3']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.layout import Layout
+from meshtorch.nn.module import as_mesh_view
+from meshtorch.shape import Dim, Shape
+from meshtorch.tensor import MeshTensor
+
+Params = torch.nn.Module | Iterable[torch.Tensor] | Iterable[MeshTensor] | Iterable[dict]
+
+
+def view_of(p: torch.Tensor) -> MeshTensor:
+    """``p`` as a MeshTensor: its own named shape and layout if it has them, else
+    replicated on every axis with dims named ``dim0, dim1, ...``."""
+    if isinstance(p, MeshTensor):
+        return p
+    view = as_mesh_view(p)
+    if view is None:
+        shape = Shape([Dim(f"dim{i}", s) for i, s in enumerate(p.shape)])
+        view = MeshTensor(p, shape, Layout(shape, current().mesh, {}))
+    return view
+
+
+def mesh_views(params: Params) -> list[tuple[torch.Tensor, MeshTensor]]:
+    """``(local parameter, MeshTensor view)`` for a module, parameters or MeshTensors."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    out = []
+    for p in params:
+        if isinstance(p, dict):
+            out.extend(mesh_views(p["params"]))
+        elif isinstance(p, MeshTensor):
+            out.append((p.local, p))
+        else:
+            out.append((p, view_of(p)))
+    return out
+
+
+def torch_params(params: Params) -> list | list[dict]:
+    """What ``torch.optim.Optimizer`` takes: local tensors, or groups of them."""
+    if isinstance(params, torch.nn.Module):
+        return list(params.parameters())
+    out = []
+    for p in params:
+        if isinstance(p, dict):
+            out.append({**p, "params": [q.local if isinstance(q, MeshTensor) else q
+                                        for q in p["params"]]})
+        else:
+            out.append(p.local if isinstance(p, MeshTensor) else p)
+    return out
