@@ -95,7 +95,8 @@ def _shift_local(t: torch.Tensor, i: int, k: int, wrap: bool) -> torch.Tensor:
         return torch.roll(t, k, i)
     n = t.shape[i]
     if abs(k) >= n:
-        return torch.zeros_like(t)
+        # concatenating an empty slice keeps the result in the autograd graph
+        return torch.cat([torch.zeros_like(t), t.narrow(i, 0, 0)], i)
     if k >= 0:
         return torch.cat([torch.zeros_like(t.narrow(i, 0, k)), t.narrow(i, 0, n - k)], i)
     return torch.cat([t.narrow(i, -k, n + k), torch.zeros_like(t.narrow(i, 0, -k))], i)

@@ -1,0 +1,109 @@
+"""Test harness: run an op on a drawn mesh and compare with dense torch.
+
+``check_op`` runs ``mt_fn`` under ``mt.launch`` on the given mesh and rules,
+backpropagates ``sum(y * probe)`` for a fixed random ``probe``, and compares the
+gathered result and input gradients on *every* processor with the same
+computation written in plain torch (float64) on one processor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+
+import meshtorch as mt
+
+AXES = ("x", "y", "z")
+
+
+@st.composite
+def meshes(draw, max_procs: int = 8, max_axes: int = 3) -> str:
+    """A mesh spec with 1–3 axes of sizes 1, 2 or 4 and at most ``max_procs`` processors."""
+    n_axes = draw(st.integers(1, max_axes))
+    sizes = []
+    for _ in range(n_axes):
+        room = max_procs // math.prod(sizes) if sizes else max_procs
+        sizes.append(draw(st.sampled_from([s for s in (1, 2, 4) if s <= room])))
+    return ",".join(f"{a}:{s}" for a, s in zip(AXES, sizes))
+
+
+@st.composite
+def rules_for(draw, mesh: str, dims: list[str]) -> str:
+    """Rules mapping some of ``dims`` to axes of ``mesh`` (several dims may share an axis)."""
+    axes = [p.split(":")[0] for p in mesh.split(",")]
+    out = []
+    for d in dims:
+        axis = draw(st.sampled_from([None, *axes]))
+        if axis is not None:
+            out.append(f"{d}:{axis}")
+    return "; ".join(out)
+
+
+SIZES = st.sampled_from([4, 8, 12])  # divisible by every axis size we draw
+
+
+def _probe(shape: torch.Size, seed: int = 99) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def check_op(
+    mt_fn,
+    torch_fn,
+    inputs: list[tuple[torch.Tensor, str]],
+    mesh: str,
+    rules: str,
+    *,
+    grad: bool = True,
+    atol: float = 1e-9,
+    rtol: float = 1e-7,
+    expect_calls=None,
+):
+    """Compare ``mt_fn`` on the mesh with ``torch_fn`` densely, values and gradients."""
+    ref_in = [t.clone().requires_grad_(grad and t.is_floating_point()) for t, _ in inputs]
+    ref_out = torch_fn(*ref_in)
+    probe = _probe(ref_out.shape) if ref_out.is_floating_point() else None
+    if grad and probe is not None and ref_out.requires_grad:
+        (ref_out * probe).sum().backward()
+    # an input the output does not depend on has a zero gradient
+    ref_grads = [
+        (t.grad if t.grad is not None else torch.zeros_like(t)) if t.requires_grad else None
+        for t in ref_in
+    ]
+
+    def program():
+        xs = [
+            mt.from_global(t, shape, requires_grad=grad and t.is_floating_point(), name=f"in{i}")
+            for i, (t, shape) in enumerate(inputs)
+        ]
+        y = mt_fn(*xs)
+        if grad and probe is not None:
+            p = mt.from_global(probe.to(y.dtype), y.shape)
+            mt.reduce_sum(y * p).backward()
+        grads = [x.grad.to_global() if x.grad is not None else None for x in xs]
+        return y.to_global().detach(), grads
+
+    outs = mt.launch(program, mesh=mesh, rules=rules)
+    for rank, (y, grads) in enumerate(outs):
+        where = f"processor {rank} of mesh '{mesh}' rules '{rules}'"
+        assert y.shape == ref_out.shape, where
+        if y.is_floating_point():
+            torch.testing.assert_close(y, ref_out.detach().to(y.dtype), atol=atol, rtol=rtol,
+                                       msg=lambda m, where=where: f"value on {where}: {m}")
+        else:
+            assert torch.equal(y, ref_out), where
+        for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+            if rg is None:
+                continue
+            assert g is not None, f"no gradient for input {i} on {where}"
+            torch.testing.assert_close(g, rg, atol=atol, rtol=rtol,
+                                       msg=lambda m, i=i, where=where: f"grad of input {i} on {where}: {m}")
+    return outs
+
+
+def rand(*sizes: int, seed: int = 0, positive: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(*sizes, generator=g, dtype=torch.float64)
+    return t.abs() + 0.5 if positive else t

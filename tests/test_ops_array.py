@@ -1,0 +1,158 @@
+"""Reshapes, relayouts, array ops along split dims, embeddings, cross entropy,
+dropout and slicewise, on drawn meshes, against dense torch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from mesh_harness import SIZES, check_op, meshes, rand, rules_for
+
+SET = settings(max_examples=10, deadline=None)
+
+
+@given(data=st.data())
+@SET
+def test_rename_relayout_transpose(data):
+    mesh = data.draw(meshes())
+    a, b = data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["p", "q", "u", "v"]))
+    x = rand(a, b)
+    check_op(lambda x: mt.rename(x, "q", "v"), lambda t: t, [(x, f"p:{a},q:{b}")], mesh, rules)
+    check_op(lambda x: mt.relayout(x, f"u:{a},v:{b}"), lambda t: t, [(x, f"p:{a},q:{b}")], mesh, rules)
+    check_op(lambda x: mt.transpose(x, ["q", "p"]), lambda t: t.T, [(x, f"p:{a},q:{b}")], mesh, rules)
+
+
+@given(data=st.data())
+@SET
+def test_reshape_merge_and_split(data):
+    mesh = data.draw(meshes())
+    a, b, c = (data.draw(SIZES) for _ in range(3))
+    rules = data.draw(rules_for(mesh, ["p", "q", "r", "qr", "s"]))
+    x = rand(a, b, c)
+    check_op(lambda x: mt.replace_dims(x, ["q", "r"], f"qr:{b * c}"), lambda t: t.reshape(a, b * c),
+             [(x, f"p:{a},q:{b},r:{c}")], mesh, rules)
+    check_op(lambda x: mt.reshape(x, f"s:{a * b // 4},q:4,r:{c}"), lambda t: t.reshape(-1, 4, c),
+             [(x, f"p:{a},q:{b},r:{c}")], mesh, rules)
+
+
+def test_reshape_keeps_aligned_split_dim_local():
+    def prog():
+        x = mt.from_global(rand(8, 4, 6), "batch:8,h:4,d:6")
+        mt.reset_comm_stats()
+        y = mt.reshape(x, "batch:8,hd:24")
+        return mt.comm_stats().bytes(), y.to_global()
+
+    for nbytes, y in mt.launch(prog, mesh="b:4", rules="batch:b"):
+        assert nbytes == 0
+        assert torch.equal(y, rand(8, 4, 6).reshape(8, 24))
+
+
+@given(data=st.data())
+@SET
+def test_slice_concat_pad(data):
+    mesh = data.draw(meshes())
+    a, b = data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["p", "t"]))
+    x, y = rand(a, b, seed=1), rand(a, 4, seed=2)
+    check_op(lambda x: mt.slice(x, "t", 1, b - 1 - (b - 1) % 4), lambda t: t[:, 1:1 + b - 1 - (b - 1) % 4],
+             [(x, f"p:{a},t:{b}")], mesh, rules)
+    check_op(lambda x, y: mt.concat([x, y], "t"), lambda x, y: torch.cat([x, y], 1),
+             [(x, f"p:{a},t:{b}"), (y, f"p:{a},t:4")], mesh, rules)
+    check_op(lambda x: mt.pad(x, "t", 1, 3, value=2.0), lambda t: F.pad(t, (1, 3), value=2.0),
+             [(x, f"p:{a},t:{b}")], mesh, rules)
+
+
+def _shift_ref(t, k, wrap):
+    # out[:, i] = t[:, i - k], by explicit index arithmetic
+    n = t.shape[1]
+    cols = []
+    for i in range(n):
+        j = i - k
+        if wrap:
+            cols.append(t[:, j % n])
+        else:
+            cols.append(t[:, j] if 0 <= j < n else torch.zeros_like(t[:, 0]))
+    return torch.stack(cols, 1)
+
+
+@given(data=st.data(), k=st.integers(-13, 13), wrap=st.booleans())
+@settings(max_examples=25, deadline=None)
+def test_shift_including_split_dim_halo(data, k, wrap):
+    mesh = data.draw(meshes())
+    a, b = data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["p", "t"]))
+    check_op(lambda x: mt.shift(x, "t", k, wrap=wrap), lambda t: _shift_ref(t, k, wrap),
+             [(rand(a, b), f"p:{a},t:{b}")], mesh, rules)
+
+
+def test_shift_by_one_sends_only_the_halo():
+    def prog():
+        x = mt.from_global(rand(2, 16), "p:2,t:16")
+        mt.reset_comm_stats()
+        mt.shift(x, "t", 1)
+        return mt.comm_stats().as_dict()
+
+    stats = mt.launch(prog, mesh="x:4", rules="t:x")
+    # one column of 2 float64 per boundary; the last processor sends nothing
+    assert [s.get("permute@x", {}).get("bytes") for s in stats] == [16, 16, 16, 0]
+
+
+@given(data=st.data())
+@SET
+def test_one_hot_gather_cross_entropy_with_split_vocab(data):
+    mesh = data.draw(meshes())
+    b, v, d = data.draw(SIZES), data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["batch", "vocab", "d_model"]))
+    ids = torch.randint(0, v, (b,), generator=torch.Generator().manual_seed(3))
+    table = rand(v, d, seed=4)
+    check_op(lambda i: mt.one_hot(i, mt.Dim("vocab", v), dtype=torch.float64),
+             lambda i: F.one_hot(i, v).double(), [(ids, f"batch:{b}")], mesh, rules, grad=False)
+    check_op(lambda w, i: mt.gather(w, i, "vocab"), lambda w, i: w[i],
+             [(table, f"vocab:{v},d_model:{d}"), (ids, f"batch:{b}")], mesh, rules)
+    check_op(lambda z, i: mt.cross_entropy(z, i, "vocab"),
+             lambda z, i: F.cross_entropy(z, i, reduction="none"),
+             [(rand(b, v, seed=5) * 2, f"batch:{b},vocab:{v}"), (ids, f"batch:{b}")], mesh, rules)
+
+
+@given(data=st.data(), rate=st.sampled_from([0.1, 0.5]))
+@settings(max_examples=6, deadline=None)
+def test_dropout_mask_is_layout_invariant(data, rate):
+    mesh = data.draw(meshes())
+    rules = data.draw(rules_for(mesh, ["p", "q"]))
+    mask = mt.random.bernoulli("p:8,q:12", 1 - rate, seed=11, dtype=torch.float64).to_global()
+    assert 0 < mask.mean() < 1
+    check_op(lambda x: mt.dropout(x, rate, seed=11), lambda t: t * mask / (1 - rate),
+             [(rand(8, 12), "p:8,q:12")], mesh, rules)
+
+
+def test_dropout_without_seed_differs_per_call_but_not_per_layout():
+    def prog():
+        x = mt.ones("p:8,q:8")
+        return mt.dropout(x, 0.5).to_global(), mt.dropout(x, 0.5).to_global()
+
+    (a1, b1), = mt.launch(prog)
+    outs = mt.launch(prog, mesh="x:2,y:2", rules="p:x; q:y")
+    assert not torch.equal(a1, b1)
+    assert all(torch.equal(a, a1) and torch.equal(b, b1) for a, b in outs)
+
+
+@given(data=st.data())
+@SET
+def test_slicewise_with_whole_dim(data):
+    mesh = data.draw(meshes())
+    rules = data.draw(rules_for(mesh, ["p", "t"]))
+    check_op(lambda x: mt.slicewise(lambda t: torch.cumsum(t, 1), x, whole=["t"]),
+             lambda t: torch.cumsum(t, 1), [(rand(4, 8), "p:4,t:8")], mesh, rules)
+
+
+def test_slicewise_reduced_partial_sums():
+    check_op(lambda x: mt.slicewise(lambda t: (t * t).sum(1), x, output_shape="p:4", reduced={"t": "sum"}),
+             lambda t: (t * t).sum(1), [(rand(4, 8), "p:4,t:8")], "x:2,y:2", "p:x; t:y")
+
+
+def test_gather_rejects_float_ids():
+    with pytest.raises(mt.errors.ShapeError, match="ids must be integers"):
+        mt.gather(mt.ones("vocab:4,d:2"), mt.ones("batch:2"), "vocab")

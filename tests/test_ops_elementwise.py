@@ -1,0 +1,115 @@
+"""Elementwise ops on drawn meshes and rules equal dense torch, values and grads."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from mesh_harness import SIZES, check_op, meshes, rand, rules_for
+
+SET = settings(max_examples=8, deadline=None)
+
+UNARY = [
+    (mt.relu, torch.relu, False),
+    (mt.gelu, F.gelu, False),
+    (mt.silu, F.silu, False),
+    (mt.exp, torch.exp, False),
+    (mt.log, torch.log, True),
+    (mt.tanh, torch.tanh, False),
+    (mt.sigmoid, torch.sigmoid, False),
+    (mt.rsqrt, torch.rsqrt, True),
+    (mt.sqrt, torch.sqrt, True),
+    (mt.abs, torch.abs, False),
+    (mt.square, torch.square, False),
+    (lambda x: x ** 3, lambda x: x ** 3, False),
+    (lambda x: mt.pow(x, 0.5), lambda x: x ** 0.5, True),
+    (lambda x: -x, lambda x: -x, False),
+    (lambda x: mt.clamp(x, -0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), False),
+]
+
+
+@pytest.mark.parametrize("i", range(len(UNARY)))
+@given(data=st.data())
+@SET
+def test_unary(i, data):
+    mt_fn, torch_fn, positive = UNARY[i]
+    mesh = data.draw(meshes())
+    a, b = data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["p", "q"]))
+    check_op(mt_fn, torch_fn, [(rand(a, b, positive=positive), f"p:{a},q:{b}")], mesh, rules)
+
+
+def test_cast_keeps_gradient_in_original_dtype():
+    def prog():
+        x = mt.from_global(rand(4, 4), "p:4,q:4", requires_grad=True)
+        y = mt.cast(x, torch.float32)
+        mt.reduce_sum(y).backward()
+        return y.dtype, x.grad.dtype, x.grad.to_global()
+
+    for dtype, gdtype, g in mt.launch(prog, mesh="x:2,y:2", rules="p:x; q:y"):
+        assert dtype == torch.float32 and gdtype == torch.float64
+        assert torch.equal(g, torch.ones(4, 4, dtype=torch.float64))
+
+
+BINARY = [
+    (lambda x, y: x + y, torch.add, False),
+    (lambda x, y: x - y, torch.sub, False),
+    (lambda x, y: x * y, torch.mul, False),
+    (lambda x, y: x / y, torch.div, True),
+    (mt.minimum, torch.minimum, False),
+    (mt.maximum, torch.maximum, False),
+    (lambda x, y: mt.pow(x, y), torch.pow, True),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BINARY)))
+@given(data=st.data())
+@SET
+def test_binary_broadcast_by_name(i, data):
+    """y has a subset of x's dims plus one of its own, in another order."""
+    mt_fn, torch_fn, positive = BINARY[i]
+    mesh = data.draw(meshes())
+    a, b, c = data.draw(SIZES), data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["p", "q", "r"]))
+    x = rand(a, b, seed=1, positive=positive)
+    y = rand(c, a, seed=2, positive=True)
+    # out dims: p, q (from x), then r (from y); y is [r, p]
+    check_op(mt_fn, lambda x, y: torch_fn(x[:, :, None], y.T[:, None, :]),
+             [(x, f"p:{a},q:{b}"), (y, f"r:{c},p:{a}")], mesh, rules)
+
+
+@pytest.mark.parametrize("op, ref", [
+    (lambda x, y: x < y, torch.lt), (lambda x, y: x >= y, torch.ge),
+    (mt.equal, torch.eq), (mt.not_equal, torch.ne)])
+@given(data=st.data())
+@settings(max_examples=4, deadline=None)
+def test_comparisons(op, ref, data):
+    mesh = data.draw(meshes())
+    rules = data.draw(rules_for(mesh, ["p", "q"]))
+    x = torch.tensor([[1.0, 2, 3, 4]] * 4)
+    y = torch.tensor([2.0, 2, 2, 5])
+    check_op(op, lambda x, y: ref(x, y[None, :]), [(x, "p:4,q:4"), (y, "q:4")], mesh, rules,
+             grad=False)
+
+
+@given(data=st.data())
+@SET
+def test_where_and_scalars(data):
+    mesh = data.draw(meshes())
+    rules = data.draw(rules_for(mesh, ["p", "q"]))
+    x, y = rand(4, 8, seed=3), rand(8, seed=4)
+    check_op(lambda x, y: mt.where(x > 0, x * 2.0 + 1, 3.0 - y),
+             lambda x, y: torch.where(x > 0, x * 2.0 + 1, 3.0 - y[None, :]),
+             [(x, "p:4,q:8"), (y, "q:8")], mesh, rules)
+
+
+def test_broadcast_size_mismatch_names_dim():
+    with pytest.raises(mt.errors.ShapeError, match="cannot broadcast dim 'q': size 4 vs 8"):
+        mt.ones("p:2,q:4") + mt.ones("q:8")
+
+
+def test_operand_type_error_suggests_from_global():
+    with pytest.raises(mt.errors.ShapeError, match="mt.from_global"):
+        mt.ones("p:2") + torch.ones(2)

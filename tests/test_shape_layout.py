@@ -1,0 +1,119 @@
+"""Dims, shapes, meshes and layout rules (DESIGN §1), checked by hand and by
+an independent re-statement of the layout rule."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from meshtorch.errors import LayoutError, MeshError, ShapeError
+from meshtorch.layout import LayoutRules
+from meshtorch.mesh import Mesh
+
+
+def test_shape_parse_and_access():
+    s = mt.Shape("batch:8, seq:16")
+    assert s.names == ("batch", "seq") and s.sizes == (8, 16) and s.numel == 128
+    assert s == mt.Shape([mt.Dim("batch", 8), ("seq", 16)])
+    assert s["seq"] == mt.Dim("seq", 16) and s.index("seq") == 1
+    assert str(s.without(["batch"])) == "seq:16"
+    assert mt.Shape("") == mt.Shape([]) and mt.Shape("").numel == 1
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("batch:8,batch:4", "repeats dim name"),
+        ("batch", "cannot parse"),
+        ("batch:x", "cannot parse"),
+        ("9lives:3", "not an identifier"),
+    ],
+)
+def test_shape_errors(spec, match):
+    with pytest.raises(ShapeError, match=match):
+        mt.Shape(spec)
+
+
+def test_shape_unknown_dim_names_shape():
+    with pytest.raises(ShapeError, match=r"dim 'd' is not in shape \[a:2,b:3\]"):
+        mt.Shape("a:2,b:3").index("d")
+
+
+def test_mesh_row_major():
+    m = Mesh("b:2,m:4")
+    assert m.size == 8 and m.axis_names == ("b", "m")
+    assert [m.coords(r) for r in (0, 3, 4, 7)] == [
+        {"b": 0, "m": 0}, {"b": 0, "m": 3}, {"b": 1, "m": 0}, {"b": 1, "m": 3}]
+    assert all(m.rank(m.coords(r)) == r for r in range(8))
+    assert m.group(6, ["m"]) == (4, 5, 6, 7) and m.group(6, ["b"]) == (2, 6)
+    assert Mesh("b:2;m:4") == m
+
+
+@pytest.mark.parametrize("spec, match", [("b:0", "sizes are ints >= 1"), ("b", "cannot parse"),
+                                         ("b:2,b:2", "repeats an axis")])
+def test_mesh_errors(spec, match):
+    with pytest.raises(MeshError, match=match):
+        Mesh(spec)
+
+
+def test_rules_errors():
+    with pytest.raises(LayoutError, match="'batch' is mapped to two axes, 'b' and 'm'"):
+        LayoutRules("batch:b; batch:m")
+    with pytest.raises(LayoutError, match="names axis 'q', which mesh 'b:2' does not have"):
+        mt.launch(lambda: None, mesh="b:2", rules="batch:q")
+    with pytest.raises(LayoutError, match="cannot parse rule"):
+        LayoutRules("batch")
+
+
+def test_divisibility_error_names_everything():
+    def prog():
+        mt.zeros("batch:6,d:4", name="activations")
+
+    with pytest.raises(mt.errors.ProcessorError) as info:
+        mt.launch(prog, mesh="b:4", rules="batch:b")
+    msg = str(info.value.__cause__)
+    for part in ("'activations'", "[batch:6,d:4]", "'batch' of size 6", "axis 'b' of size 4",
+                 "multiple of 4", "'batch:b'"):
+        assert part in msg, (part, msg)
+
+
+def test_earlier_dim_takes_shared_axis():
+    rules = LayoutRules("batch:b; d_model:b; d_ff:m")
+    mesh = Mesh("b:2,m:2")
+    assert rules.layout(mt.Shape("batch:4,d_model:4"), mesh).split == {"batch": "b"}
+    assert rules.layout(mt.Shape("d_model:4,d_ff:4"), mesh).split == {"d_model": "b", "d_ff": "m"}
+    assert rules.layout(mt.Shape("d_model:4,batch:4"), mesh).split == {"d_model": "b"}
+
+
+@given(
+    st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True),
+    st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["x", "y"])),
+)
+@settings(max_examples=50, deadline=None)
+def test_layout_rule_matches_statement(names, rule_map):
+    # independent statement of DESIGN §1: walk dims in order, take the axis if still free
+    mesh = Mesh("x:2,y:2")
+    shape = mt.Shape([(n, 4) for n in names])
+    lay = LayoutRules(rule_map).layout(shape, mesh)
+    free, expect = {"x", "y"}, {}
+    for n in names:
+        if n in rule_map and rule_map[n] in free:
+            expect[n] = rule_map[n]
+            free.discard(rule_map[n])
+    assert lay.split == expect
+    assert lay.local_sizes == tuple(2 if n in expect else 4 for n in names)
+    for axis in ("x", "y"):
+        assert (lay.dim_of(axis) is None) == (axis not in expect.values())
+
+
+def test_local_slices_tile_the_tensor():
+    rules = LayoutRules("a:x; b:y")
+    mesh = Mesh("x:2,y:4")
+    lay = rules.layout(mt.Shape("a:4,b:8,c:3"), mesh)
+    seen = set()
+    for r in range(mesh.size):
+        (a0, an), (b0, bn), (c0, cn) = lay.slices(mesh.coords(r))
+        cells = {(i, j) for i in range(a0, a0 + an) for j in range(b0, b0 + bn)}
+        assert not cells & seen
+        seen |= cells
+    assert len(seen) == 32
