@@ -204,7 +204,9 @@ class GradientSync:
 
     # ---------------------------------------------------------- step hooks
     def _before_step(self, optimizer, args, kwargs) -> None:
-        if args or kwargs.get("closure") is not None:
+        # torch passes the bound call's args: (optimizer,) or (optimizer, closure)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:
             if not self.overlap:
                 raise CommError(
                     "optimizer.step(closure) with overlap=False cannot average the gradients the "
