@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from meshtorch import amp, errors, nn, optim, random
 from meshtorch.amp import autocast
+from meshtorch.checkpoint import export_hf, import_hf, load, save
 from meshtorch.comm import CommStats, Communicator
 from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
 from meshtorch.errors import MeshTorchError

@@ -1,0 +1,20 @@
+"""Resharding checkpoints (DESIGN §7) and Hugging Face-style consolidated export.
+
+``mt.save`` / ``mt.load`` write and read a directory of safetensors slices
+plus ``index.json``; ``mt.export_hf`` / ``mt.import_hf`` write and read one
+consolidated ``model.safetensors`` (sharded with an index when large).
+
+Example:
+    >>> import tempfile, os, meshtorch as mt
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> model = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 2))
+    >>> _ = mt.save(path, model=model, step=1, extra={"note": "hi"})
+    >>> mt.load(path, model=model)["extra"]
+    {'note': 'hi'}
+"""
+
+from meshtorch.checkpoint.hf import export_hf, import_hf
+from meshtorch.checkpoint.reader import load
+from meshtorch.checkpoint.writer import save
+
+__all__ = ["save", "load", "export_hf", "import_hf"]

@@ -1,0 +1,152 @@
+"""Consolidated Hugging Face-style export and import: ``model.safetensors``.
+
+``export_hf`` gathers each parameter whole and processor 0 writes one
+``model.safetensors`` keyed by parameter name (or, above ``max_shard_bytes``,
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
+with a ``weight_map``, as ``transformers`` does). The named dims are kept in
+the file's metadata. ``import_hf`` reads only each processor's slices.
+
+Example:
+    >>> import tempfile, os, meshtorch as mt
+    >>> path = tempfile.mkdtemp()
+    >>> model = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3))
+    >>> _ = mt.export_hf(path, model)
+    >>> sorted(os.listdir(path))
+    ['model.safetensors']
+    >>> fresh = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3)).reset_parameters(seed=9)
+    >>> mt.import_hf(path, fresh)
+    ['kernel', 'bias']
+    >>> bool((fresh.kernel == model.kernel).all())
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from meshtorch.checkpoint.format import fsync_write, shape_json
+from meshtorch.checkpoint.writer import _token
+from meshtorch.context import current
+from meshtorch.errors import CheckpointError
+from meshtorch.nn.module import Module
+from meshtorch.optim.params import view_of
+
+SINGLE = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+
+
+def _views(model: torch.nn.Module):
+    if isinstance(model, Module):
+        return list(model.named_mesh_parameters())
+    return [(n, view_of(p)) for n, p in model.named_parameters()]
+
+
+def export_hf(path: str | os.PathLike, model: torch.nn.Module, *,
+              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[str]:
+    """Write ``model`` as consolidated safetensors in directory ``path`` (every processor calls it).
+
+    Returns the file names written. ``dtype`` casts on export (e.g. ``torch.bfloat16``).
+    Files are written under a temporary name and renamed into place.
+    """
+    ctx = current()
+    path = os.fspath(path)
+    token = _token()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    dims = {}
+    with torch.no_grad():
+        for name, view in _views(model):
+            full = view.detach().to_global()  # every processor takes part in the gather
+            if ctx.rank != 0:
+                continue
+            full = (full.to(dtype) if dtype is not None else full).contiguous().cpu()
+            nbytes = full.numel() * full.element_size()
+            if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                shards.append({})
+                sizes.append(0)
+            shards[-1][name] = full
+            sizes[-1] += nbytes
+            dims[name] = shape_json(view.shape)
+    names: list[str] = []
+    error = None
+    if ctx.rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            n = len(shards)
+            names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+            meta = {"format": "pt", "meshtorch_dims": json.dumps(dims)}
+            for fname, shard in zip(names, shards):
+                tmp = os.path.join(path, f".{fname}.tmp-{token}")
+                safetensors.torch.save_file(shard, tmp, metadata=meta)
+                os.replace(tmp, os.path.join(path, fname))
+            if n > 1:
+                weight_map = {k: f for f, shard in zip(names, shards) for k in shard}
+                tmp = os.path.join(path, f".{HF_INDEX}.tmp-{token}")
+                fsync_write(tmp, json.dumps({"metadata": {"total_size": sum(sizes)},
+                                             "weight_map": weight_map}, indent=1))
+                os.replace(tmp, os.path.join(path, HF_INDEX))
+        except OSError as e:
+            error = e
+    comm = ctx.comm
+    bad = comm.all_reduce(torch.tensor([0.0 if error is None else 1.0]), comm.mesh.axis_names, "max")
+    if bad.item():
+        raise CheckpointError(f"export_hf to {path!r} failed on processor 0: {error}") from error
+    return names if ctx.rank == 0 else []
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    if os.path.isfile(path):
+        with safe_open(path, framework="pt") as f:
+            return {k: path for k in f.keys()}
+    ipath = os.path.join(path, HF_INDEX)
+    if os.path.isfile(ipath):
+        with open(ipath) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, SINGLE)
+    if os.path.isfile(single):
+        return _weight_map(single)
+    raise CheckpointError(f"no {SINGLE} or {HF_INDEX} in {path!r}; export one with mt.export_hf")
+
+
+def import_hf(path: str | os.PathLike, model: torch.nn.Module, *,
+              rename: Callable[[str], str] | dict[str, str] | None = None,
+              strict: bool = True) -> list[str]:
+    """Load consolidated safetensors (a file, or a directory with ``model.safetensors``
+    or a sharded index) into ``model``; each processor reads only its slices.
+
+    ``rename`` maps a parameter name to the key in the files. Values are cast to
+    each parameter's dtype. With ``strict``, a parameter missing from the files
+    is an error. Returns the names of the parameters loaded.
+    """
+    path = os.fspath(path)
+    wmap = _weight_map(path)
+    key_of = rename if callable(rename) else (lambda n: (rename or {}).get(n, n))
+    coords = current().coords
+    loaded = []
+    handles: dict[str, object] = {}
+    with torch.no_grad():
+        for name, view in _views(model):
+            key = key_of(name)
+            fpath = wmap.get(key)
+            if fpath is None:
+                if strict:
+                    raise CheckpointError(f"parameter {name!r} (key {key!r}) is not in {path!r}; "
+                                          "pass rename= to map names, or strict=False")
+                continue
+            if fpath not in handles:
+                handles[fpath] = safe_open(fpath, framework="pt")
+            sl = handles[fpath].get_slice(key)
+            if list(sl.get_shape()) != list(view.shape.sizes):
+                raise CheckpointError(f"parameter {name!r} has shape [{view.shape}] but {fpath} holds "
+                                      f"{key!r} with shape {sl.get_shape()}")
+            region = tuple(slice(s, s + n) for s, n in view.layout.slices(coords))
+            part = sl[region] if region else handles[fpath].get_tensor(key)
+            view.local.copy_(part.to(view.dtype))
+            loaded.append(name)
+    return loaded

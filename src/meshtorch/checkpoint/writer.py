@@ -1,0 +1,229 @@
+"""``mt.save``: write a resharding checkpoint, atomically (DESIGN §7).
+
+Example:
+    >>> import tempfile, os, torch, meshtorch as mt
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> def f():
+    ...     model = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
+    ...     mt.save(path, model=model, step=7)
+    ...     return sorted(os.listdir(path))
+    >>> mt.launch(f, mesh="m:2", rules="d:m")[0]
+    ['index.json', 'slices-00000.safetensors', 'slices-00001.safetensors']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from meshtorch.checkpoint.format import (
+    FORMAT,
+    INDEX,
+    VERSION,
+    dtype_name,
+    fsync_write,
+    piece_key,
+    sha256_file,
+    shape_json,
+    slice_file,
+)
+from meshtorch.checkpoint.state import rng_state, scalar_json, to_json
+from meshtorch.context import current
+from meshtorch.errors import CheckpointError
+from meshtorch.nn.module import Module
+from meshtorch.optim.params import view_of
+from meshtorch.shape import Shape
+from meshtorch.tensor import MeshTensor, layout_for
+
+
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, MeshTensor]]:
+    """``("model/<param>", view)`` for every parameter of ``model``."""
+    if isinstance(model, Module):
+        items = model.named_mesh_parameters()
+    else:
+        items = ((n, view_of(p)) for n, p in model.named_parameters())
+    return [(f"model/{n}", v) for n, v in items]
+
+
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def state_shape(optimizer, p: torch.Tensor, key: str, value: torch.Tensor, name: str) -> Shape:
+    """The named shape of optimizer state ``key`` of parameter ``name``."""
+    hook = getattr(optimizer, "state_shape", None)
+    shape = hook(p, key) if hook is not None else None
+    if shape is not None:
+        return shape
+    view = view_of(p)
+    if tuple(value.shape) == tuple(p.shape):
+        return view.shape
+    raise CheckpointError(
+        f"optimizer {type(optimizer).__name__} keeps state {key!r} of parameter {name!r} with local "
+        f"shape {list(value.shape)}, unlike the parameter's {list(p.shape)}; give the optimizer a "
+        "state_shape(param, key) -> Shape method so the checkpoint knows its named dims"
+    )
+
+
+def optimizer_content(optimizer, model) -> tuple[list[tuple[str, MeshTensor]], dict]:
+    """Optimizer state as named tensors (sharded like parameters) plus JSON (groups, scalars)."""
+    names = param_names(model)
+    tensors, scalars, groups = [], {}, []
+    for gi, group in enumerate(optimizer.param_groups):
+        pnames = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(f"optimizer group {gi} holds a parameter that is not in the "
+                                      "model; save the model that owns the optimizer's parameters")
+            name = names[id(p)]
+            pnames.append(name)
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    shape = state_shape(optimizer, p, key, value, name)
+                    layout = layout_for(shape)
+                    tensors.append((f"optim/{name}/{key}", MeshTensor(value, shape, layout)))
+                elif isinstance(value, torch.Tensor):
+                    scalars.setdefault(name, {})[key] = scalar_json(value)
+                else:
+                    scalars.setdefault(name, {})[key] = {"json": to_json(value, f"state {key!r}")}
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**to_json(hyper, f"optimizer group {gi}"), "params": pnames})
+    return tensors, {"class": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}
+
+
+def _write_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    safetensors.torch.save_file(tensors, path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _token() -> str:
+    """A fresh temp-dir token chosen by processor 0 and broadcast to all."""
+    comm = current().comm
+    t = torch.tensor(list(secrets.token_hex(8).encode()), dtype=torch.uint8)
+    t = comm.broadcast(t, comm.mesh.axis_names, 0)
+    return bytes(t.tolist()).decode()
+
+
+def _all_ok(ok: bool) -> bool:
+    comm = current().comm
+    flag = torch.tensor([0.0 if ok else 1.0])
+    return comm.all_reduce(flag, comm.mesh.axis_names, "max").item() == 0.0
+
+
+def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = None,
+         scheduler: Any = None, step: int | None = None, data: Any = None,
+         extra: dict | None = None) -> str:
+    """Write a checkpoint directory at ``path`` (every processor calls it).
+
+    Each processor writes the slices it owns (a replicated region is written
+    by the processor at coordinate 0 along the replicated axes only) into a
+    temporary directory; processor 0 writes ``index.json`` with a sha256 per
+    file, and the directory is renamed into place only when every processor
+    succeeded. If any processor fails, nothing at ``path`` changes and every
+    processor raises :class:`~meshtorch.errors.CheckpointError`.
+
+    Args:
+        model: the model; parameters are saved with their named shapes.
+        optimizer: a ``torch.optim`` optimizer over ``model.parameters()``.
+        scheduler: anything with a JSON-able ``state_dict()`` (LR schedulers).
+        step: the training step, returned by :func:`~meshtorch.checkpoint.load`.
+        data: the data position: a JSON value or an object with ``state_dict()``.
+        extra: more JSON values (e.g. ``{"scaler": scaler.state_dict()}``).
+    """
+    ctx = current()
+    comm, mesh = ctx.comm, ctx.mesh
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{_token()}"
+    everyone = mesh.axis_names
+    error: BaseException | None = None
+    digest = torch.zeros(33, dtype=torch.uint8)
+    index: dict = {}
+    try:
+        entries = model_tensors(model)
+        opt_json = None
+        if optimizer is not None:
+            opt_entries, opt_json = optimizer_content(optimizer, model)
+            entries += opt_entries
+        index = _index(entries, mesh, ctx.rules, step, data, extra, scheduler, opt_json)
+        if ctx.rank == 0:
+            os.makedirs(tmp)
+    except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+        error = e
+    if not _all_ok(error is None):
+        raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
+                              "changed") from error
+    try:
+        mine = {}
+        for name, view in entries:
+            if all(ctx.coords[a] == 0 for a in view.layout.replicated_axes()):
+                start = [s for s, _ in view.layout.slices(ctx.coords)]
+                mine[piece_key(name, start)] = view.local.detach().contiguous().cpu()
+        if mine:
+            fpath = os.path.join(tmp, slice_file(ctx.rank))
+            _write_file(fpath, mine)
+            digest = torch.tensor([1] + list(bytes.fromhex(sha256_file(fpath))), dtype=torch.uint8)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    ok = _all_ok(error is None)
+    if ok:
+        digests = comm.all_gather(digest.reshape(1, -1), everyone, 0)
+        if ctx.rank == 0:
+            try:
+                for rank in range(mesh.size):
+                    row = digests[rank]
+                    if row[0]:
+                        index["files"][slice_file(rank)] = {"sha256": bytes(row[1:].tolist()).hex()}
+                fsync_write(os.path.join(tmp, INDEX), json.dumps(index, indent=1))
+                _replace_dir(tmp, path)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        ok = _all_ok(error is None)
+    if not ok:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()
+        where = "" if error is None else f": {type(error).__name__}: {error}"
+        raise CheckpointError(f"saving checkpoint {path!r} failed on some processor{where}; the "
+                              f"previous checkpoint at {path!r} (if any) is unchanged") from error
+    return path
+
+
+def _replace_dir(tmp: str, path: str) -> None:
+    # os.replace cannot overwrite a non-empty directory: move the old one aside first
+    if os.path.exists(path):
+        old = f"{tmp}.old"
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
+def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json) -> dict:
+    tensors = {}
+    for name, view in entries:
+        pieces = []
+        for rank in range(mesh.size):
+            coords = mesh.coords(rank)
+            if all(coords[a] == 0 for a in view.layout.replicated_axes()):
+                sl = view.layout.slices(coords)
+                start = [s for s, _ in sl]
+                pieces.append({"file": slice_file(rank), "key": piece_key(name, start),
+                               "start": start, "size": [n for _, n in sl]})
+        tensors[name] = {"dims": shape_json(view.shape), "dtype": dtype_name(view.dtype),
+                         "pieces": pieces}
+    data_state = data.state_dict() if hasattr(data, "state_dict") else data
+    return {
+        "format": FORMAT, "version": VERSION, "mesh": str(mesh), "rules": str(rules),
+        "step": step, "data": to_json(data_state, "data"), "extra": to_json(extra, "extra"),
+        "rng": rng_state(),
+        "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
+        "optimizer": opt_json, "tensors": tensors, "files": {},
+    }

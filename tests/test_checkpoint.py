@@ -1,0 +1,276 @@
+"""Checkpoints: resharding save/load, atomicity, checksums, errors, bitwise resume, HF export."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import meshtorch as mt
+from meshtorch.checkpoint import writer as save_mod
+from meshtorch.errors import CheckpointError, ProcessorError
+
+RULES_A = "batch:b; d_in:b; d_ff:m; vocab:m"
+RULES_B = "d_ff:m; cls:m"
+
+
+def make_model(d_ff: int = 8, dropout: float = 0.0) -> mt.nn.Module:
+    vocab, d_in = mt.Dim("vocab", 8), mt.Dim("d_in", 4)
+    ff, cls = mt.Dim("d_ff", d_ff), mt.Dim("cls", 4)
+    return mt.nn.Sequential(mt.nn.Embedding(vocab, d_in), mt.nn.LayerNorm(d_in), mt.nn.Dense(d_in, ff),
+                            mt.relu, mt.nn.Dropout(dropout), mt.nn.Dense(ff, cls))
+
+
+class Data:
+    """A resumable stream of batches: batch ``pos`` is a pure function of ``pos``."""
+
+    def __init__(self):
+        self.pos = 0
+
+    def next(self):
+        g = torch.Generator().manual_seed(500 + self.pos)
+        self.pos += 1
+        ids = torch.randint(0, 8, (4,), generator=g)
+        return mt.from_global(ids, "batch:4"), mt.from_global((ids * 3) % 4, "batch:4")
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def make_opt(model, kind):
+    if kind == "adamw":
+        return torch.optim.AdamW(mt.optim.weight_decay_groups(model, 0.01), lr=5e-2)
+    return mt.optim.Adafactor(model, lr=5e-2, beta1=0.9, min_dim_size_to_factor=4)
+
+
+def train(model, opt, data, steps, sched=None):
+    losses = []
+    for _ in range(steps):
+        ids, y = data.next()
+        opt.zero_grad()
+        loss = mt.reduce_mean(mt.cross_entropy(model(ids), y, "cls"))
+        loss.backward()
+        mt.optim.clip_grad_norm_(model, 1.0)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def snapshot(model, opt):
+    """Global values of every parameter and optimizer state tensor (bitwise)."""
+    out = {f"p/{n}": v.to_global().detach().clone() for n, v in model.named_mesh_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for key, val in st.items():
+            if val.dim() == 0:
+                out[f"s/{names[id(p)]}/{key}"] = val.clone()
+                continue
+            shape = save_mod.state_shape(opt, p, key, val, names[id(p)])
+            view = mt.MeshTensor(val, shape, mt.tensor.layout_for(shape))
+            out[f"s/{names[id(p)]}/{key}"] = view.to_global().clone()
+    return out
+
+
+def assert_bitwise(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adafactor"])
+def test_save_on_2x2_load_on_m4_and_one_processor_bitwise(tmp_path, kind):
+    path = str(tmp_path / "ckpt")
+
+    def save_run():
+        model = make_model()
+        opt = make_opt(model, kind)
+        train(model, opt, Data(), 3)
+        mt.save(path, model=model, optimizer=opt, step=3)
+        return snapshot(model, opt)
+
+    saved = mt.launch(save_run, mesh="b:2,m:2", rules=RULES_A)[0]
+    assert any(k.endswith("exp_avg") or k.endswith("vr") for k in saved)
+
+    def load_run():
+        model = make_model().reset_parameters(seed=123)
+        opt = make_opt(model, kind)
+        info = mt.load(path, model=model, optimizer=opt)
+        local = sum(p.numel() * p.element_size() for p in model.parameters())
+        local += sum(v.numel() * v.element_size() for st in opt.state.values()
+                     for v in st.values() if v.dim() > 0)
+        return info["step"], info["bytes_read"], local, snapshot(model, opt)
+
+    for mesh, rules in [("m:4", RULES_B), ("", "")]:
+        for step, read, local, snap in mt.launch(load_run, mesh=mesh, rules=rules):
+            assert step == 3
+            assert read == local  # only the regions this processor holds, each once
+            assert_bitwise(snap, saved)
+
+    # each byte written once: the pieces of every tensor add up to its global size
+    index = json.load(open(os.path.join(path, "index.json")))
+    stored = {}
+    for fname in index["files"]:
+        with safe_open(os.path.join(path, fname), "pt") as f:
+            for key in f.keys():
+                stored[key.split("@")[0]] = stored.get(key.split("@")[0], 0) + f.get_tensor(key).numel()
+    for name, entry in index["tensors"].items():
+        numel = 1
+        for _, s in entry["dims"]:
+            numel *= s
+        assert stored[name] == numel, name
+
+
+def test_interrupted_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+
+    def first():
+        model = make_model()
+        mt.save(path, model=model, step=1)
+        return {n: v.to_global().clone() for n, v in model.named_mesh_parameters()}
+
+    before = mt.launch(first, mesh="b:2,m:2", rules=RULES_A)[0]
+    real = save_mod._write_file
+
+    def flaky(fpath, tensors):
+        if mt.current().rank == 1:
+            with open(fpath, "wb") as f:
+                f.write(b"half a file")
+            raise OSError("disk full (simulated)")
+        real(fpath, tensors)
+
+    monkeypatch.setattr(save_mod, "_write_file", flaky)
+
+    def second():
+        model = make_model().reset_parameters(seed=77)
+        with pytest.raises(CheckpointError, match="disk full|failed on some processor"):
+            mt.save(path, model=model, step=2)
+        return True
+
+    assert all(mt.launch(second, mesh="b:2,m:2", rules=RULES_A))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temp dir left behind
+    monkeypatch.setattr(save_mod, "_write_file", real)
+
+    def reload():
+        model = make_model().reset_parameters(seed=5)
+        info = mt.load(path, model=model)
+        return info["step"], {n: v.to_global() for n, v in model.named_mesh_parameters()}
+
+    step, after = mt.launch(reload, mesh="m:4", rules=RULES_B)[2]
+    assert step == 1
+    assert_bitwise(after, before)
+
+
+def test_overwrite_replaces_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    for step in (1, 2):
+        mt.save(path, model=make_model().reset_parameters(seed=step), step=step)
+    model = make_model()
+    assert mt.load(path, model=model)["step"] == 2
+    want = make_model().reset_parameters(seed=2)
+    assert torch.equal(model[2].kernel, want[2].kernel)
+    assert not torch.equal(model[2].kernel, make_model()[2].kernel)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_corrupted_file_gives_checksum_error(tmp_path):
+    path = str(tmp_path / "ckpt")
+    mt.launch(lambda: mt.save(path, model=make_model()), mesh="m:2", rules=RULES_B)
+    fname = os.path.join(path, "slices-00001.safetensors")
+    raw = bytearray(open(fname, "rb").read())
+    raw[-3] ^= 0xFF
+    open(fname, "wb").write(bytes(raw))
+    with pytest.raises(ProcessorError) as e:
+        mt.launch(lambda: mt.load(path, model=make_model()), mesh="m:2", rules=RULES_B)
+    cause = e.value.__cause__
+    assert isinstance(cause, CheckpointError)
+    assert "checksum" in str(cause) and "slices-00001.safetensors" in str(cause)
+    # ... and on one processor, which needs that file's region too
+    with pytest.raises(CheckpointError, match="checksum mismatch in .*slices-00001"):
+        mt.load(path, model=make_model())
+
+
+def test_load_errors_name_tensor_and_file(tmp_path):
+    path = str(tmp_path / "ckpt")
+    mt.save(path, model=make_model(), step=0)
+    shape_msg = r"'model/2.kernel' has shape \[d_in:4,d_ff:16\] here but \[d_in:4,d_ff:8\] in .*slices-00000"
+    with pytest.raises(CheckpointError, match=shape_msg):
+        mt.load(path, model=make_model(d_ff=16))
+    bigger = mt.nn.Sequential(make_model(), mt.nn.Dense(mt.Dim("cls", 4), mt.Dim("out", 2)))
+    with pytest.raises(CheckpointError, match=r"'model/0.0.table' is missing from checkpoint .*index.json"):
+        mt.load(path, model=bigger)
+    dtype_msg = r"'model/0.table' is torch.float64 here but float32 in .*slices"
+    with pytest.raises(CheckpointError, match=dtype_msg):
+        mt.load(path, model=make_model().double())
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        mt.load(str(tmp_path / "nope"), model=make_model())
+    with pytest.raises(CheckpointError, match="holds no optimizer state"):
+        mt.load(path, model=make_model(), optimizer=make_opt(make_model(), "adamw"))
+
+
+def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    path = str(tmp_path / "ckpt")
+
+    def setup():
+        model = make_model(dropout=0.25)
+        opt = make_opt(model, "adamw")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return model, opt, sched, Data()
+
+    def straight():
+        model, opt, sched, data = setup()
+        return train(model, opt, data, 20, sched)
+
+    def first_half():
+        model, opt, sched, data = setup()
+        losses = train(model, opt, data, 10, sched)
+        mt.save(path, model=model, optimizer=opt, scheduler=sched, step=10, data=data)
+        return losses
+
+    def second_half():
+        model, opt, sched, data = setup()
+        mt.random.normal("x:3", seed=None)  # disturb the random streams: load must restore them
+        info = mt.load(path, model=model, optimizer=opt, scheduler=sched, data=data)
+        assert info["step"] == 10 and data.pos == 10 and info["data"] == {"pos": 10}
+        return train(model, opt, data, 10, sched)
+
+    mesh, rules = "b:2,m:2", RULES_A
+    want = mt.launch(straight, mesh=mesh, rules=rules)[0]
+    got = mt.launch(first_half, mesh=mesh, rules=rules)[0] + mt.launch(second_half, mesh=mesh, rules=rules)[0]
+    assert got == want  # bitwise
+    assert len(set(want)) > 15  # the losses move; dropout masks differ per step
+
+
+def test_export_hf_import_on_other_mesh_and_sharded(tmp_path):
+    def export(sub, shard):
+        model = make_model().reset_parameters(seed=3)
+        mt.export_hf(str(tmp_path / sub), model, max_shard_bytes=shard)
+        return {n: v.to_global() for n, v in model.named_mesh_parameters()}
+
+    want = mt.launch(export, "one", 1 << 30, mesh="b:2,m:2", rules=RULES_A)[0]
+    mt.launch(export, "many", 200, mesh="b:2,m:2", rules=RULES_A)
+    assert sorted(os.listdir(tmp_path / "one")) == ["model.safetensors"]
+    many = sorted(os.listdir(tmp_path / "many"))
+    assert "model.safetensors.index.json" in many and len(many) > 3
+    with safe_open(str(tmp_path / "one" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("2.kernel"), want["2.kernel"])
+        assert json.loads(f.metadata()["meshtorch_dims"])["2.kernel"] == [["d_in", 4], ["d_ff", 8]]
+
+    def load(sub):
+        model = make_model()
+        mt.import_hf(str(tmp_path / sub), model)
+        return {n: v.to_global() for n, v in model.named_mesh_parameters()}
+
+    for sub in ("one", "many"):
+        for got in mt.launch(load, sub, mesh="m:4", rules=RULES_B):
+            assert_bitwise(got, want)
+    with pytest.raises(CheckpointError, match="'2.kernel' has shape"):
+        mt.import_hf(str(tmp_path / "one"), make_model(d_ff=16))
