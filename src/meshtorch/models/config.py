@@ -1,0 +1,112 @@
+"""``TransformerConfig``: the sizes and choices of every model in :mod:`meshtorch.models`.
+
+The config is plain data (JSON-able with :meth:`TransformerConfig.to_dict`),
+so a checkpoint can rebuild its model. Dims get the names layout rules use:
+``batch, length, d_model, heads, d_kv, d_ff, vocab, experts``.
+
+Example:
+    >>> from meshtorch.models import TransformerConfig
+    >>> cfg = TransformerConfig(d_model=8, heads=2, d_kv=4, d_ff=16, vocab=32)
+    >>> cfg.dim("d_ff"), cfg.num_experts_layers()
+    (Dim(name='d_ff', size=16), 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtorch.errors import ShapeError
+from meshtorch.shape import Dim
+
+POSITIONS = ("learned", "rotary")
+NORMS = ("layer", "rms")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
+@dataclass
+class TransformerConfig:
+    """Sizes and options of a Transformer (decoder-only, encoder-decoder, MoE).
+
+    Attributes:
+        vocab, d_model, heads, d_kv, d_ff: dim sizes (``heads * d_kv`` need not
+            equal ``d_model``).
+        layers: decoder blocks; ``encoder_layers``: encoder blocks (seq2seq only).
+        max_length: longest sequence (size of the learned position table and of
+            a KV cache).
+        positions: ``"learned"`` (a table added to the embeddings) or ``"rotary"``.
+        tie_embeddings: the output layer reuses the embedding table.
+        norm: ``"layer"`` or ``"rms"`` (pre-norm blocks and a final norm).
+        activation: of the feed-forward layer.
+        bias: dense layers have biases (GPT-2 does).
+        dropout: rate after attention and feed-forward (layout-invariant masks).
+        experts: number of experts of each MoE layer (0: no MoE).
+        moe_every: every ``moe_every``-th block's feed-forward is an MoE layer.
+        top_k: experts per token (1 or 2); ``capacity_factor``: an expert takes
+            at most ``capacity_factor * tokens * top_k / experts`` tokens per group;
+            ``aux_loss``: weight of the load-balancing loss.
+    """
+
+    vocab: int = 264
+    d_model: int = 128
+    heads: int = 4
+    d_kv: int = 32
+    d_ff: int = 512
+    layers: int = 2
+    encoder_layers: int = 0
+    max_length: int = 256
+    positions: str = "learned"
+    tie_embeddings: bool = True
+    norm: str = "layer"
+    activation: str = "gelu"
+    bias: bool = False
+    dropout: float = 0.0
+    eps: float = 1e-5
+    experts: int = 0
+    moe_every: int = 2
+    top_k: int = 2
+    capacity_factor: float = 2.0
+    aux_loss: float = 0.01
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab", "d_model", "heads", "d_kv", "d_ff", "max_length"):
+            if getattr(self, name) < 1:
+                raise ShapeError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.positions not in POSITIONS:
+            raise ShapeError(f"positions={self.positions!r}; use one of {POSITIONS}")
+        if self.positions == "rotary" and self.d_kv % 2:
+            raise ShapeError(f"rotary positions rotate pairs of d_kv; d_kv={self.d_kv} must be even")
+        if self.norm not in NORMS:
+            raise ShapeError(f"norm={self.norm!r}; use one of {NORMS}")
+        if self.activation not in ACTIVATIONS:
+            raise ShapeError(f"activation={self.activation!r}; use one of {ACTIVATIONS}")
+        if self.experts and self.top_k not in (1, 2):
+            raise ShapeError(f"top_k={self.top_k}; MoE gating supports top_k 1 or 2")
+        if self.experts and self.top_k > self.experts:
+            raise ShapeError(f"top_k={self.top_k} needs at least as many experts, got {self.experts}")
+
+    def dim(self, name: str) -> Dim:
+        """The model dim ``name`` (``d_model``, ``heads``, ``d_kv``, ``d_ff``, ``vocab``, ``experts``)."""
+        if name not in ("vocab", "d_model", "heads", "d_kv", "d_ff", "experts"):
+            raise ShapeError(f"{name!r} is not a model dim of TransformerConfig")
+        return Dim(name, getattr(self, name))
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) uses an MoE feed-forward layer."""
+        return self.experts > 0 and (i + 1) % self.moe_every == 0
+
+    def num_experts_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ShapeError(f"unknown TransformerConfig field(s) {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**d)

@@ -1,0 +1,180 @@
+"""Transformer building blocks over named dims: attention, feed-forward, positions.
+
+Attention contracts ``d_model`` into ``heads, d_kv``. Keys and values live on
+``memory_length`` (a renamed ``length``), so the score tensor
+``[batch, heads, length, memory_length]`` has two distinct dims and the causal
+mask is an ordinary named tensor added to it. With rules ``heads:m`` the
+whole attention computation is local to each processor's heads; only the
+output projection sums over them.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.models import TransformerConfig
+    >>> from meshtorch.models.layers import Attention, causal_bias
+    >>> cfg = TransformerConfig(d_model=8, heads=2, d_kv=4, d_ff=16, vocab=32)
+    >>> x = mt.random.normal("batch:2,length:3,d_model:8", seed=0)
+    >>> Attention(cfg)(x, bias=causal_bias(3)).shape
+    Shape('batch:2,length:3,d_model:8')
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtorch import nn
+from meshtorch.models.config import TransformerConfig
+from meshtorch.ops.einsum import einsum
+from meshtorch.ops.elementwise import cast, gelu, gelu_tanh, relu, silu
+from meshtorch.ops.nn import dropout, softmax
+from meshtorch.ops.reshape import rename
+from meshtorch.ops.slicewise import slicewise
+from meshtorch.shape import Dim
+from meshtorch.tensor import MeshTensor, from_global
+
+LENGTH, MEMORY = "length", "memory_length"
+NEG = -1e9  # large finite: exp() underflows to exactly 0 and fully-masked rows stay finite
+ACTIVATIONS = {"gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "silu": silu}
+
+
+def causal_bias(length: int, memory: int | None = None, offset: int = 0,
+                dtype: torch.dtype = torch.float32) -> MeshTensor:
+    """``[length, memory_length]`` additive mask: 0 where key ``j <= offset + i``, else −1e9.
+
+    ``offset`` is the position of the first query (decoding with a KV cache).
+
+    Example:
+        >>> from meshtorch.models.layers import causal_bias
+        >>> causal_bias(2, 3, offset=1).to_global().tolist()
+        [[0.0, 0.0, -1000000000.0], [0.0, 0.0, 0.0]]
+    """
+    memory = length if memory is None else memory
+    q = torch.arange(length).unsqueeze(1) + offset
+    k = torch.arange(memory).unsqueeze(0)
+    t = torch.where(k <= q, 0.0, NEG).to(dtype)
+    return from_global(t, [Dim(LENGTH, length), Dim(MEMORY, memory)])
+
+
+def padding_bias(mask: MeshTensor) -> MeshTensor:
+    """Additive mask over keys from a 0/1 ``mask`` with a ``memory_length`` dim (1 = keep).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.models.layers import padding_bias
+        >>> m = mt.from_global(torch.tensor([[1, 0]]), "batch:1,memory_length:2")
+        >>> padding_bias(m).to_global().tolist()
+        [[0.0, -1000000000.0]]
+    """
+    return (cast(mask, torch.float32) - 1.0) * -NEG
+
+
+def rotary_tables(positions: int, d_kv: int, dim: str, offset: int = 0,
+                  base: float = 10000.0) -> tuple[MeshTensor, MeshTensor]:
+    """``cos`` and ``sin`` tables ``[dim, d_kv]`` for rotary positions ``offset ..``.
+
+    The two halves of ``d_kv`` rotate as pairs (GPT-NeoX layout).
+    """
+    half = d_kv // 2
+    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    ang = (torch.arange(positions, dtype=torch.float64) + offset).unsqueeze(1) * inv
+    ang = torch.cat([ang, ang], 1)
+    shape = [Dim(dim, positions), Dim("d_kv", d_kv)]
+    return from_global(ang.cos().float(), shape), from_global(ang.sin().float(), shape)
+
+
+def apply_rotary(x: MeshTensor, cos: MeshTensor, sin: MeshTensor) -> MeshTensor:
+    """Rotate each pair ``(x_i, x_{i+d_kv/2})`` of ``x`` by its position's angle."""
+    i = x.shape.index("d_kv")
+    half = x.shape["d_kv"].size // 2
+
+    def rotate_half(t: torch.Tensor) -> torch.Tensor:
+        a, b = t.narrow(i, 0, half), t.narrow(i, half, half)
+        return torch.cat([-b, a], i)
+
+    return x * cos + slicewise(rotate_half, x, whole=["d_kv"]) * sin
+
+
+class Attention(nn.Module):
+    """Multi-head attention: ``d_model → heads, d_kv → d_model``.
+
+    ``forward(x, memory=None, bias=None, rotary=None, cache=None)``:
+    self-attention over ``x`` (with ``memory=None``) or cross-attention to
+    ``memory`` (which has a ``memory_length`` dim). ``bias`` is added to the
+    scores (a causal or padding mask), ``rotary`` is ``(cos_q, sin_q, cos_k,
+    sin_k)``. ``cache`` (a :class:`KVCache` entry) makes self-attention write
+    this call's keys and values into the cache and attend to all of it.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d_model, heads, d_kv = cfg.dim("d_model"), cfg.dim("heads"), cfg.dim("d_kv")
+        init = {"init": "normal", "std": cfg.d_model ** -0.5}
+        self.q = nn.Dense(d_model, [heads, d_kv], bias=cfg.bias, **init)
+        self.k = nn.Dense(d_model, [heads, d_kv], bias=cfg.bias, **init)
+        self.v = nn.Dense(d_model, [heads, d_kv], bias=cfg.bias, **init)
+        self.o = nn.Dense([heads, d_kv], d_model, bias=cfg.bias, init="normal",
+                          std=(cfg.heads * cfg.d_kv) ** -0.5 / math.sqrt(2 * max(cfg.layers, 1)))
+        self.scale = cfg.d_kv ** -0.5
+        self.rate = cfg.dropout
+
+    def forward(self, x: MeshTensor, memory: MeshTensor | None = None, bias: MeshTensor | None = None,
+                rotary: tuple[MeshTensor, ...] | None = None, cache: dict | None = None) -> MeshTensor:
+        q = self.q(x)
+        src = rename(x, LENGTH, MEMORY) if memory is None else memory
+        k, v = self.k(src), self.v(src)
+        if rotary is not None:
+            q = apply_rotary(q, rotary[0], rotary[1])
+            k = apply_rotary(k, rotary[2], rotary[3])
+        if cache is not None:
+            k, v = cache_write(cache, k, v)
+        others = [n for n in q.names if n not in (LENGTH, "heads", "d_kv")]
+        scores = einsum(q * self.scale, k, output_shape=others + ["heads", LENGTH, MEMORY])
+        if bias is not None:
+            scores = scores + bias
+        w = softmax(scores, MEMORY)
+        if self.training and self.rate:
+            w = dropout(w, self.rate)
+        ctx = einsum(w, v, output_shape=others + [LENGTH, "heads", "d_kv"])
+        return self.o(ctx)
+
+
+def cache_write(entry: dict, k: MeshTensor, v: MeshTensor) -> tuple[MeshTensor, MeshTensor]:
+    """Add this call's keys/values (positions ``entry['offset'] ..``) into the cache entry.
+
+    The cache holds ``[batch, memory_length:max_length, heads, d_kv]`` zeros
+    where nothing is written yet; new rows are placed with a one-hot einsum, so
+    the write works under any layout without indexing a split dim.
+    """
+    n, offset = k.shape[MEMORY].size, entry["offset"]
+    size = entry["k"].shape[MEMORY].size
+    place = torch.zeros(n, size)
+    place[torch.arange(n), torch.arange(n) + offset] = 1.0
+    p = from_global(place.to(k.dtype), [Dim("new_length", n), Dim(MEMORY, size)])
+    out = entry["k"].names
+    k_new, v_new = rename(k, MEMORY, "new_length"), rename(v, MEMORY, "new_length")
+    entry["k"] = entry["k"] + einsum(k_new, p, output_shape=out)
+    entry["v"] = entry["v"] + einsum(v_new, p, output_shape=out)
+    return entry["k"], entry["v"]
+
+
+class FeedForward(nn.Module):
+    """``d_model → d_ff → d_model`` with an elementwise activation."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d_model, d_ff = cfg.dim("d_model"), cfg.dim("d_ff")
+        self.wi = nn.Dense(d_model, d_ff, bias=cfg.bias, init="normal", std=cfg.d_model ** -0.5)
+        self.wo = nn.Dense(d_ff, d_model, bias=cfg.bias, init="normal",
+                           std=cfg.d_ff ** -0.5 / math.sqrt(2 * max(cfg.layers, 1)))
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: MeshTensor) -> MeshTensor:
+        return self.wo(self.act(self.wi(x)))
+
+
+def make_norm(cfg: TransformerConfig) -> nn.Module:
+    """The configured normalisation over ``d_model``."""
+    if cfg.norm == "rms":
+        return nn.RMSNorm(cfg.dim("d_model"), eps=cfg.eps)
+    return nn.LayerNorm(cfg.dim("d_model"), eps=cfg.eps, bias=True)

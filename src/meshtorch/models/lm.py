@@ -1,0 +1,225 @@
+"""Decoder-only Transformer language model over named dims (GPT style, pre-norm).
+
+Inputs are token ids ``[batch, length]``; logits are ``[batch, length, vocab]``.
+Every parameter is named by dims, so one rules string lays the model out:
+``"batch:b; heads:m; d_ff:m; vocab:m"`` is the Mesh-TensorFlow paper's data ×
+model parallelism. The same seed gives the same model on any mesh.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.models import DecoderLM, TransformerConfig
+    >>> cfg = TransformerConfig(vocab=32, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8)
+    >>> def f():
+    ...     model = DecoderLM(cfg, seed=0)
+    ...     ids = mt.from_global(torch.arange(12).reshape(2, 6) % 32, "batch:2,length:6")
+    ...     return round(model.loss(ids, ids).item(), 4)
+    >>> one, = mt.launch(f)
+    >>> mt.launch(f, mesh="b:2,m:2", rules="batch:b; heads:m; vocab:m") == [one] * 4
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch import nn
+from meshtorch.errors import ShapeError
+from meshtorch.models.config import TransformerConfig
+from meshtorch.models.layers import (
+    LENGTH,
+    MEMORY,
+    Attention,
+    FeedForward,
+    causal_bias,
+    make_norm,
+    rotary_tables,
+)
+from meshtorch.ops.elementwise import add
+from meshtorch.ops.nn import cross_entropy, dropout
+from meshtorch.ops.reduce import reduce_mean
+from meshtorch.shape import Dim
+from meshtorch.tensor import MeshTensor, as_mesh_tensor, from_global, zeros
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` [``+ cross(norm(x), memory)``] ``+ ffn(norm(x))``.
+
+    The feed-forward layer is an MoE layer when ``cfg.is_moe_layer(index)``;
+    then ``forward`` also returns its load-balancing loss (else ``None``).
+    """
+
+    def __init__(self, cfg: TransformerConfig, index: int, cross: bool = False):
+        super().__init__()
+        self.rate = cfg.dropout
+        self.ln_attn = make_norm(cfg)
+        self.attn = Attention(cfg)
+        if cross:
+            self.ln_cross = make_norm(cfg)
+            self.cross = Attention(cfg)
+        self.ln_ffn = make_norm(cfg)
+        if cfg.is_moe_layer(index):
+            from meshtorch.models.moe import MoE
+
+            self.ffn = MoE(cfg)
+        else:
+            self.ffn = FeedForward(cfg)
+
+    def _drop(self, x: MeshTensor) -> MeshTensor:
+        return dropout(x, self.rate) if self.training and self.rate else x
+
+    def forward(self, x: MeshTensor, bias: MeshTensor | None = None, rotary=None, cache: dict | None = None,
+                memory: MeshTensor | None = None, memory_bias: MeshTensor | None = None):
+        x = x + self._drop(self.attn(self.ln_attn(x), bias=bias, rotary=rotary, cache=cache))
+        if memory is not None:
+            x = x + self._drop(self.cross(self.ln_cross(x), memory=memory, bias=memory_bias))
+        y = self.ffn(self.ln_ffn(x))
+        aux = None
+        if isinstance(y, tuple):
+            y, aux = y
+        return x + self._drop(y), aux
+
+
+class KVCache:
+    """Keys and values of every block for incremental decoding.
+
+    ``offset`` is the number of positions already written; each block's entry
+    holds ``k`` and ``v`` of shape ``[batch, memory_length:max_length, heads, d_kv]``.
+    """
+
+    def __init__(self, cfg: TransformerConfig, batch: Dim, layers: int, dtype: torch.dtype = torch.float32):
+        self.max_length = cfg.max_length
+        shape = [batch, Dim(MEMORY, cfg.max_length), cfg.dim("heads"), cfg.dim("d_kv")]
+        self.entries = [{"k": zeros(shape, dtype), "v": zeros(shape, dtype), "offset": 0}
+                        for _ in range(layers)]
+        self.offset = 0
+
+    def check(self, n: int) -> None:
+        if self.offset + n > self.max_length:
+            raise ShapeError(f"KV cache holds max_length={self.max_length} positions; {self.offset} "
+                             f"are used and {n} more do not fit — raise TransformerConfig.max_length")
+
+    def advance(self, n: int) -> None:
+        self.offset += n
+        for e in self.entries:
+            e["offset"] = self.offset
+
+
+class Stack(nn.Module):
+    """Token (+ learned position) embedding, blocks, and a final norm; shared by LM and seq2seq."""
+
+    def __init__(self, cfg: TransformerConfig, layers: int, cross: bool, embed: nn.Embedding | None):
+        super().__init__()
+        self.cfg = cfg
+        if embed is None:
+            embed = nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+            self.embed = embed
+        self._shared = [embed]  # a list keeps a shared table from being registered twice
+        if cfg.positions == "learned":
+            self.pos = nn.Embedding(Dim("positions", cfg.max_length), cfg.dim("d_model"),
+                                    init="normal", std=0.01)
+        self.blocks = torch.nn.ModuleList([Block(cfg, i, cross) for i in range(layers)])
+        self.ln_f = make_norm(cfg)
+
+    @property
+    def table(self) -> nn.Embedding:
+        return self._shared[0]
+
+    def forward(self, ids: MeshTensor, causal: bool, cache: KVCache | None = None,
+                memory: MeshTensor | None = None, memory_bias: MeshTensor | None = None,
+                self_bias: MeshTensor | None = None) -> tuple[MeshTensor, MeshTensor | None]:
+        ids = as_mesh_tensor(ids)
+        if LENGTH not in ids.shape:
+            raise ShapeError(f"token ids need a {LENGTH!r} dim, got [{ids.shape}]")
+        cfg = self.cfg
+        n = ids.shape[LENGTH].size
+        offset = 0 if cache is None else cache.offset
+        if cache is not None:
+            cache.check(n)
+        elif n > cfg.max_length:
+            raise ShapeError(f"sequence length {n} exceeds max_length={cfg.max_length}; raise "
+                             "TransformerConfig.max_length or pass shorter sequences")
+        x = self.table(ids)
+        if cfg.positions == "learned":
+            pos = from_global(torch.arange(offset, offset + n), [Dim(LENGTH, n)])
+            x = x + self.pos(pos)
+        rotary = None
+        keys = n if cache is None else cfg.max_length
+        if cfg.positions == "rotary":
+            cq, sq = rotary_tables(n, cfg.d_kv, LENGTH, offset)
+            # keys are computed for the new positions only, also when they go into a cache
+            ck, sk = rotary_tables(n, cfg.d_kv, MEMORY, offset)
+            rotary = (cq, sq, ck, sk)
+        bias = causal_bias(n, keys, offset) if causal else None
+        if self_bias is not None:
+            bias = self_bias if bias is None else bias + self_bias
+        if self.training and cfg.dropout:
+            x = dropout(x, cfg.dropout)
+        aux = None
+        for i, block in enumerate(self.blocks):
+            entry = None if cache is None else cache.entries[i]
+            x, a = block(x, bias=bias, rotary=rotary, cache=entry, memory=memory, memory_bias=memory_bias)
+            if a is not None:
+                aux = a if aux is None else add(aux, a)
+        if cache is not None:
+            cache.advance(n)
+        return self.ln_f(x), aux
+
+
+class DecoderLM(nn.Module):
+    """GPT-style decoder-only LM: ``logits = head(norm(blocks(embed(ids) + pos)))``.
+
+    Args:
+        cfg: sizes and options (:class:`TransformerConfig`).
+        seed: parameters are a pure function of ``seed`` and their names.
+    """
+
+    def __init__(self, cfg: TransformerConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+        self.decoder = Stack(cfg, cfg.layers, cross=False, embed=self.embed)
+        if not cfg.tie_embeddings:
+            self.head = nn.Dense(cfg.dim("d_model"), cfg.dim("vocab"), bias=False, init="normal",
+                                 std=cfg.d_model ** -0.5)
+        self.reset_parameters(seed)
+        self.last_aux: MeshTensor | None = None
+
+    def logits_of(self, h: MeshTensor) -> MeshTensor:
+        """Logits over ``vocab`` from final hidden states."""
+        return self.embed.attend(h) if self.cfg.tie_embeddings else self.head(h)
+
+    def forward(self, ids: MeshTensor, cache: KVCache | None = None) -> MeshTensor:
+        """Logits ``[batch, length, vocab]`` for token ids ``[batch, length]`` (causal).
+
+        With ``cache`` (from :meth:`new_cache`), ``ids`` are the next positions
+        after those already in the cache, and the cache is extended.
+        """
+        h, aux = self.decoder(ids, causal=True, cache=cache)
+        self.last_aux = aux
+        return self.logits_of(h)
+
+    def new_cache(self, batch: Dim, dtype: torch.dtype = torch.float32) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``max_length`` tokens."""
+        return KVCache(self.cfg, batch, self.cfg.layers, dtype)
+
+    def loss(self, ids: MeshTensor, targets: MeshTensor, weights: MeshTensor | None = None) -> MeshTensor:
+        """Mean next-token cross-entropy (nats) of ``targets`` given ``ids``, plus the
+        weighted MoE load-balancing loss if the model has experts.
+
+        ``weights`` (same dims as ``targets``, 0/1) masks positions out of the mean.
+        """
+        ce = cross_entropy(self(ids), targets, "vocab")
+        loss = weighted_mean(ce, weights)
+        if self.last_aux is not None:
+            loss = loss + self.last_aux * self.cfg.aux_loss
+        return loss
+
+
+def weighted_mean(x: MeshTensor, weights: MeshTensor | None) -> MeshTensor:
+    """Mean of ``x`` over all its dims, counting only positions where ``weights`` is 1."""
+    if weights is None:
+        return reduce_mean(x)
+    from meshtorch.ops.reduce import reduce_sum
+
+    w = weights if weights.dtype == x.dtype else weights * 1.0
+    return reduce_sum(x * w) / reduce_sum(w)
