@@ -17,7 +17,7 @@ import sys
 from meshtorch.errors import MeshTorchError
 
 # module path of each sub-command, in the order `--help` lists them
-SUBCOMMANDS: tuple[str, ...] = ()
+SUBCOMMANDS: tuple[str, ...] = ("meshtorch.launcher",)
 
 
 def build_parser() -> argparse.ArgumentParser:

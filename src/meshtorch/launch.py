@@ -21,7 +21,7 @@ from meshtorch.errors import CommError, MeshError, ProcessorError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
-BACKENDS = ("threads",)
+BACKENDS = ("threads", "torch")
 
 
 def launch(
@@ -32,6 +32,7 @@ def launch(
     backend: str = "threads",
     timeout: float = 300.0,
     check: bool = False,
+    nprocs: int | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` once per processor; return the results in
@@ -41,7 +42,10 @@ def launch(
         fn: the SPMD program; it sees its processor through ``mt.current()``.
         mesh: mesh spec, e.g. ``"b:2,m:4"``.
         rules: layout rules, e.g. ``"batch:b; d_ff:m"``; empty = all replicated.
-        backend: ``"threads"``.
+        backend: ``"threads"`` or ``"torch"`` (one process per processor over
+            ``torch.distributed``; ``fn`` and its arguments must be picklable).
+        nprocs: processes to spawn with ``backend="torch"`` (must equal the mesh
+            size; default: the mesh size, or the torchrun world when under torchrun).
         timeout: seconds a collective may wait for its group before it raises.
         check: record call sites so mismatched collectives name both sides.
 
@@ -57,8 +61,14 @@ def launch(
     mesh = Mesh(mesh)
     rules = LayoutRules(rules)
     rules.check(mesh)
-    if backend != "threads":
+    if backend not in BACKENDS:
         raise MeshError(f"backend {backend!r} is not one of {BACKENDS}")
+    if backend == "torch":
+        from meshtorch.launcher import launch_processes
+
+        return launch_processes(fn, args, kwargs, mesh, rules, timeout, check, nprocs)
+    if nprocs not in (None, mesh.size):
+        raise MeshError(f"mesh '{mesh}' has {mesh.size} processors but nprocs={nprocs}")
     return _launch_threads(fn, args, kwargs, mesh, rules, timeout, check)
 
 

@@ -1,0 +1,312 @@
+"""The ``torch`` backend: one process per processor over ``torch.distributed``.
+
+Mesh rank ``r`` is ``torch.distributed`` rank ``r``. A collective over a set of
+axes runs on one process group per group of processors (``Mesh.groups``);
+those groups are created once and cached. ``dist.new_group`` is collective
+over the whole world, so every rank must create the same groups in the same
+order: for meshes of up to :data:`EAGER_AXES` axes we create the groups of
+every subset of axes eagerly, at construction, when all ranks are known to be
+in step. Creating lazily on first use would also be collective (SPMD code asks
+for the same axes in the same order), but a processor that skipped a
+collective would then also skip a ``new_group`` and turn a clean check-mode
+error into a hang, so lazy creation is kept for larger meshes only, where
+``2**axes`` group sets would be wasteful.
+
+gloo (CPU) and NCCL (GPU) both run every collective; where the installed
+``torch.distributed`` lacks a single-tensor spelling (``all_gather_single``,
+``reduce_scatter_single``, ``all_to_all_single``) the communicator falls back
+to the list forms, once, and remembers. With NCCL, tensors are moved to
+``cuda:<local rank>`` for the collective and back to where they came from.
+
+With ``check=True`` the members of a group first all-gather a 64-bit hash of
+(kind, axes, shape, dtype); if the hashes differ they exchange the full
+records, call sites included, and every member raises the same
+:class:`~meshtorch.errors.CommError` naming both sides, before any payload is
+sent, so the process group is still usable afterwards. A collective that does
+not complete within the process-group timeout raises a ``CommError`` naming the
+collective and the user's call site.
+
+Example (needs an initialised process group; see ``mt.launch(..., backend="torch")``):
+    >>> import torch, meshtorch as mt
+    >>> def f():
+    ...     comm = mt.current().comm
+    ...     return comm.all_reduce(torch.tensor([1.0 + comm.rank]), "b").item()
+    >>> mt.launch(f, mesh="b:2", backend="torch")  # doctest: +SKIP
+    [3.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from meshtorch.comm.base import Communicator, as_axes, user_call_site
+from meshtorch.comm.threads import _compare
+from meshtorch.errors import CommError, MeshError
+from meshtorch.mesh import Mesh
+
+# meshes with at most this many axes get the groups of every axis subset at construction
+EAGER_AXES = 4
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _digest(meta: dict) -> int:
+    # python's hash() is salted per process; processors need the same number
+    text = repr((meta["kind"], meta["axes"], meta["shape"], meta["dtype"], meta.get("extra")))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+class TorchCommunicator(Communicator):
+    """This process's communicator over an initialised ``torch.distributed`` world.
+
+    Args:
+        mesh: the processor mesh; its size must equal the world size.
+        check: compare each collective across its group before running it.
+        timeout: seconds a collective may wait (only used in messages; the
+            process group's own timeout is what fires).
+        device: where collectives run; default ``cuda:<LOCAL_RANK>`` on NCCL,
+            otherwise the CPU.
+
+    Raises:
+        MeshError: the mesh does not have one processor per process.
+        CommError: ``torch.distributed`` is not initialised.
+    """
+
+    backend = "torch"
+
+    def __init__(self, mesh: Mesh | str, check: bool = False, timeout: float | None = None,
+                 device: torch.device | str | None = None):
+        mesh = Mesh(mesh)
+        if not dist.is_available() or not dist.is_initialized():
+            raise CommError(
+                "the torch backend needs an initialised torch.distributed process group; start the "
+                "program with `meshtorch launch`, `torchrun` + meshtorch.launcher.init_distributed(), "
+                "or mt.launch(fn, backend='torch')"
+            )
+        world = dist.get_world_size()
+        if mesh.size != world:
+            raise MeshError(
+                f"mesh '{mesh}' has {mesh.size} processors but torch.distributed has {world} "
+                f"processes; start {mesh.size} processes or use a mesh of {world} processors"
+            )
+        super().__init__(mesh, dist.get_rank(), check)
+        self.timeout = timeout
+        self.dist_backend = dist.get_backend()
+        if device is None:
+            nccl = self.dist_backend == "nccl"
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if nccl else "cpu"
+        self.device = torch.device(device)
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._missing: set[str] = set()
+        if len(mesh.axis_names) <= EAGER_AXES:
+            names = mesh.axis_names
+            for k in range(1, len(names) + 1):
+                for axes in itertools.combinations(names, k):
+                    self._process_group(axes)
+
+    # ------------------------------------------------------------- groups
+    def _key(self, axes) -> tuple[str, ...]:
+        order = self.mesh.axis_names
+        return tuple(sorted(as_axes(axes), key=order.index))
+
+    def _process_group(self, axes) -> dist.ProcessGroup:
+        """This rank's process group over ``axes``; creates all groups of that axes set
+        (collectively, in a fixed order) the first time."""
+        key = self._key(axes)
+        pg = self._groups.get(key)
+        if pg is not None:
+            return pg
+        mine = self.mesh.group(self.rank, key)
+        if len(mine) == self.mesh.size:
+            self._groups[key] = dist.group.WORLD
+            return dist.group.WORLD
+        for members in self.mesh.groups(key):
+            if len(members) == 1:
+                continue
+            made = dist.new_group(list(members))
+            if members == mine:
+                pg = made
+        self._groups[key] = pg
+        return pg
+
+    def process_group(self, axes) -> dist.ProcessGroup | None:
+        """The ``torch.distributed`` process group of this processor's group over
+        ``axes`` (``None`` for a group of one). For interop with torch code."""
+        if len(self.group(axes)) == 1:
+            return None
+        return self._process_group(axes)
+
+    # ------------------------------------------------------------- plumbing
+    def _run(self, kind: str, axes, group, fn: Callable[[], object]):
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo/NCCL timeouts and closed peers are RuntimeErrors
+            if isinstance(e, CommError):
+                raise
+            text = str(e)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                why = (f"did not complete within the {self.timeout:g} s timeout: some processor of "
+                       f"the group {list(group)} never joined it" if self.timeout else
+                       f"timed out: some processor of the group {list(group)} never joined it")
+            elif "closed" in text.lower() or "reset" in text.lower():
+                why = f"failed because a processor of the group {list(group)} exited or crashed"
+            else:
+                why = "failed"
+            raise CommError(
+                f"{kind} over axes {tuple(axes)} called at {user_call_site()} {why} ({text.strip()}). "
+                "Every processor of a group must make the same collective calls in the same order; "
+                "run with check=True to compare call sites"
+            ) from e
+
+    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device != self.device:
+            t = t.to(self.device)
+        return t.contiguous()
+
+    def _check(self, kind, axes, group, t, extra=None) -> None:
+        if not self.check:
+            return
+        pg = self._process_group(axes)
+        meta = self._describe(kind, axes, t)
+        meta["extra"] = extra
+        mine = torch.tensor([_digest(meta)], dtype=torch.int64, device=self.device)
+        allh = torch.empty(len(group), dtype=torch.int64, device=self.device)
+        self._run(kind, axes, group, lambda: self._gather_flat(allh, mine, pg))
+        if bool((allh == allh[0]).all()):
+            return
+        metas: list = [None] * len(group)
+        self._run(kind, axes, group, lambda: dist.all_gather_object(metas, meta, group=pg))
+        _compare({r: (m, None) for r, m in zip(group, metas)}, group, self.mesh, same_shape=True)
+        # equal records with unequal hashes only if `extra` differs (e.g. shift sources)
+        raise CommError(f"collective mismatch in {kind} over {tuple(axes)}: processors passed "
+                        f"different arguments ({[m.get('extra') for m in metas]})")
+
+    def _gather_flat(self, out: torch.Tensor, t: torch.Tensor, pg) -> None:
+        """All-gather ``t`` into ``out`` concatenated along dim 0."""
+        if "all_gather" not in self._missing:
+            op = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+            if op is not None:
+                try:
+                    op(out, t, group=pg)
+                    return
+                except (NotImplementedError, RuntimeError) as e:
+                    if not _unsupported(e):
+                        raise
+            self._missing.add("all_gather")
+        parts = list(out.chunk(dist.get_world_size(pg), 0))
+        dist.all_gather(parts, t, group=pg)
+
+    # ------------------------------------------------------------ collectives
+    def _all_reduce(self, t, axes, group, op):
+        self._check("all_reduce", axes, group, t, op)
+        pg = self._process_group(axes)
+        x = self._to_dev(t).clone()
+        self._run("all_reduce", axes, group, lambda: dist.all_reduce(x, _REDUCE[op], group=pg))
+        return x.to(t.device)
+
+    def _all_gather(self, t, axes, group, dim):
+        self._check("all_gather", axes, group, t, dim)
+        pg = self._process_group(axes)
+        x = self._to_dev(t.movedim(dim, 0))
+        out = torch.empty((len(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        self._run("all_gather", axes, group, lambda: self._gather_flat(out, x, pg))
+        return out.movedim(0, dim).to(t.device)
+
+    def _reduce_scatter(self, t, axes, group, dim, op):
+        self._check("reduce_scatter", axes, group, t, (dim, op))
+        pg = self._process_group(axes)
+        x = self._to_dev(t.movedim(dim, 0))
+        out = torch.empty((x.shape[0] // len(group),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+
+        def go():
+            if "reduce_scatter" not in self._missing:
+                fn = (getattr(dist, "reduce_scatter_single", None)
+                      or getattr(dist, "reduce_scatter_tensor", None))
+                if fn is not None:
+                    try:
+                        fn(out, x, op=_REDUCE[op], group=pg)
+                        return
+                    except (NotImplementedError, RuntimeError) as e:
+                        if not _unsupported(e):
+                            raise
+                self._missing.add("reduce_scatter")
+            y = x.clone()
+            dist.all_reduce(y, _REDUCE[op], group=pg)
+            out.copy_(y.chunk(len(group), 0)[group.index(self.rank)])
+
+        self._run("reduce_scatter", axes, group, go)
+        return out.movedim(0, dim).contiguous().to(t.device)
+
+    def _all_to_all(self, t, axes, group, split_dim, concat_dim):
+        self._check("all_to_all", axes, group, t, (split_dim, concat_dim))
+        pg = self._process_group(axes)
+        n = len(group)
+        x = self._to_dev(t.movedim(split_dim, 0))
+        out = torch.empty_like(x)
+
+        def go():
+            if "all_to_all" not in self._missing:
+                try:
+                    dist.all_to_all_single(out, x, group=pg)
+                    return
+                except (NotImplementedError, RuntimeError) as e:
+                    if not _unsupported(e):
+                        raise
+                self._missing.add("all_to_all")
+            # fallback: gather everything and keep the chunks addressed to us
+            whole = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+            self._gather_flat(whole.view(n * x.shape[0], *x.shape[1:]), x, pg)
+            me = group.index(self.rank)
+            out.copy_(torch.cat([whole[j].chunk(n, 0)[me] for j in range(n)], 0))
+
+        self._run("all_to_all", axes, group, go)
+        pieces = out.view(n, x.shape[0] // n, *x.shape[1:])
+        parts = [pieces[j].movedim(0, split_dim) for j in range(n)]
+        return torch.cat(parts, concat_dim).to(t.device)
+
+    def _permute(self, t, axes, group, sources):
+        self._check("permute", axes, group, t, tuple(sources))
+        pg = self._process_group(axes)
+        me = group.index(self.rank)
+        x = self._to_dev(t)
+        src = sources[me]
+        recv = torch.zeros_like(x) if src is None else (x.clone() if src == me else torch.empty_like(x))
+        ops = [dist.P2POp(dist.isend, x, group[i], pg) for i, s in enumerate(sources) if s == me and i != me]
+        if src is not None and src != me:
+            ops.append(dist.P2POp(dist.irecv, recv, group[src], pg))
+
+        def go():
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+
+        self._run("permute", axes, group, go)
+        return recv.to(t.device)
+
+    def _broadcast(self, t, axes, group, src):
+        self._check("broadcast", axes, group, t, src)
+        pg = self._process_group(axes)
+        x = self._to_dev(t).clone()
+        self._run("broadcast", axes, group, lambda: dist.broadcast(x, src=group[src], group=pg))
+        return x.to(t.device)
+
+    def _barrier(self):
+        group = tuple(range(self.mesh.size))
+        axes = self.mesh.axis_names
+        z = torch.zeros(1, device=self.device)
+        self._check("barrier", axes, group, z)
+        self._run("barrier", axes, group, lambda: dist.all_reduce(z, group=dist.group.WORLD))
+
+
+def _unsupported(e: BaseException) -> bool:
+    if isinstance(e, NotImplementedError):
+        return True
+    text = str(e).lower()
+    return "not supported" in text or "unsupported" in text or "not implemented" in text
