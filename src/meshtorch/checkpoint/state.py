@@ -56,13 +56,24 @@ def scalar_from_json(d: dict) -> torch.Tensor:
     return torch.tensor(d["value"], dtype=getattr(torch, d["dtype"]))
 
 
-def rng_state() -> dict:
-    """This processor's random streams: meshtorch's stream counter and torch's CPU generator."""
-    raw = torch.get_rng_state().numpy().tobytes()
-    return {"random_calls": current().random_calls, "torch_cpu": base64.b64encode(raw).decode()}
+def rng_state(gather: bool = False) -> dict:
+    """The random streams: meshtorch's stream counter (the same on every processor, SPMD)
+    and torch's CPU generator of every processor (processes may seed theirs differently)."""
+    comm = current().comm
+    raw = torch.get_rng_state()
+    if gather:  # every processor must call this (it is a collective)
+        states = comm.all_gather(raw.reshape(1, -1), comm.mesh.axis_names, 0)
+    else:
+        states = raw.reshape(1, -1)
+    return {"random_calls": current().random_calls,
+            "torch_cpu": [base64.b64encode(r.numpy().tobytes()).decode() for r in states]}
 
 
 def restore_rng(state: dict) -> None:
-    current().random_calls = int(state["random_calls"])
-    raw = base64.b64decode(state["torch_cpu"])
+    """Restore :func:`rng_state`: this processor's own torch state when the mesh has as
+    many processors as the one saved, else processor 0's."""
+    ctx = current()
+    ctx.random_calls = int(state["random_calls"])
+    saved = state["torch_cpu"]
+    raw = base64.b64decode(saved[ctx.rank] if len(saved) == ctx.mesh.size else saved[0])
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))

@@ -157,6 +157,8 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
         error = e
     if not _all_ok(error is None):
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
                               "changed") from error
     try:
@@ -223,7 +225,7 @@ def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json) -> dict
     return {
         "format": FORMAT, "version": VERSION, "mesh": str(mesh), "rules": str(rules),
         "step": step, "data": to_json(data_state, "data"), "extra": to_json(extra, "extra"),
-        "rng": rng_state(),
+        "rng": rng_state(gather=True),
         "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
         "optimizer": opt_json, "tensors": tensors, "files": {},
     }

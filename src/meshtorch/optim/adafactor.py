@@ -28,7 +28,7 @@ import torch
 from meshtorch.ops.elementwise import maximum, rsqrt, sqrt
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.ops.reshape import relayout_like
-from meshtorch.optim.params import Params, mesh_views, torch_params
+from meshtorch.optim.params import Params, mesh_views, torch_params, view_of
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor, layout_for
 
@@ -61,6 +61,10 @@ class Adafactor(torch.optim.Optimizer):
         super().__init__(torch_params(params), defaults)
 
     # ------------------------------------------------------------ shapes
+    def _view(self, p: torch.Tensor) -> MeshTensor:
+        view = self._views.get(id(p))
+        return view if view is not None else view_of(p)
+
     def factored_dims(self, shape: Shape, group: dict) -> tuple[Dim, Dim] | None:
         """The two dims a moment of ``shape`` is factored over (largest first), or ``None``."""
         dims = sorted(shape.dims, key=lambda d: -d.size)
@@ -70,7 +74,7 @@ class Adafactor(torch.optim.Optimizer):
 
     def state_shape(self, p: torch.Tensor, key: str) -> Shape | None:
         """The named shape of ``self.state[p][key]`` (for checkpoints); ``None`` for scalars."""
-        shape = self._views[id(p)].shape
+        shape = self._view(p).shape
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         f = self.factored_dims(shape, group)
         if key == "vr" and f:
@@ -104,7 +108,7 @@ class Adafactor(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        view = self._views[id(p)]
+        view = self._view(p)
         st = self.state[p]
         st["step"] = st.get("step", torch.zeros((), dtype=torch.float32)) + 1
         t = float(st["step"])
