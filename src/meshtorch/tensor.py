@@ -109,6 +109,12 @@ class MeshTensor:
             t = ca.all_gather_sliced(t, comm, axis, self.shape.index(dim))
         return t
 
+    def to_dtensor(self):
+        """This tensor as a PyTorch ``DTensor`` (torch backend); see :mod:`meshtorch.dtensor`."""
+        from meshtorch.dtensor import to_dtensor
+
+        return to_dtensor(self)
+
     def item(self) -> float | int | bool:
         if self.shape.ndim:
             raise ShapeError(f"item() needs a scalar; this tensor has shape [{self.shape}]")
