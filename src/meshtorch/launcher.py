@@ -48,6 +48,9 @@ DEFAULT_TIMEOUT = 300.0
 # after the first failure, how long to wait for the other processes' reports
 # (to tell a root cause from the CommErrors it provokes) before terminating them
 FAILURE_GRACE_S = 2.0
+# joining the world waits for the slowest process to start (importing torch on a busy
+# machine takes seconds), so it never uses a collective timeout shorter than this
+RENDEZVOUS_MIN_S = 120.0
 
 
 def in_torchrun() -> bool:
@@ -107,7 +110,7 @@ def init_distributed(
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout)}
+        kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S))}
         if store is not None:
             kw.update(store=store, rank=rank, world_size=world)
         dist.init_process_group(backend, **kw)
@@ -185,7 +188,8 @@ def _child(rank: int, world: int, host: str, port: int, payload: bytes, q) -> No
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_WORLD_SIZE=str(world))
-        store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(host, port, None, False,
+                              timeout=datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
         init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
                          world_size=world)
         out = fn(*args, **kwargs)
@@ -209,7 +213,7 @@ def _spawn(payload: bytes, mesh: Mesh, nprocs: int, timeout: float) -> list[Any]
 
     # the parent holds the rendezvous store: port 0 lets the OS pick a free port, no races
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+                          timeout=datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, nprocs, "127.0.0.1", store.port, payload, q),

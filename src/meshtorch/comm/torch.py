@@ -37,6 +37,7 @@ Example (needs an initialised process group; see ``mt.launch(..., backend="torch
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import os
@@ -68,8 +69,8 @@ class TorchCommunicator(Communicator):
     Args:
         mesh: the processor mesh; its size must equal the world size.
         check: compare each collective across its group before running it.
-        timeout: seconds a collective may wait (only used in messages; the
-            process group's own timeout is what fires).
+        timeout: seconds a collective may wait before it raises ``CommError``
+            (the timeout of the process groups this communicator creates).
         device: where collectives run; default ``cuda:<LOCAL_RANK>`` on NCCL,
             otherwise the CPU.
 
@@ -123,13 +124,13 @@ class TorchCommunicator(Communicator):
         if pg is not None:
             return pg
         mine = self.mesh.group(self.rank, key)
-        if len(mine) == self.mesh.size:
-            self._groups[key] = dist.group.WORLD
-            return dist.group.WORLD
+        # our own groups, even for the whole world: they carry the collective timeout,
+        # while the default group keeps the longer one it needed for the rendezvous
+        kw = {"timeout": datetime.timedelta(seconds=self.timeout)} if self.timeout else {}
         for members in self.mesh.groups(key):
             if len(members) == 1:
                 continue
-            made = dist.new_group(list(members))
+            made = dist.new_group(list(members), **kw)
             if members == mine:
                 pg = made
         self._groups[key] = pg
@@ -302,7 +303,8 @@ class TorchCommunicator(Communicator):
         axes = self.mesh.axis_names
         z = torch.zeros(1, device=self.device)
         self._check("barrier", axes, group, z)
-        self._run("barrier", axes, group, lambda: dist.all_reduce(z, group=dist.group.WORLD))
+        pg = self._process_group(axes)
+        self._run("barrier", axes, group, lambda: dist.all_reduce(z, group=pg))
 
 
 def _unsupported(e: BaseException) -> bool:
