@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 import meshtorch as mt
@@ -68,8 +70,8 @@ def snapshot(model, opt):
     """Global values of every parameter and optimizer state tensor (bitwise)."""
     out = {f"p/{n}": v.to_global().detach().clone() for n, v in model.named_mesh_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, st in opt.state.items():
-        for key, val in st.items():
+    for p, state in opt.state.items():
+        for key, val in state.items():
             if val.dim() == 0:
                 out[f"s/{names[id(p)]}/{key}"] = val.clone()
                 continue
@@ -105,8 +107,8 @@ def test_save_on_2x2_load_on_m4_and_one_processor_bitwise(tmp_path, kind):
         opt = make_opt(model, kind)
         info = mt.load(path, model=model, optimizer=opt)
         local = sum(p.numel() * p.element_size() for p in model.parameters())
-        local += sum(v.numel() * v.element_size() for st in opt.state.values()
-                     for v in st.values() if v.dim() > 0)
+        local += sum(v.numel() * v.element_size() for s in opt.state.values()
+                     for v in s.values() if v.dim() > 0)
         return info["step"], info["bytes_read"], local, snapshot(model, opt)
 
     for mesh, rules in [("m:4", RULES_B), ("", "")]:
@@ -274,3 +276,47 @@ def test_export_hf_import_on_other_mesh_and_sharded(tmp_path):
             assert_bitwise(got, want)
     with pytest.raises(CheckpointError, match="'2.kernel' has shape"):
         mt.import_hf(str(tmp_path / "one"), make_model(d_ff=16))
+
+
+LAYOUTS = [("", ""), ("m:4", RULES_B), ("b:2,m:2", RULES_A), ("x:2,y:2", "vocab:x; d_in:y; cls:x"),
+           ("b:4", "d_ff:b; vocab:b"), ("b:2,m:2", "d_in:m; d_ff:b")]
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS))
+def test_any_layout_to_any_layout_roundtrip(src, dst):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+
+        def save_run():
+            model = make_model().reset_parameters(seed=11)
+            mt.save(path, model=model)
+            return {n: v.to_global() for n, v in model.named_mesh_parameters()}
+
+        def load_run():
+            model = make_model()
+            read = mt.load(path, model=model)["bytes_read"]
+            assert read == sum(p.numel() * p.element_size() for p in model.parameters())
+            return {n: v.to_global() for n, v in model.named_mesh_parameters()}
+
+        want = mt.launch(save_run, mesh=src[0], rules=src[1])[0]
+        for got in mt.launch(load_run, mesh=dst[0], rules=dst[1]):
+            assert_bitwise(got, want)
+
+
+def test_plain_torch_module_checkpoints_replicated(tmp_path):
+    path = str(tmp_path / "ckpt")
+
+    def run():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(3, 2)
+        mt.save(path, model=lin, step=4)
+        return lin.weight.detach().clone()
+
+    want = mt.launch(run, mesh="b:2")[0]
+    assert sorted(os.listdir(path)) == ["index.json", "slices-00000.safetensors"]  # written once
+    lin = torch.nn.Linear(3, 2)
+    assert mt.load(path, model=lin)["step"] == 4
+    assert torch.equal(lin.weight, want)
