@@ -156,3 +156,14 @@ def test_slicewise_reduced_partial_sums():
 def test_gather_rejects_float_ids():
     with pytest.raises(mt.errors.ShapeError, match="ids must be integers"):
         mt.gather(mt.ones("vocab:4,d:2"), mt.ones("batch:2"), "vocab")
+
+
+@pytest.mark.parametrize("mesh, rules", [
+    ("x:2,y:2", "p:y; u:x"),              # position 0 moves from axis y to axis x
+    ("x:4,y:2", "p:y; u:x"),
+    ("x:2,y:2", "p:x; q:y; u:y; v:x"),    # two positions swap axes
+    ("x:2,y:2", "p:x; v:x; u:y"),         # x moves from position 0 to 1, y arrives at 0
+])
+def test_relayout_moving_positions_between_axes(mesh, rules):
+    x = rand(4, 4)
+    check_op(lambda x: mt.relayout(x, "u:4,v:4"), lambda t: t, [(x, "p:4,q:4")], mesh, rules)

@@ -46,19 +46,24 @@ def relayout(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None
     out_layout = layout_for(shape, name)
     comm = current().comm
     t = x.local
-    new_of = dict(zip(x.names, shape.names))
-    for axis in current().mesh.axis_names:
-        d_in = x.layout.dim_of(axis)
-        d_in = new_of[d_in] if d_in is not None else None
-        d_out = out_layout.dim_of(axis)
-        if d_in == d_out:
-            continue
-        if d_in is None:
-            t = ca.local_slice(t, comm, axis, shape.index(d_out))
-        elif d_out is None:
-            t = ca.all_gather_sliced(t, comm, axis, shape.index(d_in))
-        else:
-            t = ca.all_to_all(t, comm, axis, shape.index(d_out), shape.index(d_in))
+    # per axis: the tensor position that holds it before and after
+    before = {a: x.shape.index(d) for d, a in x.layout.split.items()}
+    after = {a: shape.index(d) for d, a in out_layout.split.items()}
+    moving = [a for a in current().mesh.axis_names if before.get(a) != after.get(a)]
+    held = set(before.values())
+    # A position can be split by one axis at a time, so: first move axes onto positions
+    # nobody holds (one all_to_all each), then gather what must become whole, then slice.
+    done = set()
+    for a in moving:
+        if a in before and a in after and after[a] not in held:
+            t = ca.all_to_all(t, comm, a, after[a], before[a])
+            done.add(a)
+    for a in moving:
+        if a in before and a not in done:
+            t = ca.all_gather_sliced(t, comm, a, before[a])
+    for a in moving:
+        if a in after and a not in done:
+            t = ca.local_slice(t, comm, a, after[a])
     return MeshTensor(t, shape, out_layout, name)
 
 
