@@ -118,3 +118,18 @@ def test_launch_restores_intra_op_threads():
     before = torch.get_num_threads()
     mt.launch(lambda: None, mesh="b:2")
     assert torch.get_num_threads() == before
+
+
+def test_check_mode_catches_from_global_of_different_tensors():
+    def prog():
+        return mt.from_global(torch.randn(4, 4), "a:4,b:4", name="x").to_global()  # unseeded: differs
+
+    with pytest.raises(ProcessorError, match="tensor x of shape \\[a:4,b:4\\] differs between processors"):
+        mt.launch(prog, mesh="b:2", check=True)
+
+    def seeded():
+        g = torch.Generator().manual_seed(0)
+        return mt.from_global(torch.randn(4, 4, generator=g), "a:4,b:4").to_global()
+
+    a, b = mt.launch(seeded, mesh="b:2", check=True)
+    assert torch.equal(a, b)

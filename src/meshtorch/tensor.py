@@ -214,8 +214,10 @@ def from_global(
 ) -> MeshTensor:
     """Lay out a whole tensor (the same on every processor) by the current rules.
 
-    Each processor keeps only its slice; no communication happens. If ``t``
-    requires grad, gradients flow back into it.
+    Each processor keeps only its slice; no communication happens. ``t`` must
+    be the same on every processor (seed any torch RNG you use; under
+    ``mt.launch(..., check=True)`` this is verified). If ``t`` requires grad,
+    gradients flow back into it.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -232,12 +234,29 @@ def from_global(
             f"shape [{shape}] needs {list(shape.sizes)}"
         )
     layout = layout_for(shape, name)
+    if current().comm.check:
+        _check_same_everywhere(t, shape, name)
     local = t[local_slices(layout)]
     if not t.requires_grad:
         local = local.detach().clone()
         if requires_grad:
             local.requires_grad_(True)
     return MeshTensor(local, shape, layout, name)
+
+
+def _check_same_everywhere(t: torch.Tensor, shape: Shape, name: str | None) -> None:
+    # two position-weighted sums catch any difference short of a deliberate collision
+    flat = t.detach().reshape(-1).to(torch.float64)
+    w = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    sig = torch.stack([flat.sum(), (flat * w).sum()]).nan_to_num(0.0)
+    comm = current().comm
+    axes = comm.mesh.axis_names
+    if not torch.equal(comm.all_reduce(sig, axes, "max"), comm.all_reduce(sig, axes, "min")):
+        raise ShapeError(
+            f"from_global: tensor {name or ''} of shape [{shape}] differs between processors; "
+            "from_global needs the same whole tensor on every processor — seed it (e.g. "
+            "torch.Generator().manual_seed(0)) or use mt.random"
+        )
 
 
 def full(
