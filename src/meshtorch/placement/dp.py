@@ -51,73 +51,75 @@ _TOL = 1e-9
 
 @dataclass
 class _Pairs:
-    small: np.ndarray  # J (the ideal already placed downstream... i.e. the smaller one)
+    pos: np.ndarray  # position of J in the chunk
     big: np.ndarray  # I
     acc_cost: np.ndarray  # compute + comm on an accelerator (inf: not allowed)
     cpu_cost: np.ndarray  # compute on a CPU (inf: not allowed)
     mem: np.ndarray
     act: np.ndarray
     sync: np.ndarray
-    starts: np.ndarray  # first pair of each J that has pairs
-    groups: np.ndarray  # the J of each such run
 
     @property
     def count(self) -> int:
-        return int(self.small.size)
+        return int(self.pos.size)
 
 
-def _pairs(ide: Ideals, prob: Problem, bound: float) -> _Pairs:
-    """All pairs J ⊂ I whose stage could carry load <= ``bound``."""
-    n = ide.n
+class _Pool:
+    """Candidate ideals ``I``, sorted by accelerator and by CPU time for band queries."""
+
+    def __init__(self, ide: Ideals, members: np.ndarray) -> None:
+        self.by_acc = members[np.argsort(ide.acc[members], kind="stable")]
+        self.acc = ide.acc[self.by_acc]
+        self.by_cpu = members[np.argsort(ide.cpu[members], kind="stable")]
+        self.cpu = ide.cpu[self.by_cpu]
+
+
+def _pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: _Pool) -> _Pairs:
+    """Pairs J ⊂ I (J in ``js``, I in ``pool``) whose stage could carry load <= ``bound``."""
     rmax = prob.max_replicas if prob.devices else 1
     acc_band = bound * rmax
     scale = max(1.0, float(np.max(ide.acc, initial=0.0)), float(np.max(ide.cpu, initial=0.0)))
     eps = 1e-9 * scale
-    order_a = np.argsort(ide.acc, kind="stable")
-    sorted_a = ide.acc[order_a]
     use_cpu = bool(prob.cpus)
-    if use_cpu:
-        order_c = np.argsort(ide.cpu, kind="stable")
-        sorted_c = ide.cpu[order_c]
     words = ide.bits.shape[1]
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("s", "b", "a", "c", "m", "x", "y")}
-    for j in range(n):
+    for pos, j in enumerate(js.tolist()):
         cands = []
         if prob.devices:
-            lo = np.searchsorted(sorted_a, ide.acc[j] - eps, "left")
-            hi = np.searchsorted(sorted_a, ide.acc[j] + acc_band + eps, "right")
-            cands.append(order_a[lo:hi])
+            lo = np.searchsorted(pool.acc, ide.acc[j] - eps, "left")
+            hi = np.searchsorted(pool.acc, ide.acc[j] + acc_band + eps, "right")
+            cands.append(pool.by_acc[lo:hi])
         if use_cpu:
-            lo = np.searchsorted(sorted_c, ide.cpu[j] - eps, "left")
-            hi = np.searchsorted(sorted_c, ide.cpu[j] + bound + eps, "right")
-            cands.append(order_c[lo:hi])
+            lo = np.searchsorted(pool.cpu, ide.cpu[j] - eps, "left")
+            hi = np.searchsorted(pool.cpu, ide.cpu[j] + bound + eps, "right")
+            cands.append(pool.by_cpu[lo:hi])
         cand = cands[0] if len(cands) == 1 else np.union1d(*cands)
         if cand.size == 0:
             continue
         bj = ide.bits[j]
-        sub = np.ones(cand.size, dtype=bool)
+        sub = cand != j
         for w in range(words):
             if bj[w]:
                 sub &= (ide.bits[cand, w] & bj[w]) == bj[w]
-        sub &= cand != j
         big = cand[sub]
         if big.size == 0:
             continue
         acc_ok = ide.acc_bad[big] == ide.acc_bad[j]
         mem = ide.mem[big] - ide.mem[j]
         acc_ok &= mem <= prob.memory * (1 + _TOL)
-        acc_cost = np.where(acc_ok, ide.acc[big] - ide.acc[j] + ide.comm(big, j), INF)
+        if prob.devices:
+            acc_cost = np.where(acc_ok, ide.acc[big] - ide.acc[j] + ide.comm(big, j), INF)
+        else:
+            acc_cost = np.full(big.size, INF)
         if use_cpu:
             cpu_cost = np.where(ide.cpu_bad[big] == ide.cpu_bad[j], ide.cpu[big] - ide.cpu[j], INF)
         else:
             cpu_cost = np.full(big.size, INF)
-        if prob.devices == 0:
-            acc_cost[:] = INF
         keep = (acc_cost <= acc_band * (1 + _TOL) + eps) | (cpu_cost <= bound * (1 + _TOL) + eps)
         if not keep.any():
             continue
         big = big[keep]
-        out["s"].append(np.full(big.size, j, dtype=np.int64))
+        out["s"].append(np.full(big.size, pos, dtype=np.int64))
         out["b"].append(big.astype(np.int64))
         out["a"].append(acc_cost[keep])
         out["c"].append(cpu_cost[keep])
@@ -127,88 +129,201 @@ def _pairs(ide: Ideals, prob: Problem, bound: float) -> _Pairs:
     if not out["s"]:
         e = np.zeros(0)
         ei = np.zeros(0, dtype=np.int64)
-        return _Pairs(ei, ei, e, e, e, e, e, ei, ei)
+        return _Pairs(ei, ei, e, e, e, e, e)
     cat = {k: np.concatenate(v) for k, v in out.items()}
-    small = cat["s"]
-    starts = np.flatnonzero(np.r_[True, small[1:] != small[:-1]])
-    return _Pairs(
-        small, cat["b"], cat["a"], cat["c"], cat["m"], cat["x"], cat["y"], starts, small[starts]
-    )
+    return _Pairs(cat["s"], cat["b"], cat["a"], cat["c"], cat["m"], cat["x"], cat["y"])
 
 
-def _run_dp(ide: Ideals, pairs: _Pairs, prob: Problem, full: int, training: bool):
-    """Layered DP; returns (best value, (a, c), choice tables)."""
+class _Frontier:
+    """Pareto frontier of points (alpha, g): ``min_i max(g_i, alpha_i + beta)`` by bisection.
+
+    Along the frontier alpha rises and g falls, so ``max(g, alpha + beta)`` is
+    smallest where the two cross: one ``searchsorted`` per query.
+    """
+
+    def __init__(self) -> None:
+        self.alpha = np.zeros(0)
+        self.g = np.zeros(0)
+        self.idx = np.zeros(0, dtype=np.int64)
+        self.key = np.zeros(0)
+
+    def merge(self, alpha: np.ndarray, g: np.ndarray, idx: np.ndarray) -> None:
+        ok = np.isfinite(g) & np.isfinite(alpha)
+        a = np.concatenate([self.alpha, alpha[ok]])
+        gg = np.concatenate([self.g, g[ok]])
+        ii = np.concatenate([self.idx, idx[ok]])
+        order = np.lexsort((gg, a))
+        a, gg, ii = a[order], gg[order], ii[order]
+        prev_min = np.r_[INF, np.minimum.accumulate(gg)[:-1]]
+        keep = gg < prev_min
+        self.alpha, self.g, self.idx = a[keep], gg[keep], ii[keep]
+        self.key = self.alpha - self.g
+
+    def query(self, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        f = self.alpha.size
+        if f == 0:
+            return np.full(beta.size, INF), np.full(beta.size, -1, dtype=np.int64)
+        p = np.searchsorted(self.key, -beta, "left")
+        hi = np.minimum(p, f - 1)
+        lo = np.maximum(p - 1, 0)
+        v1 = np.where(p < f, self.alpha[hi] + beta, INF)
+        v2 = np.where(p > 0, self.g[lo], INF)
+        use1 = v1 <= v2
+        return np.where(use1, v1, v2), np.where(use1, self.idx[hi], self.idx[lo])
+
+
+def _separators(c: Contracted) -> list[int]:
+    """Supernodes comparable with all others that no communication hyperedge jumps over.
+
+    An ideal without separator ``b`` lies strictly above it, one with ``b`` holds
+    everything below it, so for ideals ``J ⊂ I`` on different sides of ``b`` the
+    stage ``I \\ J`` cuts exactly the hyperedges cut by ``I`` or by ``J``: its cost
+    is ``alpha(I) + beta(J)``, which the frontier handles without pairs.
+    """
+    m = c.m
+    anc = [0] * m
+    for v in range(m):
+        x, a = c.preds[v], 0
+        while x:
+            low = x & -x
+            a |= anc[low.bit_length() - 1] | low
+            x ^= low
+        anc[v] = a
+    desc = [0] * m
+    for v in range(m):
+        a = anc[v]
+        while a:
+            low = a & -a
+            desc[low.bit_length() - 1] |= 1 << v
+            a ^= low
+    out = []
+    for b in range(m):
+        if anc[b].bit_count() + desc[b].bit_count() + 1 != m:
+            continue
+        if any((h & anc[b]) and (h & desc[b]) for h, _ in c.hyper):
+            continue
+        out.append(b)
+    return out
+
+
+def _popcount(bits: np.ndarray) -> np.ndarray:
+    as_bytes = bits.astype("<u8").view(np.uint8).reshape(bits.shape[0], -1)
+    return np.unpackbits(as_bytes, axis=1).sum(axis=1, dtype=np.int64)
+
+
+def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, frontier: bool,
+            chunk: int = 1024):
+    """Layered DP, chunk by chunk from the sink side; returns (value, key, choices, pairs)."""
     n = ide.n
     k, ell, rmax = prob.devices, prob.cpus, prob.max_replicas
-    g: dict[tuple[int, int], np.ndarray] = {}
-    choice: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    base = np.full(n, INF)
-    base[full] = 0.0
-    g[(0, 0)] = base
-    stash = training and prob.stash and bool(np.any(pairs.act > 0))
-    for d in range(1, k + ell + 1):
-        for c in range(0, min(ell, d) + 1):
-            a = d - c
-            if a > k:
-                continue
-            best = np.full(n, INF)
-            pick = np.full(n, -1, dtype=np.int64)
-            rep = np.zeros(n, dtype=np.int8)  # 0: cpu, r >= 1: accelerator with r replicas
-            options = []
-            if c > 0 and (a, c - 1) in g:
-                options.append((0, g[(a, c - 1)], pairs.cpu_cost))
-            for r in range(1, min(rmax, a) + 1):
-                prev = g.get((a - r, c))
-                if prev is None:
-                    continue
-                cost = pairs.acc_cost / r
-                if r > 1:
-                    cost = cost + 2.0 * (r - 1) / r * pairs.sync
-                if stash:
-                    in_flight = -(-(a + c) // r)
-                    over = pairs.mem + in_flight * pairs.act > prob.memory * (1 + _TOL)
-                    cost = np.where(over, INF, cost)
-                options.append((r, prev, cost))
-            for r, prev, cost in options:
-                if pairs.count == 0:
-                    continue
-                vals = np.maximum(cost, prev[pairs.big])
-                gmin = np.minimum.reduceat(vals, pairs.starts)
-                better = gmin < best[pairs.groups]
-                if not better.any():
-                    continue
-                # first pair of each run that attains the run minimum
-                run_of = np.repeat(np.arange(pairs.starts.size), np.diff(np.r_[pairs.starts,
-                                                                               pairs.count]))
-                hit = np.flatnonzero(vals <= gmin[run_of])
-                first_run, first_idx = np.unique(run_of[hit], return_index=True)
-                arg = np.empty(pairs.starts.size, dtype=np.int64)
-                arg[first_run] = hit[first_idx]
-                js = pairs.groups[better]
-                best[js] = gmin[better]
-                pick[js] = arg[better]
-                rep[js] = r
-            g[(a, c)] = best
-            choice[(a, c)] = (pick, rep, best)
+    layers = [(d - cc, cc) for d in range(1, k + ell + 1) for cc in range(min(ell, d) + 1)
+              if d - cc <= k]
+    g: dict[tuple[int, int], np.ndarray] = {(0, 0): np.full(n, INF)}
+    g[(0, 0)][full] = 0.0
+    src: dict[tuple[int, int], np.ndarray] = {}
+    rep: dict[tuple[int, int], np.ndarray] = {}
+    for key in layers:
+        g[key] = np.full(n, INF)
+        src[key] = np.full(n, -1, dtype=np.int64)
+        rep[key] = np.zeros(n, dtype=np.int8)
+    opts = {}
+    for a, cc in layers:
+        o = [(0, (a, cc - 1))] if cc > 0 else []
+        o += [(r, (a - r, cc)) for r in range(1, min(rmax, a) + 1)]
+        opts[(a, cc)] = o
+    stash = bool(prob.training and prob.stash and np.any(ide.act > 0))
+    alpha, beta = {}, {}
+    if frontier:
+        for r in {r for o in opts.values() for r, _ in o}:
+            if r == 0:
+                alpha[r], beta[r] = ide.cpu, -ide.cpu
+            else:
+                sy = 2.0 * (r - 1) / r * ide.sync
+                alpha[r] = (ide.acc + ide.cut) / r + sy
+                beta[r] = (ide.cut - ide.acc) / r - sy
+    fronts = {(prev, r): _Frontier() for o in opts.values() for r, prev in o} if frontier else {}
+    if frontier:
+        seps = _separators(c)
+        seg = np.zeros(n, dtype=np.int64)
+        for b in seps:
+            seg += ((ide.bits[:, b // 64] >> np.uint64(b % 64)) & np.uint64(1)).astype(np.int64)
+    else:
+        seg = np.zeros(n, dtype=np.int64)
+    pop = _popcount(ide.bits)
+    total_pairs = 0
+    for t in sorted(set(seg.tolist()), reverse=True):
+        members = np.flatnonzero(seg == t)
+        members = members[np.argsort(-pop[members], kind="stable")]
+        pool = _Pool(ide, members if frontier else np.arange(n))
+        for s0 in range(0, members.size, chunk):
+            js = members[s0 : s0 + chunk]
+            pairs = _pairs(ide, prob, bound, js, pool)
+            total_pairs += pairs.count
+            if pairs.count:
+                starts = np.flatnonzero(np.r_[True, pairs.pos[1:] != pairs.pos[:-1]])
+                run_pos = pairs.pos[starts]
+                run_of = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, pairs.count]))
+            for key in layers:
+                a, cc = key
+                best = np.full(js.size, INF)
+                bsrc = np.full(js.size, -1, dtype=np.int64)
+                brep = np.zeros(js.size, dtype=np.int8)
+                for r, prev in opts[key]:
+                    gp = g[prev]
+                    if pairs.count:
+                        if r == 0:
+                            cost = pairs.cpu_cost
+                        else:
+                            cost = pairs.acc_cost / r
+                            if r > 1:
+                                cost = cost + 2.0 * (r - 1) / r * pairs.sync
+                            if stash:
+                                in_flight = -(-(a + cc) // r)
+                                over = pairs.mem + in_flight * pairs.act > prob.memory * (1 + _TOL)
+                                cost = np.where(over, INF, cost)
+                        vals = np.maximum(cost, gp[pairs.big])
+                        gmin = np.minimum.reduceat(vals, starts)
+                        better = gmin < best[run_pos]
+                        if better.any():
+                            hit = np.flatnonzero(vals <= gmin[run_of])
+                            first_run, first_idx = np.unique(run_of[hit], return_index=True)
+                            arg = np.empty(starts.size, dtype=np.int64)
+                            arg[first_run] = pairs.big[hit[first_idx]]
+                            where = run_pos[better]
+                            best[where] = gmin[better]
+                            bsrc[where] = arg[better]
+                            brep[where] = r
+                    if frontier:
+                        val, idx = fronts[(prev, r)].query(beta[r][js])
+                        better = val < best
+                        best[better] = val[better]
+                        bsrc[better] = idx[better]
+                        brep[better] = r
+                g[key][js] = best
+                src[key][js] = bsrc
+                rep[key][js] = brep
+        if frontier:
+            everything = np.flatnonzero(seg == t)
+            for (prev, r), fr in fronts.items():
+                fr.merge(alpha[r][everything], g[prev][everything], everything)
     best_val, best_key = INF, None
-    for key, arr in g.items():
-        if key != (0, 0) and arr[0] < best_val:
-            best_val, best_key = float(arr[0]), key
-    return best_val, best_key, choice
+    for key in layers:
+        if g[key][0] < best_val:
+            best_val, best_key = float(g[key][0]), key
+    return best_val, best_key, (src, rep), total_pairs
 
 
-def _backtrack(ide: Ideals, pairs: _Pairs, choice, key, full: int):
+def _backtrack(choice, key, full: int):
     """Stages in pipeline order as (kind, replicas, ideal I, ideal J)."""
+    src, rep = choice
     stages = []
     j = 0
     a, c = key
     while j != full:
-        pick, rep, _ = choice[(a, c)]
-        p = int(pick[j])
-        if p < 0:
+        i = int(src[(a, c)][j])
+        if i < 0:
             raise PlacementError("internal error: DP backtracking lost its way")
-        r = int(rep[j])
-        i = int(pairs.big[p])
+        r = int(rep[(a, c)][j])
         stages.append((CPU if r == 0 else ACC, max(r, 1), i, j))
         if r == 0:
             c -= 1
@@ -249,12 +364,16 @@ def solve_on_ideals(
     empty = 0
     if ide.bits[empty].any():
         raise PlacementError("internal error: ideal 0 must be the empty set")
-    pairs = _pairs(ide, prob, bound)
-    val, key, choice = _run_dp(ide, pairs, prob, full, bool(prob.training))
-    info = {"ideals": ide.n, "pairs": pairs.count, "supernodes": c.m}
+    frontier = (
+        _memory_never_binds(graph, prob)
+        and not any(math.isinf(x) for x in c.acc)
+        and not any(math.isinf(x) for x in c.cpu)
+    )
+    val, key, choice, npairs = _run_dp(ide, prob, c, bound, full, frontier)
+    info = {"ideals": ide.n, "pairs": npairs, "supernodes": c.m, "frontier": frontier}
     if key is None or not math.isfinite(val):
         return INF, [], info
-    raw = _backtrack(ide, pairs, choice, key, full)
+    raw = _backtrack(choice, key, full)
     where = [-1] * len(graph)
     stages = []
     for s, (kind, r, i, j) in enumerate(raw):
