@@ -21,7 +21,7 @@ from meshtorch.errors import CommError, MeshError, ProcessorError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
-BACKENDS = ("threads", "torch")
+BACKENDS = ("threads", "torch", "meta")
 
 
 def launch(
@@ -42,8 +42,10 @@ def launch(
         fn: the SPMD program; it sees its processor through ``mt.current()``.
         mesh: mesh spec, e.g. ``"b:2,m:4"``.
         rules: layout rules, e.g. ``"batch:b; d_ff:m"``; empty = all replicated.
-        backend: ``"threads"`` or ``"torch"`` (one process per processor over
-            ``torch.distributed``; ``fn`` and its arguments must be picklable).
+        backend: ``"threads"``, ``"torch"`` (one process per processor over
+            ``torch.distributed``; ``fn`` and its arguments must be picklable), or
+            ``"meta"`` (processor 0 alone, on ``meta`` tensors, collectives only
+            counted: for planning; the result list has that one processor's result).
         nprocs: processes to spawn with ``backend="torch"`` (must equal the mesh
             size; default: the mesh size, or the torchrun world when under torchrun).
         timeout: seconds a collective may wait for its group before it raises.
@@ -67,9 +69,24 @@ def launch(
         from meshtorch.launcher import launch_processes
 
         return launch_processes(fn, args, kwargs, mesh, rules, timeout, check, nprocs)
+    if backend == "meta":
+        return [_launch_meta(fn, args, kwargs, mesh, rules)]
     if nprocs not in (None, mesh.size):
         raise MeshError(f"mesh '{mesh}' has {mesh.size} processors but nprocs={nprocs}")
     return _launch_threads(fn, args, kwargs, mesh, rules, timeout, check)
+
+
+def _launch_meta(fn, args, kwargs, mesh, rules) -> Any:
+    from meshtorch.comm.meta import MetaCommunicator
+
+    ctx = ProcessorContext(MetaCommunicator(mesh), rules)
+    try:
+        with use(ctx), torch.device("meta"):
+            return fn(*args, **kwargs)
+    except Exception as e:
+        raise ProcessorError(
+            f"processor 0 {mesh.coords(0)} (meta backend) raised {type(e).__name__}: {e}", 0,
+            mesh.coords(0)) from e
 
 
 def _launch_threads(fn, args, kwargs, mesh, rules, timeout, check) -> list[Any]:

@@ -51,7 +51,8 @@ def _triple32(x: torch.Tensor) -> torch.Tensor:
 
 def _key(seed: int, stream: int | str, word: int) -> int:
     s = zlib.crc32(stream.encode()) if isinstance(stream, str) else int(stream)
-    t = torch.tensor([(seed & _M32) ^ word * 0x9E3779B9 & _M32], dtype=torch.int64)
+    # keys are host integers, also while the meta backend makes meta the default device
+    t = torch.tensor([(seed & _M32) ^ word * 0x9E3779B9 & _M32], dtype=torch.int64, device="cpu")
     t = _triple32(t ^ (s & _M32))
     t = _triple32(t ^ ((seed >> 32) & _M32) ^ ((s >> 32) & _M32))
     return int(t.item())

@@ -1,0 +1,59 @@
+"""The ``meta`` backend: one representative processor; collectives are
+recorded and shaped, never run (DESIGN §2).
+
+The program runs once, as processor 0 of the mesh, with tensors on PyTorch's
+``meta`` device (shapes and dtypes, no storage), so a step of a 512-processor
+mesh can be traced on a laptop. Every collective is counted exactly as
+processor 0 of a real run counts it, and returns a tensor of the shape the
+real collective would return.
+
+Example:
+    >>> import meshtorch as mt
+    >>> def step():
+    ...     w = mt.random.normal("d_model:1024,d_ff:4096", seed=0, requires_grad=True)
+    ...     x = mt.random.normal("batch:512,d_model:1024", seed=1)
+    ...     mt.reduce_sum(mt.einsum("batch d_model, d_model d_ff -> batch d_ff", x, w)).backward()
+    ...     return w.local.device.type, mt.comm_stats().bytes("b", "all_reduce")
+    >>> mt.launch(step, mesh="b:64,m:8", rules="batch:b; d_ff:m", backend="meta")
+    [('meta', 2097156)]
+    >>> 1024 * (4096 // 8) * 4 + 4   # w's gradient slice in float32, plus the loss
+    2097156
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.comm.base import Communicator
+from meshtorch.mesh import Mesh
+
+
+class MetaCommunicator(Communicator):
+    """Processor ``rank``'s communicator on a mesh nobody else is running."""
+
+    backend = "meta"
+
+    def __init__(self, mesh: Mesh, rank: int = 0, check: bool = False):
+        super().__init__(mesh, rank, check)
+
+    def _all_reduce(self, t, axes, group, op):
+        return t.clone()
+
+    def _all_gather(self, t, axes, group, dim):
+        return torch.cat([t] * len(group), dim)
+
+    def _reduce_scatter(self, t, axes, group, dim, op):
+        return t.chunk(len(group), dim)[0].clone()
+
+    def _all_to_all(self, t, axes, group, split_dim, concat_dim):
+        chunk = t.chunk(len(group), split_dim)[0]
+        return torch.cat([chunk] * len(group), concat_dim)
+
+    def _permute(self, t, axes, group, sources):
+        return t.clone()
+
+    def _broadcast(self, t, axes, group, src):
+        return t.clone()
+
+    def _barrier(self):
+        return None

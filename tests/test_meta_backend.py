@@ -1,0 +1,53 @@
+"""The meta backend counts exactly what processor 0 of a real run counts."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from mesh_harness import meshes, rules_for
+
+DIMS = ["batch", "d_model", "d_ff", "vocab"]
+
+
+def _step():
+    b, d, f, v = mt.Dim("batch", 8), mt.Dim("d_model", 8), mt.Dim("d_ff", 16), mt.Dim("vocab", 8)
+    table = mt.random.normal([v, d], seed=0, requires_grad=True)
+    w1 = mt.random.normal([d, f], seed=1, requires_grad=True)
+    w2 = mt.random.normal([f, v], seed=2, requires_grad=True)
+    ids = mt.cast(mt.random.uniform([b], 0, 8, seed=3) * 0.999, torch.int64)
+    x = mt.layer_norm(mt.gather(table, ids, "vocab"), "d_model")
+    logits = mt.einsum("batch d_ff, d_ff vocab -> batch vocab",
+                       mt.gelu(mt.einsum("batch d_model, d_model d_ff -> batch d_ff", x, w1)), w2)
+    loss = mt.reduce_mean(mt.cross_entropy(logits, ids, "vocab"))
+    loss.backward()
+    return mt.comm_stats().as_dict(), str(w2.grad.local.device)
+
+
+@given(data=st.data())
+@settings(max_examples=10, deadline=None)
+def test_meta_counts_equal_processor_0_of_threads_run(data):
+    mesh = data.draw(meshes())
+    rules = data.draw(rules_for(mesh, DIMS))
+    real, device = mt.launch(_step, mesh=mesh, rules=rules)[0]
+    (meta, meta_device), = mt.launch(_step, mesh=mesh, rules=rules, backend="meta")
+    assert device == "cpu" and meta_device == "meta"
+    assert meta == real
+
+
+def test_meta_plans_a_512_processor_mesh_without_storage():
+    def step():
+        w = mt.random.normal("d_model:4096,d_ff:65536", seed=0, requires_grad=True)  # 1 GiB whole
+        x = mt.random.normal("batch:4096,d_model:4096", seed=1)
+        mt.reduce_sum(mt.einsum("batch d_model, d_model d_ff -> batch d_ff", x, w)).backward()
+        return mt.comm_stats().bytes(axis="b"), mt.comm_stats().bytes(axis="m")
+
+    (b_bytes, m_bytes), = mt.launch(step, mesh="b:16,m:32", rules="batch:b; d_ff:m", backend="meta")
+    assert b_bytes == 4096 * 65536 // 32 * 4 + 4  # w's gradient slice summed over b, plus the loss
+    assert m_bytes == 4  # the loss's partial sums over d_ff
+
+
+def test_meta_errors_name_the_processor():
+    with pytest.raises(mt.errors.ProcessorError, match="meta backend"):
+        mt.launch(lambda: mt.ones("a:3"), mesh="x:2", rules="a:x", backend="meta")
