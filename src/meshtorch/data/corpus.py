@@ -32,10 +32,13 @@ class DataError(MeshTorchError, ValueError):
     """A corpus or data option is unusable (missing path, too little text)."""
 
 
+def path_hash(relpath: str) -> int:
+    return int.from_bytes(hashlib.sha1(relpath.replace(os.sep, "/").encode()).digest()[:4], "big")
+
+
 def is_heldout(relpath: str, percent: float) -> bool:
     """Whether a file goes to the held-out split: by the sha1 of its relative path."""
-    h = int.from_bytes(hashlib.sha1(relpath.replace(os.sep, "/").encode()).digest()[:4], "big")
-    return (h % 10000) < percent * 100
+    return (path_hash(relpath) % 10000) < percent * 100
 
 
 def stdlib_root() -> str:
@@ -72,10 +75,14 @@ class Corpus:
         """Split named texts by the hash of their names."""
         tok = tokenizer or ByteTokenizer()
         parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
+        held = {rel for rel in texts if is_heldout(rel, heldout_percent)}
+        if not held and len(texts) > 1 and heldout_percent > 0:
+            # too few files for the hash to pick any: hold out the one with the smallest hash
+            held = {min(texts, key=path_hash)}
         for rel in sorted(texts):
             data = texts[rel]
             ids = np.frombuffer(data.encode() if isinstance(data, str) else bytes(data), dtype=np.uint8)
-            parts[is_heldout(rel, heldout_percent)].append(np.append(ids.astype(np.uint16), tok.eos))
+            parts[rel in held].append(np.append(ids.astype(np.uint16), tok.eos))
         join = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.uint16)  # noqa: E731
         corpus = cls(join(parts[False]), join(parts[True]), name, (len(parts[False]), len(parts[True])))
         return corpus

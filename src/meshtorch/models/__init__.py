@@ -12,6 +12,8 @@ Example:
 """
 
 from meshtorch.models.config import TransformerConfig
+from meshtorch.models.decode import generate
 from meshtorch.models.lm import Block, DecoderLM, KVCache
+from meshtorch.models.seq2seq import EncoderDecoder
 
-__all__ = ["TransformerConfig", "DecoderLM", "Block", "KVCache"]
+__all__ = ["TransformerConfig", "DecoderLM", "Block", "KVCache", "generate", "EncoderDecoder"]

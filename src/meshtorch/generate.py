@@ -1,0 +1,58 @@
+"""Text generation from a ``meshtorch train`` checkpoint, on any mesh.
+
+Example:
+    $ meshtorch generate --checkpoint runs/20250101-120000 --prompt "import "
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshtorch.checkpoint.format import read_index
+from meshtorch.checkpoint.state import from_json
+from meshtorch.data import ByteTokenizer
+from meshtorch.errors import CheckpointError
+from meshtorch.models import DecoderLM, TransformerConfig, generate
+
+
+def checkpoint_dir(path: str) -> str:
+    """``path`` itself if it is a checkpoint, else its ``checkpoint/`` subdirectory."""
+    if os.path.exists(os.path.join(path, "index.json")):
+        return path
+    sub = os.path.join(path, "checkpoint")
+    if os.path.exists(os.path.join(sub, "index.json")):
+        return sub
+    raise CheckpointError(f"{path!r} holds no checkpoint (no index.json in it or in its checkpoint/); "
+                          "pass the --out directory of a meshtorch train run")
+
+
+def model_config(path: str) -> tuple[str, TransformerConfig]:
+    """The model kind and config a training run stored in its checkpoint."""
+    extra = from_json(read_index(path).get("extra")) or {}
+    if "model_config" not in extra:
+        raise CheckpointError(f"checkpoint {path!r} does not record its model config; it was not written "
+                              "by meshtorch train")
+    return extra.get("model", "lm"), TransformerConfig.from_dict(extra["model_config"])
+
+
+def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                             top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "") -> str:
+    """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation."""
+    from meshtorch.checkpoint import load
+    from meshtorch.launch import launch
+
+    path = checkpoint_dir(path)
+    kind, cfg = model_config(path)
+    if kind == "seq2seq":
+        raise CheckpointError(f"checkpoint {path!r} is a seq2seq model; generate continues LM text only")
+    tok = ByteTokenizer()
+
+    def prog() -> str:
+        model = DecoderLM(cfg)
+        load(path, model=model, restore_rng_state=False)
+        ids = [tok.eos] + tok.encode(prompt)
+        new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                       limit=tok.eos + 1)[0]
+        return tok.decode(ids + new)
+
+    return launch(prog, mesh=mesh, rules=rules)[0]

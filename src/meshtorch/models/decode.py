@@ -1,0 +1,111 @@
+"""Greedy and sampled decoding (temperature, top-k) with a KV cache.
+
+Every processor runs the same loop (SPMD): the next-token logits are gathered
+(``[batch, vocab]`` is small) and sampled with a generator seeded the same on
+every processor, so all processors pick the same tokens under any layout.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.models import DecoderLM, TransformerConfig, generate
+    >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8)
+    >>> model = DecoderLM(cfg, seed=0)
+    >>> out = generate(model, [[1, 2, 3]], max_new_tokens=4)
+    >>> out == generate(model, [[1, 2, 3]], max_new_tokens=4, use_cache=False), len(out[0])
+    (True, 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.errors import ShapeError
+from meshtorch.ops.array import slice as mt_slice
+from meshtorch.shape import Dim
+from meshtorch.tensor import MeshTensor, from_global
+
+
+def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
+         generator: torch.Generator | None = None, limit: int | None = None) -> torch.Tensor:
+    """Next ids from ``[batch, vocab]`` logits: argmax if ``temperature == 0``, else a
+    sample from ``softmax(logits / temperature)`` over the ``top_k`` best (0: all).
+    Ids ``>= limit`` are never picked.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.models.decode import pick
+        >>> pick(torch.tensor([[0.0, 3.0, 1.0]])).tolist()
+        [1]
+        >>> pick(torch.tensor([[0.0, 3.0, 9.0]]), limit=2).tolist()
+        [1]
+    """
+    logits = logits.detach().float()
+    if limit is not None:
+        logits = logits.clone()
+        logits[:, limit:] = float("-inf")
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def _last(logits: MeshTensor) -> torch.Tensor:
+    n = logits.shape["length"].size
+    return mt_slice(logits, "length", n - 1, 1).to_global().squeeze(1)
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, use_cache: bool = True, limit: int | None = None,
+             stop: int | None = None) -> list[list[int]]:
+    """Continue each prompt by ``max_new_tokens`` tokens (fewer if ``max_length`` is reached).
+
+    Args:
+        model: a :class:`~meshtorch.models.DecoderLM` (anything with ``new_cache``
+            and ``forward(ids, cache)``).
+        prompts: token ids, all of the same length (at least 1).
+        temperature, top_k: sampling (``temperature=0``: greedy).
+        use_cache: reuse keys/values (else recompute the whole prefix each step;
+            the results are the same).
+        limit: never emit ids ``>= limit`` (e.g. padding entries of the vocab).
+        stop: stop once every sequence has emitted this id.
+
+    Returns:
+        The new tokens of each prompt.
+    """
+    lengths = {len(p) for p in prompts}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ShapeError(f"generate needs non-empty prompts of one length, got lengths {sorted(lengths)}")
+    was_training = model.training
+    model.eval()
+    n0 = lengths.pop()
+    max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(prompts)
+    seq = torch.tensor([list(p) for p in prompts], dtype=torch.int64)
+    # the rules may split batch: repeat the prompts up to a multiple of that axis, keep the first rows
+    ctx = current()
+    axis = ctx.rules.axis_of("batch")
+    n = ctx.mesh.axis_size(axis) if axis in ctx.mesh else 1
+    seq = seq.repeat(-(-rows // n) * n // rows + 1, 1)[: -(-rows // n) * n]
+    batch = Dim("batch", seq.shape[0])
+    cache = model.new_cache(batch) if use_cache else None
+    ids = seq
+    out: list[torch.Tensor] = []
+    try:
+        for _ in range(max_new_tokens):
+            x = from_global(ids, [batch, Dim("length", ids.shape[1])])
+            nxt = pick(_last(model(x, cache)), temperature, top_k, gen, limit)
+            out.append(nxt)
+            seq = torch.cat([seq, nxt[:, None]], 1)
+            ids = nxt[:, None] if use_cache else seq
+            if stop is not None and bool((torch.stack(out, 1) == stop).any(1).all()):
+                break
+    finally:
+        model.train(was_training)
+    return torch.stack(out, 1)[:rows].tolist() if out else [[] for _ in prompts]

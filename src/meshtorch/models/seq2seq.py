@@ -1,0 +1,93 @@
+"""Encoder-decoder Transformer over named dims (self-, cross-attention, shared embeddings).
+
+The encoder reads ``src [batch, length]`` without a causal mask (padding keys
+are masked); the decoder attends causally to its own prefix and, through
+cross-attention, to the encoder output renamed to ``memory_length``.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.models import EncoderDecoder, TransformerConfig
+    >>> cfg = TransformerConfig(vocab=264, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1,
+    ...                         encoder_layers=1, max_length=8)
+    >>> model = EncoderDecoder(cfg)
+    >>> src = mt.from_global(torch.tensor([[49, 50, 256]]), "batch:1,length:3")
+    >>> tgt = mt.from_global(torch.tensor([[257, 111]]), "batch:1,length:2")
+    >>> model(src, tgt).shape
+    Shape('batch:1,length:2,vocab:264')
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch import nn
+from meshtorch.models.config import TransformerConfig
+from meshtorch.models.layers import LENGTH, MEMORY, padding_bias
+from meshtorch.models.lm import Stack, weighted_mean
+from meshtorch.ops.elementwise import not_equal
+from meshtorch.ops.nn import cross_entropy
+from meshtorch.ops.reshape import rename
+from meshtorch.shape import Dim
+from meshtorch.tensor import MeshTensor, from_global
+
+
+class EncoderDecoder(nn.Module):
+    """Transformer encoder-decoder with one embedding table shared by encoder, decoder and output.
+
+    Args:
+        cfg: sizes; ``encoder_layers`` encoder blocks and ``layers`` decoder blocks.
+        seed: parameters are a pure function of ``seed`` and their names.
+        pad: the source padding id (masked out of attention).
+    """
+
+    def __init__(self, cfg: TransformerConfig, seed: int = 0, pad: int = 256):
+        super().__init__()
+        self.cfg, self.pad = cfg, pad
+        self.embed = nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+        self.encoder = Stack(cfg, max(cfg.encoder_layers, 1), cross=False, embed=self.embed)
+        self.decoder = Stack(cfg, cfg.layers, cross=True, embed=self.embed)
+        self.reset_parameters(seed)
+        self.last_aux: MeshTensor | None = None
+
+    def encode(self, src: MeshTensor) -> tuple[MeshTensor, MeshTensor]:
+        """Encoder output as ``memory [batch, memory_length, d_model]`` and its key mask bias."""
+        keep = rename(not_equal(src, self.pad), LENGTH, MEMORY)
+        bias = padding_bias(keep)
+        h, aux = self.encoder(src, causal=False, self_bias=bias)
+        self.last_aux = aux
+        return rename(h, LENGTH, MEMORY), bias
+
+    def forward(self, src: MeshTensor, tgt_in: MeshTensor) -> MeshTensor:
+        """Logits ``[batch, length, vocab]`` of the next target token at each target position."""
+        memory, bias = self.encode(src)
+        enc_aux = self.last_aux
+        h, aux = self.decoder(tgt_in, causal=True, memory=memory, memory_bias=bias)
+        if enc_aux is not None:
+            aux = enc_aux if aux is None else aux + enc_aux
+        self.last_aux = aux
+        return self.embed.attend(h)
+
+    def loss(self, src: MeshTensor, tgt_in: MeshTensor, tgt_out: MeshTensor,
+             weights: MeshTensor | None = None) -> MeshTensor:
+        """Mean cross-entropy of ``tgt_out`` over positions where ``weights`` is 1 (+ MoE loss)."""
+        loss = weighted_mean(cross_entropy(self(src, tgt_in), tgt_out, "vocab"), weights)
+        if self.last_aux is not None:
+            loss = loss + self.last_aux * self.cfg.aux_loss
+        return loss
+
+    @torch.no_grad()
+    def greedy(self, src: MeshTensor, bos: int, steps: int) -> torch.Tensor:
+        """Greedy decoding of ``steps`` tokens after ``bos``: a ``[batch, steps]`` torch tensor
+        (the same on every processor)."""
+        was = self.training
+        self.eval()
+        memory, bias = self.encode(src)
+        b = src.shape["batch"]
+        seq = torch.full((b.size, 1), bos, dtype=torch.int64)
+        for _ in range(steps):
+            ids = from_global(seq, [b, Dim(LENGTH, seq.shape[1])])
+            h, _ = self.decoder(ids, causal=True, memory=memory, memory_bias=bias)
+            last = self.embed.attend(h).to_global()[:, -1]
+            seq = torch.cat([seq, last.argmax(-1, keepdim=True)], 1)
+        self.train(was)
+        return seq[:, 1:]

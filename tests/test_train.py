@@ -1,0 +1,91 @@
+"""``meshtorch train`` end to end on a tiny model: files, resume, flag errors, generate."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from meshtorch import cli
+from meshtorch.train import TrainConfig, train
+
+TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
+        "--batch", "4", "--length", "16", "--eval-batches", "1", "--sample-tokens", "8",
+        "--log-every", "2", "--warmup", "0", "--schedule", "constant", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for i in range(12):
+        (d / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(30)))
+    return str(d)
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert cli.main(["train", "--steps", "4", "--out", a, "--data", text, *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert f"run directory: {os.path.abspath(a)}" in printed
+    assert "byte-unigram entropy" in printed and "sample:" in printed
+    for f in ("checkpoint/index.json", "metrics.jsonl", "summary.json"):
+        assert os.path.exists(os.path.join(a, f)), f
+    m = _metrics(a)
+    assert [r["step"] for r in m] == [2, 4]
+    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in m)
+    summary = json.load(open(os.path.join(a, "summary.json")))
+    assert summary["heldout_loss"] > 0 and 0 < summary["unigram_entropy"] < 6
+
+    # the uninterrupted run vs 4 steps + resume for 4 more (on another mesh layout of the batch)
+    assert cli.main(["train", "--steps", "8", "--out", b, "--data", text, *TINY]) == 0
+    assert cli.main(["train", "--steps", "8", "--resume", a, "--data", text, *TINY]) == 0
+    full, resumed = _metrics(b), _metrics(a)
+    assert [r["step"] for r in resumed] == [2, 4, 6, 8]
+    for x, y in zip(full, resumed):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), (x, y)
+    assert "resumed from" in capsys.readouterr().out
+
+    assert cli.main(["generate", "--checkpoint", a, "--prompt", "def ", "--tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--mesh", "b:2,m:2", "--rules", "batch:b; heads:m", "--heads", "3"], "--heads"),
+    (["--mesh", "b:2", "--rules", "batch:x"], "axis 'x'"),
+    (["--rules", "bach:b"], "'bach'"),
+    (["--batch", "3"], "--batch"),
+    (["--model", "gpt"], "--model"),
+])
+def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
+    assert cli.main(["train", "--out", str(tmp_path / "x"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_mesh_size_must_match_processes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(Exception, match="3 processes"):
+        train(TrainConfig(mesh="b:2"))
+
+
+def test_config_file_is_overridden_by_flags(tmp_path):
+    import argparse
+
+    from meshtorch.train_cli import build, config_from_args
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[train]\nsteps = 7\nlr = 0.5\nrules = "batch:b; vocab:b"\n')
+    p = argparse.ArgumentParser()
+    build(p.add_subparsers(dest="command"))
+    cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file), "--lr", "0.1"]))
+    assert (cfg.steps, cfg.lr, cfg.rules) == (7, 0.1, "batch:b; vocab:b")
+    cfg_file.write_text("stepz = 1\n")
+    with pytest.raises(Exception, match="stepz"):
+        config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
