@@ -41,9 +41,9 @@ def device_mesh() -> DeviceMesh:
     """The ``DeviceMesh`` of the current mesh (axis names kept), created once per
     communicator. Creating it is collective: every processor calls it (SPMD).
 
-    Example:
+    Example (under the torch backend, on mesh ``b:2,m:2``):
         >>> from meshtorch.dtensor import device_mesh
-        >>> device_mesh().mesh_dim_names  # doctest: +SKIP  (torch backend only)
+        >>> device_mesh().mesh_dim_names  # doctest: +SKIP
         ('b', 'm')
     """
     from torch.distributed.device_mesh import DeviceMesh
