@@ -128,6 +128,16 @@ def battery_and_mismatch() -> dict:
         out["mismatch"] = str(e)
     # the check runs before any payload moves, so the group is still in step
     out["after"] = comm.all_reduce(torch.ones(1, dtype=torch.float64), "m").item()
+    if comm.backend == "torch":  # groups created lazily, on first use, as for meshes of many axes
+        import meshtorch.comm.torch as ct
+
+        eager, ct.EAGER_AXES = ct.EAGER_AXES, 0
+        try:
+            lazy = ct.TorchCommunicator(comm.mesh, timeout=60)
+        finally:
+            ct.EAGER_AXES = eager
+        me = torch.tensor([float(comm.rank)])
+        out["lazy"] = [lazy.all_reduce(me, axes).item() for axes in ("m", ("b", "m"), "b", "m")]
     return out
 
 
@@ -261,3 +271,11 @@ def test_init_distributed_rejects_mesh_of_wrong_size(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(MeshError, match="mesh 'b:2,m:2' has 4 processors but 2 processes"):
         init_distributed("b:2,m:2")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_lazily_created_groups_reduce_over_the_right_processors(runs, n):
+    mesh = mt.Mesh("b:1,m:2" if n == 2 else "b:2,m:2")
+    for rank, res in enumerate(runs[n][0]):
+        want = [float(sum(mesh.group(rank, axes))) for axes in (("m",), ("b", "m"), ("b",), ("m",))]
+        assert res["lazy"] == want
