@@ -17,7 +17,11 @@ import sys
 from meshtorch.errors import MeshTorchError
 
 # module path of each sub-command, in the order `--help` lists them
-SUBCOMMANDS: tuple[str, ...] = ("meshtorch.launcher", "meshtorch.train_cli", "meshtorch.placement.cli")
+SUBCOMMANDS: tuple[str, ...] = (
+    "meshtorch.launcher",
+    "meshtorch.train_cli",
+    "meshtorch.placement.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,121 @@
+"""The ``meshtorch place`` sub-command.
+
+Example:
+    $ meshtorch place model.json --devices 4 --memory 16GiB --algorithm dp
+    $ meshtorch place mypkg.models:Net --input-shape 8,3,32,32 --devices 2 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+from meshtorch.errors import PlacementError
+from meshtorch.placement.graph import OpGraph
+from meshtorch.placement.problem import Problem
+from meshtorch.placement.solve import ALGORITHMS, place
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``"16GiB"`` -> 17179869184.0; plain numbers are bytes.
+
+    Example:
+        >>> parse_bytes("1.5KiB")
+        1536.0
+    """
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PlacementError(f"cannot read a memory size from {text!r} (try 16GiB or 1e9)")
+    try:
+        return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:
+        raise PlacementError(f"cannot read a memory size from {text!r}") from None
+
+
+def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: bool) -> OpGraph:
+    """A JSON file (ours or the paper's), or ``module:Class`` traced with torch.fx."""
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        return OpGraph.from_json(path)
+    if ":" not in spec:
+        raise PlacementError(f"{spec!r} is neither a JSON file nor module:Class")
+    import torch
+
+    from meshtorch.placement.trace import trace
+
+    mod_name, attr = spec.split(":", 1)
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        obj = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise PlacementError(f"cannot import {spec}: {e}") from None
+    module = obj() if isinstance(obj, type) else obj
+    if input_shape:
+        shape = [int(x) for x in input_shape.split(",")]
+        inputs = (torch.randn(*shape),)
+    elif hasattr(module, "example_inputs"):
+        inputs = tuple(module.example_inputs())
+    else:
+        raise PlacementError(f"{spec} has no example_inputs(); give --input-shape B,...")
+    return trace(module, *inputs, training=training, profile=profile)
+
+
+def run(args: argparse.Namespace) -> int:
+    graph = load_graph(args.model, training=args.training, input_shape=args.input_shape,
+                       profile=args.profile)
+    if args.training and not graph.is_training:
+        raise PlacementError(f"{args.model} has no backward nodes; it is an inference graph")
+    problem = Problem(
+        devices=args.devices,
+        memory=parse_bytes(args.memory) if args.memory else None,
+        cpus=args.cpus,
+        training=True if args.training else None,
+        stash=not args.no_stash,
+        max_replicas=args.replicas,
+    )
+    kw = {}
+    if args.algorithm == "ilp":
+        kw = {"time_limit": args.time_limit, "contiguous": args.contiguous}
+    p = place(graph, problem, args.algorithm, **kw)
+    if args.json:
+        print(json.dumps(p.to_dict()))
+    else:
+        from meshtorch.placement.report import table
+
+        print(table(p))
+    if args.png:
+        from meshtorch.placement.report import plot
+
+        plot(p, args.png)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``place`` to the ``meshtorch`` command line."""
+    ap = subparsers.add_parser(
+        "place", help="split an operator graph into pipeline stages (max throughput)",
+        description="Place a DNN operator graph on a pipeline of devices, maximising throughput.",
+    )
+    ap.add_argument("model", help="graph JSON (ours or dnn-partitioning) or module:Class")
+    ap.add_argument("--devices", type=int, default=None, help="accelerators (default: file's)")
+    ap.add_argument("--memory", default=None, help="memory per accelerator, e.g. 16GiB")
+    ap.add_argument("--cpus", type=int, default=None, help="CPUs (default: file's, else 0)")
+    ap.add_argument("--training", action="store_true", help="training mode (fwd+bwd)")
+    ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="dp")
+    ap.add_argument("--replicas", type=int, default=1, help="max data-parallel replicas/stage")
+    ap.add_argument("--no-stash", action="store_true",
+                    help="do not count stashed activations of in-flight micro-batches")
+    ap.add_argument("--time-limit", type=float, default=60.0, help="ilp: seconds")
+    ap.add_argument("--contiguous", action="store_true", help="ilp: pipeline-ordered only")
+    ap.add_argument("--input-shape", default=None, help="module:Class: example input shape")
+    ap.add_argument("--profile", action="store_true", help="module: time each op here")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--png", default=None, help="write a PNG of the stages")
+    ap.set_defaults(func=run)

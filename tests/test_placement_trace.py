@@ -1,0 +1,165 @@
+"""Graphs traced from real modules give placements that run; JSON and CLI round trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from meshtorch.cli import main
+from meshtorch.errors import PlacementError
+from meshtorch.placement import OpGraph, Problem, evaluate, load_split, place
+from meshtorch.placement.trace import DeviceSpec, split, trace
+
+# tiny models: a fast link, so that splitting them pays off
+FAST = DeviceSpec(link_bandwidth=1e15)
+DATA = Path(__file__).parents[1] / ".." / "shared" / "data" / "dnn-partitioning"
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 5):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+    def example_inputs(self):
+        return (torch.randn(8, 32),)
+
+
+class Block(nn.Module):
+    def __init__(self, c: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c if stride == 1 else c // 2, c, 3, stride, 1)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, 1, 1)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.down = nn.Conv2d(c // 2, c, 1, stride) if stride != 1 else nn.Identity()
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.down(x))
+
+
+class ResNetLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, 1, 1)
+        self.blocks = nn.Sequential(Block(8, 1), Block(16, 2), Block(16, 1), Block(32, 2))
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, x):
+        x = self.blocks(torch.relu(self.stem(x)))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+class Tied(nn.Module):
+    """Shared parameters: the embedding matrix is reused by the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(self.emb(idx)))
+        return h @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("model,inp", [(MLP(), torch.randn(8, 32)),
+                                        (ResNetLike(), torch.randn(2, 3, 16, 16))])
+@pytest.mark.parametrize("algorithm", ["dp", "greedy", "pipedream", "ilp"])
+def test_traced_placements_run(model, inp, algorithm):
+    model.eval()
+    gm = torch.fx.symbolic_trace(model)
+    g = trace(gm, inp, spec=FAST)
+    assert g.total("flops") > 0
+    p = place(g, Problem(devices=3), algorithm, **({"contiguous": True, "time_limit": 30}
+                                                   if algorithm == "ilp" else {}))
+    assert len(p.stages) >= 2
+    parts = split(gm, p)
+    torch.testing.assert_close(parts(inp), model(inp))
+    again = evaluate(g, p.problem, p.stages)
+    assert again.max_load == pytest.approx(p.max_load)
+
+
+def test_dp_beats_baselines_on_traced_resnet():
+    g = trace(ResNetLike().eval(), torch.randn(2, 3, 16, 16), spec=FAST)
+    dp = place(g, Problem(devices=3))
+    for name in ("greedy", "pipedream"):
+        assert dp.max_load <= place(g, Problem(devices=3), name).max_load + 1e-12
+
+
+def test_training_trace_colocates_and_places():
+    model = MLP(depth=3)
+    g = trace(model, torch.randn(8, 32), training=True, spec=FAST)
+    assert g.is_training and sum(n.backward for n in g.nodes) == len(g) // 2
+    p = place(g, Problem(devices=2, max_replicas=2))
+    where = p.device_of()
+    for i, nd in enumerate(g.nodes):
+        if nd.backward:
+            assert where[i] == where[g.index(nd.name[: -len(".grad")])]
+    assert all(s.memory > 0 for s in p.stages)
+
+
+def test_shared_parameters_share_a_device():
+    g = trace(Tied(), torch.randint(0, 50, (4, 7)), spec=FAST)
+    p = place(g, Problem(devices=3))
+    where = p.device_of()
+    users = [i for i, n in enumerate(g.nodes) if n.color is not None]
+    assert len(users) >= 2 and len({where[i] for i in users if g.nodes[i].color ==
+                                    g.nodes[users[0]].color}) == 1
+
+
+def test_json_round_trip_and_paper_format(tmp_path):
+    g = trace(MLP(), torch.randn(8, 32))
+    g.meta.update(devices=2, memory=1e9)
+    path = tmp_path / "g.json"
+    g.to_json(path)
+    h = OpGraph.from_json(path)
+    assert place(h, Problem()).max_load == pytest.approx(place(g, Problem()).max_load)
+    paper = tmp_path / "paper.json"
+    paper.write_text(json.dumps(g.to_dnn_partitioning_dict()))
+    q = OpGraph.from_dnn_partitioning(paper)
+    assert place(q, Problem()).max_load == pytest.approx(place(g, Problem()).max_load)
+
+
+def test_cli_json_and_table(tmp_path, capsys):
+    g = trace(MLP(), torch.randn(8, 32))
+    path = tmp_path / "mlp.json"
+    g.to_json(path)
+    assert main(["place", str(path), "--devices", "3", "--memory", "1GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"max_load", "solve_seconds", "algorithm", "stages"} <= set(out)
+    assert max(s["load"] for s in out["stages"]) == pytest.approx(out["max_load"])
+    assert main(["place", str(path), "--devices", "2", "--algorithm", "pipedream"]) == 0
+    assert "bottleneck" in capsys.readouterr().out
+    assert main(["place", str(path), "--devices", "2", "--memory", "1KiB"]) == 2
+    assert "memory" in capsys.readouterr().err
+    assert main(["place", "tests.test_placement_trace:MLP", "--devices", "2"]) == 0
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="shared dnn-partitioning data not present")
+def test_paper_graphs_small_ones_exact_against_milp():
+    g = OpGraph.from_dnn_partitioning(DATA / "throughput-inputs/LayerGraphs/bert24_inference.json")
+    dp = place(g, Problem())
+    ilp = place(g, Problem(), "ilp", contiguous=True, time_limit=60)
+    assert ilp.info["optimal"]
+    assert dp.max_load == pytest.approx(ilp.max_load, rel=1e-6)
+    expert = evaluate(g, Problem(), load_split(DATA / "human-experts/bert24_inference_expert.json",
+                                               g), strict=False)
+    assert dp.max_load <= expert.max_load
+
+
+def test_bad_inputs():
+    with pytest.raises(PlacementError, match="no such graph file"):
+        OpGraph.from_json("/nonexistent/graph.json")
+    with pytest.raises(PlacementError, match="unknown algorithm"):
+        place(OpGraph(), Problem(devices=1), "magic")
