@@ -14,6 +14,7 @@ Example:
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.decode import generate
 from meshtorch.models.lm import Block, DecoderLM, KVCache
+from meshtorch.models.moe import MoE
 from meshtorch.models.seq2seq import EncoderDecoder
 
-__all__ = ["TransformerConfig", "DecoderLM", "Block", "KVCache", "generate", "EncoderDecoder"]
+__all__ = ["TransformerConfig", "DecoderLM", "Block", "KVCache", "generate", "EncoderDecoder", "MoE"]
