@@ -104,6 +104,7 @@ class TorchCommunicator(Communicator):
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if nccl else "cpu"
         self.device = torch.device(device)
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._missing: set[str] = set()
         if len(mesh.axis_names) <= EAGER_AXES:
             names = mesh.axis_names
@@ -130,7 +131,10 @@ class TorchCommunicator(Communicator):
         for members in self.mesh.groups(key):
             if len(members) == 1:
                 continue
-            made = dist.new_group(list(members), **kw)
+            # axes of size 1 make different axes sets with the same members: one group serves both
+            made = self._by_members.get(members)
+            if made is None:
+                made = self._by_members[members] = dist.new_group(list(members), **kw)
             if members == mine:
                 pg = made
         self._groups[key] = pg
