@@ -41,7 +41,10 @@ class Channel:
         self.comm = comm
         self._lock = threading.Lock()
         self._queue: deque[tuple[Future, Callable[[], Any]]] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._pending = 0
         self._worker: threading.Thread | None = None
+        self.linger_s = 2.0
         # set while repl.context() holds the model-building lock (see replicator.py)
         self.building = False
 
@@ -49,36 +52,43 @@ class Channel:
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Queue ``fn`` (which issues collectives) behind everything already queued."""
         fut: Future = Future()
-        with self._lock:
+        with self._wake:
             self._queue.append((fut, fn))
+            self._pending += 1
             if self._worker is None:
                 self._worker = threading.Thread(
                     target=self._drain, name=f"meshtorch-replica-{self.comm.rank}-comm", daemon=True
                 )
                 self._worker.start()
+            self._wake.notify()
         return fut
 
     def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` after everything queued; inline when the queue is idle."""
+        """Run ``fn`` after everything queued; inline when nothing is pending."""
         with self._lock:
-            idle = self._worker is None
+            idle = self._pending == 0
         if idle:
             return fn()
         return self.submit(fn).result()
 
     def _drain(self) -> None:
+        # the worker outlives one burst of buckets (a thread start per step would cost
+        # more than it hides) but goes away when the replica stops training
         while True:
-            with self._lock:
+            with self._wake:
+                if not self._queue:
+                    self._wake.wait(self.linger_s)
                 if not self._queue:
                     self._worker = None
                     return
                 fut, fn = self._queue.popleft()
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                fut.set_exception(e)
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                    fut.set_exception(e)
+            with self._lock:
+                self._pending -= 1
 
     # ----------------------------------------------------------- collectives
     def _check(self, kind: str) -> None:
