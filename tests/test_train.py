@@ -89,3 +89,14 @@ def test_config_file_is_overridden_by_flags(tmp_path):
     cfg_file.write_text("stepz = 1\n")
     with pytest.raises(Exception, match="stepz"):
         config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
+
+
+@pytest.mark.parametrize("model, rules, key", [("moe", "batch:b; experts:b", "unigram_entropy"),
+                                               ("seq2seq", "batch:b", "heldout_accuracy")])
+def test_moe_and_seq2seq_runs(model, rules, key, text, tmp_path):
+    out = str(tmp_path / model)
+    assert cli.main(["train", "--model", model, "--steps", "2", "--rules", rules, "--out", out,
+                     "--data", text, *TINY]) == 0
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert key in summary and summary["heldout_loss"] > 0
+    assert [r["step"] for r in _metrics(out)] == [2]

@@ -266,8 +266,7 @@ def evaluate(model, heldout, n: int) -> float:
     total = 0.0
     with torch.no_grad():
         for i in range(n):
-            ids, tgt = heldout.at(i)
-            total += model.loss(ids, tgt).item()
+            total += model.loss(*heldout.at(i)).item()
     model.train()
     return total / n
 
@@ -315,12 +314,12 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     for step in range(start, cfg.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)
-        ids, tgt = batches.next()
+        batch = batches.next()
         if precision is not None:
             with precision:
-                loss = model.loss(ids, tgt)
+                loss = model.loss(*batch)
         else:
-            loss = model.loss(ids, tgt)
+            loss = model.loss(*batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.clip:
