@@ -175,11 +175,8 @@ class GradientSync:
             for p, flag in zip(params, flags.tolist()):
                 n = p.numel()
                 if flag > 0:
-                    g = avg[offset: offset + n].view_as(p)
-                    if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
+                    # a view into the reduced bucket: no copy; the next backward accumulates into it
+                    p.grad = avg[offset: offset + n].view_as(p)
                 offset += n
 
     def _finish(self) -> None:
