@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import pickle
@@ -114,6 +115,9 @@ def init_distributed(
         if store is not None:
             kw.update(store=store, rank=rank, world_size=world)
         dist.init_process_group(backend, **kw)
+        # gloo aborts the interpreter ("terminate called without an active exception") if its
+        # group is still alive at exit; whoever creates the group tears it down
+        atexit.register(shutdown)
     ctx = ProcessorContext(TorchCommunicator(mesh, check=check, timeout=timeout), rules)
     set_process_context(ctx)
     return ctx
