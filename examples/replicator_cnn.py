@@ -9,7 +9,8 @@ statistics over the replicas.
 Run it:
     python examples/replicator_cnn.py                 # 2 thread replicas (or one per GPU)
     python examples/replicator_cnn.py --replicas 4
-    meshtorch launch -n 2 --backend torch examples/replicator_cnn.py   # one process each
+    meshtorch launch -n 2 --mesh replica:2 --backend torch examples/replicator_cnn.py  # a process each
+    torchrun --nproc-per-node 2 examples/replicator_cnn.py
 """
 
 from __future__ import annotations
