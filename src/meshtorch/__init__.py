@@ -24,6 +24,7 @@ from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_
 from meshtorch.dtensor import from_dtensor
 from meshtorch.errors import MeshTorchError
 from meshtorch.launch import launch
+from meshtorch.launcher import init_distributed
 from meshtorch.layout import Layout, LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.ops.array import concat, gather, one_hot, pad, shift, slice

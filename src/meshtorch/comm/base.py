@@ -235,3 +235,26 @@ def reduce_stack(parts: list[torch.Tensor], op: str) -> torch.Tensor:
         else:
             torch.minimum(out, p, out=out)
     return out
+
+
+def compare_metas(vals: dict, group: tuple[int, ...], mesh: Mesh, same_shape: bool) -> None:
+    """Raise ``CommError`` naming both sides if the group's collective descriptions differ.
+
+    ``vals`` maps rank to ``(meta, value)``; every backend reports mismatches alike.
+    """
+    ref_rank = group[0]
+    ref = vals[ref_rank][0]
+    for r in group[1:]:
+        m = vals[r][0]
+        keys = ("kind", "axes", "dtype") + (("shape",) if same_shape else ())
+        if any(m[k] != ref[k] for k in keys):
+            def side(rank, meta):
+                where = f" at {meta['site']}" if "site" in meta else ""
+                shape = f"{meta['dtype']}{list(meta['shape'])}"
+                return f"processor {rank} {mesh.coords(rank)} called {meta['kind']}" \
+                    f"({shape}) over {meta['axes']}{where}"
+            raise CommError(
+                "collective mismatch: " + side(ref_rank, ref) + "; but " + side(r, m)
+                + ". Every processor of a group must make the same collective calls in the same "
+                "order with the same shapes"
+            )

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import torch
 
-from meshtorch.comm.base import Communicator, reduce_stack, user_call_site
+from meshtorch.comm.base import Communicator, compare_metas, reduce_stack, user_call_site
 from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
 
@@ -78,25 +78,6 @@ class Hub:
         return vals
 
 
-def _compare(vals: dict, group: tuple[int, ...], mesh: Mesh, same_shape: bool) -> None:
-    ref_rank = group[0]
-    ref = vals[ref_rank][0]
-    for r in group[1:]:
-        m = vals[r][0]
-        keys = ("kind", "axes", "dtype") + (("shape",) if same_shape else ())
-        if any(m[k] != ref[k] for k in keys):
-            def side(rank, meta):
-                where = f" at {meta['site']}" if "site" in meta else ""
-                shape = f"{meta['dtype']}{list(meta['shape'])}"
-                return f"processor {rank} {mesh.coords(rank)} called {meta['kind']}" \
-                    f"({shape}) over {meta['axes']}{where}"
-            raise CommError(
-                "collective mismatch: " + side(ref_rank, ref) + "; but " + side(r, m)
-                + ". Every processor of a group must make the same collective calls in the same "
-                "order with the same shapes"
-            )
-
-
 class ThreadsCommunicator(Communicator):
     """A thread-processor's communicator over a shared :class:`Hub`."""
 
@@ -114,7 +95,7 @@ class ThreadsCommunicator(Communicator):
         key = (group, self._seq[group])
         value = t.detach().clone() if payload is None else payload
         vals = self.hub.exchange(key, group, self.rank, meta, value)
-        _compare(vals, group, self.mesh, same_shape)
+        compare_metas(vals, group, self.mesh, same_shape)
         return [vals[r][1] for r in group]
 
     def _all_reduce(self, t, axes, group, op):

@@ -46,8 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshtorch.comm.base import Communicator, as_axes, user_call_site
-from meshtorch.comm.threads import _compare
+from meshtorch.comm.base import Communicator, as_axes, compare_metas, user_call_site
 from meshtorch.errors import CommError, MeshError
 from meshtorch.mesh import Mesh
 
@@ -188,7 +187,7 @@ class TorchCommunicator(Communicator):
             return
         metas: list = [None] * len(group)
         self._run(kind, axes, group, lambda: dist.all_gather_object(metas, meta, group=pg))
-        _compare({r: (m, None) for r, m in zip(group, metas)}, group, self.mesh, same_shape=True)
+        compare_metas({r: (m, None) for r, m in zip(group, metas)}, group, self.mesh, same_shape=True)
         # equal records with unequal hashes only if `extra` differs (e.g. shift sources)
         raise CommError(f"collective mismatch in {kind} over {tuple(axes)}: processors passed "
                         f"different arguments ({[m.get('extra') for m in metas]})")
