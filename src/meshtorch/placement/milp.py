@@ -21,8 +21,8 @@ Example:
     >>> for n, t in zip("abc", [2.0, 2.0, 2.0]):
     ...     _ = g.add_node(n, acc_time=t, cpu_time=t, comm_time=0.1)
     >>> g.add_edge("a", "b"); g.add_edge("b", "c")
-    >>> round(solve_milp(g, Problem(devices=3)).max_load, 6)
-    2.1
+    >>> round(solve_milp(g, Problem(devices=3)).max_load, 6)  # b: 2 + a's output in + its own out
+    2.2
 """
 
 from __future__ import annotations
