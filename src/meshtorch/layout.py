@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 from meshtorch.errors import LayoutError
 from meshtorch.mesh import Mesh
@@ -182,8 +181,3 @@ class Layout:
 
     def __repr__(self) -> str:
         return f"Layout([{self.shape}] on '{self.mesh}': {self})"
-
-
-def dims_of_axis(rules: LayoutRules, names: Iterable[str], axis: str) -> list[str]:
-    """The names among ``names`` whose rule axis is ``axis``, in order."""
-    return [n for n in names if rules.axis_of(n) == axis]

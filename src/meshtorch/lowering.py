@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def _cost(c, axis, n, inputs, out_layout, reduced, grad) -> float:
         elif c is not None and rg:
             total += (n - 1) / n * local * (1 if c in x.shape else 2)
     d_out = out_layout.dim_of(axis)
-    out_whole = _numel(out_layout.local_sizes) * (n if d_out else 1)
+    out_whole = math.prod(out_layout.local_sizes) * (n if d_out else 1)
     if c is None:
         total += (n - 1) / n * out_whole if (d_out and grad) else 0
     elif c in reduced:
@@ -106,13 +107,6 @@ def _cost(c, axis, n, inputs, out_layout, reduced, grad) -> float:
         else:
             total += (n - 1) / n * out_whole / n * (2 if grad else 1)
     return total
-
-
-def _numel(sizes: Iterable[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def choose_computation(

@@ -72,10 +72,8 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
     def local_fn(view, *ls):
         it = iter(ls)
         args = [align(next(it), x.names, names) if isinstance(x, MeshTensor) else x for x in xs]
-        res = fn(*args)
-        return res.expand([view.size(n) for n in names]) if tuple(res.shape) != tuple(
-            view.size(n) for n in names
-        ) else res
+        # scalars and broadcasting may leave size-1 dims; the output slice is full-sized
+        return fn(*args).expand([view.size(n) for n in names])
 
     return lower(op, tensors, out, local_fn)
 
