@@ -163,3 +163,19 @@ def test_bad_inputs():
         OpGraph.from_json("/nonexistent/graph.json")
     with pytest.raises(PlacementError, match="unknown algorithm"):
         place(OpGraph(), Problem(devices=1), "magic")
+
+
+def test_cli_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    g = trace(MLP(), torch.randn(8, 32), spec=FAST)
+    path = tmp_path / "mlp.json"
+    g.to_json(path)
+    png = tmp_path / "stages.png"
+    assert main(["place", str(path), "--devices", "3", "--png", str(png)]) == 0
+    assert "bottleneck" in capsys.readouterr().out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 5000  # a rendered chart, not an empty canvas
+    # the IHDR chunk: width and height of the figure (at least 4 x 3.5 in at 120 dpi)
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 480 and height >= 420
