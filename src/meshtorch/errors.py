@@ -55,3 +55,7 @@ class PlacementError(MeshTorchError, ValueError):
 
 class CheckpointError(MeshTorchError, RuntimeError):
     """A checkpoint is missing, corrupt, or does not match the model."""
+
+
+class PipelineError(MeshTorchError, RuntimeError):
+    """A pipeline schedule is invalid, or a pipeline stage failed (the message names it)."""

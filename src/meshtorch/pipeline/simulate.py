@@ -1,0 +1,128 @@
+"""Predict a pipeline's step time, bubble and per-stage memory from stage costs.
+
+:func:`simulate` replays a :class:`~meshtorch.pipeline.schedule.Schedule`
+with real durations: each action starts when its stage has finished the
+previous action of its order and its inputs have arrived (the dependency's
+end plus ``comm`` seconds for a hop between stages). The per-stage order is
+the table's, so the executor and the simulator run the same schedule.
+
+:func:`memory` is PipeDream-2BW's memory model (Narayanan et al., ICML 2021,
+§3): a stage holds its weights (two versions under 2BW, one otherwise),
+optimizer state, and the stashed activations of every micro-batch in flight
+on it (``Schedule.max_in_flight``: ``m`` under GPipe, ``p - s`` under 1F1B and
+2BW). With activation recomputation only each in-flight micro-batch's *input*
+is stashed, plus one micro-batch's full activations while it is recomputed.
+
+Example:
+    >>> from meshtorch.pipeline import build_schedule, simulate
+    >>> r = simulate(build_schedule("gpipe", 4, 4), forward=1.0, backward=2.0)
+    >>> r.step_time, round(r.bubble_fraction, 4), round(3 / (4 + 3), 4)
+    (21.0, 0.4286, 0.4286)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshtorch.errors import PipelineError
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule
+
+
+@dataclass
+class Simulation:
+    """What :func:`simulate` predicts for one batch.
+
+    Attributes:
+        step_time: seconds from the first action's start to the last's end.
+        bubble_fraction: idle share of ``stages × step_time``.
+        busy: seconds of work per stage.
+        start, end: each action's predicted start and end (seconds).
+    """
+
+    step_time: float
+    bubble_fraction: float
+    busy: list[float]
+    start: dict[Action, float] = field(repr=False)
+    end: dict[Action, float] = field(repr=False)
+
+
+def _per_stage(x: float | Sequence[float], p: int, what: str) -> list[float]:
+    vals = [float(x)] * p if isinstance(x, (int, float)) else [float(v) for v in x]
+    if len(vals) != p or any(v < 0 for v in vals):
+        raise PipelineError(f"{what} needs one non-negative cost per stage ({p}), got {x!r}")
+    return vals
+
+
+def simulate(schedule: Schedule, forward: float | Sequence[float],
+             backward: float | Sequence[float] | None = None, comm: float = 0.0) -> Simulation:
+    """Replay ``schedule`` with per-stage forward/backward durations (seconds per
+    micro-batch; a number means the same for every stage; ``backward`` defaults to
+    ``forward``) and ``comm`` seconds per stage-to-stage transfer.
+
+    Example:
+        >>> from meshtorch.pipeline import build_schedule
+        >>> simulate(build_schedule("1f1b", 2, 2), forward=[1, 3], backward=[1, 3]).step_time
+        14.0
+    """
+    p = schedule.stages
+    f = _per_stage(forward, p, "forward")
+    b = _per_stage(forward if backward is None else backward, p, "backward")
+    start: dict[Action, float] = {}
+    end: dict[Action, float] = {}
+    by_key: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * p
+    # the table is sorted by slot, and every dependency sits in an earlier slot
+    for a in sorted(schedule.actions, key=lambda a: (a.slot, a.stage)):
+        s, i = a.stage, a.microbatch
+        ready = free[s]
+        if a.kind == FORWARD and s > 0:
+            ready = max(ready, by_key[(s - 1, FORWARD, i)] + comm)
+        if a.kind == BACKWARD:
+            ready = max(ready, by_key[(s, FORWARD, i)])
+            if s < p - 1:
+                ready = max(ready, by_key[(s + 1, BACKWARD, i)] + comm)
+        start[a] = ready
+        end[a] = ready + (f[s] if a.kind == FORWARD else b[s])
+        by_key[(s, a.kind, i)] = end[a]
+        free[s] = end[a]
+    t = max(end.values()) - min(start.values())
+    busy = [schedule.microbatches * (f[s] + b[s]) for s in range(p)]
+    bubble = 1.0 - sum(busy) / (p * t) if t > 0 else 0.0
+    return Simulation(t, bubble, busy, start, end)
+
+
+def memory(schedule: Schedule, weights: float | Sequence[float], activations: float | Sequence[float],
+           inputs: float | Sequence[float] = 0.0, optimizer: float | Sequence[float] = 0.0,
+           recompute: bool = False) -> list[float]:
+    """Peak bytes per stage (PipeDream-2BW's model).
+
+    Args:
+        weights: bytes of one weight version per stage.
+        activations: bytes a stage stashes for one micro-batch's backward.
+        inputs: bytes of one micro-batch's input to the stage (the stash under
+            recomputation).
+        optimizer: bytes of optimizer state per stage.
+        recompute: activation recomputation (stash inputs only).
+
+    Returns ``versions·weights + optimizer + in_flight·activations`` per stage,
+    or ``... + in_flight·inputs + activations`` with ``recompute``, where
+    ``versions`` is 2 for ``"2bw"`` and 1 otherwise.
+
+    Example:
+        >>> from meshtorch.pipeline import build_schedule
+        >>> memory(build_schedule("2bw", 4, 8), weights=10, activations=1)
+        [24.0, 23.0, 22.0, 21.0]
+        >>> memory(build_schedule("gpipe", 4, 8), weights=10, activations=1)
+        [18.0, 18.0, 18.0, 18.0]
+    """
+    p = schedule.stages
+    w, a = _per_stage(weights, p, "weights"), _per_stage(activations, p, "activations")
+    x, o = _per_stage(inputs, p, "inputs"), _per_stage(optimizer, p, "optimizer")
+    versions = 2 if schedule.name == "2bw" else 1
+    out = []
+    for s in range(p):
+        k = schedule.max_in_flight(s)
+        stash = k * x[s] + a[s] if recompute else k * a[s]
+        out.append(versions * w[s] + o[s] + stash)
+    return out

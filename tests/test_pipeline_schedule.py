@@ -1,0 +1,81 @@
+"""Pipeline schedule tables, the simulator and the PNG timeline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtorch.errors import PipelineError
+from meshtorch.pipeline import build_schedule, memory, simulate
+from meshtorch.pipeline.plot import timeline
+from meshtorch.pipeline.schedule import Action, Schedule, from_orders
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["gpipe", "1f1b", "2bw"]), st.integers(1, 6), st.integers(1, 10))
+def test_tables_are_valid_and_bubble_matches_formula(name, p, m):
+    t = build_schedule(name, p, m)
+    t.validate()
+    assert len(t.actions) == 2 * p * m
+    assert t.slots == 2 * (m + p - 1)
+    want = (p - 1) / (m + p - 1)
+    assert t.bubble_fraction() == pytest.approx(want)
+    # uniform stage costs in the simulator give the same bubble, for any forward:backward ratio
+    sim = simulate(t, forward=0.7, backward=1.4)
+    assert sim.bubble_fraction == pytest.approx(want)
+    assert sim.step_time == pytest.approx((m + p - 1) * 2.1)
+    # in-flight stashes: GPipe holds all m; 1F1B/2BW at most p - s on stage s
+    for s in range(p):
+        assert t.max_in_flight(s) == (m if name == "gpipe" else min(p - s, m))
+
+
+def test_1f1b_table_by_hand():
+    t = build_schedule("1f1b", 3, 4)
+    assert t.order(0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert t.order(2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert [(a.slot, a.kind, a.microbatch) for a in t.for_stage(0)][:5] == [
+        (0, "F", 0), (1, "F", 1), (2, "F", 2), (5, "B", 0), (6, "F", 3)]
+
+
+def test_simulator_non_uniform_by_hand():
+    # 2 stages, 2 micro-batches, GPipe; stage 1 three times slower, comm 0.5 per hop:
+    # s0: F0 0-1, F1 1-2;  s1: F0 1.5-4.5, F1 4.5-7.5, B0 7.5-10.5, B1 10.5-13.5;
+    # s0: B0 11-12, B1 14-15
+    sim = simulate(build_schedule("gpipe", 2, 2), forward=[1, 3], backward=[1, 3], comm=0.5)
+    assert sim.step_time == pytest.approx(15.0)
+    assert sim.busy == [4.0, 12.0]
+    assert sim.bubble_fraction == pytest.approx(1 - 16 / 30)
+
+
+def test_memory_model():
+    # 2BW: two weight versions + (p - s) stashes; recompute stashes inputs + one full activation set
+    t = build_schedule("2bw", 2, 4)
+    assert memory(t, weights=[100, 50], activations=10) == [220.0, 110.0]
+    got = memory(t, weights=[100, 50], activations=10, inputs=1, optimizer=7, recompute=True)
+    assert got == [219.0, 118.0]
+    assert memory(build_schedule("1f1b", 2, 4), weights=100, activations=10) == [120.0, 110.0]
+    assert memory(build_schedule("gpipe", 2, 4), weights=100, activations=10) == [140.0, 140.0]
+
+
+def test_invalid_tables_raise():
+    with pytest.raises(PipelineError, match="not one of"):
+        build_schedule("zigzag", 2, 2)
+    bad = Schedule("x", 2, 1, (Action(0, 0, 0, "F"), Action(0, 1, 0, "F"), Action(1, 1, 0, "B"),
+                               Action(2, 0, 0, "B")))
+    with pytest.raises(PipelineError, match="before F0 on stage 0"):
+        bad.validate()
+    with pytest.raises(PipelineError, match="deadlocks"):
+        from_orders("x", [[("B", 0), ("F", 0)], [("F", 0), ("B", 0)]], 1)
+    with pytest.raises(PipelineError, match="one non-negative cost per stage"):
+        simulate(build_schedule("gpipe", 2, 2), forward=[1.0])
+
+
+def test_timeline_png(tmp_path):
+    t = build_schedule("gpipe", 3, 4)
+    path = timeline(t, str(tmp_path / "g.png"), simulation=simulate(t, 1.0, 2.0))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(path) > 1000
