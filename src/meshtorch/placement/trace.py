@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,20 @@ def trace(
         gm = module if isinstance(module, torch.fx.GraphModule) else torch.fx.symbolic_trace(module)
     except Exception as e:  # fx raises many types; say which module failed and why
         raise PlacementError(f"torch.fx cannot trace {type(module).__name__}: {e}") from e
+    return _graph_of(gm, example_inputs, spec, training, profile, type(module).__name__)
+
+
+def _graph_of(
+    gm: torch.fx.GraphModule,
+    example_inputs: tuple[Any, ...],
+    spec: DeviceSpec,
+    training: bool,
+    profile: bool,
+    source: str,
+    groups: dict[str, str] | None = None,
+    costless: frozenset[str] = frozenset(),
+) -> OpGraph:
+    """The costed graph of ``gm``; ``groups`` colours nodes, ``costless`` nodes cost nothing."""
     was_training = gm.training
     gm.eval()
     try:
@@ -137,7 +152,7 @@ def trace(
             costs.run(*example_inputs)
     finally:
         gm.train(was_training)
-    g = OpGraph(meta={"source": type(module).__name__, "training": training})
+    g = OpGraph(meta={"source": source, "training": training})
     owner: dict[int, str] = {}  # id(tensor) -> colour of the first node using it
     colours: dict[str, str] = {}
     fx_nodes = list(gm.graph.nodes)
@@ -152,14 +167,18 @@ def trace(
                 owner[key] = colours.get(n.name, n.name)
         flops = costs.flops.get(n.name, 0.0)
         touched = costs.in_bytes.get(n.name, 0.0) + costs.out_bytes.get(n.name, 0.0)
-        if n.op in ("placeholder", "output", "get_attr"):
+        if n.op in ("placeholder", "output", "get_attr") or n.name in costless:
             acc = cpu = 0.0
+        elif getattr(n.target, "is_view", False):
+            acc = cpu = 0.0  # an aten view moves no data
         elif profile:
             acc = cpu = costs.seconds[n.name]
         else:
             acc = max(flops / spec.acc_flops, touched / spec.acc_bandwidth)
             cpu = max(flops / spec.cpu_flops, touched / spec.cpu_bandwidth)
         out_b = costs.out_bytes.get(n.name, 0.0) if n.op != "output" else 0.0
+        if n.name in costless:
+            pbytes = out_b = 0.0
         g.add_node(
             n.name,
             acc_time=acc,
@@ -176,12 +195,165 @@ def trace(
             g.nodes[g.index(n.name)].color = colours[n.name]
             first = colours[n.name]
             g.nodes[g.index(first)].color = first
+    if groups:
+        _merge_colours(g, groups)
     for n in fx_nodes:
         for p in n.all_input_nodes:
             g.add_edge(p.name, n.name, costs.out_bytes.get(p.name, 0.0))
     if training:
         _add_backward(g, spec)
     return g
+
+
+def _merge_colours(g: OpGraph, groups: dict[str, str]) -> None:
+    """Union the colour classes of ``g`` with ``groups`` (node name -> group key)."""
+    from meshtorch.placement.prep import _UF
+
+    uf = _UF(len(g))
+    first: dict[str, int] = {}
+    for i, nd in enumerate(g.nodes):
+        for key in (("c", nd.color), ("g", groups.get(nd.name))):
+            if key[1] is not None:
+                uf.union(i, first.setdefault(f"{key[0]}:{key[1]}", i))
+    sizes: dict[int, int] = {}
+    for i in range(len(g)):
+        sizes[uf.find(i)] = sizes.get(uf.find(i), 0) + 1
+    for i, nd in enumerate(g.nodes):
+        r = uf.find(i)
+        if sizes[r] > 1 or nd.color is not None:
+            nd.color = g.nodes[r].name
+
+
+def trace_function(
+    fn: Callable[..., Any],
+    *example_inputs: Any,
+    spec: DeviceSpec | None = None,
+    training: bool = False,
+    profile: bool = False,
+) -> tuple[torch.fx.GraphModule, OpGraph]:
+    """Trace any function of tensors at the ATen level (``make_fx``) into a costed graph.
+
+    For code that ``torch.fx.symbolic_trace`` cannot see through — a meshtorch
+    model built of ``MeshTensor`` ops, data-dependent Python — this records the
+    ATen ops that actually run on ``example_inputs``. Returns the traced
+    ``GraphModule`` (give it to :func:`split`) and its :class:`OpGraph`.
+
+    Two modelling choices make the operator graph placeable:
+
+    * parameters (``nn.Parameter`` captured by ``fn``), and the ops that only
+      reshape them, share a colour with the ops that consume them: a weight
+      lives on the device that uses it (as :func:`split` puts it there);
+    * tensors computed from neither inputs nor parameters (``arange``, masks,
+      position tables) are folded into constants that cost nothing: every stage
+      can hold or rebuild its own copy.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.placement import Problem, place
+        >>> from meshtorch.placement.trace import split, trace_function
+        >>> w = torch.nn.Parameter(torch.randn(4, 4))
+        >>> def f(x):
+        ...     h = torch.relu(x @ w.t())
+        ...     return (h @ w.t()) * torch.arange(4.0)
+        >>> x = torch.randn(3, 4)
+        >>> gm, g = trace_function(f, x)
+        >>> parts = split(gm, place(g, Problem(devices=2)))
+        >>> torch.allclose(parts(x), f(x))
+        True
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    spec = spec or DeviceSpec()
+    try:
+        gm = make_fx(fn)(*example_inputs)
+    except Exception as e:  # make_fx raises many types; say what failed and why
+        raise PlacementError(
+            f"make_fx cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"
+        ) from e
+    folded = _fold_constants(gm, example_inputs)
+    groups = _weight_groups(gm)
+    name = getattr(fn, "__name__", type(fn).__name__)
+    return gm, _graph_of(gm, example_inputs, spec, training, profile, name, groups, folded)
+
+
+def _is_param(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
+    if n.op != "get_attr":
+        return False
+    obj: Any = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part)
+    return isinstance(obj, torch.Tensor) and (isinstance(obj, torch.nn.Parameter)
+                                              or obj.requires_grad)
+
+
+def _fold_constants(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> frozenset[str]:
+    """Replace subgraphs that depend on neither inputs nor parameters by constants.
+
+    Returns the names of the new ``get_attr`` nodes.
+    """
+    nodes = list(gm.graph.nodes)
+    varying: set[torch.fx.Node] = set()  # depends on an input or a parameter
+    for n in nodes:
+        if n.op == "placeholder" or _is_param(gm, n) or any(
+            a in varying for a in n.all_input_nodes
+        ):
+            varying.add(n)
+    fold = [
+        n for n in nodes
+        if n not in varying and n.op not in ("output", "get_attr")
+        and any(u in varying or u.op == "output" for u in n.users)
+    ]
+    if not fold:
+        return frozenset()
+    values: dict[str, Any] = {}
+
+    class _Grab(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            if n in fold:
+                values[n.name] = out
+            return out
+
+    with torch.no_grad():
+        _Grab(gm).run(*example_inputs)
+    names = []
+    for k, n in enumerate(fold):
+        value = values[n.name]
+        if not isinstance(value, torch.Tensor):
+            continue  # a Python value: leave it to the op that made it
+        attr = f"_folded_constant{k}"
+        gm.register_buffer(attr, value.detach().clone())
+        with gm.graph.inserting_before(n):
+            new = gm.graph.get_attr(attr)
+        n.replace_all_uses_with(new)
+        names.append(new.name)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return frozenset(names)
+
+
+def _weight_groups(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Group every node computed from parameters alone with the nodes that consume it."""
+    from meshtorch.placement.prep import _UF
+
+    nodes = list(gm.graph.nodes)
+    idx = {n: i for i, n in enumerate(nodes)}
+    on_input: set[torch.fx.Node] = set()
+    on_param: set[torch.fx.Node] = set()
+    for n in nodes:
+        if n.op == "placeholder" or any(a in on_input for a in n.all_input_nodes):
+            on_input.add(n)
+        if _is_param(gm, n) or any(a in on_param for a in n.all_input_nodes):
+            on_param.add(n)
+    uf = _UF(len(nodes))
+    for n in on_param - on_input:
+        for u in n.users:
+            if u.op != "output":
+                uf.union(idx[n], idx[u])
+    size: dict[int, int] = {}
+    for i in range(len(nodes)):
+        size[uf.find(i)] = size.get(uf.find(i), 0) + 1
+    return {n.name: str(uf.find(i)) for i, n in enumerate(nodes) if size[uf.find(i)] > 1}
 
 
 def _add_backward(g: OpGraph, spec: DeviceSpec) -> None:
@@ -236,4 +408,49 @@ def split(gm: torch.fx.GraphModule, placement: Placement) -> torch.fx.GraphModul
                and n.name not in stage]
     if missing:
         raise PlacementError(f"the placement does not cover traced nodes {missing[:5]}")
-    return split_module(gm, gm, lambda n: stage[n.name])
+    parts = split_module(gm, gm, lambda n: stage[n.name])
+    _own_tensors(parts)
+    return parts
+
+
+def _own_tensors(parts: torch.fx.GraphModule) -> None:
+    """Make every stage hold the parameters and constants it uses.
+
+    ``split_module`` passes tensor attributes (``get_attr`` of a tensor, as ATen
+    traces have for every weight) from the parent as stage inputs, so a stage
+    moved to its own device would leave its weights behind. Here each stage
+    registers them itself (the same objects: training updates reach the model).
+    """
+    for call in list(parts.graph.nodes):
+        if call.op != "call_module":
+            continue
+        sub = parts.get_submodule(str(call.target))
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(holders) != len(call.args) or call.kwargs:
+            continue  # not the calling convention split_module uses; leave it alone
+        kept = []
+        for ph, arg in zip(holders, call.args):
+            if not (isinstance(arg, torch.fx.Node) and arg.op == "get_attr"):
+                kept.append(arg)
+                continue
+            value: Any = parts
+            for part in str(arg.target).split("."):
+                value = getattr(value, part)
+            if not isinstance(value, torch.Tensor):
+                kept.append(arg)
+                continue
+            attr = str(arg.target).replace(".", "_")
+            if isinstance(value, torch.nn.Parameter):
+                sub.register_parameter(attr, value)
+            else:
+                sub.register_buffer(attr, value)
+            with sub.graph.inserting_before(ph):
+                got = sub.graph.get_attr(attr)
+            ph.replace_all_uses_with(got)
+            sub.graph.erase_node(ph)
+        call.args = tuple(kept)
+        sub.recompile()
+    parts.graph.eliminate_dead_code()
+    parts.recompile()
