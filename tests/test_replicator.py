@@ -195,3 +195,44 @@ def test_bucket_count_is_the_number_of_all_reduces():
     assert mt.replicator.launch(prog, 1.0, num_replicas=2) == [1, 1]
     assert mt.replicator.launch(prog, 17 / 1024, num_replicas=2) == [2, 2]
     assert mt.replicator.launch(prog, 1e-6, num_replicas=2) == [4, 4]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grads_live_in_the_buckets_and_accumulate_like_one_process(overlap):
+    """zero_grad(set_to_none=False) and two backwards per step: autograd accumulates
+    straight into the bucket buffers (no new gradient tensors after the first step),
+    and the result is still one process's sum of the two global-batch gradients."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 2, 2, 5, 4, generator=g, dtype=torch.float64)  # step, backward, replica, ex
+
+    def loss(model, xb):
+        return torch.tanh(model(xb)).pow(2).mean()
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for s in range(3):
+        ref_opt.zero_grad(set_to_none=False)
+        for k in range(2):
+            (sum(loss(ref, x[s, k, r]) for r in range(2)) / 2).backward()
+        ref_opt.step()
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).double()
+            opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      bucket_mb=1e-4, overlap=overlap)
+        r, ptrs = repl.replica_id, []
+        for s in range(3):
+            opt.zero_grad(set_to_none=False)
+            for k in range(2):
+                loss(model, x[s, k, r]).backward()
+            opt.step()
+            ptrs.append([p.grad.data_ptr() for p in model.parameters()])
+        return model.state_dict(), ptrs
+
+    for state, ptrs in mt.replicator.launch(prog, num_replicas=2):
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-12, atol=1e-12, msg=k)
+        assert ptrs[0] == ptrs[1] == ptrs[2]      # the same bucket slots every step

@@ -2,19 +2,41 @@
 
 Parameters are packed, in reverse order (roughly the order backward produces
 their gradients), into buckets of at most ``bucket_mb`` MiB per device and
-dtype. With ``overlap=True`` a post-accumulate-grad hook on every parameter
-marks it ready; a bucket is all-reduced, in the background, as soon as it and
-every bucket before it are ready, while backward goes on. Buckets always go
-out in index order, so every replica issues the same collectives in the same
-order even when a parameter is unused on some replicas: at the end of
-backward the remaining buckets go out, with zeros where a replica has no
-gradient. Each bucket carries one "has a gradient" flag per parameter, so a
-parameter unused on every replica keeps ``grad = None`` (the optimizer skips
-it, exactly as in one process). Inside ``repl.no_sync()`` nothing is reduced
-and gradients accumulate locally; the next synchronised backward averages
-the accumulated sums. ``optimizer.step()`` averages anything not yet averaged
-first, so ``overlap=False`` (or a backward that reached no parameter) is
-still correct.
+dtype. Each bucket owns one flat buffer, allocated once: the parameters'
+gradient slots followed by one "has a gradient" flag per parameter. After
+the first synchronised backward every ``p.grad`` *is* a view into its
+bucket's buffer, so averaging needs no copy-in/copy-out.
+
+With ``overlap=True`` a post-accumulate-grad hook on every parameter writes
+``grad / num_replicas`` into the parameter's slot (one pass over the
+gradient; nothing when the gradient already lives there), points ``p.grad``
+at the slot, and, once a bucket and every bucket before it are complete,
+sends the bucket off:
+
+- on the torch backend (gloo or NCCL, no ``check``) as
+  ``torch.distributed.all_reduce(buffer, async_op=True)`` straight from the
+  hook, so the transfer runs on the process group's own C++ threads while
+  backward goes on — no Python thread competes for the GIL, as with DDP's
+  C++ reducer. A callback queued on the autograd engine waits for the
+  buckets at the end of backward;
+- on the threads backend (and with ``check=True``) through the replica's
+  ordered :class:`~meshtorch.replicator.channel.Channel`, on its background
+  thread.
+
+Buckets always go out in index order, so every replica issues the same
+collectives in the same order even when a parameter is unused on some
+replicas: at the end of backward the remaining buckets go out, with zeros
+where a replica has no gradient. The flags are summed with the gradients, so
+a parameter unused on every replica keeps ``grad = None`` (the optimizer
+skips it, exactly as in one process). Inside ``repl.no_sync()`` nothing is
+reduced and gradients accumulate locally; the next synchronised backward
+averages the accumulated sums. ``optimizer.step()`` averages anything not
+yet averaged first, so ``overlap=False`` (or a backward that reached no
+parameter) is still correct.
+
+As with DDP's ``gradient_as_bucket_view``, a gradient tensor kept across
+steps is overwritten by the next synchronised backward; ``.clone()`` it to
+keep it.
 
 Example:
     >>> import torch, meshtorch as mt
@@ -42,12 +64,24 @@ from meshtorch.replicator.channel import Channel
 
 
 class _Bucket:
-    __slots__ = ("params", "index", "future")
+    __slots__ = ("index", "params", "first", "views", "buffer", "flags", "async_ok", "pending")
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, params: list[torch.nn.Parameter], first: int):
         self.index = index
-        self.params: list[torch.nn.Parameter] = []
-        self.future: Future | None = None
+        self.params = params
+        self.first = first  # index of params[0] among all the optimizer's parameters
+        ref = params[0]
+        total = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(total + len(params), dtype=ref.dtype, device=ref.device)
+        self.flags = self.buffer[total:]
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset: offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.async_ok = False
+        # a torch.distributed Work, a Future of the channel, or None
+        self.pending: object = None
 
 
 class GradientSync:
@@ -74,7 +108,7 @@ class GradientSync:
         self.num_replicas = len(chan.comm.group(axes))
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.overlap = overlap
-        self._no_sync = no_sync_flag
+        self._no_sync = no_sync_flag if no_sync_flag is not None else threading.local()
         self._handles: list = []
         self._build_buckets()
         self._reset_round()
@@ -91,29 +125,55 @@ class GradientSync:
                     seen.setdefault(id(p), p)
         return list(seen.values())
 
+    def _async_group(self, device: torch.device):
+        """The process group to all-reduce a bucket on ``device`` asynchronously, or None.
+
+        Only the torch backend has asynchronous collectives. ``check=True`` must
+        compare every collective first, which the communicator does synchronously,
+        and a bucket away from the communicator's device (NCCL wants
+        ``cuda:<local rank>``) must be moved by it: both take the channel.
+        """
+        comm = self.chan.comm
+        if comm.backend != "torch" or comm.check or device != getattr(comm, "device", None):
+            return None
+        return comm.process_group(self.axes)
+
     def _build_buckets(self) -> None:
         for h in self._handles[2:]:
             h.remove()
         del self._handles[2:]
-        open_: dict[tuple, _Bucket] = {}
+        groups: dict[tuple, list[list[torch.nn.Parameter]]] = {}
         filled: dict[tuple, int] = {}
-        self.buckets: list[_Bucket] = []
-        self._bucket_of: dict[int, int] = {}
+        order: list[tuple[tuple, int]] = []
         for p in reversed(self._params()):
             if p.is_sparse:
                 raise CommError("wrap_optimizer averages dense gradients; a parameter is sparse")
             key = (p.device, p.dtype)
             nbytes = p.numel() * p.element_size()
-            b = open_.get(key)
-            if b is None or (b.params and filled[key] + nbytes > self.bucket_bytes):
-                b = open_[key] = _Bucket(len(self.buckets))
-                self.buckets.append(b)
+            lists = groups.setdefault(key, [])
+            if not lists or filled[key] + nbytes > self.bucket_bytes:
+                lists.append([])
+                order.append((key, len(lists) - 1))
                 filled[key] = 0
-            b.params.append(p)
+            lists[-1].append(p)
             filled[key] += nbytes
-            self._bucket_of[id(p)] = b.index
-            if self.overlap:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self.buckets: list[_Bucket] = []
+        self._slot: dict[int, tuple[int, int, torch.Tensor]] = {}
+        first = 0
+        for key, k in order:
+            b = _Bucket(len(self.buckets), groups[key][k], first)
+            b.async_ok = self._async_group(b.buffer.device) is not None
+            self.buckets.append(b)
+            for j, p in enumerate(b.params):
+                self._slot[id(p)] = (b.index, first + j, b.views[j])
+            first += len(b.params)
+        self._num_params = first
+        self._group = self._async_group(self.buckets[0].buffer.device) if self.buckets else None
+        # one replica: its gradients are already the average; nothing to hook
+        if self.overlap and self.num_replicas > 1:
+            for b in self.buckets:
+                for p in b.params:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def refresh(self) -> None:
         """Re-read the optimizer's parameters (after ``add_param_group``)."""
@@ -129,74 +189,118 @@ class GradientSync:
     # -------------------------------------------------------------- rounds
     def _reset_round(self) -> None:
         self._ready = [0] * len(self.buckets)
+        self._prepared = [False] * self._num_params
         self._next = 0
         self._callback_queued = False
 
-    def _syncing(self) -> bool:
-        return not (self._no_sync is not None and getattr(self._no_sync, "on", False))
+    def _put(self, p: torch.Tensor, view: torch.Tensor) -> bool:
+        """Move ``p``'s gradient, divided by the replica count, into its bucket slot."""
+        g = p.grad
+        if g is None:
+            return False
+        if g is view:
+            # accumulated in place (zero_grad(set_to_none=False), or no_sync micro-batches)
+            view.div_(self.num_replicas)
+        else:
+            if g.layout != torch.strided:
+                raise CommError("wrap_optimizer averages dense gradients; a parameter got a "
+                                f"{g.layout} gradient (e.g. nn.Embedding(sparse=True)); use a dense one")
+            # dividing while copying: one pass, and the sum of the replicas is the mean
+            torch.div(g, self.num_replicas, out=view)
+            p.grad = view
+        return True
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._syncing():
+        if getattr(self._no_sync, "on", False):
             return
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        self._ready[self._bucket_of[id(p)]] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] == len(
-            self.buckets[self._next].params
-        ):
-            self._launch(self.buckets[self._next], background=True)
+        b, i, view = self._slot[id(p)]
+        self._prepared[i] = self._put(p, view)
+        self._ready[b] += 1
+        buckets = self.buckets
+        while self._next < len(buckets) and self._ready[self._next] == len(buckets[self._next].params):
+            self._launch(buckets[self._next], background=True)
             self._next += 1
 
-    def _launch(self, bucket: _Bucket, background: bool) -> None:
-        params = bucket.params
-        ref = params[0]
-        parts = [torch.zeros(p.numel(), dtype=ref.dtype, device=ref.device) if p.grad is None
-                 else p.grad.detach().reshape(-1) for p in params]
-        parts.append(torch.tensor([0.0 if p.grad is None else 1.0 for p in params],
-                                  dtype=ref.dtype, device=ref.device))
-        flat = torch.cat(parts)
-        chan, axes = self.chan, self.axes
-        job = lambda: chan.all_reduce(flat, axes, "sum")
-        if background:
-            bucket.future = chan.submit(job)
+    def _launch(self, b: _Bucket, background: bool) -> None:
+        # parameters whose hook did not run this round: unused in this backward (their
+        # gradient may still hold no_sync sums), or overlap=False
+        present = True
+        flags = []
+        for j, (p, view) in enumerate(zip(b.params, b.views)):
+            has = self._prepared[b.first + j] or self._put(p, view)
+            if not has:
+                view.zero_()
+                present = False
+            flags.append(1.0 if has else 0.0)
+        if present:
+            b.flags.fill_(1.0)
         else:
-            bucket.future = Future()
-            bucket.future.set_result(chan.call(job))
+            b.flags.copy_(torch.tensor(flags, dtype=b.flags.dtype))
+        if b.async_ok:
+            comm = self.chan.comm
+            comm.stats.record("all_reduce", self.axes, b.buffer.numel() * b.buffer.element_size())
+            try:
+                b.pending = torch.distributed.all_reduce(b.buffer, group=self._group, async_op=True)
+            except RuntimeError as e:
+                raise self._comm_error(b, e) from e
+            return
+        chan, axes, buf = self.chan, self.axes, b.buffer
+        job = lambda: chan.all_reduce(buf, axes, "sum")  # noqa: E731
+        if background:
+            b.pending = chan.submit(job)
+        else:
+            b.pending = chan.call(job)
 
-    def _unpack(self, bucket: _Bucket) -> None:
-        flat = bucket.future.result()
-        bucket.future = None
-        params = bucket.params
-        flags = flat[-len(params):]
-        avg = flat[: -len(params)].div_(self.num_replicas)
-        offset = 0
-        with torch.no_grad():
-            for p, flag in zip(params, flags.tolist()):
-                n = p.numel()
-                if flag > 0:
-                    # a view into the reduced bucket: no copy; the next backward accumulates into it
-                    p.grad = avg[offset: offset + n].view_as(p)
-                offset += n
+    def _comm_error(self, b: _Bucket, e: BaseException) -> CommError:
+        return CommError(
+            f"gradient all_reduce of bucket {b.index} ({b.buffer.numel() * b.buffer.element_size()} "
+            f"bytes) over axes {self.axes} failed: {str(e).strip()}. Every replica must run the same "
+            "backward()/optimizer.step() calls; a replica that skipped one, exited or crashed leaves "
+            "the others waiting"
+        )
+
+    def _wait(self, b: _Bucket) -> None:
+        pending, b.pending = b.pending, None
+        if isinstance(pending, Future):
+            pending = pending.result()
+        if isinstance(pending, torch.Tensor):
+            if pending is not b.buffer:
+                b.buffer.copy_(pending)
+        elif pending is not None:
+            try:
+                pending.wait()
+            except RuntimeError as e:
+                raise self._comm_error(b, e) from e
+        # the flags now count the replicas that had a gradient
+        for p, view, count in zip(b.params, b.views, b.flags.tolist()):
+            if count > 0 and p.grad is not view:
+                p.grad = view
 
     def _finish(self) -> None:
-        # end of backward: send what is left, in bucket order, then install the averages
+        # end of backward: send what is left, in bucket order, then wait for all
         try:
             while self._next < len(self.buckets):
                 self._launch(self.buckets[self._next], background=True)
                 self._next += 1
             for b in self.buckets:
-                self._unpack(b)
+                self._wait(b)
             self.synced = True
         finally:
             self._reset_round()
 
     def sync(self) -> None:
         """Average every gradient now (all replicas must call it)."""
-        for b in self.buckets:
-            self._launch(b, background=False)
-            self._unpack(b)
-        self._reset_round()
+        if self.num_replicas > 1:
+            try:
+                for b in self.buckets:
+                    self._launch(b, background=False)
+                for b in self.buckets:
+                    self._wait(b)
+            finally:
+                self._reset_round()
         self.synced = True
 
     # ---------------------------------------------------------- step hooks
