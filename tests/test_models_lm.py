@@ -99,24 +99,25 @@ def test_lm_matches_plain_torch_on_a_2x2_mesh(opts):
         torch.testing.assert_close(out[0], logits, msg=f"processor {rank}")
 
 
+def train_loop(cfg: TransformerConfig, batch_fn, steps: int = 10, model_cls=DecoderLM) -> list[float]:
+    """This processor's losses of ``steps`` clipped AdamW steps from seed 1 (run inside a launch)."""
+    model = model_cls(cfg, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        loss = batch_fn(model, step)
+        opt.zero_grad()
+        loss.backward()
+        mt.optim.clip_grad_norm_(model, 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_losses(cfg: TransformerConfig, mesh: str, rules: str, steps: int = 10, model_cls=DecoderLM,
                  batch_fn=None) -> list[float]:
     """Losses of ``steps`` AdamW steps on fixed random batches, from processor 0."""
-
-    def prog():
-        model = model_cls(cfg, seed=1)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-        losses = []
-        for step in range(steps):
-            loss = batch_fn(model, step)
-            opt.zero_grad()
-            loss.backward()
-            mt.optim.clip_grad_norm_(model, 1.0)
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
-    return mt.launch(prog, mesh=mesh, rules=rules)[0]
+    return mt.launch(train_loop, cfg, batch_fn, steps, model_cls, mesh=mesh, rules=rules)[0]
 
 
 def lm_batch(cfg, batch=4, length=6):
