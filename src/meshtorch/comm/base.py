@@ -165,6 +165,60 @@ class Communicator(ABC):
             sources.append(j % n if wrap else (j if 0 <= j < n else None))
         return self.permute(t, axis, sources)
 
+    # ------------------------------------------------------ point-to-point
+    def _peer(self, kind: str, axis: str, peer: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        axes = as_axes(axis)
+        if len(axes) != 1:
+            raise CommError(f"{kind} runs along one axis, got {axes}")
+        group = self.group(axes)
+        me = group.index(self.rank)
+        if not 0 <= peer < len(group) or peer == me:
+            raise CommError(f"{kind} along {axis!r}: peer {peer} is not another member of this "
+                            f"processor's group of {len(group)} (it is member {me})")
+        return axes, group
+
+    def send(self, t: torch.Tensor, axis: str, dst: int, tag: int = 0) -> None:
+        """Send ``t`` to member ``dst`` of this processor's group along ``axis``.
+
+        Unlike the collectives, only the two ends take part: the matching
+        :meth:`recv` on ``dst`` gets ``t`` (any shape and dtype). ``send`` does not
+        wait for the receiver; tensors between one pair with one ``tag`` arrive in
+        the order sent. :meth:`wait_sends` waits until all sends have been delivered.
+
+        Example:
+            >>> import torch, meshtorch as mt
+            >>> def f():
+            ...     comm = mt.current().comm
+            ...     if comm.coords["s"] == 0:
+            ...         comm.send(torch.arange(3.0), "s", dst=1)
+            ...         return None
+            ...     return comm.recv("s", src=0).tolist()
+            >>> mt.launch(f, mesh="s:2")
+            [None, [0.0, 1.0, 2.0]]
+        """
+        axes, group = self._peer("send", axis, dst)
+        if not isinstance(t, torch.Tensor):
+            raise CommError(f"send needs a torch.Tensor, got {type(t).__name__}")
+        self.stats.record("send", axes, t.numel() * t.element_size())
+        self._send(t, axes, group, dst, tag)
+
+    def recv(self, axis: str, src: int, tag: int = 0) -> torch.Tensor:
+        """The next tensor member ``src`` of this processor's group along ``axis``
+        sent here with ``tag`` (waits for it; see :meth:`send`)."""
+        axes, group = self._peer("recv", axis, src)
+        self.stats.record("recv", axes, 0)
+        return self._recv(axes, group, src, tag)
+
+    def wait_sends(self) -> None:
+        """Wait until every tensor this processor sent has been delivered."""
+        return None
+
+    def _send(self, t, axes, group, dst, tag):
+        raise CommError(f"the {self.backend} backend has no point-to-point send/recv")
+
+    def _recv(self, axes, group, src, tag):
+        raise CommError(f"the {self.backend} backend has no point-to-point send/recv")
+
     def broadcast(self, t: torch.Tensor, axes, src: int = 0) -> torch.Tensor:
         """The tensor of group member ``src`` (an index into the group), on all members."""
         axes, group = self._prepare("broadcast", axes, t)

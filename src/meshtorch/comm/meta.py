@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from meshtorch.comm.base import Communicator
+from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
 
 
@@ -51,6 +52,13 @@ class MetaCommunicator(Communicator):
 
     def _permute(self, t, axes, group, sources):
         return t.clone()
+
+    def _send(self, t, axes, group, dst, tag):
+        return None  # counted by send(); nobody receives on the meta backend
+
+    def _recv(self, axes, group, src, tag):
+        raise CommError(f"recv along {axes}: the meta backend runs processor {self.rank} alone, so nothing "
+                        "arrives; predict pipelines with meshtorch.pipeline.simulate instead")
 
     def _broadcast(self, t, axes, group, src):
         return t.clone()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 
@@ -39,12 +39,39 @@ class Hub:
         self.cond = threading.Condition()
         self.slots: dict[tuple, dict] = {}
         self.failed: tuple[int, BaseException] | None = None
+        self.mail: dict[tuple, deque] = {}
 
     def fail(self, rank: int, exc: BaseException) -> None:
         with self.cond:
             if self.failed is None:
                 self.failed = (rank, exc)
             self.cond.notify_all()
+
+    def post(self, key: tuple, value: torch.Tensor) -> None:
+        """Leave ``value`` in the mailbox ``key`` (sender, receiver, axes, tag); no waiting."""
+        with self.cond:
+            self.mail.setdefault(key, deque()).append(value)
+            self.cond.notify_all()
+
+    def take(self, key: tuple, what: str) -> torch.Tensor:
+        """The oldest tensor in mailbox ``key``, waiting for one (or for a failure)."""
+        deadline = time.monotonic() + self.timeout
+        with self.cond:
+            while not self.mail.get(key):
+                if self.failed is not None:
+                    frank, exc = self.failed
+                    raise CommError(f"{what} abandoned: processor {frank} {self.mesh.coords(frank)} "
+                                    f"failed with {type(exc).__name__}: {exc}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommError(f"{what} called at {user_call_site()} received nothing within "
+                                    f"{self.timeout:g} s: the sender never sent it")
+                self.cond.wait(min(left, 1.0))
+            box = self.mail[key]
+            value = box.popleft()
+            if not box:
+                del self.mail[key]
+        return value
 
     def exchange(self, key: tuple, group: tuple[int, ...], rank: int, meta: dict, value) -> dict:
         """Deposit ``value``; return ``{rank: (meta, value)}`` of the whole group."""
@@ -119,6 +146,13 @@ class ThreadsCommunicator(Communicator):
         parts = self._meet("permute", axes, group, t)
         src = sources[group.index(self.rank)]
         return torch.zeros_like(t) if src is None else parts[src].clone()
+
+    def _send(self, t, axes, group, dst, tag):
+        self.hub.post((self.rank, group[dst], axes, tag), t.detach().clone())
+
+    def _recv(self, axes, group, src, tag):
+        what = f"recv along {axes} from processor {group[src]} (tag {tag})"
+        return self.hub.take((group[src], self.rank, axes, tag), what)
 
     def _broadcast(self, t, axes, group, src):
         me = group.index(self.rank)

@@ -53,6 +53,11 @@ from meshtorch.mesh import Mesh
 # meshes with at most this many axes get the groups of every axis subset at construction
 EAGER_AXES = 4
 
+# point-to-point tensors carry a header of (dtype index, dims, sizes) so the receiver can allocate
+_P2P_MAX_DIMS = 8
+_P2P_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+               torch.int16, torch.int8, torch.uint8, torch.bool)
+
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -105,6 +110,7 @@ class TorchCommunicator(Communicator):
         self._groups: dict[tuple[str, ...], dist.ProcessGroup] = {}
         self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._missing: set[str] = set()
+        self._sends: list[tuple] = []  # (work, tensor, axes, group) of point-to-point sends in flight
         if len(mesh.axis_names) <= EAGER_AXES:
             names = mesh.axis_names
             for k in range(1, len(names) + 1):
@@ -293,6 +299,38 @@ class TorchCommunicator(Communicator):
 
         self._run("permute", axes, group, go)
         return recv.to(t.device)
+
+    def _send(self, t, axes, group, dst, tag):
+        pg = self._process_group(axes)
+        x = self._to_dev(t)
+        if x.dim() > _P2P_MAX_DIMS or x.dtype not in _P2P_DTYPES:
+            raise CommError(f"send along {axes}: tensors of up to {_P2P_MAX_DIMS} dims and dtypes "
+                            f"{_P2P_DTYPES} travel point-to-point, got {x.dtype}{list(x.shape)}")
+        # the receiver allocates from a fixed-size header: dtype, number of dims, sizes
+        head = torch.zeros(2 + _P2P_MAX_DIMS, dtype=torch.int64, device=self.device)
+        head[0], head[1] = _P2P_DTYPES.index(x.dtype), x.dim()
+        head[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        # keep completed sends out of the list, and the in-flight tensors alive until delivered
+        self._sends = [w for w in self._sends if not w[0].is_completed()]
+        for buf, tg in ((head, 2 * tag), (x, 2 * tag + 1)):
+            work = self._run("send", axes, group, lambda b=buf, g=tg: dist.isend(
+                b, group=pg, group_dst=dst, tag=g))
+            self._sends.append((work, buf, axes, group))
+
+    def _recv(self, axes, group, src, tag):
+        pg = self._process_group(axes)
+        head = torch.empty(2 + _P2P_MAX_DIMS, dtype=torch.int64, device=self.device)
+        self._run("recv", axes, group, lambda: dist.recv(head, group=pg, group_src=src, tag=2 * tag))
+        n = int(head[1])
+        sizes = [int(v) for v in head[2:2 + n]]
+        out = torch.empty(sizes, dtype=_P2P_DTYPES[int(head[0])], device=self.device)
+        self._run("recv", axes, group, lambda: dist.recv(out, group=pg, group_src=src, tag=2 * tag + 1))
+        return out
+
+    def wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work, _, axes, group in sends:
+            self._run("send", axes, group, work.wait)
 
     def _broadcast(self, t, axes, group, src):
         self._check("broadcast", axes, group, t, src)

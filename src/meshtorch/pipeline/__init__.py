@@ -10,8 +10,10 @@ Example:
     0.2
 """
 
+from meshtorch.pipeline.pipeline import Pipeline, split_microbatches
 from meshtorch.pipeline.schedule import SCHEDULES, Action, Schedule
 from meshtorch.pipeline.schedule import build as build_schedule
 from meshtorch.pipeline.simulate import Simulation, memory, simulate
 
-__all__ = ["SCHEDULES", "Action", "Schedule", "Simulation", "build_schedule", "memory", "simulate"]
+__all__ = ["SCHEDULES", "Action", "Pipeline", "Schedule", "Simulation", "build_schedule", "memory",
+           "simulate", "split_microbatches"]

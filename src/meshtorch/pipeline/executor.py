@@ -1,0 +1,176 @@
+"""Run this processor's actions of a schedule table (one stage of the pipeline).
+
+Stage ``s`` walks its row of the table in slot order. A forward receives the
+micro-batch's activation from stage ``s-1`` (stage 0 takes the micro-batch
+itself), runs the stage, and sends the output to ``s+1`` (the last stage
+applies the loss instead). A backward receives the output gradient from
+``s+1`` (the last stage starts from its loss), backpropagates through the
+stage, and sends the input gradient to ``s-1``. Transfers go through the
+communicator's point-to-point ``send``/``recv`` along the pipeline axis; a
+send never waits, so a stage only ever waits for data the table says another
+stage produces earlier, and a valid table cannot deadlock.
+
+Each micro-batch's loss is divided by the number of micro-batches, so the
+accumulated gradient is that of the mean of the micro-batch losses: for a
+loss that is a mean over the micro-batch, the gradient of the whole batch.
+
+With ``recompute`` a forward keeps only its input (and the random-number
+state: torch's generator and meshtorch's stream counter) and the backward
+runs the stage forward again before backpropagating.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.pipeline import build_schedule
+    >>> from meshtorch.pipeline.executor import Executor
+    >>> def f():
+    ...     torch.manual_seed(0)
+    ...     stages = [torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)]
+    ...     ex = Executor(stages[mt.current().coords["stage"]], "stage", lambda y, t: ((y - t) ** 2).mean())
+    ...     x, t = torch.ones(4, 3), torch.zeros(4, 1)
+    ...     loss = ex.run(build_schedule("1f1b", 2, 2), list(x.chunk(2)), list(t.chunk(2)))
+    ...     return [k for k, _, _, _ in ex.trace], loss is None
+    >>> mt.launch(f, mesh="stage:2")
+    [(['F', 'F', 'B', 'B'], True), (['F', 'B', 'F', 'B'], False)]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.errors import CommError, PipelineError
+from meshtorch.pipeline.schedule import FORWARD, Schedule
+from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
+from meshtorch.tensor import MeshTensor
+
+# tags keep activations (forward) and gradients (backward) of one pair of stages apart
+FORWARD_TAG, BACKWARD_TAG = 1, 2
+
+
+def _as_leaf(x: Any) -> Any:
+    """A received activation as a fresh autograd leaf (floating tensors only)."""
+    t = local(x)
+    if t is None or not t.is_floating_point():
+        return x
+    t = t.detach().requires_grad_(True)
+    return MeshTensor(t, x.shape, x.layout) if isinstance(x, MeshTensor) else t
+
+
+def _call(module: Callable, value: Any) -> Any:
+    return module(*value) if isinstance(value, tuple) else module(value)
+
+
+class Executor:
+    """One stage of a pipeline: runs its row of a schedule table.
+
+    Args:
+        module: the stage (an ``nn.Module`` or any callable of the previous
+            stage's output, a tuple being unpacked into arguments).
+        axis: the mesh axis along which stages lie; this processor's
+            coordinate on it is its stage.
+        loss_fn: ``loss_fn(output, target)`` on the last stage, a scalar
+            tensor or MeshTensor (a mean over the micro-batch).
+        recompute: activation recomputation (see the module docstring).
+    """
+
+    def __init__(self, module: Callable, axis: str, loss_fn: Callable | None, recompute: bool = False):
+        ctx = current()
+        if axis not in ctx.mesh.axis_names:
+            raise PipelineError(f"the pipeline axis {axis!r} is not an axis of the mesh '{ctx.mesh}'; "
+                                f"add it, e.g. mesh='{axis}:2,...', or pass axis=<one of "
+                                f"{list(ctx.mesh.axis_names)}>")
+        self.module = module
+        self.axis = axis
+        self.loss_fn = loss_fn
+        self.recompute = recompute
+        self.stage = ctx.coords[axis]
+        self.stages = ctx.mesh.axis_size(axis)
+        # (kind, micro-batch, start, end) of the last run, in the order executed: the compute
+        # only, after the inputs arrived and before the outputs are sent
+        self.trace: list[tuple[str, int, float, float]] = []
+
+    def _fail(self, what: str, i: int, e: Exception) -> PipelineError:
+        return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
+                             f"{what} of micro-batch {i}: {e}")
+
+    def _forward(self, inp: Any, target: Any, last: bool) -> Any:
+        out = _call(self.module, inp)
+        if not last:
+            return out
+        if self.loss_fn is None:
+            raise PipelineError("the last stage needs a loss_fn(output, target) to start the backward")
+        return self.loss_fn(out, target)
+
+    def run(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> Any:
+        """Run this stage's actions; ``inputs`` (stage 0) and ``targets`` (last stage)
+        are per micro-batch. Returns the mean micro-batch loss (a detached tensor)
+        on the last stage, ``None`` elsewhere. Gradients accumulate in the
+        stage's parameters."""
+        if schedule.stages != self.stages:
+            raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
+                                f"{self.axis!r} has {self.stages} processors")
+        comm = current().comm
+        s, m = self.stage, schedule.microbatches
+        first, last = s == 0, s == self.stages - 1
+        for name, seq in (("inputs", inputs if first else None), ("targets", targets if last else None)):
+            if seq is not None and len(seq) != m:
+                raise PipelineError(f"stage {s}: {len(seq)} micro-batch {name} for {m} micro-batches")
+        stash: dict[int, tuple] = {}
+        total = None
+        self.trace = []
+        for a in schedule.for_stage(s):
+            i = a.microbatch
+            if a.kind == FORWARD:
+                inp = inputs[i] if first else recv_value(comm, self.axis, s - 1, FORWARD_TAG)
+                inp = inp if first else tuple(map(_as_leaf, inp)) if isinstance(inp, tuple) else _as_leaf(inp)
+                t0 = time.perf_counter()
+                target = targets[i] if last and targets is not None else None
+                rng = (torch.get_rng_state(), current().random_calls)
+                try:
+                    with torch.no_grad() if self.recompute else torch.enable_grad():
+                        out = self._forward(inp, target, last)
+                except CommError:
+                    raise
+                except Exception as e:
+                    raise self._fail("forward", i, e) from e
+                t1 = time.perf_counter()
+                if not last:
+                    send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
+                stash[i] = (inp, target, rng, None if self.recompute else out)
+            else:
+                inp, target, rng, out = stash.pop(i)
+                grads = None if last else recv_value(comm, self.axis, s + 1, BACKWARD_TAG)
+                t0 = time.perf_counter()
+                try:
+                    if out is None:  # recompute: the same random numbers as the first forward
+                        saved = (torch.get_rng_state(), current().random_calls)
+                        torch.set_rng_state(rng[0])
+                        current().random_calls = rng[1]
+                        out = self._forward(inp, target, last)
+                        torch.set_rng_state(saved[0])
+                        current().random_calls = saved[1]
+                    if last:
+                        loss = local(out) / m
+                        loss.backward()
+                        total = loss.detach() if total is None else total + loss.detach()
+                    else:
+                        pairs = [(local(o), g) for o, g in zip(leaves(out), leaves(grads))
+                                 if g is not None and local(o) is not None and local(o).requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                except CommError:
+                    raise
+                except Exception as e:
+                    raise self._fail("backward", i, e) from e
+                t1 = time.perf_counter()
+                if not first:
+                    in_grads = tuple(None if local(x) is None else local(x).grad for x in leaves(inp))
+                    send_value(comm, in_grads if isinstance(inp, tuple) else in_grads[0], self.axis, s - 1,
+                               BACKWARD_TAG)
+            self.trace.append((a.kind, i, t0, t1))
+        comm.wait_sends()
+        return total
