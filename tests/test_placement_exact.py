@@ -33,12 +33,17 @@ def brute_force(graph: OpGraph, prob: Problem, contiguous: bool) -> float:
             stages = [(kinds[s], [i for g, s2 in zip(members, assign) if s2 == s for i in g])
                       for s in range(S)]
             stages = [s for s in stages if s[1]]
-            p = evaluate(graph, prob, stages, strict=False)
-            if p.violations:
-                continue
-            if contiguous and not is_contiguous(graph, p.device_of()):
-                continue
-            best = min(best, p.max_load)
+            n_acc = sum(k == "acc" for k, _ in stages)
+            # replica counts of the accelerator stages (evaluate rejects too many devices)
+            for reps in itertools.product(range(1, prob.max_replicas + 1), repeat=n_acc):
+                it = iter(reps)
+                p = evaluate(graph, prob, [(k, nodes, next(it) if k == "acc" else 1)
+                                           for k, nodes in stages], strict=False)
+                if p.violations:
+                    continue
+                if contiguous and not is_contiguous(graph, p.device_of()):
+                    continue
+                best = min(best, p.max_load)
     return best
 
 
@@ -155,6 +160,52 @@ def test_replicated_stages_beat_or_match_plain(data):
     a, b = place(graph, plain, "dp"), place(graph, rep, "dp")
     check_placement(b, graph)
     assert b.max_load <= a.max_load + 1e-9
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_replication_dp_milp_and_brute_force_agree(data):
+    """Data-parallel stages: DP = contiguous MILP = brute force; MILP = brute force overall."""
+    graph = data.draw(dags(max_nodes=3, training=True))
+    for nd in graph.nodes:
+        nd.sync_time = float(data.draw(st.integers(0, 3)))
+    base = data.draw(problems(graph))
+    prob = Problem(devices=data.draw(st.integers(2, 3)), cpus=base.cpus if base.devices < 3
+                   else 0, memory=base.memory, stash=base.stash,
+                   max_replicas=data.draw(st.integers(2, 3)))
+    brute_c = brute_force(graph, prob, contiguous=True)
+    brute_any = brute_force(graph, prob, contiguous=False)
+    if math.isinf(brute_any):
+        with pytest.raises(PlacementError):
+            solve_milp(graph, prob, time_limit=None)
+        return
+    ilp = solve_milp(graph, prob, contiguous=False, time_limit=None)
+    check_placement(ilp, graph)
+    assert ilp.max_load == pytest.approx(brute_any, abs=1e-6)
+    if math.isinf(brute_c):
+        with pytest.raises(PlacementError):
+            place(graph, prob, "dp")
+        return
+    dp = place(graph, prob, "dp")
+    check_placement(dp, graph)
+    assert dp.max_load == pytest.approx(brute_c, abs=1e-9)
+    ilp_c = solve_milp(graph, prob, contiguous=True, time_limit=None)
+    check_placement(ilp_c, graph)
+    assert ilp_c.is_contiguous()
+    assert ilp_c.max_load == pytest.approx(brute_c, abs=1e-6)
+
+
+def test_milp_replicates_a_stage_by_hand():
+    # one heavy node with little to synchronise: best is one stage on both accelerators
+    g = OpGraph()
+    g.add_node("f", acc_time=8.0, cpu_time=None, sync_time=1.0, color="x")
+    g.add_node("b", acc_time=8.0, cpu_time=None, backward=True, color="x")
+    g.add_edge("f", "b")
+    prob = Problem(devices=2, max_replicas=2)
+    for p in (solve_milp(g, prob), place(g, prob, "dp")):
+        assert [(s.kind, s.replicas) for s in p.stages] == [("acc", 2)]
+        assert p.max_load == pytest.approx(16.0 / 2 + 2 * 1 / 2 * 1.0)  # 9.0
+    assert solve_milp(g, Problem(devices=2)).max_load == 16.0
 
 
 def test_hand_derived_loads():

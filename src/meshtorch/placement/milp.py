@@ -14,6 +14,17 @@ pipeline-ordered one that the DP solves — so it certifies the DP. Formulation
   holds ``S - p`` micro-batches in flight;
 * contiguous: ``sum_p p·x[u, p] <= sum_p p·x[v, p]`` for each order constraint.
 
+Data-parallel replication (``Problem.max_replicas = R > 1``, training): binary
+``w[p, r]`` says slot ``p`` is an accelerator stage on ``r`` replicas
+(``sum_r w[p, r] <= 1 - y[p]``, ``sum r·w <= k``, a group needs an active slot);
+the load row of slot ``p`` is written once per ``r``, switched on by
+``w[p, r]``: ``L >= (acc·x + comm·z) / r + 2 (r-1)/r · sync·x - B (1 - w[p, r])``.
+With stashed activations the in-flight count becomes a variable: ``d[p]``, the
+devices from slot ``p`` to the end (a replicated slot counts ``r``), integer
+``f[p] >= d[p] / r`` when ``w[p, r]``, and ``v[g, p] >= f[p] - D (1 - x[g, p])``
+replaces ``f[p]·x[g, p]`` in the memory row. An empty slot may stay "active"
+in a solution, which only overstates ``d``; so the optimum is exact.
+
 Example:
     >>> from meshtorch.placement import OpGraph, Problem
     >>> from meshtorch.placement.milp import solve_milp
@@ -80,8 +91,7 @@ def solve_milp(
     """
     t0 = time.perf_counter()
     prob = problem.resolve(graph)
-    if prob.max_replicas > 1:
-        raise PlacementError("the MILP does not model replicated stages; use --algorithm dp")
+    R = prob.max_replicas
     graph.validate()
     n = len(graph)
     uf = _UF(n)
@@ -99,6 +109,7 @@ def solve_milp(
     cpu = np.zeros(G)
     mem = np.zeros(G)
     act = np.zeros(G)
+    sync = np.zeros(G)
     no_acc = np.zeros(G, dtype=bool)
     no_cpu = np.zeros(G, dtype=bool)
     for i, nd in enumerate(graph.nodes):
@@ -112,6 +123,7 @@ def solve_milp(
         else:
             cpu[g] += nd.cpu_time
         mem[g] += nd.mem_bytes
+        sync[g] += nd.sync_time
         if not nd.backward:
             act[g] += nd.act_bytes
     stash = bool(prob.training and prob.stash and act.any())
@@ -124,15 +136,23 @@ def solve_milp(
             producers.append((grp[u], gs, c))
 
     # variable layout
+    rep = R > 1
     X = 0
     Y = X + G * S
     Z = Y + S
     U = Z + len(producers) * S
-    L = U + (S if stash else 0)
+    W = U + (S if stash and not rep else 0)  # w[p, r]: slot p on r replicas
+    C = W + (S * R if rep else 0)  # c[p]: slot p is an active CPU
+    F = C + (S if rep else 0)  # f[p]: micro-batches in flight on slot p
+    D = F + (S if rep and stash else 0)  # d[p]: devices from slot p to the end
+    V = D + (S if rep and stash else 0)  # v[g, p] >= f[p] x[g, p]
+    L = V + (G * S if rep and stash else 0)
     nvar = L + 1
     xi = lambda g, p: X + g * S + p
     zi = lambda q, p: Z + q * S + p
-    big_acc = acc.sum() + sum(c for _, _, c in producers) + 1.0
+    wi = lambda p, r: W + p * R + (r - 1)
+    vi = lambda g, p: V + g * S + p
+    big_acc = acc.sum() + sum(c for _, _, c in producers) + 2.0 * sync.sum() + 1.0
     big_cpu = cpu.sum() + 1.0
     mem_bound = prob.memory if math.isfinite(prob.memory) else None
     big_mem = (mem.sum() + S * act.sum()) + 1.0
@@ -145,6 +165,16 @@ def solve_milp(
     ub = np.ones(nvar)
     ub[Z : Z + len(producers) * S] = np.inf
     ub[L] = np.inf
+    ub[F:L] = np.inf
+    if rep:
+        for p in range(S):
+            # a group sits on an active slot; an accelerator slot picks one replica count
+            rows.add({Y + p: 1.0, **{wi(p, r): 1.0 for r in range(1, R + 1)}}, -np.inf, 1.0)
+            rows.add({C + p: 1.0, Y + p: -1.0}, -np.inf, 0.0)  # c <= y
+            for g in range(G):
+                rows.add({xi(g, p): 1.0, C + p: -1.0,
+                          **{wi(p, r): -1.0 for r in range(1, R + 1)}}, -np.inf, 0.0)
+        rows.add({wi(p, r): float(r) for p in range(S) for r in range(1, R + 1)}, -np.inf, k)
     if not contiguous:
         # slots are interchangeable: fix which ones are CPUs
         for p in range(S):
@@ -161,13 +191,24 @@ def solve_milp(
                 rows.add({zi(q, p): 1.0, xi(gv, p): -1.0, xi(gu, p): 1.0}, 0.0, np.inf)
                 rows.add({zi(q, p): 1.0, xi(gu, p): -1.0, xi(gv, p): 1.0}, 0.0, np.inf)
     for p in range(S):
-        load = {L: 1.0, Y + p: big_acc}
-        for g in range(G):
-            if acc[g]:
-                load[xi(g, p)] = -acc[g]
-        for q, (_, _, c) in enumerate(producers):
-            load[zi(q, p)] = -c
-        rows.add(load, 0.0, np.inf)
+        if not rep:
+            load = {L: 1.0, Y + p: big_acc}
+            for g in range(G):
+                if acc[g]:
+                    load[xi(g, p)] = -acc[g]
+            for q, (_, _, c) in enumerate(producers):
+                load[zi(q, p)] = -c
+            rows.add(load, 0.0, np.inf)
+        for r in range(1, R + 1) if rep else ():
+            # L >= (acc x + comm z) / r + 2 (r-1)/r sync x, when slot p has r replicas
+            load = {L: 1.0, wi(p, r): -big_acc}
+            for g in range(G):
+                coef = acc[g] / r + 2.0 * (r - 1) / r * sync[g]
+                if coef:
+                    load[xi(g, p)] = -coef
+            for q, (_, _, c) in enumerate(producers):
+                load[zi(q, p)] = -c / r
+            rows.add(load, -big_acc, np.inf)
         load = {L: 1.0, Y + p: -big_cpu}
         for g in range(G):
             if cpu[g]:
@@ -176,11 +217,27 @@ def solve_milp(
         if mem_bound is not None:
             memrow = {Y + p: -big_mem}
             for g in range(G):
-                coef = mem[g] + ((S - p) * act[g] if stash else 0.0)
+                coef = mem[g] + ((S - p) * act[g] if stash and not rep else 0.0)
                 if coef:
                     memrow[xi(g, p)] = coef
+                if stash and rep and act[g]:
+                    memrow[vi(g, p)] = act[g]
             rows.add(memrow, -np.inf, mem_bound)
-        if stash:
+        if stash and rep:
+            # d[p] = devices of the active slots from p to the end
+            drow = {D + p: 1.0}
+            for q in range(p, S):
+                drow[C + q] = -1.0
+                for r in range(1, R + 1):
+                    drow[wi(q, r)] = -float(r)
+            rows.add(drow, 0.0, 0.0)
+            for r in range(1, R + 1):  # r f[p] >= d[p] when slot p has r replicas
+                rows.add({F + p: float(r), D + p: -1.0, wi(p, r): -float(S)}, -float(S), np.inf)
+            for g in range(G):
+                if act[g]:
+                    rows.add({vi(g, p): 1.0, F + p: -1.0, xi(g, p): -float(S)}, -float(S),
+                             np.inf)
+        if stash and not rep:
             for g in range(G):
                 rows.add({xi(g, p): 1.0, U + p: -1.0}, -np.inf, 0.0)  # x <= used
             if p + 1 < S:
@@ -202,8 +259,12 @@ def solve_milp(
     cost[L] = 1.0
     integrality = np.zeros(nvar)
     integrality[X:Z] = 1
-    if stash:
-        integrality[U:L] = 1
+    if stash and not rep:
+        integrality[U:W] = 1
+    if rep:
+        integrality[W:F] = 1
+        if stash:
+            integrality[F:D] = 1
     options = {"disp": False, "mip_rel_gap": gap}
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
@@ -224,7 +285,11 @@ def solve_milp(
     for p in range(S):
         members = [i for i in range(n) if x[xi(grp[i], p)] > 0.5]
         if members:
-            stages.append((CPU if x[Y + p] > 0.5 else ACC, members))
+            if x[Y + p] > 0.5:
+                stages.append((CPU, members, 1))
+            else:
+                r = next((r for r in range(1, R + 1) if rep and x[wi(p, r)] > 0.5), 1)
+                stages.append((ACC, members, r))
     pl = evaluate(graph, prob, stages, algorithm=name)
     pl.solve_seconds = time.perf_counter() - t0
     lower = getattr(res, "mip_dual_bound", None)
