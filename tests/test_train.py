@@ -61,6 +61,7 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
     (["--rules", "bach:b"], "'bach'"),
     (["--batch", "3"], "--batch"),
     (["--model", "gpt"], "--model"),
+    (["--activation", "tanh"], "activation='tanh'"),
 ])
 def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
     assert cli.main(["train", "--out", str(tmp_path / "x"), *flags]) == 2
@@ -89,6 +90,35 @@ def test_config_file_is_overridden_by_flags(tmp_path):
     cfg_file.write_text("stepz = 1\n")
     with pytest.raises(Exception, match="stepz"):
         config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
+
+
+def test_model_options_are_the_transformer_config_fields(tmp_path):
+    import argparse
+    import dataclasses
+
+    from meshtorch.models import TransformerConfig
+    from meshtorch.train_cli import build, config_from_args
+
+    train_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in ("vocab", "max_length", "extra"):
+            assert f.name not in train_fields, f.name
+            continue
+        assert train_fields[f.name].type == f.type, f.name
+        want = {"encoder_layers": 2, "experts": 4}.get(f.name, f.default)
+        assert train_fields[f.name].default == want, f.name
+    # flags and TOML keys reach the model config; --model decides encoder/expert counts
+    cfg_file = tmp_path / "m.toml"
+    cfg_file.write_text('model = "moe"\nnorm = "rms"\nexperts = 8\nmoe_every = 1\n')
+    p = argparse.ArgumentParser()
+    build(p.add_subparsers(dest="command"))
+    cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file), "--activation", "relu",
+                                         "--d-model", "64", "--length", "32"]))
+    m = cfg.model_config(vocab=264)
+    assert (m.norm, m.activation, m.experts, m.moe_every, m.d_model, m.max_length, m.encoder_layers) == \
+        ("rms", "relu", 8, 1, 64, 32, 0)
+    assert TrainConfig(model="lm").model_config(264).experts == 0
+    assert TrainConfig(model="seq2seq").model_config(264).encoder_layers == 2
 
 
 @pytest.mark.parametrize("model, rules, key", [("moe", "batch:b; experts:b", "unigram_entropy"),

@@ -45,9 +45,40 @@ PRECISIONS = ("fp32", "bf16")
 DATA_DIMS = ("batch", "length", "memory_length", "positions")
 
 
+# The model's options are TransformerConfig's own fields (name, type, default), so that a field
+# added to the model config becomes a flag and a TOML key without being listed twice. Left out:
+# what the run decides (vocab: the tokenizer's; max_length: from --length) and the free-form extra.
+RUN_DECIDES = ("vocab", "max_length", "extra")
+# Defaults that differ for training: encoder and expert counts only apply to --model seq2seq / moe,
+# so they default to something that makes those models real rather than TransformerConfig's 0.
+TRAIN_DEFAULTS = {"encoder_layers": 2, "experts": 4}
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(TransformerConfig) if f.name not in RUN_DECIDES)
+
+ModelOptions = dataclasses.make_dataclass(
+    "ModelOptions",
+    [(f.name, f.type, dataclasses.field(default=TRAIN_DEFAULTS.get(f.name, f.default)))
+     for f in dataclasses.fields(TransformerConfig) if f.name in MODEL_FIELDS],
+    namespace={"__doc__": "The model options of ``meshtorch train``: :class:`TransformerConfig`'s fields."},
+)
+ModelOptions.__module__ = __name__
+
+
 @dataclass
-class TrainConfig:
-    """Every option of ``meshtorch train`` (flags and ``--config`` TOML keys use these names)."""
+class TrainConfig(ModelOptions):
+    """Every option of ``meshtorch train`` (flags and ``--config`` TOML keys use these names).
+
+    The model options (``d_model``, ``heads``, ``d_kv``, ``d_ff``, ``layers``, ``encoder_layers``,
+    ``positions``, ``norm``, ``activation``, ``experts``, ``top_k``, ...) are the fields of
+    :class:`~meshtorch.models.TransformerConfig` with its defaults, except ``encoder_layers=2``
+    and ``experts=4`` (used only by ``--model seq2seq`` / ``moe``).
+
+    Example:
+        >>> from meshtorch.train import TrainConfig
+        >>> cfg = TrainConfig(model="moe", d_model=64, activation="relu")
+        >>> m = cfg.model_config(vocab=264)
+        >>> m.d_model, m.activation, m.experts, m.encoder_layers, m.max_length
+        (64, 'relu', 4, 0, 64)
+    """
 
     model: str = "lm"
     mesh: str = "b:2"
@@ -56,18 +87,6 @@ class TrainConfig:
     steps: int = 600
     batch: int = 16
     length: int = 64
-    d_model: int = 128
-    heads: int = 4
-    d_kv: int = 32
-    d_ff: int = 512
-    layers: int = 2
-    encoder_layers: int = 2
-    experts: int = 4
-    top_k: int = 2
-    capacity_factor: float = 2.0
-    positions: str = "learned"
-    tie_embeddings: bool = True
-    dropout: float = 0.0
     precision: str = "fp32"
     lr: float = 3e-3
     warmup: int = 50
@@ -88,13 +107,11 @@ class TrainConfig:
     progress: bool = True
 
     def model_config(self, vocab: int) -> TransformerConfig:
-        return TransformerConfig(
-            vocab=vocab, d_model=self.d_model, heads=self.heads, d_kv=self.d_kv, d_ff=self.d_ff,
-            layers=self.layers, encoder_layers=self.encoder_layers if self.model == "seq2seq" else 0,
-            max_length=max(self.length, 8), positions=self.positions,
-            tie_embeddings=self.tie_embeddings, dropout=self.dropout,
-            experts=self.experts if self.model == "moe" else 0, top_k=self.top_k,
-            capacity_factor=self.capacity_factor)
+        """The :class:`TransformerConfig` of this run's model over ``vocab`` token ids."""
+        opts = {name: getattr(self, name) for name in MODEL_FIELDS}
+        opts["encoder_layers"] = self.encoder_layers if self.model == "seq2seq" else 0
+        opts["experts"] = self.experts if self.model == "moe" else 0
+        return TransformerConfig(vocab=vocab, max_length=max(self.length, 8), **opts)
 
 
 def check_config(cfg: TrainConfig, vocab: int = ByteTokenizer().vocab_size, world: int | None = None) -> None:

@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from meshtorch.errors import MeshTorchError
-from meshtorch.train import TrainConfig
+from meshtorch.train import MODEL_FIELDS, TrainConfig
 
 HELP = {
     "model": "lm (decoder-only), seq2seq (encoder-decoder on a spelling task) or moe (LM with experts)",
@@ -35,18 +35,26 @@ HELP = {
     "resume": "continue the run in this --out directory from its checkpoint",
     "data": "a text file or a directory of text files (default: the Python stdlib .py files)",
     "config": "a TOML file of these options (flags override it)",
+    "positions": "learned or rotary",
+    "norm": "layer or rms",
+    "activation": "gelu, gelu_tanh, relu or silu",
+    "encoder_layers": "encoder blocks (--model seq2seq)",
+    "experts": "experts per MoE layer (--model moe)",
+    "moe_every": "every n-th block is an MoE layer (--model moe)",
 }
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model options (the fields of meshtorch.models.TransformerConfig)")
     for f in dataclasses.fields(TrainConfig):
+        group = model if f.name in MODEL_FIELDS else p
         flag = "--" + f.name.replace("_", "-")
         h = HELP.get(f.name, "") + f" (default: {f.default})"
         if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=h)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=h)
         else:
             kind = {"int": int, "float": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=None, help=h, dest=f.name)
+            group.add_argument(flag, type=kind, default=None, help=h, dest=f.name)
     p.add_argument("--config", default=None, help=HELP["config"])
 
 
