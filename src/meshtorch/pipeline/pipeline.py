@@ -171,6 +171,9 @@ class Pipeline:
         params = self.parameters()
         self.optimizer = optimizer(params) if optimizer is not None and params else None
         self._stale: list[torch.Tensor] | None = None  # 2BW: the weights of one step before
+        # called on every processor after the backward, before replicas average: e.g. to sum the
+        # gradient of a parameter two stages share (tied embeddings)
+        self.after_backward: Callable[[], None] | None = None
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """This processor's stage's parameters."""
@@ -206,6 +209,8 @@ class Pipeline:
         xs = split_microbatches(inputs, m, self.batch_dim) if first else None
         ts = split_microbatches(targets, m, self.batch_dim) if last else None
         total = self.executor.run(self.schedule, xs, ts)
+        if self.after_backward is not None:
+            self.after_backward()
         self._average_over_replicas()
         comm = current().comm
         loss = torch.zeros(1, dtype=torch.float64) if total is None else total.to(torch.float64).reshape(1)

@@ -1,0 +1,156 @@
+"""The decoder LM (:class:`~meshtorch.models.DecoderLM`) cut by layers into pipeline stages.
+
+Stage 0 embeds the token ids (plus learned positions) and runs its blocks;
+middle stages run blocks; the last stage runs its blocks, the final norm and
+the output projection, and :func:`lm_loss` is the mean next-token
+cross-entropy. Blocks are spread as evenly as possible (earlier stages get
+the extra ones). Every processor builds the whole model from the seed and
+keeps its stage's parameters, so the stages hold exactly the parameters of
+the unsplit model. Activations are MeshTensors ``[batch, length, d_model]``
+laid out by the global rules, which need not mention the pipeline axis.
+
+With tied embeddings the table lives on the first and the last stage; after
+the backward, :meth:`LMStage.sync_tied` sums its gradient over the pipeline
+axis (other stages contribute zeros), so both copies get the unsplit
+model's gradient and stay equal.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.models import TransformerConfig
+    >>> from meshtorch.pipeline.lm import lm_pipeline
+    >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, max_length=8)
+    >>> def f():
+    ...     ids = mt.from_global(torch.arange(16).reshape(4, 4) % 16, "batch:4,length:4")
+    ...     pipe = lm_pipeline(cfg, microbatches=2, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    ...     return round(pipe.step(ids, ids), 4)
+    >>> a, b, c, d = mt.launch(f, mesh="stage:2,b:2", rules="batch:b")
+    >>> a == b == c == d
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.errors import PipelineError
+from meshtorch.models import DecoderLM, TransformerConfig
+from meshtorch.models.layers import LENGTH, MEMORY, causal_bias, rotary_tables
+from meshtorch.ops.nn import cross_entropy, dropout
+from meshtorch.ops.reduce import reduce_mean
+from meshtorch.pipeline.pipeline import OptimizerFactory, Pipeline
+from meshtorch.shape import Dim
+from meshtorch.tensor import MeshTensor, from_global
+
+
+def layer_ranges(layers: int, stages: int) -> list[range]:
+    """Blocks of each stage: contiguous, sizes differing by at most one.
+
+    Example:
+        >>> layer_ranges(5, 2)
+        [range(0, 3), range(3, 5)]
+    """
+    if layers < stages:
+        raise PipelineError(f"{layers} layers cannot fill {stages} pipeline stages; use at most {layers} "
+                            "stages or more layers")
+    q, r = divmod(layers, stages)
+    starts = [i * q + min(i, r) for i in range(stages + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(stages)]
+
+
+class LMStage(torch.nn.Module):
+    """Stage ``stage`` of ``stages`` of a :class:`DecoderLM` (shares its parameters)."""
+
+    def __init__(self, model: DecoderLM, stage: int, stages: int):
+        super().__init__()
+        cfg = self.cfg = model.cfg
+        if any(cfg.is_moe_layer(i) for i in range(cfg.layers)):
+            raise PipelineError("the LM pipeline runs dense models; MoE layers return a load-balancing "
+                                "loss that would have to travel along the pipeline")
+        self.first, self.last = stage == 0, stage == stages - 1
+        dec = model.decoder
+        if self.first:
+            self.embed = model.embed
+            if cfg.positions == "learned":
+                self.pos = dec.pos
+        self.layers = layer_ranges(cfg.layers, stages)[stage]
+        self.blocks = torch.nn.ModuleList([dec.blocks[i] for i in self.layers])
+        if self.last:
+            self.ln_f = dec.ln_f
+            if cfg.tie_embeddings:
+                self.table = model.embed
+            else:
+                self.head = model.head
+        # the tied table's slice shape, for the stages that contribute zeros to its gradient sum
+        self._table_slice = next(model.embed.parameters()).shape
+
+    def named_model_parameters(self):
+        """``(name in the unsplit DecoderLM, parameter)`` of this stage's parameters."""
+        for name, p in self.named_parameters():
+            head, _, rest = name.partition(".")
+            if head == "blocks":
+                k, _, rest = rest.partition(".")
+                name = f"decoder.blocks.{self.layers[int(k)]}.{rest}"
+            elif head in ("pos", "ln_f"):
+                name = f"decoder.{name}"
+            elif head == "table":
+                name = f"embed.{rest}"
+            yield name, p
+
+    def forward(self, x: MeshTensor) -> MeshTensor:
+        cfg = self.cfg
+        n = x.shape[LENGTH].size
+        if self.first:
+            ids = x
+            x = self.embed(ids)
+            if cfg.positions == "learned":
+                x = x + self.pos(from_global(torch.arange(n), [Dim(LENGTH, n)]))
+            if self.training and cfg.dropout:
+                x = dropout(x, cfg.dropout)
+        rotary = None
+        if cfg.positions == "rotary":
+            rotary = rotary_tables(n, cfg.d_kv, LENGTH) + rotary_tables(n, cfg.d_kv, MEMORY)
+        bias = causal_bias(n, n)
+        for block in self.blocks:
+            x, _ = block(x, bias=bias, rotary=rotary)
+        if self.last:
+            h = self.ln_f(x)
+            x = self.table.attend(h) if cfg.tie_embeddings else self.head(h)
+        return x
+
+    def sync_tied(self, axis: str) -> None:
+        """Sum the tied embedding table's gradient over ``axis`` (every stage calls it)."""
+        if not self.cfg.tie_embeddings:
+            return
+        table = next(self.embed.parameters()) if self.first else \
+            next(self.table.parameters()) if self.last else None
+        g = table.grad if table is not None and table.grad is not None else torch.zeros(self._table_slice)
+        total = current().comm.all_reduce(g, axis)
+        if table is not None:
+            table.grad = total
+
+
+def lm_loss(logits: MeshTensor, targets: MeshTensor) -> MeshTensor:
+    """Mean next-token cross-entropy over the micro-batch."""
+    return reduce_mean(cross_entropy(logits, targets, "vocab"))
+
+
+def lm_pipeline(cfg: TransformerConfig, *, seed: int = 0, axis: str = "stage", microbatches: int = 4,
+                schedule: str = "1f1b", optimizer: OptimizerFactory | None = None,
+                recompute: bool = False) -> Pipeline:
+    """A :class:`Pipeline` of the decoder LM of ``cfg`` (parameters from ``seed``) with
+    one stage per processor along ``axis``; ``step(ids, targets)`` trains it."""
+    stages = current().mesh.axis_size(axis) if axis in current().mesh.axis_names else 0
+    if stages < 1:
+        raise PipelineError(f"the pipeline axis {axis!r} is not an axis of the mesh '{current().mesh}'")
+
+    def build(i: int) -> LMStage:
+        return LMStage(DecoderLM(cfg, seed=seed), i, stages)
+
+    pipe = Pipeline(build, axis=axis, microbatches=microbatches, schedule=schedule, loss_fn=lm_loss,
+                    optimizer=optimizer, recompute=recompute)
+    pipe.after_backward = lambda: pipe.module.sync_tied(axis)
+    return pipe
+
+
+__all__ = ["LMStage", "layer_ranges", "lm_loss", "lm_pipeline"]
