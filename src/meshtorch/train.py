@@ -105,6 +105,9 @@ class TrainConfig(ModelOptions):
     prompt: str = "def "
     temperature: float = 0.8
     progress: bool = True
+    # pipeline parallelism (meshtorch.pipeline): stages along a 'stage' mesh axis
+    pipeline_stages: int = 1
+    microbatches: int = 4
 
     def model_config(self, vocab: int) -> TransformerConfig:
         """The :class:`TransformerConfig` of this run's model over ``vocab`` token ids."""
@@ -120,8 +123,10 @@ def check_config(cfg: TrainConfig, vocab: int = ByteTokenizer().vocab_size, worl
         raise MeshTorchError(f"--model {cfg.model!r} is not one of {MODELS}")
     if cfg.optimizer not in OPTIMIZERS:
         raise MeshTorchError(f"--optimizer {cfg.optimizer!r} is not one of {OPTIMIZERS}")
-    if cfg.schedule not in ("cosine", "constant"):
-        raise MeshTorchError(f"--schedule {cfg.schedule!r} is not 'cosine' or 'constant'")
+    piped = ("gpipe", "1f1b", "2bw") if cfg.pipeline_stages > 1 else ()
+    if cfg.schedule not in ("cosine", "constant") + piped:
+        raise MeshTorchError(f"--schedule {cfg.schedule!r} is not 'cosine' or 'constant' (or, with "
+                             "--pipeline-stages > 1, a pipeline schedule: 'gpipe', '1f1b', '2bw')")
     if cfg.precision not in PRECISIONS:
         raise MeshTorchError(f"--precision {cfg.precision!r} is not one of {PRECISIONS}")
     for name in ("steps", "batch", "length", "log_every"):
@@ -412,6 +417,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from meshtorch.launch import launch
 
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    if cfg.pipeline_stages > 1:
+        from meshtorch.pipeline.train import pipeline_mesh, train_pipeline
+
+        cfg = dataclasses.replace(cfg, mesh=pipeline_mesh(cfg.mesh, cfg.pipeline_stages))
+        check_config(cfg, world=world)
+        return train_pipeline(cfg)
     check_config(cfg, world=world)
     if cfg.resume and not os.path.isdir(os.path.join(cfg.resume, "checkpoint")):
         raise MeshTorchError(f"--resume {cfg.resume!r} has no checkpoint/ directory; pass the --out "

@@ -97,6 +97,30 @@ class Executor:
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
                              f"{what} of micro-batch {i}: {e}")
 
+    def _evaluate(self, schedule: Schedule, inputs, targets) -> Any:
+        comm = current().comm
+        s, m = self.stage, schedule.microbatches
+        first, last = s == 0, s == self.stages - 1
+        total = None
+        for a in schedule.for_stage(s):
+            if a.kind != FORWARD:
+                continue
+            i = a.microbatch
+            inp = inputs[i] if first else recv_value(comm, self.axis, s - 1, FORWARD_TAG)
+            try:
+                out = self._forward(inp, targets[i] if last else None, last)
+            except CommError:
+                raise
+            except Exception as e:
+                raise self._fail("forward", i, e) from e
+            if last:
+                loss = local(out).detach() / m
+                total = loss if total is None else total + loss
+            else:
+                send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
+        comm.wait_sends()
+        return total
+
     def _forward(self, inp: Any, target: Any, last: bool) -> Any:
         out = _call(self.module, inp)
         if not last:
@@ -105,11 +129,16 @@ class Executor:
             raise PipelineError("the last stage needs a loss_fn(output, target) to start the backward")
         return self.loss_fn(out, target)
 
-    def run(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> Any:
+    def run(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
+            train: bool = True) -> Any:
         """Run this stage's actions; ``inputs`` (stage 0) and ``targets`` (last stage)
         are per micro-batch. Returns the mean micro-batch loss (a detached tensor)
         on the last stage, ``None`` elsewhere. Gradients accumulate in the
-        stage's parameters."""
+        stage's parameters. ``train=False`` runs only the forwards, without
+        gradients (evaluation)."""
+        if not train:
+            with torch.no_grad():
+                return self._evaluate(schedule, inputs, targets)
         if schedule.stages != self.stages:
             raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
                                 f"{self.axis!r} has {self.stages} processors")

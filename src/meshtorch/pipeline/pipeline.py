@@ -199,19 +199,13 @@ class Pipeline:
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
 
-    def forward_backward(self, inputs: Any = None, targets: Any = None) -> float:
-        """Run one batch through the schedule and accumulate this stage's gradients
-        (no optimizer step, no weight versions). ``inputs`` matter on stage 0 and
-        ``targets`` on the last stage. Returns the batch loss on every processor
-        (the mean of the micro-batch losses, averaged over data-parallel replicas)."""
+    def _split(self, inputs: Any, targets: Any) -> tuple[list | None, list | None]:
         m = self.microbatches
         first, last = self.stage == 0, self.stage == self.num_stages - 1
-        xs = split_microbatches(inputs, m, self.batch_dim) if first else None
-        ts = split_microbatches(targets, m, self.batch_dim) if last else None
-        total = self.executor.run(self.schedule, xs, ts)
-        if self.after_backward is not None:
-            self.after_backward()
-        self._average_over_replicas()
+        return (split_microbatches(inputs, m, self.batch_dim) if first else None,
+                split_microbatches(targets, m, self.batch_dim) if last else None)
+
+    def _batch_loss(self, total: torch.Tensor | None) -> float:
         comm = current().comm
         loss = torch.zeros(1, dtype=torch.float64) if total is None else total.to(torch.float64).reshape(1)
         loss = comm.broadcast(loss, self.axis, src=self.num_stages - 1)
@@ -220,6 +214,21 @@ class Pipeline:
         if axes:
             loss = comm.all_reduce(loss, axes) / len(comm.group(axes))
         return float(loss.item())
+
+    def loss(self, inputs: Any = None, targets: Any = None) -> float:
+        """The batch loss without gradients (the forwards of the table only): for evaluation."""
+        return self._batch_loss(self.executor.run(self.schedule, *self._split(inputs, targets), train=False))
+
+    def forward_backward(self, inputs: Any = None, targets: Any = None) -> float:
+        """Run one batch through the schedule and accumulate this stage's gradients
+        (no optimizer step, no weight versions). ``inputs`` matter on stage 0 and
+        ``targets`` on the last stage. Returns the batch loss on every processor
+        (the mean of the micro-batch losses, averaged over data-parallel replicas)."""
+        total = self.executor.run(self.schedule, *self._split(inputs, targets))
+        if self.after_backward is not None:
+            self.after_backward()
+        self._average_over_replicas()
+        return self._batch_loss(total)
 
     def step(self, inputs: Any = None, targets: Any = None) -> float:
         """One training step: zero gradients, :meth:`forward_backward`, optimizer
