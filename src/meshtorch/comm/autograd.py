@@ -15,6 +15,19 @@ communicator explicitly, so backward never depends on which thread runs it.
 | ``local_slice``          | local slice        | all_gather               |
 | ``all_to_all``           | all_to_all         | all_to_all (reversed)    |
 | ``shift``                | shift by k         | shift by -k              |
+| ``broadcast``            | broadcast from src | to src, zeros elsewhere  |
+
+The backward rules above assume the gradient arriving at a replicated output
+is itself replicated (the same on every processor of the axis), as in the
+lowering. Code where each processor has a loss of its own (data-parallel
+replicas: :mod:`meshtorch.replicator`) passes ``grad_sum=True`` to the
+reductions and ``broadcast``: the output's gradient is first summed over the
+axis, the adjoint of "every processor receives the same value".
+
+``comm`` is a :class:`~meshtorch.comm.base.Communicator`, or any object with
+its collective methods and ``position``: the Replicator passes its ordered
+channel, so these Functions also serve collectives that must queue behind
+gradient buckets in flight.
 
 Example:
     >>> import torch, meshtorch as mt
@@ -42,12 +55,15 @@ def _slice(t: torch.Tensor, comm: Communicator, axis: str, dim: int) -> torch.Te
 
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, comm, axis):
+    def forward(ctx, t, comm, axis, grad_sum):
+        ctx.comm, ctx.axis, ctx.grad_sum = comm, axis, grad_sum
         return comm.all_reduce(t, axis, "sum")
 
     @staticmethod
     def backward(ctx, g):
-        return g, None, None
+        if ctx.grad_sum:
+            g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
+        return g, None, None, None
 
 
 class _IdentityGradSum(torch.autograd.Function):
@@ -63,18 +79,35 @@ class _IdentityGradSum(torch.autograd.Function):
 
 class _AllReduceExtreme(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, comm, axis, op):
+    def forward(ctx, t, comm, axis, op, grad_sum):
         out = comm.all_reduce(t, axis, op)
-        ctx.comm, ctx.axis = comm, axis
+        ctx.comm, ctx.axis, ctx.grad_sum = comm, axis, grad_sum
         ctx.save_for_backward(t == out)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (hit,) = ctx.saved_tensors
+        if ctx.grad_sum:
+            g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
         hits = ctx.comm.all_reduce(hit.to(g.dtype), ctx.axis, "sum")
         # ties across processors share the gradient evenly, as torch.amax does
-        return g * hit / hits.clamp_min(1), None, None, None
+        return g * hit / hits.clamp_min(1), None, None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, src, grad_sum):
+        ctx.comm, ctx.axis, ctx.grad_sum = comm, axis, grad_sum
+        ctx.mine = comm.position(axis) == src
+        return comm.broadcast(t.contiguous(), axis, src)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad_sum:
+            g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
+        # only the source's value reached the output
+        return (g if ctx.mine else torch.zeros_like(g)), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -135,14 +168,16 @@ class _Shift(torch.autograd.Function):
         return ctx.comm.shift(g.contiguous(), ctx.axis, -ctx.offset, ctx.wrap), None, None, None, None
 
 
-def all_reduce_sum(t: torch.Tensor, comm: Communicator, axis: str) -> torch.Tensor:
-    """Partial sums → replicated total; backward identity."""
-    return _AllReduceSum.apply(t, comm, axis)
+def all_reduce_sum(t: torch.Tensor, comm: Communicator, axis: str, grad_sum: bool = False) -> torch.Tensor:
+    """Partial sums → replicated total; backward identity (with ``grad_sum``: all_reduce)."""
+    return _AllReduceSum.apply(t, comm, axis, grad_sum)
 
 
-def all_reduce_extreme(t: torch.Tensor, comm: Communicator, axis: str, op: str) -> torch.Tensor:
-    """Partial max/min → replicated; backward to where the extreme came from."""
-    return _AllReduceExtreme.apply(t, comm, axis, op)
+def all_reduce_extreme(t: torch.Tensor, comm: Communicator, axis: str, op: str,
+                       grad_sum: bool = False) -> torch.Tensor:
+    """Partial max/min → replicated; backward to where the extreme came from
+    (with ``grad_sum``: the gradient summed over ``axis`` first)."""
+    return _AllReduceExtreme.apply(t, comm, axis, op, grad_sum)
 
 
 def identity_grad_sum(t: torch.Tensor, comm: Communicator, axis: str) -> torch.Tensor:
@@ -180,3 +215,23 @@ def all_to_all(
 def shift(t: torch.Tensor, comm: Communicator, axis: str, offset: int, wrap: bool) -> torch.Tensor:
     """Receive the tensor of the processor ``offset`` places before; backward reversed."""
     return _Shift.apply(t, comm, axis, offset, wrap)
+
+
+def broadcast(t: torch.Tensor, comm: Communicator, axis: str, src: int,
+              grad_sum: bool = False) -> torch.Tensor:
+    """Group member ``src``'s tensor on every member; backward to ``src``, zeros elsewhere
+    (with ``grad_sum``: the gradient summed over ``axis`` first).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.comm import autograd as ca
+        >>> def f():
+        ...     comm = mt.current().comm
+        ...     x = torch.tensor([1.0 + comm.rank], requires_grad=True)
+        ...     y = ca.broadcast(x, comm, "b", 1, grad_sum=True)
+        ...     (y * (comm.rank + 1)).sum().backward()      # losses y and 2y: d/dx_1 = 3
+        ...     return y.item(), x.grad.item()
+        >>> mt.launch(f, mesh="b:2")
+        [(2.0, 0.0), (2.0, 3.0)]
+    """
+    return _Broadcast.apply(t, comm, axis, src, grad_sum)

@@ -8,6 +8,11 @@ collectives go through one :class:`Channel`: a FIFO executed by at most one
 worker thread at a time. When nothing is pending, a call runs inline on the
 caller's thread (no thread hop on the common path).
 
+The collective methods of a :class:`Channel` issue at once (for jobs already
+running in order); :attr:`Channel.ordered` is the same set of collectives,
+each waiting its turn, shaped like a communicator, so the differentiable
+collectives of :mod:`meshtorch.comm.autograd` run on it unchanged.
+
 Example:
     >>> import torch, meshtorch as mt
     >>> from meshtorch.replicator.channel import channel_for
@@ -47,6 +52,7 @@ class Channel:
         self.linger_s = 2.0
         # set while repl.context() holds the model-building lock (see replicator.py)
         self.building = False
+        self.ordered = OrderedCollectives(self)
 
     # -------------------------------------------------------------- ordering
     def submit(self, fn: Callable[[], Any]) -> Future:
@@ -114,13 +120,57 @@ class Channel:
         self._check("all_gather")
         return self.comm.all_gather(self._staged(t), axes, dim).to(t.device)
 
-    def reduce_scatter(self, t: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+    def reduce_scatter(self, t: torch.Tensor, axes: tuple[str, ...], dim: int, op: str = "sum"
+                       ) -> torch.Tensor:
         self._check("reduce_scatter")
-        return self.comm.reduce_scatter(self._staged(t), axes, dim, "sum").to(t.device)
+        return self.comm.reduce_scatter(self._staged(t), axes, dim, op).to(t.device)
 
     def broadcast(self, t: torch.Tensor, axes: tuple[str, ...], src: int) -> torch.Tensor:
         self._check("broadcast")
         return self.comm.broadcast(self._staged(t), axes, src).to(t.device)
+
+
+class OrderedCollectives:
+    """A channel's collectives, each issued after everything queued before it.
+
+    Has the collective methods of a :class:`~meshtorch.comm.base.Communicator`
+    (anything else, e.g. ``position`` or ``mesh``, is the communicator's), so it
+    can stand in for one in :mod:`meshtorch.comm.autograd`.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.replicator.channel import channel_for
+        >>> def f():
+        ...     ordered = channel_for(mt.current().comm).ordered
+        ...     y = ordered.all_reduce(torch.ones(1), ("replica",), "max")
+        ...     return y.item(), ordered.position("replica")
+        >>> mt.launch(f, mesh="replica:2")
+        [(1.0, 0), (1.0, 1)]
+    """
+
+    def __init__(self, chan: Channel):
+        self.chan = chan
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "chan":  # not yet set (copy/unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.chan.comm, name)
+
+    def all_reduce(self, t: torch.Tensor, axes, op: str = "sum") -> torch.Tensor:
+        chan = self.chan
+        return chan.call(lambda: chan.all_reduce(t, axes, op))
+
+    def all_gather(self, t: torch.Tensor, axes, dim: int) -> torch.Tensor:
+        chan = self.chan
+        return chan.call(lambda: chan.all_gather(t, axes, dim))
+
+    def reduce_scatter(self, t: torch.Tensor, axes, dim: int, op: str = "sum") -> torch.Tensor:
+        chan = self.chan
+        return chan.call(lambda: chan.reduce_scatter(t, axes, dim, op))
+
+    def broadcast(self, t: torch.Tensor, axes, src: int = 0) -> torch.Tensor:
+        chan = self.chan
+        return chan.call(lambda: chan.broadcast(t, axes, src))
 
 
 _channels: weakref.WeakKeyDictionary[Communicator, Channel] = weakref.WeakKeyDictionary()

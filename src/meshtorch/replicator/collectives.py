@@ -8,6 +8,11 @@ back": ``all_reduce`` backward is an all_reduce of the gradients,
 backward reduce-scatters them. With these, SyncBatchNorm and any user
 statistic over the global batch train exactly as one process on that batch.
 
+The autograd Functions are those of :mod:`meshtorch.comm.autograd` with
+``grad_sum=True``, run on the replica channel's ordered collectives
+(:attr:`Channel.ordered <meshtorch.replicator.channel.Channel.ordered>`), so
+they queue behind gradient buckets still in flight.
+
 Example:
     >>> import torch, meshtorch as mt
     >>> from meshtorch.replicator.channel import channel_for
@@ -25,65 +30,11 @@ from __future__ import annotations
 
 import torch
 
+from meshtorch.comm import autograd as ca
 from meshtorch.errors import CommError
 from meshtorch.replicator.channel import Channel
 
 OPS = ("sum", "mean", "max", "min")
-
-
-class _AllReduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, chan, axes):
-        ctx.chan, ctx.axes = chan, axes
-        return chan.call(lambda: chan.all_reduce(t, axes, "sum"))
-
-    @staticmethod
-    def backward(ctx, g):
-        chan, axes = ctx.chan, ctx.axes
-        return chan.call(lambda: chan.all_reduce(g, axes, "sum")), None, None
-
-
-class _AllReduceExtreme(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, chan, axes, op):
-        out = chan.call(lambda: chan.all_reduce(t, axes, op))
-        ctx.chan, ctx.axes = chan, axes
-        ctx.save_for_backward(t == out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        (hit,) = ctx.saved_tensors
-        chan, axes = ctx.chan, ctx.axes
-        total = chan.call(lambda: chan.all_reduce(g, axes, "sum"))
-        hits = chan.call(lambda: chan.all_reduce(hit.to(g.dtype), axes, "sum"))
-        # ties between replicas share the gradient evenly, as torch.amax does
-        return total * hit / hits.clamp_min(1), None, None, None
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, chan, axes, src, me):
-        ctx.chan, ctx.axes, ctx.mine = chan, axes, src == me
-        return chan.call(lambda: chan.broadcast(t, axes, src))
-
-    @staticmethod
-    def backward(ctx, g):
-        chan, axes = ctx.chan, ctx.axes
-        total = chan.call(lambda: chan.all_reduce(g, axes, "sum"))
-        return (total if ctx.mine else torch.zeros_like(total)), None, None, None, None
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, chan, axes, dim):
-        ctx.chan, ctx.axes, ctx.dim = chan, axes, dim
-        return chan.call(lambda: chan.all_gather(t, axes, dim))
-
-    @staticmethod
-    def backward(ctx, g):
-        chan, axes, dim = ctx.chan, ctx.axes, ctx.dim
-        return chan.call(lambda: chan.reduce_scatter(g, axes, dim)), None, None, None
 
 
 def _tensor(x, what: str) -> torch.Tensor:
@@ -100,9 +51,9 @@ def all_reduce(x: torch.Tensor, chan: Channel, axes: tuple[str, ...], op: str = 
         raise CommError(f"all_reduce op {op!r} is not one of {OPS}")
     t = _tensor(x, "all_reduce")
     if op in ("sum", "mean"):
-        out = _AllReduceSum.apply(t, chan, axes)
+        out = ca.all_reduce_sum(t, chan.ordered, axes, grad_sum=True)
         return out / len(chan.comm.group(axes)) if op == "mean" else out
-    return _AllReduceExtreme.apply(t, chan, axes, op)
+    return ca.all_reduce_extreme(t, chan.ordered, axes, op, grad_sum=True)
 
 
 def broadcast(x: torch.Tensor, chan: Channel, axes: tuple[str, ...], src: int = 0) -> torch.Tensor:
@@ -110,7 +61,7 @@ def broadcast(x: torch.Tensor, chan: Channel, axes: tuple[str, ...], src: int = 
     n = len(chan.comm.group(axes))
     if not 0 <= src < n:
         raise CommError(f"broadcast src={src} is not a replica id; there are {n} replicas (0..{n - 1})")
-    return _Broadcast.apply(_tensor(x, "broadcast"), chan, axes, src, chan.comm.position(axes))
+    return ca.broadcast(_tensor(x, "broadcast"), chan.ordered, axes, src, grad_sum=True)
 
 
 def all_gather(x: torch.Tensor, chan: Channel, axes: tuple[str, ...], dim: int = 0) -> torch.Tensor:
@@ -119,4 +70,4 @@ def all_gather(x: torch.Tensor, chan: Channel, axes: tuple[str, ...], dim: int =
     t = _tensor(x, "all_gather")
     if t.dim() == 0:
         t = t.reshape(1)
-    return _AllGather.apply(t, chan, axes, dim % t.dim())
+    return ca.all_gather(t, chan.ordered, axes, dim % t.dim())
