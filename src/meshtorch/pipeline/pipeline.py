@@ -23,15 +23,15 @@ bound (two weight versions, at most ``p - s`` stashed micro-batches on stage
 ``s``).
 
 Example:
-    >>> import torch, meshtorch as mt
+    >>> import copy, torch, meshtorch as mt
     >>> from meshtorch.pipeline import Pipeline
+    >>> _ = torch.manual_seed(0)
+    >>> stages = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()), torch.nn.Linear(8, 1)]
+    >>> x, y = torch.randn(16, 4), torch.randn(16, 1)
     >>> def train():
-    ...     torch.manual_seed(0)
-    ...     stages = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh()), torch.nn.Linear(8, 1)]
-    ...     pipe = Pipeline(stages, microbatches=4, schedule="1f1b",
+    ...     pipe = Pipeline(lambda i: copy.deepcopy(stages[i]), microbatches=4, schedule="1f1b",
     ...                     loss_fn=torch.nn.functional.mse_loss,
     ...                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    ...     x, y = torch.randn(16, 4), torch.randn(16, 1)
     ...     return [round(pipe.step(x, y), 4) for _ in range(3)]
     >>> a, b = mt.launch(train, mesh="stage:2")
     >>> a == b and a[2] < a[0]
