@@ -236,3 +236,64 @@ def test_grads_live_in_the_buckets_and_accumulate_like_one_process(overlap):
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=1e-12, atol=1e-12, msg=k)
         assert ptrs[0] == ptrs[1] == ptrs[2]      # the same bucket slots every step
+
+
+class _FailIf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fail:
+            raise RuntimeError("backward failed on purpose")
+        return g, None
+
+
+def test_backward_that_raises_midway_leaves_the_next_step_correct():
+    """The head's bucket goes out before the body's backward raises, and the
+    end-of-backward callback never runs. The next backward must start a fresh round;
+    training then matches one process that skipped the failed step."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 2, 4, 3, generator=g, dtype=torch.float64)  # step, replica, example
+
+    def make():
+        return torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 1).double()
+
+    def loss(body, head, xb, fail=False):
+        return head(_FailIf.apply(torch.tanh(body(xb)), fail)).pow(2).mean()
+
+    torch.manual_seed(0)
+    body, head = make()
+    ref_opt = torch.optim.Adam([*body.parameters(), *head.parameters()], lr=0.05)
+    for s in (1, 2):
+        ref_opt.zero_grad()
+        (sum(loss(body, head, x[s, r]) for r in range(2)) / 2).backward()
+        ref_opt.step()
+    ref = [p.detach() for p in (*body.parameters(), *head.parameters())]
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            body, head = make()
+            params = [*body.parameters(), *head.parameters()]
+            opt = repl.wrap_optimizer(torch.optim.Adam(params, lr=0.05), bucket_mb=1e-5)
+        r, comm, calls = repl.replica_id, mt.current().comm, []
+        for s in range(3):
+            opt.zero_grad()
+            before = comm.stats.calls(kind="all_reduce")
+            try:
+                loss(body, head, x[s, r], fail=s == 0).backward()
+            except RuntimeError as e:
+                assert "on purpose" in str(e) and s == 0
+                repl.reduce("sum", 0.0)    # queued behind the head's buckets: they are done
+                continue
+            opt.step()
+            calls.append(comm.stats.calls(kind="all_reduce") - before)
+        return [p.detach() for p in params], calls
+
+    for got, calls in mt.replicator.launch(prog, num_replicas=2):
+        assert calls == [4, 4]    # one per parameter's bucket, none sent twice
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

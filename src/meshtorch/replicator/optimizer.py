@@ -191,30 +191,39 @@ class GradientSync:
         self._ready = [0] * len(self.buckets)
         self._prepared = [False] * self._num_params
         self._next = 0
-        self._callback_queued = False
+        # the backward (autograd graph task) whose end-of-backward callback is queued
+        self._task: int | None = None
 
     def _put(self, p: torch.Tensor, view: torch.Tensor) -> bool:
         """Move ``p``'s gradient, divided by the replica count, into its bucket slot."""
         g = p.grad
         if g is None:
             return False
-        if g is view:
-            # accumulated in place (zero_grad(set_to_none=False), or no_sync micro-batches)
-            view.div_(self.num_replicas)
-        else:
-            if g.layout != torch.strided:
-                raise CommError("wrap_optimizer averages dense gradients; a parameter got a "
-                                f"{g.layout} gradient (e.g. nn.Embedding(sparse=True)); use a dense one")
-            # dividing while copying: one pass, and the sum of the replicas is the mean
-            torch.div(g, self.num_replicas, out=view)
-            p.grad = view
+        # backward(create_graph=True) runs hooks with grad mode on; averaging is not
+        # differentiated (as with DDP)
+        with torch.no_grad():
+            if g is view:
+                # accumulated in place (zero_grad(set_to_none=False), or no_sync micro-batches)
+                view.div_(self.num_replicas)
+            else:
+                if g.layout != torch.strided:
+                    raise CommError("wrap_optimizer averages dense gradients; a parameter got a "
+                                    f"{g.layout} gradient (e.g. nn.Embedding(sparse=True)); use a "
+                                    "dense one")
+                # dividing while copying: one pass, and the sum of the replicas is the mean
+                torch.div(g, self.num_replicas, out=view)
+                p.grad = view
         return True
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if getattr(self._no_sync, "on", False):
             return
-        if not self._callback_queued:
-            self._callback_queued = True
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            if self._task is not None:
+                # the backward that queued the last callback raised before its end: start afresh
+                self._reset_round()
+            self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         b, i, view = self._slot[id(p)]
         self._prepared[i] = self._put(p, view)
