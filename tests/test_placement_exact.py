@@ -208,6 +208,40 @@ def test_milp_replicates_a_stage_by_hand():
     assert solve_milp(g, Problem(devices=2)).max_load == 16.0
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_memory_frontier_matches_brute_force(data):
+    """The DP's memory-aware frontier: min over inserted I with mu(I) <= mu(J) + budget."""
+    import numpy as np
+
+    from meshtorch.placement.dp import _MemFrontier
+
+    n = data.draw(st.integers(1, 40))
+    seg = np.sort(np.array(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))))
+    ints = st.lists(st.integers(0, 30), min_size=n, max_size=n)
+    mu = seg * 100.0 + np.array(data.draw(ints))  # segments are ordered in memory
+    alpha = np.array(data.draw(ints), dtype=float)
+    g = np.array(data.draw(st.lists(st.sampled_from([*range(20), math.inf]), min_size=n,
+                                    max_size=n)), dtype=float)
+    fr = _MemFrontier(mu, seg)
+    inserted = np.zeros(n, dtype=bool)
+    for t in sorted(set(seg.tolist()), reverse=True):
+        js = np.flatnonzero(seg == t)
+        beta = np.array(data.draw(st.lists(st.integers(-10, 10), min_size=n, max_size=n)),
+                        dtype=float)
+        budget = float(data.draw(st.integers(0, 250)))
+        val, idx = fr.query(beta, js, budget)
+        for q, j in enumerate(js.tolist()):
+            ok = [i for i in np.flatnonzero(inserted) if mu[i] <= mu[j] + budget]
+            want = min((max(g[i], alpha[i] + beta[j]) for i in ok), default=math.inf)
+            assert val[q] == want
+            if math.isfinite(want):
+                i = idx[q]
+                assert i in ok and max(g[i], alpha[i] + beta[j]) == want
+        fr.insert(js.size, alpha, g)
+        inserted[js] = True
+
+
 def test_hand_derived_loads():
     # a -> b -> c with comm 0.5 on each producer: {a,b} | {c}
     g = OpGraph()

@@ -85,15 +85,20 @@ def _pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: _Pool
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("s", "b", "a", "c", "m", "x", "y")}
     for pos, j in enumerate(js.tolist()):
         cands = []
+        a_lo, a_hi = ide.acc[j] - eps, ide.acc[j] + acc_band + eps
         if prob.devices:
-            lo = np.searchsorted(pool.acc, ide.acc[j] - eps, "left")
-            hi = np.searchsorted(pool.acc, ide.acc[j] + acc_band + eps, "right")
+            lo = np.searchsorted(pool.acc, a_lo, "left")
+            hi = np.searchsorted(pool.acc, a_hi, "right")
             cands.append(pool.by_acc[lo:hi])
         if use_cpu:
             lo = np.searchsorted(pool.cpu, ide.cpu[j] - eps, "left")
             hi = np.searchsorted(pool.cpu, ide.cpu[j] + bound + eps, "right")
-            cands.append(pool.by_cpu[lo:hi])
-        cand = cands[0] if len(cands) == 1 else np.union1d(*cands)
+            extra = pool.by_cpu[lo:hi]
+            if prob.devices:  # drop those already in the accelerator band (no hashing)
+                x = ide.acc[extra]
+                extra = extra[(x < a_lo) | (x > a_hi)]
+            cands.append(extra)
+        cand = cands[0] if len(cands) == 1 else np.concatenate(cands)
         if cand.size == 0:
             continue
         bj = ide.bits[j]
@@ -172,6 +177,146 @@ class _Frontier:
         return np.where(use1, v1, v2), np.where(use1, self.idx[hi], self.idx[lo])
 
 
+class _MemFrontier:
+    """``min max(g(I), alpha(I) + beta)`` over the inserted ``I`` with ``mu(I) <= thr``.
+
+    The memory-aware version of :class:`_Frontier`, for accelerator stages when
+    memory can bind (``mu`` = resident bytes plus in-flight activations). Ideals
+    get fixed positions, sorted by segment and then by ``mu``, both descending.
+    Since ``mu`` grows with inclusion and separators order the segments, ``mu``
+    never rises along the positions, and the segments inserted so far (the DP
+    goes from the sink side) are always a prefix ``[0, end)``: a query is the
+    position range ``[first position with mu <= thr, end)``. A segment tree over
+    the positions keeps one Pareto frontier per node (built once, when the node
+    is complete); a range is ``O(log n)`` nodes, each answered by bisection, all
+    queries at once.
+    """
+
+    def __init__(self, mu: np.ndarray, seg: np.ndarray) -> None:
+        n = mu.size
+        self.mu = mu
+        self.order = np.lexsort((-mu, -seg))  # position -> ideal
+        self.neg_mu = -mu[self.order]  # ascending along the positions
+        self.levels = max(1, (n - 1).bit_length() + 1)
+        self.alpha = np.empty((self.levels, n))
+        self.g = np.empty((self.levels, n))
+        self.idx = np.empty((self.levels, n), dtype=np.int64)
+        self.fill = [0] * self.levels  # slots used per level
+        self.start = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
+        self.flen = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
+        self.end = 0
+
+    def insert(self, count: int, alpha: np.ndarray, g: np.ndarray) -> None:
+        """Positions ``[end, end + count)`` become active (``alpha``, ``g`` per ideal)."""
+        new_end = self.end + count
+        for lv in range(self.levels):
+            w = 1 << lv
+            j0, j1 = self.end // w, new_end // w  # nodes completed by this insertion
+            if j1 <= j0:
+                continue
+            ids = self.order[j0 * w : j1 * w]
+            node = np.arange(j0 * w, j1 * w) >> lv
+            a, gg = alpha[ids], g[ids]
+            ok = np.isfinite(a) & np.isfinite(gg)
+            ids, node, a, gg = ids[ok], node[ok], a[ok], gg[ok]
+            srt = np.lexsort((gg, a, node))
+            ids, node, a, gg = ids[srt], node[srt], a[srt], gg[srt]
+            # Pareto within each node: keep a point when its g is below every earlier
+            # one of its node. Exact segmented running minimum on integer ranks of g,
+            # offset so that an earlier node never undercuts a later one.
+            rank = np.unique(gg, return_inverse=True)[1].astype(np.int64)
+            big = int(rank.max(initial=0)) + 1
+            val = rank + (j1 - node) * big
+            run = np.minimum.accumulate(val) if val.size else val
+            first = np.r_[True, node[1:] != node[:-1]] if val.size else np.zeros(0, bool)
+            keep = first | (val < np.r_[0, run[:-1]])
+            ids, node, a, gg = ids[keep], node[keep], a[keep], gg[keep]
+            counts = np.bincount(node - j0, minlength=j1 - j0)
+            f0 = self.fill[lv]
+            k = ids.size
+            self.alpha[lv, f0 : f0 + k] = a
+            self.g[lv, f0 : f0 + k] = gg
+            self.idx[lv, f0 : f0 + k] = ids
+            self.start[lv][j0:j1] = f0 + np.r_[0, np.cumsum(counts)[:-1]]
+            self.flen[lv][j0:j1] = counts
+            self.fill[lv] = f0 + k
+        self.end = new_end
+
+    def query(self, beta: np.ndarray, js: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
+        """For each ``J`` in ``js``: the best inserted ``I`` with ``mu(I) <= mu(J) + budget``.
+
+        ``beta`` is indexed by ideal (all of them).
+        """
+        q = js.size
+        beta = beta[js]
+        lo_pos = np.searchsorted(self.neg_mu, -(self.mu[js] + budget), "left")
+        lo_pos = np.minimum(lo_pos, self.end)
+        hi_pos = np.full(q, self.end, dtype=np.int64)
+        qs, lvs, nodes = [], [], []
+        qid = np.arange(q)
+        for lv in range(self.levels):
+            live = lo_pos < hi_pos
+            if not live.any():
+                break
+            left = live & ((lo_pos & 1) == 1)
+            qs.append(qid[left])
+            lvs.append(np.full(int(left.sum()), lv))
+            nodes.append(lo_pos[left])
+            lo_pos = lo_pos + left
+            right = live & ((hi_pos & 1) == 1)
+            hi_pos = hi_pos - right
+            qs.append(qid[right])
+            lvs.append(np.full(int(right.sum()), lv))
+            nodes.append(hi_pos[right])
+            lo_pos >>= 1
+            hi_pos >>= 1
+        best = np.full(q, INF)
+        arg = np.full(q, -1, dtype=np.int64)
+        if not qs:
+            return best, arg
+        qq, lv, nd = np.concatenate(qs), np.concatenate(lvs), np.concatenate(nodes)
+        if qq.size == 0:
+            return best, arg
+        start = np.empty(qq.size, dtype=np.int64)
+        length = np.empty(qq.size, dtype=np.int64)
+        for v in np.unique(lv).tolist():
+            sel = lv == v
+            start[sel] = self.start[v][nd[sel]]
+            length[sel] = self.flen[v][nd[sel]]
+        n = self.alpha.shape[1]
+        flat_a = self.alpha.reshape(-1)
+        flat_g = self.g.reshape(-1)
+        base = lv * n + start
+        target = -beta[qq]
+        lo = np.zeros(qq.size, dtype=np.int64)
+        hi = length.copy()
+        # bisection for the first frontier point with alpha + beta >= g
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                break
+            mid = (lo + hi) >> 1
+            at = np.minimum(base + mid, flat_a.size - 1)
+            go = (flat_a[at] - flat_g[at]) < target
+            lo = np.where(open_ & go, mid + 1, lo)
+            hi = np.where(open_ & ~go, mid, hi)
+        top = flat_a.size - 1
+        at_p = np.minimum(base + lo, top)
+        at_q = np.minimum(base + lo - 1, top)
+        v1 = np.where(lo < length, flat_a[at_p] + beta[qq], INF)
+        v2 = np.where(lo > 0, flat_g[np.maximum(at_q, 0)], INF)
+        use1 = v1 <= v2
+        val = np.where(use1, v1, v2)
+        who = np.where(use1, self.idx.reshape(-1)[at_p], self.idx.reshape(-1)[np.maximum(at_q, 0)])
+        srt = np.lexsort((val, qq))
+        qq, val, who = qq[srt], val[srt], who[srt]
+        firsts = np.r_[True, qq[1:] != qq[:-1]]
+        best[qq[firsts]] = val[firsts]
+        arg[qq[firsts]] = who[firsts]
+        arg[~np.isfinite(best)] = -1
+        return best, arg
+
+
 def _separators(c: Contracted) -> list[int]:
     """Supernodes comparable with all others that no communication hyperedge jumps over.
 
@@ -212,7 +357,7 @@ def _popcount(bits: np.ndarray) -> np.ndarray:
 
 
 def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, frontier: bool,
-            chunk: int = 1024):
+            mem_binds: bool = False, chunk: int = 1024):
     """Layered DP, chunk by chunk from the sink side; returns (value, key, choices, pairs)."""
     n = ide.n
     k, ell, rmax = prob.devices, prob.cpus, prob.max_replicas
@@ -241,14 +386,20 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
                 sy = 2.0 * (r - 1) / r * ide.sync
                 alpha[r] = (ide.acc + ide.cut) / r + sy
                 beta[r] = (ide.cut - ide.acc) / r - sy
-    fronts = {(prev, r): _Frontier() for o in opts.values() for r, prev in o} if frontier else {}
+    seg = np.zeros(n, dtype=np.int64)
     if frontier:
-        seps = _separators(c)
-        seg = np.zeros(n, dtype=np.int64)
-        for b in seps:
+        for b in _separators(c):
             seg += ((ide.bits[:, b // 64] >> np.uint64(b % 64)) & np.uint64(1)).astype(np.int64)
-    else:
-        seg = np.zeros(n, dtype=np.int64)
+    fronts: dict = {}
+    for key, o in opts.items() if frontier else ():
+        for r, prev in o:
+            if r > 0 and mem_binds:
+                # accelerator stages hold their weights and ceil((a + c) / r) stashed inputs
+                in_flight = -(-(key[0] + key[1]) // r) if stash else 0
+                fronts[(prev, r)] = _MemFrontier(ide.mem + in_flight * ide.act, seg)
+            else:
+                fronts[(prev, r)] = _Frontier()
+    budget = prob.memory * (1 + _TOL)
     pop = _popcount(ide.bits)
     total_pairs = 0
     for t in sorted(set(seg.tolist()), reverse=True):
@@ -294,7 +445,11 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
                             bsrc[where] = arg[better]
                             brep[where] = r
                     if frontier:
-                        val, idx = fronts[(prev, r)].query(beta[r][js])
+                        fr = fronts[(prev, r)]
+                        if isinstance(fr, _MemFrontier):
+                            val, idx = fr.query(beta[r], js, budget)
+                        else:
+                            val, idx = fr.query(beta[r][js])
                         better = val < best
                         best[better] = val[better]
                         bsrc[better] = idx[better]
@@ -305,7 +460,10 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
         if frontier:
             everything = np.flatnonzero(seg == t)
             for (prev, r), fr in fronts.items():
-                fr.merge(alpha[r][everything], g[prev][everything], everything)
+                if isinstance(fr, _MemFrontier):
+                    fr.insert(everything.size, alpha[r], g[prev])
+                else:
+                    fr.merge(alpha[r][everything], g[prev][everything], everything)
     best_val, best_key = INF, None
     for key in layers:
         if g[key][0] < best_val:
@@ -364,12 +522,11 @@ def solve_on_ideals(
     empty = 0
     if ide.bits[empty].any():
         raise PlacementError("internal error: ideal 0 must be the empty set")
-    frontier = (
-        _memory_never_binds(graph, prob)
-        and not any(math.isinf(x) for x in c.acc)
-        and not any(math.isinf(x) for x in c.cpu)
-    )
-    val, key, choice, npairs = _run_dp(ide, prob, c, bound, full, frontier)
+    # the separator shortcut needs every stage cost to split as alpha(I) + beta(J),
+    # which an op that some device kind cannot run breaks
+    frontier = not any(math.isinf(x) for x in c.acc) and not any(math.isinf(x) for x in c.cpu)
+    mem_binds = not _memory_never_binds(graph, prob)
+    val, key, choice, npairs = _run_dp(ide, prob, c, bound, full, frontier, mem_binds)
     info = {"ideals": ide.n, "pairs": npairs, "supernodes": c.m, "frontier": frontier}
     if key is None or not math.isfinite(val):
         return INF, [], info
