@@ -138,12 +138,13 @@ class TwoHeads(torch.nn.Module):
         return (self.head0 if which == 0 else self.head1)(torch.tanh(self.body(x))).sum()
 
 
-def test_unused_parameters_and_no_sync_accumulation():
-    """Replica 0 uses head0, replica 1 head1, nobody uses `never`; two micro-batches
-    accumulate under no_sync before the synchronised one."""
+def unused_data() -> torch.Tensor:
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 2, 5, 4, generator=g, dtype=torch.float64)  # micro-batch, replica, example
+    return torch.randn(3, 2, 5, 4, generator=g, dtype=torch.float64)  # micro-batch, replica, example
 
+
+def unused_reference() -> dict[str, torch.Tensor]:
+    x = unused_data()
     torch.manual_seed(0)
     ref = TwoHeads().double()
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
@@ -153,30 +154,42 @@ def test_unused_parameters_and_no_sync_accumulation():
             (sum(ref(x[m, r], r) for r in range(2)) / 2).backward()
         ref_opt.step()
     assert ref.never.weight.grad is None
+    return ref.state_dict()
 
-    def prog():
-        repl = mt.Replicator(device="cpu")
-        with repl.context():
-            model = TwoHeads().double()
-            opt = repl.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.05), bucket_mb=0.0001)
-        r, comm = repl.replica_id, mt.current().comm
-        calls = []
-        for _ in range(2):
-            opt.zero_grad()
-            before = comm.stats.calls(kind="all_reduce")
-            with repl.no_sync():
-                for m in range(2):
-                    model(x[m, r], r).backward()
-            calls.append(comm.stats.calls(kind="all_reduce") - before)
-            model(x[2, r], r).backward()
-            opt.step()
-        return model.state_dict(), model.never.weight.grad, calls
 
-    for state, never_grad, calls in mt.replicator.launch(prog, num_replicas=2):
+def unused_program():
+    """Replica 0 uses head0, replica 1 head1, nobody uses `never`; two micro-batches
+    accumulate under no_sync before the synchronised one."""
+    x = unused_data()
+    repl = mt.Replicator(device="cpu")
+    with repl.context():
+        model = TwoHeads().double()
+        opt = repl.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.05), bucket_mb=0.0001)
+    r, comm = repl.replica_id, mt.current().comm
+    calls = []
+    for _ in range(2):
+        opt.zero_grad()
+        before = comm.stats.calls(kind="all_reduce")
+        with repl.no_sync():
+            for m in range(2):
+                model(x[m, r], r).backward()
+        calls.append(comm.stats.calls(kind="all_reduce") - before)
+        model(x[2, r], r).backward()
+        opt.step()
+    return model.state_dict(), model.never.weight.grad, calls
+
+
+def check_unused(results) -> None:
+    ref = unused_reference()
+    for state, never_grad, calls in results:
         assert never_grad is None
         assert calls == [0, 0]
-        for k, v in ref.state_dict().items():
+        for k, v in ref.items():
             torch.testing.assert_close(state[k], v, rtol=1e-10, atol=1e-10, msg=k)
+
+
+def test_unused_parameters_and_no_sync_accumulation():
+    check_unused(mt.replicator.launch(unused_program, num_replicas=2))
 
 
 def test_bucket_count_is_the_number_of_all_reduces():

@@ -17,12 +17,12 @@ except ImportError:  # pragma: no cover
 if "torch" not in BACKENDS or not torch.distributed.is_available():
     pytest.skip("meshtorch's torch backend is not available", allow_module_level=True)
 
-from test_replicator import reference, replica_program  # noqa: E402 - after the skip
+from test_replicator import check_unused, reference, replica_program, unused_program  # noqa: E402
 
 
 def _both(bucket_mb):
-    # module level so the spawned processes can unpickle it; one spawn for both variants
-    return [replica_program(bn, bucket_mb, True) for bn in (False, True)]
+    # module level so the spawned processes can unpickle it; one spawn for all variants
+    return [replica_program(bn, bucket_mb, True) for bn in (False, True)] + [unused_program()]
 
 
 def _collectives():
@@ -42,7 +42,9 @@ def _skip_a_collective():
 
 
 def test_two_gloo_processes_match_one_process_on_global_batch():
+    # buckets go out as asynchronous torch.distributed all_reduces here (no check)
     out = mt.replicator.launch(_both, 0.001, num_replicas=2, backend="torch", timeout=120)
+    check_unused([per_process[2] for per_process in out])
     for bn_index, bn in enumerate((False, True)):
         ref = reference(bn)
         for per_process in out:
