@@ -232,6 +232,8 @@ def lower(
             raise ShapeError(f"{op}: reduction {how!r} of dim {d!r} is not one of {REDUCTIONS}")
     whole = set(whole)
     ctx = current()
+    if ctx.mesh.size == 1:
+        return _lower_one_processor(ctx, op, inputs, out_shape, local_fn, whole, name)
     out_layout = layout_for(out_shape, name)
     comp = choose_computation(inputs, out_shape, out_layout, reduced, whole)
     locals_ = [to_computation(x, comp) for x in inputs]
@@ -254,6 +256,44 @@ def lower(
         )
     out = from_computation(result, comp, out_shape, out_layout, reduced)
     return MeshTensor(out, out_shape, out_layout, name)
+
+
+def _lower_one_processor(ctx, op, inputs, out_shape, local_fn, whole, name) -> MeshTensor:
+    """:func:`lower` on a one-processor mesh: every slice is the whole tensor and every adapter
+    is the identity, so only the local function runs (the per-op Python is most of meshtorch's
+    cost on one processor). Same checks and errors as the general path."""
+    view: dict[str, tuple[int, int]] = {}
+    for shape in [x.shape for x in inputs] + [out_shape]:
+        for d in shape.dims:
+            seen = view.setdefault(d.name, (0, d.size))
+            if seen[1] != d.size and d.name not in whole:
+                _dim_sizes(inputs, out_shape, whole)  # raises, naming both tensors
+    result = local_fn(LocalView(view), *[x.local for x in inputs])
+    if tuple(result.shape) != out_shape.sizes:
+        raise ShapeError(
+            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
+            f"output [{out_shape}] computed as replicated needs {list(out_shape.sizes)}"
+        )
+    return MeshTensor._checked_elsewhere(result, out_shape, _one_processor_layout(ctx, out_shape), name)
+
+
+# Layouts on a one-processor mesh, by shape: the same few shapes recur every step. An entry is
+# valid only for the very rules and mesh objects it was made under (kept in the entry and
+# compared by identity), so a later launch with other rules never sees a stale layout.
+_ONE_LAYOUTS: dict[tuple[int, int, Shape], tuple[object, object, Layout]] = {}
+
+
+def _one_processor_layout(ctx, shape: Shape) -> Layout:
+    rules, mesh = ctx.rules, ctx.mesh
+    key = (id(rules), id(mesh), shape)
+    hit = _ONE_LAYOUTS.get(key)
+    if hit is not None and hit[0] is rules and hit[1] is mesh:
+        return hit[2]
+    layout = rules.layout(shape, mesh)  # axes of size 1 divide every dim: this cannot raise
+    if len(_ONE_LAYOUTS) >= 4096:
+        _ONE_LAYOUTS.clear()
+    _ONE_LAYOUTS[key] = (rules, mesh, layout)
+    return layout
 
 
 def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch.Tensor:

@@ -46,6 +46,15 @@ class MeshTensor:
         self.local = local
         self.name = name
 
+    @classmethod
+    def _checked_elsewhere(cls, local: torch.Tensor, shape: Shape, layout: Layout,
+                           name: str | None = None) -> MeshTensor:
+        """Construct without re-checking ``local``'s size: for hot paths (the one-processor
+        lowering) that have just checked it against the shape."""
+        t = object.__new__(cls)
+        t.shape, t.layout, t.local, t.name = shape, layout, local, name
+        return t
+
     # ------------------------------------------------------------ properties
     @property
     def names(self) -> tuple[str, ...]:

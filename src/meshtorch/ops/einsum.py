@@ -73,6 +73,26 @@ def einsum(
     else:
         xs = tuple(as_mesh_tensor(x) for x in xs)
         out_names = _parse(equation, xs)
+    key = (tuple(x.shape for x in xs), tuple(out_names))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(xs, out_names)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    out, spec, reduced = plan
+    return lower("einsum", xs, out, lambda view, *ls: torch.einsum(spec, *ls),
+                 reduced=dict(reduced), name=name)
+
+
+# A model calls einsum with the same few shapes every step: the output shape, equation and
+# reduced dims are a pure function of the operand shapes and output names, so they are
+# computed once (the Python of building them was a large part of einsum's cost on one processor).
+_PLANS: dict[tuple, tuple[Shape, str, dict[str, str]]] = {}
+_MAX_PLANS = 4096
+
+
+def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, str, dict[str, str]]:
     every = broadcast_shape(*(x.shape for x in xs))
     for n in out_names:
         if n not in every.names:
@@ -84,8 +104,7 @@ def einsum(
     spec = ",".join("".join(letters[n] for n in x.names) for x in xs)
     spec += "->" + "".join(letters[n] for n in out_names)
     reduced = {n: "sum" for n in every.names if n not in out_names}
-    return lower("einsum", xs, out, lambda view, *ls: torch.einsum(spec, *ls),
-                 reduced=reduced, name=name)
+    return out, spec, reduced
 
 
 def matmul(x: MeshTensor, y: MeshTensor, output_shape=None, name: str | None = None) -> MeshTensor:

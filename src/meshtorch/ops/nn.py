@@ -12,11 +12,25 @@ Example:
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
+from meshtorch.lowering import align, lower
 from meshtorch.ops.array import one_hot
 from meshtorch.ops.elementwise import exp, rsqrt
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
+
+# Fast paths: when the dim an op normalises over is not split (always so on one processor),
+# each slice holds whole rows, so one fused torch kernel (softmax, layer_norm, logsumexp)
+# computes the op locally. That is the op a plain-PyTorch model calls: fewer kernels, less
+# Python per op, fewer saved activations, and the same communication (none along that dim;
+# the lowering still adapts the other dims). A split dim takes the composed path below.
+
+
+def _whole_in(x: MeshTensor, name: str) -> bool:
+    return x.layout.axis_of(name) is None
 
 
 def softmax(x: MeshTensor, dim: str | Dim) -> MeshTensor:
@@ -28,6 +42,11 @@ def softmax(x: MeshTensor, dim: str | Dim) -> MeshTensor:
         >>> mt.softmax(x, "v").to_global().tolist()
         [0.5, 0.5]
     """
+    x = as_mesh_tensor(x)
+    n = dim_name(dim)
+    if _whole_in(x, n):
+        i = x.shape.index(n)
+        return lower("softmax", [x], x.shape, lambda view, t: torch.softmax(t, i), whole=[n])
     return exp(log_softmax(x, dim))
 
 
@@ -41,7 +60,11 @@ def log_softmax(x: MeshTensor, dim: str | Dim) -> MeshTensor:
         True
     """
     x = as_mesh_tensor(x)
-    return x - reduce_logsumexp(x, dim_name(dim))
+    n = dim_name(dim)
+    if _whole_in(x, n):
+        i = x.shape.index(n)
+        return lower("log_softmax", [x], x.shape, lambda view, t: torch.log_softmax(t, i), whole=[n])
+    return x - reduce_logsumexp(x, n)
 
 
 def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "vocab") -> MeshTensor:
@@ -56,8 +79,21 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
         >>> round(mt.reduce_mean(mt.cross_entropy(logits, targets)).item(), 5) == round(math.log(4), 5)
         True
     """
-    logits = as_mesh_tensor(logits)
+    logits, targets = as_mesh_tensor(logits), as_mesh_tensor(targets)
     v = logits.shape[dim_name(dim)]
+    out = logits.shape.without([v.name])
+    if (_whole_in(logits, v.name) and not targets.dtype.is_floating_point
+            and sorted(targets.names) == sorted(out.names)):
+        i = logits.shape.index(v.name)
+
+        def local_fn(view, t, ids):
+            ids = align(ids, targets.names, out.names).unsqueeze(i)
+            # ids outside the vocabulary pick nothing, as the one-hot of the composed path
+            hit = (ids >= 0) & (ids < v.size)
+            picked = t.gather(i, ids.clamp(0, v.size - 1)) * hit.to(t.dtype)
+            return torch.logsumexp(t, i) - picked.squeeze(i)
+
+        return lower("cross_entropy", [logits, targets], out, local_fn, whole=[v.name])
     target_logit = reduce_sum(logits * one_hot(targets, v, dtype=logits.dtype), v.name)
     return reduce_logsumexp(logits, v.name) - target_logit
 
@@ -79,6 +115,16 @@ def layer_norm(
     """
     x = as_mesh_tensor(x)
     n = dim_name(dim)
+    params = [p for p in (weight, bias) if p is not None]
+    if _whole_in(x, n) and all(p.names == (n,) for p in params):
+        i, size = x.shape.index(n), x.shape[n].size
+
+        def local_fn(view, t, *ps):
+            w = ps[0] if weight is not None else None
+            b = ps[-1] if bias is not None else None
+            return F.layer_norm(t.movedim(i, -1), (size,), w, b, eps).movedim(-1, i)
+
+        return lower("layer_norm", [x, *params], x.shape, local_fn, whole=[n])
     xc = x - reduce_mean(x, n)
     y = xc * rsqrt(reduce_mean(xc * xc, n) + eps)
     if weight is not None:

@@ -98,6 +98,11 @@ def reduce_logsumexp(x: MeshTensor, dims=None, *, output_shape=None, name=None) 
     """
     x = as_mesh_tensor(x)
     names = _reduced_names(x, dims, output_shape)
+    if names and all(x.layout.axis_of(n) is None for n in names):
+        # no reduced dim is split (always so on one processor): one fused local kernel
+        idx = [x.shape.index(n) for n in names]
+        return lower("reduce_logsumexp", [x], x.shape.without(names),
+                     lambda view, t: torch.logsumexp(t, idx), whole=names, name=name)
     # the shift cancels in value and gradient, so it needs no gradient of its own
     m = reduce_max(x.detach(), names)
     finite = MeshTensor(torch.where(torch.isfinite(m.local), m.local, 0.0), m.shape, m.layout)

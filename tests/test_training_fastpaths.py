@@ -1,0 +1,100 @@
+"""The fused one-kernel paths of softmax, log_softmax, layer_norm, cross_entropy and logsumexp
+(taken when the normalised dim is not split, always on one processor) against dense float64
+torch, values and gradients, on one processor and on a 2x2 mesh where the dim is split (the
+composed path), where only other dims are split, and where a LayerNorm weight is FSDP-split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshtorch as mt
+
+B, T, D, V = 4, 6, 8, 12
+X = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+W = 1 + 0.1 * torch.randn(D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+BIAS = 0.1 * torch.randn(D, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+LOGITS = torch.randn(B, T, V, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+TARGETS = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(4))
+TARGETS[0, 0] = V + 3  # out of the vocabulary: picks nothing (loss = logsumexp), as the one-hot path
+UPSTREAM = torch.randn(B, T, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+UP_V = torch.randn(B, T, V, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+
+def _cases():
+    """name -> (mesh fn of leaf MeshTensors, dense fn of leaf tensors, leaves as (tensor, shape))."""
+    x, lg = (X, "batch:4,length:6,d:8"), (LOGITS, "batch:4,length:6,vocab:12")
+    w, b = (W, "d:8"), (BIAS, "d:8")
+
+    def dot(y, up, shape):  # a weighted sum makes every output element's gradient distinct
+        return mt.reduce_sum(y * mt.from_global(up, shape))
+
+    ln = F.layer_norm
+    bt = "batch:4,length:6"
+    return {
+        "softmax": (lambda a: dot(mt.softmax(a, "vocab"), UP_V, lg[1]),
+                    lambda a: (a.softmax(-1) * UP_V).sum(), [lg]),
+        "log_softmax": (lambda a: dot(mt.log_softmax(a, "vocab"), UP_V, lg[1]),
+                        lambda a: (a.log_softmax(-1) * UP_V).sum(), [lg]),
+        "logsumexp": (lambda a: mt.reduce_sum(mt.reduce_logsumexp(a, "vocab") * mt.reduce_sum(a, "vocab")),
+                      lambda a: (a.logsumexp(-1) * a.sum(-1)).sum(), [lg]),
+        "logsumexp_two_dims": (lambda a: mt.reduce_sum(mt.reduce_logsumexp(a, ["length", "vocab"])),
+                               lambda a: a.logsumexp((1, 2)).sum(), [lg]),
+        "cross_entropy": (lambda a: mt.reduce_sum(mt.cross_entropy(a, mt.from_global(TARGETS, bt))
+                                                  * mt.from_global(UP_V[..., 0], bt)),
+                          lambda a: ((a.logsumexp(-1) - torch.where(
+                              TARGETS < V, a.gather(-1, TARGETS.clamp(max=V - 1)[..., None])[..., 0], 0.0))
+                              * UP_V[..., 0]).sum(), [lg]),
+        "layer_norm_w_b": (lambda a, w_, b_: dot(mt.layer_norm(a, "d", w_, b_), UPSTREAM, x[1]),
+                           lambda a, w_, b_: (ln(a, (D,), w_, b_) * UPSTREAM).sum(), [x, w, b]),
+        "layer_norm_w": (lambda a, w_: dot(mt.layer_norm(a, "d", w_), UPSTREAM, x[1]),
+                         lambda a, w_: (ln(a, (D,), w_) * UPSTREAM).sum(), [x, w]),
+        "layer_norm_none": (lambda a: dot(mt.layer_norm(a, "d"), UPSTREAM, x[1]),
+                            lambda a: (ln(a, (D,)) * UPSTREAM).sum(), [x]),
+    }
+
+
+def run_all():
+    out = {}
+    for name, (fn, _, leaves) in _cases().items():
+        ts = [mt.from_global(t, s, requires_grad=True) for t, s in leaves]
+        y = fn(*ts)
+        y.backward()
+        out[name] = (y.item(), [t.grad.to_global() for t in ts])
+    return out
+
+
+LAYOUTS = [
+    ("b:1", "batch:b"),                                   # one processor: every fused path
+    ("b:2,m:2", "batch:b; vocab:m; d:m"),                 # the normalised dim split: composed path
+    ("b:2,m:2", "batch:b; length:m"),                     # only other dims split: fused path, sliced
+    ("b:2,m:2", "batch:b; d:b; length:m"),                # FSDP: d whole in x, LayerNorm weight split
+]
+
+
+@pytest.mark.parametrize("mesh, rules", LAYOUTS)
+def test_fast_and_composed_paths_match_dense_torch(mesh, rules):
+    outs = mt.launch(run_all, mesh=mesh, rules=rules)
+    for name, (_, dense, leaves) in _cases().items():
+        ref_leaves = [t.clone().requires_grad_(True) for t, _ in leaves]
+        ref = dense(*ref_leaves)
+        ref.backward()
+        for rank, out in enumerate(outs):
+            value, grads = out[name]
+            assert value == pytest.approx(ref.item(), rel=1e-10, abs=1e-10), (name, rank)
+            for g, leaf in zip(grads, ref_leaves):
+                torch.testing.assert_close(g, leaf.grad, rtol=1e-10, atol=1e-10, msg=f"{name} on {rank}")
+
+
+def test_fused_paths_run_one_kernel_on_one_processor():
+    """The fast paths are taken: one softmax / layer_norm kernel, not exp, sums and divisions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = mt.from_global(X, "batch:4,length:6,d:8")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mt.softmax(x, "d")
+        mt.layer_norm(x, "d")
+    names = {e.key for e in prof.key_averages()}
+    assert {"aten::_softmax", "aten::native_layer_norm"} <= names, names
+    assert "aten::exp" not in names and "aten::rsqrt" not in names, names
