@@ -78,8 +78,8 @@ def run(cfg: TransformerConfig, schedule: str, m: int, batch: int, length: int, 
             if k >= 2:  # two warm-up steps
                 times.append(time.perf_counter() - t0)
                 traces.append(pipe.trace)
-    fwd = statistics.mean(t1 - t0 for tr in traces for k, _, t0, t1 in tr if k == "F")
-    bwd = statistics.mean(t1 - t0 for tr in traces for k, _, t0, t1 in tr if k == "B")
+    fwd = statistics.mean(t1 - t0 for tr in traces for k, _, t0, t1, _ in tr if k == "F")
+    bwd = statistics.mean(t1 - t0 for tr in traces for k, _, t0, t1, _ in tr if k == "B")
     opt = _bytes(v for s in pipe.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     return {"stage": pipe.stage, "step_s": statistics.median(times), "fwd_s": fwd, "bwd_s": bwd,
             "weights": _bytes(pipe.parameters()), "optimizer": opt, "stash_peak": _live.peak,

@@ -75,16 +75,25 @@ def test_pipeline_equals_unsplit_training(schedule, p, m):
     assert not torch.allclose(out[0][0]["0.weight"], stages[0][0].weight)
 
 
+def _train_batches(stages, data, schedule, m):
+    pipe = Pipeline(lambda i: copy.deepcopy(stages[i]), microbatches=m, schedule=schedule,
+                    loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
+    pipe.train(data)
+    return pipe.trace
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
 def test_executed_order_equals_table_and_dependencies_hold(schedule):
+    # two batches in one table: flushed for GPipe/1F1B, overlapping for 2BW
     p, m = 3, 5
-    stages, data = make_stages(p), batches(1, 10)
-    out = mt.launch(run_pipeline, stages, data, schedule, m, mesh=f"stage:{p}")
-    table = build_schedule(schedule, p, m)
+    stages, data = make_stages(p), batches(2, 10)
+    out = mt.launch(_train_batches, stages, data, schedule, m, mesh=f"stage:{p}")
+    table = build_schedule(schedule, p, m, batches=2)
     ends = {}
-    for s, (_, _, trace, _) in enumerate(out):
-        assert [(k, i) for k, i, _, _ in trace] == table.order(s)
-        for k, i, t0, t1 in trace:
+    for s, trace in enumerate(out):
+        assert [(k, i) for k, i, *_ in trace] == table.order(s)
+        assert [v for *_, v in trace] == [a.version for a in table.for_stage(s)]
+        for k, i, t0, t1, _ in trace:
             ends[(s, k, i)] = (t0, t1)
     # a stage starts an action only after the actions it depends on ended on the other stages
     for (s, k, i), (t0, _) in ends.items():
@@ -92,6 +101,10 @@ def test_executed_order_equals_table_and_dependencies_hold(schedule):
             assert t0 >= ends[(s - 1, "F", i)][1]
         if k == "B" and s < p - 1:
             assert t0 >= ends[(s + 1, "B", i)][1]
+    # 2BW: batch 1 entered stage 0 before batch 0 drained there (no flush); the others flush
+    first_f1 = ends[(0, "F", m)][0]
+    last_b0 = ends[(0, "B", m - 1)][1]
+    assert (first_f1 < last_b0) == (schedule == "2bw")
 
 
 class Boom(torch.nn.Module):

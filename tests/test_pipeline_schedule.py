@@ -50,6 +50,32 @@ def test_simulator_non_uniform_by_hand():
     assert sim.bubble_fraction == pytest.approx(1 - 16 / 30)
 
 
+@pytest.mark.parametrize("p,m,steps", [(2, 4, 5), (4, 4, 6), (4, 8, 3)])
+def test_2bw_without_flush_has_a_smaller_bubble_than_flushed_1f1b(p, m, steps):
+    flushed = build_schedule("1f1b", p, m, batches=steps)
+    two_bw = build_schedule("2bw", p, m, batches=steps)
+    # by hand, unit slots (F and B one slot each): the flushed run fills and drains the pipeline once
+    # per batch, 2(m+p-1) slots each; 2BW once per run, 2(steps*m + p-1) slots
+    assert flushed.slots == steps * 2 * (m + p - 1)
+    assert two_bw.slots == 2 * (steps * m + p - 1)
+    f, b = 1.0, 2.0  # a backward twice a forward
+    sf, sw = simulate(flushed, f, b), simulate(two_bw, f, b)
+    assert sf.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert sw.bubble_fraction == pytest.approx((p - 1) / (steps * m + p - 1))
+    assert sw.bubble_fraction < sf.bubble_fraction
+    assert sf.step_time == pytest.approx((m + p - 1) * (f + b))
+    assert sw.step_time == pytest.approx((steps * m + p - 1) * (f + b) / steps)
+    # steady state: between two updates in the middle of the run a 2BW stage is never idle
+    upd = [two_bw.update_slot(k) for k in range(steps)]
+    assert all(u2 - u1 == 2 * m for u1, u2 in zip(upd[1:], upd[2:]))
+    # memory: 2 weight versions and p - s stashes, as with one batch; versions tag batch - 1
+    assert (sw.weight_versions, sw.in_flight) == (2, [min(p - s, steps * m) for s in range(p)])
+    assert (sf.weight_versions, sf.in_flight) == (1, [min(p - s, m) for s in range(p)])
+    assert {(a.microbatch // m, a.version) for a in two_bw.actions} == {(k, k - 1) for k in range(steps)}
+    want = [200.0 + 10 * min(p - s, steps * m) for s in range(p)]
+    assert memory(two_bw, weights=100, activations=10) == want
+
+
 def test_memory_model():
     # 2BW: two weight versions + (p - s) stashes; recompute stashes inputs + one full activation set
     t = build_schedule("2bw", 2, 4)

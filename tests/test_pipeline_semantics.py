@@ -10,6 +10,7 @@ import torch
 from torch.func import functional_call
 
 import meshtorch as mt
+from meshtorch.errors import ProcessorError
 from meshtorch.pipeline import Pipeline
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,19 +36,27 @@ def two_bw_reference(stages, data, lr=LR):
     return w
 
 
-def _two_bw(stages, data, m):
+def _two_bw(stages, data, m, how="step"):
     pipe = Pipeline(lambda i: copy.deepcopy(stages[i]), microbatches=m, schedule="2bw",
                     loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))
-    for x, y in data:
-        pipe.step(x, y)
+    if how == "step":  # one flushed batch per call
+        for x, y in data:
+            pipe.step(x, y)
+    elif how == "train":  # every batch in one table, no flush (the paper's steady state)
+        pipe.train(data)
+    else:  # two tables: the weight versions carry over between calls
+        pipe.train(data[:2])
+        pipe.train(data[2:])
+    assert pipe.batches_trained == len(data)
     return pipe.module.state_dict()
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 4)])
-def test_2bw_follows_the_delayed_update_rule(p, m):
-    stages, data = make_stages(p), batches(5, 8)
+@pytest.mark.parametrize("p,m,how", [(2, 4, "step"), (4, 4, "step"), (2, 4, "train"), (4, 4, "train"),
+                                     (4, 3, "train"), (3, 4, "split")])
+def test_2bw_follows_the_delayed_update_rule(p, m, how):
+    stages, data = make_stages(p), batches(5, 12 if m == 3 else 8)
     want = two_bw_reference(stages, data)
-    out = mt.launch(_two_bw, stages, data, m, mesh=f"stage:{p}")
+    out = mt.launch(_two_bw, stages, data, m, how, mesh=f"stage:{p}")
     sync = torch.nn.Sequential(*copy.deepcopy(stages))
     opt = torch.optim.SGD(sync.parameters(), lr=LR)
     for x, y in data:
@@ -59,6 +68,12 @@ def test_2bw_follows_the_delayed_update_rule(p, m):
             torch.testing.assert_close(v, want[f"{s}.{k}"], rtol=1e-10, atol=1e-12, msg=f"stage {s} {k}")
     # the delay matters: synchronous SGD ends elsewhere, so this test can tell 2BW from 1F1B
     assert not torch.allclose(out[0]["0.weight"], sync[0][0].weight, atol=1e-6)
+
+
+def test_2bw_without_flush_needs_enough_microbatches():
+    stages, data = make_stages(4), batches(3, 8)
+    with pytest.raises(ProcessorError, match=r"before the update of batch 0.*microbatches >= stages - 1 = 3"):
+        mt.launch(_two_bw, stages, data, 2, "train", mesh="stage:4")
 
 
 def test_2bw_first_step_equals_synchronous_step():

@@ -14,6 +14,11 @@ Each micro-batch's loss is divided by the number of micro-batches, so the
 accumulated gradient is that of the mean of the micro-batch losses: for a
 loss that is a mean over the micro-batch, the gradient of the whole batch.
 
+A table may hold several batches: before each action the executor calls
+``bind(version)`` with the weight version the table tags it with, and at each
+batch's update slot ``on_update(batch)`` (the caller applies the optimizer
+there); :class:`~meshtorch.pipeline.Pipeline` supplies both.
+
 With ``recompute`` a forward keeps only its input (and the random-number
 state: torch's generator and meshtorch's stream counter) and the backward
 runs the stage forward again before backpropagating.
@@ -28,7 +33,7 @@ Example:
     ...     ex = Executor(stages[mt.current().coords["stage"]], "stage", lambda y, t: ((y - t) ** 2).mean())
     ...     x, t = torch.ones(4, 3), torch.zeros(4, 1)
     ...     loss = ex.run(build_schedule("1f1b", 2, 2), list(x.chunk(2)), list(t.chunk(2)))
-    ...     return [k for k, _, _, _ in ex.trace], loss is None
+    ...     return [k for k, *_ in ex.trace], loss is None
     >>> mt.launch(f, mesh="stage:2")
     [(['F', 'F', 'B', 'B'], True), (['F', 'B', 'F', 'B'], False)]
 """
@@ -89,19 +94,21 @@ class Executor:
         self.recompute = recompute
         self.stage = ctx.coords[axis]
         self.stages = ctx.mesh.axis_size(axis)
-        # (kind, micro-batch, start, end) of the last run, in the order executed: the compute
-        # only, after the inputs arrived and before the outputs are sent
-        self.trace: list[tuple[str, int, float, float]] = []
+        # (kind, micro-batch, start, end, weight version) of the last run, in the order executed:
+        # the compute only, after the inputs arrived and before the outputs are sent
+        self.trace: list[tuple[str, int, float, float, int]] = []
 
-    def _fail(self, what: str, i: int, e: Exception) -> PipelineError:
+    def _fail(self, what: str, i: int, e: Exception, schedule: Schedule) -> PipelineError:
+        m = schedule.microbatches
+        where = f"micro-batch {i % m} of batch {i // m}" if schedule.batches > 1 else f"micro-batch {i}"
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
-                             f"{what} of micro-batch {i}: {e}")
+                             f"{what} of {where}: {e}")
 
     def _evaluate(self, schedule: Schedule, inputs, targets) -> Any:
         comm = current().comm
         s, m = self.stage, schedule.microbatches
         first, last = s == 0, s == self.stages - 1
-        total = None
+        totals: list[torch.Tensor | None] = [None] * schedule.batches
         for a in schedule.for_stage(s):
             if a.kind != FORWARD:
                 continue
@@ -112,14 +119,15 @@ class Executor:
             except CommError:
                 raise
             except Exception as e:
-                raise self._fail("forward", i, e) from e
+                raise self._fail("forward", i, e, schedule) from e
             if last:
-                loss = local(out).detach() / m
-                total = loss if total is None else total + loss
+                loss = local(out).detach().reshape(()) / m
+                b = schedule.batch_of(i)
+                totals[b] = loss if totals[b] is None else totals[b] + loss
             else:
                 send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
         comm.wait_sends()
-        return total
+        return torch.stack(totals) if last else None
 
     def _forward(self, inp: Any, target: Any, last: bool) -> Any:
         out = _call(self.module, inp)
@@ -130,12 +138,20 @@ class Executor:
         return self.loss_fn(out, target)
 
     def run(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
-            train: bool = True) -> Any:
+            train: bool = True, on_update: Callable[[int], None] | None = None,
+            bind: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Run this stage's actions; ``inputs`` (stage 0) and ``targets`` (last stage)
-        are per micro-batch. Returns the mean micro-batch loss (a detached tensor)
-        on the last stage, ``None`` elsewhere. Gradients accumulate in the
-        stage's parameters. ``train=False`` runs only the forwards, without
-        gradients (evaluation)."""
+        are per micro-batch of the table (``batches × microbatches`` of them).
+        Gradients accumulate in the stage's parameters.
+
+        Returns, on the last stage, the mean micro-batch loss of each batch (a
+        detached 1-D tensor), ``None`` elsewhere. ``bind(version)`` runs before each
+        action with the weight version the table tags it with (the caller puts
+        those weights in the module); ``on_update(batch)`` runs at the table's
+        update slot of each batch (:meth:`Schedule.update_slot`, the same slot on
+        every stage, so it may call collectives over the stages), or after the
+        last action. ``train=False`` runs only the forwards, without gradients
+        (evaluation)."""
         if not train:
             with torch.no_grad():
                 return self._evaluate(schedule, inputs, targets)
@@ -143,15 +159,23 @@ class Executor:
             raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
                                 f"{self.axis!r} has {self.stages} processors")
         comm = current().comm
-        s, m = self.stage, schedule.microbatches
+        s, m, nb = self.stage, schedule.microbatches, schedule.batches
         first, last = s == 0, s == self.stages - 1
         for name, seq in (("inputs", inputs if first else None), ("targets", targets if last else None)):
-            if seq is not None and len(seq) != m:
-                raise PipelineError(f"stage {s}: {len(seq)} micro-batch {name} for {m} micro-batches")
+            if seq is not None and len(seq) != m * nb:
+                raise PipelineError(f"stage {s}: {len(seq)} micro-batch {name} for {nb} batch(es) of {m} "
+                                    "micro-batches")
+        updates = [schedule.update_slot(b) for b in range(nb)]
+        done = 0  # batches whose update ran
         stash: dict[int, tuple] = {}
-        total = None
+        totals: list[torch.Tensor | None] = [None] * nb
         self.trace = []
         for a in schedule.for_stage(s):
+            while on_update is not None and done < nb and updates[done] <= a.slot:
+                on_update(done)
+                done += 1
+            if bind is not None:
+                bind(a.version)
             i = a.microbatch
             if a.kind == FORWARD:
                 inp = inputs[i] if first else recv_value(comm, self.axis, s - 1, FORWARD_TAG)
@@ -165,7 +189,7 @@ class Executor:
                 except CommError:
                     raise
                 except Exception as e:
-                    raise self._fail("forward", i, e) from e
+                    raise self._fail("forward", i, e, schedule) from e
                 t1 = time.perf_counter()
                 if not last:
                     send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
@@ -185,7 +209,8 @@ class Executor:
                     if last:
                         loss = local(out) / m
                         loss.backward()
-                        total = loss.detach() if total is None else total + loss.detach()
+                        b = schedule.batch_of(i)
+                        totals[b] = loss.detach() if totals[b] is None else totals[b] + loss.detach()
                     else:
                         pairs = [(local(o), g) for o, g in zip(leaves(out), leaves(grads))
                                  if g is not None and local(o) is not None and local(o).requires_grad]
@@ -194,12 +219,17 @@ class Executor:
                 except CommError:
                     raise
                 except Exception as e:
-                    raise self._fail("backward", i, e) from e
+                    raise self._fail("backward", i, e, schedule) from e
                 t1 = time.perf_counter()
                 if not first:
                     in_grads = tuple(None if local(x) is None else local(x).grad for x in leaves(inp))
                     send_value(comm, in_grads if isinstance(inp, tuple) else in_grads[0], self.axis, s - 1,
                                BACKWARD_TAG)
-            self.trace.append((a.kind, i, t0, t1))
+            self.trace.append((a.kind, i, t0, t1, a.version))
         comm.wait_sends()
-        return total
+        while on_update is not None and done < nb:
+            on_update(done)
+            done += 1
+        if not last:
+            return None
+        return torch.stack([t.reshape(()) for t in totals])

@@ -17,10 +17,18 @@ batch (the loss being a mean over each micro-batch, all of equal size).
 two weight versions; the gradient of batch ``t``, coalesced over its ``m``
 micro-batches, is computed with the weights of one step before and applied
 to the current ones: ``W(t+1) = W(t) - ν·∇f(W(t-1))`` for SGD (the optimizer
-turns the delayed gradient into its update), with ``W(-1) = W(0)``. Batches are
-flushed between steps here, so 2BW runs the 1F1B table and keeps its memory
-bound (two weight versions, at most ``p - s`` stashed micro-batches on stage
-``s``).
+turns the delayed gradient into its update), with ``W(-1) = W(0)``.
+
+:meth:`Pipeline.train` runs a list of batches as one table: under 2BW without
+flushes (batch ``t+1`` enters while batch ``t`` drains: the paper's steady
+state), under GPipe/1F1B flushed between batches. :meth:`Pipeline.step` is
+``train`` of one batch. State between calls: the module holds the newest
+weights ``W(t)`` (``t`` = batches trained so far); under 2BW the pipeline also
+keeps ``W(t-1)``, which the next batch computes with, so the values after
+``train(a); train(b)``, ``train(a + b)`` and one ``step`` per batch are the
+same; only the drains between calls differ. Changing the module's weights
+from outside (loading a checkpoint) must be followed by
+:meth:`Pipeline.set_weight_versions`.
 
 Example:
     >>> import copy, torch, meshtorch as mt
@@ -168,21 +176,35 @@ class Pipeline:
         self.data_axes = others if data_axes == "auto" else (data_axes,) if isinstance(data_axes, str) \
             else tuple(data_axes)
         self._auto = data_axes == "auto"
+        mod = self.module
+        # the module's own parameters, fixed here: under 2BW the module runs on aliases while a table runs
+        self.parameters_unbound: list[torch.nn.Parameter] = \
+            list(mod.parameters()) if isinstance(mod, torch.nn.Module) else []
+        self._tables: dict[int, Schedule] = {}
         params = self.parameters()
         self.optimizer = optimizer(params) if optimizer is not None and params else None
-        self._stale: list[torch.Tensor] | None = None  # 2BW: the weights of one step before
+        self.batches_trained = 0  # t: the module holds W(t)
+        # 2BW's double buffer: per parameter, one alias Parameter per weight version parity; the
+        # module runs each action on the alias of its version, so in-flight autograd graphs never
+        # see the in-place optimizer step (done through the module's own parameters)
+        self._aliases: list[list[torch.nn.Parameter]] | None = None
+        self._slots: list[tuple[torch.nn.Module, str, int]] = []
+        self._bound = -1  # parity bound in the module; -1: the module's own parameters
         # called on every processor after the backward, before replicas average: e.g. to sum the
         # gradient of a parameter two stages share (tied embeddings)
         self.after_backward: Callable[[], None] | None = None
+        # called on every processor with the batch index t right before the optimizer step of
+        # batch t: e.g. to set the learning rate of a schedule
+        self.before_step: Callable[[int], None] | None = None
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        """This processor's stage's parameters."""
-        mod = self.module
-        return list(mod.parameters()) if isinstance(mod, torch.nn.Module) else []
+        """This processor's stage's parameters (they hold the newest weights)."""
+        return self.parameters_unbound
 
     @property
-    def trace(self) -> list[tuple[str, int, float, float]]:
-        """``(kind, micro-batch, start, end)`` of each action of the last step, as executed."""
+    def trace(self) -> list[tuple[str, int, float, float, int]]:
+        """``(kind, micro-batch, start, end, weight version)`` of each action of the last
+        :meth:`train`/:meth:`step`, as executed (versions relative to its first batch)."""
         return self.executor.trace
 
     def _average_over_replicas(self) -> None:
@@ -205,61 +227,167 @@ class Pipeline:
         return (split_microbatches(inputs, m, self.batch_dim) if first else None,
                 split_microbatches(targets, m, self.batch_dim) if last else None)
 
-    def _batch_loss(self, total: torch.Tensor | None) -> float:
+    def _batch_losses(self, totals: torch.Tensor | None, batches: int = 1) -> list[float]:
+        """Each batch's loss (the last stage's ``totals``) on every processor."""
         comm = current().comm
-        loss = torch.zeros(1, dtype=torch.float64) if total is None else total.to(torch.float64).reshape(1)
+        n = batches if totals is None else totals.numel()
+        loss = torch.zeros(n, dtype=torch.float64) if totals is None else totals.to(torch.float64).reshape(n)
         loss = comm.broadcast(loss, self.axis, src=self.num_stages - 1)
         # replicas of plain stages saw different data; a MeshTensor loss is the same on all (a no-op)
         axes = tuple(a for a in self.data_axes if current().mesh.axis_size(a) > 1)
         if axes:
             loss = comm.all_reduce(loss, axes) / len(comm.group(axes))
-        return float(loss.item())
+        return loss.tolist()
 
     def loss(self, inputs: Any = None, targets: Any = None) -> float:
         """The batch loss without gradients (the forwards of the table only): for evaluation."""
-        return self._batch_loss(self.executor.run(self.schedule, *self._split(inputs, targets), train=False))
+        self._unbind()
+        return self._batch_losses(self.executor.run(self.schedule, *self._split(inputs, targets),
+                                                    train=False))[0]
 
     def forward_backward(self, inputs: Any = None, targets: Any = None) -> float:
         """Run one batch through the schedule and accumulate this stage's gradients
         (no optimizer step, no weight versions). ``inputs`` matter on stage 0 and
         ``targets`` on the last stage. Returns the batch loss on every processor
         (the mean of the micro-batch losses, averaged over data-parallel replicas)."""
-        total = self.executor.run(self.schedule, *self._split(inputs, targets))
+        self._unbind()
+
+        def reduce(_: int) -> None:
+            if self.after_backward is not None:
+                self.after_backward()
+            self._average_over_replicas()
+
+        return self._batch_losses(self.executor.run(self.schedule, *self._split(inputs, targets),
+                                                    on_update=reduce))[0]
+
+    def step(self, inputs: Any = None, targets: Any = None) -> float:
+        """One training step: :meth:`train` on one batch. Returns the batch loss."""
+        return self.train([(inputs, targets)])[0]
+
+    def train(self, batches: Sequence[tuple[Any, Any]]) -> list[float]:
+        """Train on ``batches`` (``(inputs, targets)`` pairs; inputs matter on stage 0,
+        targets on the last stage) as one table of ``len(batches)`` batches.
+
+        Each batch's update (at the table's update slot, the same on every stage)
+        runs :attr:`after_backward`, averages gradients over data-parallel
+        replicas, calls :attr:`before_step` with the batch index and steps the
+        optimizer, then zeroes the gradients. Under ``"2bw"`` the table has no
+        flush between the batches and each batch computes with the weights of
+        one update before (module docstring). Returns every batch's loss on
+        every processor (one broadcast at the end, so the stages never wait for
+        each other in between).
+        """
+        batches = list(batches)
+        if not batches:
+            return []
+        if self.optimizer is None and self.parameters():
+            raise PipelineError("Pipeline.train/step needs optimizer=<params -> torch.optim.Optimizer>; or "
+                                "call forward_backward() and step your own optimizer")
+        self._unbind()
+        for p in self.parameters():
+            p.grad = None
+        table = self._table(len(batches))
+        cols = [self._split(x, y) for x, y in batches]
+        inputs = [v for c in cols for v in c[0]] if self.stage == 0 else None
+        targets = [v for c in cols for v in c[1]] if self.stage == self.num_stages - 1 else None
+        two_bw = self.schedule.name == "2bw"
+        if two_bw:
+            self._make_aliases()
+        t0 = self.batches_trained
+        try:
+            losses = self.executor.run(table, inputs, targets, on_update=lambda b: self._update(t0 + b),
+                                       bind=(lambda v: self._bind((t0 + v) % 2)) if two_bw else None)
+        finally:
+            self._unbind()
+        return self._batch_losses(losses, len(batches))
+
+    def set_weight_versions(self, previous: Sequence[torch.Tensor] | None = None) -> None:
+        """Tell a 2BW pipeline that its weights changed from outside (a loaded
+        checkpoint): the module's parameters are ``W(t)``, and ``previous`` (one
+        tensor per parameter; default: the same values) is ``W(t-1)``, which the
+        next batch computes with. A no-op for the other schedules."""
+        if self.schedule.name != "2bw":
+            return
+        self._aliases = None
+        self._make_aliases()
+        if previous is not None:
+            with torch.no_grad():
+                for alias, w in zip(self._aliases[(self.batches_trained - 1) % 2], previous, strict=True):
+                    alias.copy_(w)
+
+    def weight_versions(self) -> list[list[torch.Tensor]]:
+        """``[W(t), W(t-1)]`` under 2BW, this stage's two weight versions (detached,
+        sharing storage with the pipeline's); ``[W(t)]`` otherwise."""
+        params = [p.detach() for p in self.parameters()]
+        if self.schedule.name != "2bw":
+            return [params]
+        self._make_aliases()
+        return [params, [a.detach() for a in self._aliases[(self.batches_trained - 1) % 2]]]
+
+    # ---------------------------------------------------------------- internals
+    def _table(self, batches: int) -> Schedule:
+        if batches == 1:
+            return self.schedule
+        if batches not in self._tables:
+            self._tables[batches] = build_schedule(self.schedule.name, self.num_stages, self.microbatches,
+                                                   batches)
+        return self._tables[batches]
+
+    def _make_aliases(self) -> None:
+        if self._aliases is not None:
+            return
+        params = self.parameters()
+        self._slots = [(mod, name, i) for i, p in enumerate(params)
+                       for mod in self.module.modules() for name, q in mod._parameters.items() if q is p]
+
+        def alias(p: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
+            a = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            a.__dict__.update(p.__dict__)  # the named shape and layout of mt.nn parameters
+            return a
+
+        # W(t) shares the module parameters' storage (version t has parity t % 2); W(t-1) starts as
+        # a copy of it (W(-1) = W(0) at t = 0)
+        cur = [alias(p, p.data) for p in params]
+        prev = [alias(p, p.data.clone()) for p in params]
+        self._aliases = [cur, prev] if self.batches_trained % 2 == 0 else [prev, cur]
+
+    def _bind(self, parity: int) -> None:
+        """Put the weight version of ``parity`` (-1: the module's own parameters) in the module."""
+        if parity == self._bound:
+            return
+        params = self.parameters_unbound if parity < 0 else self._aliases[parity]
+        for mod, name, i in self._slots:
+            mod._parameters[name] = params[i]
+        self._bound = parity
+
+    def _unbind(self) -> None:
+        if self._bound >= 0:
+            self._bind(-1)
+
+    def _update(self, t: int) -> None:
+        """Batch ``t``'s update, on every stage at the same slot of the table."""
+        self._unbind()
+        params = self.parameters()
+        two_bw = self.schedule.name == "2bw"
+        if two_bw:  # batch t computed with W(t-1): its gradient sits on that version's aliases
+            used, newest = self._aliases[(t - 1) % 2], self._aliases[t % 2]
+            for p, a in zip(params, used):
+                p.grad, a.grad = a.grad, None
         if self.after_backward is not None:
             self.after_backward()
         self._average_over_replicas()
-        return self._batch_loss(total)
-
-    def step(self, inputs: Any = None, targets: Any = None) -> float:
-        """One training step: zero gradients, :meth:`forward_backward`, optimizer
-        step (under ``"2bw"``: gradients at the previous weights, applied to the
-        current ones). Returns the batch loss."""
-        if self.optimizer is None and self.parameters():
-            raise PipelineError("Pipeline.step needs optimizer=<params -> torch.optim.Optimizer>; or call "
-                                "forward_backward() and step your own optimizer")
-        params = self.parameters()
+        if two_bw:
+            # W(t+1) = W(t) - update(∇f(W(t-1))) goes into W(t-1)'s buffer, free now: batch t has
+            # drained and batch t+1 computes with W(t). In place through the module's parameters,
+            # whose autograd version counters no in-flight graph holds (those hold the aliases').
+            with torch.no_grad():
+                for p, a, w in zip(params, used, newest):
+                    p.data = a.data
+                    p.copy_(w)
+        if self.before_step is not None:
+            self.before_step(t)
+        if self.optimizer is not None:
+            self.optimizer.step()
         for p in params:
             p.grad = None
-        if self.schedule.name != "2bw":
-            loss = self.forward_backward(inputs, targets)
-            if self.optimizer is not None:
-                self.optimizer.step()
-            return loss
-        if self._stale is None:
-            self._stale = [p.detach().clone() for p in params]  # W(-1) = W(0)
-        with torch.no_grad():
-            current_w = [p.data for p in params]
-            for p, w in zip(params, self._stale):
-                p.data = w  # compute the gradient at W(t-1)
-        try:
-            loss = self.forward_backward(inputs, targets)
-        finally:
-            with torch.no_grad():
-                for p, w in zip(params, current_w):
-                    p.data = w
-        with torch.no_grad():
-            for old, w in zip(self._stale, current_w):
-                old.copy_(w)  # W(t) becomes the version the next batch computes with
-        if self.optimizer is not None:
-            self.optimizer.step()  # W(t+1) from W(t) and ∇f(W(t-1))
-        return loss
+        self.batches_trained = t + 1

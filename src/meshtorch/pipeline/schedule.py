@@ -13,20 +13,38 @@ Dependencies (what any valid table respects):
 - ``B(s, i)`` after ``B(s+1, i)``: a stage needs its output gradient;
 - ``B(s, i)`` after ``F(s, i)``: backward needs the forward's stash.
 
-Schedules (``m`` micro-batches of one batch, flushed at the end of the batch):
+A table may cover several batches (``batches=T``): micro-batches are then
+numbered ``0 .. T·m-1`` over the whole run (batch ``i // m``), and every
+action carries the **weight version** it computes with. After the last
+backward of batch ``b`` (on stage 0, the last stage to finish it) comes the
+**update** of batch ``b``: :meth:`Schedule.update_slot` is the same slot on
+every stage, so updates that need collectives over the stages (a tied
+embedding's gradient, global-norm clipping) do not stall a stage in unit time.
+
+Schedules:
 
 - ``"gpipe"``: every stage runs all forwards, then all backwards (micro-batch
-  order); each stage stashes all ``m`` micro-batches' activations.
+  order); each stage stashes all ``m`` micro-batches' activations. Batches
+  are flushed: batch ``b+1`` starts after batch ``b`` drained and updated.
 - ``"1f1b"`` (PipeDream-Flush): stage ``s`` runs ``min(p-1-s, m)`` warm-up
   forwards, then alternates one forward and one backward, then drains the
   backwards; at most ``p-s`` micro-batches are in flight on stage ``s``.
-- ``"2bw"`` (PipeDream-2BW): the 1F1B order; what differs is the weight
-  semantics (two weight versions, updates delayed by one batch), which the
-  executor implements; the table is the same.
+  Flushed between batches like GPipe. Batch ``b`` uses version ``b``.
+- ``"2bw"`` (PipeDream-2BW, Narayanan et al., ICML 2021): 1F1B over all
+  ``T·m`` micro-batches, **without flushes**: batch ``b+1`` enters while batch
+  ``b``'s backwards drain. Batch ``b`` computes with weight version
+  ``b-1`` (``W(-1) = W(0)``) in its forwards and backwards, and the update of
+  batch ``b`` makes ``W(b+1) = W(b) − ν·∇f(W(b−1))``, first used by batch
+  ``b+2``. Two versions live at a time (double buffering), which needs the
+  update of batch ``b`` before the first forward of batch ``b+2``: true for
+  ``m >= p-1`` (the paper takes ``m >= p``). With ``T = 1`` the table is
+  1F1B's.
 
 Slots come from unit-time list scheduling of each stage's order under the
-dependencies, so for uniform stages the bubble fraction is ``(p-1)/(m+p-1)``
-for all three.
+dependencies, so for uniform stages the bubble fraction of one batch is
+``(p-1)/(m+p-1)`` for all three; over ``T`` batches it stays so for the
+flushed schedules and falls to ``(p-1)/(T·m+p-1)`` for 2BW (no bubble in
+its steady state).
 
 Example:
     >>> from meshtorch.pipeline.schedule import build
@@ -35,6 +53,11 @@ Example:
     [(1, 'F', 0), (2, 'B', 0), (3, 'F', 1), (4, 'B', 1), (5, 'F', 2), (6, 'B', 2)]
     >>> t.slots, t.bubble_fraction()
     (8, 0.25)
+    >>> w = build("2bw", stages=2, microbatches=2, batches=3)
+    >>> [(a.kind, a.microbatch, a.version) for a in w.for_stage(0)][:6]
+    [('F', 0, -1), ('F', 1, -1), ('B', 0, -1), ('F', 2, 0), ('B', 1, -1), ('F', 3, 0)]
+    >>> w.slots, round(w.bubble_fraction(), 4), build("1f1b", 2, 2, batches=3).slots
+    (14, 0.1429, 18)
 """
 
 from __future__ import annotations
@@ -51,12 +74,14 @@ FORWARD, BACKWARD = "F", "B"
 @dataclass(frozen=True, order=True)
 class Action:
     """One unit of work: stage ``stage`` runs the forward (``"F"``) or backward
-    (``"B"``) of micro-batch ``microbatch`` in time slot ``slot``."""
+    (``"B"``) of micro-batch ``microbatch`` in time slot ``slot``, computing with
+    weight version ``version`` (``W(version)``; relative to the table's first batch)."""
 
     slot: int
     stage: int
     microbatch: int
     kind: str
+    version: int = 0
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}@s{self.stage}t{self.slot}"
@@ -64,19 +89,36 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The action table of one batch: ``actions`` sorted by (slot, stage).
+    """The action table of ``batches`` batches: ``actions`` sorted by (slot, stage).
 
     Attributes:
         name: ``"gpipe"``, ``"1f1b"``, ``"2bw"`` or a user's name.
         stages: number of pipeline stages ``p``.
         microbatches: micro-batches per batch ``m``.
         actions: the table.
+        batches: batches ``T`` in the table (micro-batch ``i`` is in batch ``i // m``).
     """
 
     name: str
     stages: int
     microbatches: int
     actions: tuple[Action, ...]
+    batches: int = 1
+
+    @property
+    def weight_versions(self) -> int:
+        """Weight versions a stage holds at once: 2 under 2BW (double buffering), else 1."""
+        return 2 if self.name == "2bw" else 1
+
+    def batch_of(self, microbatch: int) -> int:
+        """The batch micro-batch ``microbatch`` belongs to."""
+        return microbatch // self.microbatches
+
+    def update_slot(self, batch: int) -> int:
+        """The slot before which every stage applies the update of ``batch``: one
+        after the last backward of that batch on any stage (stage 0's)."""
+        return 1 + max(a.slot for a in self.actions
+                       if a.kind == BACKWARD and self.batch_of(a.microbatch) == batch)
 
     @property
     def slots(self) -> int:
@@ -107,13 +149,19 @@ class Schedule:
     def validate(self) -> None:
         """Raise :class:`PipelineError` unless every stage runs each micro-batch's
         forward and backward once, one action per slot, respecting the dependencies."""
-        p, m = self.stages, self.microbatches
+        p, m = self.stages, self.microbatches * self.batches
         seen: dict[tuple[int, str, int], int] = {}
         busy: set[tuple[int, int]] = set()
+        version: dict[tuple[int, int], int] = {}
         for a in self.actions:
             if a.kind not in (FORWARD, BACKWARD) or not 0 <= a.stage < p or not 0 <= a.microbatch < m:
                 raise PipelineError(f"schedule {self.name!r}: action {a} is outside {p} stages × {m} "
                                     "micro-batches or has a kind other than 'F'/'B'")
+            if version.setdefault((a.stage, a.microbatch), a.version) != a.version:
+                raise PipelineError(f"schedule {self.name!r}: {a} uses weight version {a.version} but the "
+                                    f"other pass of micro-batch {a.microbatch} on stage {a.stage} uses "
+                                    f"{version[(a.stage, a.microbatch)]}; a backward needs its forward's "
+                                    "weights")
             if (a.stage, a.slot) in busy:
                 raise PipelineError(f"schedule {self.name!r}: stage {a.stage} has two actions in slot "
                                     f"{a.slot}")
@@ -134,37 +182,63 @@ class Schedule:
                 if seen[d] >= t:
                     raise PipelineError(f"schedule {self.name!r}: {k}{i} on stage {s} in slot {t} runs "
                                         f"before {d[1]}{d[2]} on stage {d[0]} (slot {seen[d]}) it needs")
+        # the update of batch b rewrites the buffer of batch b's version: no action of a batch that
+        # reuses that buffer (b + versions) may run before it
+        n = self.weight_versions
+        for b in range(self.batches - n):
+            u = self.update_slot(b)
+            early = [a for a in self.actions if self.batch_of(a.microbatch) >= b + n and a.slot < u]
+            if early:
+                raise PipelineError(f"schedule {self.name!r}: {early[0]} of batch "
+                                    f"{self.batch_of(early[0].microbatch)} runs before the update of batch "
+                                    f"{b} "
+                                    f"(slot {u}) that makes its weights; with {n} weight version(s) and "
+                                    f"{self.microbatches} micro-batches per batch this needs microbatches >= "
+                                    f"stages - 1 = {self.stages - 1}")
 
 
-def stage_orders(name: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """Each stage's ``(kind, microbatch)`` sequence for a named schedule."""
+def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1) -> list[list[tuple[str, int]]]:
+    """Each stage's ``(kind, microbatch)`` sequence for a named schedule over ``batches`` batches."""
     p, m = stages, microbatches
     if name not in SCHEDULES:
         raise PipelineError(f"schedule {name!r} is not one of {SCHEDULES}")
-    if p < 1 or m < 1:
-        raise PipelineError(f"a pipeline needs >= 1 stage and >= 1 micro-batch, got {p} and {m}")
+    if p < 1 or m < 1 or batches < 1:
+        raise PipelineError(f"a pipeline needs >= 1 stage, micro-batch and batch, got {p}, {m} and {batches}")
+
+    def one_f_one_b(s: int, first: int, n: int) -> list[tuple[str, int]]:
+        warm = min(p - 1 - s, n)
+        order = [(FORWARD, first + i) for i in range(warm)]
+        for i in range(n - warm):
+            order += [(FORWARD, first + warm + i), (BACKWARD, first + i)]
+        return order + [(BACKWARD, first + i) for i in range(n - warm, n)]
+
     orders = []
     for s in range(p):
-        if name == "gpipe":
-            order = [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
-        else:
-            warm = min(p - 1 - s, m)
-            order = [(FORWARD, i) for i in range(warm)]
-            for i in range(m - warm):
-                order += [(FORWARD, warm + i), (BACKWARD, i)]
-            order += [(BACKWARD, i) for i in range(m - warm, m)]
+        if name == "2bw":  # no flush: one 1F1B sequence over every micro-batch of the run
+            orders.append(one_f_one_b(s, 0, batches * m))
+            continue
+        order = []
+        for b in range(batches):  # flushed: batch after batch
+            if name == "gpipe":
+                order += [(FORWARD, b * m + i) for i in range(m)] + [(BACKWARD, b * m + i) for i in range(m)]
+            else:
+                order += one_f_one_b(s, b * m, m)
         orders.append(order)
     return orders
 
 
-def from_orders(name: str, orders: Sequence[Sequence[tuple[str, int]]], microbatches: int) -> Schedule:
+def from_orders(name: str, orders: Sequence[Sequence[tuple[str, int]]], microbatches: int,
+                batches: int = 1) -> Schedule:
     """The table of per-stage orders: each action in the first unit slot after its
     stage's previous action and its dependencies (unit-time list scheduling).
+    Batch ``b`` computes with weight version ``b - 1`` under ``"2bw"``, ``b`` otherwise.
 
     Raises:
-        PipelineError: the orders deadlock (an action waits on one that cannot run first).
+        PipelineError: the orders deadlock (an action waits on one that cannot run first),
+            or the table is invalid (:meth:`Schedule.validate`).
     """
     p = len(orders)
+    delay = 1 if name == "2bw" else 0
     done: dict[tuple[int, str, int], int] = {}
     pos = [0] * p
     free = [0] * p
@@ -183,22 +257,22 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple[str, int]]], microbat
             slot = max([free[s]] + [done[d] + 1 for d in deps])
             done[(s, k, i)] = slot
             free[s] = slot + 1
-            actions.append(Action(slot, s, i, k))
+            actions.append(Action(slot, s, i, k, i // microbatches - delay))
             pos[s] += 1
             progressed = True
         if not progressed:
             stuck = {s: orders[s][pos[s]] for s in range(p) if pos[s] < len(orders[s])}
             raise PipelineError(f"schedule {name!r} deadlocks: stages wait on {stuck} (stage: next action)")
-    table = Schedule(name, p, microbatches, tuple(sorted(actions, key=lambda a: (a.slot, a.stage))))
+    table = Schedule(name, p, microbatches, tuple(sorted(actions, key=lambda a: (a.slot, a.stage))), batches)
     table.validate()
     return table
 
 
-def build(name: str, stages: int, microbatches: int) -> Schedule:
-    """The table of schedule ``name`` (``"gpipe"``, ``"1f1b"`` or ``"2bw"``).
+def build(name: str, stages: int, microbatches: int, batches: int = 1) -> Schedule:
+    """The table of schedule ``name`` (``"gpipe"``, ``"1f1b"`` or ``"2bw"``) over ``batches`` batches.
 
     Example:
         >>> build("gpipe", 2, 2).order(0)
         [('F', 0), ('F', 1), ('B', 0), ('B', 1)]
     """
-    return from_orders(name, stage_orders(name, stages, microbatches), microbatches)
+    return from_orders(name, stage_orders(name, stages, microbatches, batches), microbatches, batches)

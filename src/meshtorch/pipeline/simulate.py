@@ -6,18 +6,29 @@ previous action of its order and its inputs have arrived (the dependency's
 end plus ``comm`` seconds for a hop between stages). The per-stage order is
 the table's, so the executor and the simulator run the same schedule.
 
+A table of ``T`` batches (``build_schedule(name, p, m, batches=T)``) is
+replayed whole: ``total_time`` covers the run and ``step_time`` is the time
+per batch, so flushed schedules (GPipe, 1F1B) and 2BW, which never flushes,
+compare directly: for uniform stages the bubble is ``(p-1)/(m+p-1)`` for the
+flushed ones and ``(p-1)/(T·m+p-1)`` for 2BW.
+
 :func:`memory` is PipeDream-2BW's memory model (Narayanan et al., ICML 2021,
 §3): a stage holds its weights (two versions under 2BW, one otherwise),
 optimizer state, and the stashed activations of every micro-batch in flight
 on it (``Schedule.max_in_flight``: ``m`` under GPipe, ``p - s`` under 1F1B and
-2BW). With activation recomputation only each in-flight micro-batch's *input*
-is stashed, plus one micro-batch's full activations while it is recomputed.
+2BW, with or without flushes). With activation recomputation only each
+in-flight micro-batch's *input* is stashed, plus one micro-batch's full
+activations while it is recomputed. :func:`simulate` reports the two counts
+the model needs (``weight_versions``, ``in_flight``).
 
 Example:
     >>> from meshtorch.pipeline import build_schedule, simulate
     >>> r = simulate(build_schedule("gpipe", 4, 4), forward=1.0, backward=2.0)
     >>> r.step_time, round(r.bubble_fraction, 4), round(3 / (4 + 3), 4)
     (21.0, 0.4286, 0.4286)
+    >>> w = simulate(build_schedule("2bw", 4, 4, batches=5), forward=1.0, backward=2.0)
+    >>> w.total_time, w.step_time, round(w.bubble_fraction, 4), round(3 / (5 * 4 + 3), 4), w.in_flight
+    (69.0, 13.8, 0.1304, 0.1304, [4, 3, 2, 1])
 """
 
 from __future__ import annotations
@@ -31,13 +42,17 @@ from meshtorch.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule
 
 @dataclass
 class Simulation:
-    """What :func:`simulate` predicts for one batch.
+    """What :func:`simulate` predicts for a table.
 
     Attributes:
-        step_time: seconds from the first action's start to the last's end.
-        bubble_fraction: idle share of ``stages × step_time``.
-        busy: seconds of work per stage.
+        step_time: seconds per batch (``total_time / batches``).
+        bubble_fraction: idle share of ``stages × total_time``.
+        busy: seconds of work per stage (all batches).
         start, end: each action's predicted start and end (seconds).
+        total_time: seconds from the first action's start to the last's end.
+        batches: batches in the table.
+        weight_versions: weight versions each stage holds (2 under 2BW).
+        in_flight: most stashed micro-batches per stage (the activation term of :func:`memory`).
     """
 
     step_time: float
@@ -45,6 +60,10 @@ class Simulation:
     busy: list[float]
     start: dict[Action, float] = field(repr=False)
     end: dict[Action, float] = field(repr=False)
+    total_time: float = 0.0
+    batches: int = 1
+    weight_versions: int = 1
+    in_flight: list[int] = field(default_factory=list)
 
 
 def _per_stage(x: float | Sequence[float], p: int, what: str) -> list[float]:
@@ -87,9 +106,11 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
         by_key[(s, a.kind, i)] = end[a]
         free[s] = end[a]
     t = max(end.values()) - min(start.values())
-    busy = [schedule.microbatches * (f[s] + b[s]) for s in range(p)]
+    n = schedule.microbatches * schedule.batches
+    busy = [n * (f[s] + b[s]) for s in range(p)]
     bubble = 1.0 - sum(busy) / (p * t) if t > 0 else 0.0
-    return Simulation(t, bubble, busy, start, end)
+    return Simulation(t / schedule.batches, bubble, busy, start, end, t, schedule.batches,
+                      schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)])
 
 
 def memory(schedule: Schedule, weights: float | Sequence[float], activations: float | Sequence[float],
@@ -119,7 +140,7 @@ def memory(schedule: Schedule, weights: float | Sequence[float], activations: fl
     p = schedule.stages
     w, a = _per_stage(weights, p, "weights"), _per_stage(activations, p, "activations")
     x, o = _per_stage(inputs, p, "inputs"), _per_stage(optimizer, p, "optimizer")
-    versions = 2 if schedule.name == "2bw" else 1
+    versions = schedule.weight_versions
     out = []
     for s in range(p):
         k = schedule.max_in_flight(s)
