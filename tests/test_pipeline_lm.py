@@ -151,7 +151,10 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
     assert losses(piped) == pytest.approx(losses(plain), abs=2e-4)
     held = [json.load(open(os.path.join(d, "summary.json")))["heldout_loss"] for d in (plain, piped)]
     assert held[1] == pytest.approx(held[0], rel=1e-4)
-    with pytest.raises(Exception, match="pipeline schedule"):
-        from meshtorch.train import TrainConfig, check_config
+    # one meaning per flag: --schedule is the pipeline's, --lr-schedule the learning rate's
+    from meshtorch.train import TrainConfig, check_config
 
-        check_config(TrainConfig(schedule="1f1b"))
+    with pytest.raises(Exception, match="not a pipeline schedule.*is --lr-schedule cosine"):
+        check_config(TrainConfig(schedule="cosine"))
+    with pytest.raises(Exception, match="--lr-schedule 'gpipe' is not 'cosine' or 'constant'"):
+        check_config(TrainConfig(lr_schedule="gpipe"))

@@ -12,7 +12,7 @@ from meshtorch.train import TrainConfig, train
 
 TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
         "--batch", "4", "--length", "16", "--eval-batches", "1", "--sample-tokens", "8",
-        "--log-every", "2", "--warmup", "0", "--schedule", "constant", "--no-progress"]
+        "--log-every", "2", "--warmup", "0", "--lr-schedule", "constant", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,12 @@ def test_config_file_is_overridden_by_flags(tmp_path):
     build(p.add_subparsers(dest="command"))
     cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file), "--lr", "0.1"]))
     assert (cfg.steps, cfg.lr, cfg.rules) == (7, 0.1, "batch:b; vocab:b")
+    # the learning-rate schedule is lr_schedule / --lr-schedule; schedule is the pipeline's
+    cfg_file.write_text('lr_schedule = "constant"\nschedule = "2bw"\n')
+    cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
+    assert (cfg.lr_schedule, cfg.schedule) == ("constant", "2bw")
+    cfg = config_from_args(p.parse_args(["train", "--lr-schedule", "cosine", "--schedule", "gpipe"]))
+    assert (cfg.lr_schedule, cfg.schedule) == ("cosine", "gpipe")
     cfg_file.write_text("stepz = 1\n")
     with pytest.raises(Exception, match="stepz"):
         config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))

@@ -90,7 +90,7 @@ class TrainConfig(ModelOptions):
     precision: str = "fp32"
     lr: float = 3e-3
     warmup: int = 50
-    schedule: str = "cosine"
+    lr_schedule: str = "cosine"
     weight_decay: float = 0.01
     optimizer: str = "adamw"
     clip: float = 1.0
@@ -108,6 +108,7 @@ class TrainConfig(ModelOptions):
     # pipeline parallelism (meshtorch.pipeline): stages along a 'stage' mesh axis
     pipeline_stages: int = 1
     microbatches: int = 4
+    schedule: str = "1f1b"
 
     def model_config(self, vocab: int) -> TransformerConfig:
         """The :class:`TransformerConfig` of this run's model over ``vocab`` token ids."""
@@ -123,10 +124,13 @@ def check_config(cfg: TrainConfig, vocab: int = ByteTokenizer().vocab_size, worl
         raise MeshTorchError(f"--model {cfg.model!r} is not one of {MODELS}")
     if cfg.optimizer not in OPTIMIZERS:
         raise MeshTorchError(f"--optimizer {cfg.optimizer!r} is not one of {OPTIMIZERS}")
-    piped = ("gpipe", "1f1b", "2bw") if cfg.pipeline_stages > 1 else ()
-    if cfg.schedule not in ("cosine", "constant") + piped:
-        raise MeshTorchError(f"--schedule {cfg.schedule!r} is not 'cosine' or 'constant' (or, with "
-                             "--pipeline-stages > 1, a pipeline schedule: 'gpipe', '1f1b', '2bw')")
+    if cfg.lr_schedule not in ("cosine", "constant"):
+        raise MeshTorchError(f"--lr-schedule {cfg.lr_schedule!r} is not 'cosine' or 'constant'")
+    if cfg.schedule not in ("gpipe", "1f1b", "2bw"):
+        hint = (f"; the learning-rate schedule is --lr-schedule {cfg.schedule}"
+                if cfg.schedule in ("cosine", "constant") else "")
+        raise MeshTorchError(f"--schedule {cfg.schedule!r} is not a pipeline schedule ('gpipe', '1f1b', "
+                             f"'2bw'; used with --pipeline-stages > 1){hint}")
     if cfg.precision not in PRECISIONS:
         raise MeshTorchError(f"--precision {cfg.precision!r} is not one of {PRECISIONS}")
     for name in ("steps", "batch", "length", "log_every"):
@@ -257,10 +261,10 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opti
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth (or constant with ``schedule="constant"``)."""
+    """Linear warm-up, then cosine decay to a tenth (or constant with ``lr_schedule="constant"``)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
-    if cfg.schedule == "constant":
+    if cfg.lr_schedule == "constant":
         return cfg.lr
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))

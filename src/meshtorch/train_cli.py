@@ -43,8 +43,9 @@ HELP = {
     "moe_every": "every n-th block is an MoE layer (--model moe)",
     "pipeline_stages": "pipeline stages along a 'stage' mesh axis (added in front of --mesh if absent)",
     "microbatches": "micro-batches per batch with --pipeline-stages > 1",
-    "schedule": "learning rate: cosine or constant; with --pipeline-stages > 1 also the pipeline "
-                "schedule gpipe, 1f1b or 2bw (the learning rate is then cosine)",
+    "lr_schedule": "learning rate after the warm-up: cosine or constant",
+    "schedule": "pipeline schedule with --pipeline-stages > 1: gpipe, 1f1b or 2bw (PipeDream-2BW, no flush "
+                "between batches)",
 }
 
 

@@ -4,10 +4,10 @@
 ``pipeline_stages > 1``. The mesh gets a ``stage:N`` axis in front unless it
 has one (so ``--mesh b:2 --pipeline-stages 2`` runs on ``stage:2,b:2``, four
 processors); the layout rules are the usual ones and never mention it.
-``--schedule gpipe|1f1b|2bw`` picks the pipeline schedule (the learning rate
-then follows the cosine schedule), ``--microbatches`` the micro-batches per
-batch. Gradient clipping uses the norm over all stages (the tied embedding
-table counted once). Processor 0 writes ``metrics.jsonl`` and ``summary.json``;
+``--schedule gpipe|1f1b|2bw`` picks the pipeline schedule (``--lr-schedule``
+the learning rate's), ``--microbatches`` the micro-batches per batch.
+Gradient clipping uses the norm over all stages (the tied embedding table
+counted once). Processor 0 writes ``metrics.jsonl`` and ``summary.json``;
 checkpoints and the generated sample of the unsplit run are not produced.
 
 Example:
@@ -28,7 +28,6 @@ import torch
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
 from meshtorch.mesh import Mesh
-from meshtorch.pipeline.schedule import SCHEDULES
 
 AXIS = "stage"
 
@@ -42,11 +41,6 @@ def pipeline_mesh(mesh: str, stages: int) -> str:
                                 f"--pipeline-stages is {stages}; make them equal or drop the axis")
         return mesh
     return f"{AXIS}:{stages}" + (f",{mesh}" if mesh else "")
-
-
-def pipeline_schedule(cfg) -> str:
-    """The pipeline schedule named by ``--schedule`` (``"1f1b"`` when it names a learning-rate schedule)."""
-    return cfg.schedule if cfg.schedule in SCHEDULES else "1f1b"
 
 
 def _clip(pipe, max_norm: float) -> None:
@@ -74,7 +68,7 @@ def program(cfg, corpus, out: str) -> dict[str, Any]:
     tok = ByteTokenizer()
     mcfg = cfg.model_config(tok.vocab_size)
     pipe = lm_pipeline(mcfg, seed=cfg.seed, axis=AXIS, microbatches=cfg.microbatches,
-                       schedule=pipeline_schedule(cfg))
+                       schedule=cfg.schedule)
     pipe.optimizer = make_optimizer(cfg, pipe.module)
     if cfg.clip:
         sync = pipe.after_backward
