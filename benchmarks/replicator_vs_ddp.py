@@ -69,29 +69,33 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
         def step(net, optimizer):
             dist.barrier()          # both processes start the timed step together
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = F.cross_entropy(net(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
 
         runs = {"ddp": (ddp, ddp_opt), "replicator": (model, opt)}
         for _ in range(args.warmup):
             for net, optimizer in runs.values():
                 step(net, optimizer)
         times: dict[str, list[list[float]]] = {"ddp": [], "replicator": []}
+        cpu: dict[str, list[list[float]]] = {"ddp": [], "replicator": []}
         for r in range(args.repeats):
             for name in times:
                 times[name].append([])
+                cpu[name].append([])
             for s in range(args.steps):
                 order = list(runs) if (r + s) % 2 == 0 else list(runs)[::-1]
                 for name in order:
-                    times[name][-1].append(step(*runs[name]))
+                    wall, busy = step(*runs[name])
+                    times[name][-1].append(wall)
+                    cpu[name][-1].append(busy)
         pairs = zip(ddp.module.parameters(), model.parameters())
         same = all(torch.allclose(a, b, atol=1e-4) for a, b in pairs)
     if rank == 0:
-        queue.put({"times": times, "same_params": same, "communicator": type(comm).__name__})
+        queue.put({"times": times, "cpu": cpu, "same_params": same, "communicator": type(comm).__name__})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -131,6 +135,9 @@ def main() -> None:
     res = queue.get()
     load_after = os.getloadavg()[0]
     summ = summarise(res["times"])
+    # CPU seconds of the process (all its threads, gloo's included) per step: the work each
+    # does, which other load on the machine inflates far less than wall time
+    cpu = summarise(res["cpu"])
     med, paired = summ["median_step_s"], summ["paired_ratio"]
     # the benchmark's 2 processes alone make a load of about 2 by the end; more than one
     # busy core's worth from others beforehand means the absolute times are shared-machine times
@@ -142,6 +149,7 @@ def main() -> None:
         "ddp_gradient_as_bucket_view": args.ddp_bucket_view,
         "repeats": args.repeats, "steps_per_repeat": args.steps, "warmup_steps": args.warmup,
         **summ, "target": TARGET, "meets_target": paired <= TARGET,
+        "cpu_per_step": {"median_s": cpu["median_step_s"], "paired_ratio": cpu["paired_ratio"]},
         "load_average_1min": {"before": load_before, "after": load_after}, "machine_busy": busy,
         "wall_s": time.time() - t0, "same_params_after_training": res["same_params"],
         "replicator_communicator": res["communicator"], "torch": torch.__version__,
@@ -159,6 +167,9 @@ def main() -> None:
           f"Paired ratio Replicator/DDP (median over steps of each Replicator step over the DDP step "
           f"next to it): **{paired:.3f}** (target <= {TARGET}; per repeat {reps}; ratio of medians "
           f"{summ['ratio_of_medians']:.3f}).\n\n"
+          f"CPU time per step (the process's threads, gloo's included): DDP "
+          f"{1e3 * cpu['median_step_s']['ddp']:.2f} ms, Replicator "
+          f"{1e3 * cpu['median_step_s']['replicator']:.2f} ms, paired ratio {cpu['paired_ratio']:.3f}.\n\n"
           f"{load}. Overlap {not args.no_overlap}; model {report['model']} ({report['params']:,} params), "
           f"batch {args.batch}/process, buckets {args.bucket_mb} MiB, DDP gradient_as_bucket_view "
           f"{args.ddp_bucket_view}, {args.repeats} repeats x "
@@ -168,7 +179,8 @@ def main() -> None:
           f"({report['wall_s']:.0f} s).\n")
     (args.out / "replicator_vs_ddp.md").write_text(md)
     print(f"DDP {1e3 * med['ddp']:.2f} ms/step, Replicator {1e3 * med['replicator']:.2f} ms/step, "
-          f"paired ratio {paired:.3f} (per repeat {reps}; target <= {TARGET}); {load}; "
+          f"paired ratio {paired:.3f} (per repeat {reps}; target <= {TARGET}); CPU time paired ratio "
+          f"{cpu['paired_ratio']:.3f}; {load}; "
           f"same params: {res['same_params']}")
 
 
