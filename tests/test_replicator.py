@@ -310,3 +310,31 @@ def test_backward_that_raises_midway_leaves_the_next_step_correct():
         assert calls == [4, 4]    # one per parameter's bucket, none sent twice
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_refresh_after_add_param_group_then_remove():
+    """refresh() re-buckets with the new group's parameters (each hooked once);
+    remove() turns the optimizer back into a local one."""
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            a = torch.nn.Parameter(torch.zeros(2))
+            opt = repl.wrap_optimizer(torch.optim.SGD([a], lr=1.0))
+        b = torch.nn.Parameter(torch.zeros(3))
+        opt.add_param_group({"params": [b]})
+        sync = repl._syncs[-1]
+        sync.refresh()
+        r = repl.replica_id
+        ((a * 1.0).sum() + (b * (r + 1)).sum()).backward()   # mean grads: a 1, b 1.5
+        opt.step()
+        after_sync = (a.tolist(), b.tolist())
+        sync.remove()
+        opt.zero_grad()
+        (b * (r + 1)).sum().backward()                       # local gradient only
+        opt.step()
+        return after_sync, b.tolist()
+
+    out = mt.replicator.launch(prog, num_replicas=2)
+    for r, (after_sync, b) in enumerate(out):
+        assert after_sync == ([-1.0, -1.0], [-1.5, -1.5, -1.5])
+        assert b == [-1.5 - (r + 1)] * 3

@@ -109,12 +109,12 @@ class GradientSync:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.overlap = overlap
         self._no_sync = no_sync_flag if no_sync_flag is not None else threading.local()
-        self._handles: list = []
+        self._grad_hooks: list = []
         self._build_buckets()
         self._reset_round()
         self.synced = False
-        self._handles.append(optimizer.register_step_pre_hook(self._before_step))
-        self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        self._step_hooks = [optimizer.register_step_pre_hook(self._before_step),
+                            optimizer.register_step_post_hook(self._after_step)]
 
     # ------------------------------------------------------------- buckets
     def _params(self) -> list[torch.nn.Parameter]:
@@ -139,9 +139,9 @@ class GradientSync:
         return comm.process_group(self.axes)
 
     def _build_buckets(self) -> None:
-        for h in self._handles[2:]:
+        for h in self._grad_hooks:
             h.remove()
-        del self._handles[2:]
+        self._grad_hooks.clear()
         groups: dict[tuple, list[list[torch.nn.Parameter]]] = {}
         filled: dict[tuple, int] = {}
         order: list[tuple[tuple, int]] = []
@@ -173,7 +173,7 @@ class GradientSync:
         if self.overlap and self.num_replicas > 1:
             for b in self.buckets:
                 for p in b.params:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def refresh(self) -> None:
         """Re-read the optimizer's parameters (after ``add_param_group``)."""
@@ -182,9 +182,10 @@ class GradientSync:
 
     def remove(self) -> None:
         """Detach every hook: the optimizer goes back to plain local steps."""
-        for h in self._handles:
+        for h in self._grad_hooks + self._step_hooks:
             h.remove()
-        self._handles.clear()
+        self._grad_hooks.clear()
+        self._step_hooks.clear()
 
     # -------------------------------------------------------------- rounds
     def _reset_round(self) -> None:
