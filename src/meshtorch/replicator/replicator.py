@@ -168,10 +168,11 @@ class Replicator:
         """Make ``optimizer.step()`` use gradients averaged over all replicas.
 
         Returns the same optimizer object (so LR schedulers and ``state_dict``
-        work unchanged). Gradients are flattened into buckets of ``bucket_mb``
-        MiB; with ``overlap`` each bucket is all-reduced in the background while
-        backward still runs. Unused parameters and :meth:`no_sync` accumulation
-        are handled; see :mod:`meshtorch.replicator.optimizer`.
+        work unchanged). Gradients live in flat buckets of ``bucket_mb`` MiB
+        (``p.grad`` becomes a view into one: clone a gradient to keep it past the
+        next backward); with ``overlap`` each bucket is all-reduced while backward
+        still runs. Unused parameters and :meth:`no_sync` accumulation are
+        handled; see :mod:`meshtorch.replicator.optimizer`.
 
         Example:
             >>> import torch, meshtorch as mt
