@@ -6,7 +6,10 @@ backward, ``repl.all_reduce``) is issued. Every member of a group must issue
 its collectives in the same order, so all of a replica's Replicator
 collectives go through one :class:`Channel`: a FIFO executed by at most one
 worker thread at a time. When nothing is pending, a call runs inline on the
-caller's thread (no thread hop on the common path).
+caller's thread (no thread hop on the common path). (On the torch backend
+without ``check``, gradient buckets skip the channel: they are asynchronous
+``torch.distributed`` all_reduces, which the process group keeps in issue
+order; see :mod:`meshtorch.replicator.optimizer`.)
 
 The collective methods of a :class:`Channel` issue at once (for jobs already
 running in order); :attr:`Channel.ordered` is the same set of collectives,
