@@ -142,15 +142,45 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
     # stages, the pipeline run's losses are the unsplit run's
     assert cli.main(["train", "--out", piped, "--pipeline-stages", "2", "--schedule", "gpipe",
                      "--microbatches", "2", *tiny]) == 0
-    assert "pipeline of 2 stages (gpipe, 2 micro-batches) on mesh 'stage:2,b:1'" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "pipeline of 2 stages (gpipe, 2 micro-batches) on mesh 'stage:2,b:1'" in printed
+    assert "wrote checkpoint/, metrics.jsonl, summary.json" in printed and "sample:" in printed
 
     def losses(out):
         with open(os.path.join(out, "metrics.jsonl")) as f:
             return [json.loads(line)["loss"] for line in f]
 
     assert losses(piped) == pytest.approx(losses(plain), abs=2e-4)
-    held = [json.load(open(os.path.join(d, "summary.json")))["heldout_loss"] for d in (plain, piped)]
-    assert held[1] == pytest.approx(held[0], rel=1e-4)
+    summary = [json.load(open(os.path.join(d, "summary.json"))) for d in (plain, piped)]
+    assert summary[1]["heldout_loss"] == pytest.approx(summary[0]["heldout_loss"], rel=1e-4)
+    assert "def " in summary[1]["sample"]  # the prompt and its continuation, as in the unsplit run
+    # the checkpoint is the unsplit run's format: the gathered stages' weights equal the unsplit run's
+    from meshtorch.checkpoint.format import read_index
+    from meshtorch.generate import generate_from_checkpoint
+
+    def weights(d):
+        import safetensors.torch
+
+        out = {}
+        for f in sorted(os.listdir(os.path.join(d, "checkpoint"))):
+            if f.endswith(".safetensors"):
+                out.update(safetensors.torch.load_file(os.path.join(d, "checkpoint", f)))
+        return out
+
+    idx = read_index(os.path.join(piped, "checkpoint"))
+    assert idx["step"] == 4 and any(k.startswith("optim/") for k in idx["tensors"])
+    a, b = weights(plain), weights(piped)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=2e-4, msg=k)
+    assert isinstance(generate_from_checkpoint(piped, "def ", max_new_tokens=4), str)
+    # --resume: 2 steps, then resume to 4, gives the uninterrupted pipeline run's losses
+    half = str(tmp_path / "half")
+    args = ["train", "--pipeline-stages", "2", "--schedule", "gpipe", "--microbatches", "2", *tiny]
+    assert cli.main([*args, "--out", half, "--steps", "2"]) == 0
+    assert cli.main([*args, "--resume", half]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert losses(half) == pytest.approx(losses(piped), abs=1e-5)
     # one meaning per flag: --schedule is the pipeline's, --lr-schedule the learning rate's
     from meshtorch.train import TrainConfig, check_config
 

@@ -98,7 +98,9 @@ def run_train(args: argparse.Namespace) -> int:
     result = train(cfg)
     png = "loss.png" if result.get("loss_png") else "loss.png skipped: matplotlib is not installed " \
         "(pip install 'meshtorch[plot]')"
-    print(f"done in {result['wall_s']}s; wrote checkpoint/, metrics.jsonl, summary.json, {png}")
+    wrote = [f for f in ("checkpoint/", "metrics.jsonl", "summary.json")
+             if os.path.exists(os.path.join(result["out"], f.rstrip("/")))]
+    print(f"done in {result['wall_s']}s; wrote {', '.join(wrote)}, {png}")
     print(f"run directory: {os.path.abspath(result['out'])}")
     return 0
 

@@ -30,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from meshtorch.context import current
@@ -39,6 +41,7 @@ from meshtorch.models.layers import LENGTH, MEMORY, causal_bias, rotary_tables
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.pipeline.pipeline import OptimizerFactory, Pipeline
+from meshtorch.pipeline.transport import local, recv_value, send_value
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, from_global
 
@@ -137,15 +140,16 @@ def lm_loss(logits: MeshTensor, targets: MeshTensor) -> MeshTensor:
 
 def lm_pipeline(cfg: TransformerConfig, *, seed: int = 0, axis: str = "stage", microbatches: int = 4,
                 schedule: str = "1f1b", optimizer: OptimizerFactory | None = None,
-                recompute: bool = False) -> Pipeline:
-    """A :class:`Pipeline` of the decoder LM of ``cfg`` (parameters from ``seed``) with
-    one stage per processor along ``axis``; ``step(ids, targets)`` trains it."""
+                recompute: bool = False, model: DecoderLM | None = None) -> Pipeline:
+    """A :class:`Pipeline` of the decoder LM of ``cfg`` (parameters from ``seed``, or the
+    stage's share of ``model``'s own parameters) with one stage per processor along
+    ``axis``; ``step(ids, targets)`` trains it."""
     stages = current().mesh.axis_size(axis) if axis in current().mesh.axis_names else 0
     if stages < 1:
         raise PipelineError(f"the pipeline axis {axis!r} is not an axis of the mesh '{current().mesh}'")
 
     def build(i: int) -> LMStage:
-        return LMStage(DecoderLM(cfg, seed=seed), i, stages)
+        return LMStage(model if model is not None else DecoderLM(cfg, seed=seed), i, stages)
 
     pipe = Pipeline(build, axis=axis, microbatches=microbatches, schedule=schedule, loss_fn=lm_loss,
                     optimizer=optimizer, recompute=recompute)
@@ -153,4 +157,60 @@ def lm_pipeline(cfg: TransformerConfig, *, seed: int = 0, axis: str = "stage", m
     return pipe
 
 
-__all__ = ["LMStage", "layer_ranges", "lm_loss", "lm_pipeline"]
+def owner_stage(name: str, cfg: TransformerConfig, stages: int) -> int:
+    """The stage that holds parameter ``name`` of the unsplit :class:`DecoderLM` (the
+    first one for the tied table, which the last stage holds too).
+
+    Example:
+        >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=3)
+        >>> [owner_stage(n, cfg, 2) for n in ("embed.table", "decoder.blocks.2.mlp.wi.kernel",
+        ...                                   "decoder.ln_f.weight")]
+        [0, 1, 1]
+    """
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "blocks"]:
+        layer = int(parts[2])
+        return next(s for s, r in enumerate(layer_ranges(cfg.layers, stages)) if layer in r)
+    if parts[0] == "embed" or parts[:2] == ["decoder", "pos"]:
+        return 0
+    return stages - 1
+
+
+def gather_whole(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Give every processor the whole trained model: each stage sends its parameters
+    (and, with ``optimizer``, an optimizer over ``model.parameters()``, their state)
+    to the other stages along the pipeline axis, which write them into ``model``.
+    Every processor calls it; ``pipe`` must be built on ``model`` (``lm_pipeline(...,
+    model=model)``), so the stage's parameters are ``model``'s. Then ``model`` can be
+    saved with :func:`meshtorch.checkpoint.save` or sample text like the unsplit LM."""
+    comm, axis = current().comm, pipe.axis
+    me, p = pipe.stage, pipe.num_stages
+    tag = 3  # apart from the executor's activation (1) and gradient (2) tags
+    for name, param in model.named_parameters():
+        src = owner_stage(name, model.cfg, p)
+        state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        if me == src:
+            # tensors travel flat (0-d ones too) with their shapes in the header
+            header = {k: {"shape": list(v.shape)} if isinstance(v, torch.Tensor) else {"value": v}
+                      for k, v in sorted(state.items())}
+            for dst in range(p):
+                if dst == me:
+                    continue
+                send_value(comm, param.detach(), axis, dst, tag)
+                if optimizer is not None:
+                    text = bytearray(json.dumps(header).encode())
+                    send_value(comm, torch.frombuffer(text, dtype=torch.uint8), axis, dst, tag)
+                    for k in header:
+                        if isinstance(state[k], torch.Tensor):
+                            send_value(comm, state[k].detach().reshape(-1), axis, dst, tag)
+            continue
+        with torch.no_grad():
+            param.copy_(local(recv_value(comm, axis, src, tag)))
+        if optimizer is not None:
+            header = json.loads(bytes(recv_value(comm, axis, src, tag).tolist()).decode())
+            optimizer.state[param] = {k: recv_value(comm, axis, src, tag).reshape(h["shape"]) if "shape" in h
+                                      else h["value"] for k, h in header.items()}
+    comm.wait_sends()
+
+
+__all__ = ["LMStage", "gather_whole", "layer_ranges", "lm_loss", "lm_pipeline", "owner_stage"]

@@ -7,8 +7,13 @@ processors); the layout rules are the usual ones and never mention it.
 ``--schedule gpipe|1f1b|2bw`` picks the pipeline schedule (``--lr-schedule``
 the learning rate's), ``--microbatches`` the micro-batches per batch.
 Gradient clipping uses the norm over all stages (the tied embedding table
-counted once). Processor 0 writes ``metrics.jsonl`` and ``summary.json``;
-checkpoints and the generated sample of the unsplit run are not produced.
+counted once). The batches between two log (or checkpoint) steps run as one
+table, so 2BW does not flush inside it. Processor 0 writes ``metrics.jsonl``,
+``summary.json`` and ``loss.png``; every processor gathers the whole model
+(and optimizer state) from the stages for ``checkpoint/``, the unsplit run's
+format (``meshtorch generate`` and ``--resume`` read it), the held-out loss
+and the generated sample. A 2BW run resumes with ``W(t-1) = W(t)``: the
+checkpoint holds one weight version.
 
 Example:
     >>> from meshtorch.pipeline.train import pipeline_mesh
@@ -60,16 +65,31 @@ def _clip(pipe, max_norm: float) -> None:
 
 def program(cfg, corpus, out: str) -> dict[str, Any]:
     """One processor's part of a pipeline training run."""
+    from meshtorch import checkpoint
     from meshtorch.data import ByteTokenizer, LMBatches
-    from meshtorch.pipeline.lm import lm_pipeline
-    from meshtorch.train import lr_at, make_optimizer
+    from meshtorch.models import DecoderLM
+    from meshtorch.pipeline.lm import gather_whole, lm_pipeline
+    from meshtorch.train import lr_at, make_optimizer, report, save_run
 
     lead = current().rank == 0
     tok = ByteTokenizer()
     mcfg = cfg.model_config(tok.vocab_size)
-    pipe = lm_pipeline(mcfg, seed=cfg.seed, axis=AXIS, microbatches=cfg.microbatches,
-                       schedule=cfg.schedule)
-    pipe.optimizer = make_optimizer(cfg, pipe.module)
+    train = LMBatches(corpus.train, cfg.batch, cfg.length, seed=cfg.seed)
+    heldout = LMBatches(corpus.heldout, cfg.batch, cfg.length, seed=12345)
+    # every processor holds the whole model and an optimizer over it, so the checkpoint is the
+    # unsplit run's (any mesh can load it, `meshtorch generate` reads it); the stage trains its share
+    # (the others have no gradients, so the optimizer skips them)
+    model = DecoderLM(mcfg, seed=cfg.seed)
+    opt = make_optimizer(cfg, model)
+    start = 0
+    if cfg.resume:
+        state = checkpoint.load(os.path.join(cfg.resume, "checkpoint"), model=model, optimizer=opt,
+                                data=train)
+        start = int(state["step"])
+        if lead:
+            print(f"resumed from {cfg.resume} at step {start}")
+    pipe = lm_pipeline(mcfg, model=model, axis=AXIS, microbatches=cfg.microbatches, schedule=cfg.schedule)
+    pipe.optimizer, pipe.batches_trained = opt, start
     if cfg.clip:
         sync = pipe.after_backward
 
@@ -78,42 +98,61 @@ def program(cfg, corpus, out: str) -> dict[str, Any]:
             _clip(pipe, cfg.clip)
 
         pipe.after_backward = after_backward
-    train = LMBatches(corpus.train, cfg.batch, cfg.length, seed=cfg.seed)
-    heldout = LMBatches(corpus.heldout, cfg.batch, cfg.length, seed=12345)
+
+    def set_lr(t: int) -> None:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, t)
+
+    pipe.before_step = set_lr
     metrics: list[dict] = []
     if lead:
         os.makedirs(out, exist_ok=True)
+        if cfg.resume and os.path.exists(os.path.join(cfg.resume, "metrics.jsonl")):
+            with open(os.path.join(cfg.resume, "metrics.jsonl")) as f:
+                metrics = [m for m in map(json.loads, f) if m["step"] <= start]
         print(f"pipeline of {pipe.num_stages} stages ({pipe.schedule.name}, {cfg.microbatches} "
               f"micro-batches) on mesh '{current().mesh}' rules '{cfg.rules}'; {cfg.steps} steps of "
               f"{cfg.batch}x{cfg.length} tokens")
-    t0, loss = time.perf_counter(), float("nan")
-    window = time.perf_counter()
-    for step in range(cfg.steps):
-        for g in pipe.optimizer.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        loss = pipe.step(*train.next())
-        done = step + 1
-        if lead and (done % cfg.log_every == 0 or done == cfg.steps):
-            dt = (time.perf_counter() - window) / (done - (metrics[-1]["step"] if metrics else 0))
-            window = time.perf_counter()
-            metrics.append({"step": done, "loss": round(loss, 5), "step_time_s": round(dt, 4),
-                            "tokens_per_s": round(cfg.batch * cfg.length / dt, 1)})
-            print(f"step {done}: loss {loss:.3f}, {dt * 1e3:.0f} ms/step", flush=True)
+
+    def save(step: int) -> None:
+        gather_whole(pipe, model, opt)
+        save_run(cfg, out, model, opt, train, step)
+
+    t0, loss, step = time.perf_counter(), float("nan"), start
+    while step < cfg.steps:
+        # one table up to the next log or checkpoint step: 2BW runs it without a flush
+        stops = [cfg.steps, (step // cfg.log_every + 1) * cfg.log_every]
+        if cfg.checkpoint_every:
+            stops.append((step // cfg.checkpoint_every + 1) * cfg.checkpoint_every)
+        n = min(stops) - step
+        window = time.perf_counter()
+        loss = pipe.train([train.next() for _ in range(n)])[-1]
+        step += n
+        dt = (time.perf_counter() - window) / n
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            rec = {"step": step, "loss": round(loss, 5), "step_time_s": round(dt, 4),
+                   "tokens_per_s": round(cfg.batch * cfg.length / dt, 1), "lr": lr_at(cfg, step - 1)}
+            metrics.append(rec)
+            if lead:
+                print(f"step {step}: loss {loss:.3f}, {dt * 1e3:.0f} ms/step", flush=True)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step != cfg.steps:
+            save(step)
     wall = time.perf_counter() - t0
-    held = sum(pipe.loss(*heldout.at(i)) for i in range(cfg.eval_batches)) / cfg.eval_batches
-    result = {"steps": cfg.steps, "final_loss": loss, "heldout_loss": held, "out": out,
-              "unigram_entropy": corpus.unigram_entropy("heldout"), "schedule": pipe.schedule.name,
-              "pipeline_stages": pipe.num_stages, "microbatches": cfg.microbatches, "train_s": round(wall, 2)}
+    save(cfg.steps)
+    result = {"steps": cfg.steps, "final_loss": loss, "out": out, "schedule": pipe.schedule.name,
+              "pipeline_stages": pipe.num_stages, "microbatches": cfg.microbatches, "train_s": round(wall, 2),
+              "checkpoint": os.path.join(out, "checkpoint")}
+    # held-out loss and the sample from the whole model, as in the unsplit run
+    result.update(report(cfg, model, heldout, corpus, tok, lead))
     if lead:
         from meshtorch.train import plot_losses
 
-        result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), metrics, [(cfg.steps, held)],
-                                         result["unigram_entropy"])
+        result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), metrics,
+                                         [(cfg.steps, result["heldout_loss"])], result["unigram_entropy"])
         with open(os.path.join(out, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in metrics)
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump(result, f, indent=1)
-        print(f"held-out loss {held:.3f} nats/byte vs byte-unigram entropy {result['unigram_entropy']:.3f}")
     return result
 
 
@@ -127,11 +166,11 @@ def train_pipeline(cfg) -> dict[str, Any]:
 
     if cfg.model != "lm":
         raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model!r}")
-    if cfg.resume:
-        raise PipelineError("--resume is not supported with --pipeline-stages (pipeline runs write no "
-                            "checkpoint)")
+    if cfg.resume and not os.path.isdir(os.path.join(cfg.resume, "checkpoint")):
+        raise PipelineError(f"--resume {cfg.resume!r} has no checkpoint/ directory; pass the --out "
+                            "directory of an earlier run")
     cfg = dataclasses.replace(cfg, mesh=pipeline_mesh(cfg.mesh, cfg.pipeline_stages))
-    out = cfg.out or default_out()
+    out = cfg.out or cfg.resume or default_out()
     corpus = Corpus.from_path(cfg.data)
     kwargs: dict[str, Any] = {"mesh": cfg.mesh, "rules": cfg.rules}
     if cfg.backend != "threads":
