@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from meshtorch import amp, data, errors, models, nn, optim, pipeline, random
+from meshtorch import amp, data, errors, models, nn, optim, pipeline, plan, random
 from meshtorch.amp import autocast
 from meshtorch.checkpoint import export_hf, import_hf, load, save
 from meshtorch.comm import CommStats, Communicator

@@ -1,0 +1,390 @@
+"""A named-dim trace of one SPMD step: FLOPs, collectives and live memory by kind.
+
+:class:`Tracer` is a ``TorchDispatchMode`` that sees every aten op one
+processor runs. For each op it records the FLOPs (``torch.utils.flop_counter``'s
+formulas, by dtype), and it follows every storage the op creates from birth to
+death (a ``weakref.finalize`` on the storage), so the live bytes at any moment
+are known on ``meta`` tensors as on real ones. Storages are classified as
+
+- ``parameters``: registered to a ``torch.nn.Module`` while tracing,
+- ``gradients``: a parameter's ``.grad`` (post-accumulate-grad hook),
+- ``optimizer``: held in a ``torch.optim.Optimizer``'s ``state`` after ``step()``,
+- ``activations``: everything else,
+
+and the peak is reported split by kind. The tracer also watches the
+MeshTensor layer: each MeshTensor created is one entry of the named-dim trace
+(its shape, layout, the aten ops and collectives that made it, their FLOPs).
+
+FLOPs and collectives are counted only inside :func:`measure` blocks when the
+traced program has any (so a warm-up step can create optimizer state first),
+and so is the memory peak (counting what was alive when the block began:
+the peak of a steady-state step, not of the model's initialisation).
+
+Example:
+    >>> import meshtorch as mt
+    >>> from meshtorch.plan import measure, trace
+    >>> def step():
+    ...     w = mt.nn.Dense(mt.Dim("d_model", 64), mt.Dim("d_ff", 256), bias=False)
+    ...     x = mt.random.normal("batch:32,d_model:64", seed=1)
+    ...     with measure():
+    ...         mt.reduce_sum(w(x)).backward()
+    >>> t = trace(step, mesh="b:2,m:4", rules="batch:b; d_ff:m")
+    >>> t.flops == 2 * (2 * 16 * 64 * 64)   # forward and weight-gradient matmuls of the slices
+    True
+    >>> t.comm.bytes("b", "all_reduce"), t.peak_by_kind["parameters"], t.peak_by_kind["gradients"]
+    (16388, 16384, 16384)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from meshtorch.comm.stats import CommStats
+from meshtorch.context import current
+
+KINDS = ("parameters", "gradients", "optimizer", "activations")
+
+_local = threading.local()
+_install_lock = threading.Lock()
+_installed = 0
+_undo: list[Callable[[], None]] = []
+
+
+def active() -> Tracer | None:
+    """The tracer running on this thread, if any."""
+    return getattr(_local, "tracer", None)
+
+
+@dataclass
+class TraceOp:
+    """One MeshTensor made by the traced program: its named shape and what it cost."""
+
+    shape: str
+    layout: str
+    local_bytes: int
+    aten: tuple[str, ...]
+    flops: int
+    collectives: tuple[tuple[str, tuple[str, ...], int], ...]
+
+    def __str__(self) -> str:
+        comm = ", ".join(f"{k}@{','.join(a)}:{b}B" for k, a, b in self.collectives)
+        return (f"[{self.shape}] {self.layout} {'+'.join(self.aten) or '-'} flops={self.flops}"
+                + (f" comm={comm}" if comm else ""))
+
+
+@dataclass
+class Trace:
+    """What one processor did: FLOPs, collectives, memory peak by kind, and the op list."""
+
+    mesh: str
+    rules: str
+    backend: str
+    flops: int = 0
+    flops_by_dtype: dict[str, int] = field(default_factory=dict)
+    comm: CommStats = field(default_factory=CommStats)
+    peak_bytes: int = 0
+    peak_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    ops: list[TraceOp] = field(default_factory=list)
+    result: Any = None
+    wall_s: float = 0.0
+
+    def table(self, limit: int = 40) -> str:
+        """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
+        lines = [str(op) for op in self.ops[:limit]]
+        if len(self.ops) > limit:
+            lines.append(f"... {len(self.ops) - limit} more")
+        return "\n".join(lines)
+
+
+class Tracer(TorchDispatchMode):
+    """Dispatch mode recording FLOPs and storage lifetimes of one processor's ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops_by_dtype: dict[str, int] = defaultdict(int)
+        self.kind: dict[int, str] = {}          # storage serial -> kind (when not activations)
+        self.live: dict[int, tuple[int, int]] = {}  # id(storage) -> (serial, nbytes)
+        self.events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes) in time order
+        self.serial = 0
+        self.regions = 0      # measure() blocks entered; when any, count only inside them
+        self.windows: list[tuple[int, int]] = []  # event index ranges of measure() blocks
+        self.params: list[weakref.ref] = []
+        self.inside = 0
+        self.comm = CommStats()
+        self.all_comm = CommStats()
+        self.all_flops: dict[str, int] = defaultdict(int)
+        self.ops: list[TraceOp] = []
+        self._pending_aten: list[str] = []
+        self._pending_flops = 0
+        self._pending_comm: list[tuple[str, tuple[str, ...], int]] = []
+
+    # -------------------------------------------------------------- storages
+    def track(self, t: torch.Tensor) -> int:
+        """Start following ``t``'s storage (no-op if already followed); its serial."""
+        st = t.untyped_storage()
+        key = id(st)
+        hit = self.live.get(key)
+        if hit is not None:
+            return hit[0]
+        self.serial += 1
+        n = st.nbytes()
+        self.live[key] = (self.serial, n)
+        self.events.append((self.serial, n))
+        weakref.finalize(st, self._free, key)
+        return self.serial
+
+    def _free(self, key: int) -> None:
+        serial, n = self.live.pop(key)
+        self.events.append((serial, -n))
+
+    def mark(self, t: torch.Tensor | None, kind: str) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        serial = self.track(t)
+        # a gradient stolen from an activation buffer is a gradient from then on;
+        # parameters stay parameters (an optimizer may list them in its state)
+        if self.kind.get(serial) != "parameters":
+            self.kind[serial] = kind
+
+    # -------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in flop_registry:
+            n = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            dtype = next((str(a.dtype).replace("torch.", "") for a in tree_leaves(args)
+                          if isinstance(a, torch.Tensor)), "float32")
+            self.all_flops[dtype] += n
+            if self.counting:
+                self.flops_by_dtype[dtype] += n
+            self._pending_flops += n
+        self._pending_aten.append(packet.__name__)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if outs:
+            # a view of an input is not new memory, also when the input is not ours
+            # (another thread-processor's payload, read during a collective)
+            seen = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor)}
+            for t in outs:
+                if id(t.untyped_storage()) not in seen:
+                    self.track(t)
+        return out
+
+    @property
+    def counting(self) -> bool:
+        return self.inside > 0 or self.regions == 0
+
+    def record_collective(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+        self.all_comm.record(kind, axes, nbytes)
+        if self.counting:
+            self.comm.record(kind, axes, nbytes)
+        self._pending_comm.append((kind, axes, int(nbytes)))
+
+    def record_mesh_tensor(self, local: torch.Tensor, shape, layout) -> None:
+        if isinstance(local, torch.Tensor):
+            self.track(local)
+            nbytes = local.numel() * local.element_size()
+        else:
+            nbytes = 0
+        self.ops.append(TraceOp(str(shape), str(layout), nbytes, tuple(self._pending_aten),
+                                self._pending_flops, tuple(self._pending_comm)))
+        self._pending_aten, self._pending_flops, self._pending_comm = [], 0, []
+
+    # -------------------------------------------------------------- results
+    def peak(self) -> tuple[int, dict[str, int]]:
+        """Peak live bytes and their split by kind at that moment."""
+        windows = self.windows or [(0, len(self.events))]
+        live_now, best, best_at, pos = 0, 0, -1, 0
+        for start, end in windows:
+            for i in range(pos, end):
+                live_now += self.events[i][1]
+                if i >= start and live_now > best:
+                    best, best_at = live_now, i
+            pos = end
+            if start == end and live_now > best:  # an empty block: what was alive then
+                best, best_at = live_now, end - 1
+        alive: dict[int, int] = {}
+        for serial, delta in self.events[: best_at + 1]:
+            if delta >= 0:
+                alive[serial] = delta
+            else:
+                alive.pop(serial, None)
+        by_kind = dict.fromkeys(KINDS, 0)
+        for serial, n in alive.items():
+            by_kind[self.kind.get(serial, "activations")] += n
+        return best, by_kind
+
+
+@contextmanager
+def measure() -> Iterator[None]:
+    """Count FLOPs and collectives of this block only (e.g. the step after a warm-up).
+
+    Outside a trace it does nothing, so a step function can always use it.
+    """
+    tr = active()
+    if tr is None:
+        yield
+        return
+    tr.regions += 1
+    tr.inside += 1
+    for ref in tr.params:  # gradients kept from before (assigned, not accumulated)
+        p = ref()
+        if p is not None:
+            tr.mark(p.grad, "gradients")
+    start = len(tr.events)
+    try:
+        yield
+    finally:
+        tr.inside -= 1
+        tr.windows.append((start, len(tr.events)))
+
+
+# ------------------------------------------------------------------ global hooks
+def _install() -> None:
+    """Hooks that route parameters, grads, optimizer state and MeshTensors to the
+    tracer of the thread that made them (installed while any tracer runs)."""
+    global _installed
+    with _install_lock:
+        _installed += 1
+        if _installed > 1:
+            return
+        from torch.nn.modules.module import register_module_parameter_registration_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        import meshtorch.random as mtr
+        from meshtorch.tensor import MeshTensor
+
+        def on_param(module, name, param):
+            tr = active()
+            if tr is not None and param is not None:
+                tr.mark(param, "parameters")
+                tr.params.append(weakref.ref(param))
+                if param.requires_grad and not getattr(param, "_mt_plan_hooked", False):
+                    param.register_post_accumulate_grad_hook(_on_grad)
+                    param._mt_plan_hooked = True
+
+        def on_step(opt, args, kwargs):
+            tr = active()
+            if tr is not None:
+                for st in opt.state.values():
+                    for v in st.values():
+                        tr.mark(v, "optimizer")
+
+        h1 = register_module_parameter_registration_hook(on_param)
+        h2 = register_optimizer_step_post_hook(on_step)
+
+        init = MeshTensor.__init__
+
+        def traced_init(self, local, shape, layout, name=None):
+            init(self, local, shape, layout, name)
+            tr = active()
+            if tr is not None:
+                tr.record_mesh_tensor(local, shape, layout)
+
+        MeshTensor.__init__ = traced_init
+
+        # On meta tensors the counter-based generator's ~100 integer ops per tensor only
+        # produce a shape (and are slow there); the shape is all a plan needs.
+        uniform53 = mtr._uniform53
+
+        def shape_only_uniform53(shape, seed, stream, device, layout):
+            if active() is None:
+                return uniform53(shape, seed, stream, device, layout)
+            dev = torch.device(device) if device is not None else torch.get_default_device()
+            if dev.type == "meta":
+                return torch.empty(layout.local_sizes, dtype=torch.float64, device=dev)
+            # real values, but not op by op through the tracer: only the result matters
+            with _disable_current_modes():
+                return uniform53(shape, seed, stream, device, layout)
+
+        mtr._uniform53 = shape_only_uniform53
+
+        def undo():
+            h1.remove()
+            h2.remove()
+            MeshTensor.__init__ = init
+            mtr._uniform53 = uniform53
+
+        _undo.append(undo)
+
+
+def _uninstall() -> None:
+    global _installed
+    with _install_lock:
+        _installed -= 1
+        if _installed == 0:
+            _undo.pop()()
+
+
+def _on_grad(param: torch.Tensor) -> None:
+    tr = active()
+    if tr is not None:
+        tr.mark(param.grad, "gradients")
+
+
+@contextmanager
+def tracing() -> Iterator[Tracer]:
+    """Trace this thread's ops (and its processor's collectives) for the block."""
+    if active() is not None:
+        raise RuntimeError("meshtorch.plan: a trace is already running on this thread")
+    tr = Tracer()
+    stats = current().comm.stats
+    record = stats.record
+
+    def counted(kind, axes, nbytes):
+        record(kind, axes, nbytes)
+        tr.record_collective(kind, axes, nbytes)
+
+    _install()
+    _local.tracer = tr
+    stats.record = counted
+    try:
+        with tr:
+            yield tr
+    finally:
+        del stats.record
+        _local.tracer = None
+        _uninstall()
+
+
+def _traced(fn, args, kwargs, mesh, rules, backend):
+    if current().rank != 0:  # the trace is processor 0's; the others only take part
+        return fn(*args, **kwargs)
+    t0 = time.perf_counter()
+    with tracing() as tr:
+        result = fn(*args, **kwargs)
+    peak, by_kind = tr.peak()
+    return Trace(mesh=str(mesh), rules=str(rules), backend=backend,
+                 flops=sum(tr.flops_by_dtype.values()), flops_by_dtype=dict(tr.flops_by_dtype),
+                 comm=tr.comm, peak_bytes=peak, peak_by_kind=by_kind, ops=tr.ops, result=result,
+                 wall_s=time.perf_counter() - t0)
+
+
+def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", backend: str = "meta",
+          **kwargs: Any) -> Trace:
+    """Run ``fn`` as one processor of ``mesh`` under ``rules`` and return its :class:`Trace`.
+
+    ``backend="meta"`` (default) runs processor 0 alone on meta tensors (no
+    storage, collectives counted, not run): planning. ``backend="threads"``
+    runs every processor for real and returns processor 0's trace: measuring.
+    ``fn`` must build everything it uses (model, optimizer, data) so that their
+    memory is seen.
+    """
+    from meshtorch.launch import launch
+
+    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, mesh=mesh, rules=rules,
+                     backend=backend)
+    return results[0]

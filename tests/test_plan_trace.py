@@ -1,0 +1,80 @@
+"""The planner's trace on meta tensors equals a real threads-backend step.
+
+Collective bytes per axis and kind (and FLOPs) must be *equal*; the memory
+peak within 10%; parameter, gradient and optimizer bytes equal to what the
+model's slices hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from mesh_harness import meshes, rules_for
+from meshtorch.plan import trace
+from meshtorch.plan.step import model_dims, training_step
+from meshtorch.train import TrainConfig
+
+VOCAB = 16
+BASE = TrainConfig(batch=4, length=8, d_model=8, heads=4, d_kv=4, d_ff=16, layers=2, encoder_layers=1,
+                   experts=4, top_k=2)
+
+
+def config(model: str, optimizer: str = "adamw") -> TrainConfig:
+    return dataclasses.replace(BASE, model=model, optimizer=optimizer)
+
+
+def both(cfg: TrainConfig, mesh: str, rules: str):
+    real = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, backend="threads")
+    meta = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, backend="meta")
+    return real, meta
+
+
+@given(data=st.data(), model=st.sampled_from(["lm", "seq2seq", "moe"]),
+       optimizer=st.sampled_from(["adamw", "adafactor"]))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_meta_trace_bytes_and_flops_equal_a_real_step(data, model, optimizer):
+    cfg = config(model, optimizer)
+    mesh = data.draw(meshes(max_procs=4))
+    rules = data.draw(rules_for(mesh, sorted(model_dims(cfg, VOCAB))))
+    real, meta = both(cfg, mesh, rules)
+    assert meta.comm.as_dict() == real.comm.as_dict(), (mesh, rules)
+    assert meta.flops == real.flops > 0
+    assert meta.result["parameters"] == real.result["parameters"]
+    assert meta.peak_bytes == pytest.approx(real.peak_bytes, rel=0.10), (mesh, rules)
+
+
+@pytest.mark.parametrize("model, mesh, rules", [
+    ("lm", "b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m"),
+    ("moe", "b:2,m:2", "batch:b; experts:b; d_ff:m"),
+    ("seq2seq", "b:4", "batch:b; d_model:b"),
+])
+def test_memory_by_kind_matches_the_slices(model, mesh, rules):
+    cfg = config(model)
+
+    def slice_bytes():
+        from meshtorch.plan.step import build_model
+        m = build_model(cfg, VOCAB)
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
+    local, = mt.launch(slice_bytes, mesh=mesh, rules=rules, backend="meta")
+    real, meta = both(cfg, mesh, rules)
+    for t in (real, meta):
+        assert t.peak_by_kind["parameters"] == local
+        assert t.peak_by_kind["gradients"] == local   # the previous step's, or this one's
+        assert t.peak_by_kind["optimizer"] >= 2 * local  # AdamW's two moments (+ step counters)
+        assert t.peak_by_kind["activations"] > 0
+        assert sum(t.peak_by_kind.values()) == t.peak_bytes
+    assert meta.peak_bytes == pytest.approx(real.peak_bytes, rel=0.10)
+
+
+def test_trace_names_the_dims_of_every_mesh_tensor():
+    cfg = config("lm")
+    t = trace(training_step(cfg, VOCAB), mesh="b:2,m:2", rules="batch:b; d_ff:m")
+    ffn = [op for op in t.ops if "d_ff:16" in op.shape and "batch:4" in op.shape]
+    assert ffn and all("d_ff:m" in op.layout and "batch:b" in op.layout for op in ffn)
+    assert any(op.flops == 2 * 2 * 8 * 8 * 8 for op in ffn)  # [batch/2, length] x d_model x d_ff/2
