@@ -242,6 +242,49 @@ def test_memory_frontier_matches_brute_force(data):
         inserted[js] = True
 
 
+@SETTINGS
+@given(st.data())
+def test_weights_merged_only_when_certified(data):
+    """Zero-time nodes holding memory (weights) next to one op: the DP tries them merged
+    into that op and must fall back to the full problem when memory makes that wrong."""
+    graph = data.draw(dags(max_nodes=4, training=False))
+    ops = len(graph)
+    for k in range(data.draw(st.integers(1, 2))):
+        w = graph.add_node(f"w{k}", acc_time=0.0, cpu_time=0.0,
+                           mem_bytes=float(data.draw(st.integers(1, 6))),
+                           comm_time=float(data.draw(st.integers(0, 2))))
+        graph.add_edge(w, data.draw(st.integers(0, ops - 1)))
+    prob = data.draw(problems(graph))
+    brute_c = brute_force(graph, prob, contiguous=True)
+    if math.isinf(brute_c):
+        with pytest.raises(PlacementError):
+            place(graph, prob, "dp")
+        return
+    dp = place(graph, prob, "dp")
+    check_placement(dp, graph)
+    assert dp.max_load == pytest.approx(brute_c, abs=1e-9)
+
+
+def test_weight_that_does_not_fit_with_its_consumer():
+    # w (6 bytes) feeds c (5 bytes); 10 bytes per device: w must sit apart from c
+    g = OpGraph()
+    for name, t, m in [("a", 1.0, 3.0), ("b", 1.0, 0.0), ("c", 1.0, 5.0)]:
+        g.add_node(name, acc_time=t, cpu_time=None, mem_bytes=m, comm_time=0.5)
+    g.add_node("w", acc_time=0.0, cpu_time=0.0, mem_bytes=6.0, comm_time=0.25)
+    for u, v in ["ab", "bc", "wc"]:
+        g.add_edge(u, v)
+    p = place(g, Problem(devices=2, memory=10))
+    assert "certificate" not in p.info
+    assert p.max_load == pytest.approx(brute_force(g, Problem(devices=2, memory=10), True))
+    where = p.device_of()
+    assert where[3] != where[2]
+    # with room for both (memory still binds: 14 bytes in all), the merged solution
+    # is certified by the relaxation
+    q = place(g, Problem(devices=2, memory=11))
+    assert q.info["certificate"]["pendant_nodes"] == 1
+    assert q.max_load == pytest.approx(brute_force(g, Problem(devices=2, memory=11), True))
+
+
 def test_hand_derived_loads():
     # a -> b -> c with comm 0.5 on each producer: {a,b} | {c}
     g = OpGraph()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 import numpy as np
@@ -601,11 +601,26 @@ def solve_dp(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000) 
     """The exact contiguous optimum (both modes), by the DP over ideals.
 
     ``info`` of the result holds the DP's size: supernodes, ideals, pairs kept,
-    and the upper bound used to prune.
+    and the upper bound used to prune. When memory can bind, weights and other
+    zero-time "pendant" nodes are first tried merged into their only neighbour;
+    that solution is returned when the relaxation without their memory reaches
+    the same value (``info['certificate']``), which proves it optimal.
     """
     t0 = time.perf_counter()
     prob = problem.resolve(graph)
-    c = contract(graph, pendant=_memory_never_binds(graph, prob))
+    never = _memory_never_binds(graph, prob)
+    if not never:
+        quick = _pendant_certified(graph, prob, ideal_limit)
+        if quick is not None:
+            val, stages, info = quick
+            return _finish(graph, prob, stages, val, "dp", t0, info)
+    c = contract(graph, pendant=never)
+    val, stages, info = _solve_contracted(graph, prob, c, ideal_limit)
+    return _finish(graph, prob, stages, val, "dp", t0, info)
+
+
+def _solve_contracted(graph: OpGraph, prob: Problem, c: Contracted, ideal_limit: int):
+    t0 = time.perf_counter()
     # an upper bound from the best of a few linear extensions, to prune pairs
     bound = INF
     seeds: list[tuple[float, list]] = []
@@ -624,7 +639,31 @@ def solve_dp(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000) 
             raise PlacementError("internal error: DP lost the chain solution")
         raise _infeasible(graph, prob, c)
     info.update(bound=bound, bound_seconds=t1 - t0, ideal_seconds=t2 - t1, exact=True)
-    return _finish(graph, prob, stages, val, "dp", t0, info)
+    return val, stages, info
+
+
+def _pendant_certified(graph: OpGraph, prob: Problem, ideal_limit: int):
+    """Solve with pendant nodes merged; return it if the memory-free relaxation agrees."""
+    cp = contract(graph, pendant=True)
+    if not cp.pendant_nodes:
+        return None
+    relaxed = OpGraph(nodes=[replace(nd) for nd in graph.nodes], edges=list(graph.edges),
+                      meta=dict(graph.meta))
+    for i in cp.pendant_nodes:
+        relaxed.nodes[i].mem_bytes = 0.0
+        relaxed.nodes[i].act_bytes = 0.0
+    try:
+        # the restriction (pendants stay with their neighbour): feasible, an upper bound
+        val, stages, info = _solve_contracted(graph, prob, cp, ideal_limit)
+        # the relaxation (their memory dropped, so merging them is exact): a lower bound
+        cr = contract(relaxed, pendant=_memory_never_binds(relaxed, prob))
+        low, _, _ = _solve_contracted(relaxed, prob, cr, ideal_limit)
+    except PlacementError:
+        return None  # too many ideals, or the restriction is infeasible: solve in full
+    if not val <= low * (1 + 1e-12) + 1e-12:
+        return None
+    info["certificate"] = {"pendant_nodes": len(cp.pendant_nodes), "relaxation": low}
+    return val, stages, info
 
 
 def _orders(c: Contracted) -> list[list[int]]:

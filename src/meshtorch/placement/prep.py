@@ -17,8 +17,9 @@ Three exact reductions (none can change the optimum of the contiguous problem):
 One more reduction is exact only when memory does not bind, and is optional
 (``pendant=True``): a node with no compute time that touches a single other
 supernode (a stored state, a sink of zero-cost outputs) joins that supernode.
-The DP certifies it by also solving the relaxation with those nodes' memory
-dropped.
+When memory can bind, the DP certifies such a solution by also solving the
+relaxation in which those nodes' memory is dropped (then every merge is exact):
+equal values prove it optimal; otherwise it solves the uncontracted problem.
 
 The result is a DAG on supernodes (``preds`` as bitmasks) plus the paper's
 communication hyperedges: for each producer ``u``, the set of supernodes holding
@@ -40,7 +41,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
@@ -83,6 +84,7 @@ class Contracted:
     of_node: list[int]  # supernode of every original node (-1 for free nodes)
     free: list[list[int]]  # groups of free original nodes, in a topological order
     pendant_mem: float = 0.0  # memory moved by pendant merges (0: the contraction is exact)
+    pendant_nodes: list[int] = field(default_factory=list)  # original nodes merged as pendants
 
     @property
     def m(self) -> int:
@@ -126,9 +128,9 @@ def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> 
             for c in comp:
                 uf.union(first, c)
 
-    pendant_mem = 0.0
+    pendant_mem, pendant_nodes = 0.0, []
     if trivial:
-        pendant_mem = _merge_trivial(graph, uf, pendant)
+        pendant_mem, pendant_nodes = _merge_trivial(graph, uf, pendant)
 
     group = [uf.find(i) for i in range(n)]
     roots = sorted(set(group))
@@ -188,7 +190,8 @@ def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> 
         (sum(1 << num[r] for r in key), c) for key, c in hyper_cost.items()
     )
     return Contracted(
-        graph, members, preds_mask, acc, cpu, mem, act, sync, hyper, of_node, free, pendant_mem
+        graph, members, preds_mask, acc, cpu, mem, act, sync, hyper, of_node, free, pendant_mem,
+        pendant_nodes,
     )
 
 
@@ -225,10 +228,11 @@ def place_free(c: Contracted, where: list[int]) -> None:
             where[i] = s
 
 
-def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> float:
+def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> tuple[float, list[int]]:
     """Merge costless supernodes into a neighbour (see the module docstring).
 
-    Returns the memory moved by pendant merges (0 when every merge was exact).
+    Returns the memory moved by pendant merges (0 when every merge was exact) and
+    the original nodes so moved.
     """
     n = len(graph)
     cost_free: dict[int, bool] = {}
@@ -242,6 +246,7 @@ def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> float:
         )
         gmem[r] = gmem.get(r, 0.0) + nd.mem_bytes + nd.act_bytes
     moved = 0.0
+    moved_nodes: list[int] = []
     changed = True
     while changed:
         changed = False
@@ -264,6 +269,7 @@ def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> float:
                 (t,) = nbrs[g]
                 if not cost_free[g]:
                     moved += gmem[g]
+                    moved_nodes.extend(i for i in range(n) if group[i] == g)
                 free_t, tl_t, mem_t = cost_free[t], timeless[t], gmem[t]
                 uf.union(g, t)
                 r = uf.find(g)
@@ -291,7 +297,7 @@ def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> float:
                 gmem[r] = mem_t
                 changed = True
                 break
-    return moved
+    return moved, moved_nodes
 
 
 def _has_backward(graph: OpGraph, uf: _UF, g: int) -> bool:
