@@ -3,22 +3,27 @@
 For each schedule and m, the decoder LM (split by layers, :mod:`meshtorch.pipeline.lm`)
 trains on the ``threads`` backend, mesh ``stage:2``. Per configuration:
 
-- measured: median step time (tokens/s) and per-stage peak memory = weights
-  (× 2 under 2BW) + optimizer state + the peak bytes of tensors autograd holds
-  for the backward (counted with ``torch.autograd.graph.saved_tensors_hooks``);
-- simulated: :func:`meshtorch.pipeline.simulate` of the same table with each
-  stage's mean forward/backward time taken from the executor's trace, and
-  :func:`meshtorch.pipeline.memory` with the bytes one micro-batch stashes.
+- measured: ``steps`` batches run as one table (``Pipeline.train``: flushed
+  between batches under GPipe/1F1B, no flush under 2BW), time per batch
+  (tokens/s, best of ``--repeats``), and per-stage peak memory = the weight
+  versions the pipeline holds (``Pipeline.weight_versions()``) + optimizer
+  state + the peak bytes of tensors autograd holds for the backward (counted
+  with ``torch.autograd.graph.saved_tensors_hooks``);
+- simulated: :func:`meshtorch.pipeline.simulate` of the same multi-batch table
+  with each stage's mean forward/backward time taken from the executor's
+  trace, and :func:`meshtorch.pipeline.memory` with the bytes one micro-batch
+  stashes.
 
 Writes ``benchmarks/results/pipeline.{json,md}``.
 
-    python benchmarks/pipeline.py [--micro 2 4 8 --steps 6 --batch 16 --length 64]
+    python benchmarks/pipeline.py [--micro 2 4 8 --steps 6 --repeats 3 --batch 16 --length 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -28,7 +33,7 @@ import torch
 
 import meshtorch as mt
 from meshtorch.models import TransformerConfig
-from meshtorch.pipeline import memory, simulate
+from meshtorch.pipeline import build_schedule, memory, simulate
 from meshtorch.pipeline.lm import lm_pipeline
 
 RESULTS = Path(__file__).parent / "results"
@@ -49,7 +54,8 @@ def _bytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def run(cfg: TransformerConfig, schedule: str, m: int, batch: int, length: int, steps: int) -> dict:
+def run(cfg: TransformerConfig, schedule: str, m: int, batch: int, length: int, steps: int,
+        repeats: int) -> dict:
     pipe = lm_pipeline(cfg, microbatches=m, schedule=schedule,
                        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
     g = torch.Generator().manual_seed(1)
@@ -71,25 +77,26 @@ def run(cfg: TransformerConfig, schedule: str, m: int, batch: int, length: int, 
     _live.now = _live.peak = 0
     times, traces = [], []
     with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda s: s.t):
-        for k in range(steps + 2):
+        pipe.train([(ids, tgt)] * 2)  # warm-up
+        for _ in range(repeats):
             mt.current().comm.barrier()
             t0 = time.perf_counter()
-            pipe.step(ids, tgt)
-            if k >= 2:  # two warm-up steps
-                times.append(time.perf_counter() - t0)
-                traces.append(pipe.trace)
+            pipe.train([(ids, tgt)] * steps)  # one table of `steps` batches
+            times.append((time.perf_counter() - t0) / steps)
+            traces.append(pipe.trace)
     fwd = statistics.mean(t1 - t0 for tr in traces for k, _, t0, t1, _ in tr if k == "F")
     bwd = statistics.mean(t1 - t0 for tr in traces for k, _, t0, t1, _ in tr if k == "B")
     opt = _bytes(v for s in pipe.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {"stage": pipe.stage, "step_s": statistics.median(times), "fwd_s": fwd, "bwd_s": bwd,
-            "weights": _bytes(pipe.parameters()), "optimizer": opt, "stash_peak": _live.peak,
-            "stash_per_microbatch": max(per_forward), "table": pipe.schedule}
+    return {"stage": pipe.stage, "step_s": min(times), "fwd_s": fwd, "bwd_s": bwd,
+            "weights": _bytes(pipe.parameters()), "versions_bytes": sum(map(_bytes, pipe.weight_versions())),
+            "optimizer": opt, "stash_peak": _live.peak, "stash_per_microbatch": max(per_forward)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--micro", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="batches per table")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
@@ -100,11 +107,11 @@ def main() -> None:
     rows = []
     for m in args.micro:
         for schedule in ("gpipe", "1f1b", "2bw"):
-            out = mt.launch(run, cfg, schedule, m, args.batch, args.length, args.steps, mesh="stage:2")
-            table = out[0]["table"]
+            out = mt.launch(run, cfg, schedule, m, args.batch, args.length, args.steps, args.repeats,
+                            mesh="stage:2")
+            table = build_schedule(schedule, 2, m, batches=args.steps)
             sim = simulate(table, forward=[o["fwd_s"] for o in out], backward=[o["bwd_s"] for o in out])
-            versions = 2 if schedule == "2bw" else 1
-            measured_mem = [versions * o["weights"] + o["optimizer"] + o["stash_peak"] for o in out]
+            measured_mem = [o["versions_bytes"] + o["optimizer"] + o["stash_peak"] for o in out]
             sim_mem = memory(table, weights=[o["weights"] for o in out],
                              activations=[o["stash_per_microbatch"] for o in out],
                              optimizer=[o["optimizer"] for o in out])
@@ -113,7 +120,9 @@ def main() -> None:
                    "tokens_per_s": round(args.batch * args.length / step, 1),
                    "sim_step_s": round(sim.step_time, 4),
                    "sim_tokens_per_s": round(args.batch * args.length / sim.step_time, 1),
-                   "bubble_sim": round(sim.bubble_fraction, 3), "bubble_formula": round(1 / (m + 1), 3),
+                   "bubble_sim": round(sim.bubble_fraction, 3),
+                   # p = 2: (p-1)/(m+p-1) per flushed batch; (p-1)/(T·m+p-1) for 2BW over T batches
+                   "bubble_formula": round(1 / (args.steps * m + 1 if schedule == "2bw" else m + 1), 3),
                    "peak_mib": [round(b / 2**20, 2) for b in measured_mem],
                    "sim_peak_mib": [round(b / 2**20, 2) for b in sim_mem],
                    "stash_mib": [round(o["stash_peak"] / 2**20, 2) for o in out]}
@@ -124,13 +133,15 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     meta = {"model": {"d_model": args.d_model, "layers": args.layers, "batch": args.batch,
                       "length": args.length}, "mesh": "stage:2", "backend": "threads",
+            "batches_per_table": args.steps, "repeats": args.repeats,
+            "load_average": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(), "rows": rows}
     (RESULTS / "pipeline.json").write_text(json.dumps(meta, indent=1))
-    lines = ["| schedule | m | tok/s measured | tok/s simulated | bubble (sim) | peak MiB/stage measured "
-             "| peak MiB/stage simulated |", "|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | m | tok/s measured | tok/s simulated | bubble (sim) | bubble (formula) "
+             "| peak MiB/stage measured | peak MiB/stage simulated |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['sim_tokens_per_s']:.0f} | {r['bubble_sim']:.2f} | "
+                     f"{r['sim_tokens_per_s']:.0f} | {r['bubble_sim']:.2f} | {r['bubble_formula']:.2f} | "
                      f"{' / '.join(map(str, r['peak_mib']))} | {' / '.join(map(str, r['sim_peak_mib']))} |")
     (RESULTS / "pipeline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
