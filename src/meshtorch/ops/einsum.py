@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import string
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -80,19 +80,31 @@ def einsum(
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    out, spec, reduced = plan
-    return lower("einsum", xs, out, lambda view, *ls: torch.einsum(spec, *ls),
-                 reduced=dict(reduced), name=name)
+    out, local_fn, reduced = plan
+    return lower("einsum", xs, out, local_fn, reduced=dict(reduced), name=name)
 
 
 # A model calls einsum with the same few shapes every step: the output shape, equation and
 # reduced dims are a pure function of the operand shapes and output names, so they are
 # computed once (the Python of building them was a large part of einsum's cost on one processor).
-_PLANS: dict[tuple, tuple[Shape, str, dict[str, str]]] = {}
+_PLANS: dict[tuple, tuple[Shape, Callable, dict[str, str]]] = {}
 _MAX_PLANS = 4096
 
 
-def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, str, dict[str, str]]:
+def _tensordot_dims(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[list[int], list[int]] | None:
+    """For ``x · w`` contracting exactly the dims they share, with the output ``x``'s other dims
+    then ``w``'s (every Dense layer): the contracted positions for ``torch.tensordot``, which
+    runs one matmul on reshaped views, where einsum adds permutes, copies and autograd nodes."""
+    if len(xs) != 2:
+        return None
+    a, b = xs[0].names, xs[1].names
+    shared = [n for n in a if n in b]
+    if not shared or [n for n in a if n not in shared] + [n for n in b if n not in shared] != out_names:
+        return None
+    return [a.index(n) for n in shared], [b.index(n) for n in shared]
+
+
+def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Callable, dict[str, str]]:
     every = broadcast_shape(*(x.shape for x in xs))
     for n in out_names:
         if n not in every.names:
@@ -104,7 +116,16 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, str,
     spec = ",".join("".join(letters[n] for n in x.names) for x in xs)
     spec += "->" + "".join(letters[n] for n in out_names)
     reduced = {n: "sum" for n in every.names if n not in out_names}
-    return out, spec, reduced
+    dot = _tensordot_dims(xs, out_names)
+    if dot is not None:
+        def local_dot(view, x, w):
+            # einsum is what autocast knows to run in low precision (and to cast mixed inputs for)
+            if x.dtype != w.dtype or torch.is_autocast_enabled(x.device.type):
+                return torch.einsum(spec, x, w)
+            return torch.tensordot(x, w, dims=dot)
+
+        return out, local_dot, reduced
+    return out, lambda view, *ls: torch.einsum(spec, *ls), reduced
 
 
 def matmul(x: MeshTensor, y: MeshTensor, output_shape=None, name: str | None = None) -> MeshTensor:

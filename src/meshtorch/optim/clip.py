@@ -29,18 +29,23 @@ from meshtorch.optim.params import Params, mesh_views
 
 def global_grad_norm(params: Params, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as one global vector; the same on every processor."""
+    return _global_grad_norm([(p, v) for p, v in mesh_views(params) if p.grad is not None], norm_type)
+
+
+def _global_grad_norm(views, norm_type: float) -> torch.Tensor:
     comm = current().comm
-    views = [(p, v) for p, v in mesh_views(params) if p.grad is not None]
     if not views:
         return torch.tensor(0.0)
     inf = math.isinf(norm_type)
-    by_axes: dict[tuple[str, ...], torch.Tensor] = {}
+    groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for p, v in views:
-        g = p.grad.detach().to(torch.float64)
-        part = g.abs().max() if inf else g.abs().pow(norm_type).sum()
         axes = tuple(a for a in comm.mesh.axis_names if v.layout.dim_of(a) is not None)
-        acc = by_axes.get(axes)
-        by_axes[axes] = part if acc is None else (torch.maximum(acc, part) if inf else acc + part)
+        groups.setdefault(axes, []).append(p.grad.detach())
+    by_axes: dict[tuple[str, ...], torch.Tensor] = {}
+    for axes, grads in groups.items():
+        # one multi-tensor kernel per group, accumulating in float64 (as the per-tensor loop did)
+        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
+        by_axes[axes] = norms.max() if inf else norms.pow(norm_type).sum()
     total = torch.zeros((), dtype=torch.float64)
     for axes in sorted(by_axes):
         part = comm.all_reduce(by_axes[axes].reshape(1), axes, "max" if inf else "sum")[0]
@@ -56,12 +61,15 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
     Like ``torch.nn.utils.clip_grad_norm_`` on the dense model; returns the norm
     before clipping. Every processor must call it (it communicates).
     """
-    total = global_grad_norm(params, norm_type)
+    views = [(p, v) for p, v in mesh_views(params) if p.grad is not None]
+    total = _global_grad_norm(views, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise MeshTorchError(f"the global gradient {norm_type}-norm is {total.item()}; "
                              "pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p, _ in mesh_views(params):
-        if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p, _ in views:
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
+    for dtype, grads in by_dtype.items():
+        torch._foreach_mul_(grads, coef.to(dtype))
     return total
