@@ -59,3 +59,7 @@ class CheckpointError(MeshTorchError, RuntimeError):
 
 class PipelineError(MeshTorchError, RuntimeError):
     """A pipeline schedule is invalid, or a pipeline stage failed (the message names it)."""
+
+
+class PlanError(MeshTorchError, ValueError):
+    """A plan cannot be made: unknown device, no layout fits, a bad search space."""

@@ -2,7 +2,8 @@
 
 The ``meta`` backend runs one representative processor on meta tensors;
 :func:`trace` records what that processor does (FLOPs, collectives, memory by
-kind, the named shape of every MeshTensor).
+kind, the named shape of every MeshTensor); :func:`estimate` turns it into
+bytes per axis, peak memory and a step time on a :class:`DeviceSpec`.
 
 Example:
     >>> import meshtorch as mt
@@ -16,6 +17,8 @@ Example:
     (2097156, True)
 """
 
+from meshtorch.plan.devices import DEVICES, DeviceSpec, Link, device
+from meshtorch.plan.estimate import Estimate, estimate
 from meshtorch.plan.tracing import Trace, measure, trace
 
-__all__ = ["Trace", "measure", "trace"]
+__all__ = ["DEVICES", "DeviceSpec", "Estimate", "Link", "Trace", "device", "estimate", "measure", "trace"]

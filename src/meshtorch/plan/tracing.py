@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import weakref
@@ -86,11 +87,16 @@ class TraceOp:
 
 @dataclass
 class Trace:
-    """What one processor did: FLOPs, collectives, memory peak by kind, and the op list."""
+    """What one processor did: FLOPs, collectives, memory peak by kind, and the op list.
+
+    ``parameters`` counts the global elements of every parameter registered
+    while tracing (each once, whatever its layout).
+    """
 
     mesh: str
     rules: str
     backend: str
+    parameters: int = 0
     flops: int = 0
     flops_by_dtype: dict[str, int] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
@@ -121,6 +127,7 @@ class Tracer(TorchDispatchMode):
         self.regions = 0      # measure() blocks entered; when any, count only inside them
         self.windows: list[tuple[int, int]] = []  # event index ranges of measure() blocks
         self.params: list[weakref.ref] = []
+        self.param_numel: dict[int, int] = {}  # global elements of each parameter seen
         self.inside = 0
         self.comm = CommStats()
         self.all_comm = CommStats()
@@ -271,7 +278,10 @@ def _install() -> None:
             tr = active()
             if tr is not None and param is not None:
                 tr.mark(param, "parameters")
-                tr.params.append(weakref.ref(param))
+                if id(param) not in tr.param_numel:
+                    tr.params.append(weakref.ref(param))
+                shape = getattr(param, "_mt_shape", None)
+                tr.param_numel[id(param)] = param.numel() if shape is None else math.prod(shape.sizes)
                 if param.requires_grad and not getattr(param, "_mt_plan_hooked", False):
                     param.register_post_accumulate_grad_hook(_on_grad)
                     param._mt_plan_hooked = True
@@ -368,6 +378,7 @@ def _traced(fn, args, kwargs, mesh, rules, backend):
         result = fn(*args, **kwargs)
     peak, by_kind = tr.peak()
     return Trace(mesh=str(mesh), rules=str(rules), backend=backend,
+                 parameters=sum(tr.param_numel.values()),
                  flops=sum(tr.flops_by_dtype.values()), flops_by_dtype=dict(tr.flops_by_dtype),
                  comm=tr.comm, peak_bytes=peak, peak_by_kind=by_kind, ops=tr.ops, result=result,
                  wall_s=time.perf_counter() - t0)

@@ -1,0 +1,181 @@
+"""``mt.plan.estimate``: per-processor FLOPs, bytes, memory and step time of one layout.
+
+The step is traced on the ``meta`` backend (:mod:`meshtorch.plan.tracing`);
+the device spec turns the trace into seconds: matmul FLOPs at the device's
+achievable rate for their dtype, plus every collective by the ring (or tree)
+formulas of :mod:`meshtorch.plan.cost` over its axes' links. Compute and
+communication are added, not overlapped: an upper bound a run with overlap
+beats.
+
+Example:
+    >>> import meshtorch as mt
+    >>> from meshtorch.plan.step import training_step
+    >>> from meshtorch.train import TrainConfig
+    >>> cfg = TrainConfig(d_model=64, heads=4, d_kv=16, d_ff=256, layers=2, batch=32, length=32)
+    >>> est = mt.plan.estimate(training_step(cfg, vocab=256), "b:4,m:2", "batch:b; d_ff:m", device="a100")
+    >>> est.fits, est.parameters == 256 * 64 + 32 * 64 + 2 * (4 * 64 * 64 + 2 * 64 * 256 + 4 * 64) + 128
+    (True, True)
+    >>> sorted(est.bytes_per_axis)
+    ['b', 'm']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtorch.layout import LayoutRules
+from meshtorch.mesh import Mesh
+from meshtorch.plan.cost import collective_seconds
+from meshtorch.plan.devices import DeviceSpec
+from meshtorch.plan.devices import device as get_device
+from meshtorch.plan.tracing import KINDS, Trace, trace
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class Estimate:
+    """A layout's predicted cost on one processor (all numbers per processor, per step).
+
+    Attributes:
+        mesh, rules, device: what was planned.
+        parameters: global parameter count.
+        flops: FLOPs of the measured step on one processor (by dtype in ``flops_by_dtype``).
+        bytes_per_axis: ``{axes: {kind: payload bytes}}`` (axes joined by ``,``).
+        calls_per_axis: the same, counting calls.
+        memory_bytes: peak bytes split into ``parameters, gradients, optimizer,
+            activations``, and their ``total``.
+        fits: whether ``memory_bytes["total"]`` fits the device's memory.
+        compute_seconds, comm_seconds (``{"kind@axes": s}``), step_seconds.
+    """
+
+    mesh: str
+    rules: str
+    device: str
+    parameters: int
+    flops: int
+    flops_by_dtype: dict[str, int]
+    bytes_per_axis: dict[str, dict[str, int]]
+    calls_per_axis: dict[str, dict[str, int]]
+    memory_bytes: dict[str, int]
+    memory_capacity: int
+    fits: bool
+    compute_seconds: float
+    comm_seconds: dict[str, float]
+    step_seconds: float
+    trace: Trace | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def comm_total_seconds(self) -> float:
+        return sum(self.comm_seconds.values())
+
+    def dominant(self, k: int = 2) -> list[tuple[str, float]]:
+        """The ``k`` costliest parts of the step: ``compute`` or ``kind@axes``, with seconds."""
+        parts = [("compute", self.compute_seconds), *self.comm_seconds.items()]
+        return sorted(parts, key=lambda p: -p[1])[:k]
+
+    def reason(self) -> str:
+        """Why this layout costs what it costs, in a few words."""
+        parts = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in self.dominant(2) if s > 0)
+        if not self.fits:
+            over = self.memory_bytes["total"] - self.memory_capacity
+            big = max(("parameters", "gradients", "optimizer", "activations"),
+                      key=lambda k: self.memory_bytes[k])
+            return (f"does not fit: {_fmt_bytes(self.memory_bytes['total'])} > "
+                    f"{_fmt_bytes(self.memory_capacity)} by {_fmt_bytes(over)} (mostly {big}); {parts}")
+        return f"dominated by {parts}"
+
+    def table(self) -> str:
+        """A human-readable report."""
+        m = self.memory_bytes
+        lines = [
+            f"mesh '{self.mesh}'  rules '{self.rules}'  device {self.device}",
+            f"parameters        {self.parameters:,} ({self.parameters / 1e9:.2f}B)",
+            f"FLOPs/processor   {self.flops:.3e}  -> {self.compute_seconds * 1e3:.2f} ms",
+            "memory/processor  " + "  ".join(f"{k} {_fmt_bytes(m[k])}" for k in KINDS)
+            + f"  = {_fmt_bytes(m['total'])} of {_fmt_bytes(self.memory_capacity)}"
+            + ("" if self.fits else "  DOES NOT FIT"),
+            f"{'collective':<16}{'axes':<14}{'calls':>7}{'bytes':>14}{'ms':>10}",
+        ]
+        for axes, kinds in sorted(self.bytes_per_axis.items()):
+            for kind, b in sorted(kinds.items()):
+                s = self.comm_seconds.get(f"{kind}@{axes}", 0.0)
+                lines.append(f"{kind:<16}{axes:<14}{self.calls_per_axis[axes][kind]:>7}{b:>14}"
+                             f"{s * 1e3:>10.2f}")
+        lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms "
+                     f"(compute {self.compute_seconds * 1e3:.2f} + communication "
+                     f"{self.comm_total_seconds * 1e3:.2f}); {self.reason()}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the ``meshtorch plan --json`` object)."""
+        return {
+            "mesh": self.mesh, "rules": self.rules, "device": self.device,
+            "parameters": self.parameters, "fits": self.fits,
+            "memory_bytes": {**self.memory_bytes, "capacity": self.memory_capacity},
+            "bytes_per_axis": self.bytes_per_axis, "calls_per_axis": self.calls_per_axis,
+            "flops": self.flops, "flops_by_dtype": self.flops_by_dtype,
+            "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
+            "step_seconds": self.step_seconds, "reason": self.reason(),
+        }
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "ring") -> Estimate:
+    """Cost a trace on ``spec``."""
+    mesh = Mesh(mesh)
+    bytes_per_axis: dict[str, dict[str, int]] = {}
+    calls_per_axis: dict[str, dict[str, int]] = {}
+    comm_seconds: dict[str, float] = {}
+    for key, v in t.comm.as_dict().items():
+        kind, axes_s = key.split("@")
+        axes = axes_s.split(",")
+        n = math.prod(mesh.axis_size(a) for a in axes)
+        links = [spec.link(a) for a in axes]
+        bw, lat = min(lk.bandwidth for lk in links), max(lk.latency for lk in links)
+        bytes_per_axis.setdefault(axes_s, {})[kind] = v["bytes"]
+        calls_per_axis.setdefault(axes_s, {})[kind] = v["calls"]
+        comm_seconds[key] = collective_seconds(kind, v["bytes"], n, bw, lat, v["calls"], algorithm)
+    compute = sum(f / spec.flops_per_second(dt) for dt, f in t.flops_by_dtype.items())
+    memory = dict(t.peak_by_kind)
+    memory["total"] = t.peak_bytes
+    params = t.parameters
+    if isinstance(t.result, dict) and "parameters" in t.result:
+        params = int(t.result["parameters"])
+    return Estimate(
+        mesh=str(mesh), rules=t.rules, device=spec.name, parameters=params, flops=t.flops,
+        flops_by_dtype=t.flops_by_dtype, bytes_per_axis=bytes_per_axis, calls_per_axis=calls_per_axis,
+        memory_bytes=memory, memory_capacity=spec.memory_bytes, fits=t.peak_bytes <= spec.memory_bytes,
+        compute_seconds=compute, comm_seconds=comm_seconds,
+        step_seconds=compute + sum(comm_seconds.values()), trace=t)
+
+
+def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
+             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring") -> Estimate:
+    """Predict one processor's FLOPs, bytes per axis and kind, peak memory and step time.
+
+    ``step_fn`` is an SPMD program that builds its model, optimizer and data
+    and runs one step (put the step in :func:`meshtorch.plan.measure` to leave
+    a warm-up out of the counts; :func:`meshtorch.plan.step.training_step`
+    does). It runs once, on meta tensors: planning a 512-processor mesh needs
+    no storage.
+    """
+    mesh = Mesh(mesh)
+    spec = get_device(device, processors=mesh.size)
+    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta")
+    return from_trace(t, mesh, spec, algorithm)
+
+
+def dumps(est: Estimate) -> str:
+    return json.dumps(est.to_json(), indent=1, sort_keys=True)

@@ -1,0 +1,121 @@
+"""Device specs, collective cost formulas and ``mt.plan.estimate`` against hand-derived numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from meshtorch.errors import PlanError
+from meshtorch.plan.cost import collective_seconds
+from meshtorch.plan.devices import Link, calibrate_cpu, device
+from meshtorch.plan.step import training_step
+from meshtorch.train import TrainConfig
+
+
+def ring_simulation(kind: str, payload: float, n: int, bw: float, lat: float) -> float:
+    """Step-by-step ring schedules: each step every member sends one message to its neighbour."""
+    if kind == "all_reduce":    # reduce-scatter then all-gather of n chunks of payload/n
+        steps, msg = 2 * (n - 1), payload / n
+    elif kind == "reduce_scatter":
+        steps, msg = n - 1, payload / n
+    elif kind == "all_gather":  # the payload is one member's piece; it travels n-1 hops
+        steps, msg = n - 1, payload
+    elif kind == "all_to_all":  # n-1 rounds, in round r send the chunk for member i+r
+        steps, msg = n - 1, payload / n
+    else:
+        raise AssertionError(kind)
+    return steps * (lat + msg / bw)
+
+
+@given(kind=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather", "all_to_all"]),
+       n=st.integers(2, 512), payload=st.floats(1e3, 1e10), bw=st.floats(1e8, 1e12),
+       lat=st.floats(0, 1e-4))
+@settings(max_examples=200, deadline=None)
+def test_ring_formulas_equal_the_step_by_step_schedule(kind, n, payload, bw, lat):
+    got = collective_seconds(kind, payload, n, bw, lat)
+    assert got == pytest.approx(ring_simulation(kind, payload, n, bw, lat), rel=1e-9)
+
+
+def test_hand_derived_costs():
+    # 1 GB all_reduce over 8 at 100 GB/s, 1 µs: 2·7/8·10 ms + 14 µs
+    assert collective_seconds("all_reduce", 1e9, 8, 100e9, 1e-6) == pytest.approx(0.0175 + 14e-6)
+    # tree: 2·log2(8) = 6 hops, each the whole payload
+    tree = collective_seconds("all_reduce", 1e9, 8, 100e9, 1e-6, algorithm="tree")
+    assert tree == pytest.approx(6 * (1e-6 + 0.01))
+    assert collective_seconds("broadcast", 1e6, 16, 1e9, 0.0, algorithm="tree") == pytest.approx(4e-3)
+    assert collective_seconds("permute", 5e6, 4, 1e9, 2e-6, calls=3) == pytest.approx(5e-3 + 6e-6)
+    assert collective_seconds("all_reduce", 1e9, 1, 1.0, 1.0) == 0.0
+    with pytest.raises(PlanError, match="gossip"):
+        collective_seconds("gossip", 1, 2, 1, 1)
+
+
+def test_device_specs_and_errors():
+    v2, v3, a100, h100 = (device(n) for n in ("tpu-v2", "tpu-v3", "a100", "h100"))
+    assert v2.memory_bytes == 8 * 2 ** 30 and v3.memory_bytes == 16 * 2 ** 30
+    # the paper: 512 TPU v2 cores peak at 11.5 PFLOP/s
+    assert 512 * v2.peak_flops["bfloat16"] == pytest.approx(11.5e15, rel=0.01)
+    assert v3.peak_flops["bfloat16"] == 61.5e12 and a100.peak_flops["bfloat16"] == 312e12
+    assert h100.peak_flops["bfloat16"] == 989e12 and h100.default_link.bandwidth == 450e9
+    fast = a100.with_links(m=Link(1e12, 1e-6))
+    assert fast.link("m").bandwidth == 1e12 and fast.link("b") == a100.default_link
+    with pytest.raises(PlanError, match="'tpu-v9'.*tpu-v2"):
+        device("tpu-v9")
+
+
+def test_cpu_is_calibrated_quickly():
+    t = time.perf_counter()
+    cpu = calibrate_cpu(processors=2)
+    assert time.perf_counter() - t < 1.0
+    assert cpu.peak_flops["float32"] > 1e8 and cpu.default_link.bandwidth > 1e8 and cpu.memory_bytes > 2 ** 20
+
+
+CFG = TrainConfig(d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, batch=8, length=16)
+
+
+def test_data_parallel_estimate_matches_hand_derivation():
+    est = mt.plan.estimate(training_step(CFG, vocab=64), "b:4", "batch:b", device="a100")
+    params = est.parameters
+    assert params == 64 * 32 + 16 * 32 + 2 * (4 * 32 * 32 + 2 * 32 * 64 + 4 * 32) + 64
+    # data parallel: every gradient (float32) is all_reduced over b, the tied embedding table's
+    # once per use (input lookup and output layer, DESIGN §4's adapter per use), plus a few scalars
+    ar = est.bytes_per_axis["b"]["all_reduce"]
+    assert 4 * (params + 64 * 32) <= ar < 4 * (params + 64 * 32) + 64
+    assert list(est.bytes_per_axis) == ["b"]
+    spec = device("a100")
+    calls = est.calls_per_axis["b"]["all_reduce"]
+    want = 2 * 3 / 4 * ar / spec.default_link.bandwidth + 2 * 3 * spec.default_link.latency * calls
+    assert est.comm_seconds["all_reduce@b"] == pytest.approx(want)
+    assert est.compute_seconds == pytest.approx(est.flops / (312e12 * 0.5 * 19.5 / 312))
+    assert est.step_seconds == pytest.approx(est.compute_seconds + want)
+    # memory: float32 parameters, gradients and AdamW's two moments, replicated
+    m = est.memory_bytes
+    assert m["parameters"] == m["gradients"] == 4 * params
+    assert 8 * params <= m["optimizer"] <= 8 * params + 4 * 64
+    assert est.fits
+    assert m["total"] == sum(m[k] for k in ("parameters", "gradients", "optimizer", "activations"))
+
+
+def test_model_parallel_shrinks_parameters_per_processor():
+    dp = mt.plan.estimate(training_step(CFG, vocab=64), "b:4", "batch:b", device="tpu-v2")
+    mp = mt.plan.estimate(training_step(CFG, vocab=64), "m:4", "heads:m; d_ff:m; vocab:m", device="tpu-v2")
+    assert mp.parameters == dp.parameters
+    assert mp.memory_bytes["parameters"] < dp.memory_bytes["parameters"] / 2
+    assert "b" not in mp.bytes_per_axis and mp.bytes_per_axis["m"]["all_reduce"] > 0
+
+
+def test_estimate_json_and_table_and_not_fitting():
+    tiny = dataclasses.replace(device("tpu-v2"), memory_bytes=1000, name="tiny")
+    est = mt.plan.estimate(training_step(CFG, vocab=64), "b:2,m:2", "batch:b; d_ff:m", device=tiny)
+    j = est.to_json()
+    for key in ("parameters", "fits", "memory_bytes", "bytes_per_axis", "flops", "step_seconds"):
+        assert key in j
+    assert j["fits"] is False and "does not fit" in j["reason"]
+    assert set(j["bytes_per_axis"]) == {"b", "m"}
+    assert "DOES NOT FIT" in est.table() and "all_reduce" in est.table()
+    assert math.isfinite(j["step_seconds"]) and j["step_seconds"] > 0
