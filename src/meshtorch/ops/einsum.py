@@ -118,10 +118,25 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
     reduced = {n: "sum" for n in every.names if n not in out_names}
     dot = _tensordot_dims(xs, out_names)
     if dot is not None:
+        ia, ib = dot
+        k, na, nb = len(ia), len(xs[0].names), len(xs[1].names)
+        x_trailing = ia == list(range(na - k, na))
+        w_leading, w_trailing = ib == list(range(k)), ib == list(range(nb - k, nb))
+
         def local_dot(view, x, w):
             # einsum is what autocast knows to run in low precision (and to cast mixed inputs for)
             if x.dtype != w.dtype or torch.is_autocast_enabled(x.device.type):
                 return torch.einsum(spec, x, w)
+            # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
+            # output layer); the local slices keep the shape's dim order, so this holds on any mesh
+            if x_trailing and (w_leading or w_trailing):
+                xs_ = x.shape[: x.dim() - k]
+                x2 = x.reshape(*xs_, -1) if k != 1 else x
+                if w_leading:
+                    y = torch.matmul(x2, w.reshape(x2.shape[-1], -1))
+                    return y.view(*xs_, *w.shape[k:])
+                y = torch.nn.functional.linear(x2, w.reshape(-1, x2.shape[-1]))
+                return y.view(*xs_, *w.shape[: w.dim() - k])
             return torch.tensordot(x, w, dims=dot)
 
         return out, local_dot, reduced

@@ -122,6 +122,8 @@ def layer_norm(
         def local_fn(view, t, *ps):
             w = ps[0] if weight is not None else None
             b = ps[-1] if bias is not None else None
+            if i == t.dim() - 1:  # the usual case: no permute nodes for autograd to walk
+                return F.layer_norm(t, (size,), w, b, eps)
             return F.layer_norm(t.movedim(i, -1), (size,), w, b, eps).movedim(-1, i)
 
         return lower("layer_norm", [x, *params], x.shape, local_fn, whole=[n])

@@ -40,11 +40,12 @@ def _global_grad_norm(views, norm_type: float) -> torch.Tensor:
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
     for p, v in views:
         axes = tuple(a for a in comm.mesh.axis_names if v.layout.dim_of(a) is not None)
-        groups.setdefault(axes, []).append(p.grad.detach())
+        groups.setdefault(axes, []).append(p.grad)
     by_axes: dict[tuple[str, ...], torch.Tensor] = {}
     for axes, grads in groups.items():
         # one multi-tensor kernel per group, accumulating in float64 (as the per-tensor loop did)
-        norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
+        with torch.no_grad():
+            norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
         by_axes[axes] = norms.max() if inf else norms.pow(norm_type).sum()
     total = torch.zeros((), dtype=torch.float64)
     for axes in sorted(by_axes):
@@ -69,7 +70,8 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p, _ in views:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad.detach())
-    for dtype, grads in by_dtype.items():
-        torch._foreach_mul_(grads, coef.to(dtype))
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    with torch.no_grad():  # (gradients are data here, as in torch.nn.utils.clip_grad_norm_)
+        for dtype, grads in by_dtype.items():
+            torch._foreach_mul_(grads, coef.to(dtype))
     return total
