@@ -198,9 +198,12 @@ class _MemFrontier:
         self.order = np.lexsort((-mu, -seg))  # position -> ideal
         self.neg_mu = -mu[self.order]  # ascending along the positions
         self.levels = max(1, (n - 1).bit_length() + 1)
-        self.alpha = np.empty((self.levels, n))
-        self.g = np.empty((self.levels, n))
-        self.idx = np.empty((self.levels, n), dtype=np.int64)
+        # frontier points of every level, packed node after node; grown on demand, since
+        # frontiers are usually far smaller than their nodes
+        cap = max(16, n // 8)
+        self.alpha = np.zeros((self.levels, cap))
+        self.g = np.zeros((self.levels, cap))
+        self.idx = np.zeros((self.levels, cap), dtype=np.int64)
         self.fill = [0] * self.levels  # slots used per level
         self.start = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
         self.flen = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
@@ -234,6 +237,8 @@ class _MemFrontier:
             counts = np.bincount(node - j0, minlength=j1 - j0)
             f0 = self.fill[lv]
             k = ids.size
+            if f0 + k > self.alpha.shape[1]:
+                self._grow(f0 + k)
             self.alpha[lv, f0 : f0 + k] = a
             self.g[lv, f0 : f0 + k] = gg
             self.idx[lv, f0 : f0 + k] = ids
@@ -241,6 +246,14 @@ class _MemFrontier:
             self.flen[lv][j0:j1] = counts
             self.fill[lv] = f0 + k
         self.end = new_end
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.alpha.shape[1])
+        for name in ("alpha", "g", "idx"):
+            old = getattr(self, name)
+            new = np.zeros((self.levels, cap), dtype=old.dtype)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
 
     def query(self, beta: np.ndarray, js: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
         """For each ``J`` in ``js``: the best inserted ``I`` with ``mu(I) <= mu(J) + budget``.
