@@ -21,6 +21,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "meshtorch.launcher",
     "meshtorch.train_cli",
     "meshtorch.placement.cli",
+    "meshtorch.plan.cli",
 )
 
 

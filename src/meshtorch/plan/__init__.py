@@ -3,7 +3,8 @@
 The ``meta`` backend runs one representative processor on meta tensors;
 :func:`trace` records what that processor does (FLOPs, collectives, memory by
 kind, the named shape of every MeshTensor); :func:`estimate` turns it into
-bytes per axis, peak memory and a step time on a :class:`DeviceSpec`.
+bytes per axis, peak memory and a step time on a :class:`DeviceSpec`;
+:func:`search` finds the fastest mesh and rules that fit.
 
 Example:
     >>> import meshtorch as mt
@@ -19,6 +20,8 @@ Example:
 
 from meshtorch.plan.devices import DEVICES, DeviceSpec, Link, device
 from meshtorch.plan.estimate import Estimate, estimate
+from meshtorch.plan.search import SearchResult, search
 from meshtorch.plan.tracing import Trace, measure, trace
 
-__all__ = ["DEVICES", "DeviceSpec", "Estimate", "Link", "Trace", "device", "estimate", "measure", "trace"]
+__all__ = ["DEVICES", "DeviceSpec", "Estimate", "Link", "SearchResult", "Trace", "device", "estimate",
+           "measure", "search", "trace"]

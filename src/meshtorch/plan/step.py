@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -120,4 +121,8 @@ def training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, 
             optimizer_step(opt)
         return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
 
+    # the search traces shallow copies and extrapolates (identical blocks cost the same)
+    program.layers = cfg.layers
+    program.with_layers = lambda n: training_step(dataclasses.replace(cfg, layers=n), vocab)
+    program.config = cfg
     return program

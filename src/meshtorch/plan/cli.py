@@ -1,0 +1,143 @@
+"""``meshtorch plan``: predict (or ``--search``) a model's layout on a mesh of devices.
+
+The model and its training step are those of ``meshtorch train`` (same flag
+names); the step is traced once on the meta backend, so a 512-processor mesh
+plans on a laptop. Defaults follow the Mesh-TensorFlow paper's language
+models: untied embedding and output layer, Adafactor, float32.
+
+Example:
+    $ meshtorch plan --model lm --layers 6 --d-model 1024 --d-kv 256 --d-ff 262144 --heads 256 \\
+        --batch 256 --length 256 --vocab 32768 --mesh batch:16,model:32 \\
+        --rules "batch:batch; heads:model; d_ff:model; vocab:model" --device tpu-v2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshtorch.errors import PlanError
+from meshtorch.mesh import Mesh
+from meshtorch.plan.estimate import Estimate, estimate
+from meshtorch.plan.search import search
+from meshtorch.plan.step import model_dims, training_step
+from meshtorch.train import MODELS, OPTIMIZERS, PRECISIONS, TrainConfig
+
+
+def config_of(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
+                       heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
+                       encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
+                       tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
+                       precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules)
+
+
+def _check_rules(cfg: TrainConfig, vocab: int, mesh: str, rules: str) -> None:
+    from meshtorch.layout import LayoutRules
+
+    m, r = Mesh(mesh), LayoutRules(rules)
+    r.check(m)
+    dims = model_dims(cfg, vocab)
+    for dim, axis in r.rules.items():
+        if dim not in dims:
+            raise PlanError(f"rule '{dim}:{axis}' names dim {dim!r}, which the {cfg.model} model does not "
+                            f"have; its dims are {sorted(dims)}")
+        if dims[dim] % m.axis_size(axis):
+            raise PlanError(f"rule '{dim}:{axis}' splits dim {dim!r} of size {dims[dim]} over axis {axis!r} "
+                            f"of size {m.axis_size(axis)}, which does not divide it; change "
+                            f"--{dim.replace('_', '-')} or the mesh, or drop the rule")
+
+
+def plot(path: str, ests: list[Estimate]) -> bool:
+    """Step time (compute + communication) and memory per candidate as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{e.mesh}\n{e.rules}".replace("; ", "\n") for e in ests]
+    x = range(len(ests))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(max(6, 1.6 * len(ests)), 4.5))
+    comp = [e.compute_seconds * 1e3 for e in ests]
+    comm = [e.comm_total_seconds * 1e3 for e in ests]
+    a1.bar(x, comp, label="compute")
+    a1.bar(x, comm, bottom=comp, label="communication")
+    a1.set_ylabel("step time (ms)")
+    a1.legend()
+    bottom = [0.0] * len(ests)
+    for kind in ("parameters", "gradients", "optimizer", "activations"):
+        vals = [e.memory_bytes[kind] / 2 ** 30 for e in ests]
+        a2.bar(x, vals, bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a2.axhline(ests[0].memory_capacity / 2 ** 30, color="k", ls="--", label=f"{ests[0].device} memory")
+    a2.set_ylabel("memory per processor (GiB)")
+    a2.legend(fontsize=7)
+    for ax in (a1, a2):
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_of(args)
+    step = training_step(cfg, args.vocab)
+    if args.search:
+        target: int | str = args.mesh if args.mesh and args.fixed_mesh else (
+            args.processors or (Mesh(args.mesh).size if args.mesh else 0))
+        if not target:
+            raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
+        res = search(step, target, device=args.device, top=args.top, algorithm=args.algorithm,
+                     echo=not args.json)
+        ests = res.candidates
+        out = {**res.best.to_json(), "search_seconds": res.seconds,
+               "candidates": [e.to_json() for e in ests[: args.top]]}
+    else:
+        if not args.mesh:
+            raise PlanError("pass --mesh (e.g. batch:16,model:32) or --search --processors N")
+        _check_rules(cfg, args.vocab, args.mesh, args.rules)
+        est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm)
+        ests = [est]
+        out = est.to_json()
+        if not args.json:
+            print(est.table())
+    if args.png:
+        if not plot(args.png, ests[: args.top]):
+            print("meshtorch plan: matplotlib is not installed; no PNG written", file=sys.stderr)
+        elif not args.json:
+            print(f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``meshtorch plan`` to the ``meshtorch`` command line."""
+    d = TrainConfig()
+    ap = subparsers.add_parser("plan", help="predict FLOPs, bytes, memory and step time of a layout; "
+                               "--search for the fastest that fits",
+                               description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, default="lm")
+    for name, default in (("layers", 6), ("encoder-layers", d.encoder_layers), ("d-model", 1024),
+                          ("d-kv", 256), ("d-ff", 4096), ("heads", 4), ("batch", 256), ("length", 256),
+                          ("vocab", 32768), ("experts", d.experts), ("top-k", d.top_k),
+                          ("processors", 0), ("top", 10)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=False,
+                    help="share the embedding and output layer (the paper's models do not)")
+    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adafactor")
+    ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    ap.add_argument("--mesh", default="", help="e.g. batch:16,model:32")
+    ap.add_argument("--rules", default="", help='e.g. "batch:batch; heads:model; d_ff:model; vocab:model"')
+    ap.add_argument("--device", default="tpu-v2", help="tpu-v2, tpu-v3, a100, h100 or cpu (calibrated)")
+    ap.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    ap.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
+    ap.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    ap.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")
+    ap.set_defaults(func=run)

@@ -1,0 +1,106 @@
+"""``mt.plan.search`` and ``meshtorch plan``: extrapolation is exact, the search beats hand layouts,
+the CLI reports the paper's parameter counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import meshtorch as mt
+from meshtorch.cli import main
+from meshtorch.plan import trace
+from meshtorch.plan.devices import device
+from meshtorch.plan.search import _extrapolate, meshes_for, rules_for
+from meshtorch.plan.step import build_model, training_step
+from meshtorch.train import TrainConfig
+
+CFG = TrainConfig(d_model=32, heads=4, d_kv=8, d_ff=64, layers=3, batch=8, length=16)
+
+
+@pytest.mark.parametrize("mesh, rules", [("b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m"),
+                                         ("b:4", "batch:b; d_model:b")])
+def test_layer_extrapolation_is_exact_for_bytes_and_flops(mesh, rules):
+    step = training_step(CFG, vocab=64)
+    t1, t2 = (trace(step.with_layers(n), mesh=mesh, rules=rules) for n in (1, 2))
+    full = trace(step, mesh=mesh, rules=rules)
+    ext = _extrapolate(t1, t2, 3)
+    assert ext.comm.as_dict() == full.comm.as_dict()
+    assert ext.flops == full.flops and ext.result["parameters"] == full.result["parameters"]
+    for kind in ("parameters", "optimizer"):  # held all step long; the rest depends on the peak moment
+        assert ext.peak_by_kind[kind] == full.peak_by_kind[kind]
+    assert ext.peak_bytes == pytest.approx(full.peak_bytes, rel=0.1)
+
+
+def test_search_space_is_pruned_by_divisibility():
+    assert meshes_for(12) == ["b:12", "b:2,m:6", "b:3,m:4", "b:4,m:3", "b:6,m:2"]
+    rules = rules_for("b:2,m:3", {"batch": 8, "heads": 3, "d_ff": 64, "vocab": 6, "d_model": 32})
+    assert all("d_ff:m" not in r for r in rules)  # 64 is not divisible by 3
+    assert "batch:b; heads:m; vocab:m; d_model:b" in rules and all(r.startswith("batch:b") for r in rules)
+
+
+def test_search_finds_a_layout_at_least_as_fast_as_hand_written_ones():
+    step = training_step(dataclasses.replace(CFG, layers=1), vocab=64)
+    mesh, dp, mp = "b:2,m:2", "batch:b", "batch:b; heads:m; d_ff:m; vocab:m; d_model:b"
+    big = device("tpu-v2")
+    need_dp = mt.plan.estimate(step, mesh, dp, device=big).memory_bytes["total"]
+    need_mp = mt.plan.estimate(step, mesh, mp, device=big).memory_bytes["total"]
+    assert need_mp < need_dp
+    small = dataclasses.replace(big, name="small", memory_bytes=(need_mp + need_dp) // 2)
+    res = mt.plan.search(step, mesh, device=small, echo=False)
+    assert res.best.fits
+    for rules in (dp, "batch:b; d_ff:m", mp):
+        hand = mt.plan.estimate(step, mesh, rules, device=small)
+        assert not hand.fits or res.best.step_seconds <= hand.step_seconds * (1 + 1e-9)
+    assert not mt.plan.estimate(step, mesh, dp, device=small).fits
+    # what does not fit is ranked after everything that does, with the reason
+    flags = [e.fits for e in res.candidates]
+    assert flags == sorted(flags, reverse=True)
+    assert any("does not fit" in e.reason() for e in res.candidates if not e.fits)
+    assert "best: --mesh b:2,m:2" in res.table()
+
+
+# the Mesh-TensorFlow paper's language models (tensor2tensor mtf_transformer_paper_lm_{m1,0..5}):
+# d_ff, heads, parameters in billions, mesh
+PAPER = [(4096, 4, 0.14, "batch:32"), (8192, 8, 0.22, "batch:32"), (16384, 16, 0.37, "model:4,batch:8"),
+         (32768, 32, 0.67, "model:4,batch:8"), (65536, 64, 1.28, "model:8,batch:16"),
+         (131072, 128, 2.48, "batch:16,model:32"), (262144, 256, 4.90, "batch:16,model:32")]
+PAPER_RULES = "batch:batch; vocab:model; d_ff:model; heads:model"
+
+
+def paper_rules(mesh: str) -> str:
+    return PAPER_RULES if "model" in mesh else "batch:batch"
+
+
+@pytest.mark.parametrize("d_ff, heads, billions, mesh", PAPER)
+def test_paper_parameter_counts(d_ff, heads, billions, mesh):
+    cfg = TrainConfig(layers=6, d_model=1024, d_kv=256, d_ff=d_ff, heads=heads, batch=256, length=256,
+                      tie_embeddings=False)
+    t = trace(lambda: build_model(cfg, 32768), mesh=mesh, rules=paper_rules(mesh))
+    assert round(t.parameters / 1e9, 2) == billions
+
+
+ARGS = ["plan", "--layers", "1", "--d-model", "32", "--d-kv", "8", "--d-ff", "64", "--heads", "4",
+        "--batch", "8", "--length", "16", "--vocab", "64"]
+
+
+def test_cli_json_and_png(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    assert main(ARGS + ["--mesh", "b:2,m:2", "--rules", "batch:b; d_ff:m", "--json", "--png", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # untied embedding and output layer, learned positions, one block, final norm
+    assert out["parameters"] == 2 * 64 * 32 + 16 * 32 + (4 * 32 * 4 * 8 + 2 * 32 * 64 + 4 * 32) + 2 * 32
+    assert out["fits"] is True and set(out["bytes_per_axis"]) == {"b", "m"}
+    assert out["memory_bytes"]["parameters"] > 0 and out["flops"] > 0 and out["step_seconds"] > 0
+    assert png.stat().st_size > 1000
+
+
+def test_cli_search_and_errors(capsys):
+    assert main(ARGS + ["--search", "--processors", "2", "--device", "a100"]) == 0
+    text = capsys.readouterr().out
+    assert "best: --mesh b:2" in text and "dominated by" in text
+    assert main(ARGS + ["--mesh", "b:3", "--rules", "d_ff:b"]) == 2
+    assert "dim 'd_ff' of size 64 over axis 'b' of size 3" in capsys.readouterr().err
+    assert main(ARGS + ["--mesh", "b:2", "--rules", "experts:b"]) == 2
+    assert "does not have" in capsys.readouterr().err
