@@ -14,7 +14,7 @@ Example:
     >>> from meshtorch.plan.step import training_step
     >>> from meshtorch.train import TrainConfig
     >>> cfg = TrainConfig(d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, batch=4, length=8)
-    >>> out, = mt.launch(training_step(cfg, vocab=16), mesh="b:2", rules="batch:b", backend="meta")
+    >>> out = mt.plan.trace(training_step(cfg, vocab=16), mesh="b:2", rules="batch:b").result
     >>> out["parameters"]   # embedding, positions, attention, feed-forward, 3 layer norms
     752
     >>> 16 * 8 + 8 * 8 + 4 * 8 * 2 * 4 + 2 * 8 * 16 + 3 * 2 * 8

@@ -322,11 +322,23 @@ def _install() -> None:
 
         mtr._uniform53 = shape_only_uniform53
 
+        # torch has no autocast for the meta device and raises when asked; ops that ask
+        # (ops/einsum.py's local_dot, since 4e8dc0c) would fail on every meta trace
+        is_autocast_enabled = torch.is_autocast_enabled
+
+        def meta_safe_is_autocast_enabled(*args, **kwargs):
+            if args and args[0] == "meta":
+                return False
+            return is_autocast_enabled(*args, **kwargs)
+
+        torch.is_autocast_enabled = meta_safe_is_autocast_enabled
+
         def undo():
             h1.remove()
             h2.remove()
             MeshTensor.__init__ = init
             mtr._uniform53 = uniform53
+            torch.is_autocast_enabled = is_autocast_enabled
 
         _undo.append(undo)
 
