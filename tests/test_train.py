@@ -135,4 +135,6 @@ def test_moe_and_seq2seq_runs(model, rules, key, text, tmp_path):
                      "--data", text, *TINY]) == 0
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert key in summary and summary["heldout_loss"] > 0
+    if model == "seq2seq":  # --eval-batches 1 of --batch 4 numbers
+        assert summary["heldout_numbers"] == 4 and 0 <= summary["heldout_accuracy"] <= 1
     assert [r["step"] for r in _metrics(out)] == [2]

@@ -395,12 +395,14 @@ def report(cfg, model, heldout, corpus, tok, lead) -> dict[str, Any]:
     if cfg.model == "seq2seq":
         from meshtorch.data.seq2seq import exact_match
 
-        acc, examples = exact_match(model, heldout)
+        # --eval-batches batches of held-out numbers (default 8 x --batch 16 = 128), greedy-decoded
+        acc, examples = exact_match(model, heldout, batches=cfg.eval_batches)
         if lead:
-            print(f"held-out exact-match accuracy: {acc:.3f}")
+            print(f"held-out exact-match accuracy: {acc:.3f} ({len(examples)} numbers)")
             for src, want, got in examples[:3]:
                 print(f"  {src!r} -> {got!r} (want {want!r})")
-        return {"heldout_accuracy": acc, "heldout_loss": evaluate(model, heldout, cfg.eval_batches)}
+        return {"heldout_accuracy": acc, "heldout_numbers": len(examples),
+                "heldout_loss": evaluate(model, heldout, cfg.eval_batches)}
     loss = evaluate(model, heldout, cfg.eval_batches)
     entropy = corpus.unigram_entropy("heldout")
     prompt = [tok.eos] + tok.encode(cfg.prompt)
