@@ -125,7 +125,8 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
 
         def local_dot(view, x, w):
             # einsum is what autocast knows to run in low precision (and to cast mixed inputs for)
-            if x.dtype != w.dtype or torch.is_autocast_enabled(x.device.type):
+            # (torch has no autocast for meta tensors and raises when asked, hence the guard)
+            if x.dtype != w.dtype or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
                 return torch.einsum(spec, x, w)
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
             # output layer); the local slices keep the shape's dim order, so this holds on any mesh

@@ -110,7 +110,7 @@ class Adafactor(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict) -> None:
         view = self._view(p)
         st = self.state[p]
-        st["step"] = st.get("step", torch.zeros((), dtype=torch.float32)) + 1
+        st["step"] = st.get("step", torch.zeros((), dtype=torch.float32, device="cpu")) + 1
         t = float(st["step"])
         w = MeshTensor(p.detach().float(), view.shape, view.layout)
         g = MeshTensor(p.grad.detach().float(), view.shape, view.layout)

@@ -306,39 +306,24 @@ def _install() -> None:
 
         MeshTensor.__init__ = traced_init
 
-        # On meta tensors the counter-based generator's ~100 integer ops per tensor only
-        # produce a shape (and are slow there); the shape is all a plan needs.
+        # The counter-based generator runs ~100 integer ops per tensor; they are initialisation,
+        # not the step, so a real traced run computes them outside the tracer (on meta,
+        # random.py already skips them).
         uniform53 = mtr._uniform53
 
-        def shape_only_uniform53(shape, seed, stream, device, layout):
+        def untraced_uniform53(shape, seed, stream, device, layout):
             if active() is None:
                 return uniform53(shape, seed, stream, device, layout)
-            dev = torch.device(device) if device is not None else torch.get_default_device()
-            if dev.type == "meta":
-                return torch.empty(layout.local_sizes, dtype=torch.float64, device=dev)
-            # real values, but not op by op through the tracer: only the result matters
             with _disable_current_modes():
                 return uniform53(shape, seed, stream, device, layout)
 
-        mtr._uniform53 = shape_only_uniform53
-
-        # torch has no autocast for the meta device and raises when asked; ops that ask
-        # (ops/einsum.py's local_dot, since 4e8dc0c) would fail on every meta trace
-        is_autocast_enabled = torch.is_autocast_enabled
-
-        def meta_safe_is_autocast_enabled(*args, **kwargs):
-            if args and args[0] == "meta":
-                return False
-            return is_autocast_enabled(*args, **kwargs)
-
-        torch.is_autocast_enabled = meta_safe_is_autocast_enabled
+        mtr._uniform53 = untraced_uniform53
 
         def undo():
             h1.remove()
             h2.remove()
             MeshTensor.__init__ = init
             mtr._uniform53 = uniform53
-            torch.is_autocast_enabled = is_autocast_enabled
 
         _undo.append(undo)
 
