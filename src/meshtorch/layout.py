@@ -25,6 +25,8 @@ from meshtorch.errors import LayoutError
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
 
+_MAX_CACHED_LAYOUTS = 4096  # per rules object; a program uses far fewer distinct shapes
+
 
 class LayoutRules:
     """Global rules: which mesh axis each dim name is split over.
@@ -38,9 +40,13 @@ class LayoutRules:
         'm'
     """
 
-    __slots__ = ("rules",)
+    # ``rules`` is fixed once built (nothing may change it in place): the layouts derived from it
+    # are cached per (shape, mesh) in ``_layouts``, which belongs to this object alone, so other
+    # rules (another launch, another thread's context) never see its entries.
+    __slots__ = ("rules", "_layouts")
 
     def __init__(self, spec: LayoutRules | str | dict[str, str] | None = ""):
+        self._layouts: dict[tuple[Shape, Mesh], Layout] = {}
         if isinstance(spec, LayoutRules):
             self.rules: dict[str, str] = dict(spec.rules)
             return
@@ -86,6 +92,19 @@ class LayoutRules:
 
     def layout(self, shape: Shape, mesh: Mesh, name: str | None = None) -> Layout:
         """The layout of ``shape`` on ``mesh`` under these rules (DESIGN §1)."""
+        # A model asks for the same few layouts on every op of every step. Shape and Mesh are
+        # immutable and compared by value, so an entry is right for any equal shape and mesh.
+        # (``name`` only words the error, and errors are not cached.)
+        key = (shape, mesh)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._derive(shape, mesh, name)
+            if len(self._layouts) >= _MAX_CACHED_LAYOUTS:
+                self._layouts.clear()
+            self._layouts[key] = lay
+        return lay
+
+    def _derive(self, shape: Shape, mesh: Mesh, name: str | None) -> Layout:
         split: dict[str, str] = {}
         taken: set[str] = set()
         for d in shape:
@@ -110,6 +129,9 @@ class LayoutRules:
     def __hash__(self) -> int:
         return hash(tuple(sorted(self.rules.items())))
 
+    def __reduce__(self):
+        return (LayoutRules, (dict(self.rules),))
+
     def __str__(self) -> str:
         return "; ".join(f"{d}:{a}" for d, a in self.rules.items())
 
@@ -126,7 +148,9 @@ class Layout:
         ('batch', None, ((4, 4), (0, 4)))
     """
 
-    __slots__ = ("shape", "mesh", "split", "_by_axis")
+    # Immutable once built; ``local_sizes`` (checked against every new MeshTensor's slice) is
+    # computed here once.
+    __slots__ = ("shape", "mesh", "split", "_by_axis", "local_sizes")
 
     def __init__(self, shape: Shape, mesh: Mesh, split: dict[str, str]):
         self.shape = shape
@@ -135,6 +159,11 @@ class Layout:
         self._by_axis = {a: d for d, a in self.split.items()}
         if len(self._by_axis) != len(self.split):
             raise LayoutError(f"layout {split} splits two dims over one axis")
+        #: sizes of the local slice, in shape order
+        self.local_sizes: tuple[int, ...] = tuple(
+            d.size // mesh.axis_size(self.split[d.name]) if d.name in self.split else d.size
+            for d in shape
+        )
 
     def axis_of(self, dim: str) -> str | None:
         """The axis a dim of this tensor is split over, or ``None``."""
@@ -143,14 +172,6 @@ class Layout:
     def dim_of(self, axis: str) -> str | None:
         """The dim that holds ``axis``, or ``None`` if replicated along it."""
         return self._by_axis.get(axis)
-
-    @property
-    def local_sizes(self) -> tuple[int, ...]:
-        """Sizes of the local slice, in shape order."""
-        return tuple(
-            d.size // self.mesh.axis_size(self.split[d.name]) if d.name in self.split else d.size
-            for d in self.shape
-        )
 
     def slices(self, coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
         """``(start, size)`` of the local slice of each dim at ``coords``."""
@@ -165,7 +186,7 @@ class Layout:
         return tuple(a for a in self.mesh.axis_names if a not in self._by_axis)
 
     def __eq__(self, other: object) -> bool:
-        return (
+        return self is other or (
             isinstance(other, Layout)
             and self.shape == other.shape
             and self.mesh == other.mesh

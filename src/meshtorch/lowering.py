@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -226,14 +227,12 @@ def lower(
         whole: dims the local function needs unsplit (they are gathered).
         name: the output's name, for error messages.
     """
-    reduced = dict(reduced or {})
-    for d, how in reduced.items():
-        if how not in REDUCTIONS:
-            raise ShapeError(f"{op}: reduction {how!r} of dim {d!r} is not one of {REDUCTIONS}")
-    whole = set(whole)
     ctx = current()
     if ctx.mesh.size == 1:
-        return _lower_one_processor(ctx, op, inputs, out_shape, local_fn, whole, name)
+        return _lower_one_processor(ctx, op, inputs, out_shape, local_fn, reduced, whole, name)
+    reduced = dict(reduced or {})
+    _check_reductions(op, reduced)
+    whole = set(whole)
     out_layout = layout_for(out_shape, name)
     comp = choose_computation(inputs, out_shape, out_layout, reduced, whole)
     locals_ = [to_computation(x, comp) for x in inputs]
@@ -258,53 +257,74 @@ def lower(
     return MeshTensor(out, out_shape, out_layout, name)
 
 
-def _lower_one_processor(ctx, op, inputs, out_shape, local_fn, whole, name) -> MeshTensor:
+def _check_reductions(op: str, reduced: dict[str, str]) -> None:
+    for d, how in reduced.items():
+        if how not in REDUCTIONS:
+            raise ShapeError(f"{op}: reduction {how!r} of dim {d!r} is not one of {REDUCTIONS}")
+
+
+def _lower_one_processor(ctx, op, inputs, out_shape, local_fn, reduced, whole, name) -> MeshTensor:
     """:func:`lower` on a one-processor mesh: every slice is the whole tensor and every adapter
     is the identity, so only the local function runs (the per-op Python is most of meshtorch's
     cost on one processor). Same checks and errors as the general path."""
+    key = (tuple([x.shape for x in inputs]), out_shape, tuple(whole),
+           tuple(reduced.items()) if reduced else ())
+    view = _ONE_VIEWS.get(key)
+    if view is None:
+        view = _one_processor_view(op, inputs, out_shape, reduced or {}, set(whole))
+        if len(_ONE_VIEWS) >= _MAX_ONE_VIEWS:
+            _ONE_VIEWS.clear()
+        _ONE_VIEWS[key] = view
+    result = local_fn(view, *[x.local for x in inputs])
+    if result.shape != out_shape.sizes:
+        raise ShapeError(
+            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
+            f"output [{out_shape}] computed as replicated needs {list(out_shape.sizes)}"
+        )
+    # axes of size 1 divide every dim: the layout cannot raise
+    layout = ctx.rules.layout(out_shape, ctx.mesh)
+    return MeshTensor._checked_elsewhere(result, out_shape, layout, name)
+
+
+# The one-processor LocalView of each op signature (input shapes, output shape, whole and reduced
+# dims): a model runs the same few signatures every step. It depends on nothing else (not the
+# rules, not the mesh), so entries hold across launches; the checks run when an entry is made.
+_ONE_VIEWS: dict[tuple, LocalView] = {}
+_MAX_ONE_VIEWS = 4096
+
+
+def _one_processor_view(op, inputs, out_shape, reduced, whole) -> LocalView:
+    _check_reductions(op, reduced)
     view: dict[str, tuple[int, int]] = {}
     for shape in [x.shape for x in inputs] + [out_shape]:
         for d in shape.dims:
             seen = view.setdefault(d.name, (0, d.size))
             if seen[1] != d.size and d.name not in whole:
                 _dim_sizes(inputs, out_shape, whole)  # raises, naming both tensors
-    result = local_fn(LocalView(view), *[x.local for x in inputs])
-    if tuple(result.shape) != out_shape.sizes:
-        raise ShapeError(
-            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
-            f"output [{out_shape}] computed as replicated needs {list(out_shape.sizes)}"
-        )
-    return MeshTensor._checked_elsewhere(result, out_shape, _one_processor_layout(ctx, out_shape), name)
-
-
-# Layouts on a one-processor mesh, by shape: the same few shapes recur every step. An entry is
-# valid only for the very rules and mesh objects it was made under (kept in the entry and
-# compared by identity), so a later launch with other rules never sees a stale layout.
-_ONE_LAYOUTS: dict[tuple[int, int, Shape], tuple[object, object, Layout]] = {}
-
-
-def _one_processor_layout(ctx, shape: Shape) -> Layout:
-    rules, mesh = ctx.rules, ctx.mesh
-    key = (id(rules), id(mesh), shape)
-    hit = _ONE_LAYOUTS.get(key)
-    if hit is not None and hit[0] is rules and hit[1] is mesh:
-        return hit[2]
-    layout = rules.layout(shape, mesh)  # axes of size 1 divide every dim: this cannot raise
-    if len(_ONE_LAYOUTS) >= 4096:
-        _ONE_LAYOUTS.clear()
-    _ONE_LAYOUTS[key] = (rules, mesh, layout)
-    return layout
+    return LocalView(view)
 
 
 def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch.Tensor:
     """Permute and unsqueeze a local tensor with dims ``names`` so it broadcasts
     against dims ``target`` (a superset, any order)."""
-    names = list(names)
-    order = [names.index(n) for n in target if n in names]
-    t = t.permute(order) if order != list(range(len(order))) else t
-    present = [n for n in target if n in names]
-    shape = []
-    it = iter(t.shape)
-    for n in target:
-        shape.append(next(it) if n in present else 1)
-    return t.reshape(shape) if len(shape) != t.dim() else t
+    perm, where = _alignment(tuple(names), tuple(target))
+    if perm is not None:
+        t = t.permute(perm)
+    if where is None:
+        return t
+    sizes = t.shape
+    return t.reshape([1 if i is None else sizes[i] for i in where])
+
+
+@functools.lru_cache(maxsize=4096)
+def _alignment(names: tuple[str, ...], target: tuple[str, ...]
+               ) -> tuple[tuple[int, ...] | None, tuple[int | None, ...] | None]:
+    """For :func:`align`: the permutation (``None``: already in order) and, for each dim of
+    ``target``, the position of the permuted tensor's dim that fills it or ``None`` for a new
+    size-1 dim (``None`` overall: nothing to add)."""
+    order = tuple(names.index(n) for n in target if n in names)
+    perm = order if order != tuple(range(len(order))) else None
+    if len(order) == len(target):
+        return perm, None
+    it = iter(range(len(order)))
+    return perm, tuple(next(it) if n in names else None for n in target)

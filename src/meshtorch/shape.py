@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -57,7 +58,10 @@ def dim_name(d: Dim | str) -> str:
     raise ShapeError(f"expected a Dim or a dim name, got {d!r}")
 
 
-def _parse(spec: str) -> list[Dim]:
+@functools.lru_cache(maxsize=1024)
+def _parse(spec: str) -> tuple[Dim, ...]:
+    # cached: programs pass the same few strings (``from_global(ids, "batch:8,length:64")``) every
+    # step, and the same Dim objects make equal shapes quick to compare
     dims = []
     for part in re.split(r"[,;]", spec):
         part = part.strip()
@@ -67,7 +71,7 @@ def _parse(spec: str) -> list[Dim]:
         if not sep or not size.strip().lstrip("-").isdigit():
             raise ShapeError(f"cannot parse {part!r} in shape {spec!r}; write 'name:size,name:size'")
         dims.append(Dim(name.strip(), int(size)))
-    return dims
+    return tuple(dims)
 
 
 class Shape:
@@ -82,12 +86,15 @@ class Shape:
         ('batch:8,seq:16', 128, True, 1)
     """
 
-    __slots__ = ("dims", "_index")
+    # A Shape never changes after __init__, so what ops ask of it on every call (names, sizes,
+    # the hash that keys the lowering's caches) is computed once here.
+    __slots__ = ("dims", "_index", "names", "sizes", "_hash")
 
     def __init__(self, dims: Shape | str | Iterable[Dim | tuple[str, int]] = ()):
         if isinstance(dims, Shape):
             self.dims: tuple[Dim, ...] = dims.dims
             self._index = dims._index
+            self.names, self.sizes, self._hash = dims.names, dims.sizes, dims._hash
             return
         items = _parse(dims) if isinstance(dims, str) else list(dims)
         out = []
@@ -110,20 +117,15 @@ class Shape:
                 f"shape {self} repeats dim name(s) {sorted(set(dup))}; "
                 "dim names must be unique — rename one (e.g. 'd_model_out')"
             )
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(d.name for d in self.dims)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(d.size for d in self.dims)
+        self.names: tuple[str, ...] = tuple(self._index)
+        self.sizes: tuple[int, ...] = tuple(d.size for d in self.dims)
+        self._hash = hash((self.names, self.sizes))
 
     @property
     def numel(self) -> int:
         n = 1
-        for d in self.dims:
-            n *= d.size
+        for size in self.sizes:
+            n *= size
         return n
 
     @property
@@ -156,11 +158,17 @@ class Shape:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Shape):
-            return self.dims == other.dims
+            # equal dims <=> equal names and sizes; comparing those tuples runs no Python per dim
+            return self is other or (self._hash == other._hash and self.names == other.names
+                                     and self.sizes == other.sizes)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.dims)
+        return self._hash
+
+    def __reduce__(self):
+        # rebuilt on unpickling: string hashes differ between processes, so _hash must not travel
+        return (Shape, (self.dims,))
 
     def __add__(self, other: Shape | Iterable[Dim]) -> Shape:
         return Shape(self.dims + tuple(Shape(other).dims))

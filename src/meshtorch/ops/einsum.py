@@ -67,26 +67,33 @@ def einsum(
         xs = (equation,) + xs
         if output_shape is None:
             raise ShapeError("einsum without an equation needs output_shape=")
-        out_names = [dim_name(d) for d in (
-            output_shape.dims if isinstance(output_shape, Shape) else
-            as_shape(output_shape).dims if isinstance(output_shape, str) else output_shape)]
+        spec = output_shape if isinstance(output_shape, (Shape, str)) else tuple(output_shape)
     else:
         xs = tuple(as_mesh_tensor(x) for x in xs)
-        out_names = _parse(equation, xs)
-    key = (tuple(x.shape for x in xs), tuple(out_names))
+        spec = equation
+    # the plan (and the checks made when building it) depends only on the operand shapes and
+    # the equation or output dims, so they are the key
+    key = (tuple([x.shape for x in xs]), spec)
     plan = _PLANS.get(key)
     if plan is None:
+        if isinstance(equation, MeshTensor):
+            out_names = [dim_name(d) for d in (
+                spec.dims if isinstance(spec, Shape) else as_shape(spec).dims if isinstance(spec, str)
+                else spec)]
+        else:
+            out_names = _parse(equation, xs)
         plan = _plan(xs, out_names)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
     out, local_fn, reduced = plan
-    return lower("einsum", xs, out, local_fn, reduced=dict(reduced), name=name)
+    return lower("einsum", xs, out, local_fn, reduced=reduced, name=name)
 
 
 # A model calls einsum with the same few shapes every step: the output shape, equation and
 # reduced dims are a pure function of the operand shapes and output names, so they are
 # computed once (the Python of building them was a large part of einsum's cost on one processor).
+# ``lower`` only reads the reduced dict, so the cached one is passed as it is.
 _PLANS: dict[tuple, tuple[Shape, Callable, dict[str, str]]] = {}
 _MAX_PLANS = 4096
 

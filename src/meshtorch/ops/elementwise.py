@@ -54,28 +54,55 @@ def broadcast_shape(*shapes: Shape) -> Shape:
 
 def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
     """Apply an elementwise torch function to operands broadcast by dim name."""
-    tensors = [x for x in xs if isinstance(x, MeshTensor)]
+    shapes = []
     for x in xs:
-        if not isinstance(x, MeshTensor) and not _is_scalar(x):
+        if isinstance(x, MeshTensor):
+            shapes.append(x.shape)
+        elif _is_scalar(x):
+            shapes.append(None)
+        else:
             raise ShapeError(
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
-    if not tensors:
-        raise ShapeError(f"{op} needs at least one MeshTensor operand")
-    out = broadcast_shape(*(x.shape for x in tensors))
-    if all(x.shape == out and x.layout == tensors[0].layout for x in tensors):
-        locals_ = [x.local if isinstance(x, MeshTensor) else x for x in xs]
-        return MeshTensor(fn(*locals_), out, tensors[0].layout)
+    key = tuple(shapes)
+    plan = _NARY.get(key)
+    if plan is None:
+        plan = _nary_plan(key, op)
+        if len(_NARY) >= _MAX_NARY:
+            _NARY.clear()
+        _NARY[key] = plan
+    out, same_shapes = plan
+    tensors = [x for x in xs if isinstance(x, MeshTensor)]
+    if same_shapes:
+        first = tensors[0].layout
+        if all(x.layout is first or x.layout == first for x in tensors):
+            return MeshTensor(fn(*[x.local if isinstance(x, MeshTensor) else x for x in xs]), out, first)
     names = out.names
 
     def local_fn(view, *ls):
         it = iter(ls)
         args = [align(next(it), x.names, names) if isinstance(x, MeshTensor) else x for x in xs]
+        y = fn(*args)
         # scalars and broadcasting may leave size-1 dims; the output slice is full-sized
-        return fn(*args).expand([view.size(n) for n in names])
+        want = tuple([view.size(n) for n in names])
+        return y if y.shape == want else y.expand(want)
 
     return lower(op, tensors, out, local_fn)
+
+
+# The broadcast shape of each combination of operand shapes (None: a scalar), and whether every
+# operand already has it: computed once per combination, as a model repeats the same few.
+_NARY: dict[tuple[Shape | None, ...], tuple[Shape, bool]] = {}
+_MAX_NARY = 4096
+
+
+def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:
+    present = [s for s in shapes if s is not None]
+    if not present:
+        raise ShapeError(f"{op} needs at least one MeshTensor operand")
+    out = broadcast_shape(*present)
+    return out, all(s == out for s in present)
 
 
 def _binary(fn, op):

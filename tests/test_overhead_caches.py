@@ -1,0 +1,127 @@
+"""The caches that keep meshtorch's per-op Python small (benchmarks/overhead.py) never serve a
+stale entry: layouts are cached per rules object and keyed by (shape, mesh); one-processor views,
+broadcast shapes, einsum plans and alignments depend on shapes alone. Each test runs the same
+shapes under settings that must give different answers, in sequence and in threads."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import meshtorch as mt
+from meshtorch.errors import LayoutError, ShapeError
+from meshtorch.layout import LayoutRules
+from meshtorch.lowering import align
+from meshtorch.mesh import Mesh
+
+
+def _layouts_and_values():
+    """The layouts an op gives a fixed set of shapes under the current rules, and its values."""
+    x = mt.from_global(torch.arange(24.0).reshape(4, 6), "a:4,c:6")
+    y = mt.from_global(torch.arange(6.0), "c:6")
+    z = x * y + 1.0
+    s = mt.reduce_sum(z, "c")
+    return str(z.layout), str(s.layout), tuple(z.local.shape), s.to_global().tolist()
+
+
+def test_same_shapes_under_other_rules_in_sequence_get_other_layouts():
+    want = (torch.arange(24.0).reshape(4, 6) * torch.arange(6.0) + 1).sum(1).tolist()
+    runs = [("b:2", "a:b"), ("b:2", "c:b"), ("b:2", ""), ("b:2", "a:b"), ("b:1", "a:b"), ("", "")]
+    seen = []
+    for mesh, rules in runs:
+        out = mt.launch(_layouts_and_values, mesh=mesh, rules=rules)[0]
+        assert out[3] == want, (mesh, rules)
+        seen.append(out[:3])
+    assert seen[0] == ("a:b", "a:b", (2, 6))
+    assert seen[1] == ("c:b", "replicated", (4, 3))
+    assert seen[2] == ("replicated", "replicated", (4, 6))
+    assert seen[3] == seen[0]  # back to the first rules: still right
+    assert seen[4] == ("a:b", "a:b", (4, 6))  # one processor, axis of size 1: a split of 1
+    assert seen[5] == ("replicated", "replicated", (4, 6))
+
+
+def test_rules_objects_keep_their_own_layouts():
+    shape, mesh = mt.Shape("a:4,c:6"), Mesh("b:2")
+    r1, r2 = LayoutRules("a:b"), LayoutRules("c:b")
+    for _ in range(2):  # the second round is served from the caches
+        assert r1.layout(shape, mesh).split == {"a": "b"}
+        assert r2.layout(shape, mesh).split == {"c": "b"}
+        assert r1.layout(shape, Mesh("m:2")).split == {}  # another mesh, another entry
+    # a copy of the rules starts with its own cache, and errors are raised every time
+    bad = mt.Shape("a:3")
+    for _ in range(2):
+        with pytest.raises(LayoutError, match="does not divide"):
+            LayoutRules(r1).layout(bad, mesh)
+
+
+def test_threads_with_different_rules_at_once():
+    results: dict[str, list] = {}
+    errors = []
+
+    def run(rules):
+        try:
+            for _ in range(5):
+                results.setdefault(rules, []).append(
+                    mt.launch(_layouts_and_values, mesh="b:2", rules=rules))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in ("a:b", "c:b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for rules, layout in [("a:b", "a:b"), ("c:b", "c:b")]:
+        for per_processor in results[rules]:
+            assert all(out[0] == layout for out in per_processor), (rules, per_processor)
+
+
+def test_shape_hash_is_rebuilt_when_unpickled_in_another_process():
+    s = mt.Shape("batch:2,length:3")
+    code = ("import pickle, sys, meshtorch as mt; s = pickle.loads(sys.stdin.buffer.read()); "
+            "d = {mt.Shape('batch:2,length:3'): 1}; print(d[s], s == mt.Shape('batch:2,length:3'))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(s), capture_output=True,
+                         check=True)
+    assert out.stdout.decode().split() == ["1", "True"]
+    r = pickle.loads(pickle.dumps(LayoutRules("batch:b")))
+    assert r.rules == {"batch": "b"} and r.layout(s, Mesh("b:2")).split == {"batch": "b"}
+
+
+def test_equal_shapes_compare_by_names_and_sizes():
+    a, b = mt.Shape("x:2,y:3"), mt.Shape([mt.Dim("x", 2), mt.Dim("y", 3)])
+    assert a == b and hash(a) == hash(b) and a is not b
+    assert a != mt.Shape("x:2,y:4") and a != mt.Shape("y:3,x:2") and a != mt.Shape("x:2")
+
+
+def test_align_permutes_and_unsqueezes_for_any_order():
+    t = torch.arange(6.0).reshape(2, 3)
+    for _ in range(2):  # second time from the cache
+        assert torch.equal(align(t, ("a", "b"), ("a", "b")), t)
+        assert torch.equal(align(t, ("a", "b"), ("b", "a")), t.T)
+        assert torch.equal(align(t, ("a", "b"), ("c", "b", "d", "a")), t.T.reshape(1, 3, 1, 2))
+        assert torch.equal(align(t, ["a", "b"], ["a", "c", "b"]), t.reshape(2, 1, 3))
+
+
+def test_cached_plans_still_check_every_call():
+    x = mt.ones("batch:2,d:3")
+    dense = mt.nn.Dense(mt.Dim("d", 3), mt.Dim("h", 4))
+    assert dense(x).shape == mt.Shape("batch:2,h:4")
+    assert dense(mt.ones("length:5,d:3")).shape == mt.Shape("length:5,h:4")
+    for _ in range(2):
+        with pytest.raises(ShapeError, match="expects dim"):
+            dense(mt.ones("batch:2,e:3"))
+    # an output given as a generator is read once, also when the plan is cached
+    w = mt.ones("d:3,h:4")
+    for _ in range(2):
+        assert mt.einsum(x, w, output_shape=(n for n in ["batch", "h"])).shape == mt.Shape("batch:2,h:4")
+    # a scalar operand in another position is another broadcast plan
+    assert (2.0 - x).to_global().tolist() == (1.0 - x + 1.0 - 1.0 + 1.0).to_global().tolist()
+    for _ in range(2):
+        with pytest.raises(ShapeError, match="neither a MeshTensor nor a scalar"):
+            x + [1.0]
