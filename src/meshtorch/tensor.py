@@ -245,9 +245,12 @@ def from_global(
     layout = layout_for(shape, name)
     if current().comm.check:
         _check_same_everywhere(t, shape, name)
-    local = t[local_slices(layout)]
-    if not t.requires_grad:
-        local = local.detach().clone()
+    if t.requires_grad:
+        local = t[local_slices(layout)]  # a view: gradients flow back into t
+    else:
+        # a copy of the slice; an unsplit tensor is its own slice, so no indexing op (and no
+        # detach: t has no autograd history), one aten op for an input on one processor
+        local = (t[local_slices(layout)] if layout.split else t).clone()
         if requires_grad:
             local.requires_grad_(True)
     return MeshTensor(local, shape, layout, name)

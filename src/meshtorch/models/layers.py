@@ -50,9 +50,8 @@ def causal_bias(length: int, memory: int | None = None, offset: int = 0,
         [[0.0, 0.0, -1000000000.0], [0.0, 0.0, 0.0]]
     """
     memory = length if memory is None else memory
-    q = torch.arange(length).unsqueeze(1) + offset
-    k = torch.arange(memory).unsqueeze(0)
-    t = torch.where(k <= q, 0.0, NEG).to(dtype)
+    # NEG strictly above diagonal `offset` (key j > query i + offset), 0 elsewhere: two kernels
+    t = torch.full((length, memory), NEG).triu_(offset + 1).to(dtype)
     return from_global(t, [Dim(LENGTH, length), Dim(MEMORY, memory)])
 
 

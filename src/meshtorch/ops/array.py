@@ -185,10 +185,11 @@ def gather(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | None 
 
     def local_fn(view, tab, idx):
         start, size = view.slices[v]
-        rel = idx - start
-        hit = (rel >= 0) & (rel < size)
-        rows = tab.movedim(vi, 0)[rel.clamp(0, size - 1)]
+        rel = idx - start if start else idx  # (each skipped no-op is an autograd node less)
+        safe = rel.clamp(0, size - 1)
+        hit = safe == rel  # ids outside this slice's range (or the vocabulary) pick zeros
+        rows = (tab.movedim(vi, 0) if vi else tab)[safe]
         mask = hit.reshape(hit.shape + (1,) * (rows.dim() - hit.dim()))
-        return rows * mask.to(rows.dtype)
+        return rows * mask  # (the bool mask promotes to rows' dtype inside the kernel)
 
     return lower("gather", [table, ids], out, local_fn, reduced={v: "sum"}, name=name)

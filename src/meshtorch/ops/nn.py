@@ -89,8 +89,8 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
         def local_fn(view, t, ids):
             ids = align(ids, targets.names, out.names).unsqueeze(i)
             # ids outside the vocabulary pick nothing, as the one-hot of the composed path
-            hit = (ids >= 0) & (ids < v.size)
-            picked = t.gather(i, ids.clamp(0, v.size - 1)) * hit.to(t.dtype)
+            safe = ids.clamp(0, v.size - 1)
+            picked = t.gather(i, safe) * (safe == ids)  # (the bool mask promotes in the kernel)
             return torch.logsumexp(t, i) - picked.squeeze(i)
 
         return lower("cross_entropy", [logits, targets], out, local_fn, whole=[v.name])
