@@ -226,9 +226,11 @@ class _MemFrontier:
             ids, node, a, gg = ids[srt], node[srt], a[srt], gg[srt]
             # Pareto within each node: keep a point when its g is below every earlier
             # one of its node. Exact segmented running minimum on integer ranks of g,
-            # offset so that an earlier node never undercuts a later one.
-            rank = np.unique(gg, return_inverse=True)[1].astype(np.int64)
-            big = int(rank.max(initial=0)) + 1
+            # offset so that an earlier node never undercuts a later one. Equal g get
+            # ranks rising with position (stable sort), so a tie is never kept twice.
+            rank = np.empty(gg.size, dtype=np.int64)
+            rank[np.argsort(gg, kind="stable")] = np.arange(gg.size)
+            big = gg.size + 1
             val = rank + (j1 - node) * big
             run = np.minimum.accumulate(val) if val.size else val
             first = np.r_[True, node[1:] != node[:-1]] if val.size else np.zeros(0, bool)
