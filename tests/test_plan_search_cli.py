@@ -104,3 +104,45 @@ def test_cli_search_and_errors(capsys):
     assert "dim 'd_ff' of size 64 over axis 'b' of size 3" in capsys.readouterr().err
     assert main(ARGS + ["--mesh", "b:2", "--rules", "experts:b"]) == 2
     assert "does not have" in capsys.readouterr().err
+
+
+SMALL = TrainConfig(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, length=8, experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("model, mesh, optimizer", [("lm", "b:2,m:2", "adafactor"),
+                                                    ("moe", "b:2,m:2", "adamw")])
+def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model, mesh, optimizer):
+    from meshtorch.plan.search import REFERENCE_MESH, _dims, lower_bounds
+
+    cfg = dataclasses.replace(SMALL, model=model, optimizer=optimizer)
+    step = training_step(cfg, vocab=32)
+    spec = device("tpu-v2")
+    ref = trace(step, mesh=REFERENCE_MESH)
+    everything = []
+    for rules in rules_for(mesh, _dims(ref)):
+        est = mt.plan.estimate(step, mesh, rules, device=spec)
+        t, m = lower_bounds(ref, mesh, rules, spec)
+        assert 0 < t <= est.step_seconds * (1 + 1e-9), rules
+        assert 0 < m <= est.memory_bytes["total"], rules
+        everything.append(est)
+    # memory between the smallest and largest need, so that half the candidates do not fit
+    need = sorted(e.memory_bytes["total"] for e in everything)
+    small = dataclasses.replace(spec, name="small", memory_bytes=need[len(need) // 2])
+    fastest_fitting = min(e.step_seconds for e in everything if e.memory_bytes["total"] <= small.memory_bytes)
+    res = mt.plan.search(step, mesh, device=small, echo=False)
+    assert res.best.fits and res.best.step_seconds == pytest.approx(fastest_fitting, rel=1e-12)
+    assert res.space == len(everything) == len(res.candidates) + sum(res.pruned.values())
+
+
+def test_search_prunes_the_paper_model_without_changing_the_answer():
+    # a 3-layer LM (traced with 1 and 2 layers), big enough for compute to dominate
+    cfg = TrainConfig(layers=3, d_model=1024, d_kv=128, d_ff=8192, heads=8, batch=64, length=128,
+                      tie_embeddings=False, optimizer="adafactor")
+    step = training_step(cfg, vocab=8192)
+    res = mt.plan.search(step, 4, device="tpu-v2", meshes=["b:2,m:2"], echo=False)
+    assert res.pruned["time"] > 0 and len(res.candidates) < res.space == 16
+    best = mt.plan.estimate(step, res.mesh, res.rules, device="tpu-v2")
+    assert best.step_seconds == pytest.approx(res.best.step_seconds, rel=1e-12)
+    # the paper's kind of layout (data on b, the model dims on m) is never better than the search's
+    hand = mt.plan.estimate(step, "b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", device="tpu-v2")
+    assert res.best.step_seconds <= hand.step_seconds * (1 + 1e-9)

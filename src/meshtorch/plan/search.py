@@ -34,12 +34,14 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meshtorch.errors import PlanError
+from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
@@ -91,11 +93,18 @@ def rules_for(mesh: str, dims: dict[str, int]) -> list[str]:
 
 @dataclass
 class SearchResult:
-    """Candidates, best first (fitting ones by step time, then the others by memory)."""
+    """Candidates, best first (fitting ones by step time, then the others by memory).
+
+    ``candidates`` holds the traced candidates only; ``space`` counts every
+    candidate, and ``pruned`` those a lower bound ruled out without a trace
+    (``{"time": n, "memory": n}``).
+    """
 
     candidates: list[Estimate]
     device: str
     seconds: float
+    space: int = 0
+    pruned: dict[str, int] = field(default_factory=dict)
 
     @property
     def best(self) -> Estimate:
@@ -116,7 +125,13 @@ class SearchResult:
             rows.append(f"{i:>3}  {e.mesh:<14}{e.rules or '(replicated)':<48}{e.step_seconds * 1e3:>10.2f}"
                         f"{_fmt_bytes(e.memory_bytes['total']):>12}  {'yes' if e.fits else 'NO ':<4}  "
                         f"{e.reason()}")
-        rows.append(f"{len(self.candidates)} candidates on {self.device} in {self.seconds:.1f} s; "
+        pruned = ""
+        if self.pruned:
+            pruned = (f" ({self.pruned.get('time', 0)} pruned: compute bound >= the best step time; "
+                      f"{self.pruned.get('memory', 0)} pruned: parameter bytes alone do not fit)")
+        space = self.space or len(self.candidates)
+        rows.append(f"{space} candidates, {len(self.candidates)} traced{pruned}, "
+                    f"on {self.device} in {self.seconds:.1f} s; "
                     f"best: --mesh {self.mesh} --rules \"{self.rules}\"")
         return "\n".join(rows)
 
@@ -128,12 +143,16 @@ def _key(e: Estimate) -> tuple:
     return (not e.fits, e.step_seconds if e.fits else e.memory_bytes["total"])
 
 
+def _lin(a, b, k):
+    return a + k * (b - a)
+
+
 def _extrapolate(t1: Trace, t2: Trace, layers: int) -> Trace:
     """A ``layers``-deep trace from 1- and 2-layer ones (every block costs the same)."""
     k = layers - 1
 
     def lin(a, b):
-        return a + k * (b - a)
+        return _lin(a, b, k)
 
     comm = t1.comm.copy()
     for key in set(t1.comm._calls) | set(t2.comm._calls):
@@ -147,12 +166,16 @@ def _extrapolate(t1: Trace, t2: Trace, layers: int) -> Trace:
         result = {"parameters": lin(t1.result["parameters"], t2.result["parameters"])}
     return replace(t2, comm=comm, peak_by_kind=by_kind, peak_bytes=sum(by_kind.values()),
                    flops_by_dtype=flops, flops=sum(flops.values()),
-                   parameters=lin(t1.parameters, t2.parameters), result=result, ops=[])
+                   parameters=lin(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
+                   param_shapes=[])
 
 
-def dims_of(step_fn: Callable[[], Any]) -> dict[str, int]:
-    """Every dim name and size the step's MeshTensors use (from a one-processor meta trace)."""
-    t = trace(step_fn, mesh="", rules="", backend="meta")
+# A replicated reference trace runs on this mesh: two processors, so that the general
+# lowering runs (a one-processor mesh takes shortcuts), and no rules, so every op is global.
+REFERENCE_MESH = "ref:2"
+
+
+def _dims(t: Trace) -> dict[str, int]:
     dims: dict[str, int] = {}
     for op in t.ops:
         for part in op.shape.split(","):
@@ -162,15 +185,80 @@ def dims_of(step_fn: Callable[[], Any]) -> dict[str, int]:
     return dims
 
 
+def dims_of(step_fn: Callable[[], Any]) -> dict[str, int]:
+    """Every dim name and size the step's MeshTensors use (from a replicated meta trace)."""
+    return _dims(trace(step_fn, mesh=REFERENCE_MESH, rules="", backend="meta"))
+
+
+def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> tuple[float, float]:
+    """Lower bounds on a layout's compute seconds and peak bytes, from a replicated trace.
+
+    ``ref`` is the step traced with no rules (every op global). A FLOP op
+    whose operands are MeshTensors with dims ``D`` is split over at most the
+    distinct axes the rules give ``D`` (an axis splits a tensor once), so a
+    processor runs at least its FLOPs over their product; an op with an
+    operand that is no MeshTensor's (an autograd gradient) at least its
+    FLOPs over the mesh size. Parameters (and their gradients, when the step
+    holds both as its measured block begins) are held whole-step, so their
+    slices bound the peak from below. And when ``batch`` is split over an
+    axis, each such parameter's gradient whose dims do not use that axis is
+    a sum over it: at least an all_reduce's bandwidth term, 2(n-1)/n bytes
+    over the link (the bandwidth-optimal bound, below the tree's 2 log n).
+    ``tests/test_plan_search_cli.py`` checks the bounds against the traces of
+    whole search spaces.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.plan.search import REFERENCE_MESH, lower_bounds
+        >>> def step():
+        ...     w = mt.nn.Dense(mt.Dim("d_model", 64), mt.Dim("d_ff", 256), bias=False)
+        ...     x = mt.random.normal("batch:32,d_model:64", seed=1)
+        ...     with mt.plan.measure():
+        ...         mt.reduce_sum(w(x)).backward()
+        >>> ref = mt.plan.trace(step, mesh=REFERENCE_MESH)
+        >>> spec = mt.plan.device("a100")
+        >>> t, m = lower_bounds(ref, "b:2,m:4", "batch:b; d_ff:m", spec)
+        >>> est = mt.plan.estimate(step, "b:2,m:4", "batch:b; d_ff:m", device=spec)
+        >>> t <= est.step_seconds, m <= est.memory_bytes["total"], m == 64 * 256 * 4 / 4
+        (True, True, True)
+    """
+    m = Mesh(mesh) if not isinstance(mesh, Mesh) else mesh
+    r = LayoutRules(rules).rules
+    cache: dict[frozenset[str] | None, int] = {}
+
+    def split(dims: frozenset[str] | None) -> int:
+        if dims not in cache:
+            cache[dims] = m.size if dims is None else math.prod(
+                m.axis_size(a) for a in {r[d] for d in dims if d in r and r[d] in m})
+        return cache[dims]
+
+    seconds = sum(n / split(d) / spec.flops_per_second(dt) for dt, n, d in ref.flop_ops)
+    params = sum(b / split(frozenset(names)) for names, b, _ in ref.param_shapes)
+    start = ref.start_by_kind
+    held = 2 if start and start.get("gradients", 0) >= start.get("parameters", 0) > 0 else 1
+    data = r.get("batch")
+    if data in m and m.axis_size(data) > 1:
+        k = m.axis_size(data)
+        summed = sum(b / split(frozenset(names)) for names, b, grad in ref.param_shapes
+                     if grad and all(r.get(d) != data for d in names))
+        seconds += 2 * (k - 1) / k * summed / spec.link(data).bandwidth
+    return seconds, held * params
+
+
 def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str | DeviceSpec = "tpu-v2",
            *, top: int = 10, verify: int = 3, meshes: Iterable[str] | None = None,
-           algorithm: str = "ring", echo: bool = True, max_candidates: int = 2000) -> SearchResult:
+           algorithm: str = "ring", echo: bool = True, max_candidates: int = 100_000) -> SearchResult:
     """Search mesh shapes and layout rules for the fastest step that fits ``device``'s memory.
 
     ``processors`` is a processor count (meshes are searched) or a mesh (only
     rules are). Prints the ``top`` candidates with the reason for each (which
     collectives dominate, what does not fit) unless ``echo=False``, and
     returns a :class:`SearchResult` whose ``rules`` and ``mesh`` can be pasted.
+
+    Branch and bound: every candidate gets cheap lower bounds (:func:`lower_bounds`);
+    candidates are traced in order of their time bound until the bound reaches
+    the best step time found, and those whose parameters alone overflow memory
+    are not traced. The result is the same as tracing every candidate.
     """
     t0 = time.perf_counter()
     if isinstance(processors, int):
@@ -179,32 +267,79 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         mesh_list = [str(Mesh(processors))]
     n = Mesh(mesh_list[0]).size
     spec = get_device(device, processors=n)
-    dims = dims_of(step_fn)
-    space = [(m, r) for m in mesh_list for r in rules_for(m, dims)]
-    if not space:
-        raise PlanError(f"no layout of the dims {dims} divides over the meshes {mesh_list}; "
-                        "pick a processor count that divides the batch or the model dims")
-    if len(space) > max_candidates:
-        raise PlanError(f"{len(space)} candidates exceed max_candidates={max_candidates}; pass meshes=[...] "
-                        "or a fixed mesh to narrow the search")
     rebuild = getattr(step_fn, "with_layers", None)
     layers = getattr(step_fn, "layers", 0)
     quick = rebuild is not None and layers > 2
-    fns = (rebuild(1), rebuild(2)) if quick else None
-    results: list[Estimate] = []
-    for mesh, rules in space:
+    fns = (rebuild(1), rebuild(2)) if quick else (step_fn,)
+    refs = [trace(f, mesh=REFERENCE_MESH, rules="", backend="meta") for f in fns]
+    dims = _dims(refs[0])
+    sizes = {m: len(rules_for(m, dims)) for m in mesh_list}
+    total = sum(sizes.values())
+    if not total:
+        raise PlanError(f"no layout of the dims {dims} divides over the meshes {mesh_list}; "
+                        "pick a processor count that divides the batch or the model dims")
+    if total > max_candidates:
+        raise PlanError(
+            f"{total} candidates exceed max_candidates={max_candidates} (rule sets per mesh: {sizes}); "
+            "pass meshes=[...] with fewer meshes, or a fixed mesh, or raise max_candidates (each "
+            "candidate costs a lower bound, microseconds; only those that can win are traced)")
+    space = [(m, r) for m in mesh_list for r in rules_for(m, dims)]
+
+    def bounds(m: str, r: str) -> tuple[float, float, float]:
+        """Time and memory bounds of the whole step, and the time bound of one block."""
+        b = [lower_bounds(t, m, r, spec) for t in refs]
         if quick:
-            t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta") for f in fns)
-            t = _extrapolate(t1, t2, layers)
-        else:
-            t = trace(step_fn, mesh=mesh, rules=rules, backend="meta")
-        results.append(from_trace(t, mesh, spec, algorithm))
-    results.sort(key=_key)
-    if quick:  # the reported best are traced in full, not extrapolated
-        full = [from_trace(trace(step_fn, mesh=e.mesh, rules=e.rules, backend="meta"), e.mesh, spec,
-                           algorithm) for e in results[:verify]]
-        results = sorted(full, key=_key) + results[verify:]
-    res = SearchResult(results, spec.name, time.perf_counter() - t0)
+            return (_lin(b[0][0], b[1][0], layers - 1), _lin(b[0][1], b[1][1], layers - 1),
+                    b[1][0] - b[0][0])
+        return (*b[0], 0.0)
+
+    lb = {c: bounds(*c) for c in space}
+    order = sorted(space, key=lambda c: lb[c][0])
+    done: dict[tuple[str, str], Estimate] = {}
+    full: set[tuple[str, str]] = set()
+
+    def run(c: tuple[str, str], whole: bool) -> Estimate | None:
+        if whole or not quick:
+            full.add(c)
+            return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta"), c[0], spec, algorithm)
+        t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta")
+        e1 = from_trace(t1, c[0], spec, algorithm)
+        # the bound per block is one too (it sums per-op and per-parameter bounds), so the
+        # 1-layer step plus it may already lose: skip the 2-layer trace
+        if e1.step_seconds + (layers - 1) * lb[c][2] >= best_time() * (1 + 1e-9):
+            return None
+        t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta")
+        return from_trace(_extrapolate(t1, t2, layers), c[0], spec, algorithm)
+
+    def best_time() -> float:
+        return min((e.step_seconds for e in done.values() if e.fits), default=math.inf)
+
+    pruned: dict[str, int] = {}
+    while True:
+        pruned = {"time": 0, "memory": 0}
+        for c in order:
+            if c in done:
+                continue
+            if lb[c][1] > spec.memory_bytes:
+                pruned["memory"] += 1
+            elif lb[c][0] * (1 + 1e-9) >= best_time() or (e := run(c, False)) is None:
+                pruned["time"] += 1
+            else:
+                done[c] = e
+        if not any(e.fits for e in done.values()) and pruned["memory"]:
+            for c in order:  # nothing fits: rank everything by memory
+                if c not in done:
+                    done[c] = run(c, False)
+            pruned["memory"] = 0
+        # the reported best are traced in full, not extrapolated (their memory may differ a little)
+        ranked = sorted(done, key=lambda c: _key(done[c]))[:verify]
+        todo = [c for c in ranked if c not in full]
+        if not todo:
+            break
+        for c in todo:
+            done[c] = run(c, True)
+    results = sorted(done.values(), key=_key)
+    res = SearchResult(results, spec.name, time.perf_counter() - t0, space=len(space), pruned=pruned)
     if echo:
         print(res.table(top))
     return res

@@ -105,6 +105,9 @@ class Trace:
     ops: list[TraceOp] = field(default_factory=list)
     result: Any = None
     wall_s: float = 0.0
+    flop_ops: list[tuple[str, int, frozenset[str] | None]] = field(default_factory=list, repr=False)
+    param_shapes: list[tuple[tuple[str, ...], int, bool]] = field(default_factory=list, repr=False)
+    start_by_kind: dict[str, int] = field(default_factory=dict)
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -136,6 +139,15 @@ class Tracer(TorchDispatchMode):
         self._pending_aten: list[str] = []
         self._pending_flops = 0
         self._pending_comm: list[tuple[str, tuple[str, ...], int]] = []
+        # for the search's lower bounds: the named dims of every MeshTensor's storage, and of
+        # every counted FLOP op, the dims of its operands and result (None: an operand that is
+        # no MeshTensor's, e.g. an autograd gradient, so any axis may split it)
+        self.names: dict[int, frozenset[str]] = {}
+        self.flop_ops: list[list] = []
+        self._pending_flop_ops: list[int] = []
+        self.param_shapes: dict[int, tuple[tuple[str, ...], int]] = {}  # dim names, global bytes
+        self.grad_at_start: set[int] = set()  # parameters with a gradient as the first block began
+        self.start_by_kind: dict[str, int] = {}
 
     # -------------------------------------------------------------- storages
     def track(self, t: torch.Tensor) -> int:
@@ -154,6 +166,7 @@ class Tracer(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         serial, n = self.live.pop(key)
+        self.names.pop(key, None)
         self.events.append((serial, -n))
 
     def mark(self, t: torch.Tensor | None, kind: str) -> None:
@@ -177,6 +190,16 @@ class Tracer(TorchDispatchMode):
             self.all_flops[dtype] += n
             if self.counting:
                 self.flops_by_dtype[dtype] += n
+                dims: set[str] | None = set()
+                for a in tree_leaves(args):
+                    if isinstance(a, torch.Tensor):
+                        names = self.names.get(id(a.untyped_storage()))
+                        if names is None:
+                            dims = None
+                            break
+                        dims |= names
+                self._pending_flop_ops.append(len(self.flop_ops))
+                self.flop_ops.append([dtype, n, dims])
             self._pending_flops += n
         self._pending_aten.append(packet.__name__)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -204,25 +227,42 @@ class Tracer(TorchDispatchMode):
         if isinstance(local, torch.Tensor):
             self.track(local)
             nbytes = local.numel() * local.element_size()
+            key = id(local.untyped_storage())
+            names = frozenset(shape.names)
+            self.names[key] = self.names.get(key, frozenset()) | names  # views share storage
+            for i in self._pending_flop_ops:
+                if self.flop_ops[i][2] is not None:
+                    self.flop_ops[i][2] |= names
         else:
             nbytes = 0
+        self._pending_flop_ops = []
         self.ops.append(TraceOp(str(shape), str(layout), nbytes, tuple(self._pending_aten),
                                 self._pending_flops, tuple(self._pending_comm)))
         self._pending_aten, self._pending_flops, self._pending_comm = [], 0, []
 
     # -------------------------------------------------------------- results
+    def live_by_kind(self) -> dict[str, int]:
+        """Bytes alive now, by kind."""
+        out = dict.fromkeys(KINDS, 0)
+        for serial, n in self.live.values():
+            out[self.kind.get(serial, "activations")] += n
+        return out
+
     def peak(self) -> tuple[int, dict[str, int]]:
         """Peak live bytes and their split by kind at that moment."""
         windows = self.windows or [(0, len(self.events))]
         live_now, best, best_at, pos = 0, 0, -1, 0
         for start, end in windows:
+            for i in range(pos, start):
+                live_now += self.events[i][1]
+            pos = max(pos, start)
+            if live_now > best:  # what is alive when the block begins counts too
+                best, best_at = live_now, pos - 1
             for i in range(pos, end):
                 live_now += self.events[i][1]
                 if i >= start and live_now > best:
                     best, best_at = live_now, i
             pos = end
-            if start == end and live_now > best:  # an empty block: what was alive then
-                best, best_at = live_now, end - 1
         alive: dict[int, int] = {}
         for serial, delta in self.events[: best_at + 1]:
             if delta >= 0:
@@ -247,11 +287,16 @@ def measure() -> Iterator[None]:
         return
     tr.regions += 1
     tr.inside += 1
+    first = not tr.windows and tr.inside == 1
     for ref in tr.params:  # gradients kept from before (assigned, not accumulated)
         p = ref()
         if p is not None:
             tr.mark(p.grad, "gradients")
+            if first and p.grad is not None:
+                tr.grad_at_start.add(id(p))
     start = len(tr.events)
+    if not tr.start_by_kind:
+        tr.start_by_kind = tr.live_by_kind()
     try:
         yield
     finally:
@@ -282,6 +327,9 @@ def _install() -> None:
                     tr.params.append(weakref.ref(param))
                 shape = getattr(param, "_mt_shape", None)
                 tr.param_numel[id(param)] = param.numel() if shape is None else math.prod(shape.sizes)
+                if shape is not None:
+                    tr.param_shapes[id(param)] = (tuple(shape.names),
+                                                  math.prod(shape.sizes) * param.element_size())
                 if param.requires_grad and not getattr(param, "_mt_plan_hooked", False):
                     param.register_post_accumulate_grad_hook(_on_grad)
                     param._mt_plan_hooked = True
@@ -378,7 +426,10 @@ def _traced(fn, args, kwargs, mesh, rules, backend):
                  parameters=sum(tr.param_numel.values()),
                  flops=sum(tr.flops_by_dtype.values()), flops_by_dtype=dict(tr.flops_by_dtype),
                  comm=tr.comm, peak_bytes=peak, peak_by_kind=by_kind, ops=tr.ops, result=result,
-                 wall_s=time.perf_counter() - t0)
+                 wall_s=time.perf_counter() - t0,
+                 flop_ops=[(dt, n, None if d is None else frozenset(d)) for dt, n, d in tr.flop_ops],
+                 param_shapes=[(*v, k in tr.grad_at_start) for k, v in tr.param_shapes.items()],
+                 start_by_kind=tr.start_by_kind)
 
 
 def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", backend: str = "meta",
