@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import string
 from collections.abc import Callable, Iterable
 
@@ -138,17 +139,68 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
             # output layer); the local slices keep the shape's dim order, so this holds on any mesh
             if x_trailing and (w_leading or w_trailing):
-                xs_ = x.shape[: x.dim() - k]
-                x2 = x.reshape(*xs_, -1) if k != 1 else x
+                # one mm on [rows, k] x [k, n], reshaping (viewing, where the slices allow) only
+                # what is not 2-D already: the mm that torch.matmul folds x @ W into, without
+                # matmul's own views around it
                 if w_leading:
-                    y = torch.matmul(x2, w.reshape(x2.shape[-1], -1))
-                    return y.view(*xs_, *w.shape[k:])
-                y = torch.nn.functional.linear(x2, w.reshape(-1, x2.shape[-1]))
-                return y.view(*xs_, *w.shape[: w.dim() - k])
+                    size_k, out = math.prod(w.shape[:k]), (*x.shape[: x.dim() - k], *w.shape[k:])
+                    w2 = w if w.dim() == 2 else w.reshape(size_k, -1)
+                else:
+                    size_k, out = math.prod(w.shape[w.dim() - k:]), (*x.shape[: x.dim() - k],
+                                                                    *w.shape[: w.dim() - k])
+                    w2 = (w if w.dim() == 2 else w.reshape(-1, size_k)).t()
+                y = torch.mm(x if x.dim() == 2 and k == 1 else x.reshape(-1, size_k), w2)
+                return y if y.shape == out else y.view(out)
             return torch.tensordot(x, w, dims=dot)
 
         return out, local_dot, reduced
+    bmm = _bmm_dims(xs, out_names)
+    if bmm is not None:
+        return out, _local_bmm(spec, *bmm), reduced
     return out, lambda view, *ls: torch.einsum(spec, *ls), reduced
+
+
+def _bmm_dims(xs: tuple[MeshTensor, ...], out_names: list[str]):
+    """For two operands whose every dim is either shared with the other (batch if in the
+    output, else contracted) or in the output (attention's scores and context): the permutations
+    that bring ``x`` to [batch, x's free, contracted] and ``w`` to [batch, contracted, w's free],
+    the output permutation from [batch, x's free, w's free], and the group sizes."""
+    if len(xs) != 2:
+        return None
+    a, b = xs[0].names, xs[1].names
+    if any(n not in b and n not in out_names for n in a) or any(n not in a and n not in out_names for n in b):
+        return None  # a dim summed within one operand: torch.einsum
+    batch = [n for n in out_names if n in a and n in b]
+    free_a = [n for n in out_names if n in a and n not in b]
+    free_b = [n for n in out_names if n in b and n not in a]
+    contracted = [n for n in a if n in b and n not in out_names]
+    if not contracted:
+        return None
+    pa = tuple(a.index(n) for n in batch + free_a + contracted)
+    pb = tuple(b.index(n) for n in batch + contracted + free_b)
+    natural = batch + free_a + free_b
+    po = tuple(natural.index(n) for n in out_names)
+    ident = tuple(range(len(a))), tuple(range(len(b))), tuple(range(len(out_names)))
+    return (None if pa == ident[0] else pa, None if pb == ident[1] else pb,
+            None if po == ident[2] else po, len(batch), len(free_a), len(contracted))
+
+
+def _local_bmm(spec, pa, pb, po, nb, nfa, nc):
+    def local_bmm(view, x, w):
+        # as local_dot: autocast and mixed dtypes go to einsum
+        if x.dtype != w.dtype or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
+            return torch.einsum(spec, x, w)
+        # one bmm on [batch, m, k] x [batch, k, n], as PyTorch attention code does it (q @ kᵀ,
+        # a @ v): torch.einsum reaches the same bmm through more permutes, unsqueezes and views
+        x = x.permute(pa) if pa is not None else x
+        w = w.permute(pb) if pb is not None else w
+        bs, ms, ns = x.shape[:nb], x.shape[nb:nb + nfa], w.shape[nb + nc:]
+        y = torch.bmm(x.reshape(math.prod(bs), math.prod(ms), -1),
+                      w.reshape(math.prod(bs), -1, math.prod(ns)))
+        y = y.view(*bs, *ms, *ns)
+        return y.permute(po) if po is not None else y
+
+    return local_bmm
 
 
 def matmul(x: MeshTensor, y: MeshTensor, output_shape=None, name: str | None = None) -> MeshTensor:
