@@ -24,22 +24,24 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.errors import MeshTorchError
-from meshtorch.optim.params import Params, mesh_views
+from meshtorch.optim.params import Params, layouts_of
 
 
 def global_grad_norm(params: Params, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as one global vector; the same on every processor."""
-    return _global_grad_norm([(p, v) for p, v in mesh_views(params) if p.grad is not None], norm_type)
+    return _global_grad_norm([(p, lay) for p, lay in layouts_of(params) if p.grad is not None],
+                             norm_type)
 
 
-def _global_grad_norm(views, norm_type: float) -> torch.Tensor:
+def _global_grad_norm(grads_layouts, norm_type: float) -> torch.Tensor:
     comm = current().comm
-    if not views:
+    if not grads_layouts:
         return torch.tensor(0.0)
     inf = math.isinf(norm_type)
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
-    for p, v in views:
-        axes = tuple(a for a in comm.mesh.axis_names if v.layout.dim_of(a) is not None)
+    axis_names = comm.mesh.axis_names
+    for p, layout in grads_layouts:
+        axes = tuple(a for a in axis_names if layout.dim_of(a) is not None)
         groups.setdefault(axes, []).append(p.grad)
     by_axes: dict[tuple[str, ...], torch.Tensor] = {}
     for axes, grads in groups.items():
@@ -47,10 +49,12 @@ def _global_grad_norm(views, norm_type: float) -> torch.Tensor:
         with torch.no_grad():
             norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
         by_axes[axes] = norms.max() if inf else norms.pow(norm_type).sum()
-    total = torch.zeros((), dtype=torch.float64)
+    total = None  # parts are >= 0 (or NaN): starting from the first equals starting from 0
     for axes in sorted(by_axes):
-        part = comm.all_reduce(by_axes[axes].reshape(1), axes, "max" if inf else "sum")[0]
-        total = torch.maximum(total, part) if inf else total + part
+        part = by_axes[axes]
+        if axes:
+            part = comm.all_reduce(part.reshape(1), axes, "max" if inf else "sum")[0]
+        total = part if total is None else torch.maximum(total, part) if inf else total + part
     norm = total if inf else total.pow(1.0 / norm_type)
     return norm.to(torch.float32)
 
@@ -62,7 +66,7 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
     Like ``torch.nn.utils.clip_grad_norm_`` on the dense model; returns the norm
     before clipping. Every processor must call it (it communicates).
     """
-    views = [(p, v) for p, v in mesh_views(params) if p.grad is not None]
+    views = [(p, lay) for p, lay in layouts_of(params) if p.grad is not None]
     total = _global_grad_norm(views, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise MeshTorchError(f"the global gradient {norm_type}-norm is {total.item()}; "

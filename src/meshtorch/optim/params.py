@@ -16,7 +16,7 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.layout import Layout
-from meshtorch.nn.module import as_mesh_view
+from meshtorch.nn.module import as_mesh_view, mesh_layout
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor
 
@@ -47,6 +47,22 @@ def mesh_views(params: Params) -> list[tuple[torch.Tensor, MeshTensor]]:
             out.append((p.local, p))
         else:
             out.append((p, view_of(p)))
+    return out
+
+
+def layouts_of(params: Params) -> list[tuple[torch.Tensor, Layout]]:
+    """``(local parameter, layout)``, as :func:`mesh_views` gives them but without building a
+    MeshTensor per parameter: for what runs every step (gradient clipping) and needs only the
+    layouts."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    out = []
+    for p in params:
+        layout = mesh_layout(p) if isinstance(p, torch.Tensor) else None
+        if layout is not None:
+            out.append((p, layout))
+        else:
+            out.extend((q, v.layout) for q, v in mesh_views([p]))
     return out
 
 
