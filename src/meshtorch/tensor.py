@@ -21,6 +21,9 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout
 from meshtorch.shape import Dim, Shape, as_shape
 
+# Called with every MeshTensor made (both constructors); empty unless mt.plan is tracing.
+OBSERVERS: list = []
+
 
 class MeshTensor:
     """A distributed tensor with named dims.
@@ -45,6 +48,9 @@ class MeshTensor:
         self.layout = layout
         self.local = local
         self.name = name
+        if OBSERVERS:
+            for f in OBSERVERS:
+                f(self)
 
     @classmethod
     def _checked_elsewhere(cls, local: torch.Tensor, shape: Shape, layout: Layout,
@@ -53,6 +59,9 @@ class MeshTensor:
         lowering) that have just checked it against the shape."""
         t = object.__new__(cls)
         t.shape, t.layout, t.local, t.name = shape, layout, local, name
+        if OBSERVERS:
+            for f in OBSERVERS:
+                f(t)
         return t
 
     # ------------------------------------------------------------ properties

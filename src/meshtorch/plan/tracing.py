@@ -307,7 +307,8 @@ def measure() -> Iterator[None]:
 # ------------------------------------------------------------------ global hooks
 def _install() -> None:
     """Hooks that route parameters, grads, optimizer state and MeshTensors to the
-    tracer of the thread that made them (installed while any tracer runs)."""
+    tracer of the thread that made them (installed while any tracer runs): torch's
+    module and optimizer hooks, and ``meshtorch.tensor.OBSERVERS`` for MeshTensors."""
     global _installed
     with _install_lock:
         _installed += 1
@@ -317,7 +318,7 @@ def _install() -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         import meshtorch.random as mtr
-        from meshtorch.tensor import MeshTensor
+        import meshtorch.tensor as tensor_mod
 
         def on_param(module, name, param):
             tr = active()
@@ -344,15 +345,12 @@ def _install() -> None:
         h1 = register_module_parameter_registration_hook(on_param)
         h2 = register_optimizer_step_post_hook(on_step)
 
-        init = MeshTensor.__init__
-
-        def traced_init(self, local, shape, layout, name=None):
-            init(self, local, shape, layout, name)
+        def on_mesh_tensor(t):
             tr = active()
             if tr is not None:
-                tr.record_mesh_tensor(local, shape, layout)
+                tr.record_mesh_tensor(t.local, t.shape, t.layout)
 
-        MeshTensor.__init__ = traced_init
+        tensor_mod.OBSERVERS.append(on_mesh_tensor)
 
         # The counter-based generator runs ~100 integer ops per tensor; they are initialisation,
         # not the step, so a real traced run computes them outside the tracer (on meta,
@@ -370,7 +368,7 @@ def _install() -> None:
         def undo():
             h1.remove()
             h2.remove()
-            MeshTensor.__init__ = init
+            tensor_mod.OBSERVERS.remove(on_mesh_tensor)
             mtr._uniform53 = uniform53
 
         _undo.append(undo)
