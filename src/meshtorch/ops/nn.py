@@ -88,10 +88,16 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
 
         def local_fn(view, t, ids):
             ids = align(ids, targets.names, out.names).unsqueeze(i)
-            # ids outside the vocabulary pick nothing, as the one-hot of the composed path
             safe = ids.clamp(0, v.size - 1)
-            picked = t.gather(i, safe) * (safe == ids)  # (the bool mask promotes in the kernel)
-            return torch.logsumexp(t, i) - picked.squeeze(i)
+            # -log_softmax[target], as F.cross_entropy: log_softmax and its backward are one
+            # vectorised kernel each, where logsumexp - t[target] costs an exp pass forward and
+            # a sub, exp and mul backward over the whole logits
+            ls = torch.log_softmax(t, i)
+            picked = ls.gather(i, safe).squeeze(i)
+            # an id outside the vocabulary picks nothing, as the one-hot of the composed path:
+            # its loss is logsumexp(t) = t[j] - log_softmax(t)[j] for any j
+            outside = (safe != ids).squeeze(i)
+            return torch.where(outside, t.gather(i, safe).squeeze(i) - picked, -picked)
 
         return lower("cross_entropy", [logits, targets], out, local_fn, whole=[v.name])
     target_logit = reduce_sum(logits * one_hot(targets, v, dtype=logits.dtype), v.name)
