@@ -285,7 +285,8 @@ def main() -> None:
 
 | | median step (ms) | median step CPU time (ms) | peak live tensor memory (MiB) | ATen ops / step |
 |---|---|---|---|---|
-| plain PyTorch | {med['plain']:.2f} | {med_cpu['plain']:.2f} | {mb['plain']:.2f} | {memory['plain']['aten_ops']} |
+| plain PyTorch | {med['plain']:.2f} | {med_cpu['plain']:.2f} | {mb['plain']:.2f} | \
+{memory['plain']['aten_ops']} |
 | meshtorch | {med['meshtorch']:.2f} | {med_cpu['meshtorch']:.2f} | {mb['meshtorch']:.2f} | \
 {memory['meshtorch']['aten_ops']} |
 
