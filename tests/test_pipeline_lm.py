@@ -181,6 +181,43 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
     assert cli.main([*args, "--resume", half]) == 0
     assert "resumed from" in capsys.readouterr().out
     assert losses(half) == pytest.approx(losses(piped), abs=1e-5)
+    # 2BW: the checkpoint holds W(t-1) too, so 2 steps + resume to 4 give the uninterrupted 2BW
+    # run's losses, held-out loss and weights. Logging every step makes the losses after the resume
+    # depend on W(t-1): batch t's loss is that of W(t-1).
+    two = ["train", "--pipeline-stages", "2", "--schedule", "2bw", "--microbatches", "2", *tiny,
+           "--log-every", "1"]
+    full, cut = str(tmp_path / "full2bw"), str(tmp_path / "cut2bw")
+    assert cli.main([*two, "--out", full]) == 0
+    assert cli.main([*two, "--out", cut, "--steps", "2"]) == 0
+    idx = read_index(os.path.join(cut, "checkpoint"))
+    names = [k.removeprefix("model/") for k in idx["tensors"] if k.startswith("model/")]
+    prev = {n.removeprefix("previous.") for n in names if n.startswith("previous.")}
+    assert prev and prev == {n for n in names if not n.startswith("previous.")}  # both versions, whole
+    import shutil
+
+    stale = str(tmp_path / "stale2bw")  # the same checkpoint without W(t-1): resumes with W(t-1) = W(t)
+    shutil.copytree(cut, stale)
+    assert cli.main([*two, "--resume", cut]) == 0
+    assert [len(losses(d)) for d in (full, cut)] == [4, 4]
+    assert losses(cut) == pytest.approx(losses(full), abs=1e-5)
+    # the delay is real: 2BW's later losses differ from the synchronous run's
+    assert abs(losses(full)[3] - losses(piped)[1]) > 1e-4
+    summary = [json.load(open(os.path.join(d, "summary.json"))) for d in (full, cut)]
+    assert summary[1]["heldout_loss"] == pytest.approx(summary[0]["heldout_loss"], abs=1e-5)
+    a, b = weights(full), weights(cut)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    # without W(t-1) in the checkpoint the resumed run differs (what this guards against)
+    from meshtorch.checkpoint.format import INDEX
+
+    with open(os.path.join(stale, "checkpoint", INDEX)) as f:
+        index = json.load(f)
+    index["tensors"] = {k: v for k, v in index["tensors"].items() if not k.startswith("model/previous.")}
+    with open(os.path.join(stale, "checkpoint", INDEX), "w") as f:
+        json.dump(index, f)
+    assert cli.main([*two, "--resume", stale]) == 0
+    assert abs(losses(stale)[2] - losses(full)[2]) > 1e-4  # batch 2 computed with W(2), not W(1)
     # one meaning per flag: --schedule is the pipeline's, --lr-schedule the learning rate's
     from meshtorch.train import TrainConfig, check_config
 

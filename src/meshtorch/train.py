@@ -381,13 +381,15 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     return result
 
 
-def save_run(cfg, out, model, opt, batches, step) -> None:
+def save_run(cfg, out, model, opt, batches, step, saved: torch.nn.Module | None = None) -> None:
+    """Write ``out/checkpoint``; ``saved`` (default ``model``) is the module whose parameters
+    are written, e.g. one that holds ``model``'s under the same names and more besides."""
     from meshtorch import checkpoint
 
     extra = {"model_config": model.cfg.to_dict(), "train_config": dataclasses.asdict(cfg),
              "model": cfg.model}
-    checkpoint.save(os.path.join(out, "checkpoint"), model=model, optimizer=opt, step=step,
-                    data=batches, extra=extra)
+    checkpoint.save(os.path.join(out, "checkpoint"), model=model if saved is None else saved, optimizer=opt,
+                    step=step, data=batches, extra=extra)
 
 
 def report(cfg, model, heldout, corpus, tok, lead) -> dict[str, Any]:

@@ -176,19 +176,46 @@ def owner_stage(name: str, cfg: TransformerConfig, stages: int) -> int:
     return stages - 1
 
 
-def gather_whole(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer | None = None) -> None:
+def gather_whole(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer | None = None,
+                 previous: DecoderLM | None = None) -> None:
     """Give every processor the whole trained model: each stage sends its parameters
     (and, with ``optimizer``, an optimizer over ``model.parameters()``, their state)
     to the other stages along the pipeline axis, which write them into ``model``.
     Every processor calls it; ``pipe`` must be built on ``model`` (``lm_pipeline(...,
     model=model)``), so the stage's parameters are ``model``'s. Then ``model`` can be
-    saved with :func:`meshtorch.checkpoint.save` or sample text like the unsplit LM."""
+    saved with :func:`meshtorch.checkpoint.save` or sample text like the unsplit LM.
+
+    With ``previous`` (a model of the same config) under 2BW, the stages' previous
+    weight version ``W(t-1)`` (:meth:`Pipeline.weight_versions`) is gathered into it
+    as well, so a checkpoint can hold both versions (:func:`restore_previous`)."""
+    _gather(pipe, model, optimizer, None)
+    if previous is not None and pipe.schedule.name == "2bw":
+        _, prev = pipe.weight_versions()
+        _gather(pipe, previous, None, {n: w for (n, _), w in zip(pipe.module.named_model_parameters(), prev,
+                                                                 strict=True)})
+
+
+def restore_previous(pipe: Pipeline, previous: DecoderLM) -> None:
+    """Make ``previous``'s parameters (the whole model's ``W(t-1)``, e.g. loaded from a
+    checkpoint that :func:`gather_whole` filled) this stage's previous 2BW weight
+    version; call it after setting ``pipe.batches_trained``. A no-op for the other schedules."""
+    whole = dict(previous.named_parameters())
+    pipe.set_weight_versions([whole[n].detach() for n, _ in pipe.module.named_model_parameters()])
+
+
+def _gather(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer | None,
+            values: dict[str, torch.Tensor] | None) -> None:
+    """Fill ``model`` (and ``optimizer``'s state) on every stage from the stage that owns
+    each parameter: its own parameter, or ``values[name]`` (local tensors of the owner)."""
     comm, axis = current().comm, pipe.axis
     me, p = pipe.stage, pipe.num_stages
     tag = 3  # apart from the executor's activation (1) and gradient (2) tags
     for name, param in model.named_parameters():
         src = owner_stage(name, model.cfg, p)
         state = optimizer.state.get(param, {}) if optimizer is not None else {}
+        if me == src and values is not None:
+            with torch.no_grad():
+                param.copy_(values[name])
         if me == src:
             # tensors travel flat (0-d ones too) with their shapes in the header
             header = {k: {"shape": list(v.shape)} if isinstance(v, torch.Tensor) else {"value": v}
@@ -213,4 +240,5 @@ def gather_whole(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimi
     comm.wait_sends()
 
 
-__all__ = ["LMStage", "gather_whole", "layer_ranges", "lm_loss", "lm_pipeline", "owner_stage"]
+__all__ = ["LMStage", "gather_whole", "layer_ranges", "lm_loss", "lm_pipeline", "owner_stage",
+           "restore_previous"]

@@ -12,8 +12,10 @@ table, so 2BW does not flush inside it. Processor 0 writes ``metrics.jsonl``,
 ``summary.json`` and ``loss.png``; every processor gathers the whole model
 (and optimizer state) from the stages for ``checkpoint/``, the unsplit run's
 format (``meshtorch generate`` and ``--resume`` read it), the held-out loss
-and the generated sample. A 2BW run resumes with ``W(t-1) = W(t)``: the
-checkpoint holds one weight version.
+and the generated sample. Under 2BW the checkpoint also holds the previous
+weight version ``W(t-1)`` (tensors ``model/previous.<name>``, which loading
+into the plain LM ignores), so ``--resume`` continues exactly like the
+uninterrupted run; a checkpoint without them resumes with ``W(t-1) = W(t)``.
 
 Example:
     >>> from meshtorch.pipeline.train import pipeline_mesh
@@ -63,12 +65,28 @@ def _clip(pipe, max_norm: float) -> None:
             p.grad.mul_(coef.to(p.grad.dtype))
 
 
+PREVIOUS = "previous"  # 2BW's W(t-1) in the checkpoint: tensors model/previous.<name>
+
+
+def _with_previous(model, previous):
+    """A module whose parameters are ``model``'s (same names, so the optimizer state keeps its
+    names) and ``previous``'s under ``previous.``: what a 2BW checkpoint saves and loads."""
+    from meshtorch.nn.module import Module
+
+    both = Module()
+    # torch's add_module: Module.add_module would re-derive the children's values from their new paths
+    for name, child in [*model.named_children(), (PREVIOUS, previous)]:
+        torch.nn.Module.add_module(both, name, child)
+    return both
+
+
 def program(cfg, corpus, out: str) -> dict[str, Any]:
     """One processor's part of a pipeline training run."""
     from meshtorch import checkpoint
+    from meshtorch.checkpoint.format import read_index
     from meshtorch.data import ByteTokenizer, LMBatches
     from meshtorch.models import DecoderLM
-    from meshtorch.pipeline.lm import gather_whole, lm_pipeline
+    from meshtorch.pipeline.lm import gather_whole, lm_pipeline, restore_previous
     from meshtorch.train import lr_at, make_optimizer, report, save_run
 
     lead = current().rank == 0
@@ -81,15 +99,22 @@ def program(cfg, corpus, out: str) -> dict[str, Any]:
     # (the others have no gradients, so the optimizer skips them)
     model = DecoderLM(mcfg, seed=cfg.seed)
     opt = make_optimizer(cfg, model)
-    start = 0
+    # 2BW: the whole model's W(t-1), gathered from the stages for the checkpoint
+    previous = DecoderLM(mcfg, seed=cfg.seed) if cfg.schedule == "2bw" else None
+    start, resumed_previous = 0, False
     if cfg.resume:
-        state = checkpoint.load(os.path.join(cfg.resume, "checkpoint"), model=model, optimizer=opt,
-                                data=train)
+        path = os.path.join(cfg.resume, "checkpoint")
+        resumed_previous = previous is not None and \
+            any(k.startswith(f"model/{PREVIOUS}.") for k in read_index(path)["tensors"])
+        state = checkpoint.load(path, model=_with_previous(model, previous) if resumed_previous else model,
+                                optimizer=opt, data=train)
         start = int(state["step"])
         if lead:
             print(f"resumed from {cfg.resume} at step {start}")
     pipe = lm_pipeline(mcfg, model=model, axis=AXIS, microbatches=cfg.microbatches, schedule=cfg.schedule)
     pipe.optimizer, pipe.batches_trained = opt, start
+    if resumed_previous:
+        restore_previous(pipe, previous)
     if cfg.clip:
         sync = pipe.after_backward
 
@@ -115,8 +140,9 @@ def program(cfg, corpus, out: str) -> dict[str, Any]:
               f"{cfg.batch}x{cfg.length} tokens")
 
     def save(step: int) -> None:
-        gather_whole(pipe, model, opt)
-        save_run(cfg, out, model, opt, train, step)
+        gather_whole(pipe, model, opt, previous)
+        save_run(cfg, out, model, opt, train, step,
+                 saved=None if previous is None else _with_previous(model, previous))
 
     t0, loss, step = time.perf_counter(), float("nan"), start
     while step < cfg.steps:
