@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,6 +64,11 @@ def _as_leaf(x: Any) -> Any:
         return x
     t = t.detach().requires_grad_(True)
     return MeshTensor(t, x.shape, x.layout) if isinstance(x, MeshTensor) else t
+
+
+def _add(totals: list, b: int, loss: torch.Tensor) -> None:
+    """Add a micro-batch's loss to batch ``b``'s total."""
+    totals[b] = loss if totals[b] is None else totals[b] + loss
 
 
 def _call(module: Callable, value: Any) -> Any:
@@ -104,6 +110,17 @@ class Executor:
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
                              f"{what} of {where}: {e}")
 
+    @contextlib.contextmanager
+    def _errors(self, what: str, i: int, schedule: Schedule):
+        """A stage's error as a :class:`PipelineError` naming the stage and micro-batch
+        (communication errors pass through: they already name the failed stage)."""
+        try:
+            yield
+        except CommError:
+            raise
+        except Exception as e:
+            raise self._fail(what, i, e, schedule) from e
+
     def _evaluate(self, schedule: Schedule, inputs, targets) -> Any:
         comm = current().comm
         s, m = self.stage, schedule.microbatches
@@ -114,16 +131,10 @@ class Executor:
                 continue
             i = a.microbatch
             inp = inputs[i] if first else recv_value(comm, self.axis, s - 1, FORWARD_TAG)
-            try:
+            with self._errors("forward", i, schedule):
                 out = self._forward(inp, targets[i] if last else None, last)
-            except CommError:
-                raise
-            except Exception as e:
-                raise self._fail("forward", i, e, schedule) from e
             if last:
-                loss = local(out).detach().reshape(()) / m
-                b = schedule.batch_of(i)
-                totals[b] = loss if totals[b] is None else totals[b] + loss
+                _add(totals, schedule.batch_of(i), local(out).detach().reshape(()) / m)
             else:
                 send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
         comm.wait_sends()
@@ -183,13 +194,9 @@ class Executor:
                 t0 = time.perf_counter()
                 target = targets[i] if last and targets is not None else None
                 rng = (torch.get_rng_state(), current().random_calls)
-                try:
-                    with torch.no_grad() if self.recompute else torch.enable_grad():
-                        out = self._forward(inp, target, last)
-                except CommError:
-                    raise
-                except Exception as e:
-                    raise self._fail("forward", i, e, schedule) from e
+                with self._errors("forward", i, schedule), \
+                        torch.no_grad() if self.recompute else torch.enable_grad():
+                    out = self._forward(inp, target, last)
                 t1 = time.perf_counter()
                 if not last:
                     send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
@@ -198,7 +205,7 @@ class Executor:
                 inp, target, rng, out = stash.pop(i)
                 grads = None if last else recv_value(comm, self.axis, s + 1, BACKWARD_TAG)
                 t0 = time.perf_counter()
-                try:
+                with self._errors("backward", i, schedule):
                     if out is None:  # recompute: the same random numbers as the first forward
                         saved = (torch.get_rng_state(), current().random_calls)
                         torch.set_rng_state(rng[0])
@@ -209,17 +216,12 @@ class Executor:
                     if last:
                         loss = local(out) / m
                         loss.backward()
-                        b = schedule.batch_of(i)
-                        totals[b] = loss.detach() if totals[b] is None else totals[b] + loss.detach()
+                        _add(totals, schedule.batch_of(i), loss.detach())
                     else:
                         pairs = [(local(o), g) for o, g in zip(leaves(out), leaves(grads))
                                  if g is not None and local(o) is not None and local(o).requires_grad]
                         if pairs:
                             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                except CommError:
-                    raise
-                except Exception as e:
-                    raise self._fail("backward", i, e, schedule) from e
                 t1 = time.perf_counter()
                 if not first:
                     in_grads = tuple(None if local(x) is None else local(x).grad for x in leaves(inp))
