@@ -299,7 +299,7 @@ def evaluate(model, heldout, n: int) -> float:
 
 def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]:
     """One processor's part of a training run; processor 0 reports and writes files."""
-    from meshtorch import amp, checkpoint, optim
+    from meshtorch import amp, optim
 
     lead = current().rank == 0
     tok = ByteTokenizer()
@@ -307,13 +307,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
         corpus = Corpus.from_path(cfg.data)  # each process of the torch backend reads its own copy
     model, batches, heldout = build_task(cfg, corpus, tok)
     opt = make_optimizer(cfg, model)
-    start = 0
-    if cfg.resume:
-        state = checkpoint.load(os.path.join(cfg.resume, "checkpoint"), model=model, optimizer=opt,
-                                data=batches)
-        start = int(state["step"])
-        if lead:
-            print(f"resumed from {cfg.resume} at step {start}")
+    start = resume_run(cfg, model, opt, batches, lead)
     mcfg = model.cfg
     params = model.num_parameters()
     # the yardstick: every processor's matmul rate measured at once, under the same contention
@@ -325,10 +319,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     metrics_path = os.path.join(out, "metrics.jsonl")
     metrics: list[dict] = []
     if lead:
-        os.makedirs(out, exist_ok=True)
-        if cfg.resume and os.path.exists(os.path.join(cfg.resume, "metrics.jsonl")):
-            with open(os.path.join(cfg.resume, "metrics.jsonl")) as f:
-                metrics = [m for m in map(json.loads, f) if m["step"] <= start]
+        metrics = earlier_metrics(cfg, out, start)
         with open(metrics_path, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in metrics)
         print(f"model {cfg.model}: {params:,} parameters; mesh '{cfg.mesh}' rules '{cfg.rules}' "
@@ -381,6 +372,53 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     return result
 
 
+def resume_run(cfg, model, opt, batches, lead: bool, saved: torch.nn.Module | None = None) -> int:
+    """Load ``--resume``'s checkpoint into ``model`` (or ``saved``, see :func:`save_run`),
+    ``opt`` and ``batches``; return the step to continue from (0 without ``--resume``)."""
+    from meshtorch import checkpoint
+
+    if not cfg.resume:
+        return 0
+    state = checkpoint.load(os.path.join(cfg.resume, "checkpoint"), model=model if saved is None else saved,
+                            optimizer=opt, data=batches)
+    start = int(state["step"])
+    if lead:
+        print(f"resumed from {cfg.resume} at step {start}")
+    return start
+
+
+def earlier_metrics(cfg, out: str, start: int) -> list[dict]:
+    """Create ``out``; return the ``--resume`` run's metrics records up to step ``start``."""
+    os.makedirs(out, exist_ok=True)
+    if cfg.resume and os.path.exists(os.path.join(cfg.resume, "metrics.jsonl")):
+        with open(os.path.join(cfg.resume, "metrics.jsonl")) as f:
+            return [m for m in map(json.loads, f) if m["step"] <= start]
+    return []
+
+
+def check_resume(cfg, error: type[MeshTorchError] = MeshTorchError) -> None:
+    """Raise ``error`` unless ``--resume`` (if given) is a run directory with a checkpoint."""
+    if cfg.resume and not os.path.isdir(os.path.join(cfg.resume, "checkpoint")):
+        raise error(f"--resume {cfg.resume!r} has no checkpoint/ directory; pass the --out "
+                    "directory of an earlier run")
+
+
+def launch_run(program, cfg, corpus, out: str) -> dict[str, Any]:
+    """Run ``program(cfg, corpus, out)`` on every processor of ``cfg``'s mesh; return
+    processor 0's result with the run's ``wall_s`` (torch's thread count is restored after)."""
+    from meshtorch.launch import launch
+
+    kwargs: dict[str, Any] = {"mesh": cfg.mesh, "rules": cfg.rules}
+    if cfg.backend != "threads":
+        kwargs["backend"] = cfg.backend
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    result = launch(program, cfg, corpus, out, **kwargs)[0]
+    torch.set_num_threads(threads)
+    result["wall_s"] = round(time.time() - t0, 1)
+    return result
+
+
 def save_run(cfg, out, model, opt, batches, step, saved: torch.nn.Module | None = None) -> None:
     """Write ``out/checkpoint``; ``saved`` (default ``model``) is the module whose parameters
     are written, e.g. one that holds ``model``'s under the same names and more besides."""
@@ -422,8 +460,6 @@ def report(cfg, model, heldout, corpus, tok, lead) -> dict[str, Any]:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Check ``cfg``, load the corpus, run the program on every processor; return processor 0's
     summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``, ``out``, ...)."""
-    from meshtorch.launch import launch
-
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     if cfg.pipeline_stages > 1:
         from meshtorch.pipeline.train import pipeline_mesh, train_pipeline
@@ -432,20 +468,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         check_config(cfg, world=world)
         return train_pipeline(cfg)
     check_config(cfg, world=world)
-    if cfg.resume and not os.path.isdir(os.path.join(cfg.resume, "checkpoint")):
-        raise MeshTorchError(f"--resume {cfg.resume!r} has no checkpoint/ directory; pass the --out "
-                             "directory of an earlier run")
+    check_resume(cfg)
     out = cfg.out or cfg.resume or default_out()
     # threads share one corpus in memory; torch-backend processes each read it themselves
     corpus = None if cfg.model == "seq2seq" or cfg.backend != "threads" else Corpus.from_path(cfg.data)
-    torch_threads = torch.get_num_threads()
-    t0 = time.time()
-    kwargs: dict[str, Any] = {"mesh": cfg.mesh, "rules": cfg.rules}
-    if cfg.backend != "threads":
-        kwargs["backend"] = cfg.backend
-    results = launch(program, cfg, corpus, out, **kwargs)
-    torch.set_num_threads(torch_threads)
-    result = results[0]
-    result["wall_s"] = round(time.time() - t0, 1)
-    return result
+    return launch_run(program, cfg, corpus, out)
 

@@ -82,12 +82,11 @@ def _with_previous(model, previous):
 
 def program(cfg, corpus, out: str) -> dict[str, Any]:
     """One processor's part of a pipeline training run."""
-    from meshtorch import checkpoint
     from meshtorch.checkpoint.format import read_index
     from meshtorch.data import ByteTokenizer, LMBatches
     from meshtorch.models import DecoderLM
     from meshtorch.pipeline.lm import gather_whole, lm_pipeline, restore_previous
-    from meshtorch.train import lr_at, make_optimizer, report, save_run
+    from meshtorch.train import earlier_metrics, lr_at, make_optimizer, report, resume_run, save_run
 
     lead = current().rank == 0
     tok = ByteTokenizer()
@@ -101,16 +100,11 @@ def program(cfg, corpus, out: str) -> dict[str, Any]:
     opt = make_optimizer(cfg, model)
     # 2BW: the whole model's W(t-1), gathered from the stages for the checkpoint
     previous = DecoderLM(mcfg, seed=cfg.seed) if cfg.schedule == "2bw" else None
-    start, resumed_previous = 0, False
-    if cfg.resume:
-        path = os.path.join(cfg.resume, "checkpoint")
-        resumed_previous = previous is not None and \
-            any(k.startswith(f"model/{PREVIOUS}.") for k in read_index(path)["tensors"])
-        state = checkpoint.load(path, model=_with_previous(model, previous) if resumed_previous else model,
-                                optimizer=opt, data=train)
-        start = int(state["step"])
-        if lead:
-            print(f"resumed from {cfg.resume} at step {start}")
+    resumed_previous = bool(cfg.resume) and previous is not None and any(
+        k.startswith(f"model/{PREVIOUS}.")
+        for k in read_index(os.path.join(cfg.resume, "checkpoint"))["tensors"])
+    start = resume_run(cfg, model, opt, train, lead,
+                       saved=_with_previous(model, previous) if resumed_previous else None)
     pipe = lm_pipeline(mcfg, model=model, axis=AXIS, microbatches=cfg.microbatches, schedule=cfg.schedule)
     pipe.optimizer, pipe.batches_trained = opt, start
     if resumed_previous:
@@ -131,10 +125,7 @@ def program(cfg, corpus, out: str) -> dict[str, Any]:
     pipe.before_step = set_lr
     metrics: list[dict] = []
     if lead:
-        os.makedirs(out, exist_ok=True)
-        if cfg.resume and os.path.exists(os.path.join(cfg.resume, "metrics.jsonl")):
-            with open(os.path.join(cfg.resume, "metrics.jsonl")) as f:
-                metrics = [m for m in map(json.loads, f) if m["step"] <= start]
+        metrics = earlier_metrics(cfg, out, start)
         print(f"pipeline of {pipe.num_stages} stages ({pipe.schedule.name}, {cfg.microbatches} "
               f"micro-batches) on mesh '{current().mesh}' rules '{cfg.rules}'; {cfg.steps} steps of "
               f"{cfg.batch}x{cfg.length} tokens")
@@ -187,23 +178,11 @@ def train_pipeline(cfg) -> dict[str, Any]:
     import dataclasses
 
     from meshtorch.data import Corpus
-    from meshtorch.launch import launch
-    from meshtorch.train import default_out
+    from meshtorch.train import check_resume, default_out, launch_run
 
     if cfg.model != "lm":
         raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model!r}")
-    if cfg.resume and not os.path.isdir(os.path.join(cfg.resume, "checkpoint")):
-        raise PipelineError(f"--resume {cfg.resume!r} has no checkpoint/ directory; pass the --out "
-                            "directory of an earlier run")
+    check_resume(cfg, PipelineError)
     cfg = dataclasses.replace(cfg, mesh=pipeline_mesh(cfg.mesh, cfg.pipeline_stages))
     out = cfg.out or cfg.resume or default_out()
-    corpus = Corpus.from_path(cfg.data)
-    kwargs: dict[str, Any] = {"mesh": cfg.mesh, "rules": cfg.rules}
-    if cfg.backend != "threads":
-        kwargs["backend"] = cfg.backend
-    t0 = time.time()
-    threads = torch.get_num_threads()
-    result = launch(program, cfg, corpus, out, **kwargs)[0]
-    torch.set_num_threads(threads)
-    result["wall_s"] = round(time.time() - t0, 1)
-    return result
+    return launch_run(program, cfg, Corpus.from_path(cfg.data), out)
