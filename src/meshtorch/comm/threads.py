@@ -24,10 +24,25 @@ import time
 from collections import defaultdict, deque
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtorch.comm.base import Communicator, compare_metas, reduce_stack, user_call_site
 from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
+
+
+def _stage(t: torch.Tensor) -> torch.Tensor:
+    """A private copy of ``t`` to leave in the hub: the backend's staging buffer.
+
+    It is made outside any ``TorchDispatchMode`` (such as the planner's tracer),
+    because it is no memory of the program's: the ``torch`` backend's transport
+    buffers are invisible to the dispatcher too, and the ``meta`` backend has
+    none. It lives until the *last* member of the group has read it, a moment
+    that depends on thread timing, so counting it would make a processor's
+    measured peak vary between runs (see ``docs/planner.md``).
+    """
+    with _disable_current_modes():
+        return t.detach().clone()
 
 
 class Hub:
@@ -120,7 +135,7 @@ class ThreadsCommunicator(Communicator):
         meta = self._describe(kind, axes, t)
         self._seq[group] += 1
         key = (group, self._seq[group])
-        value = t.detach().clone() if payload is None else payload
+        value = _stage(t) if payload is None else payload
         vals = self.hub.exchange(key, group, self.rank, meta, value)
         compare_metas(vals, group, self.mesh, same_shape)
         return [vals[r][1] for r in group]
@@ -148,7 +163,7 @@ class ThreadsCommunicator(Communicator):
         return torch.zeros_like(t) if src is None else parts[src].clone()
 
     def _send(self, t, axes, group, dst, tag):
-        self.hub.post((self.rank, group[dst], axes, tag), t.detach().clone())
+        self.hub.post((self.rank, group[dst], axes, tag), _stage(t))
 
     def _recv(self, axes, group, src, tag):
         what = f"recv along {axes} from processor {group[src]} (tag {tag})"
@@ -156,7 +171,7 @@ class ThreadsCommunicator(Communicator):
 
     def _broadcast(self, t, axes, group, src):
         me = group.index(self.rank)
-        payload = t.detach().clone() if me == src else None
+        payload = _stage(t) if me == src else None
         parts = self._meet("broadcast", axes, group, t, payload=payload)
         return parts[src].clone()
 

@@ -42,7 +42,11 @@ def _top1_mask(probs: MeshTensor) -> MeshTensor:
     i = probs.shape.index(EXPERTS)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.one_hot(t.argmax(i), t.shape[i]).movedim(-1, i).to(t.dtype)
+        # not F.one_hot: it checks the ids' range on real tensors only (other ops, other
+        # buffers than on meta), so the planner's meta trace would not match a real step
+        along_i = [-1 if d == i else 1 for d in range(t.dim())]
+        experts = torch.arange(t.shape[i], device=t.device).view(along_i)
+        return (t.argmax(i, keepdim=True) == experts).to(t.dtype)
 
     return slicewise(fn, probs.detach(), whole=[EXPERTS])
 
