@@ -108,23 +108,32 @@ def check_placement(p, graph):
             assert s.memory <= p.problem.memory + 1e-9
 
 
+def placed_as_brute_force(graph: OpGraph, prob: Problem, method: str = "dp"):
+    """``place(graph, prob, method)``, checked and as good as the brute-force contiguous
+    optimum; ``None`` (having checked that it raises ``PlacementError``) when nothing fits."""
+    brute_c = brute_force(graph, prob, contiguous=True)
+    if math.isinf(brute_c):
+        with pytest.raises(PlacementError):
+            place(graph, prob, method)
+        return None
+    p = place(graph, prob, method)
+    check_placement(p, graph)
+    assert p.max_load == pytest.approx(brute_c, abs=1e-9)
+    return p
+
+
 @SETTINGS
 @given(st.data())
 def test_dp_matches_brute_force_and_milp(data):
     graph = data.draw(dags())
     prob = data.draw(problems(graph))
-    brute_c = brute_force(graph, prob, contiguous=True)
     brute_any = brute_force(graph, prob, contiguous=False)
-    if math.isinf(brute_c):
-        with pytest.raises(PlacementError):
-            place(graph, prob, "dp")
+    dp = placed_as_brute_force(graph, prob)
+    if dp is None:
         return
-    dp = place(graph, prob, "dp")
-    check_placement(dp, graph)
     assert dp.is_contiguous()
-    assert dp.max_load == pytest.approx(brute_c, abs=1e-9)
     ilp_c = solve_milp(graph, prob, contiguous=True, time_limit=None)
-    assert ilp_c.max_load == pytest.approx(brute_c, abs=1e-6)
+    assert ilp_c.max_load == pytest.approx(dp.max_load, abs=1e-6)
     ilp = solve_milp(graph, prob, contiguous=False, time_limit=None)
     check_placement(ilp, graph)
     assert ilp.max_load == pytest.approx(brute_any, abs=1e-6)
@@ -136,16 +145,11 @@ def test_dp_matches_brute_force_and_milp(data):
 def test_chain_solver_is_exact_on_chains(data):
     graph = data.draw(dags(max_nodes=7, training=False, chain=True))
     prob = data.draw(problems(graph))
-    brute_c = brute_force(graph, prob, contiguous=True)
-    if math.isinf(brute_c):
-        with pytest.raises(PlacementError):
-            place(graph, prob, "chain")
+    ch = placed_as_brute_force(graph, prob, "chain")
+    if ch is None:
         return
-    ch = place(graph, prob, "chain")
-    check_placement(ch, graph)
     assert ch.info["exact"]
-    assert ch.max_load == pytest.approx(brute_c, abs=1e-9)
-    assert place(graph, prob, "dp").max_load == pytest.approx(brute_c, abs=1e-9)
+    assert place(graph, prob, "dp").max_load == pytest.approx(ch.max_load, abs=1e-9)
 
 
 @settings(max_examples=15, deadline=None)
@@ -173,7 +177,6 @@ def test_replication_dp_milp_and_brute_force_agree(data):
     prob = Problem(devices=data.draw(st.integers(2, 3)), cpus=base.cpus if base.devices < 3
                    else 0, memory=base.memory, stash=base.stash,
                    max_replicas=data.draw(st.integers(2, 3)))
-    brute_c = brute_force(graph, prob, contiguous=True)
     brute_any = brute_force(graph, prob, contiguous=False)
     if math.isinf(brute_any):
         with pytest.raises(PlacementError):
@@ -182,17 +185,13 @@ def test_replication_dp_milp_and_brute_force_agree(data):
     ilp = solve_milp(graph, prob, contiguous=False, time_limit=None)
     check_placement(ilp, graph)
     assert ilp.max_load == pytest.approx(brute_any, abs=1e-6)
-    if math.isinf(brute_c):
-        with pytest.raises(PlacementError):
-            place(graph, prob, "dp")
+    dp = placed_as_brute_force(graph, prob)
+    if dp is None:
         return
-    dp = place(graph, prob, "dp")
-    check_placement(dp, graph)
-    assert dp.max_load == pytest.approx(brute_c, abs=1e-9)
     ilp_c = solve_milp(graph, prob, contiguous=True, time_limit=None)
     check_placement(ilp_c, graph)
     assert ilp_c.is_contiguous()
-    assert ilp_c.max_load == pytest.approx(brute_c, abs=1e-6)
+    assert ilp_c.max_load == pytest.approx(dp.max_load, abs=1e-6)
 
 
 def test_milp_replicates_a_stage_by_hand():
@@ -255,14 +254,7 @@ def test_weights_merged_only_when_certified(data):
                            comm_time=float(data.draw(st.integers(0, 2))))
         graph.add_edge(w, data.draw(st.integers(0, ops - 1)))
     prob = data.draw(problems(graph))
-    brute_c = brute_force(graph, prob, contiguous=True)
-    if math.isinf(brute_c):
-        with pytest.raises(PlacementError):
-            place(graph, prob, "dp")
-        return
-    dp = place(graph, prob, "dp")
-    check_placement(dp, graph)
-    assert dp.max_load == pytest.approx(brute_c, abs=1e-9)
+    placed_as_brute_force(graph, prob)
 
 
 def test_weight_that_does_not_fit_with_its_consumer():
