@@ -26,6 +26,7 @@ from meshtorch.train import MODELS, OPTIMIZERS, PRECISIONS, TrainConfig
 
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` that ``meshtorch plan``'s model options describe."""
     return TrainConfig(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
                        heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
                        encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
@@ -85,6 +86,7 @@ def plot(path: str, ests: list[Estimate]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``meshtorch plan``: print the estimate (or the search's ranking); the exit status."""
     cfg = config_of(args)
     step = training_step(cfg, args.vocab)
     if args.search:

@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,6 +175,3 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
     t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta")
     return from_trace(t, mesh, spec, algorithm)
 
-
-def dumps(est: Estimate) -> str:
-    return json.dumps(est.to_json(), indent=1, sort_keys=True)

@@ -54,6 +54,7 @@ from torch.utils.flop_counter import flop_registry
 
 from meshtorch.comm.stats import CommStats
 from meshtorch.context import current
+from meshtorch.errors import PlanError
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -392,7 +393,7 @@ def _on_grad(param: torch.Tensor) -> None:
 def tracing() -> Iterator[Tracer]:
     """Trace this thread's ops (and its processor's collectives) for the block."""
     if active() is not None:
-        raise RuntimeError("meshtorch.plan: a trace is already running on this thread")
+        raise PlanError("meshtorch.plan: a trace is already running on this thread")
     tr = Tracer()
     stats = current().comm.stats
     record = stats.record
