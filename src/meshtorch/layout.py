@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import re
 
+from meshtorch.caching import BoundedCache
 from meshtorch.errors import LayoutError
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
-
-_MAX_CACHED_LAYOUTS = 4096  # per rules object; a program uses far fewer distinct shapes
 
 
 class LayoutRules:
@@ -46,7 +45,8 @@ class LayoutRules:
     __slots__ = ("rules", "_layouts")
 
     def __init__(self, spec: LayoutRules | str | dict[str, str] | None = ""):
-        self._layouts: dict[tuple[Shape, Mesh], Layout] = {}
+        # per rules object; a program uses far fewer distinct shapes than the bound
+        self._layouts: BoundedCache = BoundedCache(4096)
         if isinstance(spec, LayoutRules):
             self.rules: dict[str, str] = dict(spec.rules)
             return
@@ -98,10 +98,7 @@ class LayoutRules:
         key = (shape, mesh)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = self._derive(shape, mesh, name)
-            if len(self._layouts) >= _MAX_CACHED_LAYOUTS:
-                self._layouts.clear()
-            self._layouts[key] = lay
+            lay = self._layouts.put(key, self._derive(shape, mesh, name))
         return lay
 
     def _derive(self, shape: Shape, mesh: Mesh, name: str | None) -> Layout:

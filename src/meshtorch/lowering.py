@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtorch.caching import BoundedCache
 from meshtorch.comm import autograd as ca
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
@@ -267,14 +268,12 @@ def _lower_one_processor(ctx, op, inputs, out_shape, local_fn, reduced, whole, n
     """:func:`lower` on a one-processor mesh: every slice is the whole tensor and every adapter
     is the identity, so only the local function runs (the per-op Python is most of meshtorch's
     cost on one processor). Same checks and errors as the general path."""
-    key = (tuple([x.shape for x in inputs]), out_shape, tuple(whole),
+    # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
+    key = (tuple([x.shape for x in inputs]), out_shape, frozenset(whole),
            tuple(reduced.items()) if reduced else ())
     view = _ONE_VIEWS.get(key)
     if view is None:
-        view = _one_processor_view(op, inputs, out_shape, reduced or {}, set(whole))
-        if len(_ONE_VIEWS) >= _MAX_ONE_VIEWS:
-            _ONE_VIEWS.clear()
-        _ONE_VIEWS[key] = view
+        view = _ONE_VIEWS.put(key, _one_processor_view(op, inputs, out_shape, reduced or {}, set(whole)))
     result = local_fn(view, *[x.local for x in inputs])
     if result.shape != out_shape.sizes:
         raise ShapeError(
@@ -289,8 +288,7 @@ def _lower_one_processor(ctx, op, inputs, out_shape, local_fn, reduced, whole, n
 # The one-processor LocalView of each op signature (input shapes, output shape, whole and reduced
 # dims): a model runs the same few signatures every step. It depends on nothing else (not the
 # rules, not the mesh), so entries hold across launches; the checks run when an entry is made.
-_ONE_VIEWS: dict[tuple, LocalView] = {}
-_MAX_ONE_VIEWS = 4096
+_ONE_VIEWS = BoundedCache(4096)
 
 
 def _one_processor_view(op, inputs, out_shape, reduced, whole) -> LocalView:

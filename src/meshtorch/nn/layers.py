@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
+from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
 from meshtorch.nn.module import InitFn, Module
 from meshtorch.ops.array import gather
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.nn import dropout, layer_norm, rms_norm
-from meshtorch.shape import Dim, Shape
+from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
 
@@ -58,7 +59,7 @@ class Dense(Module):
             init_kwargs = {"gain": 1.0, "fan_in": [d.name for d in self.in_dims], **init_kwargs}
         self.kernel = self.create_parameter("kernel", self.in_dims + self.out_dims, init, **init_kwargs)
         self.bias = self.create_parameter("bias", self.out_dims, "zeros") if bias else None
-        self._out_names: dict[Shape, tuple[str, ...]] = {}  # input shape -> output dim names
+        self._out_names = BoundedCache(64)  # input shape -> output dim names
 
     def forward(self, x: MeshTensor) -> MeshTensor:
         x = as_mesh_tensor(x)
@@ -68,10 +69,8 @@ class Dense(Module):
             for d in self.in_dims:
                 if d not in x.shape:
                     raise ShapeError(f"Dense expects dim {d} in its input, got [{x.shape}]")
-            out = tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims])
-            if len(self._out_names) >= 64:
-                self._out_names.clear()
-            self._out_names[x.shape] = out
+            out = self._out_names.put(
+                x.shape, tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims]))
         y = einsum(x, self.mesh_parameter("kernel"), output_shape=out)
         if self.bias is None:
             return y

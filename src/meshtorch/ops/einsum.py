@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
 from meshtorch.lowering import lower
 from meshtorch.ops.elementwise import broadcast_shape
@@ -83,10 +84,7 @@ def einsum(
                 else spec)]
         else:
             out_names = _parse(equation, xs)
-        plan = _plan(xs, out_names)
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+        plan = _PLANS.put(key, _plan(xs, out_names))
     out, local_fn, reduced = plan
     return lower("einsum", xs, out, local_fn, reduced=reduced, name=name)
 
@@ -95,8 +93,7 @@ def einsum(
 # reduced dims are a pure function of the operand shapes and output names, so they are
 # computed once (the Python of building them was a large part of einsum's cost on one processor).
 # ``lower`` only reads the reduced dict, so the cached one is passed as it is.
-_PLANS: dict[tuple, tuple[Shape, Callable, dict[str, str]]] = {}
-_MAX_PLANS = 4096
+_PLANS = BoundedCache(4096)
 
 
 def _tensordot_dims(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[list[int], list[int]] | None:
@@ -132,9 +129,7 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
         w_leading, w_trailing = ib == list(range(k)), ib == list(range(nb - k, nb))
 
         def local_dot(view, x, w):
-            # einsum is what autocast knows to run in low precision (and to cast mixed inputs for)
-            # (torch has no autocast for meta tensors and raises when asked, hence the guard)
-            if x.dtype != w.dtype or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
+            if _needs_einsum(x, w):
                 return torch.einsum(spec, x, w)
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
             # output layer); the local slices keep the shape's dim order, so this holds on any mesh
@@ -158,6 +153,13 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
     if bmm is not None:
         return out, _local_bmm(spec, *bmm), reduced
     return out, lambda view, *ls: torch.einsum(spec, *ls), reduced
+
+
+def _needs_einsum(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the mm/bmm fast paths must give way to ``torch.einsum``: einsum is what autocast
+    knows to run in low precision, and to cast mixed inputs for. (torch has no autocast for meta
+    tensors and raises when asked, hence the device guard.)"""
+    return x.dtype != w.dtype or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type))
 
 
 def _bmm_dims(xs: tuple[MeshTensor, ...], out_names: list[str]):
@@ -187,8 +189,7 @@ def _bmm_dims(xs: tuple[MeshTensor, ...], out_names: list[str]):
 
 def _local_bmm(spec, pa, pb, po, nb, nfa, nc):
     def local_bmm(view, x, w):
-        # as local_dot: autocast and mixed dtypes go to einsum
-        if x.dtype != w.dtype or (x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)):
+        if _needs_einsum(x, w):
             return torch.einsum(spec, x, w)
         # one bmm on [batch, m, k] x [batch, k, n], as PyTorch attention code does it (q @ kᵀ,
         # a @ v): torch.einsum reaches the same bmm through more permutes, unsqueezes and views

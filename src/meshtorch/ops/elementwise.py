@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
 from meshtorch.lowering import align, lower
 from meshtorch.shape import Shape
@@ -68,10 +69,7 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
     key = tuple(shapes)
     plan = _NARY.get(key)
     if plan is None:
-        plan = _nary_plan(key, op)
-        if len(_NARY) >= _MAX_NARY:
-            _NARY.clear()
-        _NARY[key] = plan
+        plan = _NARY.put(key, _nary_plan(key, op))
     out, same_shapes = plan
     tensors = [x for x in xs if isinstance(x, MeshTensor)]
     if same_shapes:
@@ -93,8 +91,7 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
 
 # The broadcast shape of each combination of operand shapes (None: a scalar), and whether every
 # operand already has it: computed once per combination, as a model repeats the same few.
-_NARY: dict[tuple[Shape | None, ...], tuple[Shape, bool]] = {}
-_MAX_NARY = 4096
+_NARY = BoundedCache(4096)
 
 
 def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:

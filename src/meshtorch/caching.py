@@ -1,0 +1,41 @@
+"""The bounded memo the hot paths share (layouts, one-processor views, einsum and broadcast plans).
+
+A model asks for the same few derived objects (a layout, an einsum plan) on every op of every
+step; each is a pure function of its key, so it is computed once. The bound only guards against
+a program that keeps making new shapes: when full, the memo starts over.
+
+Example:
+    >>> from meshtorch.caching import BoundedCache
+    >>> cache = BoundedCache(limit=2)
+    >>> cache.get("a") or cache.put("a", 1)
+    1
+    >>> cache.put("b", 2), cache.put("c", 3), sorted(cache)
+    (2, 3, ['c'])
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+V = TypeVar("V")
+
+
+class BoundedCache(dict):
+    """A dict that empties itself instead of growing past ``limit`` entries.
+
+    Look up with the plain ``dict.get`` (the hit path stays one C call) and store a miss with
+    :meth:`put`, which returns the value.
+    """
+
+    __slots__ = ("limit",)
+
+    def __init__(self, limit: int = 4096):
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: Any, value: V) -> V:
+        """Store ``value`` under ``key`` (clearing first when full) and return it."""
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
