@@ -39,7 +39,8 @@ _MULTI_NODE = ("node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_
 
 BACKEND_HELP = (
     "threads (default, as for `meshtorch train` and mt.launch): every processor a thread of this "
-    "process; nothing to set up, for development, tests and one process driving several GPUs. "
+    "process; nothing to set up and any script runs, hence the default for development, tests and "
+    "one process driving several GPUs. "
     "torch: one process per processor over torch.distributed, started through torchrun's machinery "
     "(gloo on CPU, NCCL on GPU, multi-node): for real runs")
 

@@ -64,7 +64,7 @@ _COMBINED: dict[type, type] = {}
 
 
 def _combined_class(original: type[BaseException]) -> type[ProcessorError]:
-    """``class ProcessorShapeError(ShapeError, ProcessorError)``, made once per original class."""
+    """``class ProcessorShapeError(ProcessorError, ShapeError)``, made once per original class."""
     original = getattr(original, "_original", original)
     if original not in _COMBINED:
         name = f"Processor{original.__name__}"
@@ -92,25 +92,30 @@ def processor_error(exc: BaseException, rank: int, coords: dict, where: str = ""
     """
     original = getattr(type(exc), "_original", type(exc))
     message = f"processor {rank} {coords}{' ' + where if where else ''} raised {original.__name__}: {exc}"
-    err: ProcessorError
-    try:
-        if not isinstance(exc, Exception) or original is ProcessorError:
-            raise TypeError("nothing to combine with")
-        err = _combined_class(type(exc))(message, rank, coords)
-    except TypeError:  # a class that cannot be a base, or whose layout conflicts
+    err: ProcessorError | None = None
+    if isinstance(exc, Exception) and original is not ProcessorError:
+        try:
+            err = _combined_class(original)(message, rank, coords)
+        except TypeError:  # a class that cannot be a base, or whose instance layout conflicts
+            err = None
+    if err is None:
         err = ProcessorError(message, rank, coords)
     else:
-        err.args = exc.args
-        for field in _BUILTIN_FIELDS:
-            if hasattr(exc, field):
-                try:
-                    setattr(err, field, getattr(exc, field))
-                except (AttributeError, TypeError):
-                    pass
-        err.__dict__.update({k: v for k, v in vars(exc).items() if k not in ("message", "rank", "coords")})
-        err.rank, err.coords = rank, coords
+        _copy_state(exc, err)
     err.__cause__ = exc
     return err
+
+
+def _copy_state(exc: BaseException, err: ProcessorError) -> None:
+    """Give ``err`` what a handler of ``type(exc)`` may read: its args and attributes."""
+    err.args = exc.args
+    for field in _BUILTIN_FIELDS:
+        if hasattr(exc, field):
+            try:
+                setattr(err, field, getattr(exc, field))
+            except (AttributeError, TypeError):  # read-only on this class
+                pass
+    err.__dict__.update({k: v for k, v in vars(exc).items() if k not in ("message", "rank", "coords")})
 
 
 def root_cause(order: Sequence[int], is_abandonment: Callable[[int], bool]) -> int:
