@@ -45,6 +45,15 @@ BACKEND_HELP = (
     "(gloo on CPU, NCCL on GPU, multi-node): for real runs")
 
 
+def _run_script(script: str) -> None:
+    """One processor's run of ``script`` as ``__main__``; ``sys.exit(0)`` is a normal end."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+
+
 def bootstrap() -> None:
     """Entry of each worker process ``meshtorch launch --backend torch`` starts:
     join the world, then run the script as ``__main__``.
@@ -57,25 +66,13 @@ def bootstrap() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     ctx = init_distributed()
     try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
+        _run_script(script)
     except BaseException as e:
         print(f"meshtorch: processor {ctx.rank} {ctx.coords} raised {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
         raise
     finally:
         shutdown()
-
-
-def _run_script(script: str) -> None:
-    """One thread-processor's run of ``script``; ``sys.exit(0)`` ends it normally, as in a process."""
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -156,6 +153,7 @@ def _cli_launch(a: argparse.Namespace) -> int:
             raise MeshError(f"{', '.join(given) or '--nnodes'} starts processes on several nodes; "
                             "add --backend torch")
         sys.argv = [a.script, *a.script_args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))  # as python script.py does
         run_threads(_run_script, (a.script,), {}, mesh, rules, a.timeout, a.check)
         return 0
     os.environ.update({ENV_MESH: str(mesh), ENV_RULES: str(rules), ENV_CHECK: "1" if a.check else "0",
