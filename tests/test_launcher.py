@@ -25,8 +25,7 @@ SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     import meshtorch as mt
     if {init}:
-        from meshtorch.launcher import init_distributed
-        init_distributed("m:2", "d:m")
+        mt.init_distributed("m:2", "d:m")
     out_dir = sys.argv[1]
     ctx = mt.current()
     x = mt.from_global(torch.arange(12.0).reshape(3, 4), "batch:3,d:4")
@@ -71,8 +70,8 @@ def _check_records(recs, argv):
 def test_meshtorch_launch_runs_script_on_processes(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text(SCRIPT.format(init=False))
-    code, _, err = _run([sys.executable, "-m", "meshtorch", "launch", "-n", "2", "--mesh", "m:2",
-                         "--rules", "d:m", "--check", str(script), str(tmp_path)])
+    code, _, err = _run([sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "-n", "2",
+                         "--mesh", "m:2", "--rules", "d:m", "--check", str(script), str(tmp_path)])
     assert code == 0, err[-3000:]
     _check_records(_records(tmp_path), [str(tmp_path)])
 
@@ -80,8 +79,8 @@ def test_meshtorch_launch_runs_script_on_processes(tmp_path):
 def test_meshtorch_launch_reports_failing_processor(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text(SCRIPT.format(init=False))
-    code, _, err = _run([sys.executable, "-m", "meshtorch", "launch", "--mesh", "m:2", "--rules", "d:m",
-                         "--timeout", "20", str(script), str(tmp_path), "fail"])
+    code, _, err = _run([sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "--mesh", "m:2",
+                         "--rules", "d:m", "--timeout", "20", str(script), str(tmp_path), "fail"])
     assert code != 0
     assert "processor 1 {'m': 1} raised ValueError: boom on purpose" in err
 

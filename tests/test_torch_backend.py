@@ -265,12 +265,10 @@ def test_launch_errors_before_spawning():
 
 
 def test_init_distributed_rejects_mesh_of_wrong_size(monkeypatch):
-    from meshtorch.launcher import init_distributed
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(MeshError, match="mesh 'b:2,m:2' has 4 processors but 2 processes"):
-        init_distributed("b:2,m:2")
+        mt.init_distributed("b:2,m:2")
 
 
 @pytest.mark.parametrize("n", [2, 4])

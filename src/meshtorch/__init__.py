@@ -23,8 +23,7 @@ from meshtorch.comm import CommStats, Communicator
 from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
 from meshtorch.dtensor import from_dtensor
 from meshtorch.errors import MeshTorchError
-from meshtorch.launch import launch
-from meshtorch.launcher import init_distributed
+from meshtorch.launch import init_distributed, launch
 from meshtorch.layout import Layout, LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.ops.array import concat, gather, one_hot, pad, shift, slice

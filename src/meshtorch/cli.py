@@ -18,7 +18,7 @@ from meshtorch.errors import MeshTorchError
 
 # module path of each sub-command, in the order `--help` lists them
 SUBCOMMANDS: tuple[str, ...] = (
-    "meshtorch.launcher",
+    "meshtorch.launch.cli",
     "meshtorch.train_cli",
     "meshtorch.placement.cli",
     "meshtorch.plan.cli",

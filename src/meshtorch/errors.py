@@ -40,7 +40,9 @@ class ProcessorError(MeshTorchError, RuntimeError):
     """An exception raised on one processor, re-raised in the launching caller.
 
     ``coords`` maps axis name to the failing processor's coordinate, and
-    ``rank`` is its row-major processor number.
+    ``rank`` is its row-major processor number. A launch raises it combined
+    with the class the processor raised, so ``except ShapeError`` still
+    catches a processor's ``ShapeError``.
     """
 
     def __init__(self, message: str, rank: int | None = None, coords: dict | None = None):

@@ -91,7 +91,7 @@ class TorchCommunicator(Communicator):
         if not dist.is_available() or not dist.is_initialized():
             raise CommError(
                 "the torch backend needs an initialised torch.distributed process group; start the "
-                "program with `meshtorch launch`, `torchrun` + meshtorch.launcher.init_distributed(), "
+                "program with `meshtorch launch --backend torch`, `torchrun` + mt.init_distributed(), "
                 "or mt.launch(fn, backend='torch')"
             )
         world = dist.get_world_size()

@@ -1,4 +1,4 @@
-"""``mt.replicator``: TF-Replicator's API for plain ``torch.nn`` code (DESIGN §8).
+"""``mt.replicator``: TF-Replicator's API for plain ``torch.nn`` code.
 
 Example:
     >>> import meshtorch as mt

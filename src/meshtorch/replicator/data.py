@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import default_collate
 
 from meshtorch.errors import MeshError
+from meshtorch.replicator.device import to_device
 
 
 def _tensor_tuple(d: Any) -> bool:
@@ -107,8 +108,6 @@ class ReplicaLoader:
         return default_collate([d[i] for i in idx.tolist()])
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        from meshtorch.replicator.replicator import to_device
-
         order = self._order()
         self.epoch += 1
         n, b = self.num_examples, self.batch_size

@@ -1,4 +1,5 @@
-"""Which device a replica computes on: ``"auto"`` picks CUDA, then MPS, then CPU.
+"""Which device a replica computes on (``"auto"`` picks CUDA, then MPS, then CPU), and
+moving its batches there.
 
 On CUDA each replica gets one GPU, its *local* index: its rank on the threads
 backend (one process drives every GPU, one thread each) and ``LOCAL_RANK``
@@ -14,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -94,3 +96,23 @@ def resolve_device(spec: str | torch.device, comm: Communicator) -> torch.device
             f"{comm.mesh.size} thread replicas cannot share the one MPS device; launch 1 replica"
         )
     return torch.device("mps")
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` with every tensor inside (tuples, lists, dicts) moved to ``device``.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.replicator.device import to_device
+        >>> to_device({"x": (torch.ones(1), 2)}, torch.device("cpu"))
+        {'x': (tensor([1.]), 2)}
+    """
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(to_device(v, device) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x

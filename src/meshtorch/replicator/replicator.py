@@ -43,7 +43,7 @@ from meshtorch.replicator import collectives
 from meshtorch.replicator.batchnorm import convert_sync_batchnorm
 from meshtorch.replicator.channel import channel_for
 from meshtorch.replicator.data import ReplicaLoader
-from meshtorch.replicator.device import resolve_device
+from meshtorch.replicator.device import resolve_device, to_device
 from meshtorch.replicator.optimizer import GradientSync
 
 # thread-replicas share torch's default generator: they build their models one at a time
@@ -57,19 +57,6 @@ class ReplicaContext:
     replica_id: int
     num_replicas: int
     device: torch.device
-
-
-def to_device(x: Any, device: torch.device) -> Any:
-    """``x`` with every tensor inside (tuples, lists, dicts) moved to ``device``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(to_device(v, device) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
-    return x
 
 
 class Replicator:

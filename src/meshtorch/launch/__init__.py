@@ -1,0 +1,125 @@
+"""Starting an SPMD program on every processor of a mesh.
+
+- :func:`launch` (``mt.launch``) runs a Python function: on threads of this
+  process (``backend="threads"``, the default), one process per processor over
+  ``torch.distributed`` (``"torch"``), or one representative processor on
+  ``meta`` tensors (``"meta"``, for planning).
+- :func:`init_distributed` (``mt.init_distributed``) joins a world that
+  torchrun started, for scripts run by plain ``torchrun``.
+- ``meshtorch launch [--backend threads|torch] --mesh b:2,m:2 script.py``
+  runs a script (:mod:`meshtorch.launch.cli`).
+
+Whatever the backend, a processor's exception reaches the caller as one that
+is both its own class and a :class:`~meshtorch.errors.ProcessorError` naming
+the processor (:mod:`meshtorch.launch.failures`).
+
+Example:
+    >>> import meshtorch as mt
+    >>> mt.launch(lambda x: x + mt.current().rank, 10, mesh="b:2,m:2")
+    [10, 11, 12, 13]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from meshtorch.context import current
+from meshtorch.errors import MeshError
+from meshtorch.launch import processes, threads
+from meshtorch.launch.meta import run_meta
+from meshtorch.launch.world import init_distributed
+from meshtorch.layout import LayoutRules
+from meshtorch.mesh import Mesh
+
+BACKENDS = ("threads", "torch", "meta")
+
+__all__ = ["BACKENDS", "gather_results", "init_distributed", "launch"]
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    mesh: Mesh | str | dict = "",
+    rules: LayoutRules | str | dict = "",
+    backend: str = "threads",
+    timeout: float = 300.0,
+    check: bool = False,
+    nprocs: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` once per processor; return the results in
+    processor (row-major) order.
+
+    Args:
+        fn: the SPMD program; it sees its processor through ``mt.current()``.
+        mesh: mesh spec, e.g. ``"b:2,m:4"``.
+        rules: layout rules, e.g. ``"batch:b; d_ff:m"``; empty = all replicated.
+        backend: ``"threads"`` (default: nothing to set up, ``fn`` need not be
+            picklable), ``"torch"`` (one process per processor over
+            ``torch.distributed``; ``fn`` and its arguments must be picklable), or
+            ``"meta"`` (processor 0 alone, on ``meta`` tensors, collectives only
+            counted: for planning; the result list has that one processor's result).
+        nprocs: processes to spawn with ``backend="torch"`` (must equal the mesh
+            size; default: the mesh size, or the torchrun world when under torchrun).
+        timeout: seconds a collective may wait for its group before it raises.
+        check: record call sites so mismatched collectives name both sides.
+
+    Raises:
+        ProcessorError: ``fn`` raised on some processor. The exception is also an
+            instance of the class raised there (``except mt.errors.ShapeError``
+            catches a processor's ``ShapeError``), names the processor's rank and
+            coordinates (``.rank``, ``.coords``), and has the original exception
+            as its ``__cause__`` (from another process, with the remote traceback
+            as that exception's cause).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.launch(lambda: mt.current().coords["m"], mesh="b:1,m:2")
+        [0, 1]
+        >>> def bad():
+        ...     if mt.current().rank == 1:
+        ...         raise mt.errors.ShapeError("dim d is 3, not 4")
+        >>> try:
+        ...     mt.launch(bad, mesh="m:2")
+        ... except mt.errors.ShapeError as e:
+        ...     print(e.coords, isinstance(e, mt.errors.ProcessorError))
+        {'m': 1} True
+    """
+    mesh = Mesh(mesh)
+    rules = LayoutRules(rules)
+    rules.check(mesh)
+    if backend not in BACKENDS:
+        raise MeshError(f"backend {backend!r} is not one of {BACKENDS}")
+    if backend == "torch":
+        return processes.launch_processes(fn, args, kwargs, mesh, rules, timeout, check, nprocs)
+    if backend == "meta":
+        return [run_meta(fn, args, kwargs, mesh, rules)]
+    if nprocs not in (None, mesh.size):
+        raise MeshError(f"mesh '{mesh}' has {mesh.size} processors but nprocs={nprocs}; "
+                        f"pass nprocs={mesh.size} or leave it out")
+    return threads.run_threads(fn, args, kwargs, mesh, rules, timeout, check)
+
+
+def gather_results(out: Any) -> list[Any]:
+    """Inside a running program: every processor's ``out`` in rank order, on every processor.
+
+    This is what a launch returns, for a function that runs as one processor
+    of a program already started (by ``meshtorch launch``, torchrun or an
+    outer ``mt.launch``). On the ``meta`` backend only processor 0 runs, so
+    the list holds its ``out`` alone; outside any launch, ``[out]``.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.launch import gather_results
+        >>> mt.launch(lambda: gather_results(mt.current().coords["m"]), mesh="m:2")
+        [[0, 1], [0, 1]]
+        >>> gather_results("alone")
+        ['alone']
+    """
+    comm = current().comm
+    if comm.backend == "threads":
+        return threads.gather_results(comm, out)
+    if comm.backend == "torch":
+        return processes.gather_results(out)
+    return [out]
