@@ -55,7 +55,7 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
-from meshtorch.nn.module import mesh_shape
+from meshtorch.nn.parameter import MeshParameter
 from meshtorch.pipeline.executor import Executor
 from meshtorch.pipeline.schedule import SCHEDULES, Schedule
 from meshtorch.pipeline.schedule import build as build_schedule
@@ -212,7 +212,7 @@ class Pipeline:
         if not axes:
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None
-                 and not (self._auto and mesh_shape(p) is not None)]
+                 and not (self._auto and isinstance(p, MeshParameter))]
         if not grads:
             return
         comm = current().comm
