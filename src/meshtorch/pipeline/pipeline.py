@@ -341,8 +341,9 @@ class Pipeline:
                        for mod in self.module.modules() for name, q in mod._parameters.items() if q is p]
 
         def alias(p: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
-            a = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-            a.__dict__.update(p.__dict__)  # the named shape and layout of mt.nn parameters
+            # the same class (an mt.nn.MeshParameter stays one) with its named shape, layout and path
+            a = torch.Tensor._make_subclass(type(p), data, p.requires_grad)
+            a.__dict__.update(p.__dict__)
             return a
 
         # W(t) shares the module parameters' storage (version t has parity t % 2); W(t-1) starts as
