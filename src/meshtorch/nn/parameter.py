@@ -27,6 +27,8 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
 
 from meshtorch import random as mtr
 from meshtorch.context import current, use
@@ -52,7 +54,7 @@ INITS: dict[str, Callable[..., InitFn]] = {
 }
 
 
-def init_fn(init: str | InitFn, kwargs: dict[str, Any]) -> InitFn:
+def _init_fn(init: str | InitFn, kwargs: dict[str, Any]) -> InitFn:
     """The initializer named ``init`` (with its keyword arguments), or ``init`` itself if callable."""
     if callable(init):
         return init
@@ -100,7 +102,7 @@ class MeshParameter(torch.nn.Parameter):
     def __new__(cls, shape: Shape | str | Iterable[Dim], init: str | InitFn = "normal", *,
                 requires_grad: bool = True, **init_kwargs: Any) -> MeshParameter:
         shape = as_shape(shape)
-        fn = init_fn(init, init_kwargs)
+        fn = _init_fn(init, init_kwargs)
         layout = layout_for(shape)
         p = torch.Tensor._make_subclass(cls, torch.empty(layout.local_sizes), requires_grad)
         p._set_mesh(shape, layout, fn, current(), seed=0, stream="", materialized=False)
@@ -172,6 +174,13 @@ class MeshParameter(torch.nn.Parameter):
             self.materialize()
         return (f"MeshParameter {self.stream!r} [{self.mesh_shape}] {self.mesh_layout} containing:\n"
                 + torch.Tensor.__repr__(self))
+
+
+# torch.optim and clip_grad_norm_ take their multi-tensor (foreach) kernels only for the tensor
+# types listed here; a MeshParameter is an ordinary dense tensor to them (torch lists DTensor alike)
+for _types in (_optim_foreach_types, _util_foreach_types):
+    if MeshParameter not in _types:
+        _types.append(MeshParameter)
 
 
 def _rebuild(data: torch.Tensor, requires_grad: bool, shape: Shape, layout: Layout, seed: int,
