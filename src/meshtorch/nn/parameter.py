@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 from torch.optim.optimizer import _foreach_supported_types as _optim_foreach_types
+from torch.overrides import TorchFunctionMode
 from torch.utils._foreach_utils import _foreach_supported_types as _util_foreach_types
+from torch.utils._pytree import tree_leaves
 
 from meshtorch import random as mtr
 from meshtorch.context import current, use
@@ -174,6 +176,35 @@ class MeshParameter(torch.nn.Parameter):
             self.materialize()
         return (f"MeshParameter {self.stream!r} [{self.mesh_shape}] {self.mesh_layout} containing:\n"
                 + torch.Tensor.__repr__(self))
+
+
+class plain_parameters(TorchFunctionMode):
+    """Within the block, torch sees each MeshParameter an op takes as a plain ``nn.Parameter``.
+
+    For tracers that accept only exact ``Tensor``/``Parameter`` types, such as
+    ``make_fx`` (the parameter is the same object, so the trace holds it as the
+    model's constant); outside the block nothing changes.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> dense = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3), bias=False)
+        >>> with mt.nn.parameter.plain_parameters():
+        ...     gm = make_fx(lambda x: dense(mt.from_global(x, "d:2")).local)(torch.ones(2))
+        >>> [type(p).__name__ for p in gm.parameters()]
+        ['MeshParameter']
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        params = [a for a in tree_leaves((args, kwargs)) if type(a) is MeshParameter]
+        for p in params:  # the same object, so autograd, storage and identity are untouched
+            p.__class__ = torch.nn.Parameter
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for p in params:
+                p.__class__ = MeshParameter
 
 
 # torch.optim and clip_grad_norm_ take their multi-tensor (foreach) kernels only for the tensor
