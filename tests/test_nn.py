@@ -89,8 +89,8 @@ def test_layers_reject_bad_inputs_with_clear_errors():
         mt.nn.Dense(D, H, init="nope")
     with pytest.raises(ValueError, match="Dropout rate"):
         mt.nn.Dropout(1.0)
-    with pytest.raises(mt.errors.ShapeError, match="no mesh parameter 'w'"):
-        mt.nn.Dense(D, H).mesh_parameter("w")
+    with pytest.raises(mt.errors.ShapeError, match="initializer of parameter 'kernel' returned shape"):
+        mt.nn.Dense(D, H, init=lambda s, seed, st: mt.zeros("d:4")).kernel.materialize()
 
 
 def test_embedding_with_split_vocab_trains_like_torch_embedding():
@@ -101,7 +101,7 @@ def test_embedding_with_split_vocab_trains_like_torch_embedding():
         out = emb(mt.from_global(ids, [B]))
         logits = emb.attend(out)
         mt.reduce_sum(logits * logits).backward()
-        return out.to_global(), emb.mesh_parameter("table").grad.to_global()
+        return out.to_global(), emb.table.mesh_tensor.grad.to_global()
 
     table = mt.nn.Embedding(V, D).table.detach().clone().requires_grad_(True)
     out = table[ids]

@@ -37,7 +37,7 @@ def _unsplit(cfg):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {n: mt.nn.module.as_mesh_view(p).to_global() for n, p in model.named_parameters()}
+    return losses, {n: p.mesh_tensor.to_global() for n, p in model.named_parameters()}
 
 
 def _piped(cfg, schedule):
@@ -48,7 +48,7 @@ def _piped(cfg, schedule):
         ids = mt.from_global(seq[:, :-1].contiguous(), "batch:8,length:6")
         tgt = mt.from_global(seq[:, 1:].contiguous(), "batch:8,length:6")
         losses.append(pipe.step(ids, tgt))
-    params = {n: mt.nn.module.as_mesh_view(p).to_global() for n, p in pipe.module.named_model_parameters()}
+    params = {n: p.mesh_tensor.to_global() for n, p in pipe.module.named_model_parameters()}
     return losses, params
 
 
@@ -92,7 +92,7 @@ def _unsplit_2bw(cfg):
                 p.copy_(w)
         prev = now
         opt.step()
-    return {n: mt.nn.module.as_mesh_view(p).to_global() for n, p in model.named_parameters()}
+    return {n: p.mesh_tensor.to_global() for n, p in model.named_parameters()}
 
 
 def _piped_2bw(cfg):
@@ -101,7 +101,7 @@ def _piped_2bw(cfg):
     batch = [(mt.from_global(seq[:, :-1].contiguous(), "batch:8,length:6"),
               mt.from_global(seq[:, 1:].contiguous(), "batch:8,length:6")) for seq in data()]
     pipe.train(batch)  # one table, no flush between the batches
-    return {n: mt.nn.module.as_mesh_view(p).to_global() for n, p in pipe.module.named_model_parameters()}
+    return {n: p.mesh_tensor.to_global() for n, p in pipe.module.named_model_parameters()}
 
 
 def test_lm_pipeline_2bw_without_flush_equals_direct_2bw():

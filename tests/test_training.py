@@ -235,7 +235,7 @@ def test_activation_recomputation_through_collectives_and_dropout():
         logits = mt.nn.checkpoint(block, xb) if remat else block(xb)
         loss = mt.reduce_mean(mt.cross_entropy(logits, yb, "cls"))
         loss.backward()
-        return loss.item(), l1.mesh_parameter("kernel").grad.to_global()
+        return loss.item(), l1.kernel.mesh_tensor.grad.to_global()
 
     for mesh, rules in [("b:2,m:2", "batch:b; d_ff:m"), ("m:4", "d_ff:m")]:
         plain = mt.launch(run, False, mesh=mesh, rules=rules)

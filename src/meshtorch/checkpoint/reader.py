@@ -13,7 +13,7 @@ Example:
     >>> def load():
     ...     model = make()
     ...     info = mt.load(path, model=model)
-    ...     return info["step"], model.mesh_parameter("kernel").to_global()
+    ...     return info["step"], model.kernel.mesh_tensor.to_global()
     >>> step, kernel = mt.launch(load, mesh="m:2", rules="d:m")[1]
     >>> step, bool((kernel == saved).all())
     (3, True)

@@ -65,9 +65,9 @@ class MoE(nn.Module):
         self.cfg = cfg
         experts, d_model, d_ff = cfg.dim("experts"), cfg.dim("d_model"), cfg.dim("d_ff")
         self.gate = nn.Dense(d_model, experts, bias=False, init="normal", std=cfg.d_model ** -0.5)
-        self.wi = self.create_parameter("wi", [experts, d_model, d_ff], "normal", std=cfg.d_model ** -0.5)
-        self.wo = self.create_parameter("wo", [experts, d_ff, d_model], "normal",
-                                        std=cfg.d_ff ** -0.5 / math.sqrt(2 * max(cfg.layers, 1)))
+        self.wi = nn.MeshParameter([experts, d_model, d_ff], "normal", std=cfg.d_model ** -0.5)
+        self.wo = nn.MeshParameter([experts, d_ff, d_model], "normal",
+                                   std=cfg.d_ff ** -0.5 / math.sqrt(2 * max(cfg.layers, 1)))
         self.act = ACTIVATIONS[cfg.activation]
 
     def capacity(self, length: int) -> int:
@@ -98,9 +98,9 @@ class MoE(nn.Module):
         else:
             dispatch, combine = dispatch1, dispatch1 * gate1
         inputs = einsum(dispatch, x, output_shape=[EXPERTS, "batch", CAPACITY, "d_model"])
-        h = self.act(einsum(inputs, self.mesh_parameter("wi"),
+        h = self.act(einsum(inputs, self.wi.mesh_tensor,
                             output_shape=[EXPERTS, "batch", CAPACITY, "d_ff"]))
-        outputs = einsum(h, self.mesh_parameter("wo"), output_shape=[EXPERTS, "batch", CAPACITY, "d_model"])
+        outputs = einsum(h, self.wo.mesh_tensor, output_shape=[EXPERTS, "batch", CAPACITY, "d_model"])
         others = [n for n in x.names if n != "d_model"]
         y = einsum(combine, outputs, output_shape=others + ["d_model"])
         return y, aux

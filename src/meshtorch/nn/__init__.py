@@ -6,11 +6,14 @@ Example:
     >>> mlp = mt.nn.Sequential(mt.nn.Dense(d, h), mt.relu, mt.nn.Dense(h, d))
     >>> mlp.num_parameters()
     76
+    >>> mlp[0].kernel.mesh_shape, mlp[0].kernel.stream
+    (Shape('d:4,h:8'), '0.kernel')
 """
 
 from meshtorch.nn.layers import Dense, Dropout, Embedding, Fn, LayerNorm, RMSNorm, Sequential
-from meshtorch.nn.module import Module, as_mesh_view, mesh_layout, mesh_shape
+from meshtorch.nn.module import Module
+from meshtorch.nn.parameter import MeshParameter
 from meshtorch.nn.remat import checkpoint
 
-__all__ = ["Module", "Dense", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "Sequential", "Fn",
-           "checkpoint", "as_mesh_view", "mesh_shape", "mesh_layout"]
+__all__ = ["Module", "MeshParameter", "Dense", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "Sequential",
+           "Fn", "checkpoint"]

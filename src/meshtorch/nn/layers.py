@@ -22,7 +22,8 @@ import torch
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.nn.module import InitFn, Module
+from meshtorch.nn.module import Module
+from meshtorch.nn.parameter import InitFn, MeshParameter
 from meshtorch.ops.array import gather
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
@@ -57,8 +58,8 @@ class Dense(Module):
         self.in_dims, self.out_dims = _dims(in_dims, "in_dims"), _dims(out_dims, "out_dims")
         if init == "kaiming_normal":
             init_kwargs = {"gain": 1.0, "fan_in": [d.name for d in self.in_dims], **init_kwargs}
-        self.kernel = self.create_parameter("kernel", self.in_dims + self.out_dims, init, **init_kwargs)
-        self.bias = self.create_parameter("bias", self.out_dims, "zeros") if bias else None
+        self.kernel = MeshParameter(self.in_dims + self.out_dims, init, **init_kwargs)
+        self.bias = MeshParameter(self.out_dims, "zeros") if bias else None
         self._out_names = BoundedCache(64)  # input shape -> output dim names
 
     def forward(self, x: MeshTensor) -> MeshTensor:
@@ -71,10 +72,10 @@ class Dense(Module):
                     raise ShapeError(f"Dense expects dim {d} in its input, got [{x.shape}]")
             out = self._out_names.put(
                 x.shape, tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims]))
-        y = einsum(x, self.mesh_parameter("kernel"), output_shape=out)
+        y = einsum(x, self.kernel.mesh_tensor, output_shape=out)
         if self.bias is None:
             return y
-        b = self.mesh_parameter("bias")
+        b = self.bias.mesh_tensor
         # under autocast the einsum runs in low precision; keep the bias add there too
         return y + (cast(b, y.dtype) if b.dtype != y.dtype else b)
 
@@ -96,15 +97,15 @@ class Embedding(Module):
         super().__init__()
         self.vocab = _dims(vocab, "vocab")[0]
         self.d_model = _dims(d_model, "d_model")
-        self.table = self.create_parameter("table", [self.vocab] + self.d_model, init, **init_kwargs)
+        self.table = MeshParameter([self.vocab] + self.d_model, init, **init_kwargs)
 
     def forward(self, ids: MeshTensor) -> MeshTensor:
-        return gather(self.mesh_parameter("table"), as_mesh_tensor(ids), self.vocab.name)
+        return gather(self.table.mesh_tensor, as_mesh_tensor(ids), self.vocab.name)
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""
         keep = [n for n in x.names if n not in {d.name for d in self.d_model}]
-        return einsum(x, self.mesh_parameter("table"), output_shape=keep + [self.vocab.name])
+        return einsum(x, self.table.mesh_tensor, output_shape=keep + [self.vocab.name])
 
 
 class LayerNorm(Module):
@@ -120,12 +121,12 @@ class LayerNorm(Module):
     def __init__(self, dim: Dim, *, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.dim, self.eps = _dims(dim, "dim")[0], eps
-        self.weight = self.create_parameter("weight", [self.dim], "ones")
-        self.bias = self.create_parameter("bias", [self.dim], "zeros") if bias else None
+        self.weight = MeshParameter([self.dim], "ones")
+        self.bias = MeshParameter([self.dim], "zeros") if bias else None
 
     def forward(self, x: MeshTensor) -> MeshTensor:
-        b = self.mesh_parameter("bias") if self.bias is not None else None
-        return layer_norm(x, self.dim.name, self.mesh_parameter("weight"), b, self.eps)
+        b = None if self.bias is None else self.bias.mesh_tensor
+        return layer_norm(x, self.dim.name, self.weight.mesh_tensor, b, self.eps)
 
 
 class RMSNorm(Module):
@@ -141,10 +142,10 @@ class RMSNorm(Module):
     def __init__(self, dim: Dim, *, eps: float = 1e-6):
         super().__init__()
         self.dim, self.eps = _dims(dim, "dim")[0], eps
-        self.weight = self.create_parameter("weight", [self.dim], "ones")
+        self.weight = MeshParameter([self.dim], "ones")
 
     def forward(self, x: MeshTensor) -> MeshTensor:
-        return rms_norm(x, self.dim.name, self.mesh_parameter("weight"), self.eps)
+        return rms_norm(x, self.dim.name, self.weight.mesh_tensor, self.eps)
 
 
 class Dropout(Module):

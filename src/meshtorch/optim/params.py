@@ -16,7 +16,7 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.layout import Layout
-from meshtorch.nn.module import as_mesh_view, mesh_layout
+from meshtorch.nn.parameter import MeshParameter
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor
 
@@ -28,11 +28,10 @@ def view_of(p: torch.Tensor) -> MeshTensor:
     replicated on every axis with dims named ``dim0, dim1, ...``."""
     if isinstance(p, MeshTensor):
         return p
-    view = as_mesh_view(p)
-    if view is None:
-        shape = Shape([Dim(f"dim{i}", s) for i, s in enumerate(p.shape)])
-        view = MeshTensor(p, shape, Layout(shape, current().mesh, {}))
-    return view
+    if isinstance(p, MeshParameter):
+        return p.mesh_tensor
+    shape = Shape([Dim(f"dim{i}", s) for i, s in enumerate(p.shape)])
+    return MeshTensor(p, shape, Layout(shape, current().mesh, {}))
 
 
 def mesh_views(params: Params) -> list[tuple[torch.Tensor, MeshTensor]]:
@@ -58,9 +57,8 @@ def layouts_of(params: Params) -> list[tuple[torch.Tensor, Layout]]:
         params = params.parameters()
     out = []
     for p in params:
-        layout = mesh_layout(p) if isinstance(p, torch.Tensor) else None
-        if layout is not None:
-            out.append((p, layout))
+        if isinstance(p, MeshParameter):
+            out.append((p, p.mesh_layout))
         else:
             out.extend((q, v.layout) for q, v in mesh_views([p]))
     return out

@@ -55,7 +55,7 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
-from meshtorch.nn.module import mesh_shape
+from meshtorch.nn.parameter import MeshParameter
 from meshtorch.pipeline.executor import Executor
 from meshtorch.pipeline.schedule import SCHEDULES, Schedule
 from meshtorch.pipeline.schedule import build as build_schedule
@@ -212,7 +212,7 @@ class Pipeline:
         if not axes:
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None
-                 and not (self._auto and mesh_shape(p) is not None)]
+                 and not (self._auto and isinstance(p, MeshParameter))]
         if not grads:
             return
         comm = current().comm
@@ -341,8 +341,9 @@ class Pipeline:
                        for mod in self.module.modules() for name, q in mod._parameters.items() if q is p]
 
         def alias(p: torch.nn.Parameter, data: torch.Tensor) -> torch.nn.Parameter:
-            a = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-            a.__dict__.update(p.__dict__)  # the named shape and layout of mt.nn parameters
+            # the same class (an mt.nn.MeshParameter stays one) with its named shape, layout and path
+            a = torch.Tensor._make_subclass(type(p), data, p.requires_grad)
+            a.__dict__.update(p.__dict__)
             return a
 
         # W(t) shares the module parameters' storage (version t has parity t % 2); W(t-1) starts as

@@ -37,6 +37,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshtorch.errors import PlacementError
+from meshtorch.nn.parameter import plain_parameters
 from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.problem import Placement
 
@@ -265,7 +266,8 @@ def trace_function(
 
     spec = spec or DeviceSpec()
     try:
-        gm = make_fx(fn)(*example_inputs)
+        with plain_parameters():  # make_fx takes parameters of the exact Parameter type only
+            gm = make_fx(fn)(*example_inputs)
     except Exception as e:  # make_fx raises many types; say what failed and why
         raise PlacementError(
             f"make_fx cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}"

@@ -292,6 +292,8 @@ def measure() -> Iterator[None]:
     for ref in tr.params:  # gradients kept from before (assigned, not accumulated)
         p = ref()
         if p is not None:
+            if getattr(p, "materialized", True) is False:
+                p.materialize()  # a parameter not read yet is initialised now: not part of the step
             tr.mark(p.grad, "gradients")
             if first and p.grad is not None:
                 tr.grad_at_start.add(id(p))
@@ -327,7 +329,7 @@ def _install() -> None:
                 tr.mark(param, "parameters")
                 if id(param) not in tr.param_numel:
                     tr.params.append(weakref.ref(param))
-                shape = getattr(param, "_mt_shape", None)
+                shape = getattr(param, "mesh_shape", None)
                 tr.param_numel[id(param)] = param.numel() if shape is None else math.prod(shape.sizes)
                 if shape is not None:
                     tr.param_shapes[id(param)] = (tuple(shape.names),

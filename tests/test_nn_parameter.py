@@ -1,0 +1,173 @@
+"""mt.nn.MeshParameter: each parameter is drawn once, for its final path, with the values of a
+direct mt.random draw; lazily drawn parameters behave as drawn ones everywhere they are read."""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from collections import Counter
+
+import pytest
+import torch
+
+import meshtorch as mt
+from meshtorch.models import DecoderLM, TransformerConfig
+from meshtorch.nn import parameter as mp
+
+D, H = mt.Dim("d", 4), mt.Dim("h", 6)
+
+
+def counting(calls: list[str]):
+    def init(shape, seed, stream):
+        calls.append(stream)
+        return mt.random.normal(shape, seed=seed, stream=stream)
+
+    return init
+
+
+def nested(calls: list[str]) -> mt.nn.Module:
+    """Built bottom-up: every Dense exists before the Sequentials that hold it."""
+    inner = mt.nn.Sequential(mt.nn.Dense(D, H, init=counting(calls)), mt.relu,
+                             mt.nn.Dense(H, D, init=counting(calls)))
+    return mt.nn.Sequential(mt.nn.LayerNorm(D), mt.nn.Sequential(inner))
+
+
+def test_nested_sequential_draws_each_parameter_once_for_its_final_path():
+    calls: list[str] = []
+    model = nested(calls)
+    assert calls == []  # attaching re-labels, it draws nothing
+    out = model(mt.ones("batch:2,d:4"))
+    list(model.parameters())
+    model.state_dict()
+    dict(model.named_mesh_parameters())
+    assert calls == ["1.0.0.kernel", "1.0.2.kernel"]
+    for path, shape in [("1.0.0.kernel", "d:4,h:6"), ("1.0.2.kernel", "h:6,d:4")]:
+        want = mt.random.normal(shape, seed=0, stream=path).local
+        assert torch.equal(model.get_parameter(path), want), path
+    assert out.shape == mt.Shape("batch:2,d:4")
+    # reset_parameters draws again, now, once per parameter
+    model.reset_parameters(seed=4)
+    assert Counter(calls) == {"1.0.0.kernel": 2, "1.0.2.kernel": 2}
+    assert torch.equal(model.get_parameter("1.0.2.kernel"),
+                       mt.random.normal("h:6,d:4", seed=4, stream="1.0.2.kernel").local)
+
+
+def test_reading_a_parameter_attribute_draws_it():
+    calls: list[str] = []
+    dense = mt.nn.Dense(D, H, init=counting(calls))
+    p = dense._parameters["kernel"]
+    assert not p.materialized and p.stream == "kernel"
+    ptr = p.data_ptr()
+    assert torch.equal(dense.kernel, mt.random.normal("d:4,h:6", seed=0, stream="kernel").local)
+    assert p.materialized and p.data_ptr() == ptr  # filled in place: the storage is the one made first
+    assert calls == ["kernel"]
+    # attached elsewhere, the path changes and so do the values (drawn again, once)
+    seq = mt.nn.Sequential(dense)
+    assert not p.materialized and p.stream == "0.kernel"
+    seq(mt.ones("d:4"))
+    seq(mt.ones("d:4"))
+    assert calls == ["kernel", "0.kernel"]
+
+
+def _std(name: str, cfg: TransformerConfig) -> float | None:
+    """The init of each DecoderLM parameter, from the model's documented initialisation."""
+    depth = math.sqrt(2 * cfg.layers)
+    leaf = name.rsplit(".", 2)
+    if name == "embed.table":
+        return 0.02
+    if name == "decoder.pos.table":
+        return 0.01
+    if leaf[-1] in ("weight", "bias"):
+        return None
+    return {"q": cfg.d_model ** -0.5, "k": cfg.d_model ** -0.5, "v": cfg.d_model ** -0.5,
+            "o": (cfg.heads * cfg.d_kv) ** -0.5 / depth, "wi": cfg.d_model ** -0.5,
+            "wo": cfg.d_ff ** -0.5 / depth, "head": cfg.d_model ** -0.5}[leaf[-2]]
+
+
+def test_decoder_lm_draws_each_parameter_once_with_direct_mt_random_values(monkeypatch):
+    calls: list[str] = []
+    for kind, factory in list(mp.INITS.items()):
+        def wrapped(*a, _factory=factory, **kw):
+            fn = _factory(*a, **kw)
+            return lambda s, seed, st: (calls.append(st), fn(s, seed, st))[1]
+
+        monkeypatch.setitem(mp.INITS, kind, wrapped)
+    cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=3, max_length=8,
+                            tie_embeddings=False)
+    model = DecoderLM(cfg, seed=7)
+    ids = mt.from_global(torch.arange(12).reshape(2, 6) % 16, "batch:2,length:6")
+    model.loss(ids, ids).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1)
+    model.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    assert Counter(calls) == Counter(names)  # every parameter drawn exactly once
+    for name, view in model.named_mesh_parameters():
+        std = _std(name, cfg)
+        if std is None:
+            want = torch.full(view.shape.sizes, 1.0 if name.endswith("weight") else 0.0)
+        else:
+            want = mt.random.normal(view.shape, 0.0, std, seed=7, stream=name).local
+        assert torch.equal(view.local.detach(), want), name
+
+
+def test_values_are_the_same_on_a_split_mesh_and_read_from_outside_the_launch():
+    cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, max_length=8)
+    one = {n: v.to_global() for n, v in DecoderLM(cfg, seed=3).named_mesh_parameters()}
+
+    def build():
+        return mt.nn.Sequential(mt.nn.Dense(D, H), mt.nn.Dense(H, D)), mt.current().coords
+
+    def run():
+        return {n: v.to_global() for n, v in DecoderLM(cfg, seed=3).named_mesh_parameters()}
+
+    for got in mt.launch(run, mesh="b:2,m:2", rules="batch:b; heads:m; d_ff:m; vocab:m"):
+        assert got.keys() == one.keys() and all(torch.equal(got[n], one[n]) for n in one)
+    # built on a processor, first read after the launch: drawn for that processor's slice
+    ref = mt.random.kaiming_normal("h:6,d:4", fan_in=["h"], gain=1.0, seed=0, stream="1.kernel").local
+    for model, coords in mt.launch(build, mesh="m:2", rules="h:m"):
+        assert not model[1]._parameters["kernel"].materialized
+        part = slice(3 * coords["m"], 3 * coords["m"] + 3)
+        assert torch.equal(model[1].kernel, ref[part])
+
+
+def test_deepcopy_pickle_state_dict_and_conversion_of_unread_parameters():
+    fresh = lambda: nested([])  # noqa: E731
+    want = {n: p.detach().clone() for n, p in fresh().named_parameters()}
+    copied = copy.deepcopy(fresh())
+    assert all(torch.equal(p, want[n]) for n, p in copied.named_parameters())
+    assert copy.deepcopy(fresh()).state_dict().keys() == want.keys()
+    assert all(torch.equal(v, want[k]) for k, v in fresh().state_dict().items())
+    halves = fresh().to(torch.float16)
+    assert all(torch.equal(p, want[n].half()) for n, p in halves.named_parameters())
+    # pickled with its values (initializers are closures; the values are what a copy needs)
+    back = pickle.loads(pickle.dumps(mt.nn.Sequential(mt.nn.Dense(D, H))))
+    p = back.get_parameter("0.kernel")
+    assert isinstance(p, mt.nn.MeshParameter) and p.mesh_shape == mt.Shape("d:4,h:6")
+    assert torch.equal(p, mt.random.kaiming_normal("d:4,h:6", fan_in=["d"], gain=1.0, seed=0,
+                                                   stream="0.kernel").local)
+    # loading a state dict overwrites without drawing
+    calls: list[str] = []
+    target = nested(calls)
+    target.load_state_dict({k: v + 1 for k, v in want.items()})
+    assert calls == [] and torch.equal(target.get_parameter("1.0.2.kernel"), want["1.0.2.kernel"] + 1)
+
+
+def test_meta_backend_builds_parameters_without_storage():
+    cfg = TransformerConfig(vocab=32768, d_model=1024, heads=16, d_kv=64, d_ff=4096, layers=4, max_length=64)
+
+    def build():
+        model = DecoderLM(cfg)
+        return {p.device.type for p in model.parameters()}, model.num_parameters()
+
+    (devices, n), = mt.launch(build, mesh="m:8", rules="vocab:m; heads:m; d_ff:m", backend="meta")
+    assert devices == {"meta"}
+    assert n == 32768 * 1024 + 64 * 1024 + 4 * (4 * 1024 * 1024 + 2 * 1024 * 4096 + 4 * 1024) + 2 * 1024
+
+
+def test_parameter_errors_name_the_parameter():
+    with pytest.raises(mt.errors.ShapeError, match="unknown initializer 'nope'"):
+        mt.nn.MeshParameter("d:4", init="nope")
+    bad = mt.nn.Sequential(mt.nn.Dense(D, H, init=lambda s, seed, st: mt.zeros("h:6")))
+    with pytest.raises(mt.errors.ShapeError, match=r"parameter '0.kernel' returned shape \[h:6\]"):
+        bad(mt.ones("d:4"))
