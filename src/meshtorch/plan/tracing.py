@@ -54,7 +54,6 @@ from torch.utils.flop_counter import flop_registry
 
 from meshtorch.comm.stats import CommStats
 from meshtorch.context import current, use_tracer
-from meshtorch.errors import PlanError
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -384,14 +383,10 @@ def _on_grad(param: torch.Tensor) -> None:
 @contextmanager
 def tracing() -> Iterator[Tracer]:
     """Trace this processor's ops and collectives for the block."""
-    ctx = current()
-    if ctx.tracer is not None:
-        raise PlanError("meshtorch.plan: a trace is already running on this processor; traces do not "
-                        "nest (call trace() outside the traced step)")
     tr = Tracer()
     _install()
     try:
-        with use_tracer(tr), ctx.comm.stats.watching(tr.record_collective), tr:
+        with use_tracer(tr), current().comm.stats.watching(tr.record_collective), tr:
             yield tr
     finally:
         _uninstall()
