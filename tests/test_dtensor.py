@@ -26,7 +26,7 @@ def _case(shape: str) -> dict:
 
     g = _global(shape)
     x = mt.from_global(g, shape, requires_grad=True)
-    dt = x.to_dtensor()
+    dt = mt.to_dtensor(x)
     back = mt.from_dtensor(dt, shape)
     # a DTensor built by torch with other placements is redistributed into our layout
     other = distribute_tensor(g, device_mesh(), [Shard(2)] + [Replicate()] * (dt.device_mesh.ndim - 1))
@@ -85,7 +85,7 @@ def test_round_trip_values_placements_and_grads(runs, which):
 
 def test_to_dtensor_needs_torch_backend():
     def f():
-        return mt.from_global(G, "a:4,b:6,c:4").to_dtensor()  # threads backend: no DeviceMesh
+        return mt.to_dtensor(mt.from_global(G, "a:4,b:6,c:4"))  # threads backend: no DeviceMesh
 
     with pytest.raises(mt.errors.ProcessorError) as info:
         mt.launch(f, mesh="m:2", rules="a:m")

@@ -21,7 +21,7 @@ from meshtorch.amp import autocast
 from meshtorch.checkpoint import export_hf, import_hf, load, save
 from meshtorch.comm import CommStats, Communicator
 from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
-from meshtorch.dtensor import from_dtensor
+from meshtorch.dtensor import from_dtensor, to_dtensor
 from meshtorch.errors import MeshTorchError
 from meshtorch.launch import init_distributed, launch
 from meshtorch.layout import Layout, LayoutRules

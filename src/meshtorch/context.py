@@ -16,13 +16,31 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from meshtorch.comm.base import Communicator, LocalCommunicator
 from meshtorch.comm.stats import CommStats
+from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+
+
+class ProcessorTracer(Protocol):
+    """What the core tells a processor's tracer (the planner's is one).
+
+    The core never knows who traces: it reports each new ``MeshTensor`` to
+    :meth:`observe`, and runs work that is not the program's own (drawing
+    initial random numbers, a backend's private staging copies) inside
+    :meth:`paused`, so that it is neither counted nor held as memory.
+    """
+
+    def observe(self, tensor: Any) -> None:
+        """A ``MeshTensor`` was just made on this processor."""
+
+    def paused(self) -> AbstractContextManager[Any]:
+        """A block whose tensor work the tracer does not see."""
 
 
 @dataclass
@@ -32,6 +50,7 @@ class ProcessorContext:
     comm: Communicator
     rules: LayoutRules = field(default_factory=LayoutRules)
     random_calls: int = 0
+    tracer: ProcessorTracer | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -74,6 +93,58 @@ def use(ctx: ProcessorContext) -> Iterator[ProcessorContext]:
         yield ctx
     finally:
         _local.ctx = prev
+
+
+# The contexts that have a tracer now, by id. Empty unless something traces, so the hot path
+# (every MeshTensor made) tests this dict, as cheap as a global flag, before asking current().
+traced: dict[int, ProcessorContext] = {}
+_traced_lock = threading.Lock()
+
+
+@contextmanager
+def use_tracer(tracer: ProcessorTracer) -> Iterator[ProcessorTracer]:
+    """Give this processor ``tracer`` for the block; it is removed at exit, also on errors.
+
+    Example:
+        >>> from contextlib import nullcontext
+        >>> import meshtorch as mt
+        >>> from meshtorch.context import current, use_tracer
+        >>> class Count:
+        ...     n = 0
+        ...     def observe(self, tensor): self.n += 1
+        ...     def paused(self): return nullcontext()
+        >>> with use_tracer(Count()) as c:
+        ...     _ = mt.zeros("batch:4")
+        >>> c.n, current().tracer is None
+        (1, True)
+    """
+    ctx = current()
+    if ctx.tracer is not None:
+        raise PlanError(
+            "a trace is already running on this processor; finish it before starting another "
+            "(traces do not nest)")
+    ctx.tracer = tracer
+    with _traced_lock:
+        traced[id(ctx)] = ctx
+    try:
+        yield tracer
+    finally:
+        with _traced_lock:
+            del traced[id(ctx)]
+        ctx.tracer = None
+
+
+def untraced() -> AbstractContextManager[Any]:
+    """A block this processor's tracer (if any) does not see: work that is not the program's.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.context import untraced
+        >>> with untraced():
+        ...     t = torch.zeros(3)
+    """
+    tracer = current().tracer if traced else None
+    return nullcontext() if tracer is None else tracer.paused()
 
 
 def set_process_context(ctx: ProcessorContext) -> None:

@@ -12,7 +12,7 @@ Example (under ``mt.launch(..., backend="torch")``):
     >>> import torch, meshtorch as mt
     >>> def f():
     ...     x = mt.from_global(torch.arange(8.0).reshape(4, 2), "batch:4,d:2")
-    ...     dt = x.to_dtensor()
+    ...     dt = mt.to_dtensor(x)
     ...     return str(dt.placements), mt.from_dtensor(dt, x.shape).local.tolist()
     >>> mt.launch(f, mesh="b:2", rules="batch:b", backend="torch")  # doctest: +SKIP
     [('(Shard(dim=0),)', [[0.0, 1.0], [2.0, 3.0]]), ('(Shard(dim=0),)', [[4.0, 5.0], [6.0, 7.0]])]
@@ -29,38 +29,29 @@ from meshtorch.context import current
 from meshtorch.errors import CommError, LayoutError, ShapeError
 from meshtorch.layout import Layout
 from meshtorch.shape import Dim, Shape, as_shape
+from meshtorch.tensor import MeshTensor, layout_for
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from meshtorch.tensor import MeshTensor
-
 
 def device_mesh() -> DeviceMesh:
-    """The ``DeviceMesh`` of the current mesh (axis names kept), created once per
-    communicator. Creating it is collective: every processor calls it (SPMD).
+    """The ``DeviceMesh`` of the current mesh (axis names kept): the torch communicator's
+    (:meth:`~meshtorch.comm.torch.TorchCommunicator.device_mesh`). Creating it is collective:
+    every processor calls it (SPMD).
 
     Example (under the torch backend, on mesh ``b:2,m:2``):
         >>> from meshtorch.dtensor import device_mesh
         >>> device_mesh().mesh_dim_names  # doctest: +SKIP
         ('b', 'm')
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     comm = current().comm
     if comm.backend != "torch":
         raise CommError(
             f"DTensor interop needs the torch backend (this processor runs on {comm.backend!r}); start "
             "the program with mt.launch(fn, backend='torch'), `meshtorch launch` or torchrun")
-    dm = getattr(comm, "_device_mesh", None)
-    if dm is None:
-        mesh = comm.mesh
-        ranks = torch.arange(mesh.size).reshape(mesh.shape) if mesh.axes else torch.arange(1)
-        names = mesh.axis_names or ("p",)
-        dm = DeviceMesh(comm.device.type, ranks, mesh_dim_names=names)
-        comm._device_mesh = dm
-    return dm
+    return comm.device_mesh()
 
 
 def placements(layout: Layout) -> list:
@@ -78,7 +69,7 @@ def to_dtensor(x: MeshTensor) -> DTensor:
     """``x`` as a ``DTensor`` on :func:`device_mesh`, sharing its local slice.
 
     Example:
-        >>> x.to_dtensor().full_tensor()  # doctest: +SKIP
+        >>> mt.to_dtensor(x).full_tensor()  # doctest: +SKIP
     """
     from torch.distributed.tensor import DTensor
 
@@ -102,8 +93,6 @@ def from_dtensor(dt: DTensor, shape: Shape | str | Iterable[Dim], name: str | No
         >>> y = mt.from_dtensor(dt, "batch:4,d:2")  # doctest: +SKIP
     """
     from torch.distributed.tensor import DTensor
-
-    from meshtorch.tensor import MeshTensor, layout_for
 
     if not isinstance(dt, DTensor):
         raise ShapeError(f"from_dtensor needs a torch DTensor, got {type(dt).__name__}")

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from meshtorch.context import current
+from meshtorch.context import current, untraced
 from meshtorch.errors import ShapeError
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, layout_for
@@ -85,14 +85,17 @@ def _resolve(seed, stream) -> tuple[int, int | str]:
 
 
 def _uniform53(shape, seed, stream, device, layout) -> torch.Tensor:
-    dev = torch.device(device) if device is not None else torch.get_default_device()
-    if dev.type == "meta":
-        # a meta tensor has no values; skip the ~100 integer ops per tensor, which are slow on
-        # meta (initialising a 4.9B-parameter model took 38 s) and only produce this shape
-        return torch.empty(layout.local_sizes, dtype=torch.float64, device=dev)
-    a, b = _words(shape, seed, stream, device, layout)
-    # 53 random bits → a float64 in [0, 1), as MT19937's genrand_res53
-    return ((a >> 5).double() * 67108864.0 + (b >> 6).double()) / 9007199254740992.0
+    # drawing numbers is not the program's work: a tracer neither counts these ops nor holds
+    # their temporaries as memory
+    with untraced():
+        dev = torch.device(device) if device is not None else torch.get_default_device()
+        if dev.type == "meta":
+            # a meta tensor has no values; skip the ~100 integer ops per tensor, which are slow on
+            # meta (initialising a 4.9B-parameter model took 38 s) and only produce this shape
+            return torch.empty(layout.local_sizes, dtype=torch.float64, device=dev)
+        a, b = _words(shape, seed, stream, device, layout)
+        # 53 random bits → a float64 in [0, 1), as MT19937's genrand_res53
+        return ((a >> 5).double() * 67108864.0 + (b >> 6).double()) / 9007199254740992.0
 
 
 def _make(shape, seed, stream, dtype, device, requires_grad, name, fn) -> MeshTensor:

@@ -16,13 +16,10 @@ from collections.abc import Iterable
 import torch
 
 from meshtorch.comm import autograd as ca
-from meshtorch.context import current
+from meshtorch.context import current, traced
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout
 from meshtorch.shape import Dim, Shape, as_shape
-
-# Called with every MeshTensor made (both constructors); empty unless mt.plan is tracing.
-OBSERVERS: list = []
 
 
 class MeshTensor:
@@ -48,9 +45,10 @@ class MeshTensor:
         self.layout = layout
         self.local = local
         self.name = name
-        if OBSERVERS:
-            for f in OBSERVERS:
-                f(self)
+        if traced:
+            tracer = current().tracer
+            if tracer is not None:
+                tracer.observe(self)
 
     @classmethod
     def _checked_elsewhere(cls, local: torch.Tensor, shape: Shape, layout: Layout,
@@ -59,9 +57,10 @@ class MeshTensor:
         lowering) that have just checked it against the shape."""
         t = object.__new__(cls)
         t.shape, t.layout, t.local, t.name = shape, layout, local, name
-        if OBSERVERS:
-            for f in OBSERVERS:
-                f(t)
+        if traced:
+            tracer = current().tracer
+            if tracer is not None:
+                tracer.observe(t)
         return t
 
     # ------------------------------------------------------------ properties
@@ -126,12 +125,6 @@ class MeshTensor:
         for dim, axis in self.layout.split.items():
             t = ca.all_gather_sliced(t, comm, axis, self.shape.index(dim))
         return t
-
-    def to_dtensor(self):
-        """This tensor as a PyTorch ``DTensor`` (torch backend); see :mod:`meshtorch.dtensor`."""
-        from meshtorch.dtensor import to_dtensor
-
-        return to_dtensor(self)
 
     def item(self) -> float | int | bool:
         if self.shape.ndim:

@@ -15,6 +15,8 @@ Example:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class CommStats:
@@ -23,10 +25,30 @@ class CommStats:
     def __init__(self) -> None:
         self._calls: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
         self._bytes: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
+        self._watchers: list[Callable[[str, tuple[str, ...], int], None]] = []
 
     def record(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
         self._calls[(kind, axes)] += 1
         self._bytes[(kind, axes)] += int(nbytes)
+        for watcher in self._watchers:
+            watcher(kind, axes, nbytes)
+
+    @contextmanager
+    def watching(self, watcher: Callable[[str, tuple[str, ...], int], None]) -> Iterator[None]:
+        """Also tell ``watcher(kind, axes, nbytes)`` of every call recorded in the block.
+
+        Example:
+            >>> s, seen = CommStats(), []
+            >>> with s.watching(lambda *call: seen.append(call)):
+            ...     s.record("all_gather", ("m",), 32)
+            >>> seen
+            [('all_gather', ('m',), 32)]
+        """
+        self._watchers.append(watcher)
+        try:
+            yield
+        finally:
+            self._watchers.remove(watcher)
 
     def reset(self) -> None:
         self._calls.clear()

@@ -24,9 +24,9 @@ import time
 from collections import defaultdict, deque
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from meshtorch.comm.base import Communicator, compare_metas, reduce_stack, user_call_site
+from meshtorch.context import untraced
 from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
 
@@ -34,14 +34,14 @@ from meshtorch.mesh import Mesh
 def _stage(t: torch.Tensor) -> torch.Tensor:
     """A private copy of ``t`` to leave in the hub: the backend's staging buffer.
 
-    It is made outside any ``TorchDispatchMode`` (such as the planner's tracer),
+    The processor's tracer (the planner's, if any) does not see it,
     because it is no memory of the program's: the ``torch`` backend's transport
     buffers are invisible to the dispatcher too, and the ``meta`` backend has
     none. It lives until the *last* member of the group has read it, a moment
     that depends on thread timing, so counting it would make a processor's
     measured peak vary between runs (see ``docs/planner.md``).
     """
-    with _disable_current_modes():
+    with untraced():
         return t.detach().clone()
 
 

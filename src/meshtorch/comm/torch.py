@@ -42,6 +42,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ import torch.distributed as dist
 from meshtorch.comm.base import Communicator, as_axes, compare_metas, user_call_site
 from meshtorch.errors import CommError, MeshError
 from meshtorch.mesh import Mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # meshes with at most this many axes get the groups of every axis subset at construction
 EAGER_AXES = 4
@@ -111,6 +115,7 @@ class TorchCommunicator(Communicator):
         self._by_members: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._missing: set[str] = set()
         self._sends: list[tuple] = []  # (work, tensor, axes, group) of point-to-point sends in flight
+        self._device_mesh: DeviceMesh | None = None
         if len(mesh.axis_names) <= EAGER_AXES:
             names = mesh.axis_names
             for k in range(1, len(names) + 1):
@@ -151,6 +156,23 @@ class TorchCommunicator(Communicator):
         if len(self.group(axes)) == 1:
             return None
         return self._process_group(axes)
+
+    def device_mesh(self) -> DeviceMesh:
+        """This mesh as a torch ``DeviceMesh`` (same axis names, same row-major rank order),
+        made on the first call and then kept. The first call is collective: every processor
+        makes it (SPMD).
+
+        Example (inside a torch-backend launch):
+            >>> mt.current().comm.device_mesh().mesh_dim_names  # doctest: +SKIP
+            ('b', 'm')
+        """
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = self.mesh
+            ranks = torch.arange(mesh.size).reshape(mesh.shape) if mesh.axes else torch.arange(1)
+            self._device_mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=mesh.axis_names or ("p",))
+        return self._device_mesh
 
     # ------------------------------------------------------------- plumbing
     def _run(self, kind: str, axes, group, fn: Callable[[], object]):

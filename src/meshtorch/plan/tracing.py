@@ -48,25 +48,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from meshtorch.comm.stats import CommStats
-from meshtorch.context import current
-from meshtorch.errors import PlanError
+from meshtorch.context import current, use_tracer
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
-_local = threading.local()
 _install_lock = threading.Lock()
 _installed = 0
 _undo: list[Callable[[], None]] = []
 
 
 def active() -> Tracer | None:
-    """The tracer running on this thread, if any."""
-    return getattr(_local, "tracer", None)
+    """The planner's tracer of the processor running this code, if it is traced."""
+    tr = current().tracer
+    return tr if isinstance(tr, Tracer) else None
 
 
 @dataclass
@@ -119,10 +118,12 @@ class Trace:
 
 
 class Tracer(TorchDispatchMode):
-    """Dispatch mode recording FLOPs and storage lifetimes of one processor's ops."""
+    """Dispatch mode recording FLOPs and storage lifetimes of one processor's ops; the
+    processor's tracer (:class:`meshtorch.context.ProcessorTracer`) while it traces."""
 
     def __init__(self) -> None:
         super().__init__()
+        self._paused = 0  # inside paused() blocks: ops run unseen
         self.flops_by_dtype: dict[str, int] = defaultdict(int)
         self.kind: dict[int, str] = {}          # storage serial -> kind (when not activations)
         self.live: dict[int, tuple[int, int]] = {}  # id(storage) -> (serial, nbytes)
@@ -183,6 +184,8 @@ class Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._paused:
+            return out
         packet = func._overloadpacket
         if packet in flop_registry:
             n = int(flop_registry[packet](*args, **kwargs, out_val=out))
@@ -213,6 +216,20 @@ class Tracer(TorchDispatchMode):
                 if id(t.untyped_storage()) not in seen:
                     self.track(t)
         return out
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops of this block are neither counted nor followed as memory (random number
+        drawing, a backend's staging copies): they are not the traced program's work."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def observe(self, tensor: Any) -> None:
+        """One MeshTensor made: an entry of the named-dim trace."""
+        self.record_mesh_tensor(tensor.local, tensor.shape, tensor.layout)
 
     @property
     def counting(self) -> bool:
@@ -309,9 +326,8 @@ def measure() -> Iterator[None]:
 
 # ------------------------------------------------------------------ global hooks
 def _install() -> None:
-    """Hooks that route parameters, grads, optimizer state and MeshTensors to the
-    tracer of the thread that made them (installed while any tracer runs): torch's
-    module and optimizer hooks, and ``meshtorch.tensor.OBSERVERS`` for MeshTensors."""
+    """torch's module and optimizer hooks, which route parameters, grads and optimizer
+    state to the tracer of the processor that made them (installed while any tracer runs)."""
     global _installed
     with _install_lock:
         _installed += 1
@@ -319,9 +335,6 @@ def _install() -> None:
             return
         from torch.nn.modules.module import register_module_parameter_registration_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        import meshtorch.random as mtr
-        import meshtorch.tensor as tensor_mod
 
         def on_param(module, name, param):
             tr = active()
@@ -348,31 +361,9 @@ def _install() -> None:
         h1 = register_module_parameter_registration_hook(on_param)
         h2 = register_optimizer_step_post_hook(on_step)
 
-        def on_mesh_tensor(t):
-            tr = active()
-            if tr is not None:
-                tr.record_mesh_tensor(t.local, t.shape, t.layout)
-
-        tensor_mod.OBSERVERS.append(on_mesh_tensor)
-
-        # The counter-based generator runs ~100 integer ops per tensor; they are initialisation,
-        # not the step, so a real traced run computes them outside the tracer (on meta,
-        # random.py already skips them).
-        uniform53 = mtr._uniform53
-
-        def untraced_uniform53(shape, seed, stream, device, layout):
-            if active() is None:
-                return uniform53(shape, seed, stream, device, layout)
-            with _disable_current_modes():
-                return uniform53(shape, seed, stream, device, layout)
-
-        mtr._uniform53 = untraced_uniform53
-
         def undo():
             h1.remove()
             h2.remove()
-            tensor_mod.OBSERVERS.remove(on_mesh_tensor)
-            mtr._uniform53 = uniform53
 
         _undo.append(undo)
 
@@ -393,26 +384,13 @@ def _on_grad(param: torch.Tensor) -> None:
 
 @contextmanager
 def tracing() -> Iterator[Tracer]:
-    """Trace this thread's ops (and its processor's collectives) for the block."""
-    if active() is not None:
-        raise PlanError("meshtorch.plan: a trace is already running on this thread")
+    """Trace this processor's ops and collectives for the block."""
     tr = Tracer()
-    stats = current().comm.stats
-    record = stats.record
-
-    def counted(kind, axes, nbytes):
-        record(kind, axes, nbytes)
-        tr.record_collective(kind, axes, nbytes)
-
     _install()
-    _local.tracer = tr
-    stats.record = counted
     try:
-        with tr:
+        with use_tracer(tr), current().comm.stats.watching(tr.record_collective), tr:
             yield tr
     finally:
-        del stats.record
-        _local.tracer = None
         _uninstall()
 
 
