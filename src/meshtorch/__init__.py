@@ -27,7 +27,7 @@ from meshtorch.launch import launch
 from meshtorch.launcher import init_distributed
 from meshtorch.layout import Layout, LayoutRules
 from meshtorch.mesh import Mesh
-from meshtorch.ops.array import concat, gather, one_hot, pad, shift, slice
+from meshtorch.ops.array import concat, embedding, one_hot, pad, shift, slice
 from meshtorch.ops.einsum import einsum, matmul
 from meshtorch.ops.elementwise import (
     abs,
