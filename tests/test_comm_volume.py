@@ -1,4 +1,4 @@
-"""Each lowering case of DESIGN §3 moves exactly the hand-derived minimum.
+"""Each lowering case of docs/design.md ("The lowering") moves exactly the hand-derived minimum.
 
 Sizes are float32, so bytes = 4 × elements. Each test counts forward and
 backward separately on every processor.
