@@ -87,7 +87,7 @@ def test_layers_reject_bad_inputs_with_clear_errors():
         mt.nn.Dense("d", H)
     with pytest.raises(mt.errors.ShapeError, match="unknown initializer 'nope'"):
         mt.nn.Dense(D, H, init="nope")
-    with pytest.raises(ValueError, match="Dropout rate"):
+    with pytest.raises(mt.errors.ArgumentError, match="Dropout rate"):
         mt.nn.Dropout(1.0)
     with pytest.raises(mt.errors.ShapeError, match="no mesh parameter 'w'"):
         mt.nn.Dense(D, H).mesh_parameter("w")
@@ -141,5 +141,5 @@ def test_plain_torch_submodules_are_counted_as_replicated():
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0])
 def test_dropout_layer_rejects_rate_outside_half_open_interval(rate):
-    with pytest.raises(mt.errors.ArgumentError, match=rf"Dropout: rate={rate} is outside \[0, 1\)"):
+    with pytest.raises(mt.errors.ArgumentError, match=rf"Dropout rate={rate} is outside \[0, 1\)"):
         mt.nn.Dropout(rate)

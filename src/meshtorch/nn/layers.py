@@ -164,7 +164,7 @@ class Dropout(Module):
     def __init__(self, rate: float):
         super().__init__()
         if not 0.0 <= rate < 1.0:
-            raise ArgumentError(f"Dropout: rate={rate} is outside [0, 1); pass e.g. Dropout(0.1)")
+            raise ArgumentError(f"Dropout rate={rate} is outside [0, 1); pass e.g. Dropout(0.1)")
         self.rate = rate
 
     def forward(self, x: MeshTensor) -> MeshTensor:
