@@ -1,4 +1,4 @@
-"""Each lowering case of DESIGN §3 moves exactly the hand-derived minimum.
+"""Each lowering case of docs/design.md ("The lowering") moves exactly the hand-derived minimum.
 
 Sizes are float32, so bytes = 4 × elements. Each test counts forward and
 backward separately on every processor.
@@ -130,7 +130,7 @@ def test_split_vocab_embedding_is_one_all_reduce():
         ids = mt.from_global(torch.arange(8) % 16, "batch:8")
         return table, ids
 
-    for fwd, bwd in _run(_fwd_bwd(make, lambda t, i: mt.gather(t, i, "vocab")), "b:2,m:2",
+    for fwd, bwd in _run(_fwd_bwd(make, lambda t, i: mt.embedding(t, i, "vocab")), "b:2,m:2",
                          "batch:b; vocab:m"):
         # each processor looks up its 4 ids in its half of the vocab; partial rows summed over m
         assert fwd == {"all_reduce@m": {"calls": 1, "bytes": 4 * 8 * F32}}

@@ -17,7 +17,7 @@ def _step():
     w1 = mt.random.normal([d, f], seed=1, requires_grad=True)
     w2 = mt.random.normal([f, v], seed=2, requires_grad=True)
     ids = mt.cast(mt.random.uniform([b], 0, 8, seed=3) * 0.999, torch.int64)
-    x = mt.layer_norm(mt.gather(table, ids, "vocab"), "d_model")
+    x = mt.layer_norm(mt.embedding(table, ids, "vocab"), "d_model")
     logits = mt.einsum("batch d_ff, d_ff vocab -> batch vocab",
                        mt.gelu(mt.einsum("batch d_model, d_model d_ff -> batch d_ff", x, w1)), w2)
     loss = mt.reduce_mean(mt.cross_entropy(logits, ids, "vocab"))

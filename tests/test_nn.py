@@ -87,7 +87,7 @@ def test_layers_reject_bad_inputs_with_clear_errors():
         mt.nn.Dense("d", H)
     with pytest.raises(mt.errors.ShapeError, match="unknown initializer 'nope'"):
         mt.nn.Dense(D, H, init="nope")
-    with pytest.raises(ValueError, match="Dropout rate"):
+    with pytest.raises(mt.errors.ArgumentError, match="Dropout rate"):
         mt.nn.Dropout(1.0)
     with pytest.raises(mt.errors.ShapeError, match="initializer of parameter 'kernel' returned shape"):
         mt.nn.Dense(D, H, init=lambda s, seed, st: mt.zeros("d:4")).kernel.materialize()
@@ -137,3 +137,9 @@ def test_plain_torch_submodules_are_counted_as_replicated():
     views = dict(m.named_mesh_parameters())
     assert str(views["extra.weight"].shape) == "extra_weight_dim0:2,extra_weight_dim1:3"
     assert m.num_parameters() == 4 * 8 + 8 + 3 * 2 + 2
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0])
+def test_dropout_layer_rejects_rate_outside_half_open_interval(rate):
+    with pytest.raises(mt.errors.ArgumentError, match=rf"Dropout rate={rate} is outside \[0, 1\)"):
+        mt.nn.Dropout(rate)

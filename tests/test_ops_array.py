@@ -110,7 +110,7 @@ def test_one_hot_gather_cross_entropy_with_split_vocab(data):
     table = rand(v, d, seed=4)
     check_op(lambda i: mt.one_hot(i, mt.Dim("vocab", v), dtype=torch.float64),
              lambda i: F.one_hot(i, v).double(), [(ids, f"batch:{b}")], mesh, rules, grad=False)
-    check_op(lambda w, i: mt.gather(w, i, "vocab"), lambda w, i: w[i],
+    check_op(lambda w, i: mt.embedding(w, i, "vocab"), lambda w, i: w[i],
              [(table, f"vocab:{v},d_model:{d}"), (ids, f"batch:{b}")], mesh, rules)
     check_op(lambda z, i: mt.cross_entropy(z, i, "vocab"),
              lambda z, i: F.cross_entropy(z, i, reduction="none"),
@@ -153,9 +153,9 @@ def test_slicewise_reduced_partial_sums():
              lambda t: (t * t).sum(1), [(rand(4, 8), "p:4,t:8")], "x:2,y:2", "p:x; t:y")
 
 
-def test_gather_rejects_float_ids():
+def test_embedding_rejects_float_ids():
     with pytest.raises(mt.errors.ShapeError, match="ids must be integers"):
-        mt.gather(mt.ones("vocab:4,d:2"), mt.ones("batch:2"), "vocab")
+        mt.embedding(mt.ones("vocab:4,d:2"), mt.ones("batch:2"), "vocab")
 
 
 @pytest.mark.parametrize("mesh, rules", [

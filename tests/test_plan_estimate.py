@@ -83,7 +83,7 @@ def test_data_parallel_estimate_matches_hand_derivation():
     params = est.parameters
     assert params == 64 * 32 + 16 * 32 + 2 * (4 * 32 * 32 + 2 * 32 * 64 + 4 * 32) + 64
     # data parallel: every gradient (float32) is all_reduced over b, the tied embedding table's
-    # once per use (input lookup and output layer, DESIGN §4's adapter per use), plus a few scalars
+    # once per use (input lookup and output layer, the lowering's adapter per use), plus a few scalars
     ar = est.bytes_per_axis["b"]["all_reduce"]
     assert 4 * (params + 64 * 32) <= ar < 4 * (params + 64 * 32) + 64
     assert list(est.bytes_per_axis) == ["b"]

@@ -49,3 +49,15 @@ def test_distribution_moments_and_independence():
 def test_requires_grad_leaf():
     w = mt.random.normal("a:3", seed=0, requires_grad=True)
     assert w.requires_grad and w.local.is_leaf
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5])
+def test_bernoulli_rejects_probability_outside_unit_interval(p):
+    with pytest.raises(mt.errors.ArgumentError, match=rf"bernoulli: p={p} is outside \[0, 1\]"):
+        mt.random.bernoulli("a:4", p, seed=0)
+
+
+@pytest.mark.parametrize("rate", [-0.5, 1.0])
+def test_dropout_rejects_rate_outside_half_open_interval(rate):
+    with pytest.raises(mt.errors.ArgumentError, match=rf"dropout: rate={rate} is outside \[0, 1\)"):
+        mt.dropout(mt.ones("t:4"), rate, seed=0)

@@ -1,4 +1,4 @@
-"""Dims, shapes, meshes and layout rules (DESIGN §1), checked by hand and by
+"""Dims, shapes, meshes and layout rules (docs/design.md, "Vocabulary"), checked by hand and by
 an independent re-statement of the layout rule."""
 
 import pytest
@@ -91,7 +91,7 @@ def test_earlier_dim_takes_shared_axis():
 )
 @settings(max_examples=50, deadline=None)
 def test_layout_rule_matches_statement(names, rule_map):
-    # independent statement of DESIGN §1: walk dims in order, take the axis if still free
+    # the layout rule of docs/design.md stated independently: walk dims in order, take the axis if still free
     mesh = Mesh("x:2,y:2")
     shape = mt.Shape([(n, 4) for n in names])
     lay = LayoutRules(rule_map).layout(shape, mesh)

@@ -88,7 +88,7 @@ def _cases():
         "shift_wrap_far": ([(_t(B, S, seed=18), "batch:4,seq:4")],
                            lambda a: mt.shift(a, "seq", -3, wrap=True), lambda a: _shift_ref(a, -3, 1, True)),
         "gather_split_vocab": ([(_t(V, E, seed=19), "vocab:8,e:6"), (ids, "batch:4,seq:4")],
-                               lambda tab, i: mt.gather(tab, i, "vocab"), lambda tab, i: tab[i]),
+                               lambda tab, i: mt.embedding(tab, i, "vocab"), lambda tab, i: tab[i]),
         "cross_entropy": ([logits, (tgt, "batch:4")], lambda lg, t: mt.cross_entropy(lg, t, "vocab"),
                           lambda lg, t: torch.nn.functional.cross_entropy(lg, t, reduction="none")),
         # no dense torch twin: compared with the one-processor run (layout-invariant masks)

@@ -26,7 +26,7 @@ from meshtorch.errors import MeshTorchError
 from meshtorch.launch import init_distributed, launch
 from meshtorch.layout import Layout, LayoutRules
 from meshtorch.mesh import Mesh
-from meshtorch.ops.array import concat, gather, one_hot, pad, shift, slice
+from meshtorch.ops.array import concat, embedding, one_hot, pad, shift, slice
 from meshtorch.ops.einsum import einsum, matmul
 from meshtorch.ops.elementwise import (
     abs,

@@ -32,6 +32,10 @@ class LayoutError(MeshTorchError, ValueError):
     """Layout rules are malformed, or a tensor cannot be laid out under them."""
 
 
+class ArgumentError(MeshTorchError, ValueError):
+    """An argument's value is outside its valid range (the message names the argument and the range)."""
+
+
 class CommError(MeshTorchError, RuntimeError):
     """A collective failed, timed out, or processors disagreed about it."""
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from meshtorch.context import current, untraced
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, layout_for
 
@@ -151,7 +151,7 @@ def bernoulli(shape, p: float = 0.5, *, seed: int | None = None, stream: int | s
         [1.0, 1.0, 1.0, 1.0, 1.0]
     """
     if not 0.0 <= p <= 1.0:
-        raise ValueError(f"bernoulli probability must be in [0, 1], got {p}")
+        raise ArgumentError(f"bernoulli: p={p} is outside [0, 1]; pass the probability of a 1, e.g. p=0.9")
     return _make(shape, seed, stream, dtype, device, False, name,
                  lambda *a: (_uniform53(*a) < p).double())
 

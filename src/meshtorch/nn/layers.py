@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from meshtorch.caching import BoundedCache
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import InitFn, MeshParameter
-from meshtorch.ops.array import gather
+from meshtorch.ops.array import embedding
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.nn import dropout, layer_norm, rms_norm
@@ -100,7 +100,7 @@ class Embedding(Module):
         self.table = MeshParameter([self.vocab] + self.d_model, init, **init_kwargs)
 
     def forward(self, ids: MeshTensor) -> MeshTensor:
-        return gather(self.table.mesh_tensor, as_mesh_tensor(ids), self.vocab.name)
+        return embedding(self.table.mesh_tensor, as_mesh_tensor(ids), self.vocab.name)
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""
@@ -165,7 +165,7 @@ class Dropout(Module):
     def __init__(self, rate: float):
         super().__init__()
         if not 0.0 <= rate < 1.0:
-            raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
+            raise ArgumentError(f"Dropout rate={rate} is outside [0, 1); pass e.g. Dropout(0.1)")
         self.rate = rate
 
     def forward(self, x: MeshTensor) -> MeshTensor:

@@ -1,7 +1,7 @@
-"""Array ops along a dim: slice, concat, pad, shift, one_hot, gather.
+"""Array ops along a dim: slice, concat, pad, shift, one_hot, embedding.
 
 ``shift`` along a split dim exchanges halos with neighbours through the
-communicator's point-to-point ``shift``; ``one_hot`` and ``gather`` work on a
+communicator's point-to-point ``shift``; ``one_hot`` and ``embedding`` work on a
 split vocabulary without gathering it (each processor handles its range and
 partial results are summed).
 
@@ -161,7 +161,7 @@ def one_hot(ids: MeshTensor, dim: Dim, dtype: torch.dtype = torch.float32,
     return lower("one_hot", [ids], out, local_fn, name=name)
 
 
-def gather(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | None = None) -> MeshTensor:
+def embedding(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | None = None) -> MeshTensor:
     """Embedding lookup: ``out[ids dims..., other dims] = table[ids[...], ...]`` along
     ``dim``. With ``dim`` split, each processor looks up the ids in its range and
     the partial results are summed (one all_reduce or reduce_scatter).
@@ -170,17 +170,17 @@ def gather(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | None 
         >>> import torch, meshtorch as mt
         >>> table = mt.from_global(torch.arange(6.0).reshape(3, 2), "vocab:3,d:2")
         >>> ids = mt.from_global(torch.tensor([2, 0]), "batch:2")
-        >>> mt.gather(table, ids, "vocab").to_global().tolist()
+        >>> mt.embedding(table, ids, "vocab").to_global().tolist()
         [[4.0, 5.0], [0.0, 1.0]]
     """
     table, ids = as_mesh_tensor(table), as_mesh_tensor(ids)
     v = dim_name(dim)
     vi = table.shape.index(v)
     if ids.dtype.is_floating_point:
-        raise ShapeError(f"gather: ids must be integers, got {ids.dtype}")
+        raise ShapeError(f"embedding: ids must be integers, got {ids.dtype}; pass integer token ids")
     clash = set(ids.names) & set(table.names)
     if clash:
-        raise ShapeError(f"gather: ids [{ids.shape}] and table [{table.shape}] share dims {clash}")
+        raise ShapeError(f"embedding: ids [{ids.shape}] and table [{table.shape}] share dims {clash}")
     out = ids.shape + table.shape.without([v])
 
     def local_fn(view, tab, idx):
@@ -192,4 +192,4 @@ def gather(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | None 
         mask = hit.reshape(hit.shape + (1,) * (rows.dim() - hit.dim()))
         return rows * mask  # (the bool mask promotes to rows' dtype inside the kernel)
 
-    return lower("gather", [table, ids], out, local_fn, reduced={v: "sum"}, name=name)
+    return lower("embedding", [table, ids], out, local_fn, reduced={v: "sum"}, name=name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from meshtorch.errors import ArgumentError
 from meshtorch.lowering import align, lower
 from meshtorch.ops.array import one_hot
 from meshtorch.ops.elementwise import exp, rsqrt
@@ -174,7 +175,8 @@ def dropout(x: MeshTensor, rate: float, *, seed: int | None = None, training: bo
 
     x = as_mesh_tensor(x)
     if not 0.0 <= rate < 1.0:
-        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+        raise ArgumentError(f"dropout: rate={rate} is outside [0, 1); pass the probability of zeroing "
+                            f"an element, e.g. rate=0.1")
     if not training or rate == 0.0:
         return x
     keep = random.bernoulli(x.shape, 1.0 - rate, seed=seed, stream=stream, dtype=x.dtype)

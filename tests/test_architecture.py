@@ -1,0 +1,165 @@
+"""The source tree's dependency rules, checked on the source text (nothing is imported).
+
+Every import statement counts, including the deferred ones inside functions: a
+function-level import hides a cycle from Python's import machinery but not from the
+reader, who still has to understand both modules at once. Imports under
+``if TYPE_CHECKING:`` never run and are left out. Importing ``meshtorch.a.b`` also
+runs ``meshtorch/a/__init__.py``; that implicit edge is not counted, or every
+submodule of a package whose ``__init__`` re-exports it would be in a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "meshtorch"
+# modules that talk to a terminal; everything else returns values or raises meshtorch errors
+FRONT_ENDS = ("cli", "__main__")
+FRONT_END_PACKAGES = ("meshtorch.recipes", "meshtorch.launch")
+BACKENDS = ("meshtorch.comm.threads", "meshtorch.comm.torch", "meshtorch.comm.meta")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {_module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+TREES: dict[str, ast.Module] = {name: ast.parse(p.read_text(), str(p)) for name, p in MODULES.items()}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _type_checking_nodes(tree: ast.Module) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (they never run)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skip
+
+
+def _existing(name: str) -> str | None:
+    """The longest prefix of a dotted name that is a meshtorch module."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(name: str) -> list[tuple[str, int]]:
+    """(imported meshtorch module, line) for every import statement in module ``name``."""
+    tree = TREES[name]
+    skip = _type_checking_nodes(tree)
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".") if _is_package(name) else name.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            # `from meshtorch import x` imports the submodule meshtorch.x when there is one
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in MODULES else module
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            resolved = _existing(target) if target.split(".")[0] == PACKAGE else None
+            if resolved and resolved != name:
+                found.append((resolved, node.lineno))
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    graph = nx.DiGraph()
+    graph.add_nodes_from(MODULES)
+    for name in MODULES:
+        for target, line in imports_of(name):
+            graph.add_edge(name, target, line=line)
+    return graph
+
+
+def import_cycles(graph: nx.DiGraph) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module, each as a closed path."""
+    cycles = []
+    for component in nx.strongly_connected_components(graph):
+        if len(component) > 1:
+            edges = nx.find_cycle(graph.subgraph(component))
+            cycles.append([u for u, _ in edges] + [edges[0][0]])
+    return sorted(cycles)
+
+
+def _where(graph: nx.DiGraph, path: list[str]) -> str:
+    return " -> ".join(f"{u} (line {graph.edges[u, v]['line']})" for u, v in zip(path, path[1:])) + \
+        f" -> {path[-1]}"
+
+
+def test_import_graph_sees_deferred_relative_and_from_package_imports():
+    # the checker itself, on modules whose imports are known
+    assert ("meshtorch.errors", 28) in imports_of("meshtorch.random")
+    # `from meshtorch import x` is an edge to the submodule meshtorch.x
+    assert {t for t, _ in imports_of("meshtorch")} >= {"meshtorch.errors", "meshtorch.random", "meshtorch.nn"}
+    # a deferred import inside a function body counts (ops.nn.dropout imports meshtorch.random)
+    assert "meshtorch.random" in {t for t, _ in imports_of("meshtorch.ops.nn")}
+    cyclic = nx.DiGraph([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])
+    assert import_cycles(cyclic) in ([["a", "b", "c", "a"]], [["b", "c", "a", "b"]], [["c", "a", "b", "c"]])
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles in src/meshtorch (move the shared code down a level):\n" \
+        + "\n".join(_where(graph, c) for c in cycles)
+
+
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_library_never_imports_the_app():
+    offenders = [f"{name} imports {target} (line {line})" for name in MODULES
+                 if not _in(name, "meshtorch.recipes") and name != "meshtorch.cli"
+                 for target, line in imports_of(name) if _in(target, "meshtorch.recipes")]
+    assert not offenders, "the library must not depend on the LM recipe:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("package", ["meshtorch.ops", "meshtorch.models"])
+def test_ops_and_models_never_import_a_concrete_backend(package):
+    offenders = [f"{name} imports {target} (line {line})" for name in MODULES if _in(name, package)
+                 for target, line in imports_of(name) if any(_in(target, b) for b in BACKENDS)]
+    assert not offenders, f"{package} must reach processors only through the context's communicator:\n" + \
+        "\n".join(offenders)
+
+
+def test_no_bare_assert_in_the_library():
+    # asserts vanish under python -O; a check the user can trip raises a meshtorch error instead
+    offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in TREES.items()
+                 for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    assert not offenders, "bare assert in src/meshtorch (raise a meshtorch.errors class):\n" \
+        + "\n".join(offenders)
+
+
+def test_only_front_ends_print():
+    def front_end(name: str) -> bool:
+        return name.rpartition(".")[2] in FRONT_ENDS or any(_in(name, p) for p in FRONT_END_PACKAGES)
+
+    offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in TREES.items() if not front_end(name)
+                 for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id == "print"]
+    assert not offenders, "print( in a library module (return the text, or print it from a CLI module):\n" + \
+        "\n".join(offenders)
