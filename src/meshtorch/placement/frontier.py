@@ -40,28 +40,33 @@ class ParetoFrontier:
         self.key = np.zeros(0)
 
     def merge(self, alpha: np.ndarray, g: np.ndarray, idx: np.ndarray) -> None:
-        ok = np.isfinite(g) & np.isfinite(alpha)
-        a = np.concatenate([self.alpha, alpha[ok]])
-        gg = np.concatenate([self.g, g[ok]])
-        ii = np.concatenate([self.idx, idx[ok]])
-        order = np.lexsort((gg, a))
-        a, gg, ii = a[order], gg[order], ii[order]
-        prev_min = np.r_[INF, np.minimum.accumulate(gg)[:-1]]
-        keep = gg < prev_min
-        self.alpha, self.g, self.idx = a[keep], gg[keep], ii[keep]
+        """Add the points ``(alpha[i], g[i])`` of ideals ``idx`` (infinite ones are dropped)."""
+        finite = np.isfinite(g) & np.isfinite(alpha)
+        all_alpha = np.concatenate([self.alpha, alpha[finite]])
+        all_g = np.concatenate([self.g, g[finite]])
+        all_idx = np.concatenate([self.idx, idx[finite]])
+        order = np.lexsort((all_g, all_alpha))
+        all_alpha, all_g, all_idx = all_alpha[order], all_g[order], all_idx[order]
+        # by rising alpha, a point survives when its g is below every earlier one
+        lowest_before = np.r_[INF, np.minimum.accumulate(all_g)[:-1]]
+        keep = all_g < lowest_before
+        self.alpha, self.g, self.idx = all_alpha[keep], all_g[keep], all_idx[keep]
         self.key = self.alpha - self.g
 
     def query(self, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        f = self.alpha.size
-        if f == 0:
+        """For each ``beta``: ``min_i max(g_i, alpha_i + beta)`` and the ideal reaching it (-1: none)."""
+        size = self.alpha.size
+        if size == 0:
             return np.full(beta.size, INF), np.full(beta.size, -1, dtype=np.int64)
-        p = np.searchsorted(self.key, -beta, "left")
-        hi = np.minimum(p, f - 1)
-        lo = np.maximum(p - 1, 0)
-        v1 = np.where(p < f, self.alpha[hi] + beta, INF)
-        v2 = np.where(p > 0, self.g[lo], INF)
-        use1 = v1 <= v2
-        return np.where(use1, v1, v2), np.where(use1, self.idx[hi], self.idx[lo])
+        # first point where alpha + beta >= g; the optimum is it or the one before
+        cross = np.searchsorted(self.key, -beta, "left")
+        after = np.minimum(cross, size - 1)
+        before = np.maximum(cross - 1, 0)
+        load_after = np.where(cross < size, self.alpha[after] + beta, INF)
+        load_before = np.where(cross > 0, self.g[before], INF)
+        take_after = load_after <= load_before
+        return (np.where(take_after, load_after, load_before),
+                np.where(take_after, self.idx[after], self.idx[before]))
 
 
 class MemoryFrontier:
@@ -93,47 +98,31 @@ class MemoryFrontier:
         self.idx = np.zeros((self.levels, cap), dtype=np.int64)
         self.fill = [0] * self.levels  # slots used per level
         self.start = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
-        self.flen = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
+        self.length = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
         self.end = 0
 
     def insert(self, count: int, alpha: np.ndarray, g: np.ndarray) -> None:
         """Positions ``[end, end + count)`` become active (``alpha``, ``g`` per ideal)."""
         new_end = self.end + count
         for lv in range(self.levels):
-            w = 1 << lv
-            j0, j1 = self.end // w, new_end // w  # nodes completed by this insertion
-            if j1 <= j0:
+            width = 1 << lv
+            first_node, end_node = self.end // width, new_end // width  # completed by this insertion
+            if end_node <= first_node:
                 continue
-            ids = self.order[j0 * w : j1 * w]
-            node = np.arange(j0 * w, j1 * w) >> lv
-            a, gg = alpha[ids], g[ids]
-            ok = np.isfinite(a) & np.isfinite(gg)
-            ids, node, a, gg = ids[ok], node[ok], a[ok], gg[ok]
-            srt = np.lexsort((gg, a, node))
-            ids, node, a, gg = ids[srt], node[srt], a[srt], gg[srt]
-            # Pareto within each node: keep a point when its g is below every earlier
-            # one of its node. Exact segmented running minimum on integer ranks of g,
-            # offset so that an earlier node never undercuts a later one. Equal g get
-            # ranks rising with position (stable sort), so a tie is never kept twice.
-            rank = np.empty(gg.size, dtype=np.int64)
-            rank[np.argsort(gg, kind="stable")] = np.arange(gg.size)
-            big = gg.size + 1
-            val = rank + (j1 - node) * big
-            run = np.minimum.accumulate(val) if val.size else val
-            first = np.r_[True, node[1:] != node[:-1]] if val.size else np.zeros(0, bool)
-            keep = first | (val < np.r_[0, run[:-1]])
-            ids, node, a, gg = ids[keep], node[keep], a[keep], gg[keep]
-            counts = np.bincount(node - j0, minlength=j1 - j0)
-            f0 = self.fill[lv]
-            k = ids.size
-            if f0 + k > self.alpha.shape[1]:
-                self._grow(f0 + k)
-            self.alpha[lv, f0 : f0 + k] = a
-            self.g[lv, f0 : f0 + k] = gg
-            self.idx[lv, f0 : f0 + k] = ids
-            self.start[lv][j0:j1] = f0 + np.r_[0, np.cumsum(counts)[:-1]]
-            self.flen[lv][j0:j1] = counts
-            self.fill[lv] = f0 + k
+            ids = self.order[first_node * width : end_node * width]
+            node = np.arange(first_node * width, end_node * width) >> lv
+            ids, node, point_alpha, point_g = _pareto_per_node(ids, node, alpha[ids], g[ids], end_node)
+            counts = np.bincount(node - first_node, minlength=end_node - first_node)
+            used = self.fill[lv]
+            added = ids.size
+            if used + added > self.alpha.shape[1]:
+                self._grow(used + added)
+            self.alpha[lv, used : used + added] = point_alpha
+            self.g[lv, used : used + added] = point_g
+            self.idx[lv, used : used + added] = ids
+            self.start[lv][first_node:end_node] = used + np.r_[0, np.cumsum(counts)[:-1]]
+            self.length[lv][first_node:end_node] = counts
+            self.fill[lv] = used + added
         self.end = new_end
 
     def _grow(self, need: int) -> None:
@@ -144,53 +133,68 @@ class MemoryFrontier:
             new[:, : old.shape[1]] = old
             setattr(self, name, new)
 
+    def _cover(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tree nodes covering each position range ``[lo[q], hi[q])``: (query, level, node)."""
+        queries, levels, nodes = [], [], []
+        query_id = np.arange(lo.size)
+        for lv in range(self.levels):
+            live = lo < hi
+            if not live.any():
+                break
+            left = live & ((lo & 1) == 1)
+            queries.append(query_id[left])
+            levels.append(np.full(int(left.sum()), lv))
+            nodes.append(lo[left])
+            lo = lo + left
+            right = live & ((hi & 1) == 1)
+            hi = hi - right
+            queries.append(query_id[right])
+            levels.append(np.full(int(right.sum()), lv))
+            nodes.append(hi[right])
+            lo >>= 1
+            hi >>= 1
+        if not queries:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return np.concatenate(queries), np.concatenate(levels), np.concatenate(nodes)
+
     def query(self, beta: np.ndarray, js: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
         """For each ``J`` in ``js``: the best inserted ``I`` with ``mu(I) <= mu(J) + budget``.
 
         ``beta`` is indexed by ideal (all of them).
         """
-        q = js.size
         beta = beta[js]
-        lo_pos = np.searchsorted(self.neg_mu, -(self.mu[js] + budget), "left")
-        lo_pos = np.minimum(lo_pos, self.end)
-        hi_pos = np.full(q, self.end, dtype=np.int64)
-        qs, lvs, nodes = [], [], []
-        qid = np.arange(q)
-        for lv in range(self.levels):
-            live = lo_pos < hi_pos
-            if not live.any():
-                break
-            left = live & ((lo_pos & 1) == 1)
-            qs.append(qid[left])
-            lvs.append(np.full(int(left.sum()), lv))
-            nodes.append(lo_pos[left])
-            lo_pos = lo_pos + left
-            right = live & ((hi_pos & 1) == 1)
-            hi_pos = hi_pos - right
-            qs.append(qid[right])
-            lvs.append(np.full(int(right.sum()), lv))
-            nodes.append(hi_pos[right])
-            lo_pos >>= 1
-            hi_pos >>= 1
-        best = np.full(q, INF)
-        arg = np.full(q, -1, dtype=np.int64)
-        if not qs:
+        lo = np.searchsorted(self.neg_mu, -(self.mu[js] + budget), "left")
+        lo = np.minimum(lo, self.end)
+        hi = np.full(js.size, self.end, dtype=np.int64)
+        best = np.full(js.size, INF)
+        arg = np.full(js.size, -1, dtype=np.int64)
+        query, level, node = self._cover(lo, hi)
+        if query.size == 0:
             return best, arg
-        qq, lv, nd = np.concatenate(qs), np.concatenate(lvs), np.concatenate(nodes)
-        if qq.size == 0:
-            return best, arg
-        start = np.empty(qq.size, dtype=np.int64)
-        length = np.empty(qq.size, dtype=np.int64)
-        for v in np.unique(lv).tolist():
-            sel = lv == v
-            start[sel] = self.start[v][nd[sel]]
-            length[sel] = self.flen[v][nd[sel]]
-        n = self.alpha.shape[1]
-        flat_a = self.alpha.reshape(-1)
+        load, who = self._node_minima(level, node, beta[query])
+        # the best node of each query
+        order = np.lexsort((load, query))
+        query, load, who = query[order], load[order], who[order]
+        firsts = np.r_[True, query[1:] != query[:-1]]
+        best[query[firsts]] = load[firsts]
+        arg[query[firsts]] = who[firsts]
+        arg[~np.isfinite(best)] = -1
+        return best, arg
+
+    def _node_minima(self, level: np.ndarray, node: np.ndarray, beta: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """``min max(g, alpha + beta)`` over the frontier of each (level, node), by bisection."""
+        start = np.empty(level.size, dtype=np.int64)
+        length = np.empty(level.size, dtype=np.int64)
+        for lv in np.unique(level).tolist():
+            at_level = level == lv
+            start[at_level] = self.start[lv][node[at_level]]
+            length[at_level] = self.length[lv][node[at_level]]
+        flat_alpha = self.alpha.reshape(-1)
         flat_g = self.g.reshape(-1)
-        base = lv * n + start
-        target = -beta[qq]
-        lo = np.zeros(qq.size, dtype=np.int64)
+        base = level * self.alpha.shape[1] + start
+        lo = np.zeros(level.size, dtype=np.int64)
         hi = length.copy()
         # bisection for the first frontier point with alpha + beta >= g
         while True:
@@ -198,22 +202,39 @@ class MemoryFrontier:
             if not open_.any():
                 break
             mid = (lo + hi) >> 1
-            at = np.minimum(base + mid, flat_a.size - 1)
-            go = (flat_a[at] - flat_g[at]) < target
+            at = np.minimum(base + mid, flat_alpha.size - 1)
+            go = (flat_alpha[at] - flat_g[at]) < -beta
             lo = np.where(open_ & go, mid + 1, lo)
             hi = np.where(open_ & ~go, mid, hi)
-        top = flat_a.size - 1
-        at_p = np.minimum(base + lo, top)
-        at_q = np.minimum(base + lo - 1, top)
-        v1 = np.where(lo < length, flat_a[at_p] + beta[qq], INF)
-        v2 = np.where(lo > 0, flat_g[np.maximum(at_q, 0)], INF)
-        use1 = v1 <= v2
-        val = np.where(use1, v1, v2)
-        who = np.where(use1, self.idx.reshape(-1)[at_p], self.idx.reshape(-1)[np.maximum(at_q, 0)])
-        srt = np.lexsort((val, qq))
-        qq, val, who = qq[srt], val[srt], who[srt]
-        firsts = np.r_[True, qq[1:] != qq[:-1]]
-        best[qq[firsts]] = val[firsts]
-        arg[qq[firsts]] = who[firsts]
-        arg[~np.isfinite(best)] = -1
-        return best, arg
+        top = flat_alpha.size - 1
+        after = np.minimum(base + lo, top)
+        before = np.maximum(np.minimum(base + lo - 1, top), 0)
+        load_after = np.where(lo < length, flat_alpha[after] + beta, INF)
+        load_before = np.where(lo > 0, flat_g[before], INF)
+        take_after = load_after <= load_before
+        flat_idx = self.idx.reshape(-1)
+        return (np.where(take_after, load_after, load_before),
+                np.where(take_after, flat_idx[after], flat_idx[before]))
+
+
+def _pareto_per_node(ids: np.ndarray, node: np.ndarray, alpha: np.ndarray, g: np.ndarray, end_node: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The finite points of each tree node that no point of the same node dominates.
+
+    Returned sorted by node, then by rising ``alpha`` (falling ``g``).
+    """
+    finite = np.isfinite(alpha) & np.isfinite(g)
+    ids, node, alpha, g = ids[finite], node[finite], alpha[finite], g[finite]
+    order = np.lexsort((g, alpha, node))
+    ids, node, alpha, g = ids[order], node[order], alpha[order], g[order]
+    # Keep a point when its g is below every earlier one of its node. Exact segmented
+    # running minimum on integer ranks of g, offset so that an earlier node never
+    # undercuts a later one. Equal g get ranks rising with position (stable sort), so
+    # a tie is never kept twice.
+    rank = np.empty(g.size, dtype=np.int64)
+    rank[np.argsort(g, kind="stable")] = np.arange(g.size)
+    offset_rank = rank + (end_node - node) * (g.size + 1)
+    running_min = np.minimum.accumulate(offset_rank) if offset_rank.size else offset_rank
+    first = np.r_[True, node[1:] != node[:-1]] if offset_rank.size else np.zeros(0, bool)
+    keep = first | (offset_rank < np.r_[0, running_min[:-1]])
+    return ids[keep], node[keep], alpha[keep], g[keep]
