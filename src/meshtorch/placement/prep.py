@@ -274,6 +274,16 @@ def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool) -> tuple[float,
             nd.acc_time == 0 and nd.cpu_time == 0 and nd.sync_time == 0
         )
         gmem[r] = gmem.get(r, 0.0) + nd.mem_bytes + nd.act_bytes
+
+    def join(g: int, target: int) -> None:
+        """Merge group ``g`` into ``target``; the union is costless/timeless if both were."""
+        free_t, tl_t, mem_t = cost_free[target], timeless[target], gmem[target]
+        uf.union(g, target)
+        r = uf.find(g)
+        cost_free[r] = free_t and cost_free[g]
+        timeless[r] = tl_t and timeless[g]
+        gmem[r] = mem_t + gmem[g]
+
     moved = 0.0
     moved_nodes: list[int] = []
     changed = True
@@ -299,12 +309,7 @@ def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool) -> tuple[float,
                 if not cost_free[g]:
                     moved += gmem[g]
                     moved_nodes.extend(i for i in range(n) if group[i] == g)
-                free_t, tl_t, mem_t = cost_free[t], timeless[t], gmem[t]
-                uf.union(g, t)
-                r = uf.find(g)
-                cost_free[r] = free_t and cost_free[g]
-                timeless[r] = tl_t and timeless[g]
-                gmem[r] = mem_t + gmem[g]
+                join(g, t)
                 changed = True
                 break
             if not cost_free[g]:
@@ -318,12 +323,7 @@ def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool) -> tuple[float,
                 cut_before = _out_cost(graph, uf, a, g)
                 cut_after = _out_cost(graph, uf, g, b)
                 target = b if cut_before <= cut_after else a
-                free_t, tl_t, mem_t = cost_free[target], timeless[target], gmem[target]
-                uf.union(g, target)
-                r = uf.find(g)
-                cost_free[r] = free_t and cost_free[g]
-                timeless[r] = tl_t and timeless[g]
-                gmem[r] = mem_t
+                join(g, target)  # g is costless: no memory to add
                 changed = True
                 break
     return moved, moved_nodes
