@@ -1,17 +1,19 @@
 """The exact dynamic program over ideals (Tarnawski et al., NeurIPS 2020, section 4).
 
-``g[a, c][J]`` is the smallest max-load with which the nodes *outside* the ideal
+``load[a, c][J]`` is the smallest max-load with which the nodes *outside* the ideal
 ``J`` can be placed on exactly ``a`` accelerators and ``c`` CPUs (every stage
 non-empty). A stage is ``I \\ J`` for an ideal ``I ⊋ J``; it is the first of the
 remaining ones, so under a 1F1B schedule it holds ``a + c`` micro-batches in
 flight (divided by its replica count), which makes the stashed-activation
-memory exact. The answer is ``min g[a, c][∅]`` over ``a <= k, c <= ℓ``.
+memory exact. The answer is ``min load[a, c][∅]`` over ``a <= k, c <= ℓ``.
 
 Speed: the pairs ``J ⊂ I`` are generated once, vectorised, and only inside a
-band: a pair whose compute alone exceeds an upper bound ``U`` on the optimum
-(from the same DP restricted to the prefixes of a topological order, which is
-fast) cannot be a stage of an optimal pipeline. Each DP layer is then a few
-numpy passes over the pair arrays.
+band (:mod:`~meshtorch.placement.pairs`): a pair whose compute alone exceeds an
+upper bound ``U`` on the optimum (from the same DP restricted to the prefixes of
+a topological order, which is fast) cannot be a stage of an optimal pipeline.
+Across a separator the stage load splits, and Pareto frontiers
+(:mod:`~meshtorch.placement.frontier`) replace the pairs. Each DP layer is then
+a few numpy passes over the pair arrays.
 
 Example:
     >>> from meshtorch.placement import OpGraph, Problem
@@ -78,6 +80,10 @@ class _Best:
     load: np.ndarray
     next_ideal: np.ndarray
     replicas: np.ndarray
+
+    @classmethod
+    def none_yet(cls, size: int) -> _Best:
+        return cls(np.full(size, INF), np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=np.int8))
 
     def improve(self, where: np.ndarray, load: np.ndarray, next_ideal: np.ndarray, replicas: int) -> None:
         self.load[where] = load
@@ -284,8 +290,7 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
             total_pairs += pairs.count
             runs = _Runs.of(pairs) if pairs.count else None
             for layer in layers:
-                best = _Best(np.full(js.size, INF), np.full(js.size, -1, dtype=np.int64),
-                             np.zeros(js.size, dtype=np.int8))
+                best = _Best.none_yet(js.size)
                 for r, rest in moves[layer]:
                     if runs is not None:
                         stage_load = _stage_load(pairs, r, layer, stash, prob.memory)
@@ -329,6 +334,7 @@ def _backtrack(tables: _Tables, layer: Layer, full: int) -> list[tuple[str, int,
 
 
 def _members(ide: Ideals, c: Contracted, i: int, j: int) -> list[int]:
+    """The original nodes of the stage ``I \\ J``."""
     diff = ide.bits[i] & ~ide.bits[j]
     nodes = []
     for w, word in enumerate(diff.tolist()):
@@ -338,6 +344,7 @@ def _members(ide: Ideals, c: Contracted, i: int, j: int) -> list[int]:
 
 
 def _memory_never_binds(graph: OpGraph, prob: Problem) -> bool:
+    """Whether the whole graph, with every stage's in-flight activations, fits on one device."""
     total = graph.total("mem_bytes")
     if prob.training and prob.stash:
         total += (prob.devices + prob.cpus) * sum(
