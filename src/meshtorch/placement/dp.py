@@ -253,7 +253,8 @@ def _relax_frontier(frontier: ParetoFrontier | MemoryFrontier, beta: np.ndarray,
     else:
         load, next_ideal = frontier.query(beta[js])
     better = load < best.load
-    best.improve(better, load[better], next_ideal[better], r)
+    if better.any():
+        best.improve(better, load[better], next_ideal[better], r)
 
 
 def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, frontier: bool,
