@@ -213,7 +213,7 @@ def test_memory_frontier_matches_brute_force(data):
     """The DP's memory-aware frontier: min over inserted I with mu(I) <= mu(J) + budget."""
     import numpy as np
 
-    from meshtorch.placement.dp import _MemFrontier
+    from meshtorch.placement.frontier import MemoryFrontier
 
     n = data.draw(st.integers(1, 40))
     seg = np.sort(np.array(data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))))
@@ -222,7 +222,7 @@ def test_memory_frontier_matches_brute_force(data):
     alpha = np.array(data.draw(ints), dtype=float)
     g = np.array(data.draw(st.lists(st.sampled_from([*range(20), math.inf]), min_size=n,
                                     max_size=n)), dtype=float)
-    fr = _MemFrontier(mu, seg)
+    fr = MemoryFrontier(mu, seg)
     inserted = np.zeros(n, dtype=bool)
     for t in sorted(set(seg.tolist()), reverse=True):
         js = np.flatnonzero(seg == t)

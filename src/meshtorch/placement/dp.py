@@ -1,17 +1,19 @@
 """The exact dynamic program over ideals (Tarnawski et al., NeurIPS 2020, section 4).
 
-``g[a, c][J]`` is the smallest max-load with which the nodes *outside* the ideal
+``load[a, c][J]`` is the smallest max-load with which the nodes *outside* the ideal
 ``J`` can be placed on exactly ``a`` accelerators and ``c`` CPUs (every stage
 non-empty). A stage is ``I \\ J`` for an ideal ``I ⊋ J``; it is the first of the
 remaining ones, so under a 1F1B schedule it holds ``a + c`` micro-batches in
 flight (divided by its replica count), which makes the stashed-activation
-memory exact. The answer is ``min g[a, c][∅]`` over ``a <= k, c <= ℓ``.
+memory exact. The answer is ``min load[a, c][∅]`` over ``a <= k, c <= ℓ``.
 
 Speed: the pairs ``J ⊂ I`` are generated once, vectorised, and only inside a
-band: a pair whose compute alone exceeds an upper bound ``U`` on the optimum
-(from the same DP restricted to the prefixes of a topological order, which is
-fast) cannot be a stage of an optimal pipeline. Each DP layer is then a few
-numpy passes over the pair arrays.
+band (:mod:`~meshtorch.placement.pairs`): a pair whose compute alone exceeds an
+upper bound ``U`` on the optimum (from the same DP restricted to the prefixes of
+a topological order, which is fast) cannot be a stage of an optimal pipeline.
+Across a separator the stage load splits, and Pareto frontiers
+(:mod:`~meshtorch.placement.frontier`) replace the pairs. Each DP layer is then
+a few numpy passes over the pair arrays.
 
 Example:
     >>> from meshtorch.placement import OpGraph, Problem
@@ -30,11 +32,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import networkx as nx
 import numpy as np
 
 from meshtorch.errors import PlacementError
+from meshtorch.placement.frontier import MemoryFrontier, ParetoFrontier
 from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.ideals import (
     Ideals,
@@ -42,294 +46,112 @@ from meshtorch.placement.ideals import (
     ideals_from_masks,
     prefix_masks,
 )
-from meshtorch.placement.prep import Contracted, contract, place_free
+from meshtorch.placement.pairs import TOL, CandidatePool, StagePairs, stage_pairs
+from meshtorch.placement.prep import Contracted, contract, place_free, set_bits
 from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate
 
 INF = math.inf
-_TOL = 1e-9
+
+# Layers of the DP: ``(a, c)``, a pipeline of exactly ``a`` accelerators and ``c`` CPUs.
+Layer = tuple[int, int]
+# The first stage of a layer's pipeline: (replicas, the layer left for the other stages);
+# 0 replicas is a CPU stage.
+Move = tuple[int, Layer]
 
 
 @dataclass
-class _Pairs:
-    pos: np.ndarray  # position of J in the chunk
-    big: np.ndarray  # I
-    acc_cost: np.ndarray  # compute + comm on an accelerator (inf: not allowed)
-    cpu_cost: np.ndarray  # compute on a CPU (inf: not allowed)
-    mem: np.ndarray
-    act: np.ndarray
-    sync: np.ndarray
+class _Tables:
+    """The DP's tables, one array over the ideals ``J`` per layer.
 
-    @property
-    def count(self) -> int:
-        return int(self.pos.size)
-
-
-class _Pool:
-    """Candidate ideals ``I``, sorted by accelerator and by CPU time for band queries."""
-
-    def __init__(self, ide: Ideals, members: np.ndarray) -> None:
-        self.by_acc = members[np.argsort(ide.acc[members], kind="stable")]
-        self.acc = ide.acc[self.by_acc]
-        self.by_cpu = members[np.argsort(ide.cpu[members], kind="stable")]
-        self.cpu = ide.cpu[self.by_cpu]
-
-
-def _pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: _Pool) -> _Pairs:
-    """Pairs J ⊂ I (J in ``js``, I in ``pool``) whose stage could carry load <= ``bound``."""
-    rmax = prob.max_replicas if prob.devices else 1
-    acc_band = bound * rmax
-    scale = max(1.0, float(np.max(ide.acc, initial=0.0)), float(np.max(ide.cpu, initial=0.0)))
-    eps = 1e-9 * scale
-    use_cpu = bool(prob.cpus)
-    words = ide.bits.shape[1]
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("s", "b", "a", "c", "m", "x", "y")}
-    for pos, j in enumerate(js.tolist()):
-        cands = []
-        a_lo, a_hi = ide.acc[j] - eps, ide.acc[j] + acc_band + eps
-        if prob.devices:
-            lo = np.searchsorted(pool.acc, a_lo, "left")
-            hi = np.searchsorted(pool.acc, a_hi, "right")
-            cands.append(pool.by_acc[lo:hi])
-        if use_cpu:
-            lo = np.searchsorted(pool.cpu, ide.cpu[j] - eps, "left")
-            hi = np.searchsorted(pool.cpu, ide.cpu[j] + bound + eps, "right")
-            extra = pool.by_cpu[lo:hi]
-            if prob.devices:  # drop those already in the accelerator band (no hashing)
-                x = ide.acc[extra]
-                extra = extra[(x < a_lo) | (x > a_hi)]
-            cands.append(extra)
-        cand = cands[0] if len(cands) == 1 else np.concatenate(cands)
-        if cand.size == 0:
-            continue
-        bj = ide.bits[j]
-        sub = cand != j
-        for w in range(words):
-            if bj[w]:
-                sub &= (ide.bits[cand, w] & bj[w]) == bj[w]
-        big = cand[sub]
-        if big.size == 0:
-            continue
-        acc_ok = ide.acc_bad[big] == ide.acc_bad[j]
-        mem = ide.mem[big] - ide.mem[j]
-        acc_ok &= mem <= prob.memory * (1 + _TOL)
-        if prob.devices:
-            acc_cost = np.where(acc_ok, ide.acc[big] - ide.acc[j] + ide.comm(big, j), INF)
-        else:
-            acc_cost = np.full(big.size, INF)
-        if use_cpu:
-            cpu_cost = np.where(ide.cpu_bad[big] == ide.cpu_bad[j], ide.cpu[big] - ide.cpu[j], INF)
-        else:
-            cpu_cost = np.full(big.size, INF)
-        keep = (acc_cost <= acc_band * (1 + _TOL) + eps) | (cpu_cost <= bound * (1 + _TOL) + eps)
-        if not keep.any():
-            continue
-        big = big[keep]
-        out["s"].append(np.full(big.size, pos, dtype=np.int64))
-        out["b"].append(big.astype(np.int64))
-        out["a"].append(acc_cost[keep])
-        out["c"].append(cpu_cost[keep])
-        out["m"].append(mem[keep])
-        out["x"].append(ide.act[big] - ide.act[j])
-        out["y"].append(ide.sync[big] - ide.sync[j])
-    if not out["s"]:
-        e = np.zeros(0)
-        ei = np.zeros(0, dtype=np.int64)
-        return _Pairs(ei, ei, e, e, e, e, e)
-    cat = {k: np.concatenate(v) for k, v in out.items()}
-    return _Pairs(cat["s"], cat["b"], cat["a"], cat["c"], cat["m"], cat["x"], cat["y"])
-
-
-class _Frontier:
-    """Pareto frontier of points (alpha, g): ``min_i max(g_i, alpha_i + beta)`` by bisection.
-
-    Along the frontier alpha rises and g falls, so ``max(g, alpha + beta)`` is
-    smallest where the two cross: one ``searchsorted`` per query.
+    ``load[a, c][J]`` is the smallest max-load with which the nodes outside ``J``
+    fill exactly ``a`` accelerators and ``c`` CPUs; ``next_ideal`` and
+    ``replicas`` record the first stage ``I \\ J`` that reaches it (``-1``: none).
     """
 
-    def __init__(self) -> None:
-        self.alpha = np.zeros(0)
-        self.g = np.zeros(0)
-        self.idx = np.zeros(0, dtype=np.int64)
-        self.key = np.zeros(0)
-
-    def merge(self, alpha: np.ndarray, g: np.ndarray, idx: np.ndarray) -> None:
-        ok = np.isfinite(g) & np.isfinite(alpha)
-        a = np.concatenate([self.alpha, alpha[ok]])
-        gg = np.concatenate([self.g, g[ok]])
-        ii = np.concatenate([self.idx, idx[ok]])
-        order = np.lexsort((gg, a))
-        a, gg, ii = a[order], gg[order], ii[order]
-        prev_min = np.r_[INF, np.minimum.accumulate(gg)[:-1]]
-        keep = gg < prev_min
-        self.alpha, self.g, self.idx = a[keep], gg[keep], ii[keep]
-        self.key = self.alpha - self.g
-
-    def query(self, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        f = self.alpha.size
-        if f == 0:
-            return np.full(beta.size, INF), np.full(beta.size, -1, dtype=np.int64)
-        p = np.searchsorted(self.key, -beta, "left")
-        hi = np.minimum(p, f - 1)
-        lo = np.maximum(p - 1, 0)
-        v1 = np.where(p < f, self.alpha[hi] + beta, INF)
-        v2 = np.where(p > 0, self.g[lo], INF)
-        use1 = v1 <= v2
-        return np.where(use1, v1, v2), np.where(use1, self.idx[hi], self.idx[lo])
+    load: dict[Layer, np.ndarray]
+    next_ideal: dict[Layer, np.ndarray]
+    replicas: dict[Layer, np.ndarray]
 
 
-class _MemFrontier:
-    """``min max(g(I), alpha(I) + beta)`` over the inserted ``I`` with ``mu(I) <= thr``.
+@dataclass
+class _Best:
+    """The best first stage found so far for each ``J`` of one chunk, in one layer."""
 
-    The memory-aware version of :class:`_Frontier`, for accelerator stages when
-    memory can bind (``mu`` = resident bytes plus in-flight activations). Ideals
-    get fixed positions, sorted by segment and then by ``mu``, both descending.
-    Since ``mu`` grows with inclusion and separators order the segments, ``mu``
-    never rises along the positions, and the segments inserted so far (the DP
-    goes from the sink side) are always a prefix ``[0, end)``: a query is the
-    position range ``[first position with mu <= thr, end)``. A segment tree over
-    the positions keeps one Pareto frontier per node (built once, when the node
-    is complete); a range is ``O(log n)`` nodes, each answered by bisection, all
-    queries at once.
+    load: np.ndarray
+    next_ideal: np.ndarray
+    replicas: np.ndarray
+
+    @classmethod
+    def none_yet(cls, size: int) -> _Best:
+        return cls(np.full(size, INF), np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=np.int8))
+
+    def improve(self, where: np.ndarray, load: np.ndarray, next_ideal: np.ndarray, replicas: int) -> None:
+        self.load[where] = load
+        self.next_ideal[where] = next_ideal
+        self.replicas[where] = replicas
+
+
+class _Runs(NamedTuple):
+    """Where each ``J``'s pairs start in a :class:`StagePairs` (they are contiguous)."""
+
+    starts: np.ndarray  # first pair of each run
+    position: np.ndarray  # the J (position in the chunk) of each run
+    of_pair: np.ndarray  # the run of each pair
+
+    @classmethod
+    def of(cls, pairs: StagePairs) -> _Runs:
+        starts = np.flatnonzero(np.r_[True, pairs.position[1:] != pairs.position[:-1]])
+        of_pair = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, pairs.count]))
+        return cls(starts, pairs.position[starts], of_pair)
+
+
+def _layers(prob: Problem) -> list[Layer]:
+    """Every ``(a, c)`` with ``1 <= a + c``, ``a <= k``, ``c <= ℓ``, by rising ``a + c``."""
+    k, ell = prob.devices, prob.cpus
+    return [(d - cpus, cpus) for d in range(1, k + ell + 1) for cpus in range(min(ell, d) + 1)
+            if d - cpus <= k]
+
+
+def _moves(layers: list[Layer], max_replicas: int) -> dict[Layer, list[Move]]:
+    """For each layer, the possible first stages: one CPU, or ``r`` replicated accelerators."""
+    moves = {}
+    for accs, cpus in layers:
+        options: list[Move] = [(0, (accs, cpus - 1))] if cpus > 0 else []
+        options += [(r, (accs - r, cpus)) for r in range(1, min(max_replicas, accs) + 1)]
+        moves[(accs, cpus)] = options
+    return moves
+
+
+def _empty_tables(n: int, full: int, layers: list[Layer]) -> _Tables:
+    """All loads infinite, except the empty pipeline after the full ideal (load 0)."""
+    load = {(0, 0): np.full(n, INF)}
+    load[(0, 0)][full] = 0.0
+    next_ideal, replicas = {}, {}
+    for layer in layers:
+        load[layer] = np.full(n, INF)
+        next_ideal[layer] = np.full(n, -1, dtype=np.int64)
+        replicas[layer] = np.zeros(n, dtype=np.int8)
+    return _Tables(load, next_ideal, replicas)
+
+
+def _split_costs(
+    ide: Ideals, replica_counts: set[int]
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """``alpha[r](I)`` and ``beta[r](J)`` with stage load ``alpha(I) + beta(J)`` across a separator.
+
+    ``r = 0`` is a CPU stage; ``r >= 1`` an accelerator stage with ``r`` replicas,
+    whose compute and cut are divided by ``r`` and which pays ``2 (r - 1) / r``
+    gradient synchronisations.
     """
-
-    def __init__(self, mu: np.ndarray, seg: np.ndarray) -> None:
-        n = mu.size
-        self.mu = mu
-        self.order = np.lexsort((-mu, -seg))  # position -> ideal
-        self.neg_mu = -mu[self.order]  # ascending along the positions
-        self.levels = max(1, (n - 1).bit_length() + 1)
-        # frontier points of every level, packed node after node; grown on demand, since
-        # frontiers are usually far smaller than their nodes
-        cap = max(16, n // 8)
-        self.alpha = np.zeros((self.levels, cap))
-        self.g = np.zeros((self.levels, cap))
-        self.idx = np.zeros((self.levels, cap), dtype=np.int64)
-        self.fill = [0] * self.levels  # slots used per level
-        self.start = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
-        self.flen = [np.zeros((n >> lv) + 1, dtype=np.int64) for lv in range(self.levels)]
-        self.end = 0
-
-    def insert(self, count: int, alpha: np.ndarray, g: np.ndarray) -> None:
-        """Positions ``[end, end + count)`` become active (``alpha``, ``g`` per ideal)."""
-        new_end = self.end + count
-        for lv in range(self.levels):
-            w = 1 << lv
-            j0, j1 = self.end // w, new_end // w  # nodes completed by this insertion
-            if j1 <= j0:
-                continue
-            ids = self.order[j0 * w : j1 * w]
-            node = np.arange(j0 * w, j1 * w) >> lv
-            a, gg = alpha[ids], g[ids]
-            ok = np.isfinite(a) & np.isfinite(gg)
-            ids, node, a, gg = ids[ok], node[ok], a[ok], gg[ok]
-            srt = np.lexsort((gg, a, node))
-            ids, node, a, gg = ids[srt], node[srt], a[srt], gg[srt]
-            # Pareto within each node: keep a point when its g is below every earlier
-            # one of its node. Exact segmented running minimum on integer ranks of g,
-            # offset so that an earlier node never undercuts a later one. Equal g get
-            # ranks rising with position (stable sort), so a tie is never kept twice.
-            rank = np.empty(gg.size, dtype=np.int64)
-            rank[np.argsort(gg, kind="stable")] = np.arange(gg.size)
-            big = gg.size + 1
-            val = rank + (j1 - node) * big
-            run = np.minimum.accumulate(val) if val.size else val
-            first = np.r_[True, node[1:] != node[:-1]] if val.size else np.zeros(0, bool)
-            keep = first | (val < np.r_[0, run[:-1]])
-            ids, node, a, gg = ids[keep], node[keep], a[keep], gg[keep]
-            counts = np.bincount(node - j0, minlength=j1 - j0)
-            f0 = self.fill[lv]
-            k = ids.size
-            if f0 + k > self.alpha.shape[1]:
-                self._grow(f0 + k)
-            self.alpha[lv, f0 : f0 + k] = a
-            self.g[lv, f0 : f0 + k] = gg
-            self.idx[lv, f0 : f0 + k] = ids
-            self.start[lv][j0:j1] = f0 + np.r_[0, np.cumsum(counts)[:-1]]
-            self.flen[lv][j0:j1] = counts
-            self.fill[lv] = f0 + k
-        self.end = new_end
-
-    def _grow(self, need: int) -> None:
-        cap = max(need, 2 * self.alpha.shape[1])
-        for name in ("alpha", "g", "idx"):
-            old = getattr(self, name)
-            new = np.zeros((self.levels, cap), dtype=old.dtype)
-            new[:, : old.shape[1]] = old
-            setattr(self, name, new)
-
-    def query(self, beta: np.ndarray, js: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
-        """For each ``J`` in ``js``: the best inserted ``I`` with ``mu(I) <= mu(J) + budget``.
-
-        ``beta`` is indexed by ideal (all of them).
-        """
-        q = js.size
-        beta = beta[js]
-        lo_pos = np.searchsorted(self.neg_mu, -(self.mu[js] + budget), "left")
-        lo_pos = np.minimum(lo_pos, self.end)
-        hi_pos = np.full(q, self.end, dtype=np.int64)
-        qs, lvs, nodes = [], [], []
-        qid = np.arange(q)
-        for lv in range(self.levels):
-            live = lo_pos < hi_pos
-            if not live.any():
-                break
-            left = live & ((lo_pos & 1) == 1)
-            qs.append(qid[left])
-            lvs.append(np.full(int(left.sum()), lv))
-            nodes.append(lo_pos[left])
-            lo_pos = lo_pos + left
-            right = live & ((hi_pos & 1) == 1)
-            hi_pos = hi_pos - right
-            qs.append(qid[right])
-            lvs.append(np.full(int(right.sum()), lv))
-            nodes.append(hi_pos[right])
-            lo_pos >>= 1
-            hi_pos >>= 1
-        best = np.full(q, INF)
-        arg = np.full(q, -1, dtype=np.int64)
-        if not qs:
-            return best, arg
-        qq, lv, nd = np.concatenate(qs), np.concatenate(lvs), np.concatenate(nodes)
-        if qq.size == 0:
-            return best, arg
-        start = np.empty(qq.size, dtype=np.int64)
-        length = np.empty(qq.size, dtype=np.int64)
-        for v in np.unique(lv).tolist():
-            sel = lv == v
-            start[sel] = self.start[v][nd[sel]]
-            length[sel] = self.flen[v][nd[sel]]
-        n = self.alpha.shape[1]
-        flat_a = self.alpha.reshape(-1)
-        flat_g = self.g.reshape(-1)
-        base = lv * n + start
-        target = -beta[qq]
-        lo = np.zeros(qq.size, dtype=np.int64)
-        hi = length.copy()
-        # bisection for the first frontier point with alpha + beta >= g
-        while True:
-            open_ = lo < hi
-            if not open_.any():
-                break
-            mid = (lo + hi) >> 1
-            at = np.minimum(base + mid, flat_a.size - 1)
-            go = (flat_a[at] - flat_g[at]) < target
-            lo = np.where(open_ & go, mid + 1, lo)
-            hi = np.where(open_ & ~go, mid, hi)
-        top = flat_a.size - 1
-        at_p = np.minimum(base + lo, top)
-        at_q = np.minimum(base + lo - 1, top)
-        v1 = np.where(lo < length, flat_a[at_p] + beta[qq], INF)
-        v2 = np.where(lo > 0, flat_g[np.maximum(at_q, 0)], INF)
-        use1 = v1 <= v2
-        val = np.where(use1, v1, v2)
-        who = np.where(use1, self.idx.reshape(-1)[at_p], self.idx.reshape(-1)[np.maximum(at_q, 0)])
-        srt = np.lexsort((val, qq))
-        qq, val, who = qq[srt], val[srt], who[srt]
-        firsts = np.r_[True, qq[1:] != qq[:-1]]
-        best[qq[firsts]] = val[firsts]
-        arg[qq[firsts]] = who[firsts]
-        arg[~np.isfinite(best)] = -1
-        return best, arg
+    alpha, beta = {}, {}
+    for r in replica_counts:
+        if r == 0:
+            alpha[r], beta[r] = ide.cpu, -ide.cpu
+        else:
+            sync = 2.0 * (r - 1) / r * ide.sync
+            alpha[r] = (ide.acc + ide.cut) / r + sync
+            beta[r] = (ide.cut - ide.acc) / r - sync
+    return alpha, beta
 
 
 def _separators(c: Contracted) -> list[int]:
@@ -341,29 +163,45 @@ def _separators(c: Contracted) -> list[int]:
     is ``alpha(I) + beta(J)``, which the frontier handles without pairs.
     """
     m = c.m
-    anc = [0] * m
+    ancestors = [0] * m
     for v in range(m):
-        x, a = c.preds[v], 0
-        while x:
-            low = x & -x
-            a |= anc[low.bit_length() - 1] | low
-            x ^= low
-        anc[v] = a
-    desc = [0] * m
+        for u in set_bits(c.preds[v]):
+            ancestors[v] |= ancestors[u] | 1 << u
+    descendants = [0] * m
     for v in range(m):
-        a = anc[v]
-        while a:
-            low = a & -a
-            desc[low.bit_length() - 1] |= 1 << v
-            a ^= low
-    out = []
+        for u in set_bits(ancestors[v]):
+            descendants[u] |= 1 << v
+    found = []
     for b in range(m):
-        if anc[b].bit_count() + desc[b].bit_count() + 1 != m:
+        if ancestors[b].bit_count() + descendants[b].bit_count() + 1 != m:
             continue
-        if any((h & anc[b]) and (h & desc[b]) for h, _ in c.hyper):
+        if any((h & ancestors[b]) and (h & descendants[b]) for h, _ in c.hyper):
             continue
-        out.append(b)
-    return out
+        found.append(b)
+    return found
+
+
+def _segments(ide: Ideals, c: Contracted) -> np.ndarray:
+    """For each ideal, how many separators it holds: ideals of a higher segment contain all lower ones."""
+    segment = np.zeros(ide.n, dtype=np.int64)
+    for b in _separators(c):
+        segment += ((ide.bits[:, b // 64] >> np.uint64(b % 64)) & np.uint64(1)).astype(np.int64)
+    return segment
+
+
+def _frontiers(ide: Ideals, moves: dict[Layer, list[Move]], segment: np.ndarray, stash: bool,
+               mem_binds: bool) -> dict[tuple[Layer, int], ParetoFrontier | MemoryFrontier]:
+    """One frontier per move ``(layer left, replicas)``, over the ideals of the segments done so far."""
+    frontiers: dict[tuple[Layer, int], ParetoFrontier | MemoryFrontier] = {}
+    for layer, options in moves.items():
+        for r, rest in options:
+            if r > 0 and mem_binds:
+                # accelerator stages hold their weights and ceil((a + c) / r) stashed inputs
+                in_flight = -(-(layer[0] + layer[1]) // r) if stash else 0
+                frontiers[(rest, r)] = MemoryFrontier(ide.mem + in_flight * ide.act, segment)
+            else:
+                frontiers[(rest, r)] = ParetoFrontier()
+    return frontiers
 
 
 def _popcount(bits: np.ndarray) -> np.ndarray:
@@ -371,153 +209,143 @@ def _popcount(bits: np.ndarray) -> np.ndarray:
     return np.unpackbits(as_bytes, axis=1).sum(axis=1, dtype=np.int64)
 
 
+def _stage_load(pairs: StagePairs, r: int, layer: Layer, stash: bool, memory: float) -> np.ndarray:
+    """Load of each pair's stage run on a CPU (``r = 0``) or on ``r`` accelerators (inf: does not fit).
+
+    As the first of the ``a + c`` stages of ``layer``, under 1F1B it holds
+    ``ceil((a + c) / r)`` micro-batches' activations per replica.
+    """
+    if r == 0:
+        return pairs.cpu_cost
+    load = pairs.acc_cost / r
+    if r > 1:
+        load = load + 2.0 * (r - 1) / r * pairs.sync
+    if stash:
+        in_flight = -(-(layer[0] + layer[1]) // r)
+        over = pairs.memory + in_flight * pairs.activations > memory * (1 + TOL)
+        load = np.where(over, INF, load)
+    return load
+
+
+def _relax_pairs(pairs: StagePairs, runs: _Runs, stage_load: np.ndarray, load_after: np.ndarray,
+                 r: int, best: _Best) -> None:
+    """Improve ``best`` with the kept pairs: ``min_I max(stage load, load after I)`` per ``J``.
+
+    Ties go to the first pair of the run.
+    """
+    loads = np.maximum(stage_load, load_after[pairs.bigger])
+    run_min = np.minimum.reduceat(loads, runs.starts)
+    better = run_min < best.load[runs.position]
+    if not better.any():
+        return
+    hit = np.flatnonzero(loads <= run_min[runs.of_pair])
+    first_run, first_hit = np.unique(runs.of_pair[hit], return_index=True)
+    arg = np.empty(runs.starts.size, dtype=np.int64)
+    arg[first_run] = pairs.bigger[hit[first_hit]]
+    best.improve(runs.position[better], run_min[better], arg[better], r)
+
+
+def _relax_frontier(frontier: ParetoFrontier | MemoryFrontier, beta: np.ndarray, js: np.ndarray,
+                    budget: float, r: int, best: _Best) -> None:
+    """Improve ``best`` with the ideals ``I`` of lower segments, whose stage load splits."""
+    if isinstance(frontier, MemoryFrontier):
+        load, next_ideal = frontier.query(beta, js, budget)
+    else:
+        load, next_ideal = frontier.query(beta[js])
+    better = load < best.load
+    if better.any():
+        best.improve(better, load[better], next_ideal[better], r)
+
+
 def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, frontier: bool,
             mem_binds: bool = False, chunk: int = 1024):
-    """Layered DP, chunk by chunk from the sink side; returns (value, key, choices, pairs)."""
-    n = ide.n
-    k, ell, rmax = prob.devices, prob.cpus, prob.max_replicas
-    layers = [(d - cc, cc) for d in range(1, k + ell + 1) for cc in range(min(ell, d) + 1)
-              if d - cc <= k]
-    g: dict[tuple[int, int], np.ndarray] = {(0, 0): np.full(n, INF)}
-    g[(0, 0)][full] = 0.0
-    src: dict[tuple[int, int], np.ndarray] = {}
-    rep: dict[tuple[int, int], np.ndarray] = {}
-    for key in layers:
-        g[key] = np.full(n, INF)
-        src[key] = np.full(n, -1, dtype=np.int64)
-        rep[key] = np.zeros(n, dtype=np.int8)
-    opts = {}
-    for a, cc in layers:
-        o = [(0, (a, cc - 1))] if cc > 0 else []
-        o += [(r, (a - r, cc)) for r in range(1, min(rmax, a) + 1)]
-        opts[(a, cc)] = o
+    """Fill the tables from the sink side, segment by segment and chunk by chunk of ``J``.
+
+    Within a segment, ``J`` go by falling size so that every ``I ⊋ J`` of the
+    segment is final before ``J`` reads it; ideals of earlier (higher) segments
+    are reached through the frontiers, which each segment joins once it is done.
+    Returns ``(value, layer, tables, pairs kept)`` with ``layer`` the best
+    ``(a, c)`` for the empty ideal (``None``: nothing feasible).
+    """
+    layers = _layers(prob)
+    moves = _moves(layers, prob.max_replicas)
+    tables = _empty_tables(ide.n, full, layers)
     stash = bool(prob.training and prob.stash and np.any(ide.act > 0))
-    alpha, beta = {}, {}
     if frontier:
-        for r in {r for o in opts.values() for r, _ in o}:
-            if r == 0:
-                alpha[r], beta[r] = ide.cpu, -ide.cpu
-            else:
-                sy = 2.0 * (r - 1) / r * ide.sync
-                alpha[r] = (ide.acc + ide.cut) / r + sy
-                beta[r] = (ide.cut - ide.acc) / r - sy
-    seg = np.zeros(n, dtype=np.int64)
-    if frontier:
-        for b in _separators(c):
-            seg += ((ide.bits[:, b // 64] >> np.uint64(b % 64)) & np.uint64(1)).astype(np.int64)
-    fronts: dict = {}
-    for key, o in opts.items() if frontier else ():
-        for r, prev in o:
-            if r > 0 and mem_binds:
-                # accelerator stages hold their weights and ceil((a + c) / r) stashed inputs
-                in_flight = -(-(key[0] + key[1]) // r) if stash else 0
-                fronts[(prev, r)] = _MemFrontier(ide.mem + in_flight * ide.act, seg)
-            else:
-                fronts[(prev, r)] = _Frontier()
-    budget = prob.memory * (1 + _TOL)
-    pop = _popcount(ide.bits)
+        alpha, beta = _split_costs(ide, {r for options in moves.values() for r, _ in options})
+        segment = _segments(ide, c)
+        frontiers = _frontiers(ide, moves, segment, stash, mem_binds)
+    else:
+        segment = np.zeros(ide.n, dtype=np.int64)
+        frontiers = {}
+    budget = prob.memory * (1 + TOL)
+    size = _popcount(ide.bits)
     total_pairs = 0
-    for t in sorted(set(seg.tolist()), reverse=True):
-        members = np.flatnonzero(seg == t)
-        members = members[np.argsort(-pop[members], kind="stable")]
-        pool = _Pool(ide, members if frontier else np.arange(n))
-        for s0 in range(0, members.size, chunk):
-            js = members[s0 : s0 + chunk]
-            pairs = _pairs(ide, prob, bound, js, pool)
+    for seg in sorted(set(segment.tolist()), reverse=True):
+        members = np.flatnonzero(segment == seg)
+        members = members[np.argsort(-size[members], kind="stable")]
+        pool = CandidatePool(ide, members if frontier else np.arange(ide.n))
+        for first in range(0, members.size, chunk):
+            js = members[first : first + chunk]
+            pairs = stage_pairs(ide, prob, bound, js, pool)
             total_pairs += pairs.count
-            if pairs.count:
-                starts = np.flatnonzero(np.r_[True, pairs.pos[1:] != pairs.pos[:-1]])
-                run_pos = pairs.pos[starts]
-                run_of = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, pairs.count]))
-            for key in layers:
-                a, cc = key
-                best = np.full(js.size, INF)
-                bsrc = np.full(js.size, -1, dtype=np.int64)
-                brep = np.zeros(js.size, dtype=np.int8)
-                for r, prev in opts[key]:
-                    gp = g[prev]
-                    if pairs.count:
-                        if r == 0:
-                            cost = pairs.cpu_cost
-                        else:
-                            cost = pairs.acc_cost / r
-                            if r > 1:
-                                cost = cost + 2.0 * (r - 1) / r * pairs.sync
-                            if stash:
-                                in_flight = -(-(a + cc) // r)
-                                over = pairs.mem + in_flight * pairs.act > prob.memory * (1 + _TOL)
-                                cost = np.where(over, INF, cost)
-                        vals = np.maximum(cost, gp[pairs.big])
-                        gmin = np.minimum.reduceat(vals, starts)
-                        better = gmin < best[run_pos]
-                        if better.any():
-                            hit = np.flatnonzero(vals <= gmin[run_of])
-                            first_run, first_idx = np.unique(run_of[hit], return_index=True)
-                            arg = np.empty(starts.size, dtype=np.int64)
-                            arg[first_run] = pairs.big[hit[first_idx]]
-                            where = run_pos[better]
-                            best[where] = gmin[better]
-                            bsrc[where] = arg[better]
-                            brep[where] = r
+            runs = _Runs.of(pairs) if pairs.count else None
+            for layer in layers:
+                best = _Best.none_yet(js.size)
+                for r, rest in moves[layer]:
+                    if runs is not None:
+                        stage_load = _stage_load(pairs, r, layer, stash, prob.memory)
+                        _relax_pairs(pairs, runs, stage_load, tables.load[rest], r, best)
                     if frontier:
-                        fr = fronts[(prev, r)]
-                        if isinstance(fr, _MemFrontier):
-                            val, idx = fr.query(beta[r], js, budget)
-                        else:
-                            val, idx = fr.query(beta[r][js])
-                        better = val < best
-                        best[better] = val[better]
-                        bsrc[better] = idx[better]
-                        brep[better] = r
-                g[key][js] = best
-                src[key][js] = bsrc
-                rep[key][js] = brep
+                        _relax_frontier(frontiers[(rest, r)], beta[r], js, budget, r, best)
+                tables.load[layer][js] = best.load
+                tables.next_ideal[layer][js] = best.next_ideal
+                tables.replicas[layer][js] = best.replicas
         if frontier:
-            everything = np.flatnonzero(seg == t)
-            for (prev, r), fr in fronts.items():
-                if isinstance(fr, _MemFrontier):
-                    fr.insert(everything.size, alpha[r], g[prev])
+            done = np.flatnonzero(segment == seg)
+            for (rest, r), front in frontiers.items():
+                if isinstance(front, MemoryFrontier):
+                    front.insert(done.size, alpha[r], tables.load[rest])
                 else:
-                    fr.merge(alpha[r][everything], g[prev][everything], everything)
-    best_val, best_key = INF, None
-    for key in layers:
-        if g[key][0] < best_val:
-            best_val, best_key = float(g[key][0]), key
-    return best_val, best_key, (src, rep), total_pairs
+                    front.merge(alpha[r][done], tables.load[rest][done], done)
+    best_load, best_layer = INF, None
+    for layer in layers:
+        if tables.load[layer][0] < best_load:
+            best_load, best_layer = float(tables.load[layer][0]), layer
+    return best_load, best_layer, tables, total_pairs
 
 
-def _backtrack(choice, key, full: int):
-    """Stages in pipeline order as (kind, replicas, ideal I, ideal J)."""
-    src, rep = choice
+def _backtrack(tables: _Tables, layer: Layer, full: int) -> list[tuple[str, int, int, int]]:
+    """Stages in pipeline order as (kind, replicas, ideal I, ideal J), from the empty ideal on."""
     stages = []
     j = 0
-    a, c = key
+    accs, cpus = layer
     while j != full:
-        i = int(src[(a, c)][j])
+        i = int(tables.next_ideal[(accs, cpus)][j])
         if i < 0:
             raise PlacementError("internal error: DP backtracking lost its way")
-        r = int(rep[(a, c)][j])
+        r = int(tables.replicas[(accs, cpus)][j])
         stages.append((CPU if r == 0 else ACC, max(r, 1), i, j))
         if r == 0:
-            c -= 1
+            cpus -= 1
         else:
-            a -= r
+            accs -= r
         j = i
     return stages
 
 
 def _members(ide: Ideals, c: Contracted, i: int, j: int) -> list[int]:
+    """The original nodes of the stage ``I \\ J``."""
     diff = ide.bits[i] & ~ide.bits[j]
     nodes = []
     for w, word in enumerate(diff.tolist()):
-        while word:
-            low = word & -word
-            nodes.extend(c.members[64 * w + low.bit_length() - 1])
-            word ^= low
+        for bit in set_bits(word):
+            nodes.extend(c.members[64 * w + bit])
     return nodes
 
 
 def _memory_never_binds(graph: OpGraph, prob: Problem) -> bool:
+    """Whether the whole graph, with every stage's in-flight activations, fits on one device."""
     total = graph.total("mem_bytes")
     if prob.training and prob.stash:
         total += (prob.devices + prob.cpus) * sum(
@@ -541,11 +369,11 @@ def solve_on_ideals(
     # which an op that some device kind cannot run breaks
     frontier = not any(math.isinf(x) for x in c.acc) and not any(math.isinf(x) for x in c.cpu)
     mem_binds = not _memory_never_binds(graph, prob)
-    val, key, choice, npairs = _run_dp(ide, prob, c, bound, full, frontier, mem_binds)
+    val, layer, tables, npairs = _run_dp(ide, prob, c, bound, full, frontier, mem_binds)
     info = {"ideals": ide.n, "pairs": npairs, "supernodes": c.m, "frontier": frontier}
-    if key is None or not math.isfinite(val):
+    if layer is None or not math.isfinite(val):
         return INF, [], info
-    raw = _backtrack(choice, key, full)
+    raw = _backtrack(tables, layer, full)
     where = [-1] * len(graph)
     stages = []
     for s, (kind, r, i, j) in enumerate(raw):
@@ -687,11 +515,8 @@ def _orders(c: Contracted) -> list[list[int]]:
     dg = nx.DiGraph()
     dg.add_nodes_from(range(c.m))
     for v in range(c.m):
-        x = c.preds[v]
-        while x:
-            low = x & -x
-            dg.add_edge(low.bit_length() - 1, v)
-            x ^= low
+        for u in set_bits(c.preds[v]):
+            dg.add_edge(u, v)
     # depth-first: finish a branch before starting the next
     order, done = [], [False] * c.m
     indeg = {v: dg.in_degree(v) for v in dg}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshtorch.errors import PlacementError
-from meshtorch.placement.prep import Contracted
+from meshtorch.placement.prep import Contracted, set_bits
 
 
 @dataclass
@@ -125,11 +125,8 @@ def _with_sums(c: Contracted, bits: np.ndarray) -> Ideals:
     hmask = [h for h, _ in c.hyper]
     inc = np.zeros((m, len(hmask)), dtype=np.float32)
     for j, h in enumerate(hmask):
-        x = h
-        while x:
-            low = x & -x
-            inc[low.bit_length() - 1, j] = 1.0
-            x ^= low
+        for v in set_bits(h):
+            inc[v, j] = 1.0
     sums = np.empty((n, node_attrs.shape[1]))
     cover = np.empty((n, len(hmask)), dtype=np.int32)
     slab = max(1, 2_000_000 // max(m, 1))

@@ -47,7 +47,7 @@ from scipy.sparse import coo_matrix
 
 from meshtorch.errors import PlacementError
 from meshtorch.placement.graph import OpGraph
-from meshtorch.placement.prep import _UF
+from meshtorch.placement.prep import colocated
 from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, order_constraints
 
 
@@ -94,11 +94,7 @@ def solve_milp(
     R = prob.max_replicas
     graph.validate()
     n = len(graph)
-    uf = _UF(n)
-    first: dict[str, int] = {}
-    for i, nd in enumerate(graph.nodes):
-        if nd.color is not None:
-            uf.union(i, first.setdefault(nd.color, i))
+    uf = colocated(graph)
     roots = sorted({uf.find(i) for i in range(n)})
     gid = {r: k for k, r in enumerate(roots)}
     grp = [gid[uf.find(i)] for i in range(n)]

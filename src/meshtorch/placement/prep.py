@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -52,7 +53,29 @@ from meshtorch.placement.problem import order_constraints
 INF = math.inf
 
 
-class _UF:
+def set_bits(mask: int) -> Iterator[int]:
+    """The indices of the bits set in ``mask``, lowest first.
+
+    Example:
+        >>> list(set_bits(0b10110))
+        [1, 2, 4]
+    """
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class UnionFind:
+    """Disjoint sets over ``0..n-1``; the root of a set is its smallest member.
+
+    Example:
+        >>> uf = UnionFind(3)
+        >>> uf.union(2, 1)
+        >>> [uf.find(i) for i in range(3)]
+        [0, 1, 1]
+    """
+
     def __init__(self, n: int) -> None:
         self.p = list(range(n))
 
@@ -66,6 +89,16 @@ class _UF:
         a, b = self.find(a), self.find(b)
         if a != b:
             self.p[max(a, b)] = min(a, b)
+
+
+def colocated(graph: OpGraph) -> UnionFind:
+    """The nodes of ``graph`` joined by colour: nodes of one colour must share a stage."""
+    uf = UnionFind(len(graph))
+    first_of_colour: dict[str, int] = {}
+    for i, nd in enumerate(graph.nodes):
+        if nd.color is not None:
+            uf.union(i, first_of_colour.setdefault(nd.color, i))
+    return uf
 
 
 @dataclass
@@ -111,11 +144,7 @@ def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> 
     _check_edges(graph)
     n = len(graph)
     cons = order_constraints(graph)
-    uf = _UF(n)
-    by_colour: dict[str, int] = {}
-    for i, nd in enumerate(graph.nodes):
-        if nd.color is not None:
-            uf.union(i, by_colour.setdefault(nd.color, i))
+    uf = colocated(graph)
 
     # fuse strongly connected components of the stage-order constraints
     group = [uf.find(i) for i in range(n)]
@@ -228,7 +257,7 @@ def place_free(c: Contracted, where: list[int]) -> None:
             where[i] = s
 
 
-def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> tuple[float, list[int]]:
+def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool) -> tuple[float, list[int]]:
     """Merge costless supernodes into a neighbour (see the module docstring).
 
     Returns the memory moved by pendant merges (0 when every merge was exact) and
@@ -245,6 +274,16 @@ def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> tuple[float, list[
             nd.acc_time == 0 and nd.cpu_time == 0 and nd.sync_time == 0
         )
         gmem[r] = gmem.get(r, 0.0) + nd.mem_bytes + nd.act_bytes
+
+    def join(g: int, target: int) -> None:
+        """Merge group ``g`` into ``target``; the union is costless/timeless if both were."""
+        free_t, tl_t, mem_t = cost_free[target], timeless[target], gmem[target]
+        uf.union(g, target)
+        r = uf.find(g)
+        cost_free[r] = free_t and cost_free[g]
+        timeless[r] = tl_t and timeless[g]
+        gmem[r] = mem_t + gmem[g]
+
     moved = 0.0
     moved_nodes: list[int] = []
     changed = True
@@ -270,12 +309,7 @@ def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> tuple[float, list[
                 if not cost_free[g]:
                     moved += gmem[g]
                     moved_nodes.extend(i for i in range(n) if group[i] == g)
-                free_t, tl_t, mem_t = cost_free[t], timeless[t], gmem[t]
-                uf.union(g, t)
-                r = uf.find(g)
-                cost_free[r] = free_t and cost_free[g]
-                timeless[r] = tl_t and timeless[g]
-                gmem[r] = mem_t + gmem[g]
+                join(g, t)
                 changed = True
                 break
             if not cost_free[g]:
@@ -289,22 +323,17 @@ def _merge_trivial(graph: OpGraph, uf: _UF, pendant: bool) -> tuple[float, list[
                 cut_before = _out_cost(graph, uf, a, g)
                 cut_after = _out_cost(graph, uf, g, b)
                 target = b if cut_before <= cut_after else a
-                free_t, tl_t, mem_t = cost_free[target], timeless[target], gmem[target]
-                uf.union(g, target)
-                r = uf.find(g)
-                cost_free[r] = free_t and cost_free[g]
-                timeless[r] = tl_t and timeless[g]
-                gmem[r] = mem_t
+                join(g, target)  # g is costless: no memory to add
                 changed = True
                 break
     return moved, moved_nodes
 
 
-def _has_backward(graph: OpGraph, uf: _UF, g: int) -> bool:
+def _has_backward(graph: OpGraph, uf: UnionFind, g: int) -> bool:
     return any(nd.backward for i, nd in enumerate(graph.nodes) if uf.find(i) == g)
 
 
-def _out_cost(graph: OpGraph, uf: _UF, a: int, b: int) -> float:
+def _out_cost(graph: OpGraph, uf: UnionFind, a: int, b: int) -> float:
     """comm_time of the producers in group ``a`` with a consumer in group ``b``."""
     prods = {u for u, v, _ in graph.edges if uf.find(u) == a and uf.find(v) == b}
     return sum(graph.nodes[u].comm_time for u in prods)

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from meshtorch.errors import PlacementError
 from meshtorch.nn.parameter import plain_parameters
 from meshtorch.placement.graph import OpGraph
+from meshtorch.placement.prep import UnionFind
 from meshtorch.placement.problem import Placement
 
 
@@ -208,9 +209,7 @@ def _graph_of(
 
 def _merge_colours(g: OpGraph, groups: dict[str, str]) -> None:
     """Union the colour classes of ``g`` with ``groups`` (node name -> group key)."""
-    from meshtorch.placement.prep import _UF
-
-    uf = _UF(len(g))
+    uf = UnionFind(len(g))
     first: dict[str, int] = {}
     for i, nd in enumerate(g.nodes):
         for key in (("c", nd.color), ("g", groups.get(nd.name))):
@@ -336,8 +335,6 @@ def _fold_constants(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -
 
 def _weight_groups(gm: torch.fx.GraphModule) -> dict[str, str]:
     """Group every node computed from parameters alone with the nodes that consume it."""
-    from meshtorch.placement.prep import _UF
-
     nodes = list(gm.graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
     on_input: set[torch.fx.Node] = set()
@@ -347,7 +344,7 @@ def _weight_groups(gm: torch.fx.GraphModule) -> dict[str, str]:
             on_input.add(n)
         if _is_param(gm, n) or any(a in on_param for a in n.all_input_nodes):
             on_param.add(n)
-    uf = _UF(len(nodes))
+    uf = UnionFind(len(nodes))
     for n in on_param - on_input:
         for u in n.users:
             if u.op != "output":
