@@ -16,7 +16,7 @@ import torch
 import meshtorch as mt
 from meshtorch.errors import LayoutError, ShapeError
 from meshtorch.layout import LayoutRules
-from meshtorch.lowering import align
+from meshtorch.lowering.plan import align
 from meshtorch.mesh import Mesh
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from meshtorch.lowering import align, lower
+from meshtorch.lowering.plan import align, lower
 from meshtorch.ops.array import one_hot
 from meshtorch.ops.elementwise import exp, rsqrt
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
