@@ -145,7 +145,7 @@ def choose_computation(
     return comp
 
 
-def _to_computation(x: MeshTensor, comp: dict[str, str | None]) -> tuple[Step, ...]:
+def _to_computation(x: MeshTensor, comp: dict[str, str | None], grad: bool) -> tuple[Step, ...]:
     """The adapters that bring ``x``'s slice to the computation layout (one per axis that differs).
 
     Unlike :func:`steps_between`, an axis's computation dim may be one ``x`` does not have (it is
@@ -167,7 +167,7 @@ def _to_computation(x: MeshTensor, comp: dict[str, str | None]) -> tuple[Step, .
         elif c is not None:
             if c in x.shape:
                 steps.append((ca.local_slice, axis, (x.shape.index(c),)))
-            elif x.requires_grad:
+            elif grad and x.requires_grad:  # its forward is the identity: only for backward
                 steps.append((ca.identity_grad_sum, axis, ()))
     return tuple(steps)
 
@@ -264,7 +264,7 @@ def make_plan(
     if not comp:
         return Plan(((),) * len(inputs), (), LocalView(view_slices), want, out_layout, split)
     return Plan(
-        tuple(_to_computation(x, comp) for x in inputs),
+        tuple(_to_computation(x, comp, torch.is_grad_enabled()) for x in inputs),
         _from_computation(comp, out_shape, out_layout, reduced),
         LocalView(view_slices), want, out_layout, split,
     )
