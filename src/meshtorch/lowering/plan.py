@@ -213,9 +213,10 @@ class Plan:
         want: the local result's size the local function must return.
         layout: the output's layout.
         computed_as: per split dim, its axis (for error messages).
+        moves: whether any adapter runs (never on one processor).
     """
 
-    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as")
+    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as", "moves")
 
     def __init__(self, inputs, outputs, view, want, layout, computed_as):
         self.inputs: tuple[tuple[Step, ...], ...] = inputs
@@ -224,6 +225,7 @@ class Plan:
         self.want: tuple[int, ...] = want
         self.layout: Layout = layout
         self.computed_as: dict[str, str] = computed_as
+        self.moves = bool(outputs) or any(inputs)
 
     @property
     def adapters(self) -> int:
@@ -292,17 +294,19 @@ def plan_of(
         (True, 0)
     """
     ctx = current()
+    comm = ctx.comm
     grad = torch.is_grad_enabled()
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
+    whole = frozenset(whole) if whole else frozenset()
     key = (
         tuple([x.layout for x in inputs]),
         tuple([x.local.requires_grad for x in inputs]) if grad else None,
         out_shape,
         tuple(reduced.items()) if reduced else (),
-        frozenset(whole) if whole else None,
+        whole,
         ctx.rules,
-        ctx.mesh,
-        ctx.rank,
+        comm.mesh,
+        comm.rank,
     )
     plan = _PLANS.get(key)
     if plan is None:
@@ -340,7 +344,7 @@ def lower(
         name: the output's name, for error messages.
     """
     plan = plan_of(op, inputs, out_shape, reduced, whole, name)
-    if plan.outputs or any(plan.inputs):
+    if plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])
@@ -349,8 +353,10 @@ def lower(
             f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
             f"output [{out_shape}] computed as {plan.computed_as or 'replicated'} needs {list(plan.want)}"
         )
+    if plan.outputs:
+        result = run_steps(result, plan.outputs)
     # the adapters produce the output layout's slice of a result of the checked size
-    return MeshTensor._checked_elsewhere(run_steps(result, plan.outputs), out_shape, plan.layout, name)
+    return MeshTensor._checked_elsewhere(result, out_shape, plan.layout, name)
 
 
 def _check_reductions(op: str, reduced: dict[str, str]) -> None:
