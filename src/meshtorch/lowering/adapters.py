@@ -1,5 +1,5 @@
 """Differentiable collectives: each a ``torch.autograd.Function`` with its
-conjugate backward (DESIGN §4). Every adapter the lowering uses lives here.
+conjugate backward. Every adapter the lowering uses lives here.
 
 All functions act along one mesh axis on *local* tensors and take the
 communicator explicitly, so backward never depends on which thread runs it.

@@ -1,4 +1,4 @@
-"""Lowering: one op on MeshTensors → adapters + a local torch op (DESIGN §3–§4).
+"""Lowering: one op on MeshTensors → adapters + a local torch op.
 
 An op is described by its inputs, its output shape, the dims it reduces
 (``"sum"``, ``"max"`` or ``"min"``), the dims its local function needs whole,
@@ -9,7 +9,7 @@ and the local function. :func:`lower` then
    the fewest bytes forward and backward (ties: the output's); none if nothing
    is split along the axis;
 2. brings every input to that computation layout with exactly one adapter of
-   :mod:`meshtorch.lowering.adapters` per input and axis (DESIGN §4's table);
+   :mod:`meshtorch.lowering.adapters` per input and axis (the adapter table of the adapters module);
 3. runs the local function on the slices;
 4. turns the local result into the output's layout (partial sums →
    ``all_reduce`` or ``reduce_scatter``; a split moved → ``all_to_all``; ...).
