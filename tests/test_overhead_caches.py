@@ -1,5 +1,6 @@
 """The caches that keep meshtorch's per-op Python small (benchmarks/overhead.py) never serve a
-stale entry: layouts are cached per rules object and keyed by (shape, mesh); one-processor views,
+stale entry: layouts are cached per rules object and keyed by (shape, mesh); lowering plans by
+everything they depend on (input layouts, grad mask and mode, output shape, rules, mesh, rank);
 broadcast shapes, einsum plans and alignments depend on shapes alone. Each test runs the same
 shapes under settings that must give different answers, in sequence and in threads."""
 
@@ -16,7 +17,7 @@ import torch
 import meshtorch as mt
 from meshtorch.errors import LayoutError, ShapeError
 from meshtorch.layout import LayoutRules
-from meshtorch.lowering import align
+from meshtorch.lowering.plan import align
 from meshtorch.mesh import Mesh
 
 
@@ -125,3 +126,33 @@ def test_cached_plans_still_check_every_call():
     for _ in range(2):
         with pytest.raises(ShapeError, match="neither a MeshTensor nor a scalar"):
             x + [1.0]
+
+
+def test_a_plan_is_reused_and_a_changed_key_gets_another():
+    from meshtorch.lowering.plan import plan_of
+
+    def prog():
+        x = mt.from_global(torch.arange(24.0).reshape(4, 6), "a:4,c:6")
+        w = mt.from_global(torch.ones(6), "c:6", requires_grad=True)
+        p = plan_of("multiply", [x, w], x.shape)
+        same = plan_of("multiply", [x, w], x.shape) is p
+        with torch.no_grad():
+            no_grad = plan_of("multiply", [x, w], x.shape)
+        frozen = plan_of("multiply", [x, w.detach()], x.shape)
+        y = (x * w).to_global()
+        return same, p.adapters, no_grad is p, no_grad.adapters, frozen is p, frozen.adapters, y
+
+    want = torch.arange(24.0).reshape(4, 6)
+    # under a:b the replicated w needs its gradient summed along b (one adapter), but only when
+    # grad mode is on and w requires grad
+    for same, n, ng_same, ng_n, fr_same, fr_n, y in mt.launch(prog, mesh="b:2", rules="a:b"):
+        assert same and n == 1
+        assert not ng_same and ng_n == 0
+        assert not fr_same and fr_n == 0
+        assert torch.equal(y, want)
+    # other rules, same shapes: another plan, with nothing to adapt
+    for same, n, *_, y in mt.launch(prog, mesh="b:2", rules=""):
+        assert same and n == 0 and torch.equal(y, want)
+    # one processor: a plan with no adapters
+    for same, n, *_, y in mt.launch(prog, mesh="b:1", rules="a:b"):
+        assert same and n == 0 and torch.equal(y, want)

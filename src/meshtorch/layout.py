@@ -42,9 +42,10 @@ class LayoutRules:
     # ``rules`` is fixed once built (nothing may change it in place): the layouts derived from it
     # are cached per (shape, mesh) in ``_layouts``, which belongs to this object alone, so other
     # rules (another launch, another thread's context) never see its entries.
-    __slots__ = ("rules", "_layouts")
+    __slots__ = ("rules", "_layouts", "_hash")
 
     def __init__(self, spec: LayoutRules | str | dict[str, str] | None = ""):
+        self._hash: int | None = None  # the lowering's plans are keyed by the rules: hash once
         # per rules object; a program uses far fewer distinct shapes than the bound
         self._layouts: BoundedCache = BoundedCache(4096)
         if isinstance(spec, LayoutRules):
@@ -124,7 +125,9 @@ class LayoutRules:
         return isinstance(other, LayoutRules) and self.rules == other.rules
 
     def __hash__(self) -> int:
-        return hash(tuple(sorted(self.rules.items())))
+        if self._hash is None:
+            self._hash = hash(tuple(sorted(self.rules.items())))
+        return self._hash
 
     def __reduce__(self):
         return (LayoutRules, (dict(self.rules),))
@@ -147,9 +150,10 @@ class Layout:
 
     # Immutable once built; ``local_sizes`` (checked against every new MeshTensor's slice) is
     # computed here once.
-    __slots__ = ("shape", "mesh", "split", "_by_axis", "local_sizes")
+    __slots__ = ("shape", "mesh", "split", "_by_axis", "local_sizes", "_hash")
 
     def __init__(self, shape: Shape, mesh: Mesh, split: dict[str, str]):
+        self._hash: int | None = None
         self.shape = shape
         self.mesh = mesh
         self.split = {d.name: split[d.name] for d in shape if d.name in split}
@@ -191,7 +195,14 @@ class Layout:
         )
 
     def __hash__(self) -> int:
-        return hash((self.shape, self.mesh, tuple(self.split.items())))
+        # every lowered op hashes its inputs' layouts (the plan's key): computed once
+        if self._hash is None:
+            self._hash = hash((self.shape, self.mesh, tuple(self.split.items())))
+        return self._hash
+
+    def __reduce__(self):
+        # string hashes differ between processes, so _hash must not travel
+        return (Layout, (self.shape, self.mesh, dict(self.split)))
 
     def __str__(self) -> str:
         parts = [f"{d}:{a}" for d, a in self.split.items()]

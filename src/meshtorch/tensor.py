@@ -15,10 +15,10 @@ from collections.abc import Iterable
 
 import torch
 
-from meshtorch.comm import autograd as ca
 from meshtorch.context import current, traced
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout
+from meshtorch.lowering.redistribute import redistribute
 from meshtorch.shape import Dim, Shape, as_shape
 
 
@@ -111,20 +111,19 @@ class MeshTensor:
                 )
             self.local.backward()
         else:
-            from meshtorch.ops.reshape import relayout_like
-
-            self.local.backward(relayout_like(gradient, self).local)
+            if gradient.shape != self.shape:
+                raise ShapeError(
+                    f"backward: the gradient has shape [{gradient.shape}] but the tensor has "
+                    f"[{self.shape}]; pass a gradient of the tensor's shape"
+                )
+            self.local.backward(redistribute(gradient.local, gradient.layout, self.layout))
 
     def detach(self) -> MeshTensor:
         return MeshTensor(self.local.detach(), self.shape, self.layout, self.name)
 
     def to_global(self) -> torch.Tensor:
         """The whole tensor as a plain ``torch.Tensor``, on every processor."""
-        comm = current().comm
-        t = self.local
-        for dim, axis in self.layout.split.items():
-            t = ca.all_gather_sliced(t, comm, axis, self.shape.index(dim))
-        return t
+        return redistribute(self.local, self.layout, Layout(self.shape, self.layout.mesh, {}))
 
     def item(self) -> float | int | bool:
         if self.shape.ndim:
@@ -139,69 +138,8 @@ class MeshTensor:
         raise ShapeError("a MeshTensor has no truth value; use mt.reduce_any or .item()")
 
     # ------------------------------------------------------------ operators
-    def __add__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.add(self, o)
-
-    def __radd__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.add(o, self)
-
-    def __sub__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.subtract(self, o)
-
-    def __rsub__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.subtract(o, self)
-
-    def __mul__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.multiply(self, o)
-
-    def __rmul__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.multiply(o, self)
-
-    def __truediv__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.divide(self, o)
-
-    def __rtruediv__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.divide(o, self)
-
-    def __pow__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.pow(self, o)
-
-    def __rpow__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.pow(o, self)
-
-    def __neg__(self):
-        from meshtorch.ops import elementwise as ew
-        return ew.negative(self)
-
-    def __abs__(self):
-        from meshtorch.ops import elementwise as ew
-        return ew.abs(self)
-
-    def __lt__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.less(self, o)
-
-    def __le__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.less_equal(self, o)
-
-    def __gt__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.greater(self, o)
-
-    def __ge__(self, o):
-        from meshtorch.ops import elementwise as ew
-        return ew.greater_equal(self, o)
+    # +, -, *, /, **, unary -, abs() and comparisons are installed by meshtorch.ops.elementwise:
+    # they need the lowering, which needs this module, so defining them here would be a cycle.
 
     __hash__ = object.__hash__
 

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from meshtorch.comm import autograd as ca
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
-from meshtorch.lowering import lower
+from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.plan import lower
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 

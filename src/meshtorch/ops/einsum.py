@@ -24,7 +24,7 @@ import torch
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering import lower
+from meshtorch.lowering.plan import lower
 from meshtorch.ops.elementwise import broadcast_shape
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor

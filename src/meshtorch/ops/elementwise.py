@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering import align, lower
+from meshtorch.lowering.plan import align, lower
 from meshtorch.shape import Shape
 from meshtorch.tensor import MeshTensor
 
@@ -186,3 +186,21 @@ def cast(x: MeshTensor, dtype: torch.dtype) -> MeshTensor:
 def clamp(x: MeshTensor, min: float | None = None, max: float | None = None) -> MeshTensor:  # noqa: A002
     """Clamp every element into ``[min, max]``."""
     return unary(lambda t: torch.clamp(t, min, max), x, "clamp")
+
+
+def _install_operators() -> None:
+    """MeshTensor's Python operators, which are these ops (the tensor module cannot import them)."""
+    operators = {
+        "__add__": add, "__radd__": lambda x, o: add(o, x),
+        "__sub__": subtract, "__rsub__": lambda x, o: subtract(o, x),
+        "__mul__": multiply, "__rmul__": lambda x, o: multiply(o, x),
+        "__truediv__": divide, "__rtruediv__": lambda x, o: divide(o, x),
+        "__pow__": pow, "__rpow__": lambda x, o: pow(o, x),
+        "__neg__": negative, "__abs__": abs,
+        "__lt__": less, "__le__": less_equal, "__gt__": greater, "__ge__": greater_equal,
+    }
+    for name, fn in operators.items():
+        setattr(MeshTensor, name, fn)
+
+
+_install_operators()

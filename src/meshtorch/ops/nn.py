@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from meshtorch.errors import ArgumentError
-from meshtorch.lowering import align, lower
+from meshtorch.lowering.plan import align, lower
 from meshtorch.ops.array import one_hot
 from meshtorch.ops.elementwise import exp, rsqrt
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
+from meshtorch.random import bernoulli
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
@@ -171,15 +172,13 @@ def dropout(x: MeshTensor, rate: float, *, seed: int | None = None, training: bo
         >>> set(y.to_global().unique().tolist()) == {0.0, 2.0}
         True
     """
-    from meshtorch import random
-
     x = as_mesh_tensor(x)
     if not 0.0 <= rate < 1.0:
         raise ArgumentError(f"dropout: rate={rate} is outside [0, 1); pass the probability of zeroing "
                             f"an element, e.g. rate=0.1")
     if not training or rate == 0.0:
         return x
-    keep = random.bernoulli(x.shape, 1.0 - rate, seed=seed, stream=stream, dtype=x.dtype)
+    keep = bernoulli(x.shape, 1.0 - rate, seed=seed, stream=stream, dtype=x.dtype)
     return x * keep / (1.0 - rate)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from meshtorch.lowering import lower
+from meshtorch.lowering.plan import lower
 from meshtorch.ops.elementwise import exp, log
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from meshtorch.comm import autograd as ca
-from meshtorch.context import current
 from meshtorch.errors import ShapeError
-from meshtorch.lowering import lower
+from meshtorch.lowering.plan import lower
+from meshtorch.lowering.redistribute import redistribute
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
 
@@ -44,26 +43,7 @@ def relayout(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None
             f"shape [{shape}] has {list(shape.sizes)}; use mt.reshape to change sizes"
         )
     out_layout = layout_for(shape, name)
-    comm = current().comm
-    t = x.local
-    # per axis: the tensor position that holds it before and after
-    before = {a: x.shape.index(d) for d, a in x.layout.split.items()}
-    after = {a: shape.index(d) for d, a in out_layout.split.items()}
-    moving = [a for a in current().mesh.axis_names if before.get(a) != after.get(a)]
-    held = set(before.values())
-    # A position can be split by one axis at a time, so: first move axes onto positions
-    # nobody holds (one all_to_all each), then gather what must become whole, then slice.
-    done = set()
-    for a in moving:
-        if a in before and a in after and after[a] not in held:
-            t = ca.all_to_all(t, comm, a, after[a], before[a])
-            done.add(a)
-    for a in moving:
-        if a in before and a not in done:
-            t = ca.all_gather_sliced(t, comm, a, before[a])
-    for a in moving:
-        if a in after and a not in done:
-            t = ca.local_slice(t, comm, a, after[a])
+    t = redistribute(x.local, x.layout, out_layout)
     return MeshTensor(t, shape, out_layout, name)
 
 

@@ -14,7 +14,7 @@ order; see :mod:`meshtorch.replicator.optimizer`.)
 The collective methods of a :class:`Channel` issue at once (for jobs already
 running in order); :attr:`Channel.ordered` is the same set of collectives,
 each waiting its turn, shaped like a communicator, so the differentiable
-collectives of :mod:`meshtorch.comm.autograd` run on it unchanged.
+collectives of :mod:`meshtorch.lowering.adapters` run on it unchanged.
 
 Example:
     >>> import torch, meshtorch as mt
@@ -138,7 +138,7 @@ class OrderedCollectives:
 
     Has the collective methods of a :class:`~meshtorch.comm.base.Communicator`
     (anything else, e.g. ``position`` or ``mesh``, is the communicator's), so it
-    can stand in for one in :mod:`meshtorch.comm.autograd`.
+    can stand in for one in :mod:`meshtorch.lowering.adapters`.
 
     Example:
         >>> import torch, meshtorch as mt

@@ -8,7 +8,7 @@ back": ``all_reduce`` backward is an all_reduce of the gradients,
 backward reduce-scatters them. With these, SyncBatchNorm and any user
 statistic over the global batch train exactly as one process on that batch.
 
-The autograd Functions are those of :mod:`meshtorch.comm.autograd` with
+The autograd Functions are those of :mod:`meshtorch.lowering.adapters` with
 ``grad_sum=True``, run on the replica channel's ordered collectives
 (:attr:`Channel.ordered <meshtorch.replicator.channel.Channel.ordered>`), so
 they queue behind gradient buckets still in flight.
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from meshtorch.comm import autograd as ca
 from meshtorch.errors import CommError
+from meshtorch.lowering import adapters as ca
 from meshtorch.replicator.channel import Channel
 
 OPS = ("sum", "mean", "max", "min")

@@ -1,4 +1,4 @@
-"""Lowering: one op on MeshTensors → adapters + a local torch op (DESIGN §3–§4).
+"""Lowering: one op on MeshTensors → adapters + a local torch op.
 
 An op is described by its inputs, its output shape, the dims it reduces
 (``"sum"``, ``"max"`` or ``"min"``), the dims its local function needs whole,
@@ -9,7 +9,7 @@ and the local function. :func:`lower` then
    the fewest bytes forward and backward (ties: the output's); none if nothing
    is split along the axis;
 2. brings every input to that computation layout with exactly one adapter of
-   :mod:`meshtorch.comm.autograd` per input and axis (DESIGN §4's table);
+   :mod:`meshtorch.lowering.adapters` per input and axis (the adapter table of the adapters module);
 3. runs the local function on the slices;
 4. turns the local result into the output's layout (partial sums →
    ``all_reduce`` or ``reduce_scatter``; a split moved → ``all_to_all``; ...).
@@ -19,7 +19,7 @@ call collectives themselves.
 
 Example:
     >>> import torch, meshtorch as mt
-    >>> from meshtorch.lowering import lower
+    >>> from meshtorch.lowering.plan import lower
     >>> def f():
     ...     x = mt.from_global(torch.arange(4.0), "batch:4")
     ...     out = mt.Shape("")
@@ -39,10 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from meshtorch.caching import BoundedCache
-from meshtorch.comm import autograd as ca
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
 from meshtorch.layout import Layout
+from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.redistribute import Step, run_steps
 from meshtorch.shape import Shape
 from meshtorch.tensor import MeshTensor, layout_for
 
@@ -144,12 +145,13 @@ def choose_computation(
     return comp
 
 
-def to_computation(
-    x: MeshTensor, comp: dict[str, str | None], varying: Iterable[str] | None = None
-) -> torch.Tensor:
-    """``x``'s local tensor brought to the computation layout (DESIGN §4 table)."""
-    comm = current().comm
-    t = x.local
+def _to_computation(x: MeshTensor, comp: dict[str, str | None], grad: bool) -> tuple[Step, ...]:
+    """The adapters that bring ``x``'s slice to the computation layout (one per axis that differs).
+
+    Unlike :func:`steps_between`, an axis's computation dim may be one ``x`` does not have (it is
+    contracted against another operand), which needs the gradient-aware adapters.
+    """
+    steps: list[Step] = []
     for axis, c in comp.items():
         d = x.layout.dim_of(axis)
         if d == c:
@@ -157,51 +159,164 @@ def to_computation(
         if d is not None:
             i = x.shape.index(d)
             if c is None:
-                t = ca.all_gather_sliced(t, comm, axis, i)
+                steps.append((ca.all_gather_sliced, axis, (i,)))
             elif c not in x.shape:
-                t = ca.all_gather(t, comm, axis, i)
+                steps.append((ca.all_gather, axis, (i,)))
             else:
-                t = ca.all_to_all(t, comm, axis, x.shape.index(c), i)
+                steps.append((ca.all_to_all, axis, (x.shape.index(c), i)))
         elif c is not None:
             if c in x.shape:
-                t = ca.local_slice(t, comm, axis, x.shape.index(c))
-            elif x.requires_grad:
-                t = ca.identity_grad_sum(t, comm, axis)
-    return t
+                steps.append((ca.local_slice, axis, (x.shape.index(c),)))
+            elif grad and x.requires_grad:  # its forward is the identity: only for backward
+                steps.append((ca.identity_grad_sum, axis, ()))
+    return tuple(steps)
 
 
-def from_computation(
-    t: torch.Tensor,
-    comp: dict[str, str | None],
-    out_shape: Shape,
-    out_layout: Layout,
-    reduced: dict[str, str],
-) -> torch.Tensor:
-    """A local result in the computation layout → the output's layout."""
-    comm = current().comm
+def _from_computation(
+    comp: dict[str, str | None], out_shape: Shape, out_layout: Layout, reduced: dict[str, str]
+) -> tuple[Step, ...]:
+    """The adapters that turn a local result in the computation layout into the output's layout
+    (partial sums are reduced, unlike in :func:`steps_between`)."""
+    steps: list[Step] = []
     for axis, c in comp.items():
         d_out = out_layout.dim_of(axis)
         if c is None:
             if d_out is not None:
-                t = ca.local_slice(t, comm, axis, out_shape.index(d_out))
+                steps.append((ca.local_slice, axis, (out_shape.index(d_out),)))
         elif c in reduced:
             if reduced[c] == "sum":
                 if d_out is None:
-                    t = ca.all_reduce_sum(t, comm, axis)
+                    steps.append((ca.all_reduce_sum, axis, ()))
                 else:
-                    t = ca.reduce_scatter(t, comm, axis, out_shape.index(d_out))
+                    steps.append((ca.reduce_scatter, axis, (out_shape.index(d_out),)))
             else:
-                t = ca.all_reduce_extreme(t, comm, axis, reduced[c])
+                steps.append((ca.all_reduce_extreme, axis, (reduced[c],)))
                 if d_out is not None:
-                    t = ca.local_slice(t, comm, axis, out_shape.index(d_out))
+                    steps.append((ca.local_slice, axis, (out_shape.index(d_out),)))
         elif c in out_shape:
             if d_out is None:
-                t = ca.all_gather_sliced(t, comm, axis, out_shape.index(c))
+                steps.append((ca.all_gather_sliced, axis, (out_shape.index(c),)))
             elif d_out != c:
-                t = ca.all_to_all(t, comm, axis, out_shape.index(d_out), out_shape.index(c))
+                steps.append((ca.all_to_all, axis, (out_shape.index(d_out), out_shape.index(c))))
         else:  # pragma: no cover - choose_computation never picks such a dim
             raise LayoutError(f"dim {c!r} is neither reduced nor in the output [{out_shape}]")
-    return t
+    return tuple(steps)
+
+
+class Plan:
+    """What :func:`lower` decides for one op signature, computed once and replayed.
+
+    Attributes:
+        inputs: per input, the adapters that bring its slice to the computation layout.
+        outputs: the adapters that bring the local result to the output's layout.
+        view: the computation's slice of every dim on this processor.
+        want: the local result's size the local function must return.
+        layout: the output's layout.
+        computed_as: per split dim, its axis (for error messages).
+        moves: whether any adapter runs (never on one processor).
+    """
+
+    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as", "moves")
+
+    def __init__(self, inputs, outputs, view, want, layout, computed_as):
+        self.inputs: tuple[tuple[Step, ...], ...] = inputs
+        self.outputs: tuple[Step, ...] = outputs
+        self.view: LocalView = view
+        self.want: tuple[int, ...] = want
+        self.layout: Layout = layout
+        self.computed_as: dict[str, str] = computed_as
+        self.moves = bool(outputs) or any(inputs)
+
+    @property
+    def adapters(self) -> int:
+        """How many adapters the plan runs (0 on one processor)."""
+        return sum(map(len, self.inputs)) + len(self.outputs)
+
+
+def make_plan(
+    op: str,
+    inputs: Sequence[MeshTensor],
+    out_shape: Shape,
+    reduced: dict[str, str],
+    whole: set[str],
+    name: str | None,
+) -> Plan:
+    """The :class:`Plan` of one op under the current mesh and rules (checks its dims, raising
+    :class:`ShapeError` or :class:`LayoutError` naming the tensor and dim at fault)."""
+    ctx = current()
+    _check_reductions(op, reduced)
+    out_layout = layout_for(out_shape, name)
+    if ctx.mesh.size == 1:
+        # every slice is the whole tensor: no adapters, only the checks
+        _dim_sizes(inputs, out_shape, whole)
+        comp: dict[str, str | None] = {}
+    else:
+        comp = choose_computation(inputs, out_shape, out_layout, reduced, whole)
+    split = {c: a for a, c in comp.items() if c is not None}
+    view_slices: dict[str, tuple[int, int]] = {}
+    for shape in [x.shape for x in inputs] + [out_shape]:
+        for d in shape:
+            if d.name in split:
+                n = ctx.mesh.axis_size(split[d.name])
+                size = d.size // n
+                view_slices[d.name] = (ctx.coords[split[d.name]] * size, size)
+            else:
+                view_slices.setdefault(d.name, (0, d.size))
+    want = tuple(view_slices[d.name][1] if d.name in split else d.size for d in out_shape)
+    if not comp:
+        return Plan(((),) * len(inputs), (), LocalView(view_slices), want, out_layout, split)
+    return Plan(
+        tuple(_to_computation(x, comp, torch.is_grad_enabled()) for x in inputs),
+        _from_computation(comp, out_shape, out_layout, reduced),
+        LocalView(view_slices), want, out_layout, split,
+    )
+
+
+def plan_of(
+    op: str,
+    inputs: Sequence[MeshTensor],
+    out_shape: Shape,
+    reduced: dict[str, str] | None = None,
+    whole: Iterable[str] = (),
+    name: str | None = None,
+) -> Plan:
+    """The cached :class:`Plan` of an op: a pure function of the inputs' layouts, which of them
+    require grad and whether grad mode is on, the output shape, the reduced and whole dims, the
+    rules, the mesh and this processor's rank. A model runs the same few signatures every step,
+    so after the first step every op is one dict lookup.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.lowering.plan import plan_of
+        >>> x = mt.ones("batch:4")
+        >>> p = plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"})
+        >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
+        (True, 0)
+    """
+    ctx = current()
+    comm = ctx.comm
+    grad = torch.is_grad_enabled()
+    # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
+    whole = frozenset(whole) if whole else frozenset()
+    key = (
+        tuple([x.layout for x in inputs]),
+        tuple([x.local.requires_grad for x in inputs]) if grad else None,
+        out_shape,
+        tuple(reduced.items()) if reduced else (),
+        whole,
+        ctx.rules,
+        comm.mesh,
+        comm.rank,
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
+    return plan
+
+
+# Every op's plan. A plan depends on nothing but its key, so entries hold across launches and
+# threads (the rules, mesh and rank are in the key).
+_PLANS = BoundedCache(8192)
 
 
 def lower(
@@ -228,78 +343,26 @@ def lower(
         whole: dims the local function needs unsplit (they are gathered).
         name: the output's name, for error messages.
     """
-    ctx = current()
-    if ctx.mesh.size == 1:
-        return _lower_one_processor(ctx, op, inputs, out_shape, local_fn, reduced, whole, name)
-    reduced = dict(reduced or {})
-    _check_reductions(op, reduced)
-    whole = set(whole)
-    out_layout = layout_for(out_shape, name)
-    comp = choose_computation(inputs, out_shape, out_layout, reduced, whole)
-    locals_ = [to_computation(x, comp) for x in inputs]
-    split = {c: a for a, c in comp.items() if c is not None}
-    view_slices: dict[str, tuple[int, int]] = {}
-    for shape in [x.shape for x in inputs] + [out_shape]:
-        for d in shape:
-            if d.name in split:
-                n = ctx.mesh.axis_size(split[d.name])
-                size = d.size // n
-                view_slices[d.name] = (ctx.coords[split[d.name]] * size, size)
-            else:
-                view_slices.setdefault(d.name, (0, d.size))
-    result = local_fn(LocalView(view_slices), *locals_)
-    want = tuple(view_slices[d.name][1] if d.name in split else d.size for d in out_shape)
-    if tuple(result.shape) != want:
+    plan = plan_of(op, inputs, out_shape, reduced, whole, name)
+    if plan.moves:
+        result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
+    else:
+        result = local_fn(plan.view, *[x.local for x in inputs])
+    if result.shape != plan.want:
         raise ShapeError(
             f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
-            f"output [{out_shape}] computed as {split or 'replicated'} needs {list(want)}"
+            f"output [{out_shape}] computed as {plan.computed_as or 'replicated'} needs {list(plan.want)}"
         )
-    out = from_computation(result, comp, out_shape, out_layout, reduced)
-    return MeshTensor(out, out_shape, out_layout, name)
+    if plan.outputs:
+        result = run_steps(result, plan.outputs)
+    # the adapters produce the output layout's slice of a result of the checked size
+    return MeshTensor._checked_elsewhere(result, out_shape, plan.layout, name)
 
 
 def _check_reductions(op: str, reduced: dict[str, str]) -> None:
     for d, how in reduced.items():
         if how not in REDUCTIONS:
             raise ShapeError(f"{op}: reduction {how!r} of dim {d!r} is not one of {REDUCTIONS}")
-
-
-def _lower_one_processor(ctx, op, inputs, out_shape, local_fn, reduced, whole, name) -> MeshTensor:
-    """:func:`lower` on a one-processor mesh: every slice is the whole tensor and every adapter
-    is the identity, so only the local function runs (the per-op Python is most of meshtorch's
-    cost on one processor). Same checks and errors as the general path."""
-    # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
-    key = (tuple([x.shape for x in inputs]), out_shape, frozenset(whole),
-           tuple(reduced.items()) if reduced else ())
-    view = _ONE_VIEWS.get(key)
-    if view is None:
-        view = _ONE_VIEWS.put(key, _one_processor_view(op, inputs, out_shape, reduced or {}, set(whole)))
-    result = local_fn(view, *[x.local for x in inputs])
-    if result.shape != out_shape.sizes:
-        raise ShapeError(
-            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
-            f"output [{out_shape}] computed as replicated needs {list(out_shape.sizes)}"
-        )
-    # axes of size 1 divide every dim: the layout cannot raise
-    layout = ctx.rules.layout(out_shape, ctx.mesh)
-    return MeshTensor._checked_elsewhere(result, out_shape, layout, name)
-
-
-# The one-processor LocalView of each op signature (input shapes, output shape, whole and reduced
-# dims): a model runs the same few signatures every step. It depends on nothing else (not the
-# rules, not the mesh), so entries hold across launches; the checks run when an entry is made.
-_ONE_VIEWS = BoundedCache(4096)
-
-
-def _one_processor_view(op, inputs, out_shape, reduced, whole) -> LocalView:
-    _check_reductions(op, reduced)
-    view: dict[str, tuple[int, int]] = {}
-    for shape in [x.shape for x in inputs] + [out_shape]:
-        for d in shape.dims:
-            seen = view.setdefault(d.name, (0, d.size))
-            if seen[1] != d.size and d.name not in whole:
-                _dim_sizes(inputs, out_shape, whole)  # raises, naming both tensors
-    return LocalView(view)
 
 
 def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Differentiable collectives: each a ``torch.autograd.Function`` with its
-conjugate backward (DESIGN §4). Every adapter the lowering uses lives here.
+conjugate backward. Every adapter the lowering uses lives here.
 
 All functions act along one mesh axis on *local* tensors and take the
 communicator explicitly, so backward never depends on which thread runs it.
@@ -31,7 +31,7 @@ gradient buckets in flight.
 
 Example:
     >>> import torch, meshtorch as mt
-    >>> from meshtorch.comm import autograd as ca
+    >>> from meshtorch.lowering import adapters as ca
     >>> def f():
     ...     comm = mt.current().comm
     ...     x = torch.ones(2, requires_grad=True)
@@ -224,7 +224,7 @@ def broadcast(t: torch.Tensor, comm: Communicator, axis: str, src: int,
 
     Example:
         >>> import torch, meshtorch as mt
-        >>> from meshtorch.comm import autograd as ca
+        >>> from meshtorch.lowering import adapters as ca
         >>> def f():
         ...     comm = mt.current().comm
         ...     x = torch.tensor([1.0 + comm.rank], requires_grad=True)
