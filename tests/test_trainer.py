@@ -97,3 +97,21 @@ def test_help_is_plain_text_with_choices_and_one_default(capsys):
                           ("--precision", "{fp32,bf16}"), ("--schedule", "{gpipe,1f1b,2bw}"),
                           ("--lr-schedule", "{cosine,constant}"), ("--backend", "{threads,torch}")):
         assert f"{flag} {choices}" in text, flag
+
+
+def test_config_file_sections_reach_their_fields(tmp_path):
+    import argparse
+
+    from meshtorch.recipes.lm.cli import config_from_args, register
+
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers(dest="command"))
+    f = tmp_path / "c.toml"
+    f.write_text('[model]\nname = "moe"\nd_model = 64\n[optimizer]\nname = "adafactor"\nlr = 0.5\n'
+                 '[parallelism]\nmesh = "b:4"\n[run]\nsteps = 9\n')
+    cfg = config_from_args(p.parse_args(["train", "--config", str(f), "--lr", "0.25"]))
+    assert (cfg.model.name, cfg.model.d_model, cfg.optimizer.name, cfg.optimizer.lr, cfg.parallelism.mesh,
+            cfg.run.steps) == ("moe", 64, "adafactor", 0.25, "b:4", 9)
+    f.write_text("[run]\nstepz = 1\n")
+    with pytest.raises(Exception, match="stepz"):
+        config_from_args(p.parse_args(["train", "--config", str(f)]))

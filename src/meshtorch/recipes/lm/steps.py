@@ -112,5 +112,4 @@ def training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, 
     # the search traces shallow copies and extrapolates (identical blocks cost the same)
     program.layers = cfg.model.layers
     program.with_layers = lambda n: training_step(cfg.replace(layers=n), vocab)
-    program.config = cfg
     return program
