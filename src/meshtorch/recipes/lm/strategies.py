@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,25 @@ from meshtorch.recipes.lm.run_files import resume_run
 
 AXIS = "stage"
 PREVIOUS = "previous"  # 2BW's W(t-1) in the checkpoint: tensors model/previous.<name>
+
+
+class TrainStep(Protocol):
+    """What the training loop asks of a strategy."""
+
+    def resume(self, batches: Any, lead: bool) -> int:
+        """Load ``--resume`` (if given); the step to continue from."""
+
+    def banner(self) -> str:
+        """The run's first line: what trains on which mesh."""
+
+    def run(self, batches: list, first: int) -> float:
+        """Train on ``batches``, steps ``first``, ``first + 1``, ...; the last one's loss."""
+
+    def saved(self) -> torch.nn.Module:
+        """The module a checkpoint holds now."""
+
+    def summary(self) -> dict[str, Any]:
+        """What this strategy adds to ``summary.json``."""
 
 
 def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:

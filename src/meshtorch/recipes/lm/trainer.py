@@ -41,7 +41,7 @@ from meshtorch.recipes.lm.config import TrainConfig, check_config
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.report import Progress, matmul_peak_flops, plot_losses, report, step_flops
 from meshtorch.recipes.lm.run_files import earlier_metrics, save_run
-from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep, pipeline_mesh
+from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep, TrainStep, pipeline_mesh
 
 
 def build_task(cfg: TrainConfig, corpus: Corpus | None,
@@ -75,8 +75,8 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
         corpus = Corpus.from_path(run.data)  # each process of the torch backend reads its own copy
     model, batches, heldout = build_task(cfg, corpus, tok)
     opt = make_optimizer(cfg, model)
-    strategy = (PipelinedStep(cfg, model, opt)
-                if cfg.parallelism.pipeline_stages > 1 else PlainStep(cfg, model, opt))
+    strategy: TrainStep = (PipelinedStep(cfg, model, opt)
+                           if cfg.parallelism.pipeline_stages > 1 else PlainStep(cfg, model, opt))
     start = strategy.resume(batches, lead)
     params = model.num_parameters()
     # the yardstick: every processor's matmul rate measured at once, under the same contention
