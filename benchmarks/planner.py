@@ -19,8 +19,8 @@ import os
 import time
 
 import meshtorch as mt
-from meshtorch.plan.step import training_step
-from meshtorch.train import TrainConfig
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.steps import training_step
 
 PAPER = [(4096, 4, 0.14, "batch:32"), (8192, 8, 0.22, "batch:32"), (16384, 16, 0.37, "model:4,batch:8"),
          (32768, 32, 0.67, "model:4,batch:8"), (65536, 64, 1.28, "model:8,batch:16"),
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for d_ff, heads, paper_b, mesh in PAPER:
-        cfg = TrainConfig(layers=6, d_model=1024, d_kv=256, d_ff=d_ff, heads=heads, batch=256, length=256,
+        cfg = TrainConfig.of(layers=6, d_model=1024, d_kv=256, d_ff=d_ff, heads=heads, batch=256, length=256,
                           tie_embeddings=False, optimizer="adafactor")
         step = training_step(cfg, 32768)
         rules = RULES if "model" in mesh else "batch:batch"

@@ -156,7 +156,7 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
     assert "def " in summary[1]["sample"]  # the prompt and its continuation, as in the unsplit run
     # the checkpoint is the unsplit run's format: the gathered stages' weights equal the unsplit run's
     from meshtorch.checkpoint.format import read_index
-    from meshtorch.generate import generate_from_checkpoint
+    from meshtorch.recipes.lm.generate import generate_from_checkpoint
 
     def weights(d):
         import safetensors.torch
@@ -219,9 +219,9 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
     assert cli.main([*two, "--resume", stale]) == 0
     assert abs(losses(stale)[2] - losses(full)[2]) > 1e-4  # batch 2 computed with W(2), not W(1)
     # one meaning per flag: --schedule is the pipeline's, --lr-schedule the learning rate's
-    from meshtorch.train import TrainConfig, check_config
+    from meshtorch.recipes.lm import TrainConfig, check_config
 
     with pytest.raises(Exception, match="not a pipeline schedule.*is --lr-schedule cosine"):
-        check_config(TrainConfig(schedule="cosine"))
+        check_config(TrainConfig.of(schedule="cosine"))
     with pytest.raises(Exception, match="--lr-schedule 'gpipe' is not 'cosine' or 'constant'"):
-        check_config(TrainConfig(lr_schedule="gpipe"))
+        check_config(TrainConfig.of(lr_schedule="gpipe"))

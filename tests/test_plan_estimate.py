@@ -14,8 +14,8 @@ import meshtorch as mt
 from meshtorch.errors import PlanError
 from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import Link, calibrate_cpu, device
-from meshtorch.plan.step import training_step
-from meshtorch.train import TrainConfig
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.steps import training_step
 
 
 def ring_simulation(kind: str, payload: float, n: int, bw: float, lat: float) -> float:
@@ -75,7 +75,7 @@ def test_cpu_is_calibrated_quickly():
     assert cpu.peak_flops["float32"] > 1e8 and cpu.default_link.bandwidth > 1e8 and cpu.memory_bytes > 2 ** 20
 
 
-CFG = TrainConfig(d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, batch=8, length=16)
+CFG = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, batch=8, length=16)
 
 
 def test_data_parallel_estimate_matches_hand_derivation():

@@ -13,10 +13,10 @@ from meshtorch.cli import main
 from meshtorch.plan import trace
 from meshtorch.plan.devices import device
 from meshtorch.plan.search import _extrapolate, meshes_for, rules_for
-from meshtorch.plan.step import build_model, training_step
-from meshtorch.train import TrainConfig
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.steps import build_model, training_step
 
-CFG = TrainConfig(d_model=32, heads=4, d_kv=8, d_ff=64, layers=3, batch=8, length=16)
+CFG = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=3, batch=8, length=16)
 
 
 @pytest.mark.parametrize("mesh, rules", [("b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m"),
@@ -41,7 +41,7 @@ def test_search_space_is_pruned_by_divisibility():
 
 
 def test_search_finds_a_layout_at_least_as_fast_as_hand_written_ones():
-    step = training_step(dataclasses.replace(CFG, layers=1), vocab=64)
+    step = training_step(CFG.replace(layers=1), vocab=64)
     mesh, dp, mp = "b:2,m:2", "batch:b", "batch:b; heads:m; d_ff:m; vocab:m; d_model:b"
     big = device("tpu-v2")
     need_dp = mt.plan.estimate(step, mesh, dp, device=big).memory_bytes["total"]
@@ -75,7 +75,7 @@ def paper_rules(mesh: str) -> str:
 
 @pytest.mark.parametrize("d_ff, heads, billions, mesh", PAPER)
 def test_paper_parameter_counts(d_ff, heads, billions, mesh):
-    cfg = TrainConfig(layers=6, d_model=1024, d_kv=256, d_ff=d_ff, heads=heads, batch=256, length=256,
+    cfg = TrainConfig.of(layers=6, d_model=1024, d_kv=256, d_ff=d_ff, heads=heads, batch=256, length=256,
                       tie_embeddings=False)
     t = trace(lambda: build_model(cfg, 32768), mesh=mesh, rules=paper_rules(mesh))
     assert round(t.parameters / 1e9, 2) == billions
@@ -106,7 +106,7 @@ def test_cli_search_and_errors(capsys):
     assert "does not have" in capsys.readouterr().err
 
 
-SMALL = TrainConfig(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, length=8, experts=4, top_k=2)
+SMALL = TrainConfig.of(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, length=8, experts=4, top_k=2)
 
 
 @pytest.mark.parametrize("model, mesh, optimizer", [("lm", "b:2,m:2", "adafactor"),
@@ -114,7 +114,7 @@ SMALL = TrainConfig(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, len
 def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model, mesh, optimizer):
     from meshtorch.plan.search import REFERENCE_MESH, _dims, lower_bounds
 
-    cfg = dataclasses.replace(SMALL, model=model, optimizer=optimizer)
+    cfg = SMALL.replace(model=model, optimizer=optimizer)
     step = training_step(cfg, vocab=32)
     spec = device("tpu-v2")
     ref = trace(step, mesh=REFERENCE_MESH)
@@ -136,7 +136,7 @@ def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model,
 
 def test_search_prunes_the_paper_model_without_changing_the_answer():
     # a 3-layer LM (traced with 1 and 2 layers), big enough for compute to dominate
-    cfg = TrainConfig(layers=3, d_model=1024, d_kv=128, d_ff=8192, heads=8, batch=64, length=128,
+    cfg = TrainConfig.of(layers=3, d_model=1024, d_kv=128, d_ff=8192, heads=8, batch=64, length=128,
                       tie_embeddings=False, optimizer="adafactor")
     step = training_step(cfg, vocab=8192)
     res = mt.plan.search(step, 4, device="tpu-v2", meshes=["b:2,m:2"], echo=False)

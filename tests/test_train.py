@@ -8,7 +8,7 @@ import os
 import pytest
 
 from meshtorch import cli
-from meshtorch.train import TrainConfig, train
+from meshtorch.recipes.lm import TrainConfig, train
 
 TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
         "--batch", "4", "--length", "16", "--eval-batches", "1", "--sample-tokens", "8",
@@ -61,7 +61,7 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
     (["--rules", "bach:b"], "'bach'"),
     (["--batch", "3"], "--batch"),
     (["--model", "gpt"], "--model"),
-    (["--activation", "tanh"], "activation='tanh'"),
+    (["--activation", "tanh"], "--activation: invalid choice: 'tanh'"),
 ])
 def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
     assert cli.main(["train", "--out", str(tmp_path / "x"), *flags]) == 2
@@ -73,26 +73,26 @@ def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
 def test_mesh_size_must_match_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(Exception, match="3 processes"):
-        train(TrainConfig(mesh="b:2"))
+        train(TrainConfig.of(mesh="b:2"))
 
 
 def test_config_file_is_overridden_by_flags(tmp_path):
     import argparse
 
-    from meshtorch.train_cli import build, config_from_args
+    from meshtorch.recipes.lm.cli import config_from_args, register
 
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text('[train]\nsteps = 7\nlr = 0.5\nrules = "batch:b; vocab:b"\n')
     p = argparse.ArgumentParser()
-    build(p.add_subparsers(dest="command"))
+    register(p.add_subparsers(dest="command"))
     cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file), "--lr", "0.1"]))
-    assert (cfg.steps, cfg.lr, cfg.rules) == (7, 0.1, "batch:b; vocab:b")
+    assert (cfg.run.steps, cfg.optimizer.lr, cfg.parallelism.rules) == (7, 0.1, "batch:b; vocab:b")
     # the learning-rate schedule is lr_schedule / --lr-schedule; schedule is the pipeline's
     cfg_file.write_text('lr_schedule = "constant"\nschedule = "2bw"\n')
     cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
-    assert (cfg.lr_schedule, cfg.schedule) == ("constant", "2bw")
+    assert (cfg.optimizer.lr_schedule, cfg.parallelism.schedule) == ("constant", "2bw")
     cfg = config_from_args(p.parse_args(["train", "--lr-schedule", "cosine", "--schedule", "gpipe"]))
-    assert (cfg.lr_schedule, cfg.schedule) == ("cosine", "gpipe")
+    assert (cfg.optimizer.lr_schedule, cfg.parallelism.schedule) == ("cosine", "gpipe")
     cfg_file.write_text("stepz = 1\n")
     with pytest.raises(Exception, match="stepz"):
         config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
@@ -103,9 +103,10 @@ def test_model_options_are_the_transformer_config_fields(tmp_path):
     import dataclasses
 
     from meshtorch.models import TransformerConfig
-    from meshtorch.train_cli import build, config_from_args
+    from meshtorch.recipes.lm.cli import config_from_args, register
+    from meshtorch.recipes.lm.config import ModelSection
 
-    train_fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    train_fields = {f.name: f for f in dataclasses.fields(ModelSection)}
     for f in dataclasses.fields(TransformerConfig):
         if f.name in ("vocab", "max_length", "extra"):
             assert f.name not in train_fields, f.name
@@ -117,14 +118,14 @@ def test_model_options_are_the_transformer_config_fields(tmp_path):
     cfg_file = tmp_path / "m.toml"
     cfg_file.write_text('model = "moe"\nnorm = "rms"\nexperts = 8\nmoe_every = 1\n')
     p = argparse.ArgumentParser()
-    build(p.add_subparsers(dest="command"))
+    register(p.add_subparsers(dest="command"))
     cfg = config_from_args(p.parse_args(["train", "--config", str(cfg_file), "--activation", "relu",
                                          "--d-model", "64", "--length", "32"]))
     m = cfg.model_config(vocab=264)
     assert (m.norm, m.activation, m.experts, m.moe_every, m.d_model, m.max_length, m.encoder_layers) == \
         ("rms", "relu", 8, 1, 64, 32, 0)
-    assert TrainConfig(model="lm").model_config(264).experts == 0
-    assert TrainConfig(model="seq2seq").model_config(264).encoder_layers == 2
+    assert TrainConfig.of(model="lm").model_config(264).experts == 0
+    assert TrainConfig.of(model="seq2seq").model_config(264).encoder_layers == 2
 
 
 @pytest.mark.parametrize("model, rules, key", [("moe", "batch:b; experts:b", "unigram_entropy"),

@@ -1,11 +1,13 @@
-"""The ``meshtorch`` command line: one sub-command per module that owns it.
+"""The ``meshtorch`` command line.
 
 Each sub-command lives next to the code it drives and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` to a callable
 taking the parsed ``argparse.Namespace`` and returning an exit code.
 
 Example:
-    $ meshtorch --help
+    >>> from meshtorch.cli import main
+    >>> main(["train", "--model", "gpt"])
+    2
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from meshtorch.errors import MeshTorchError
 # module path of each sub-command, in the order `--help` lists them
 SUBCOMMANDS: tuple[str, ...] = (
     "meshtorch.launch.cli",
-    "meshtorch.train_cli",
+    "meshtorch.recipes.lm.cli",
     "meshtorch.placement.cli",
-    "meshtorch.plan.cli",
 )
+DESCRIPTION = ("meshtorch: named tensor dimensions split over a processor mesh. Train, plan and place "
+               "models on a mesh of processors; 'meshtorch COMMAND --help' describes each command.")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser, with every registered sub-command."""
-    parser = argparse.ArgumentParser(prog="meshtorch", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshtorch", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
@@ -37,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshtorch`` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a flag argparse rejected (it printed why)
+        return e.code if isinstance(e.code, int) else 2
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

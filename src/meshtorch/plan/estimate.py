@@ -9,11 +9,13 @@ beats.
 
 Example:
     >>> import meshtorch as mt
-    >>> from meshtorch.plan.step import training_step
-    >>> from meshtorch.train import TrainConfig
-    >>> cfg = TrainConfig(d_model=64, heads=4, d_kv=16, d_ff=256, layers=2, batch=32, length=32)
-    >>> est = mt.plan.estimate(training_step(cfg, vocab=256), "b:4,m:2", "batch:b; d_ff:m", device="a100")
-    >>> est.fits, est.parameters == 256 * 64 + 32 * 64 + 2 * (4 * 64 * 64 + 2 * 64 * 256 + 4 * 64) + 128
+    >>> def step():
+    ...     ff = mt.nn.Dense(mt.Dim("d_model", 64), mt.Dim("d_ff", 256), bias=False)
+    ...     x = mt.random.normal("batch:32,d_model:64", seed=1)
+    ...     with mt.plan.measure():
+    ...         mt.reduce_sum(ff(x)).backward()
+    >>> est = mt.plan.estimate(step, "b:4,m:2", "batch:b; d_ff:m", device="a100")
+    >>> est.fits, est.parameters == 64 * 256
     (True, True)
     >>> sorted(est.bytes_per_axis)
     ['b', 'm']
@@ -166,7 +168,7 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
 
     ``step_fn`` is an SPMD program that builds its model, optimizer and data
     and runs one step (put the step in :func:`meshtorch.plan.measure` to leave
-    a warm-up out of the counts; :func:`meshtorch.plan.step.training_step`
+    a warm-up out of the counts; ``meshtorch plan``'s training step
     does). It runs once, on meta tensors: planning a 512-processor mesh needs
     no storage.
     """

@@ -16,17 +16,20 @@ That is at most a few hundred candidates, so no integer program is needed
 (``scipy.optimize.milp`` would need a separable cost model, which the
 collective costs are not: the bytes an all_reduce moves along ``b`` depend on
 how ``m`` splits the same tensor). To keep each candidate cheap, a step
-function that can be rebuilt with fewer layers (``training_step`` can) is
+function that can be rebuilt with fewer layers (one with ``layers`` and
+``with_layers(n)`` attributes, as ``meshtorch plan``'s training step) is
 traced with 1 and 2 layers and extrapolated linearly, which is exact for
 FLOPs and bytes because the blocks are identical; the best candidates are
 then traced in full, so the numbers reported for them are not extrapolated.
 
 Example:
     >>> import meshtorch as mt
-    >>> from meshtorch.plan.step import training_step
-    >>> from meshtorch.train import TrainConfig
-    >>> cfg = TrainConfig(d_model=64, heads=4, d_kv=16, d_ff=256, layers=1, batch=32, length=32)
-    >>> res = mt.plan.search(training_step(cfg, vocab=256), 2, device="a100", echo=False)
+    >>> def step():
+    ...     ff = mt.nn.Dense(mt.Dim("d_model", 64), mt.Dim("d_ff", 256), bias=False)
+    ...     x = mt.random.normal("batch:32,d_model:64", seed=1)
+    ...     with mt.plan.measure():
+    ...         mt.reduce_sum(ff(x)).backward()
+    >>> res = mt.plan.search(step, 2, device="a100", echo=False)
     >>> res.best.fits, res.best.step_seconds <= min(c.step_seconds for c in res.candidates)
     (True, True)
 """
@@ -183,11 +186,6 @@ def _dims(t: Trace) -> dict[str, int]:
                 name, size = part.split(":")
                 dims.setdefault(name, int(size))
     return dims
-
-
-def dims_of(step_fn: Callable[[], Any]) -> dict[str, int]:
-    """Every dim name and size the step's MeshTensors use (from a replicated meta trace)."""
-    return _dims(trace(step_fn, mesh=REFERENCE_MESH, rules="", backend="meta"))
 
 
 def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> tuple[float, float]:

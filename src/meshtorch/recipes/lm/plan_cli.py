@@ -21,33 +21,17 @@ from meshtorch.errors import PlanError
 from meshtorch.mesh import Mesh
 from meshtorch.plan.estimate import Estimate, estimate
 from meshtorch.plan.search import search
-from meshtorch.plan.step import model_dims, training_step
-from meshtorch.train import MODELS, OPTIMIZERS, PRECISIONS, TrainConfig
+from meshtorch.recipes.lm.config import MODELS, OPTIMIZERS, PRECISIONS, TrainConfig, check_layout
+from meshtorch.recipes.lm.steps import training_step
 
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` that ``meshtorch plan``'s model options describe."""
-    return TrainConfig(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
-                       heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
-                       encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
-                       tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
-                       precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules)
-
-
-def _check_rules(cfg: TrainConfig, vocab: int, mesh: str, rules: str) -> None:
-    from meshtorch.layout import LayoutRules
-
-    m, r = Mesh(mesh), LayoutRules(rules)
-    r.check(m)
-    dims = model_dims(cfg, vocab)
-    for dim, axis in r.rules.items():
-        if dim not in dims:
-            raise PlanError(f"rule '{dim}:{axis}' names dim {dim!r}, which the {cfg.model} model does not "
-                            f"have; its dims are {sorted(dims)}")
-        if dims[dim] % m.axis_size(axis):
-            raise PlanError(f"rule '{dim}:{axis}' splits dim {dim!r} of size {dims[dim]} over axis {axis!r} "
-                            f"of size {m.axis_size(axis)}, which does not divide it; change "
-                            f"--{dim.replace('_', '-')} or the mesh, or drop the rule")
+    return TrainConfig.of(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
+                          heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
+                          encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
+                          tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
+                          precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules)
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
@@ -102,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.mesh:
             raise PlanError("pass --mesh (e.g. batch:16,model:32) or --search --processors N")
-        _check_rules(cfg, args.vocab, args.mesh, args.rules)
+        check_layout(cfg, args.vocab, args.mesh, args.rules)
         est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm)
         ests = [est]
         out = est.to_json()
@@ -120,10 +104,11 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``meshtorch plan`` to the ``meshtorch`` command line."""
-    d = TrainConfig()
+    d = TrainConfig().model
     ap = subparsers.add_parser("plan", help="predict FLOPs, bytes, memory and step time of a layout; "
                                "--search for the fastest that fits",
-                               description=__doc__.splitlines()[0])
+                               description="Predict (or --search) the layout of a meshtorch train model "
+                               "on a mesh of devices: FLOPs, bytes per axis, memory and step time.")
     ap.add_argument("--model", choices=MODELS, default="lm")
     for name, default in (("layers", 6), ("encoder-layers", d.encoder_layers), ("d-model", 1024),
                           ("d-kv", 256), ("d-ff", 4096), ("heads", 4), ("batch", 256), ("length", 256),

@@ -1,8 +1,8 @@
 """One training step of a meshtorch model, as an SPMD program the planner can trace.
 
 :func:`training_step` builds the model, optimizer and a synthetic batch from a
-:class:`~meshtorch.train.TrainConfig` (the options of ``meshtorch train``),
-then runs a steady-state step in the order of :func:`meshtorch.train.program`:
+:class:`~meshtorch.recipes.lm.config.TrainConfig` (the options of ``meshtorch train``),
+then runs a steady-state step in the order of the training loop:
 forward, ``zero_grad(set_to_none=True)``, backward, global-norm clipping,
 ``optimizer.step()``. A warm-up ``optimizer.step()`` on zero gradients first
 creates the optimizer state, so that the measured step holds what every step
@@ -11,9 +11,9 @@ gradients during the forward pass, and the activations.
 
 Example:
     >>> import meshtorch as mt
-    >>> from meshtorch.plan.step import training_step
-    >>> from meshtorch.train import TrainConfig
-    >>> cfg = TrainConfig(d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, batch=4, length=8)
+    >>> from meshtorch.recipes.lm import TrainConfig
+    >>> from meshtorch.recipes.lm.steps import training_step
+    >>> cfg = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, batch=4, length=8)
     >>> out = mt.plan.trace(training_step(cfg, vocab=16), mesh="b:2", rules="batch:b").result
     >>> out["parameters"]   # embedding, positions, attention, feed-forward, 3 layer norms
     752
@@ -23,26 +23,15 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from meshtorch.plan.tracing import measure
-from meshtorch.train import TrainConfig, make_optimizer
-
-
-def model_dims(cfg: TrainConfig, vocab: int) -> dict[str, int]:
-    """Every dim name the model of ``cfg`` uses, with its size (what rules may split)."""
-    dims = {"batch": cfg.batch, "length": cfg.length, "d_model": cfg.d_model, "heads": cfg.heads,
-            "d_kv": cfg.d_kv, "d_ff": cfg.d_ff, "vocab": vocab}
-    if cfg.model == "moe":
-        dims["experts"] = cfg.experts
-    if cfg.model == "seq2seq":
-        dims["memory_length"] = cfg.length
-    return dims
+from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.optimizer import make_optimizer
+from meshtorch.recipes.lm.strategies import precision_context
 
 
 def build_model(cfg: TrainConfig, vocab: int) -> torch.nn.Module:
@@ -50,8 +39,8 @@ def build_model(cfg: TrainConfig, vocab: int) -> torch.nn.Module:
     from meshtorch.models import DecoderLM
     from meshtorch.models.seq2seq import EncoderDecoder
 
-    mcfg = cfg.model_config(vocab)
-    return EncoderDecoder(mcfg, seed=cfg.seed) if cfg.model == "seq2seq" else DecoderLM(mcfg, seed=cfg.seed)
+    mcfg, seed = cfg.model_config(vocab), cfg.run.seed
+    return EncoderDecoder(mcfg, seed=seed) if cfg.model.name == "seq2seq" else DecoderLM(mcfg, seed=seed)
 
 
 def synthetic_batch(cfg: TrainConfig, vocab: int) -> tuple:
@@ -60,10 +49,10 @@ def synthetic_batch(cfg: TrainConfig, vocab: int) -> tuple:
     from meshtorch.ops.elementwise import cast
 
     def ids(seed: int):
-        u = random.uniform(f"batch:{cfg.batch},length:{cfg.length}", 0, vocab, seed=seed)
+        u = random.uniform(f"batch:{cfg.run.batch},length:{cfg.run.length}", 0, vocab, seed=seed)
         return cast(u * 0.999, torch.int64)
 
-    if cfg.model == "seq2seq":
+    if cfg.model.name == "seq2seq":
         return ids(1), ids(2), ids(3)
     return ids(1), ids(2)
 
@@ -100,7 +89,7 @@ def training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, 
     It returns ``{"parameters": global parameter count, "loss": the loss tensor's
     local value}``; the step itself is inside :func:`meshtorch.plan.measure`.
     """
-    from meshtorch import amp, optim
+    from meshtorch import optim
 
     def program() -> dict[str, Any]:
         model = build_model(cfg, vocab)
@@ -110,19 +99,17 @@ def training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, 
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
         optimizer_step(opt)
-        precision = amp.autocast(torch.bfloat16) if cfg.precision == "bf16" else nullcontext()
         with measure():
-            with precision:
+            with precision_context(cfg):
                 loss = model.loss(*batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if cfg.clip:
-                optim.clip_grad_norm_(model, cfg.clip)
+            if cfg.optimizer.clip:
+                optim.clip_grad_norm_(model, cfg.optimizer.clip)
             optimizer_step(opt)
         return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
 
     # the search traces shallow copies and extrapolates (identical blocks cost the same)
-    program.layers = cfg.layers
-    program.with_layers = lambda n: training_step(dataclasses.replace(cfg, layers=n), vocab)
-    program.config = cfg
+    program.layers = cfg.model.layers
+    program.with_layers = lambda n: training_step(cfg.replace(layers=n), vocab)
     return program

@@ -1,0 +1,149 @@
+"""``meshtorch train``, ``meshtorch generate`` and ``meshtorch plan``: the LM recipe's command line.
+
+Every option of :class:`~meshtorch.recipes.lm.config.TrainConfig` is a flag
+(``--d-model 256``) and a key of the ``--config`` TOML file (at the top level,
+under ``[train]``, or under its section: ``[model]``, ``[parallelism]``,
+``[optimizer]``, ``[run]``); flags override the file, the file overrides the defaults.
+
+Example:
+    >>> from meshtorch.recipes.lm.cli import config_from_args, register
+    >>> import argparse
+    >>> p = argparse.ArgumentParser(); sub = p.add_subparsers(dest="command")
+    >>> register(sub)
+    >>> cfg = config_from_args(p.parse_args(["train", "--steps", "5", "--no-tie-embeddings"]))
+    >>> cfg.run.steps, cfg.model.tie_embeddings, cfg.model.name
+    (5, False, 'lm')
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from meshtorch.errors import MeshTorchError
+from meshtorch.recipes.lm import plan_cli
+from meshtorch.recipes.lm.config import CHOICES, OPTIONS, SECTIONS, TrainConfig
+
+HELP = {
+    "model": "lm: decoder-only; seq2seq: encoder-decoder on a spelling task; moe: LM with experts",
+    "mesh": "processor mesh, e.g. 'b:2,m:2'",
+    "rules": "layout rules, e.g. 'batch:b; heads:m; d_ff:m; vocab:m' (add 'experts:b' for moe)",
+    "backend": "threads: one process; torch: under meshtorch launch or torchrun",
+    "precision": "bf16: autocast with fp32 master weights",
+    "out": "output directory (default: runs/<date-time>/)",
+    "resume": "continue the run in this --out directory from its checkpoint",
+    "data": "a text file or a directory of text files (default: the Python stdlib .py files)",
+    "config": "a TOML file of these options (flags override it)",
+    "encoder_layers": "encoder blocks (--model seq2seq)",
+    "experts": "experts per MoE layer (--model moe)",
+    "moe_every": "every n-th block is an MoE layer (--model moe)",
+    "pipeline_stages": "pipeline stages along a 'stage' mesh axis (added in front of --mesh if absent)",
+    "microbatches": "micro-batches per batch with --pipeline-stages > 1",
+    "lr_schedule": "learning rate after the warm-up",
+    "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches)",
+}
+GROUPS = {"model": "model (the fields of meshtorch.models.TransformerConfig)",
+          "parallelism": "parallelism", "optimizer": "optimizer", "run": "run"}
+
+
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    defaults = TrainConfig().options()
+    groups = {s: p.add_argument_group(title) for s, title in GROUPS.items()}
+    for name, (section, attr) in OPTIONS.items():
+        f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == attr)
+        flag = "--" + name.replace("_", "-")
+        h = HELP.get(name, "")
+        if defaults[name] is not None and "(default" not in h:
+            h = f"{h} (default: {defaults[name]})".lstrip()
+        group = groups[section]
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=h)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            group.add_argument(flag, type=kind, default=None, help=h, dest=name, choices=CHOICES.get(name))
+    p.add_argument("--config", default=None, help=HELP["config"])
+
+
+def _toml_options(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise MeshTorchError("--config needs Python >= 3.11 (tomllib); pass options as flags") from None
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise MeshTorchError(f"--config {path!r}: {e}") from None
+    data = data.get("train", data)
+    values: dict[str, Any] = {}
+    for k, v in data.items():
+        # a [model] / [parallelism] / [optimizer] / [run] table holds that section's options
+        items = v.items() if k in SECTIONS and isinstance(v, dict) else [(k, v)]
+        for name, value in items:
+            key = name.replace("-", "_")
+            if k in SECTIONS and isinstance(v, dict) and key == "name":
+                key = k
+            if key not in OPTIONS:
+                raise MeshTorchError(f"--config {path!r}: unknown option {name!r}; known: {sorted(OPTIONS)}")
+            values[key] = value
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then ``--config`` TOML, then the flags given."""
+    values = _toml_options(args.config) if getattr(args, "config", None) else {}
+    for k in OPTIONS:
+        v = getattr(args, k, None)
+        if v is not None:
+            values[k] = v
+    return TrainConfig.of(**values)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """``meshtorch train``: train, then name the files written; the exit status."""
+    from meshtorch.recipes.lm.trainer import train
+
+    result = train(config_from_args(args))
+    png = "loss.png" if result.get("loss_png") else "loss.png skipped: matplotlib is not installed " \
+        "(pip install 'meshtorch[plot]')"
+    wrote = [f for f in ("checkpoint/", "metrics.jsonl", "summary.json")
+             if os.path.exists(os.path.join(result["out"], f.rstrip("/")))]
+    print(f"done in {result['wall_s']}s; wrote {', '.join(wrote)}, {png}")
+    print(f"run directory: {os.path.abspath(result['out'])}")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """``meshtorch generate``: print the prompt and its continuation; the exit status."""
+    from meshtorch.recipes.lm.generate import generate_from_checkpoint
+
+    text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
+                                    temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                                    mesh=args.mesh, rules=args.rules)
+    print(text)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train``, ``generate`` and ``plan`` parsers to ``sub``."""
+    p = sub.add_parser("train", help="train a Transformer on text (defaults: the Python stdlib, ~30 s)",
+                       description="Train a Transformer on text, data-, model- or pipeline-parallel on a "
+                       "processor mesh. Every option is also a key of the --config TOML file.")
+    _add_flags(p)
+    p.set_defaults(func=run_train)
+    g = sub.add_parser("generate", help="continue a prompt with a trained checkpoint",
+                       description="Continue a prompt with the LM of a meshtorch train checkpoint, "
+                       "on any mesh.")
+    g.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
+    g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    g.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest, 0 = all "
+                   "(default: 40)")
+    g.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    g.add_argument("--mesh", default="", help="mesh to load onto (default: one processor)")
+    g.add_argument("--rules", default="", help="layout rules for --mesh")
+    g.set_defaults(func=run_generate)
+    plan_cli.register(sub)

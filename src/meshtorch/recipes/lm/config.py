@@ -1,0 +1,251 @@
+"""The options of ``meshtorch train``: one config in four sections (model, parallelism, optimizer, run).
+
+Every option is a typed dataclass field of its section. Flags and ``--config``
+TOML keys are the field names (``--d-model``, ``d_model = 256``); a section's
+``name`` is its own name (``--model moe``, ``--optimizer adafactor``).
+:meth:`TrainConfig.of` builds a config from those flat names.
+
+Example:
+    >>> from meshtorch.recipes.lm.config import TrainConfig, check_config
+    >>> check_config(TrainConfig.of(mesh="b:2,m:2", rules="batch:b; heads:m; vocab:m"))
+    >>> try:
+    ...     check_config(TrainConfig.of(mesh="b:2,m:2", rules="heads:m", heads=3))
+    ... except Exception as e:
+    ...     print(type(e).__name__)
+    LayoutError
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtorch.errors import LayoutError, MeshError, MeshTorchError
+from meshtorch.layout import LayoutRules
+from meshtorch.mesh import Mesh
+from meshtorch.models.config import ACTIVATIONS, NORMS, POSITIONS, TransformerConfig
+
+MODELS = ("lm", "seq2seq", "moe")
+OPTIMIZERS = ("adamw", "adafactor")
+PRECISIONS = ("fp32", "bf16")
+LR_SCHEDULES = ("cosine", "constant")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw")
+BACKENDS = ("threads", "torch")
+# the flags whose values are one of a few words (argparse's choices=)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model": MODELS, "optimizer": OPTIMIZERS, "precision": PRECISIONS, "lr_schedule": LR_SCHEDULES,
+    "schedule": PIPELINE_SCHEDULES, "backend": BACKENDS, "positions": POSITIONS, "norm": NORMS,
+    "activation": ACTIVATIONS}
+
+
+@dataclass
+class ModelSection:
+    """The model: ``name`` (``--model``) and :class:`~meshtorch.models.TransformerConfig`'s fields.
+
+    Same names, types and defaults as ``TransformerConfig`` (a test holds them
+    equal), except ``encoder_layers=2`` and ``experts=4``, which only ``--model
+    seq2seq`` / ``moe`` use. The run decides ``vocab`` (the tokenizer's) and
+    ``max_length`` (from ``--length``).
+
+    Example:
+        >>> ModelSection(name="moe", d_model=64).config(vocab=264, length=32).experts
+        4
+    """
+
+    name: str = "lm"
+    d_model: int = 128
+    heads: int = 4
+    d_kv: int = 32
+    d_ff: int = 512
+    layers: int = 2
+    encoder_layers: int = 2
+    positions: str = "learned"
+    tie_embeddings: bool = True
+    norm: str = "layer"
+    activation: str = "gelu"
+    bias: bool = False
+    dropout: float = 0.0
+    eps: float = 1e-5
+    experts: int = 4
+    moe_every: int = 2
+    top_k: int = 2
+    capacity_factor: float = 2.0
+    aux_loss: float = 0.01
+
+    def config(self, vocab: int, length: int) -> TransformerConfig:
+        """The :class:`TransformerConfig` of this model over ``vocab`` ids and sequences of ``length``."""
+        opts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        opts["encoder_layers"] = self.encoder_layers if self.name == "seq2seq" else 0
+        opts["experts"] = self.experts if self.name == "moe" else 0
+        return TransformerConfig(vocab=vocab, max_length=max(length, 8), **opts)
+
+
+@dataclass
+class ParallelismSection:
+    """Where the run's processors are and how tensors and layers are split over them."""
+
+    mesh: str = "b:2"
+    rules: str = "batch:b"
+    backend: str = "threads"
+    # pipeline parallelism: stages along a 'stage' mesh axis
+    pipeline_stages: int = 1
+    microbatches: int = 4
+    schedule: str = "1f1b"
+
+
+@dataclass
+class OptimizerSection:
+    """The optimizer (``name``: ``--optimizer``), its learning-rate schedule and gradient clipping."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    warmup: int = 50
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.01
+    clip: float = 1.0
+
+
+@dataclass
+class RunSection:
+    """Steps, batches, data, outputs, evaluation and the sample."""
+
+    steps: int = 600
+    batch: int = 16
+    length: int = 64
+    precision: str = "fp32"
+    seed: int = 0
+    data: str | None = None
+    out: str | None = None
+    resume: str | None = None
+    log_every: int = 10
+    eval_batches: int = 8
+    checkpoint_every: int = 0
+    sample_tokens: int = 160
+    prompt: str = "def "
+    temperature: float = 0.8
+    progress: bool = True
+
+
+SECTIONS = {"model": ModelSection, "parallelism": ParallelismSection, "optimizer": OptimizerSection,
+            "run": RunSection}
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """Flag / TOML name -> (section, field); a section's ``name`` is called by the section."""
+    names: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            names[section if f.name == "name" else f.name] = (section, f.name)
+    return names
+
+
+OPTIONS = _flat_names()
+
+
+@dataclass
+class TrainConfig:
+    """Every option of ``meshtorch train``, in sections as torchtitan's JobConfig.
+
+    Example:
+        >>> cfg = TrainConfig.of(model="moe", d_model=64, activation="relu")
+        >>> m = cfg.model_config(vocab=264)
+        >>> m.d_model, m.activation, m.experts, m.encoder_layers, m.max_length
+        (64, 'relu', 4, 0, 64)
+        >>> cfg.replace(steps=3).run.steps, cfg.optimizer.name
+        (3, 'adamw')
+    """
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallelism: ParallelismSection = field(default_factory=ParallelismSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    @classmethod
+    def of(cls, **options: Any) -> TrainConfig:
+        """The defaults with ``options`` (flag names: ``d_model``, ``model``, ``steps``, ...) set."""
+        return cls().replace(**options)
+
+    def replace(self, **options: Any) -> TrainConfig:
+        """A copy with ``options`` (flag names) set."""
+        per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for name, value in options.items():
+            if name not in OPTIONS:
+                raise MeshTorchError(f"unknown option {name!r} of meshtorch train; known: {sorted(OPTIONS)}")
+            section, attr = OPTIONS[name]
+            per_section[section][attr] = value
+        return TrainConfig(**{s: dataclasses.replace(getattr(self, s), **kw)
+                              for s, kw in per_section.items()})
+
+    def options(self) -> dict[str, Any]:
+        """Every option by its flag name (what a checkpoint records and ``--config`` reads)."""
+        return {name: getattr(getattr(self, s), attr) for name, (s, attr) in OPTIONS.items()}
+
+    def model_config(self, vocab: int) -> TransformerConfig:
+        """The :class:`TransformerConfig` of this run's model over ``vocab`` token ids."""
+        return self.model.config(vocab, self.run.length)
+
+
+def model_dims(cfg: TrainConfig, vocab: int) -> dict[str, int]:
+    """Every dim name the model of ``cfg`` uses, with its size: what layout rules may split.
+
+    Example:
+        >>> sorted(model_dims(TrainConfig.of(model="moe", positions="rotary"), vocab=264))
+        ['batch', 'd_ff', 'd_kv', 'd_model', 'experts', 'heads', 'length', 'memory_length', 'vocab']
+    """
+    run, model = cfg.run, cfg.model
+    dims = {"batch": run.batch, "length": run.length, "memory_length": run.length, "d_model": model.d_model,
+            "heads": model.heads, "d_kv": model.d_kv, "d_ff": model.d_ff, "vocab": vocab}
+    if model.positions == "learned":
+        dims["positions"] = max(run.length, 8)
+    if model.name == "moe":
+        dims["experts"] = model.experts
+    return dims
+
+
+def check_layout(cfg: TrainConfig, vocab: int, mesh: str, rules: str) -> None:
+    """Raise :class:`LayoutError` unless every rule names a dim of the model that its axis divides."""
+    m, r = Mesh(mesh), LayoutRules(rules)
+    r.check(m)
+    dims = model_dims(cfg, vocab)
+    for dim, axis in r.rules.items():
+        if dim not in dims:
+            raise LayoutError(f"rule '{dim}:{axis}' names dim {dim!r}, which the {cfg.model.name} model does "
+                              f"not have; its dims are {sorted(dims)}")
+        size, n = dims[dim], m.axis_size(axis)
+        if size % n:
+            what = f"the vocabulary ({vocab} ids)" if dim == "vocab" else f"--{dim.replace('_', '-')}"
+            raise LayoutError(f"rule '{dim}:{axis}' splits dim {dim!r} of size {size} over axis {axis!r} of "
+                              f"size {n}, which does not divide it; change {what} to a multiple of {n}, "
+                              f"change the mesh, or drop the rule")
+
+
+def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:
+    """Raise before training if the options cannot work together, naming the fix."""
+    for name, allowed in CHOICES.items():
+        section, attr = OPTIONS[name]
+        value = getattr(getattr(cfg, section), attr)
+        if value in allowed:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "schedule":
+            hint = f"; the learning-rate schedule is --lr-schedule {value}" if value in LR_SCHEDULES else ""
+            raise MeshTorchError(f"--schedule {value!r} is not a pipeline schedule ('gpipe', '1f1b', "
+                                 f"'2bw'; used with --pipeline-stages > 1){hint}")
+        if name == "lr_schedule":
+            raise MeshTorchError(f"--lr-schedule {value!r} is not 'cosine' or 'constant'")
+        if section == "model" and name != "model":
+            cfg.model_config(vocab)  # the model config's own error, e.g. activation='tanh'
+        raise MeshTorchError(f"{flag} {value!r} is not one of {allowed}")
+    for name in ("steps", "batch", "length", "log_every"):
+        if getattr(cfg.run, name) < 1:
+            raise MeshTorchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg.run, name)}")
+    par = cfg.parallelism
+    if world is not None and world != Mesh(par.mesh).size:
+        raise MeshError(f"--mesh {par.mesh!r} has {Mesh(par.mesh).size} processors but {world} processes "
+                        f"are running; start {Mesh(par.mesh).size} processes or pass a mesh of {world} "
+                        f"processors")
+    check_layout(cfg, vocab, par.mesh, par.rules)
+    if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
+        raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
+    cfg.model_config(vocab)

@@ -1,0 +1,38 @@
+"""The optimizer of ``meshtorch train`` and its learning-rate schedule.
+
+Example:
+    >>> from meshtorch.recipes.lm.optimizer import lr_at
+    >>> from meshtorch.recipes.lm.config import TrainConfig
+    >>> cfg = TrainConfig.of(lr=1.0, warmup=2, steps=12)
+    >>> [round(lr_at(cfg, s), 2) for s in (0, 1, 2, 12)]
+    [0.5, 1.0, 1.0, 0.1]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshtorch.recipes.lm.config import TrainConfig
+
+
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``cfg``'s optimizer over ``model``: AdamW with weight-decay groups, or Adafactor."""
+    from meshtorch import optim
+
+    if cfg.optimizer.name == "adafactor":
+        return optim.Adafactor(model, lr=cfg.optimizer.lr)
+    groups = optim.weight_decay_groups(model, cfg.optimizer.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(0.9, 0.99))
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth (or constant with ``lr_schedule="constant"``)."""
+    o = cfg.optimizer
+    if step < o.warmup:
+        return o.lr * (step + 1) / o.warmup
+    if o.lr_schedule == "constant":
+        return o.lr
+    frac = (step - o.warmup) / max(1, cfg.run.steps - o.warmup)
+    return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))

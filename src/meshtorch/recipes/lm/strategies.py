@@ -1,0 +1,219 @@
+"""The two steps of the training loop: a plain step, or a pipelined one along a ``stage`` mesh axis.
+
+A strategy resumes from ``--resume``, trains on a window of batches (the steps
+between two log or checkpoint steps) and names the module a checkpoint holds.
+
+:class:`PipelinedStep` (``--pipeline-stages N``) splits ``--model lm`` by
+layers: the mesh gets a ``stage:N`` axis in front unless it has one (so
+``--mesh b:2 --pipeline-stages 2`` runs on ``stage:2,b:2``, four processors);
+the layout rules are the usual ones and never mention it. ``--schedule
+gpipe|1f1b|2bw`` picks the pipeline schedule (``--lr-schedule`` the learning
+rate's), ``--microbatches`` the micro-batches per batch. Gradient clipping uses
+the norm over all stages (the tied embedding table counted once). A window runs
+as one table, so 2BW does not flush inside it. Every processor gathers the whole
+model (and optimizer state) from the stages for ``checkpoint/``, the plain
+run's format (``meshtorch generate`` and ``--resume`` read it), the held-out
+loss and the generated sample. Under 2BW the checkpoint also holds the previous
+weight version ``W(t-1)`` (tensors ``model/previous.<name>``, which loading
+into the plain LM ignores), so ``--resume`` continues exactly like the
+uninterrupted run; a checkpoint without them resumes with ``W(t-1) = W(t)``.
+
+Example:
+    >>> from meshtorch.recipes.lm.strategies import pipeline_mesh
+    >>> pipeline_mesh("b:2", 2), pipeline_mesh("b:2,stage:2", 2)
+    ('stage:2,b:2', 'b:2,stage:2')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Protocol
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.errors import PipelineError
+from meshtorch.mesh import Mesh
+from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.optimizer import lr_at
+from meshtorch.recipes.lm.run_files import resume_run
+
+AXIS = "stage"
+PREVIOUS = "previous"  # 2BW's W(t-1) in the checkpoint: tensors model/previous.<name>
+
+
+class TrainStep(Protocol):
+    """What the training loop asks of a strategy."""
+
+    def resume(self, batches: Any, lead: bool) -> int:
+        """Load ``--resume`` (if given); the step to continue from."""
+
+    def banner(self) -> str:
+        """The run's first line: what trains on which mesh."""
+
+    def run(self, batches: list, first: int) -> float:
+        """Train on ``batches``, steps ``first``, ``first + 1``, ...; the last one's loss."""
+
+    def saved(self) -> torch.nn.Module:
+        """The module a checkpoint holds now."""
+
+    def summary(self) -> dict[str, Any]:
+        """What this strategy adds to ``summary.json``."""
+
+
+def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
+    """bf16 autocast (fp32 master weights) with ``--precision bf16``, else nothing."""
+    from meshtorch import amp
+
+    return amp.autocast(torch.bfloat16) if cfg.run.precision == "bf16" else contextlib.nullcontext()
+
+
+class PlainStep:
+    """Every processor runs forward, backward, clipping and the optimizer step of each batch."""
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
+        self.cfg, self.model, self.opt = cfg, model, opt
+
+    def resume(self, batches: Any, lead: bool) -> int:
+        """Load ``--resume``; the step to continue from."""
+        return resume_run(self.cfg, self.model, self.opt, batches, lead)
+
+    def banner(self) -> str:
+        cfg = self.cfg
+        return (f"model {cfg.model.name}: {self.model.num_parameters():,} parameters; mesh "
+                f"'{cfg.parallelism.mesh}' rules '{cfg.parallelism.rules}' backend {cfg.parallelism.backend}")
+
+    def run(self, batches: list, first: int) -> float:
+        """Train on ``batches`` (steps ``first``, ``first + 1``, ...); the last one's loss."""
+        from meshtorch import optim
+
+        loss = None
+        for i, batch in enumerate(batches):
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.cfg, first + i)
+            with precision_context(self.cfg):
+                loss = self.model.loss(*batch)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.cfg.optimizer.clip:
+                optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
+            self.opt.step()
+        return loss.item()
+
+    def saved(self) -> torch.nn.Module:
+        """The module the checkpoint holds."""
+        return self.model
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+def pipeline_mesh(mesh: str, stages: int) -> str:
+    """``mesh`` with a ``stage:<stages>`` axis in front, unless it has a ``stage`` axis of that size."""
+    m = Mesh(mesh)
+    if AXIS in m.axis_names:
+        if m.axis_size(AXIS) != stages:
+            raise PipelineError(f"--mesh {mesh!r} has a {AXIS!r} axis of size {m.axis_size(AXIS)} but "
+                                f"--pipeline-stages is {stages}; make them equal or drop the axis")
+        return mesh
+    return f"{AXIS}:{stages}" + (f",{mesh}" if mesh else "")
+
+
+def _clip(pipe: Any, max_norm: float) -> None:
+    """Scale every stage's gradients so that the norm over the whole model is at most ``max_norm``."""
+    from meshtorch.optim.clip import global_grad_norm
+
+    mod = pipe.module
+    # the tied table sits on the first and the last stage with equal gradients: count it once
+    params = [p for n, p in mod.named_parameters() if not (n.startswith("table.") and not mod.first)]
+    local = global_grad_norm(params).to(torch.float64) ** 2
+    total = current().comm.all_reduce(local.reshape(1), AXIS)[0].sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in mod.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.dtype))
+
+
+def _with_previous(model: torch.nn.Module, previous: torch.nn.Module) -> torch.nn.Module:
+    """A module whose parameters are ``model``'s (same names, so the optimizer state keeps its
+    names) and ``previous``'s under ``previous.``: what a 2BW checkpoint saves and loads."""
+    from meshtorch.nn.module import Module
+
+    both = Module()
+    # torch's add_module: Module.add_module would re-derive the children's values from their new paths
+    for name, child in [*model.named_children(), (PREVIOUS, previous)]:
+        torch.nn.Module.add_module(both, name, child)
+    return both
+
+
+class PipelinedStep:
+    """The LM split by layers into stages along the ``stage`` axis; a window is one pipeline table.
+
+    Every processor holds the whole model and an optimizer over it, so the
+    checkpoint is the plain run's (any mesh can load it, ``meshtorch generate``
+    reads it); a stage trains its share (the others have no gradients, so the
+    optimizer skips them).
+    """
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
+        from meshtorch.models import DecoderLM
+
+        self.cfg, self.model, self.opt = cfg, model, opt
+        # 2BW: the whole model's W(t-1), gathered from the stages for the checkpoint
+        self.previous = DecoderLM(model.cfg, seed=cfg.run.seed) if cfg.parallelism.schedule == "2bw" else None
+        self.pipe: Any = None
+
+    def resume(self, batches: Any, lead: bool) -> int:
+        """Load ``--resume`` (with 2BW's ``W(t-1)`` when it holds one), then build the pipeline."""
+        from meshtorch.checkpoint.format import read_index
+        from meshtorch.pipeline.lm import lm_pipeline, restore_previous
+
+        cfg, par = self.cfg, self.cfg.parallelism
+        resumed_previous = bool(cfg.run.resume) and self.previous is not None and any(
+            k.startswith(f"model/{PREVIOUS}.")
+            for k in read_index(os.path.join(cfg.run.resume, "checkpoint"))["tensors"])
+        start = resume_run(cfg, self.model, self.opt, batches, lead,
+                           saved=_with_previous(self.model, self.previous) if resumed_previous else None)
+        pipe = lm_pipeline(self.model.cfg, model=self.model, axis=AXIS, microbatches=par.microbatches,
+                           schedule=par.schedule)
+        pipe.optimizer, pipe.batches_trained = self.opt, start
+        if resumed_previous:
+            restore_previous(pipe, self.previous)
+        if cfg.optimizer.clip:
+            sync = pipe.after_backward
+
+            def after_backward() -> None:
+                sync()
+                _clip(pipe, cfg.optimizer.clip)
+
+            pipe.after_backward = after_backward
+
+        def set_lr(t: int) -> None:
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(cfg, t)
+
+        pipe.before_step = set_lr
+        self.pipe = pipe
+        return start
+
+    def banner(self) -> str:
+        return (f"pipeline of {self.pipe.num_stages} stages ({self.pipe.schedule.name}, "
+                f"{self.cfg.parallelism.microbatches} micro-batches) on mesh '{current().mesh}' "
+                f"rules '{self.cfg.parallelism.rules}'")
+
+    def run(self, batches: list, first: int) -> float:
+        """Train on ``batches`` as one pipeline table; the last one's loss."""
+        with precision_context(self.cfg):
+            return self.pipe.train(batches)[-1]
+
+    def saved(self) -> torch.nn.Module:
+        """The whole model gathered from the stages (and 2BW's ``W(t-1)``): what the checkpoint holds."""
+        from meshtorch.pipeline.lm import gather_whole
+
+        gather_whole(self.pipe, self.model, self.opt, self.previous)
+        return self.model if self.previous is None else _with_previous(self.model, self.previous)
+
+    def summary(self) -> dict[str, Any]:
+        return {"schedule": self.pipe.schedule.name, "pipeline_stages": self.pipe.num_stages,
+                "microbatches": self.cfg.parallelism.microbatches}

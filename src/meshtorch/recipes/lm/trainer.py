@@ -1,0 +1,164 @@
+"""``meshtorch train``: one training loop; a plain step or a pipelined step are its two strategies.
+
+:func:`train` runs one SPMD program per processor (``mt.launch``): build the
+model from the seed, read this processor's part of each batch, step the
+optimizer, log, evaluate held-out loss against the byte-unigram entropy,
+checkpoint, and print a generated sample. Processor 0 writes ``--out``:
+``checkpoint/``, ``metrics.jsonl`` (a record per ``--log-every`` steps, as
+they happen), ``summary.json`` and ``loss.png`` (when matplotlib is installed).
+
+The loop runs the steps between two log (or checkpoint) steps as one window.
+:class:`PlainStep` steps them one by one; with ``--pipeline-stages N``
+:class:`PipelinedStep` runs the window as one pipeline table along a ``stage``
+mesh axis (so PipeDream-2BW does not flush inside it). Both get
+``--precision bf16`` autocast, the same metrics and the utilisation figure.
+
+Example:
+    >>> from meshtorch.recipes.lm import TrainConfig, train
+    >>> try:
+    ...     train(TrainConfig.of(model="moe", pipeline_stages=2))
+    ... except Exception as e:
+    ...     print(e)
+    --pipeline-stages trains --model lm; got --model 'moe'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from meshtorch.context import current
+from meshtorch.data import ByteTokenizer, Corpus, LMBatches
+from meshtorch.errors import MeshTorchError, PipelineError
+from meshtorch.models import DecoderLM
+from meshtorch.recipes.lm.config import TrainConfig, check_config
+from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
+from meshtorch.recipes.lm.report import Progress, matmul_peak_flops, plot_losses, report, step_flops
+from meshtorch.recipes.lm.run_files import earlier_metrics, save_run
+from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep, TrainStep, pipeline_mesh
+
+
+def build_task(cfg: TrainConfig, corpus: Corpus | None,
+               tok: ByteTokenizer) -> tuple[torch.nn.Module, Any, Any]:
+    """Model, train batches and held-out batches for ``cfg.model`` (on this processor)."""
+    mcfg = cfg.model_config(tok.vocab_size)
+    run = cfg.run
+    if cfg.model.name == "seq2seq":
+        from meshtorch.data.seq2seq import SpellingTask
+        from meshtorch.models.seq2seq import EncoderDecoder
+
+        task = SpellingTask(batch=run.batch, seed=run.seed)
+        mcfg = dataclasses.replace(mcfg, max_length=max(task.max_target, task.max_source))
+        return EncoderDecoder(mcfg, seed=run.seed), task, task.heldout(run.eval_batches)
+    model = DecoderLM(mcfg, seed=run.seed)
+    train = LMBatches(corpus.train, run.batch, run.length, seed=run.seed)
+    heldout = LMBatches(corpus.heldout, run.batch, run.length, seed=12345)
+    return model, train, heldout
+
+
+def default_out() -> str:
+    return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]:
+    """One processor's part of a training run; processor 0 reports and writes files."""
+    lead = current().rank == 0
+    run = cfg.run
+    tok = ByteTokenizer()
+    if corpus is None and cfg.model.name != "seq2seq":
+        corpus = Corpus.from_path(run.data)  # each process of the torch backend reads its own copy
+    model, batches, heldout = build_task(cfg, corpus, tok)
+    opt = make_optimizer(cfg, model)
+    strategy: TrainStep = (PipelinedStep(cfg, model, opt)
+                           if cfg.parallelism.pipeline_stages > 1 else PlainStep(cfg, model, opt))
+    start = strategy.resume(batches, lead)
+    params = model.num_parameters()
+    # the yardstick: every processor's matmul rate measured at once, under the same contention
+    comm = current().comm
+    peak = comm.all_reduce(torch.tensor([matmul_peak_flops()], dtype=torch.float64), comm.mesh.axis_names,
+                           "sum").item()
+    tokens = run.batch * run.length
+    flops = step_flops(model.cfg, tokens, run.length, params)
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    metrics: list[dict] = []
+    if lead:
+        metrics = earlier_metrics(cfg, out, start)
+        with open(metrics_path, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in metrics)
+        print(f"{strategy.banner()}; {run.steps} steps of {run.batch}x{run.length} tokens")
+    bar = Progress(run.steps, start, lead and run.progress)
+    t0, loss, step = time.perf_counter(), float("nan"), start
+    while step < run.steps:
+        stops = [run.steps, (step // run.log_every + 1) * run.log_every]
+        if run.checkpoint_every:
+            stops.append((step // run.checkpoint_every + 1) * run.checkpoint_every)
+        n = min(stops) - step
+        window = time.perf_counter()
+        loss = strategy.run([batches.next() for _ in range(n)], step)
+        step += n
+        dt = (time.perf_counter() - window) / n
+        if step % run.log_every == 0 or step == run.steps:
+            rec = {"step": step, "loss": round(loss, 5), "tokens_per_s": round(tokens / dt, 1),
+                   "step_time_s": round(dt, 4), "lr": lr_at(cfg, step - 1),
+                   "flop_utilisation": round(flops / dt / peak, 4) if peak else None}
+            if lead:
+                metrics.append(rec)
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            bar.update(step, {"loss": f"{loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}",
+                              "step": f"{dt * 1e3:.0f}ms", "util": f"{100 * flops / dt / peak:.1f}%"})
+        if run.checkpoint_every and step % run.checkpoint_every == 0 and step != run.steps:
+            save_run(cfg, out, model, opt, batches, step, saved=strategy.saved())
+    bar.close()
+    wall = time.perf_counter() - t0
+    save_run(cfg, out, model, opt, batches, run.steps, saved=strategy.saved())
+    result = {"steps": run.steps, "final_loss": loss, "parameters": params, "out": out,
+              "train_s": round(wall, 2), "checkpoint": os.path.join(out, "checkpoint"), **strategy.summary()}
+    if metrics and metrics[-1]["step"] == run.steps:
+        result["flop_utilisation"] = metrics[-1]["flop_utilisation"]
+    result.update(report(cfg, model, heldout, corpus, tok, lead))
+    if lead:
+        hl = [(run.steps, result["heldout_loss"])]
+        result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), metrics, hl,
+                                         result.get("unigram_entropy", float("nan")))
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Check ``cfg``, load the corpus, run the program on every processor; return processor 0's
+    summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``, ``out``, ...)."""
+    from meshtorch.launch import launch
+
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    par, run = cfg.parallelism, cfg.run
+    error: type[MeshTorchError] = MeshTorchError
+    if par.pipeline_stages > 1:
+        cfg = cfg.replace(mesh=pipeline_mesh(par.mesh, par.pipeline_stages))
+    check_config(cfg, world=world)
+    if par.pipeline_stages > 1:
+        if cfg.model.name != "lm":
+            raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model.name!r}")
+        error = PipelineError
+    if run.resume and not os.path.isdir(os.path.join(run.resume, "checkpoint")):
+        raise error(f"--resume {run.resume!r} has no checkpoint/ directory; pass the --out "
+                    "directory of an earlier run")
+    out = run.out or run.resume or default_out()
+    # threads share one corpus in memory; torch-backend processes each read it themselves
+    corpus = None if cfg.model.name == "seq2seq" or par.backend != "threads" else Corpus.from_path(run.data)
+    kwargs: dict[str, Any] = {"mesh": cfg.parallelism.mesh, "rules": par.rules}
+    if par.backend != "threads":
+        kwargs["backend"] = par.backend
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    result = launch(program, cfg, corpus, out, **kwargs)[0]
+    torch.set_num_threads(threads)
+    result["wall_s"] = round(time.time() - t0, 1)
+    return result
