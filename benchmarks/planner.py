@@ -46,7 +46,7 @@ def main() -> None:
                "fits": est.fits, "step_s": est.step_seconds, "plan_s": time.perf_counter() - t,
                "reason": est.reason()}
         if not args.no_search:
-            res = mt.plan.search(step, mt.Mesh(mesh).size, device="tpu-v2", echo=False)
+            res = mt.plan.search(step, mt.Mesh(mesh).size, device="tpu-v2")
             b = res.best
             row.update(search_mesh=b.mesh, search_rules=b.rules, search_step_s=b.step_seconds,
                        search_memory_gib=b.memory_bytes["total"] / 2 ** 30, search_fits=b.fits,

@@ -48,7 +48,7 @@ def test_search_finds_a_layout_at_least_as_fast_as_hand_written_ones():
     need_mp = mt.plan.estimate(step, mesh, mp, device=big).memory_bytes["total"]
     assert need_mp < need_dp
     small = dataclasses.replace(big, name="small", memory_bytes=(need_mp + need_dp) // 2)
-    res = mt.plan.search(step, mesh, device=small, echo=False)
+    res = mt.plan.search(step, mesh, device=small)
     assert res.best.fits
     for rules in (dp, "batch:b; d_ff:m", mp):
         hand = mt.plan.estimate(step, mesh, rules, device=small)
@@ -129,7 +129,7 @@ def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model,
     need = sorted(e.memory_bytes["total"] for e in everything)
     small = dataclasses.replace(spec, name="small", memory_bytes=need[len(need) // 2])
     fastest_fitting = min(e.step_seconds for e in everything if e.memory_bytes["total"] <= small.memory_bytes)
-    res = mt.plan.search(step, mesh, device=small, echo=False)
+    res = mt.plan.search(step, mesh, device=small)
     assert res.best.fits and res.best.step_seconds == pytest.approx(fastest_fitting, rel=1e-12)
     assert res.space == len(everything) == len(res.candidates) + sum(res.pruned.values())
 
@@ -139,7 +139,7 @@ def test_search_prunes_the_paper_model_without_changing_the_answer():
     cfg = TrainConfig.of(layers=3, d_model=1024, d_kv=128, d_ff=8192, heads=8, batch=64, length=128,
                       tie_embeddings=False, optimizer="adafactor")
     step = training_step(cfg, vocab=8192)
-    res = mt.plan.search(step, 4, device="tpu-v2", meshes=["b:2,m:2"], echo=False)
+    res = mt.plan.search(step, 4, device="tpu-v2", meshes=["b:2,m:2"])
     assert res.pruned["time"] > 0 and len(res.candidates) < res.space == 16
     best = mt.plan.estimate(step, res.mesh, res.rules, device="tpu-v2")
     assert best.step_seconds == pytest.approx(res.best.step_seconds, rel=1e-12)

@@ -29,7 +29,7 @@ Example:
     ...     x = mt.random.normal("batch:32,d_model:64", seed=1)
     ...     with mt.plan.measure():
     ...         mt.reduce_sum(ff(x)).backward()
-    >>> res = mt.plan.search(step, 2, device="a100", echo=False)
+    >>> res = mt.plan.search(step, 2, device="a100")
     >>> res.best.fits, res.best.step_seconds <= min(c.step_seconds for c in res.candidates)
     (True, True)
 """
@@ -244,14 +244,14 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> 
 
 
 def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str | DeviceSpec = "tpu-v2",
-           *, top: int = 10, verify: int = 3, meshes: Iterable[str] | None = None,
-           algorithm: str = "ring", echo: bool = True, max_candidates: int = 100_000) -> SearchResult:
+           *, verify: int = 3, meshes: Iterable[str] | None = None,
+           algorithm: str = "ring", max_candidates: int = 100_000) -> SearchResult:
     """Search mesh shapes and layout rules for the fastest step that fits ``device``'s memory.
 
     ``processors`` is a processor count (meshes are searched) or a mesh (only
-    rules are). Prints the ``top`` candidates with the reason for each (which
-    collectives dominate, what does not fit) unless ``echo=False``, and
-    returns a :class:`SearchResult` whose ``rules`` and ``mesh`` can be pasted.
+    rules are). Returns a :class:`SearchResult` whose ``rules`` and ``mesh``
+    can be pasted; ``result.table(top)`` ranks the ``top`` candidates with the
+    reason for each (which collectives dominate, what does not fit).
 
     Branch and bound: every candidate gets cheap lower bounds (:func:`lower_bounds`);
     candidates are traced in order of their time bound until the bound reaches
@@ -338,6 +338,4 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
             done[c] = run(c, True)
     results = sorted(done.values(), key=_key)
     res = SearchResult(results, spec.name, time.perf_counter() - t0, space=len(space), pruned=pruned)
-    if echo:
-        print(res.table(top))
     return res

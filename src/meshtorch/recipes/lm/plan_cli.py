@@ -78,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
             args.processors or (Mesh(args.mesh).size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
-        res = search(step, target, device=args.device, top=args.top, algorithm=args.algorithm,
-                     echo=not args.json)
+        res = search(step, target, device=args.device, algorithm=args.algorithm)
+        if not args.json:
+            print(res.table(args.top))
         ests = res.candidates
         out = {**res.best.to_json(), "search_seconds": res.seconds,
                "candidates": [e.to_json() for e in ests[: args.top]]}
