@@ -1,4 +1,4 @@
-"""Layout rules and tensor layouts (DESIGN §1).
+"""Layout rules and tensor layouts (see docs/design.md, Vocabulary).
 
 Layout rules map dim names to mesh axis names, globally for a program:
 ``"batch:b; d_ff:m"``. A tensor's layout follows from its shape and the rules:
@@ -92,7 +92,7 @@ class LayoutRules:
                 )
 
     def layout(self, shape: Shape, mesh: Mesh, name: str | None = None) -> Layout:
-        """The layout of ``shape`` on ``mesh`` under these rules (DESIGN §1)."""
+        """The layout of ``shape`` on ``mesh`` under these rules (see docs/design.md, Vocabulary)."""
         # A model asks for the same few layouts on every op of every step. Shape and Mesh are
         # immutable and compared by value, so an entry is right for any equal shape and mesh.
         # (``name`` only words the error, and errors are not cached.)

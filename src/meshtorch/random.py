@@ -1,4 +1,4 @@
-"""Layout-invariant randomness (DESIGN §5).
+"""Layout-invariant randomness (see docs/design.md, Randomness).
 
 Every random element is a pure function of ``(seed, stream, global element
 index)``: a counter-based hash (Chris Wellons' ``triple32`` finaliser applied

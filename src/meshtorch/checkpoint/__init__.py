@@ -1,4 +1,4 @@
-"""Resharding checkpoints (DESIGN §7) and Hugging Face-style consolidated export.
+"""Resharding checkpoints (see docs/design.md, Checkpoints) and Hugging Face-style consolidated export.
 
 ``mt.save`` / ``mt.load`` write and read a directory of safetensors slices
 plus ``index.json``; ``mt.export_hf`` / ``mt.import_hf`` write and read one

@@ -1,4 +1,4 @@
-"""The on-disk format of a checkpoint directory (DESIGN §7).
+"""The on-disk format of a checkpoint directory (see docs/design.md, Checkpoints).
 
 ::
 

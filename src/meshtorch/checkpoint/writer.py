@@ -1,4 +1,4 @@
-"""``mt.save``: write a resharding checkpoint, atomically (DESIGN §7).
+"""``mt.save``: write a resharding checkpoint, atomically (see docs/design.md, Checkpoints).
 
 Example:
     >>> import tempfile, os, torch, meshtorch as mt

@@ -1,4 +1,4 @@
-"""Communicators: the only place processors talk to each other (DESIGN §2)."""
+"""Communicators: the only place processors talk to each other (see docs/design.md, backends)."""
 
 from meshtorch.comm.base import Communicator, LocalCommunicator
 from meshtorch.comm.stats import CommStats

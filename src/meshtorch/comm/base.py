@@ -1,4 +1,4 @@
-"""The ``Communicator`` interface: the only place processors talk (DESIGN §2).
+"""The ``Communicator`` interface: the only place processors talk (see docs/design.md, backends).
 
 A communicator gives one processor its coordinates on the mesh and grouped
 collectives over a set of axes. A collective over axes ``A`` runs among the

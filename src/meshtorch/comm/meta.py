@@ -1,5 +1,5 @@
 """The ``meta`` backend: one representative processor; collectives are
-recorded and shaped, never run (DESIGN §2).
+recorded and shaped, never run (see docs/design.md, backends).
 
 The program runs once, as processor 0 of the mesh, with tensors on PyTorch's
 ``meta`` device (shapes and dtypes, no storage), so a step of a 512-processor

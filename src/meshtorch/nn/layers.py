@@ -149,7 +149,7 @@ class RMSNorm(Module):
 
 
 class Dropout(Module):
-    """Dropout whose mask is layout-invariant (DESIGN §5).
+    """Dropout whose mask is layout-invariant (see docs/design.md, Randomness).
 
     Each call draws the next random stream of the processor context, so masks
     differ between steps, agree across processors, and are restored with a

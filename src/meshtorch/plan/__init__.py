@@ -1,4 +1,4 @@
-"""``mt.plan``: predict and choose layouts before renting the machines (DESIGN §8).
+"""``mt.plan``: predict and choose layouts before renting the machines (see docs/design.md, Around the core).
 
 The ``meta`` backend runs one representative processor on meta tensors;
 :func:`trace` records what that processor does (FLOPs, collectives, memory by
