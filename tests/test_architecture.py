@@ -145,6 +145,15 @@ def test_ops_and_models_never_import_a_concrete_backend(package):
         "\n".join(offenders)
 
 
+@pytest.mark.parametrize("package", ["meshtorch.ops", "meshtorch.models", "meshtorch.nn", "meshtorch.tensor"])
+def test_only_the_lowering_decides_communication(package):
+    # ops, layers and models describe what to compute; which collectives run is the lowering's choice
+    offenders = [f"{name} imports {target} (line {line})" for name in MODULES if _in(name, package)
+                 for target, line in imports_of(name) if target == "meshtorch.lowering.adapters"]
+    assert not offenders, f"{package} must move data through the lowering (lower, redistribute, " \
+        "shift_slice), not call its adapters:\n" + "\n".join(offenders)
+
+
 def test_no_bare_assert_in_the_library():
     # asserts vanish under python -O; a check the user can trip raises a meshtorch error instead
     offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in TREES.items()

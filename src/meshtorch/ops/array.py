@@ -1,7 +1,7 @@
 """Array ops along a dim: slice, concat, pad, shift, one_hot, embedding.
 
-``shift`` along a split dim exchanges halos with neighbours through the
-communicator's point-to-point ``shift``; ``one_hot`` and ``embedding`` work on a
+``shift`` along a split dim receives the halo it needs from its neighbours (the lowering's
+:func:`~meshtorch.lowering.shift.shift_slice`); ``one_hot`` and ``embedding`` work on a
 split vocabulary without gathering it (each processor handles its range and
 partial results are summed).
 
@@ -19,10 +19,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from meshtorch.context import current
 from meshtorch.errors import ShapeError
-from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.plan import lower
+from meshtorch.lowering.shift import shift_slice
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
@@ -90,18 +89,6 @@ def pad(x: MeshTensor, dim: str | Dim, before: int, after: int, value: float = 0
                  whole={d.name}, name=name)
 
 
-def _shift_local(t: torch.Tensor, i: int, k: int, wrap: bool) -> torch.Tensor:
-    if wrap:
-        return torch.roll(t, k, i)
-    n = t.shape[i]
-    if abs(k) >= n:
-        # concatenating an empty slice keeps the result in the autograd graph
-        return torch.cat([torch.zeros_like(t), t.narrow(i, 0, 0)], i)
-    if k >= 0:
-        return torch.cat([torch.zeros_like(t.narrow(i, 0, k)), t.narrow(i, 0, n - k)], i)
-    return torch.cat([t.narrow(i, -k, n + k), torch.zeros_like(t.narrow(i, 0, -k))], i)
-
-
 def shift(x: MeshTensor, dim: str | Dim, offset: int, wrap: bool = False,
           name: str | None = None) -> MeshTensor:
     """``out[i] = x[i - offset]`` along ``dim``: zeros shift in at the edge, or
@@ -118,20 +105,7 @@ def shift(x: MeshTensor, dim: str | Dim, offset: int, wrap: bool = False,
     x = as_mesh_tensor(x)
     d = x.shape[dim]
     i = x.shape.index(d.name)
-    axis = x.layout.axis_of(d.name)
-    t = x.local
-    if axis is None:
-        return MeshTensor(_shift_local(t, i, offset, wrap), x.shape, x.layout, name)
-    comm = current().comm
-    length = t.shape[i]
-    q, r = divmod(offset, length)
-    # global position g = c*L + j reads g - offset: from processor c-q at j-r, or c-q-1 at j-r+L
-    near = ca.shift(t.narrow(i, 0, length - r), comm, axis, q, wrap)
-    if r == 0:
-        out = near
-    else:
-        far = ca.shift(t.narrow(i, length - r, r), comm, axis, q + 1, wrap)
-        out = torch.cat([far, near], i)
+    out = shift_slice(x.local, i, x.layout.axis_of(d.name), offset, wrap)
     return MeshTensor(out, x.shape, x.layout, name)
 
 
