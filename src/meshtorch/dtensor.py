@@ -50,7 +50,7 @@ def device_mesh() -> DeviceMesh:
     if comm.backend != "torch":
         raise CommError(
             f"DTensor interop needs the torch backend (this processor runs on {comm.backend!r}); start "
-            "the program with mt.launch(fn, backend='torch'), `meshtorch launch` or torchrun")
+            "the program with mt.launch(fn, backend='torch'), `meshtorch launch --backend torch` or torchrun")
     return comm.device_mesh()
 
 

@@ -4,7 +4,7 @@ One replica runs on each processor of the current mesh (a 1-D ``replica``
 mesh, as :func:`meshtorch.replicator.launch` makes); each builds its own
 model, feeds it its own share of the batch and averages gradients with the
 others before every optimizer step. The same script runs on the threads
-backend (``mt.launch``), the torch backend (``meshtorch launch`` /
+backend (``mt.launch``), the torch backend (``meshtorch launch --backend torch`` /
 torchrun), and as a plain one-replica ``python script.py``.
 
 Example:

@@ -30,7 +30,7 @@ HELP = {
     "model": "lm: decoder-only; seq2seq: encoder-decoder on a spelling task; moe: LM with experts",
     "mesh": "processor mesh, e.g. 'b:2,m:2'",
     "rules": "layout rules, e.g. 'batch:b; heads:m; d_ff:m; vocab:m' (add 'experts:b' for moe)",
-    "backend": "threads: one process; torch: under meshtorch launch or torchrun",
+    "backend": "threads: one thread per processor; torch: one process per processor (torch.distributed)",
     "precision": "bf16: autocast with fp32 master weights",
     "out": "output directory (default: runs/<date-time>/)",
     "resume": "continue the run in this --out directory from its checkpoint",
