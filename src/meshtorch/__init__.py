@@ -16,83 +16,136 @@ Example:
 
 from __future__ import annotations
 
-from meshtorch import amp, data, errors, models, nn, optim, pipeline, plan, random
-from meshtorch.amp import autocast
-from meshtorch.checkpoint import export_hf, import_hf, load, save
-from meshtorch.comm import CommStats, Communicator
-from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
-from meshtorch.dtensor import from_dtensor, to_dtensor
-from meshtorch.errors import MeshTorchError
-from meshtorch.launch import init_distributed, launch
-from meshtorch.layout import Layout, LayoutRules
-from meshtorch.mesh import Mesh
-from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
-from meshtorch.ops.attention import ring_attention
-from meshtorch.ops.einsum import einsum, matmul
-from meshtorch.ops.elementwise import (
-    abs,
-    add,
-    cast,
-    clamp,
-    cos,
-    divide,
-    elu,
-    equal,
-    exp,
-    floordiv,
-    gelu,
-    gelu_tanh,
-    greater,
-    greater_equal,
-    leaky_relu,
-    less,
-    less_equal,
-    log,
-    logical_and,
-    logical_not,
-    logical_or,
-    maximum,
-    minimum,
-    mod,
-    multiply,
-    negative,
-    not_equal,
-    pow,
-    reciprocal,
-    relu,
-    rsqrt,
-    selu,
-    sigmoid,
-    sign,
-    silu,
-    sin,
-    softplus,
-    sqrt,
-    square,
-    subtract,
-    tanh,
-    where,
-)
-from meshtorch.ops.nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
-from meshtorch.ops.pieces import split, stack, unstack
-from meshtorch.ops.reduce import (
-    Reductions,
-    add_n,
-    reduce_all,
-    reduce_any,
-    reduce_logsumexp,
-    reduce_max,
-    reduce_mean,
-    reduce_min,
-    reduce_sum,
-)
-from meshtorch.ops.reshape import broadcast, relayout, rename, replace_dims, reshape, transpose
-from meshtorch.ops.select import argmax, argmin, top_k
-from meshtorch.ops.slicewise import slicewise
-from meshtorch.replicator import Replicator
-from meshtorch.shape import Dim, Shape
-from meshtorch.tensor import MeshTensor, from_global, full, ones, ones_like, zeros, zeros_like
+import importlib
+import importlib.util
+import sys
+import types
 
 __version__ = "0.1.0"
 
-__all__ = [n for n in dir() if not n.startswith("_") and n != "annotations"]
+
+def _load() -> dict:
+    """Import the public API; run on the first use of any ``meshtorch.X``.
+
+    The package imports lazily so that torch-free sub-commands (``meshtorch place
+    graph.json`` needs only numpy and scipy) start in a fraction of a second; the
+    first attribute a program touches pays the full import once.
+    """
+    from meshtorch import amp, data, errors, models, nn, optim, pipeline, plan, random
+    from meshtorch.amp import autocast
+    from meshtorch.checkpoint import export_hf, import_hf, load, save
+    from meshtorch.comm import CommStats, Communicator
+    from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
+    from meshtorch.dtensor import from_dtensor, to_dtensor
+    from meshtorch.errors import MeshTorchError
+    from meshtorch.launch import init_distributed, launch
+    from meshtorch.layout import Layout, LayoutRules
+    from meshtorch.mesh import Mesh
+    from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
+    from meshtorch.ops.attention import ring_attention
+    from meshtorch.ops.einsum import einsum, matmul
+    from meshtorch.ops.elementwise import (
+        abs,
+        add,
+        cast,
+        clamp,
+        cos,
+        divide,
+        elu,
+        equal,
+        exp,
+        floordiv,
+        gelu,
+        gelu_tanh,
+        greater,
+        greater_equal,
+        leaky_relu,
+        less,
+        less_equal,
+        log,
+        logical_and,
+        logical_not,
+        logical_or,
+        maximum,
+        minimum,
+        mod,
+        multiply,
+        negative,
+        not_equal,
+        pow,
+        reciprocal,
+        relu,
+        rsqrt,
+        selu,
+        sigmoid,
+        sign,
+        silu,
+        sin,
+        softplus,
+        sqrt,
+        square,
+        subtract,
+        tanh,
+        where,
+    )
+    from meshtorch.ops.nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
+    from meshtorch.ops.pieces import split, stack, unstack
+    from meshtorch.ops.reduce import (
+        Reductions,
+        add_n,
+        reduce_all,
+        reduce_any,
+        reduce_logsumexp,
+        reduce_max,
+        reduce_mean,
+        reduce_min,
+        reduce_sum,
+    )
+    from meshtorch.ops.reshape import broadcast, relayout, rename, replace_dims, reshape, transpose
+    from meshtorch.ops.select import argmax, argmin, top_k
+    from meshtorch.ops.slicewise import slicewise
+    from meshtorch.replicator import Replicator
+    from meshtorch.shape import Dim, Shape
+    from meshtorch.tensor import MeshTensor, from_global, full, ones, ones_like, zeros, zeros_like
+    return {k: v for k, v in locals().items() if not k.startswith("_")}
+
+
+class _Package(types.ModuleType):
+    """The package's module type: binds the whole public API on first use.
+
+    ``meshtorch.launch`` is both a sub-package and the function users call
+    (``mt.launch(step, mesh=...)``). Importing the sub-package makes Python set
+    the package attribute to the module; the public function must win, as it did
+    when the package imported eagerly, so that assignment is not kept.
+    """
+
+    def __getattr__(self, name: str):
+        state = self.__dict__["_state"]
+        if name.startswith("__") and name != "__all__" or state["loading"] or state["loaded"]:
+            raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+        if name != "launch" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            # a sub-module (`from meshtorch import random` inside the package): import
+            # only it, so that internal imports never pull in the whole API
+            return importlib.import_module(f"{__name__}.{name}")
+        state["loading"] = True
+        try:
+            api = _load()
+        finally:
+            state["loading"] = False
+        for key, value in api.items():
+            types.ModuleType.__setattr__(self, key, value)
+        types.ModuleType.__setattr__(self, "__all__", sorted(api))
+        state["loaded"] = True
+        return getattr(self, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "launch" and isinstance(value, types.ModuleType):
+            return
+        types.ModuleType.__setattr__(self, name, value)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self.__all__))
+
+
+_state = {"loading": False, "loaded": False}
+sys.modules[__name__].__class__ = _Package

@@ -18,28 +18,40 @@ import sys
 
 from meshtorch.errors import MeshTorchError
 
-# module path of each sub-command, in the order `--help` lists them
-SUBCOMMANDS: tuple[str, ...] = (
-    "meshtorch.launch.cli",
-    "meshtorch.recipes.lm.cli",
-    "meshtorch.placement.cli",
-)
+# module that registers each sub-command, in the order `--help` lists them
+SUBCOMMANDS: dict[str, str] = {
+    "launch": "meshtorch.launch.cli",
+    "train": "meshtorch.recipes.lm.cli",
+    "generate": "meshtorch.recipes.lm.cli",
+    "plan": "meshtorch.recipes.lm.cli",
+    "place": "meshtorch.placement.cli",
+}
 DESCRIPTION = ("meshtorch: named tensor dimensions split over a processor mesh. Train, plan and place "
                "models on a mesh of processors; 'meshtorch COMMAND --help' describes each command.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, with every registered sub-command."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser: every sub-command, or only ``command``'s when given.
+
+    Registering only the command being run keeps ``meshtorch place graph.json``
+    free of torch (its module needs numpy and scipy only).
+
+    Example:
+        >>> build_parser("place").parse_args(["place", "graph.json", "--devices", "2"]).devices
+        2
+    """
     parser = argparse.ArgumentParser(prog="meshtorch", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in SUBCOMMANDS:
+    modules = [SUBCOMMANDS[command]] if command in SUBCOMMANDS else SUBCOMMANDS.values()
+    for module in dict.fromkeys(modules):
         importlib.import_module(module).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshtorch`` console script."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, or a flag argparse rejected (it printed why)

@@ -53,6 +53,10 @@ class OpNode:
     label: str = ""
 
 
+_PAPER_FIELDS = ('the paper\'s format: nodes with "id", "fpgaLatency" and "cpuLatency", '
+                 'edges with "sourceId", "destId" and "cost"')
+
+
 @dataclass
 class OpGraph:
     """A DAG of :class:`OpNode` with byte-weighted edges; ``meta`` holds file defaults.
@@ -227,9 +231,15 @@ class OpGraph:
     def from_json(cls, text_or_path: str | Path) -> OpGraph:
         """Load our format, or the paper's (detected by its ``maxFPGAs`` key)."""
         d = _read_json(text_or_path)
-        if "maxFPGAs" in d or ("nodes" in d and "format" not in d):
-            return cls.from_dnn_partitioning_dict(d)
-        return cls.from_dict(d)
+        paper = "maxFPGAs" in d or ("nodes" in d and "format" not in d)
+        try:
+            return cls.from_dnn_partitioning_dict(d) if paper else cls.from_dict(d)
+        except (KeyError, TypeError, ValueError) as e:
+            where = "graph" if str(text_or_path).lstrip().startswith("{") else str(text_or_path)
+            expected = (_PAPER_FIELDS if paper else
+                        f'{{"format": "{FORMAT}", "nodes": [{{"name": ...}}], "edges": [[src, dst, bytes]]}}')
+            raise PlacementError(f"{where}: cannot read the graph ({type(e).__name__}: {e}); "
+                                 f"expected {expected}") from None
 
     # -- the paper's format (msr-fiddle/dnn-partitioning) ---------------------------------
     @classmethod

@@ -1,0 +1,79 @@
+"""`import meshtorch` is lazy: torch-free commands stay torch-free, the API behaves as if eager."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+
+
+def _python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    if out.returncode:
+        raise AssertionError(out.stderr)
+    return out.stdout.strip()
+
+
+def test_place_on_a_json_graph_never_imports_torch(tmp_path):
+    from meshtorch.placement import OpGraph
+
+    graph = OpGraph()
+    for i, t in enumerate([1.0, 2.0, 3.0, 2.0]):
+        graph.add_node(f"l{i}", acc_time=t, cpu_time=10 * t)
+    for i in range(3):
+        graph.add_edge(f"l{i}", f"l{i + 1}")
+    path = tmp_path / "chain.json"
+    graph.to_json(path)
+    code = ("import sys\nfrom meshtorch.cli import main\n"
+            f"rc = main(['place', {str(path)!r}, '--devices', '2', '--json'])\n"
+            "print('torch-imported' if 'torch' in sys.modules else 'torch-free', rc)")
+    out = _python(code).splitlines()
+    assert out[-1] == "torch-free 0"
+    # a 1-2-3-2 chain on two devices: the best contiguous cut is {1,2} | {3,2} -> max load 5
+    assert json.loads("\n".join(out[:-1]))["max_load"] == pytest.approx(5.0)
+
+
+def test_import_meshtorch_is_cheap_and_the_api_appears_on_first_use():
+    out = _python("import sys, meshtorch as mt\nprint('torch' in sys.modules)\n"
+                  "print(mt.Dim('batch', 4).size, 'torch' in sys.modules)")
+    assert out.splitlines() == ["False", "4 True"]
+
+
+def test_launch_is_the_function_even_after_its_package_is_imported_first():
+    # `meshtorch.launch` is a sub-package and the public function; importing the package
+    # must not leave `mt.launch` pointing at a module
+    code = ("import meshtorch.launch.cli, meshtorch as mt, torch\n"
+            "def step():\n"
+            "    x = mt.from_global(torch.ones(4), [mt.Dim('batch', 4)])\n"
+            "    return mt.reduce_sum(x * 3).item()\n"
+            "print(callable(mt.launch), mt.launch(step, mesh='b:2', rules='batch:b'))")
+    assert _python(code) == "True [12.0, 12.0]"
+
+
+def test_star_import_dir_and_unknown_names():
+    import meshtorch as mt
+
+    namespace: dict = {}
+    exec("from meshtorch import *", namespace)
+    for name in ("launch", "Dim", "einsum", "reduce_sum", "Mesh", "nn", "optim"):
+        assert namespace[name] is getattr(mt, name)
+    assert {"launch", "einsum", "Replicator"} <= set(dir(mt))
+    assert callable(mt.launch) and mt.random.__name__ == "meshtorch.random"
+    with pytest.raises(AttributeError, match="no attribute 'no_such_op'"):
+        mt.no_such_op  # noqa: B018
+
+
+def test_a_graph_file_missing_a_field_names_it(tmp_path):
+    from meshtorch.errors import PlacementError
+    from meshtorch.placement import OpGraph
+
+    path = tmp_path / "paper.json"
+    path.write_text(json.dumps({"nodes": [{"id": 0, "cpuLatency": 1.0}], "edges": []}))
+    with pytest.raises(PlacementError, match=r"paper.json: .*'fpgaLatency'.*expected the paper's format"):
+        OpGraph.from_json(path)
