@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from meshtorch.errors import PlacementError
 from meshtorch.placement import OpGraph, Problem, evaluate, is_contiguous, place
+from meshtorch.placement import dp as dp_module
 from meshtorch.placement.milp import solve_milp
 
 SETTINGS = settings(
@@ -128,7 +130,12 @@ def test_dp_matches_brute_force_and_milp(data):
     graph = data.draw(dags())
     prob = data.draw(problems(graph))
     brute_any = brute_force(graph, prob, contiguous=False)
-    dp = placed_as_brute_force(graph, prob)
+    # small graphs take the all-pairs path; the Pareto frontiers of big ones must agree
+    through_frontiers = data.draw(st.booleans(), label="through_frontiers")
+    with mock.patch.object(dp_module, "FRONTIER_MIN_IDEALS", 0 if through_frontiers else 10**9):
+        dp = placed_as_brute_force(graph, prob)
+    if dp is not None and not any(n.acc_time is None for n in graph.nodes):
+        assert dp.info["frontier"] == through_frontiers
     if dp is None:
         return
     assert dp.is_contiguous()
