@@ -64,12 +64,20 @@ def _is_loopback(addr: str) -> bool:
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
+def _sockets_and_interfaces() -> tuple[list[str], str | None, str | None]:
+    return (listening_addresses(), os.environ.get("GLOO_SOCKET_IFNAME"),
+            os.environ.get("NCCL_SOCKET_IFNAME"))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_local_launch_listens_on_loopback_only():
-    per_processor = mt.launch(listening_addresses, mesh="m:2", backend="torch")
-    for addrs in per_processor:
+    per_processor = mt.launch(_sockets_and_interfaces, mesh="m:2", backend="torch")
+    for addrs, gloo_if, nccl_if in per_processor:
         assert addrs, "gloo listens for its peers, so some socket must be found"
         assert all(_is_loopback(a) for a in addrs), f"listening on {addrs}: reachable from the network"
+        # NCCL (on GPUs) is pinned to the same interface, which this CPU run cannot observe by sockets
+        assert gloo_if == os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+        assert nccl_if == os.environ.get("NCCL_SOCKET_IFNAME", "lo")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -121,10 +121,12 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, parent_pid
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_WORLD_SIZE=str(world))
-        # every processor is on this machine: gloo's connections need no other interface
+        # every processor is on this machine: gloo's and NCCL's bootstrap connections
+        # need no other interface (a user's setting still wins)
         lo = _loopback_interface()
         if lo:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
         store = dist.FileStore(os.path.join(rendezvous, "store"), world)
         store.set_timeout(datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
         ctx = init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
