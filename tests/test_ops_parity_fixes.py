@@ -126,3 +126,51 @@ def test_float64_input_to_float32_dense_promotes_like_addition():
     want = torch.ones(2, 3, dtype=torch.float64) @ dense.kernel.mesh_tensor.to_global().double()
     assert y.dtype == (x + mt.ones("d:3")).dtype == torch.float64
     torch.testing.assert_close(y.to_global(), want)
+
+
+@given(data=st.data(), temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+@SET
+def test_sample_with_temperature_is_gumbel_max_of_the_same_noise_on_every_mesh(data, temperature):
+    mesh = data.draw(meshes())
+    a, v = data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(multi_rules_for(mesh, ["p", "v"]))
+    logits = rand(a, v, seed=3).float()
+    # the dense reference: Gumbel noise from the same layout-free uniform numbers, computed apart
+    u = mt.random.uniform(f"p:{a},v:{v}", seed=7, dtype=torch.float32).to_global()
+    g = -torch.log(-torch.log(u.clamp_min(torch.finfo(torch.float32).tiny)))
+    want = (logits + temperature * g).argmax(1)
+
+    def prog():
+        x = mt.from_global(logits, f"p:{a},v:{v}")
+        mt.reset_comm_stats()
+        mt.argmax(x, "v")
+        argmax_calls = mt.comm_stats().as_dict()
+        mt.reset_comm_stats()
+        ids = mt.sample_with_temperature(x, "v", temperature, seed=7)
+        calls = mt.comm_stats().as_dict()
+        return ids.to_global(), calls, argmax_calls
+
+    for ids, calls, argmax_calls in mt.launch(prog, mesh=mesh, rules=rules):
+        assert torch.equal(ids, want)
+        # the noise is drawn locally: argmax's communication, nothing more
+        assert calls == argmax_calls
+
+
+def test_sample_with_temperature_follows_the_softmax():
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    rows = 20000
+
+    def prog():
+        x = mt.from_global(logits.repeat(rows, 1), f"p:{rows},v:4")
+        return mt.sample_with_temperature(x, "v", 0.7, seed=11).to_global()
+
+    ids = mt.launch(prog, mesh="x:4", rules="v:x")[0]
+    freq = torch.bincount(ids, minlength=4).double() / rows
+    want = torch.softmax(logits.double() / 0.7, 0)
+    # four binomial standard deviations at most
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / rows).sqrt()).all(), (freq, want)
+
+
+def test_sample_with_temperature_rejects_negative_temperature():
+    with pytest.raises(mt.errors.ArgumentError, match="temperature"):
+        mt.sample_with_temperature(mt.ones("v:3"), "v", -1.0)

@@ -87,7 +87,7 @@ from meshtorch.ops.reduce import (
     reduce_sum,
 )
 from meshtorch.ops.reshape import broadcast, relayout, rename, replace_dims, reshape, transpose
-from meshtorch.ops.select import argmax, argmin, top_k
+from meshtorch.ops.select import argmax, argmin, sample_with_temperature, top_k
 from meshtorch.ops.slicewise import slicewise
 from meshtorch.replicator import Replicator
 from meshtorch.shape import Dim, Shape
