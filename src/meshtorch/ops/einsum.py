@@ -232,8 +232,10 @@ def _local_bmm(spec, pa, pb, po, nb, nfa, nc):
         x = x.permute(pa) if pa is not None else x
         w = w.permute(pb) if pb is not None else w
         bs, ms, ns = x.shape[:nb], x.shape[nb:nb + nfa], w.shape[nb + nc:]
-        y = torch.bmm(x.reshape(math.prod(bs), math.prod(ms), -1),
-                      w.reshape(math.prod(bs), -1, math.prod(ns)))
+        # sizes spelt out, not -1: an empty piece of an uneven split leaves -1 ambiguous
+        ks = math.prod(x.shape[nb + nfa:])
+        y = torch.bmm(x.reshape(math.prod(bs), math.prod(ms), ks),
+                      w.reshape(math.prod(bs), ks, math.prod(ns)))
         y = y.view(*bs, *ms, *ns)
         return y.permute(po) if po is not None else y
 
