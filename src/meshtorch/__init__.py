@@ -27,7 +27,7 @@ from meshtorch.launch import init_distributed, launch
 from meshtorch.layout import Layout, LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
-from meshtorch.ops.attention import ring_attention
+from meshtorch.ops.attention import local_attention, ring_attention
 from meshtorch.ops.einsum import einsum, matmul
 from meshtorch.ops.elementwise import (
     abs,
