@@ -57,6 +57,12 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
 
     assert cli.main(["generate", "--checkpoint", a, "--prompt", "def ", "--tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+    # beam search: the same best continuation on one processor and with the vocabulary split
+    from meshtorch.recipes.lm.generate import generate_from_checkpoint
+
+    assert cli.main(["generate", "--checkpoint", a, "--prompt", "def ", "--tokens", "4", "--beams", "3"]) == 0
+    beamed = capsys.readouterr().out
+    assert beamed == generate_from_checkpoint(a, "def ", 4, beams=3, mesh="m:2", rules="vocab:m") + "\n"
 
 
 def test_resume_with_fewer_steps_than_the_checkpoint_is_an_error(text, tmp_path, capsys):

@@ -42,7 +42,7 @@ def _load() -> dict:
     from meshtorch.layout import Layout, LayoutRules
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
-    from meshtorch.ops.attention import ring_attention
+    from meshtorch.ops.attention import local_attention, ring_attention
     from meshtorch.ops.einsum import einsum, matmul
     from meshtorch.ops.elementwise import (
         abs,
@@ -102,7 +102,7 @@ def _load() -> dict:
         reduce_sum,
     )
     from meshtorch.ops.reshape import broadcast, relayout, rename, replace_dims, reshape, transpose
-    from meshtorch.ops.select import argmax, argmin, top_k
+    from meshtorch.ops.select import argmax, argmin, sample_with_temperature, top_k
     from meshtorch.ops.slicewise import slicewise
     from meshtorch.replicator import Replicator
     from meshtorch.shape import Dim, Shape

@@ -1,4 +1,4 @@
-"""Greedy and sampled decoding (temperature, top-k) with a KV cache.
+"""Greedy, sampled (temperature, top-k) and beam-search decoding with a KV cache.
 
 Every processor runs the same loop (SPMD): the next-token logits are gathered
 (``[batch, vocab]`` is small) and sampled with a generator seeded the same on
@@ -28,6 +28,8 @@ from meshtorch.context import current, use
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.layout import LayoutRules
 from meshtorch.ops.array import slice as mt_slice
+from meshtorch.ops.einsum import einsum
+from meshtorch.ops.reshape import rename
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, from_global
 
@@ -57,6 +59,13 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
         kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def _pad_rows(seq: torch.Tensor, n: int) -> torch.Tensor:
+    """``seq``'s rows repeated up to a multiple of ``n`` (the pieces the rules split ``batch``
+    into); callers keep the first rows of the result."""
+    rows = seq.shape[0]
+    return seq.repeat(-(-rows // n) * n // rows + 1, 1)[: -(-rows // n) * n]
 
 
 def _last(logits: MeshTensor) -> torch.Tensor:
@@ -132,8 +141,7 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     seq = torch.tensor([list(p) for p in prompts], dtype=torch.int64)
     # the rules may split batch: repeat the prompts up to a multiple of that axis, keep the first rows
     ctx = current()
-    n = ctx.rules.pieces("batch", ctx.mesh)
-    seq = seq.repeat(-(-rows // n) * n // rows + 1, 1)[: -(-rows // n) * n]
+    seq = _pad_rows(seq, ctx.rules.pieces("batch", ctx.mesh))
     batch = Dim("batch", seq.shape[0])
     cache = model.new_cache(batch) if use_cache else None
     ids = seq
@@ -150,3 +158,103 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     finally:
         model.train(was_training)
     return torch.stack(out, 1)[:rows].tolist() if out else [[] for _ in prompts]
+
+
+@torch.no_grad()
+def beam_search(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, beams: int, *,
+                limit: int | None = None, return_scores: bool = False):
+    """The likeliest continuation of each prompt found by a beam search of width ``beams``.
+
+    Every step extends each of the ``beams`` best sequences of a prompt by every token and keeps
+    the ``beams`` best of those by total log-probability (ties: the lower beam, then the lower
+    token, first). The beams share one KV cache of ``prompts × beams`` rows, reordered after
+    each step by the beams' parents with a one-hot einsum, so it works under any rules (those
+    that split ``batch`` included). Sequences all have ``max_new_tokens`` tokens (fewer if
+    ``max_length`` is reached). ``beams=1`` is greedy decoding.
+
+    Args:
+        model: a :class:`~meshtorch.models.DecoderLM`.
+        prompts: token ids, all of the same length (at least 1).
+        limit: never emit ids ``>= limit``.
+        return_scores: also return each sequence's total log-probability.
+
+    Returns:
+        The new tokens of each prompt's best sequence (and, with ``return_scores``, the scores).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
+        >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8)
+        >>> model = DecoderLM(cfg, seed=0)
+        >>> beam_search(model, [[1, 2]], 3, beams=1) == generate(model, [[1, 2]], 3)
+        True
+        >>> len(beam_search(model, [[1, 2]], 3, beams=4)[0])
+        3
+    """
+    if beams < 1 or max_new_tokens < 0:
+        raise ArgumentError(f"beam_search: beams={beams} must be >= 1 and "
+                            f"max_new_tokens={max_new_tokens} >= 0")
+    lengths = {len(p) for p in prompts}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ShapeError(f"beam_search needs non-empty prompts of one length, got lengths {sorted(lengths)}")
+    vocab = model.cfg.vocab
+    if (limit if limit is not None else vocab) < beams:
+        raise ArgumentError(f"beam_search: beams={beams} exceeds the {limit or vocab} tokens it may emit")
+    with length_whole():
+        seqs, scores = _beam_search(model, prompts, max_new_tokens, beams, limit)
+    return (seqs, scores) if return_scores else seqs
+
+
+def _beam_search(model, prompts, max_new_tokens, beams, limit):
+    was_training = model.training
+    model.eval()
+    rows, n0 = len(prompts), len(prompts[0])
+    max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
+    ctx = current()
+    prompt = _pad_rows(torch.tensor([list(p) for p in prompts], dtype=torch.int64),
+                       ctx.rules.pieces("batch", ctx.mesh))
+    groups = prompt.shape[0]
+    batch = Dim("batch", groups * beams)
+    cache = model.new_cache(batch)
+    ids = prompt.repeat_interleave(beams, 0)             # row g * beams + b: beam b of prompt g
+    # only the first beam of each prompt is live at the start, so the first step's beams differ
+    score = torch.full((groups, beams), float("-inf"), dtype=torch.float64)
+    score[:, 0] = 0.0
+    out = torch.zeros(groups, beams, 0, dtype=torch.int64)
+    try:
+        for _ in range(max_new_tokens):
+            logits = _last(model(from_global(ids, [batch, Dim("length", ids.shape[1])]), cache)).double()
+            if limit is not None:
+                logits[:, limit:] = float("-inf")
+            vocab = logits.shape[-1]
+            cand = (score[:, :, None] + logits.log_softmax(-1).view(groups, beams, vocab)).view(groups, -1)
+            # a stable sort: among equal scores the lower (beam, token) first, as the reference order
+            best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :beams]
+            score = cand.gather(1, best)
+            parent, token = best // vocab, best % vocab
+            out = torch.cat([out.gather(1, parent[:, :, None].expand(-1, -1, out.shape[2])),
+                             token[:, :, None]], 2)
+            rows_from = (parent + torch.arange(groups)[:, None] * beams).flatten()
+            _reorder(cache, rows_from)
+            ids = token.reshape(-1, 1)
+    finally:
+        model.train(was_training)
+    top = score[:rows].argmax(1)
+    return (out[torch.arange(rows), top].tolist(), score[torch.arange(rows), top].tolist())
+
+
+def _reorder(cache, rows_from: torch.Tensor) -> None:
+    """Row ``j`` of every cached key and value becomes row ``rows_from[j]``: a one-hot einsum over
+    ``batch``, which needs no indexing of a split dim."""
+    n = rows_from.numel()
+    if torch.equal(rows_from, torch.arange(n)):
+        return
+    entry = cache.entries[0]["k"]
+    onehot = torch.zeros(n, n, dtype=entry.dtype)
+    onehot[rows_from, torch.arange(n)] = 1.0
+    pick = from_global(onehot, [Dim("batch", n), Dim("beam_row", n)])
+    for e in cache.entries:
+        for key in ("k", "v"):
+            t = e[key]
+            moved = einsum(t, pick, output_shape=["beam_row"] + [d for d in t.names if d != "batch"])
+            e[key] = rename(moved, "beam_row", "batch")

@@ -10,10 +10,11 @@ Example:
     (Shape('d:4,h:8'), '0.kernel')
 """
 
+from meshtorch.nn.batchnorm import BatchNorm
 from meshtorch.nn.layers import Dense, Dropout, Embedding, Fn, LayerNorm, RMSNorm, Sequential
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import MeshParameter
 from meshtorch.nn.remat import checkpoint
 
 __all__ = ["Module", "MeshParameter", "Dense", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "Sequential",
-           "Fn", "checkpoint"]
+           "Fn", "checkpoint", "BatchNorm"]

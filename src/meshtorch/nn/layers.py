@@ -42,24 +42,34 @@ def _dims(x: Dim | Sequence[Dim], what: str) -> list[Dim]:
 class Dense(Module):
     """``y = x · kernel + bias``, contracting ``in_dims`` into ``out_dims``.
 
-    The kernel has shape ``in_dims + out_dims`` and is initialised with std
-    ``1/sqrt(fan_in)`` (LeCun normal) unless ``init`` says otherwise.
+    The kernel has shape ``experts + in_dims + out_dims`` and is initialised with std
+    ``1/sqrt(fan_in)`` (LeCun normal, fan-in over ``in_dims``) unless ``init`` says otherwise.
+
+    ``experts`` (Mesh-TF's expert dims): dims the input carries too, over which the layer has one
+    kernel (and bias) each; ``x[..., e, ...]`` is multiplied by kernel ``e`` (one batched matmul,
+    as :class:`~meshtorch.models.moe.MoE`'s experts). A split expert dim needs no communication
+    where the input is split on it as well.
 
     Example:
         >>> import meshtorch as mt
-        >>> d, h = mt.Dim("d", 4), mt.Dim("h", 2)
+        >>> d, h, e = mt.Dim("d", 4), mt.Dim("h", 2), mt.Dim("experts", 3)
         >>> mt.nn.Dense(d, h)(mt.ones("batch:3,d:4")).shape
         Shape('batch:3,h:2')
+        >>> layer = mt.nn.Dense(d, h, experts=e)
+        >>> layer.kernel.mesh_shape, layer(mt.ones("experts:3,batch:5,d:4")).shape
+        (Shape('experts:3,d:4,h:2'), Shape('experts:3,batch:5,h:2'))
     """
 
     def __init__(self, in_dims: Dim | Sequence[Dim], out_dims: Dim | Sequence[Dim], *,
-                 bias: bool = True, init: str | InitFn = "kaiming_normal", **init_kwargs: Any):
+                 bias: bool = True, init: str | InitFn = "kaiming_normal",
+                 experts: Dim | Sequence[Dim] = (), **init_kwargs: Any):
         super().__init__()
         self.in_dims, self.out_dims = _dims(in_dims, "in_dims"), _dims(out_dims, "out_dims")
+        self.expert_dims = _dims(experts, "experts") if experts else []
         if init == "kaiming_normal":
             init_kwargs = {"gain": 1.0, "fan_in": [d.name for d in self.in_dims], **init_kwargs}
-        self.kernel = MeshParameter(self.in_dims + self.out_dims, init, **init_kwargs)
-        self.bias = MeshParameter(self.out_dims, "zeros") if bias else None
+        self.kernel = MeshParameter(self.expert_dims + self.in_dims + self.out_dims, init, **init_kwargs)
+        self.bias = MeshParameter(self.expert_dims + self.out_dims, "zeros") if bias else None
         self._out_names = BoundedCache(64)  # input shape -> output dim names
 
     def forward(self, x: MeshTensor) -> MeshTensor:
@@ -67,9 +77,10 @@ class Dense(Module):
         out = self._out_names.get(x.shape)
         if out is None:  # checked once per input shape: a model feeds the same few every step
             ins = {d.name for d in self.in_dims}
-            for d in self.in_dims:
+            for d in self.in_dims + self.expert_dims:
                 if d not in x.shape:
-                    raise ShapeError(f"Dense expects dim {d} in its input, got [{x.shape}]")
+                    what = "expert dim" if d in self.expert_dims else "dim"
+                    raise ShapeError(f"Dense expects {what} {d} in its input, got [{x.shape}]")
             out = self._out_names.put(
                 x.shape, tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims]))
         y = einsum(x, self.kernel.mesh_tensor, output_shape=out)

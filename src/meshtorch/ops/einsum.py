@@ -5,7 +5,9 @@ d_ff"`` names each operand's dims (in any order) and the output's. Dims that
 appear in an input but not in the output are summed over. With
 ``output_shape=`` instead of an equation, the output's dims are given and
 every other dim is contracted. An output dim that no operand has (given as a ``Dim``, with its
-size) is broadcast, as in Mesh-TF.
+size) is broadcast, as in Mesh-TF. Operands of different dtypes are promoted as elementwise ops
+and ``torch.result_type`` promote them (a float64 input to a float32 ``Dense`` gives float64),
+except under autocast, which chooses the matmul's dtype itself.
 
 Example:
     >>> import torch, meshtorch as mt
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import string
 from collections.abc import Callable, Iterable
@@ -27,7 +30,7 @@ from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
 from meshtorch.lowering.plan import align, lower
 from meshtorch.meta_autocast import autocast_enabled
-from meshtorch.ops.elementwise import broadcast_shape
+from meshtorch.ops.elementwise import broadcast_shape, cast
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
@@ -89,7 +92,17 @@ def einsum(
             out_dims = _parse(equation, xs)
         plan = _PLANS.put(key, _broadcast_plan(xs, out_dims))
     out, local_fn, reduced = plan
-    return lower("einsum", xs, out, local_fn, reduced=reduced, name=name)
+    return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name)
+
+
+def _promoted(xs: tuple[MeshTensor, ...]) -> tuple[MeshTensor, ...]:
+    """The operands in one dtype, ``torch.promote_types`` of theirs, as elementwise ops promote
+    (torch's matmuls refuse mixed dtypes). Autocast chooses the matmul's dtype itself."""
+    first = xs[0].dtype
+    if all(x.dtype == first for x in xs) or autocast_enabled(xs[0].local.device.type):
+        return xs
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])
+    return tuple(x if x.dtype == dtype else cast(x, dtype) for x in xs)
 
 
 # A model calls einsum with the same few shapes every step: the output shape, equation and
@@ -163,8 +176,6 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
         w_leading, w_trailing = ib == list(range(k)), ib == list(range(nb - k, nb))
 
         def local_dot(view, x, w):
-            if _needs_einsum(x, w):
-                return torch.einsum(spec, x, w)
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
             # output layer); the local slices keep the shape's dim order, so this holds on any mesh
             if x_trailing and (w_leading or w_trailing):
@@ -187,14 +198,6 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
     if bmm is not None:
         return out, _local_bmm(spec, *bmm), reduced
     return out, lambda view, *ls: torch.einsum(spec, *ls), reduced
-
-
-def _needs_einsum(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the mm/bmm fast paths give way to ``torch.einsum`` (mixed dtypes outside
-    autocast, which torch refuses either way). Under autocast, torch's or the meta backend's,
-    mm and bmm are the ops autocast casts, on real and meta tensors alike, so a planned
-    low-precision step takes the path a real one does."""
-    return x.dtype != w.dtype and not autocast_enabled(x.device.type)
 
 
 def _bmm_dims(xs: tuple[MeshTensor, ...], out_names: list[str]):
@@ -224,15 +227,15 @@ def _bmm_dims(xs: tuple[MeshTensor, ...], out_names: list[str]):
 
 def _local_bmm(spec, pa, pb, po, nb, nfa, nc):
     def local_bmm(view, x, w):
-        if _needs_einsum(x, w):
-            return torch.einsum(spec, x, w)
         # one bmm on [batch, m, k] x [batch, k, n], as PyTorch attention code does it (q @ kᵀ,
         # a @ v): torch.einsum reaches the same bmm through more permutes, unsqueezes and views
         x = x.permute(pa) if pa is not None else x
         w = w.permute(pb) if pb is not None else w
         bs, ms, ns = x.shape[:nb], x.shape[nb:nb + nfa], w.shape[nb + nc:]
-        y = torch.bmm(x.reshape(math.prod(bs), math.prod(ms), -1),
-                      w.reshape(math.prod(bs), -1, math.prod(ns)))
+        # sizes spelt out, not -1: an empty piece of an uneven split leaves -1 ambiguous
+        ks = math.prod(x.shape[nb + nfa:])
+        y = torch.bmm(x.reshape(math.prod(bs), math.prod(ms), ks),
+                      w.reshape(math.prod(bs), ks, math.prod(ns)))
         y = y.view(*bs, *ms, *ns)
         return y.permute(po) if po is not None else y
 

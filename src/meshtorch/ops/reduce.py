@@ -1,7 +1,12 @@
 """Reductions over named dims: sum, mean, max, min, logsumexp; and ``add_n`` over a list.
 
 ``dims`` names the dims to reduce (a name, a ``Dim`` or a list); ``None``
-reduces every dim. Alternatively ``output_shape=`` names the dims to keep.
+reduces every dim. Alternatively ``output_shape=`` names the dims to keep, in the order the
+result has them (as Mesh-TF's ``output_shape``).
+
+``reduce_max``/``reduce_min`` pass the gradient to the extreme elements as ``torch.amax`` does:
+``k`` tied elements each get ``1/k`` of it, ``k`` counted over the whole reduced dims, so the
+gradient is the same on every mesh and layout.
 
 Example:
     >>> import torch, meshtorch as mt
@@ -22,6 +27,7 @@ from meshtorch.errors import MeshTorchError, ShapeError
 from meshtorch.lowering.fused import Fused
 from meshtorch.lowering.plan import lower
 from meshtorch.ops.elementwise import add, exp, log, nary, unary
+from meshtorch.ops.reshape import transpose
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
@@ -60,39 +66,125 @@ _LOCAL = {"sum": lambda t, i: t.sum(i), "max": functools.partial(_extreme, torch
           "min": functools.partial(_extreme, torch.amin, "max")}
 
 
+def _kept_order(x: MeshTensor, output_shape) -> list[str] | None:
+    """The dim names ``output_shape`` keeps, in its order (``None``: no ``output_shape``)."""
+    if output_shape is None:
+        return None
+    dims = as_shape(output_shape) if isinstance(output_shape, str) else output_shape
+    return [dim_name(d) for d in dims]
+
+
+def _in_order(r: MeshTensor, x: MeshTensor, output_shape) -> MeshTensor:
+    """``r`` (the reduction of ``x``, dims in ``x``'s order) with its dims in ``output_shape``'s order."""
+    order = _kept_order(x, output_shape)
+    if order is None or order == r.names:
+        return r
+    return transpose(r, order)
+
+
 def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower):
     x = as_mesh_tensor(x)
     names = _reduced_names(x, dims, output_shape)
     out = x.shape.without(names)
     idx = [x.shape.index(n) for n in names]
     if not idx:
-        return x
+        return _in_order(x, x, output_shape)
     torch_fn = _LOCAL[how]
 
     def local_fn(view, t):
         return torch_fn(t, idx)
 
-    return lower_fn(f"reduce_{how}", [x], out, local_fn, reduced=dict.fromkeys(names, how), name=name)
+    if how != "sum" and lower_fn is lower and x.requires_grad and torch.is_grad_enabled() and any(
+            x.layout.axes_of(n) for n in names):
+        return _in_order(_split_extreme(x, names, out, how, name), x, output_shape)
+    r = lower_fn(f"reduce_{how}", [x], out, local_fn, reduced=dict.fromkeys(names, how), name=name)
+    return r if lower_fn is not lower else _in_order(r, x, output_shape)
+
+
+class _Hits(torch.autograd.Function):
+    """``t == m`` as 0/1 numbers (in ``dtype``), whose gradient passes to ``t`` where it holds."""
+
+    @staticmethod
+    def forward(ctx, t, m, dtype):
+        hit = t == m
+        ctx.save_for_backward(hit)
+        ctx.dtype = t.dtype
+        return hit.to(dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (hit,) = ctx.saved_tensors
+        return torch.where(hit, g, 0).to(ctx.dtype), None, None
+
+
+class _Share(torch.autograd.Function):
+    """The value ``m``; its gradient goes to ``count`` divided by ``count``, so that each of the
+    ``count`` tied elements behind it gets an equal share."""
+
+    @staticmethod
+    def forward(ctx, m, count):
+        ctx.save_for_backward(count)
+        return m.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (count,) = ctx.saved_tensors
+        return None, (g / count.clamp_min(1)).to(count.dtype)
+
+
+def _split_extreme(x: MeshTensor, names: list[str], out, how: str, name) -> MeshTensor:
+    # Along a split reduced dim the lowering's all_reduce shares the gradient between the
+    # processors holding the extreme, and each splits its share between its own ties: the shares
+    # then depend on the layout. Counting the ties over the whole reduced dims instead gives
+    # torch.amax's rule on every mesh, for the same two all_reduces (max, then the count).
+    idx = [x.shape.index(n) for n in names]
+    m = lower(f"reduce_{how}", [x.detach()], out, lambda view, t: _LOCAL[how](t, idx),
+              reduced=dict.fromkeys(names, how), name=name)
+    count_dtype = torch.promote_types(x.dtype, torch.float32)
+    hits = nary(lambda t, mm: _Hits.apply(t, mm, count_dtype), x, m, op=f"reduce_{how}")
+    count = _reduce(hits, names, None, "sum", None)
+    return MeshTensor(_Share.apply(m.local, count.local), m.shape, m.layout, name)
 
 
 def reduce_sum(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
-    """Sum over ``dims`` (all if ``None``).
+    """Sum over ``dims`` (all if ``None``), or over every dim ``output_shape`` leaves out, the
+    result's dims then in ``output_shape``'s order.
 
     Example:
         >>> import torch, meshtorch as mt
         >>> mt.reduce_sum(mt.ones("a:2,b:3")).item()
         6.0
+        >>> mt.reduce_sum(mt.ones("a:2,b:3,c:4"), output_shape=["c", "a"]).shape
+        Shape('c:4,a:2')
     """
     return _reduce(x, dims, output_shape, "sum", name)
 
 
 def reduce_max(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
-    """Maximum over ``dims``; the gradient goes to the maximal elements."""
+    """Maximum over ``dims``. The gradient goes to the maximal elements, shared evenly among
+    ties counted over the whole reduced dims (``torch.amax``'s rule), on every mesh and layout.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> def f():
+        ...     x = mt.from_global(torch.tensor([5.0, 5.0, 5.0, 1.0]), "m:4", requires_grad=True)
+        ...     mt.reduce_max(x).backward()
+        ...     return [round(g, 3) for g in x.grad.to_global().tolist()]
+        >>> mt.launch(f, mesh="p:2", rules="m:p")[0]
+        [0.333, 0.333, 0.333, 0.0]
+    """
     return _reduce(x, dims, output_shape, "max", name)
 
 
 def reduce_min(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
-    """Minimum over ``dims``; the gradient goes to the minimal elements."""
+    """Minimum over ``dims``; the gradient is shared as :func:`reduce_max`'s.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.tensor([[3.0, 1.0], [0.0, 2.0]]), "a:2,c:2")
+        >>> mt.reduce_min(x, output_shape=["c"]).to_global().tolist()
+        [0.0, 1.0]
+    """
     return _reduce(x, dims, output_shape, "min", name)
 
 
@@ -141,7 +233,7 @@ def reduce_mean(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> Me
     count = 1
     for n in names:
         count *= x.shape[n].size
-    return reduce_sum(x, names, name=name) / count
+    return _in_order(reduce_sum(x, names, name=name) / count, x, output_shape)
 
 
 def reduce_logsumexp(x: MeshTensor, dims=None, *, output_shape=None, extra_logit=None,
@@ -175,6 +267,7 @@ def reduce_logsumexp(x: MeshTensor, dims=None, *, output_shape=None, extra_logit
         m = reduce_max(x.detach(), names)
         finite = MeshTensor(torch.where(torch.isfinite(m.local), m.local, 0.0), m.shape, m.layout)
         r = log(reduce_sum(exp(x - finite), names)) + finite
+    r = _in_order(r, x, output_shape)
     return r if extra_logit is None else nary(_logaddexp, r, extra_logit, op="reduce_logsumexp")
 
 
@@ -226,15 +319,17 @@ class Reductions:
 
     def __init__(self) -> None:
         self._fused = Fused()
-        # per handle: (index into the fused results, or the finished value; a divisor for means)
-        self._entries: list[tuple[int | MeshTensor, int]] = []
+        # per handle: (index into the fused results, or the finished value; a divisor for means;
+        # the output_shape order of the dims kept, if one was given)
+        self._entries: list[tuple[int | MeshTensor, int, list[str] | None]] = []
         self._done = False
 
     def _add(self, x, dims, output_shape, how: str, name, count: int = 1) -> int:
         if self._done:
             raise MeshTorchError("this mt.Reductions has already run; start a new one for more reductions")
+        x = as_mesh_tensor(x)
         r = _reduce(x, dims, output_shape, how, name, lower_fn=self._fused.lower)
-        self._entries.append((r, count))
+        self._entries.append((r, count, _kept_order(x, output_shape)))
         return len(self._entries) - 1
 
     def sum(self, x: MeshTensor, dims=None, *, output_shape=None, name=None) -> int:
@@ -248,7 +343,7 @@ class Reductions:
         count = 1
         for n in names:
             count *= x.shape[n].size
-        return self._add(x, names, None, "sum", name, count)
+        return self._add(x, dims, output_shape, "sum", name, count)
 
     def max(self, x: MeshTensor, dims=None, *, output_shape=None, name=None) -> int:
         """Add ``reduce_max(x, dims)``; returns its index in :meth:`run`'s list."""
@@ -265,7 +360,10 @@ class Reductions:
         self._done = True
         fused = self._fused.run()
         out = []
-        for r, count in self._entries:
+        for r, count, order in self._entries:
             v = fused[r] if isinstance(r, int) else r
-            out.append(v / count if count != 1 else v)
+            v = v / count if count != 1 else v
+            if order is not None and order != v.names:
+                v = transpose(v, order)
+            out.append(v)
         return out

@@ -1,5 +1,5 @@
-"""Positions of extremes along a dim: argmax, argmin, top_k (Mesh-TF's ``mtf.argmax``,
-``mtf.top_k``).
+"""Positions of extremes along a dim: argmax, argmin, top_k, and sampling by the Gumbel-max trick
+(Mesh-TF's ``mtf.argmax``, ``mtf.top_k``, ``mtf.sample_with_temperature``).
 
 Along a split dim ``argmax`` needs no gather: the maximum is all-reduced, then each processor
 offers the first global position in its slice that holds it and the smallest offer wins (two
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.plan import lower
+from meshtorch.ops.elementwise import unary
 from meshtorch.ops.reduce import reduce_max, reduce_min
+from meshtorch.random import uniform
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
@@ -110,3 +112,34 @@ def top_k(x: MeshTensor, dim: str | Dim, k_dim: Dim,
     values = lower("top_k", [x], out, lambda view, t: local_fn(view, t)[0], whole=whole, name=name)
     indices = lower("top_k", [x.detach()], out, lambda view, t: local_fn(view, t)[1], whole=whole, name=name)
     return values, indices
+
+
+def sample_with_temperature(logits: MeshTensor, dim: str | Dim, temperature: float = 1.0, *,
+                            seed: int | None = None, name: str | None = None) -> MeshTensor:
+    """Ids along ``dim`` drawn from ``softmax(logits / temperature)`` (int64, ``dim`` dropped),
+    as Mesh-TF's ``mtf.sample_with_temperature``: the argmax of ``logits + temperature * g``
+    for Gumbel noise ``g``; ``temperature=0`` is the argmax. The noise is a pure function of
+    the seed (the context's next random stream if ``None``) and the element's global index,
+    so every mesh and layout draws the same ids. Communication is :func:`argmax`'s: two small
+    ``all_reduce``\\ s where ``dim`` is split. Not differentiable.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> logits = mt.from_global(torch.tensor([[0.0, 50.0, 0.0], [9.0, 0.0, 0.0]]), "b:2,v:3")
+        >>> mt.sample_with_temperature(logits, "v", seed=0).to_global().tolist()
+        [1, 0]
+        >>> mt.sample_with_temperature(logits, "v", 0.0).to_global().tolist()
+        [1, 0]
+    """
+    logits = as_mesh_tensor(logits).detach()
+    if not 0 <= temperature < float("inf"):
+        raise ArgumentError(f"sample_with_temperature: temperature={temperature} must be >= 0 and finite "
+                            "(0: the argmax)")
+    if temperature == 0:
+        return argmax(logits, dim, name)
+    logits.shape[dim]  # the dim must exist before noise is drawn for it
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    tiny = torch.finfo(dtype).tiny
+    u = uniform(logits.shape, seed=seed, dtype=dtype)
+    gumbel = unary(lambda t: -torch.log(-torch.log(t.clamp_min(tiny))), u, "sample_with_temperature")
+    return argmax(logits + gumbel * temperature, dim, name)

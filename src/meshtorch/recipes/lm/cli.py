@@ -137,7 +137,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                                     temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                                    mesh=args.mesh, rules=args.rules)
+                                    mesh=args.mesh, rules=args.rules, beams=args.beams)
     print(text)
     return 0
 
@@ -159,6 +159,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest, 0 = all "
                    "(default: 40)")
     g.add_argument("--seed", type=int, default=0, help="(default: 0)")
+    g.add_argument("--beams", type=int, default=0, help="beam search of this width instead of "
+                   "sampling (--temperature and --top-k are then unused; default: 0, sample)")
     g.add_argument("--mesh", default="", help="mesh to load onto (default: one processor)")
     g.add_argument("--rules", default="", help="layout rules for --mesh")
     g.set_defaults(func=run_generate)

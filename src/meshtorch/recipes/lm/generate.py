@@ -2,6 +2,7 @@
 
 Example:
     $ meshtorch generate --checkpoint runs/20250101-120000 --prompt "import "
+    $ meshtorch generate --checkpoint runs/20250101-120000 --prompt "import " --beams 4
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from meshtorch.checkpoint.state import from_json
 from meshtorch.checkpoint.versions import POINTER
 from meshtorch.data import ByteTokenizer
 from meshtorch.errors import CheckpointError
-from meshtorch.models import DecoderLM, TransformerConfig, generate
+from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
 
 
 def checkpoint_dir(path: str) -> str:
@@ -36,8 +37,10 @@ def model_config(path: str) -> tuple[str, TransformerConfig]:
 
 
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                             top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "") -> str:
-    """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation."""
+                             top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
+                             beams: int = 0) -> str:
+    """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
+    or with ``beams >= 1`` the best of a beam search of that width)."""
     from meshtorch.checkpoint import load
     from meshtorch.launch import launch
 
@@ -51,8 +54,11 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
         model = DecoderLM(cfg)
         load(path, model=model, restore_rng_state=False)
         ids = [tok.eos] + tok.encode(prompt)
-        new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                       limit=tok.eos + 1)[0]
+        if beams:
+            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.eos + 1)[0]
+        else:
+            new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                           limit=tok.eos + 1)[0]
         return tok.decode(ids + new)
 
     return launch(prog, mesh=mesh, rules=rules)[0]
