@@ -28,6 +28,9 @@ from meshtorch.layout import Layout, LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
 from meshtorch.ops.attention import ring_attention
+
+# spatial partitioning: convolutions, pools and the halo exchange they run on
+from meshtorch.ops.conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
 from meshtorch.ops.einsum import einsum, matmul
 from meshtorch.ops.elementwise import (
     abs,
@@ -89,6 +92,7 @@ from meshtorch.ops.reduce import (
 from meshtorch.ops.reshape import broadcast, relayout, rename, replace_dims, reshape, transpose
 from meshtorch.ops.select import argmax, argmin, top_k
 from meshtorch.ops.slicewise import slicewise
+from meshtorch.ops.spatial import halo_exchange
 from meshtorch.replicator import Replicator
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor, from_global, full, ones, ones_like, zeros, zeros_like
