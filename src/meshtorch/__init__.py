@@ -78,6 +78,7 @@ from meshtorch.ops.elementwise import (
 )
 from meshtorch.ops.nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
 from meshtorch.ops.pieces import split, stack, unstack
+from meshtorch.ops.pool import avg_pool, max_pool
 from meshtorch.ops.reduce import (
     Reductions,
     add_n,

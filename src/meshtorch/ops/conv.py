@@ -142,8 +142,8 @@ def _conv(op: str, x: MeshTensor, kernel: MeshTensor, dims, kernel_dims, padding
         lead = xp.shape[:nb]
         xp = xp.reshape(math.prod(lead), *xp.shape[nb:])
         sizes = [view.size(d) for d in dims]
-        if min(sizes) == 0 or min(xp.shape[1:]) == 0:
-            # no input reaches this piece (or no input channel): zeros, still in the graph of
+        if min(sizes) == 0 or xp.numel() == 0 or wl.numel() == 0:
+            # no input reaches this piece (or no channel is here): zeros, still in the graph of
             # both operands so that their backward collectives run here as on the others
             shape = [*lead, wl.shape[w_perm[1 if transpose else 0]], *sizes]
             y = xw.new_zeros(shape) + 0 * (xw.sum() + wl.sum())
