@@ -138,31 +138,20 @@ def halo_slice(t: torch.Tensor, i: int, axes: Sequence[str], total: int, need: N
     raw_a, raw_b = needs[me]
     if not wrap and raw_a < raw_b and raw_a < 0:
         parts.append(_fill_like(t, i, min(raw_b, 0) - raw_a, fill))
-    width = max(w for w, _ in lefts)
-    if width:
-        # each piece sends its last `width` rows to the next; the fill in front of a short
-        # piece is never read (a piece needs at most its neighbour's length)
-        sent = _pad_front(t, i, width, fill)
-        src = [None] * n
-        for p in range(n):
-            if lefts[p][0]:
-                src[order[p]] = order[(p - 1) % n]
-        got = ca.permute(sent, current().comm, _group(mesh, axes), tuple(src))
+    group = _group(mesh, axes)
+    # each piece sends its last rows to the next piece, and its first rows to the previous; the
+    # fill beside a short piece is never read (a piece needs at most its neighbour's length)
+    got = _receive(t, i, lefts, -1, order, group, fill)
+    if got is not None:
         # the halo holds global rows [s - width, s): this piece reads [a, min(b, s))
-        parts.append(got.narrow(i, width - lefts[me][0], lefts[me][1]))
+        parts.append(got.narrow(i, got.shape[i] - lefts[me][0], lefts[me][1]))
     own_a, own_b = max(a, s), min(b, s + length)
     parts.append(t.narrow(i, own_a - s, max(0, own_b - own_a)) if own_b > own_a else t.narrow(i, 0, 0))
-    width = max(w for w, _ in rights)
-    if width:
-        sent = _pad_back(t, i, width, fill)
-        src = [None] * n
-        for p in range(n):
-            if rights[p][0]:
-                src[order[p]] = order[(p + 1) % n]
-        got = ca.permute(sent, current().comm, _group(mesh, axes), tuple(src))
+    got = _receive(t, i, rights, 1, order, group, fill)
+    if got is not None:
         # the halo holds global rows [e, e + width): this piece reads [max(a, e), b)
         start = max(a, s + length) - (s + length)
-        parts.append(got.narrow(i, min(start, width), rights[me][1]))
+        parts.append(got.narrow(i, min(start, got.shape[i]), rights[me][1]))
     if not wrap and raw_a < raw_b and raw_b > total:
         parts.append(_fill_like(t, i, raw_b - max(total, raw_a), fill))
     return parts[0] if len(parts) == 1 else torch.cat(parts, i)
@@ -191,6 +180,23 @@ def window(t: torch.Tensor, i: int, total: int, a: int, b: int, *, fill: float =
         return mid
     front, back = max(0, min(lo, b) - a), max(0, b - max(hi, a))
     return torch.cat([_fill_like(t, i, front, fill), mid, _fill_like(t, i, back, fill)], i)
+
+
+def _receive(t: torch.Tensor, i: int, widths: list[tuple[int, int]], step: int, order: list[int],
+             group: str | tuple[str, ...], fill: float) -> torch.Tensor | None:
+    """The halo from the piece ``step`` places on (``-1``: the previous piece's last rows,
+    ``1``: the next piece's first rows), as wide as the widest any piece needs, sent only to the
+    pieces that need one; ``None`` when none does."""
+    width = max(w for w, _ in widths)
+    if not width:
+        return None
+    sent = _pad_front(t, i, width, fill) if step < 0 else _pad_back(t, i, width, fill)
+    n = len(widths)
+    src: list[int | None] = [None] * n
+    for p in range(n):
+        if widths[p][0]:
+            src[order[p]] = order[(p + step) % n]
+    return ca.permute(sent, current().comm, group, tuple(src))
 
 
 def feasible(total: int, axes: Sequence[str], need: Need, wrap: bool = False) -> bool:
