@@ -43,6 +43,7 @@ def _load() -> dict:
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
     from meshtorch.ops.attention import local_attention, ring_attention
+    from meshtorch.ops.conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
     from meshtorch.ops.einsum import einsum, matmul
     from meshtorch.ops.elementwise import (
         abs,
@@ -90,6 +91,7 @@ def _load() -> dict:
     )
     from meshtorch.ops.nn import cross_entropy, dropout, layer_norm, log_softmax, rms_norm, softmax
     from meshtorch.ops.pieces import split, stack, unstack
+    from meshtorch.ops.pool import avg_pool, max_pool
     from meshtorch.ops.reduce import (
         Reductions,
         add_n,
@@ -104,6 +106,7 @@ def _load() -> dict:
     from meshtorch.ops.reshape import broadcast, relayout, rename, replace_dims, reshape, transpose
     from meshtorch.ops.select import argmax, argmin, sample_with_temperature, top_k
     from meshtorch.ops.slicewise import slicewise
+    from meshtorch.ops.spatial import halo_exchange
     from meshtorch.replicator import Replicator
     from meshtorch.shape import Dim, Shape
     from meshtorch.tensor import MeshTensor, from_global, full, ones, ones_like, zeros, zeros_like

@@ -227,13 +227,12 @@ class Communicator(ABC):
         blocks = [out.narrow(concat_dim, i * mc, c) for i, c in enumerate(concats)]
         return torch.cat(blocks, concat_dim).narrow(split_dim, 0, mine).contiguous()
 
-    def permute(self, t: torch.Tensor, axis: str, sources: list[int | None]) -> torch.Tensor:
-        """Point-to-point along one axis: member ``i`` receives the tensor of member
+    def permute(self, t: torch.Tensor, axis, sources: list[int | None]) -> torch.Tensor:
+        """Point-to-point along one axis, or a group of axes (members numbered row-major in
+        mesh order, as :meth:`group`): member ``i`` receives the tensor of member
         ``sources[i]`` (zeros where ``sources[i]`` is ``None``). Every member must
         pass the same ``sources``; each member sends to all who name it."""
         axes, group = self._prepare("permute", axis, t)
-        if len(axes) != 1:
-            raise CommError(f"permute runs along one axis, got {axes}")
         if len(sources) != len(group):
             raise CommError(f"permute along {axis!r}: {len(sources)} sources for {len(group)}")
         me = group.index(self.rank)

@@ -300,9 +300,11 @@ def shift(t: torch.Tensor, comm: Communicator, axis: str, offset: int, wrap: boo
     return _Shift.apply(t, comm, axis, offset, wrap)
 
 
-def permute(t: torch.Tensor, comm: Communicator, axis: str, sources: tuple[int, ...]) -> torch.Tensor:
-    """Member ``i`` receives member ``sources[i]``'s tensor (``sources``: a permutation of the
-    axis's members); backward sends each gradient back where its tensor came from.
+def permute(t: torch.Tensor, comm: Communicator, axis: AxisGroup,
+            sources: tuple[int | None, ...]) -> torch.Tensor:
+    """Member ``i`` receives member ``sources[i]``'s tensor (``sources``: distinct members of the
+    axis, or of the group of axes; ``None``: zeros); backward sends each gradient back where its
+    tensor came from (a member nobody received from gets zeros).
 
     Example (member 0 gets member 2's tensor; the gradient of ``y`` on member 0 goes to 2):
         >>> import torch, meshtorch as mt
@@ -318,11 +320,18 @@ def permute(t: torch.Tensor, comm: Communicator, axis: str, sources: tuple[int, 
     return _Permute.apply(t, comm, axis, tuple(sources))
 
 
-def inverse_sources(sources: tuple[int, ...]) -> tuple[int, ...]:
-    """The ``sources`` of the permutation that undoes ``permute(..., sources)``."""
-    inv = [0] * len(sources)
+def inverse_sources(sources: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """The ``sources`` of the permutation that undoes ``permute(..., sources)`` (``None`` for
+    a member whose tensor nobody received).
+
+    Example:
+        >>> inverse_sources((2, 0, 1)), inverse_sources((None, 0, 1))
+        ((1, 2, 0), (1, 2, None))
+    """
+    inv: list[int | None] = [None] * len(sources)
     for i, s in enumerate(sources):
-        inv[s] = i
+        if s is not None:
+            inv[s] = i
     return tuple(inv)
 
 

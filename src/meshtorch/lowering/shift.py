@@ -4,7 +4,9 @@
 dim, where zeros shift in at the edges (or, with ``wrap``, the dim is cyclic). Along a dim that a
 mesh axis splits, each processor receives exactly the elements it lacks, with one point-to-point
 ``shift`` along the axis (two when ``offset`` is not a multiple of the slice length); along an
-unsplit dim nothing is sent. The point-to-point steps are adapters of
+unsplit dim nothing is sent. A dim split over several axes, or unevenly, receives its halo from
+the neighbouring pieces (:mod:`meshtorch.lowering.halo`) when they hold it, and is gathered only
+for an offset that reaches past a neighbour's slice. The point-to-point steps are adapters of
 :mod:`meshtorch.lowering.adapters`, so the result is differentiable.
 
 Example:
@@ -25,7 +27,9 @@ import torch
 
 from meshtorch.comm.base import as_axes
 from meshtorch.context import current
+from meshtorch.layout import piece
 from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.halo import feasible, halo_slice
 from meshtorch.lowering.redistribute import moves, run_steps
 
 
@@ -35,8 +39,8 @@ def shift_slice(t: torch.Tensor, i: int, axes: str | tuple[str, ...] | None, off
 
     ``t`` is the local slice; ``axes`` are the mesh axes that split dim ``i`` (``None`` or ``()``:
     the dim is whole on every processor and the shift is local), ``total`` its global size
-    (``None``: evenly split). Point-to-point shifts run along one axis between equal pieces, so a
-    dim split over several axes, or unevenly, is gathered, shifted whole and sliced again.
+    (``None``: evenly split). A dim split over several axes, or unevenly, gets the halo from its
+    neighbouring pieces; only an offset wider than a neighbour's slice gathers it.
     """
     axes = as_axes(axes) if axes else ()
     if not axes:
@@ -45,6 +49,16 @@ def shift_slice(t: torch.Tensor, i: int, axes: str | tuple[str, ...] | None, off
     n = math.prod(comm.mesh.axis_size(a) for a in axes)
     total = t.shape[i] * n if total is None else total
     if len(axes) > 1 or total % n:
+        if not wrap and abs(offset) >= total:
+            return _shift_whole(t, i, offset, wrap)
+        # the halo from the neighbouring pieces, in the rule's order, when they hold it
+        for k in ((offset % total, offset % total - total) if wrap else (offset,)):
+            def need(parts, k=k):
+                s, length = piece(total, parts)
+                return s - k, s + length - k
+
+            if feasible(total, axes, need, wrap):
+                return halo_slice(t, i, axes, total, need, wrap=wrap, dim="", op="shift")
         split = [()] * t.dim()
         split[i] = axes
         sizes = [0] * t.dim()

@@ -98,8 +98,9 @@ def shift(x: MeshTensor, dim: str | Dim, offset: int, wrap: bool = False,
     """``out[i] = x[i - offset]`` along ``dim``: zeros shift in at the edge, or
     with ``wrap`` the dim is cyclic. Along a split dim each processor receives
     only the halo it needs from its neighbours (one or two point-to-point
-    shifts along the axis); a dim split over several axes, or unevenly, is
-    gathered along them, shifted and sliced again.
+    shifts along the axis); a dim split over several axes, or unevenly, gets its
+    halo from the neighbouring pieces too (gathered only when the offset reaches
+    past a neighbour's slice).
 
     Example:
         >>> import torch, meshtorch as mt
