@@ -43,7 +43,14 @@ def _load() -> dict:
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
     from meshtorch.ops.attention import local_attention, ring_attention
-    from meshtorch.ops.conv import conv1d, conv2d, conv3d, conv_transpose1d, conv_transpose2d, conv_transpose3d
+    from meshtorch.ops.conv import (
+        conv1d,
+        conv2d,
+        conv3d,
+        conv_transpose1d,
+        conv_transpose2d,
+        conv_transpose3d,
+    )
     from meshtorch.ops.einsum import einsum, matmul
     from meshtorch.ops.elementwise import (
         abs,
