@@ -10,12 +10,66 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshtorch.errors import PlacementError
-from meshtorch.placement import OpGraph, Problem, evaluate, is_contiguous, place
+from meshtorch.placement import OpGraph, Problem, evaluate, order_constraints, place
 from meshtorch.placement.milp import solve_milp
 
 SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def reference_load(graph: OpGraph, prob: Problem, stages: list) -> float:
+    """Max load of ``stages`` (``(kind, nodes, replicas)`` in pipeline order), ``inf`` if infeasible.
+
+    Written from the definitions in docs/placement.md, independently of ``evaluate``.
+    """
+    where: dict[int, int] = {}
+    for s, (_, nodes, _) in enumerate(stages):
+        for v in nodes:
+            if v in where:
+                return math.inf
+            where[v] = s
+    if len(where) != len(graph.nodes):
+        return math.inf
+    home: dict[str, int] = {}
+    for v, nd in enumerate(graph.nodes):
+        if nd.color is not None and home.setdefault(nd.color, where[v]) != where[v]:
+            return math.inf
+    if sum(r for k, _, r in stages if k == "acc") > prob.devices:
+        return math.inf
+    if sum(1 for k, _, _ in stages if k == "cpu") > prob.cpus:
+        return math.inf
+    consumers: dict[int, set[int]] = {}
+    for u, v, _ in graph.edges:
+        consumers.setdefault(u, set()).add(v)
+    worst = 0.0
+    for s, (kind, nodes, r) in enumerate(stages):
+        nds = [graph.nodes[v] for v in nodes]
+        if kind == "cpu":
+            if r != 1 or any(x.cpu_time is None for x in nds):
+                return math.inf
+            worst = max(worst, sum(x.cpu_time for x in nds))
+            continue
+        if any(x.acc_time is None for x in nds):
+            return math.inf
+        comm = 0.0
+        for u, outs in consumers.items():
+            c = graph.nodes[u].comm_time
+            if prob.relay:
+                lo = min(where[w] for w in outs | {u})
+                hi = max(where[w] for w in outs | {u})
+                comm += c * ((lo < s <= hi) + (lo <= s < hi))
+            elif any((where[w] == s) != (where[u] == s) for w in outs):
+                comm += c
+        devices_after = sum(r2 if k2 == "acc" else 1 for k2, _, r2 in stages[s:])
+        memory = sum(x.mem_bytes for x in nds)
+        if prob.training and prob.stash:
+            memory += math.ceil(devices_after / r) * sum(x.act_bytes for x in nds if not x.backward)
+        if memory > prob.memory * (1 + 1e-9):
+            return math.inf
+        sync = 2 * (r - 1) / r * sum(x.sync_time for x in nds)
+        worst = max(worst, (sum(x.acc_time for x in nds) + comm) / r + sync)
+    return worst
 
 
 def brute_force(graph: OpGraph, prob: Problem, contiguous: bool) -> float:
@@ -28,22 +82,20 @@ def brute_force(graph: OpGraph, prob: Problem, contiguous: bool) -> float:
     S = prob.devices + prob.cpus
     best = math.inf
     kinds_options = set(itertools.permutations(["acc"] * prob.devices + ["cpu"] * prob.cpus))
+    order = order_constraints(graph)
     for assign in itertools.product(range(S), repeat=len(members)):
+        stage_of = {i: s for g, s in zip(members, assign) for i in g}
+        if contiguous and any(stage_of[u] > stage_of[v] for u, v in order):
+            continue
         for kinds in kinds_options:
             stages = [(kinds[s], [i for g, s2 in zip(members, assign) if s2 == s for i in g])
                       for s in range(S)]
             stages = [s for s in stages if s[1]]
             n_acc = sum(k == "acc" for k, _ in stages)
-            # replica counts of the accelerator stages (evaluate rejects too many devices)
             for reps in itertools.product(range(1, prob.max_replicas + 1), repeat=n_acc):
                 it = iter(reps)
-                p = evaluate(graph, prob, [(k, nodes, next(it) if k == "acc" else 1)
-                                           for k, nodes in stages], strict=False)
-                if p.violations:
-                    continue
-                if contiguous and not is_contiguous(graph, p.device_of()):
-                    continue
-                best = min(best, p.max_load)
+                best = min(best, reference_load(
+                    graph, prob, [(k, nodes, next(it) if k == "acc" else 1) for k, nodes in stages]))
     return best
 
 
@@ -95,7 +147,7 @@ def problems(draw, graph: OpGraph):
     total = graph.total("mem_bytes") + 3 * graph.total("act_bytes")
     memory = float(draw(st.integers(3, int(total) + 4)))
     return Problem(devices=devices, cpus=cpus, memory=memory,
-                   stash=draw(st.booleans()))
+                   stash=draw(st.booleans()), relay=draw(st.booleans()))
 
 
 def check_placement(p, graph):

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         max_replicas=args.replicas,
         objective=args.objective,
         subgraphs=args.subgraphs,
+        relay=args.relay,
     )
     kw = {}
     if args.algorithm == "ilp":
@@ -125,6 +126,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--no-warm-start", action="store_true",
                     help="ilp: do not start from the DP's (latency: greedy's) placement")
     ap.add_argument("--contiguous", action="store_true", help="ilp: pipeline-ordered only")
+    ap.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None,
+                    help="charge values that skip stages on every stage that relays them "
+                         "(default: on for traced modules, off for the paper's JSON files)")
     ap.add_argument("--input-shape", default=None, help="module:Class: example input shape")
     ap.add_argument("--profile", action="store_true", help="module: time each op here")
     ap.add_argument("--json", action="store_true", help="print one JSON object")

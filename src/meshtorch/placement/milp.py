@@ -8,6 +8,9 @@ pipeline-ordered one that the DP solves — so it certifies the DP. Formulation
   order; ``y[p]`` binary: slot ``p`` is a CPU (``sum y = ℓ``);
 * ``z[u, p] >= |x[v, p] - x[u, p]|`` for every consumer ``v`` of producer ``u``:
   ``u``'s output crosses the border of slot ``p`` (paid once per producer);
+  with ``Problem.relay``, ``z[u, p]`` is instead the crossing of the border after
+  slot ``p`` (``u`` and ``v`` on different sides: their prefix sums over slots
+  ``0..p`` differ), and slot ``p`` pays ``z[u, p-1] + z[u, p]``;
 * ``L >= sum acc·x + sum comm·z - B·y[p]`` and ``L >= sum cpu·x - B·(1 - y[p])``;
 * memory ``sum mem·x (+ (S - p)·sum act·x) <= M + B·y[p]``, with used slots packed at
   the end of the pipeline when activations are stashed, so that slot ``p``
@@ -204,7 +207,7 @@ def solve_milp(
     zi = lambda q, p: Z + q * S + p
     wi = lambda p, r: W + p * R + (r - 1)
     vi = lambda g, p: V + g * S + p
-    big_acc = acc.sum() + sum(c for _, _, c in producers) + 2.0 * sync.sum() + 1.0
+    big_acc = acc.sum() + 2 * sum(c for _, _, c in producers) + 2.0 * sync.sum() + 1.0
     big_cpu = cpu.sum() + 1.0
     mem_bound = prob.memory if math.isfinite(prob.memory) else None
     big_mem = (mem.sum() + S * act.sum()) + 1.0
@@ -239,17 +242,37 @@ def solve_milp(
                 rows.add({xi(g, p): 1.0, Y + p: 1.0}, -np.inf, 1.0)  # x <= 1 - y
     for q, (gu, gs, _) in enumerate(producers):
         for p in range(S):
+            if prob.relay:
+                # z[q, p]: u's output crosses the border after slot p (prefix sums differ)
+                if p == S - 1:
+                    ub[zi(q, p)] = 0.0
+                    continue
+                for gv in gs:
+                    diff = {xi(gu, t): 1.0 for t in range(p + 1)}
+                    for t in range(p + 1):
+                        diff[xi(gv, t)] = -1.0
+                    rows.add({zi(q, p): 1.0, **diff}, 0.0, np.inf)
+                    rows.add({zi(q, p): 1.0, **{c: -v for c, v in diff.items()}}, 0.0, np.inf)
+                continue
             for gv in gs:
                 rows.add({zi(q, p): 1.0, xi(gv, p): -1.0, xi(gu, p): 1.0}, 0.0, np.inf)
                 rows.add({zi(q, p): 1.0, xi(gu, p): -1.0, xi(gv, p): 1.0}, 0.0, np.inf)
+
+    def comm_terms(p: int, scale: float) -> dict[int, float]:
+        """``-comm / scale`` on the crossing variables slot ``p`` pays."""
+        terms: dict[int, float] = {}
+        for q, (_, _, c) in enumerate(producers):
+            borders = [t for t in (p - 1, p) if 0 <= t < S - 1] if prob.relay else [p]
+            for t in borders:
+                terms[zi(q, t)] = -c / scale
+        return terms
     for p in range(S):
         if not rep:
             load = {L: 1.0, Y + p: big_acc}
             for g in range(G):
                 if acc[g]:
                     load[xi(g, p)] = -acc[g]
-            for q, (_, _, c) in enumerate(producers):
-                load[zi(q, p)] = -c
+            load.update(comm_terms(p, 1.0))
             rows.add(load, 0.0, np.inf)
         for r in range(1, R + 1) if rep else ():
             # L >= (acc x + comm z) / r + 2 (r-1)/r sync x, when slot p has r replicas
@@ -258,8 +281,7 @@ def solve_milp(
                 coef = acc[g] / r + 2.0 * (r - 1) / r * sync[g]
                 if coef:
                     load[xi(g, p)] = -coef
-            for q, (_, _, c) in enumerate(producers):
-                load[zi(q, p)] = -c / r
+            load.update(comm_terms(p, float(r)))
             rows.add(load, -big_acc, np.inf)
         load = {L: 1.0, Y + p: -big_cpu}
         for g in range(G):

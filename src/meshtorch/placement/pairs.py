@@ -117,7 +117,9 @@ def stage_pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: 
         memory = ide.mem[bigger] - ide.mem[j]
         acc_ok &= memory <= prob.memory * (1 + TOL)
         if prob.devices:
-            acc_cost = np.where(acc_ok, ide.acc[bigger] - ide.acc[j] + ide.comm(bigger, j), INF)
+            # relayed values: the stage pays every transfer across its two borders
+            comm = ide.cut[bigger] + ide.cut[j] if prob.relay else ide.comm(bigger, j)
+            acc_cost = np.where(acc_ok, ide.acc[bigger] - ide.acc[j] + comm, INF)
         else:
             acc_cost = np.full(bigger.size, INF)
         if prob.cpus:

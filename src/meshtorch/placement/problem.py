@@ -9,6 +9,12 @@ sample; the pipeline's throughput is ``1 / max load``.
   ``u`` whose output crosses the stage boundary in either direction (``u`` in
   ``S`` with a consumer outside, or ``u`` outside with a consumer in ``S``) —
   the paper's definition — and ``r`` is the data-parallel replica count.
+  With ``relay`` (a pipeline that runs: :func:`~meshtorch.placement.trace.split`
+  passes a value that skips stages through every stage in between), ``comm(S)``
+  is instead every transfer ``S`` takes part in: the ``comm_time`` of each
+  producer whose output crosses the border in front of ``S`` (received) plus
+  each one crossing the border behind it (sent), so a relayed value costs a
+  stage it passes through twice (in and out), and the stages form a chain.
 * CPU stage: the CPUs' compute time only (host memory: no transfer, no bound).
 * memory of an accelerator stage: ``sum(mem_bytes)`` plus, in training with
   ``stash``, the forward activations of the micro-batches in flight under a
@@ -58,6 +64,11 @@ class Problem:
     problem, with up to ``subgraphs`` subgraphs per accelerator; see
     :mod:`meshtorch.placement.latency`).
 
+    ``relay`` prices the transfers of the pipeline that runs (values that skip
+    stages are relayed through the stages in between, which pay for them);
+    ``None`` takes ``graph.meta["relay"]``: on for graphs traced from modules,
+    off (the paper's definition) for the paper's JSON files.
+
     Example:
         >>> Problem(devices=4, memory=16 * 2**30).devices
         4
@@ -71,6 +82,7 @@ class Problem:
     max_replicas: int = 1
     objective: str = "throughput"
     subgraphs: int = 1
+    relay: bool | None = None
 
     def resolve(self, graph: OpGraph) -> Problem:
         """Fill the ``None`` fields from ``graph.meta`` and check the values."""
@@ -98,8 +110,9 @@ class Problem:
                 "the latency objective is for inference (one sample's forward pass), but the "
                 "graph has backward nodes: drop --training or use --objective throughput"
             )
+        relay = bool(graph.meta.get("relay", False)) if self.relay is None else bool(self.relay)
         return replace(
-            self, devices=devices, cpus=cpus, memory=memory, training=training,
+            self, devices=devices, cpus=cpus, memory=memory, training=training, relay=relay,
             max_replicas=min(self.max_replicas, max(devices, 1)),
         )
 
@@ -247,6 +260,25 @@ def comm_of(graph: OpGraph, members: set[int] | Sequence[bool], succ: list[list[
     return total
 
 
+def relay_comm(graph: OpGraph, where: Sequence[int], succ: list[list[int]], stages: int) -> list[float]:
+    """Communication time of every stage when skipped stages relay values (``Problem.relay``).
+
+    A producer whose output (with its consumers) spans stages ``lo..hi`` crosses
+    the borders between them: each stage pays it once per border crossed in front
+    of it (received) and once per border behind it (sent).
+    """
+    out = [0.0] * stages
+    for u, outs in enumerate(succ):
+        c = graph.nodes[u].comm_time
+        if not outs or c == 0 or where[u] < 0:
+            continue
+        span = [where[u], *(where[v] for v in outs if where[v] >= 0)]
+        lo, hi = min(span), max(span)
+        for s in range(lo, hi + 1):
+            out[s] += c * ((s > lo) + (s < hi))
+    return out
+
+
 def evaluate(
     graph: OpGraph,
     problem: Problem,
@@ -297,8 +329,9 @@ def evaluate(
             if h != where[v]:
                 violations.append(f"colocated nodes of colour {nd.color!r} are split")
     succ = graph.successors()
+    relayed = relay_comm(graph, where, succ, len(norm)) if prob.relay else None
     devices_after = 0
-    for st in reversed(norm):
+    for s_index, st in zip(reversed(range(len(norm))), reversed(norm)):
         devices_after += st.devices
         members = [False] * n
         for v in st.nodes:
@@ -321,7 +354,7 @@ def evaluate(
         if r > 1 and not prob.training:
             violations.append("replicated stages need training mode")
         st.compute = sum(x.acc_time or 0.0 for x in nodes)
-        st.comm = comm_of(graph, members, succ)
+        st.comm = relayed[s_index] if relayed is not None else comm_of(graph, members, succ)
         st.sync = 2.0 * (r - 1) / r * sum(x.sync_time for x in nodes) if r > 1 else 0.0
         st.load = (st.compute + st.comm) / r + st.sync
         st.in_flight = -(-devices_after // r)
