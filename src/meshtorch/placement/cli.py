@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
         objective=args.objective,
         subgraphs=args.subgraphs,
         relay=args.relay,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        recompute=args.recompute,
     )
     kw = {}
     if args.algorithm == "ilp":
@@ -126,6 +129,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--no-warm-start", action="store_true",
                     help="ilp: do not start from the DP's (latency: greedy's) placement")
     ap.add_argument("--contiguous", action="store_true", help="ilp: pipeline-ordered only")
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "2bw"], default="1f1b",
+                    help="training: the pipeline schedule whose memory each stage must fit "
+                         "(2bw: a second weight version; gpipe: all micro-batches stashed)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="training: micro-batches per batch (caps 1F1B's in-flight count; "
+                         "needed by gpipe)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="training: stages stash only their inputs and recompute the forward")
     ap.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None,
                     help="charge values that skip stages on every stage that relays them "
                          "(default: on for traced modules, off for the paper's JSON files)")

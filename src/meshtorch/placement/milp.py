@@ -56,7 +56,15 @@ from scipy.sparse import coo_matrix
 from meshtorch.errors import PlacementError
 from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.prep import colocated
-from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, order_constraints
+from meshtorch.placement.problem import (
+    ACC,
+    CPU,
+    Placement,
+    Problem,
+    evaluate,
+    in_flight,
+    order_constraints,
+)
 
 
 @contextmanager
@@ -141,6 +149,12 @@ def solve_milp(
     prob = problem.resolve(graph)
     if prob.objective != "throughput":
         raise PlacementError("solve_milp minimises max load; for latency use solve_latency_milp")
+    stash_rule = prob.training and prob.stash and (
+        prob.recompute or prob.schedule == "gpipe" or prob.microbatches is not None)
+    if stash_rule and (prob.recompute or prob.max_replicas > 1):
+        raise PlacementError("the MILP models stashed activations without recompute, and with "
+                             "replicas only under 1F1B/2BW with unbounded micro-batches; use the "
+                             "DP (--algorithm dp) for this schedule")
     start = _warm_start(graph, prob, contiguous, warm_start)
     R = prob.max_replicas
     graph.validate()
@@ -169,7 +183,7 @@ def solve_milp(
             no_cpu[g] = True
         else:
             cpu[g] += nd.cpu_time
-        mem[g] += nd.mem_bytes
+        mem[g] += nd.mem_bytes + (nd.weight_bytes if prob.schedule == "2bw" else 0.0)
         sync[g] += nd.sync_time
         if not nd.backward:
             act[g] += nd.act_bytes
@@ -210,7 +224,7 @@ def solve_milp(
     big_acc = acc.sum() + 2 * sum(c for _, _, c in producers) + 2.0 * sync.sum() + 1.0
     big_cpu = cpu.sum() + 1.0
     mem_bound = prob.memory if math.isfinite(prob.memory) else None
-    big_mem = (mem.sum() + S * act.sum()) + 1.0
+    big_mem = (mem.sum() + max(S, prob.microbatches or 0) * act.sum()) + 1.0
 
     rows = Rows()
     for g in range(G):
@@ -291,7 +305,7 @@ def solve_milp(
         if mem_bound is not None:
             memrow = {Y + p: -big_mem}
             for g in range(G):
-                coef = mem[g] + ((S - p) * act[g] if stash and not rep else 0.0)
+                coef = mem[g] + (in_flight(prob, S - p) * act[g] if stash and not rep else 0.0)
                 if coef:
                     memrow[xi(g, p)] = coef
                 if stash and rep and act[g]:

@@ -135,7 +135,8 @@ def stage_pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: 
         columns["acc_cost"].append(acc_cost[keep])
         columns["cpu_cost"].append(cpu_cost[keep])
         columns["memory"].append(memory[keep])
-        columns["activations"].append(ide.act[bigger] - ide.act[j])
+        # recompute: a stage also stashes the values crossing its front border
+        columns["activations"].append(ide.act[bigger] - ide.act[j] + ide.cut_inputs[j])
         columns["sync"].append(ide.sync[bigger] - ide.sync[j])
     if not columns["position"]:
         empty, empty_index = np.zeros(0), np.zeros(0, dtype=np.int64)

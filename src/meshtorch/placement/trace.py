@@ -188,6 +188,7 @@ def _graph_of(
             acc_time=acc,
             cpu_time=cpu,
             mem_bytes=pbytes * (spec.train_state_factor if training else 1.0),
+            weight_bytes=pbytes,
             act_bytes=out_b if training else 0.0,
             comm_time=out_b / spec.link_bandwidth,
             sync_time=(pbytes / spec.link_bandwidth / spec.micro_batches) if training else 0.0,
