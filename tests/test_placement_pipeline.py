@@ -147,3 +147,63 @@ def test_relay_prices_what_split_sends():
     p = evaluate(g, Problem(devices=4, relay=True), [("acc", [i]) for i in range(4)])
     # a crosses 3 borders, b and c one each: a sent, (a, b) in and out, (a, c) in and out
     assert [s.comm for s in p.stages] == [1.0, 3.0, 4.0, 2.0]
+
+
+class _Saved:
+    """A tensor autograd saved for the backward, counted while it lives (per thread: per stage)."""
+
+    live = __import__("threading").local()
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        self.n = 0 if isinstance(t, nn.Parameter) else t.numel() * t.element_size()
+        stats = _Saved.live.__dict__.setdefault("stats", [0, 0])
+        stats[0] += self.n
+        stats[1] = max(stats[1], stats[0])
+        self.stats = stats
+
+    def __del__(self):
+        self.stats[0] -= self.n
+
+
+@pytest.mark.parametrize("schedule,micro", [("gpipe", 4), ("1f1b", 4), ("1f1b", 2), ("2bw", 2)])
+def test_memory_model_matches_the_pipelines_measured_peak(schedule, micro):
+    """Per stage: peak saved activations = in-flight count x one forward's, and 2BW's versions."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8, bias=False), nn.Tanh()) for _ in range(3)])
+    gm = torch.fx.symbolic_trace(model)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    g = trace(gm, x[: 16 // micro], training=True, spec=CHEAP_LINK)
+    names = [n.name for n in g.nodes]
+    cut = {"input_1": 0, "_0_0": 0, "_0_1": 0, "_1_0": 1, "_1_1": 1, "_2_0": 2, "_2_1": 2,
+           "output": 2}
+    stages = [("acc", [i for i, n in enumerate(names) if cut[n.removesuffix(".grad")] == s])
+              for s in range(3)]
+    prob = Problem(devices=3, schedule=schedule, microbatches=micro)
+    model_stages = evaluate(g, prob, stages).stages
+
+    def run():
+        pipe = Pipeline(copy.deepcopy(gm), evaluate(g, Problem(devices=3), stages),
+                        microbatches=micro, schedule=schedule, loss_fn=nn.functional.mse_loss,
+                        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        forward, per = pipe.executor._forward, []
+
+        def counted(*a):
+            stats = _Saved.live.__dict__.setdefault("stats", [0, 0])
+            before = stats[0]
+            out = forward(*a)
+            per.append(stats[0] - before)
+            return out
+
+        pipe.executor._forward = counted
+        with torch.autograd.graph.saved_tensors_hooks(_Saved, lambda s: s.t):
+            pipe.train([(x, y)] * 3)
+        versions = sum(sum(p.numel() * 4 for p in v) for v in pipe.weight_versions())
+        return _Saved.live.stats[1], max(per), versions, sum(p.numel() * 4 for p in pipe.parameters())
+
+    for st_model, (peak, one, versions, weights) in zip(model_stages, mt.launch(run, mesh="stage:3")):
+        assert one > 0 and peak == st_model.in_flight * one
+        assert versions == (2 if schedule == "2bw" else 1) * weights
+        # resident: weights, grads, two Adam moments (4x), plus 2BW's second version
+        assert st_model.memory - st_model.in_flight * sum(
+            g.nodes[v].act_bytes for v in st_model.nodes) == 4 * weights + (versions - weights)
