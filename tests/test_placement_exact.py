@@ -11,13 +11,82 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshtorch.errors import PlacementError
-from meshtorch.placement import OpGraph, Problem, evaluate, is_contiguous, place
+from meshtorch.placement import OpGraph, Problem, evaluate, order_constraints, place
 from meshtorch.placement import dp as dp_module
 from meshtorch.placement.milp import solve_milp
 
 SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def reference_load(graph: OpGraph, prob: Problem, stages: list) -> float:
+    """Max load of ``stages`` (``(kind, nodes, replicas)`` in pipeline order), ``inf`` if infeasible.
+
+    Written from the definitions in docs/placement.md, independently of ``evaluate``.
+    """
+    where: dict[int, int] = {}
+    for s, (_, nodes, _) in enumerate(stages):
+        for v in nodes:
+            if v in where:
+                return math.inf
+            where[v] = s
+    if len(where) != len(graph.nodes):
+        return math.inf
+    home: dict[str, int] = {}
+    for v, nd in enumerate(graph.nodes):
+        if nd.color is not None and home.setdefault(nd.color, where[v]) != where[v]:
+            return math.inf
+    if sum(r for k, _, r in stages if k == "acc") > prob.devices:
+        return math.inf
+    if sum(1 for k, _, _ in stages if k == "cpu") > prob.cpus:
+        return math.inf
+    consumers: dict[int, set[int]] = {}
+    for u, v, _ in graph.edges:
+        consumers.setdefault(u, set()).add(v)
+    worst = 0.0
+    for s, (kind, nodes, r) in enumerate(stages):
+        nds = [graph.nodes[v] for v in nodes]
+        if kind == "cpu":
+            if r != 1 or any(x.cpu_time is None for x in nds):
+                return math.inf
+            worst = max(worst, sum(x.cpu_time for x in nds))
+            continue
+        if any(x.acc_time is None for x in nds):
+            return math.inf
+        comm = 0.0
+        for u, outs in consumers.items():
+            c = graph.nodes[u].comm_time
+            if prob.relay:
+                lo = min(where[w] for w in outs | {u})
+                hi = max(where[w] for w in outs | {u})
+                comm += c * ((lo < s <= hi) + (lo <= s < hi))
+            elif any((where[w] == s) != (where[u] == s) for w in outs):
+                comm += c
+        devices_after = sum(r2 if k2 == "acc" else 1 for k2, _, r2 in stages[s:])
+        memory = sum(x.mem_bytes for x in nds)
+        if prob.schedule == "2bw":  # the second weight version
+            memory += sum(x.weight_bytes for x in nds)
+        if prob.training and prob.stash:
+            m = prob.microbatches or math.inf
+            held = {"gpipe": m, "1f1b": min(devices_after, m), "2bw": devices_after}[prob.schedule]
+            held = math.ceil(held / r)
+            act = sum(x.act_bytes for x in nds if not x.backward)
+            if prob.recompute:  # stage inputs per micro-batch, one micro-batch recomputed
+                fwd = [(u, w) for u, w, _ in graph.edges
+                       if not graph.nodes[u].backward and not graph.nodes[w].backward]
+                crossing = sum(graph.nodes[u].act_bytes for u in {u for u, _ in fwd}
+                               if where[u] < s <= max(where[w] for u2, w in fwd if u2 == u))
+                sources = sum(graph.nodes[v].act_bytes for v in nodes if not graph.nodes[v].backward
+                              and all(w != v for _, w in fwd))
+                memory += held * (crossing + sources) + act
+            else:
+                memory += held * act
+        if memory > prob.memory * (1 + 1e-9):
+            return math.inf
+        sync = 2 * (r - 1) / r * sum(x.sync_time for x in nds)
+        worst = max(worst, (sum(x.acc_time for x in nds) + comm) / r + sync)
+    return worst
 
 
 def brute_force(graph: OpGraph, prob: Problem, contiguous: bool) -> float:
@@ -30,22 +99,20 @@ def brute_force(graph: OpGraph, prob: Problem, contiguous: bool) -> float:
     S = prob.devices + prob.cpus
     best = math.inf
     kinds_options = set(itertools.permutations(["acc"] * prob.devices + ["cpu"] * prob.cpus))
+    order = order_constraints(graph)
     for assign in itertools.product(range(S), repeat=len(members)):
+        stage_of = {i: s for g, s in zip(members, assign) for i in g}
+        if contiguous and any(stage_of[u] > stage_of[v] for u, v in order):
+            continue
         for kinds in kinds_options:
             stages = [(kinds[s], [i for g, s2 in zip(members, assign) if s2 == s for i in g])
                       for s in range(S)]
             stages = [s for s in stages if s[1]]
             n_acc = sum(k == "acc" for k, _ in stages)
-            # replica counts of the accelerator stages (evaluate rejects too many devices)
             for reps in itertools.product(range(1, prob.max_replicas + 1), repeat=n_acc):
                 it = iter(reps)
-                p = evaluate(graph, prob, [(k, nodes, next(it) if k == "acc" else 1)
-                                           for k, nodes in stages], strict=False)
-                if p.violations:
-                    continue
-                if contiguous and not is_contiguous(graph, p.device_of()):
-                    continue
-                best = min(best, p.max_load)
+                best = min(best, reference_load(
+                    graph, prob, [(k, nodes, next(it) if k == "acc" else 1) for k, nodes in stages]))
     return best
 
 
@@ -65,6 +132,7 @@ def dags(draw, max_nodes: int = 6, training: bool | None = None, chain: bool = F
             cpu_time=float(draw(st.integers(0, 40))),
             mem_bytes=float(draw(st.integers(0, 5))),
             act_bytes=float(draw(st.integers(0, 2))),
+            weight_bytes=float(draw(st.integers(0, 2))),
             comm_time=float(draw(st.integers(0, 3))),
             color=f"c{i}" if train else None,
         )
@@ -97,7 +165,7 @@ def problems(draw, graph: OpGraph):
     total = graph.total("mem_bytes") + 3 * graph.total("act_bytes")
     memory = float(draw(st.integers(3, int(total) + 4)))
     return Problem(devices=devices, cpus=cpus, memory=memory,
-                   stash=draw(st.booleans()))
+                   stash=draw(st.booleans()), relay=draw(st.booleans()))
 
 
 def check_placement(p, graph):
@@ -351,3 +419,45 @@ def test_errors_name_the_culprit():
         place(w, Problem(devices=2, memory=10))
     with pytest.raises(PlacementError, match="infeasible"):
         solve_milp(w, Problem(devices=2, memory=10))
+
+
+@SETTINGS
+@given(st.data())
+def test_schedule_aware_memory_dp_matches_brute_force(data):
+    """GPipe/1F1B/2BW, micro-batch counts and recompute in the memory bound: DP = brute force
+    (and the MILP where it models the schedule)."""
+    graph = data.draw(dags(training=True))
+    base = data.draw(problems(graph))
+    schedule = data.draw(st.sampled_from(["gpipe", "1f1b", "2bw"]))
+    micro = data.draw(st.integers(1, 4)) if schedule == "gpipe" else data.draw(
+        st.one_of(st.none(), st.integers(1, 4)))
+    prob = Problem(devices=base.devices, cpus=base.cpus, memory=base.memory, relay=base.relay,
+                   stash=True, schedule=schedule, microbatches=micro,
+                   recompute=data.draw(st.booleans()),
+                   max_replicas=data.draw(st.integers(1, 2)))
+    dp = placed_as_brute_force(graph, prob)
+    if dp is None or prob.recompute or prob.max_replicas > 1:
+        return
+    ilp_c = solve_milp(graph, prob, contiguous=True, time_limit=None)
+    assert ilp_c.max_load == pytest.approx(dp.max_load, abs=1e-6)
+
+
+def test_schedule_memory_by_hand():
+    """One stage of three on a chain a -> b -> c, act 1 each, weights 2 (mem 8 = 4 x weights)."""
+    g = OpGraph()
+    for n in "abc":
+        g.add_node(n, acc_time=1.0, mem_bytes=8.0, weight_bytes=2.0, act_bytes=1.0, color=n)
+        g.add_node(f"{n}'", acc_time=1.0, backward=True, color=n)
+    g.add_edge("a", "b"), g.add_edge("b", "c"), g.add_edge("c'", "b'"), g.add_edge("b'", "a'")
+    stages = [("acc", [0, 1]), ("acc", [2, 3]), ("acc", [4, 5])]
+
+    def memory(**kw):
+        return [s.memory for s in evaluate(g, Problem(devices=3, **kw), stages).stages]
+
+    assert memory() == [8 + 3, 8 + 2, 8 + 1]  # 1F1B: 3, 2, 1 micro-batches in flight
+    assert memory(schedule="1f1b", microbatches=2) == [8 + 2, 8 + 2, 8 + 1]
+    assert memory(schedule="gpipe", microbatches=4) == [12, 12, 12]
+    assert memory(schedule="2bw", microbatches=1) == [8 + 2 + 3, 8 + 2 + 2, 8 + 2 + 1]
+    # recompute: stage 0 stashes the graph input a (1 per micro-batch), the others the
+    # value crossing in (1 per micro-batch); plus one micro-batch recomputed (1)
+    assert memory(recompute=True) == [8 + 3 + 1, 8 + 2 + 1, 8 + 1 + 1]

@@ -81,7 +81,13 @@ def run(args: argparse.Namespace) -> int:
         max_replicas=args.replicas,
         objective=args.objective,
         subgraphs=args.subgraphs,
+        relay=args.relay,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        recompute=args.recompute,
     )
+    if args.plan_2bw:
+        return _plan_2bw(graph, args)
     kw = {}
     if args.algorithm == "ilp":
         kw = {"time_limit": args.time_limit, "contiguous": args.contiguous}
@@ -98,6 +104,33 @@ def run(args: argparse.Namespace) -> int:
         from meshtorch.placement.report import plot
 
         plot(p, args.png)
+    return 0
+
+
+def _plan_2bw(graph: OpGraph, args: argparse.Namespace) -> int:
+    from meshtorch.placement.plan2bw import plan_2bw
+
+    if args.batch is None:
+        raise PlacementError("--plan-2bw needs the global batch size: --batch B")
+    prob = Problem(devices=args.devices, memory=parse_bytes(args.memory) if args.memory else None,
+                   training=True).resolve(graph)
+    try:
+        sizes = [int(x) for x in args.microbatch_sizes.split(",")]
+    except ValueError:
+        raise PlacementError(f"--microbatch-sizes takes integers like 1,2,4, got "
+                             f"{args.microbatch_sizes!r}") from None
+    plan = plan_2bw(graph, devices=prob.devices, memory=prob.memory, batch=args.batch,
+                    microbatch_sizes=sizes, traced_size=args.traced_size,
+                    recompute=args.recompute, relay=args.relay)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        from meshtorch.placement.report import table
+
+        print(f"PipeDream-2BW: depth {plan.depth} x width {plan.width}, micro-batch size "
+              f"{plan.microbatch_size}, {plan.microbatches} micro-batches per worker, "
+              f"throughput {plan.throughput:.4g} samples per time unit")
+        print(table(plan.placement))
     return 0
 
 
@@ -125,6 +158,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--no-warm-start", action="store_true",
                     help="ilp: do not start from the DP's (latency: greedy's) placement")
     ap.add_argument("--contiguous", action="store_true", help="ilp: pipeline-ordered only")
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "2bw"], default="1f1b",
+                    help="training: the pipeline schedule whose memory each stage must fit "
+                         "(2bw: a second weight version; gpipe: all micro-batches stashed)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="training: micro-batches per batch (caps 1F1B's in-flight count; "
+                         "needed by gpipe)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="training: stages stash only their inputs and recompute the forward")
+    ap.add_argument("--plan-2bw", action="store_true",
+                    help="choose PipeDream-2BW's depth x width and micro-batch size (training)")
+    ap.add_argument("--batch", type=int, default=None, help="--plan-2bw: global batch size")
+    ap.add_argument("--microbatch-sizes", default="1",
+                    help="--plan-2bw: micro-batch sizes to try, e.g. 1,2,4")
+    ap.add_argument("--traced-size", type=int, default=1,
+                    help="--plan-2bw: the micro-batch size the graph's costs are for")
+    ap.add_argument("--relay", action=argparse.BooleanOptionalAction, default=None,
+                    help="charge values that skip stages on every stage that relays them "
+                         "(default: on for traced modules, off for the paper's JSON files)")
     ap.add_argument("--input-shape", default=None, help="module:Class: example input shape")
     ap.add_argument("--profile", action="store_true", help="module: time each op here")
     ap.add_argument("--json", action="store_true", help="print one JSON object")

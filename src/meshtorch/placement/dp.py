@@ -48,7 +48,7 @@ from meshtorch.placement.ideals import (
 )
 from meshtorch.placement.pairs import TOL, CandidatePool, StagePairs, stage_pairs
 from meshtorch.placement.prep import Contracted, contract, place_free, set_bits
-from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate
+from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, in_flight
 
 INF = math.inf
 # ideals from which the DP answers cross-segment pairs through Pareto frontiers
@@ -191,16 +191,16 @@ def _segments(ide: Ideals, c: Contracted) -> np.ndarray:
     return segment
 
 
-def _frontiers(ide: Ideals, moves: dict[Layer, list[Move]], segment: np.ndarray, stash: bool,
-               mem_binds: bool) -> dict[tuple[Layer, int], ParetoFrontier | MemoryFrontier]:
+def _frontiers(ide: Ideals, prob: Problem, moves: dict[Layer, list[Move]], segment: np.ndarray,
+               stash: bool, mem_binds: bool) -> dict[tuple[Layer, int], ParetoFrontier | MemoryFrontier]:
     """One frontier per move ``(layer left, replicas)``, over the ideals of the segments done so far."""
     frontiers: dict[tuple[Layer, int], ParetoFrontier | MemoryFrontier] = {}
     for layer, options in moves.items():
         for r, rest in options:
             if r > 0 and mem_binds:
                 # accelerator stages hold their weights and ceil((a + c) / r) stashed inputs
-                in_flight = -(-(layer[0] + layer[1]) // r) if stash else 0
-                frontiers[(rest, r)] = MemoryFrontier(ide.mem + in_flight * ide.act, segment)
+                count = in_flight(prob, layer[0] + layer[1], r) if stash else 0
+                frontiers[(rest, r)] = MemoryFrontier(ide.mem + count * ide.act, segment)
             else:
                 frontiers[(rest, r)] = ParetoFrontier()
     return frontiers
@@ -211,11 +211,11 @@ def _popcount(bits: np.ndarray) -> np.ndarray:
     return np.unpackbits(as_bytes, axis=1).sum(axis=1, dtype=np.int64)
 
 
-def _stage_load(pairs: StagePairs, r: int, layer: Layer, stash: bool, memory: float) -> np.ndarray:
+def _stage_load(pairs: StagePairs, r: int, layer: Layer, stash: bool, prob: Problem) -> np.ndarray:
     """Load of each pair's stage run on a CPU (``r = 0``) or on ``r`` accelerators (inf: does not fit).
 
-    As the first of the ``a + c`` stages of ``layer``, under 1F1B it holds
-    ``ceil((a + c) / r)`` micro-batches' activations per replica.
+    As the first of the ``a + c`` stages of ``layer`` it holds
+    ``in_flight(prob, a + c, r)`` micro-batches' activations per replica.
     """
     if r == 0:
         return pairs.cpu_cost
@@ -223,8 +223,8 @@ def _stage_load(pairs: StagePairs, r: int, layer: Layer, stash: bool, memory: fl
     if r > 1:
         load = load + 2.0 * (r - 1) / r * pairs.sync
     if stash:
-        in_flight = -(-(layer[0] + layer[1]) // r)
-        over = pairs.memory + in_flight * pairs.activations > memory * (1 + TOL)
+        count = in_flight(prob, layer[0] + layer[1], r)
+        over = pairs.memory + count * pairs.activations > prob.memory * (1 + TOL)
         load = np.where(over, INF, load)
     return load
 
@@ -248,7 +248,7 @@ def _relax_pairs(pairs: StagePairs, runs: _Runs, stage_load: np.ndarray, load_af
 
 
 def _relax_frontier(frontier: ParetoFrontier | MemoryFrontier, beta: np.ndarray, js: np.ndarray,
-                    budget: float, r: int, best: _Best) -> None:
+                    budget: float | np.ndarray, r: int, best: _Best) -> None:
     """Improve ``best`` with the ideals ``I`` of lower segments, whose stage load splits."""
     if isinstance(frontier, MemoryFrontier):
         load, next_ideal = frontier.query(beta, js, budget)
@@ -272,11 +272,11 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
     layers = _layers(prob)
     moves = _moves(layers, prob.max_replicas)
     tables = _empty_tables(ide.n, full, layers)
-    stash = bool(prob.training and prob.stash and np.any(ide.act > 0))
+    stash = bool(prob.training and prob.stash and (np.any(ide.act > 0) or np.any(ide.cut_inputs > 0)))
     if frontier:
         alpha, beta = _split_costs(ide, {r for options in moves.values() for r, _ in options})
         segment = _segments(ide, c)
-        frontiers = _frontiers(ide, moves, segment, stash, mem_binds)
+        frontiers = _frontiers(ide, prob, moves, segment, stash, mem_binds)
     else:
         segment = np.zeros(ide.n, dtype=np.int64)
         frontiers = {}
@@ -296,10 +296,13 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
                 best = _Best.none_yet(js.size)
                 for r, rest in moves[layer]:
                     if runs is not None:
-                        stage_load = _stage_load(pairs, r, layer, stash, prob.memory)
+                        stage_load = _stage_load(pairs, r, layer, stash, prob)
                         _relax_pairs(pairs, runs, stage_load, tables.load[rest], r, best)
                     if frontier:
-                        _relax_frontier(frontiers[(rest, r)], beta[r], js, budget, r, best)
+                        room = budget
+                        if stash and r > 0 and prob.recompute:  # J's outputs are stashed inputs
+                            room = budget - in_flight(prob, layer[0] + layer[1], r) * ide.cut_inputs[js]
+                        _relax_frontier(frontiers[(rest, r)], beta[r], js, room, r, best)
                 tables.load[layer][js] = best.load
                 tables.next_ideal[layer][js] = best.next_ideal
                 tables.replicas[layer][js] = best.replicas
@@ -347,13 +350,48 @@ def _members(ide: Ideals, c: Contracted, i: int, j: int) -> list[int]:
 
 
 def _memory_never_binds(graph: OpGraph, prob: Problem) -> bool:
-    """Whether the whole graph, with every stage's in-flight activations, fits on one device."""
+    """Whether the whole graph, with every stage's in-flight activations, fits on one device.
+
+    ``graph`` is the :func:`memory_view` (weights and recomputed activations in ``mem_bytes``).
+    """
     total = graph.total("mem_bytes")
     if prob.training and prob.stash:
-        total += (prob.devices + prob.cpus) * sum(
-            n.act_bytes for n in graph.nodes if not n.backward
-        )
+        # recompute: every forward value may be stashed (crossing a border); else only act_bytes
+        per = sum(n.act_bytes for n in graph.nodes if not n.backward)
+        if prob.recompute:
+            per = graph.total("mem_bytes")
+        total += in_flight(prob, prob.devices + prob.cpus) * per
     return total <= prob.memory
+
+
+def memory_view(graph: OpGraph, prob: Problem) -> tuple[OpGraph, list[float] | None]:
+    """``graph`` with the schedule's memory folded into node sums, and the stash inputs.
+
+    Under 2BW a node's ``mem_bytes`` gains its ``weight_bytes`` (the second
+    version). With ``recompute`` a stage holds one micro-batch's activations
+    (moved into ``mem_bytes``) and stashes per micro-batch in flight only its
+    inputs: the graph inputs it holds (left in ``act_bytes``) and the values
+    crossing its front border (returned per producer, for
+    :func:`~meshtorch.placement.prep.contract`).
+    """
+    two_bw = prob.schedule == "2bw" and graph.total("weight_bytes") > 0
+    recompute = bool(prob.recompute and prob.training and prob.stash)
+    if not two_bw and not recompute:
+        return graph, None
+    has_pred = [False] * len(graph)
+    for u, v, _ in graph.edges:
+        if not graph.nodes[u].backward:
+            has_pred[v] = True
+    nodes = [replace(nd) for nd in graph.nodes]
+    inputs = [0.0 if nd.backward else nd.act_bytes for nd in graph.nodes]
+    for i, nd in enumerate(nodes):
+        if two_bw:
+            nd.mem_bytes += nd.weight_bytes
+        if recompute and not nd.backward:
+            nd.mem_bytes += nd.act_bytes
+            nd.act_bytes = nd.act_bytes if not has_pred[i] else 0.0
+    view = OpGraph(nodes=nodes, edges=list(graph.edges), meta=dict(graph.meta))
+    return view, inputs if recompute else None
 
 
 def solve_on_ideals(
@@ -435,12 +473,13 @@ def solve_chain(graph: OpGraph, problem: Problem, *, order: list[int] | None = N
     """
     t0 = time.perf_counter()
     prob = problem.resolve(graph)
-    c = contract(graph, pendant=_memory_never_binds(graph, prob))
+    view, inputs = memory_view(graph, prob)
+    c = contract(view, pendant=_memory_never_binds(view, prob), inputs=inputs)
     order = list(range(c.m)) if order is None else order
     ide = ideals_from_masks(c, prefix_masks(c, order))
-    val, stages, info = solve_on_ideals(graph, prob, c, ide, INF)
+    val, stages, info = solve_on_ideals(view, prob, c, ide, INF)
     if not stages:
-        raise _infeasible(graph, prob, c)
+        raise _infeasible(view, prob, c)
     is_chain = all(c.preds[v] >> (v - 1) & 1 for v in range(1, c.m))
     info["exact"] = is_chain
     return _finish(graph, prob, stages, val, "chain", t0, info)
@@ -457,14 +496,15 @@ def solve_dp(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000) 
     """
     t0 = time.perf_counter()
     prob = problem.resolve(graph)
-    never = _memory_never_binds(graph, prob)
+    view, inputs = memory_view(graph, prob)
+    never = _memory_never_binds(view, prob)
     if not never:
-        quick = _pendant_certified(graph, prob, ideal_limit)
+        quick = _pendant_certified(view, prob, ideal_limit, inputs)
         if quick is not None:
             val, stages, info = quick
             return _finish(graph, prob, stages, val, "dp", t0, info)
-    c = contract(graph, pendant=never)
-    val, stages, info = _solve_contracted(graph, prob, c, ideal_limit)
+    c = contract(view, pendant=never, inputs=inputs)
+    val, stages, info = _solve_contracted(view, prob, c, ideal_limit)
     return _finish(graph, prob, stages, val, "dp", t0, info)
 
 
@@ -491,9 +531,9 @@ def _solve_contracted(graph: OpGraph, prob: Problem, c: Contracted, ideal_limit:
     return val, stages, info
 
 
-def _pendant_certified(graph: OpGraph, prob: Problem, ideal_limit: int):
+def _pendant_certified(graph: OpGraph, prob: Problem, ideal_limit: int, inputs: list[float] | None):
     """Solve with pendant nodes merged; return it if the memory-free relaxation agrees."""
-    cp = contract(graph, pendant=True)
+    cp = contract(graph, pendant=True, inputs=inputs)
     if not cp.pendant_nodes:
         return None
     relaxed = OpGraph(nodes=[replace(nd) for nd in graph.nodes], edges=list(graph.edges),
@@ -505,7 +545,7 @@ def _pendant_certified(graph: OpGraph, prob: Problem, ideal_limit: int):
         # the restriction (pendants stay with their neighbour): feasible, an upper bound
         val, stages, info = _solve_contracted(graph, prob, cp, ideal_limit)
         # the relaxation (their memory dropped, so merging them is exact): a lower bound
-        cr = contract(relaxed, pendant=_memory_never_binds(relaxed, prob))
+        cr = contract(relaxed, pendant=_memory_never_binds(relaxed, prob), inputs=inputs)
         low, _, _ = _solve_contracted(relaxed, prob, cr, ideal_limit)
     except PlacementError:
         return None  # too many ideals, or the restriction is infeasible: solve in full

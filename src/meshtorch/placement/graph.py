@@ -44,6 +44,7 @@ class OpNode:
     cpu_time: float | None = 0.0
     mem_bytes: float = 0.0
     act_bytes: float = 0.0
+    weight_bytes: float = 0.0  # the weights alone (part of mem_bytes): 2BW keeps a second copy
     comm_time: float = 0.0
     sync_time: float = 0.0
     backward: bool = False
@@ -176,7 +177,7 @@ class OpGraph:
         """Check acyclicity, finite non-negative costs and backward/forward colours."""
         self.topological_order()
         for n in self.nodes:
-            for attr in ("mem_bytes", "act_bytes", "comm_time", "sync_time"):
+            for attr in ("mem_bytes", "act_bytes", "weight_bytes", "comm_time", "sync_time"):
                 x = getattr(n, attr)
                 if not (math.isfinite(x) and x >= 0):
                     raise PlacementError(f"node {n.name!r}: {attr}={x} must be finite and >= 0")

@@ -47,6 +47,7 @@ class Ideals:
     hsize: np.ndarray  # (H,) size of each hyperedge
     hcost: np.ndarray  # (H,) comm time of each hyperedge
     cut: np.ndarray  # comm time of the hyperedges the ideal cuts (partially covers)
+    cut_inputs: np.ndarray  # bytes of the stash-input hyperedges the ideal cuts (recompute)
 
     @property
     def n(self) -> int:
@@ -140,7 +141,26 @@ def _with_sums(c: Contracted, bits: np.ndarray) -> Ideals:
     return Ideals(
         bits, sums[:, 0], np.rint(sums[:, 1]), sums[:, 2], np.rint(sums[:, 3]), sums[:, 4],
         sums[:, 5], sums[:, 6], cover, hsize, hcost, np.asarray(cut, dtype=float),
+        _cut_of(bits, m, c.inputs_hyper),
     )
+
+
+def _cut_of(bits: np.ndarray, m: int, hyper: list[tuple[int, float]]) -> np.ndarray:
+    """Per ideal, the summed weight of the hyperedges it partially covers."""
+    out = np.zeros(bits.shape[0])
+    if not hyper:
+        return out
+    inc = np.zeros((m, len(hyper)), dtype=np.float32)
+    for j, (h, _) in enumerate(hyper):
+        for v in set_bits(h):
+            inc[v, j] = 1.0
+    size = inc.sum(axis=0)
+    weight = np.array([w for _, w in hyper])
+    slab = max(1, 2_000_000 // max(m, 1))
+    for s in range(0, bits.shape[0], slab):
+        cover = np.rint(_unpack(bits[s : s + slab], m).astype(np.float32) @ inc)
+        out[s : s + slab] = ((cover > 0) & (cover < size)).astype(np.float64) @ weight
+    return out
 
 
 def _unpack(bits: np.ndarray, m: int) -> np.ndarray:

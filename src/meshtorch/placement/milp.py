@@ -8,6 +8,9 @@ pipeline-ordered one that the DP solves — so it certifies the DP. Formulation
   order; ``y[p]`` binary: slot ``p`` is a CPU (``sum y = ℓ``);
 * ``z[u, p] >= |x[v, p] - x[u, p]|`` for every consumer ``v`` of producer ``u``:
   ``u``'s output crosses the border of slot ``p`` (paid once per producer);
+  with ``Problem.relay``, ``z[u, p]`` is instead the crossing of the border after
+  slot ``p`` (``u`` and ``v`` on different sides: their prefix sums over slots
+  ``0..p`` differ), and slot ``p`` pays ``z[u, p-1] + z[u, p]``;
 * ``L >= sum acc·x + sum comm·z - B·y[p]`` and ``L >= sum cpu·x - B·(1 - y[p])``;
 * memory ``sum mem·x (+ (S - p)·sum act·x) <= M + B·y[p]``, with used slots packed at
   the end of the pipeline when activations are stashed, so that slot ``p``
@@ -53,7 +56,15 @@ from scipy.sparse import coo_matrix
 from meshtorch.errors import PlacementError
 from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.prep import colocated
-from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, order_constraints
+from meshtorch.placement.problem import (
+    ACC,
+    CPU,
+    Placement,
+    Problem,
+    evaluate,
+    in_flight,
+    order_constraints,
+)
 
 
 @contextmanager
@@ -138,6 +149,12 @@ def solve_milp(
     prob = problem.resolve(graph)
     if prob.objective != "throughput":
         raise PlacementError("solve_milp minimises max load; for latency use solve_latency_milp")
+    stash_rule = prob.training and prob.stash and (
+        prob.recompute or prob.schedule == "gpipe" or prob.microbatches is not None)
+    if stash_rule and (prob.recompute or prob.max_replicas > 1):
+        raise PlacementError("the MILP models stashed activations without recompute, and with "
+                             "replicas only under 1F1B/2BW with unbounded micro-batches; use the "
+                             "DP (--algorithm dp) for this schedule")
     start = _warm_start(graph, prob, contiguous, warm_start)
     R = prob.max_replicas
     graph.validate()
@@ -166,7 +183,7 @@ def solve_milp(
             no_cpu[g] = True
         else:
             cpu[g] += nd.cpu_time
-        mem[g] += nd.mem_bytes
+        mem[g] += nd.mem_bytes + (nd.weight_bytes if prob.schedule == "2bw" else 0.0)
         sync[g] += nd.sync_time
         if not nd.backward:
             act[g] += nd.act_bytes
@@ -204,10 +221,10 @@ def solve_milp(
     zi = lambda q, p: Z + q * S + p
     wi = lambda p, r: W + p * R + (r - 1)
     vi = lambda g, p: V + g * S + p
-    big_acc = acc.sum() + sum(c for _, _, c in producers) + 2.0 * sync.sum() + 1.0
+    big_acc = acc.sum() + 2 * sum(c for _, _, c in producers) + 2.0 * sync.sum() + 1.0
     big_cpu = cpu.sum() + 1.0
     mem_bound = prob.memory if math.isfinite(prob.memory) else None
-    big_mem = (mem.sum() + S * act.sum()) + 1.0
+    big_mem = (mem.sum() + max(S, prob.microbatches or 0) * act.sum()) + 1.0
 
     rows = Rows()
     for g in range(G):
@@ -239,17 +256,37 @@ def solve_milp(
                 rows.add({xi(g, p): 1.0, Y + p: 1.0}, -np.inf, 1.0)  # x <= 1 - y
     for q, (gu, gs, _) in enumerate(producers):
         for p in range(S):
+            if prob.relay:
+                # z[q, p]: u's output crosses the border after slot p (prefix sums differ)
+                if p == S - 1:
+                    ub[zi(q, p)] = 0.0
+                    continue
+                for gv in gs:
+                    diff = {xi(gu, t): 1.0 for t in range(p + 1)}
+                    for t in range(p + 1):
+                        diff[xi(gv, t)] = -1.0
+                    rows.add({zi(q, p): 1.0, **diff}, 0.0, np.inf)
+                    rows.add({zi(q, p): 1.0, **{c: -v for c, v in diff.items()}}, 0.0, np.inf)
+                continue
             for gv in gs:
                 rows.add({zi(q, p): 1.0, xi(gv, p): -1.0, xi(gu, p): 1.0}, 0.0, np.inf)
                 rows.add({zi(q, p): 1.0, xi(gu, p): -1.0, xi(gv, p): 1.0}, 0.0, np.inf)
+
+    def comm_terms(p: int, scale: float) -> dict[int, float]:
+        """``-comm / scale`` on the crossing variables slot ``p`` pays."""
+        terms: dict[int, float] = {}
+        for q, (_, _, c) in enumerate(producers):
+            borders = [t for t in (p - 1, p) if 0 <= t < S - 1] if prob.relay else [p]
+            for t in borders:
+                terms[zi(q, t)] = -c / scale
+        return terms
     for p in range(S):
         if not rep:
             load = {L: 1.0, Y + p: big_acc}
             for g in range(G):
                 if acc[g]:
                     load[xi(g, p)] = -acc[g]
-            for q, (_, _, c) in enumerate(producers):
-                load[zi(q, p)] = -c
+            load.update(comm_terms(p, 1.0))
             rows.add(load, 0.0, np.inf)
         for r in range(1, R + 1) if rep else ():
             # L >= (acc x + comm z) / r + 2 (r-1)/r sync x, when slot p has r replicas
@@ -258,8 +295,7 @@ def solve_milp(
                 coef = acc[g] / r + 2.0 * (r - 1) / r * sync[g]
                 if coef:
                     load[xi(g, p)] = -coef
-            for q, (_, _, c) in enumerate(producers):
-                load[zi(q, p)] = -c / r
+            load.update(comm_terms(p, float(r)))
             rows.add(load, -big_acc, np.inf)
         load = {L: 1.0, Y + p: -big_cpu}
         for g in range(G):
@@ -269,7 +305,7 @@ def solve_milp(
         if mem_bound is not None:
             memrow = {Y + p: -big_mem}
             for g in range(G):
-                coef = mem[g] + ((S - p) * act[g] if stash and not rep else 0.0)
+                coef = mem[g] + (in_flight(prob, S - p) * act[g] if stash and not rep else 0.0)
                 if coef:
                     memrow[xi(g, p)] = coef
                 if stash and rep and act[g]:

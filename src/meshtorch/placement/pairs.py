@@ -117,7 +117,9 @@ def stage_pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: 
         memory = ide.mem[bigger] - ide.mem[j]
         acc_ok &= memory <= prob.memory * (1 + TOL)
         if prob.devices:
-            acc_cost = np.where(acc_ok, ide.acc[bigger] - ide.acc[j] + ide.comm(bigger, j), INF)
+            # relayed values: the stage pays every transfer across its two borders
+            comm = ide.cut[bigger] + ide.cut[j] if prob.relay else ide.comm(bigger, j)
+            acc_cost = np.where(acc_ok, ide.acc[bigger] - ide.acc[j] + comm, INF)
         else:
             acc_cost = np.full(bigger.size, INF)
         if prob.cpus:
@@ -133,7 +135,8 @@ def stage_pairs(ide: Ideals, prob: Problem, bound: float, js: np.ndarray, pool: 
         columns["acc_cost"].append(acc_cost[keep])
         columns["cpu_cost"].append(cpu_cost[keep])
         columns["memory"].append(memory[keep])
-        columns["activations"].append(ide.act[bigger] - ide.act[j])
+        # recompute: a stage also stashes the values crossing its front border
+        columns["activations"].append(ide.act[bigger] - ide.act[j] + ide.cut_inputs[j])
         columns["sync"].append(ide.sync[bigger] - ide.sync[j])
     if not columns["position"]:
         empty, empty_index = np.zeros(0), np.zeros(0, dtype=np.int64)

@@ -118,6 +118,8 @@ class Contracted:
     free: list[list[int]]  # groups of free original nodes, in a topological order
     pendant_mem: float = 0.0  # memory moved by pendant merges (0: the contraction is exact)
     pendant_nodes: list[int] = field(default_factory=list)  # original nodes merged as pendants
+    # (bitmask, bytes): forward values a stage stashes when they cross its front border (recompute)
+    inputs_hyper: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def m(self) -> int:
@@ -138,8 +140,14 @@ def _order_edges(cons: list[tuple[int, int]], group: list[int]) -> set[tuple[int
     return {(group[u], group[v]) for u, v in cons if group[u] != group[v]}
 
 
-def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> Contracted:
-    """Contract ``graph`` into the supernode DAG used by the DP and the chain solver."""
+def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False,
+             inputs: list[float] | None = None) -> Contracted:
+    """Contract ``graph`` into the supernode DAG used by the DP and the chain solver.
+
+    ``inputs`` (recompute): bytes per node of the forward value a stage stashes
+    when it crosses its front border; they become ``inputs_hyper``, and the
+    nodes they involve are never taken out or moved by cheaper-cut merges.
+    """
     graph.validate()
     _check_edges(graph)
     n = len(graph)
@@ -159,7 +167,7 @@ def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> 
 
     pendant_mem, pendant_nodes = 0.0, []
     if trivial:
-        pendant_mem, pendant_nodes = _merge_trivial(graph, uf, pendant)
+        pendant_mem, pendant_nodes = _merge_trivial(graph, uf, pendant, chain_links=inputs is None)
 
     group = [uf.find(i) for i in range(n)]
     roots = sorted(set(group))
@@ -172,7 +180,14 @@ def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> 
         key = frozenset([group[u], *(group[v] for v in outs)])
         if len(key) > 1:  # at least two supernodes, so it can be cut
             hyper_cost[key] = hyper_cost.get(key, 0.0) + c
-    in_hyper = set().union(*hyper_cost) if hyper_cost else set()
+    inputs_cost: dict[frozenset[int], float] = {}
+    for u, outs in enumerate(graph.successors()) if inputs is not None else ():
+        if not inputs[u] or graph.nodes[u].backward:
+            continue
+        key = frozenset([group[u], *(group[v] for v in outs if not graph.nodes[v].backward)])
+        if len(key) > 1:
+            inputs_cost[key] = inputs_cost.get(key, 0.0) + inputs[u]
+    in_hyper = set().union(*hyper_cost, *inputs_cost) if hyper_cost or inputs_cost else set()
 
     # free groups leave the DAG; their order constraints are kept transitively
     dg = nx.DiGraph()
@@ -218,9 +233,12 @@ def contract(graph: OpGraph, *, trivial: bool = True, pendant: bool = False) -> 
     hyper = sorted(
         (sum(1 << num[r] for r in key), c) for key, c in hyper_cost.items()
     )
+    inputs_hyper = sorted(
+        (sum(1 << num[r] for r in key), c) for key, c in inputs_cost.items()
+    )
     return Contracted(
         graph, members, preds_mask, acc, cpu, mem, act, sync, hyper, of_node, free, pendant_mem,
-        pendant_nodes,
+        pendant_nodes, inputs_hyper,
     )
 
 
@@ -257,7 +275,8 @@ def place_free(c: Contracted, where: list[int]) -> None:
             where[i] = s
 
 
-def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool) -> tuple[float, list[int]]:
+def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool,
+                   chain_links: bool = True) -> tuple[float, list[int]]:
     """Merge costless supernodes into a neighbour (see the module docstring).
 
     Returns the memory moved by pendant merges (0 when every merge was exact) and
@@ -312,7 +331,7 @@ def _merge_trivial(graph: OpGraph, uf: UnionFind, pendant: bool) -> tuple[float,
                 join(g, t)
                 changed = True
                 break
-            if not cost_free[g]:
+            if not cost_free[g] or not chain_links:
                 continue
             if len(pred_groups[g]) == 1 and len(succ_groups[g]) == 1 and len(nbrs[g]) == 2:
                 (a,) = pred_groups[g]

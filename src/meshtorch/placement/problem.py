@@ -9,11 +9,20 @@ sample; the pipeline's throughput is ``1 / max load``.
   ``u`` whose output crosses the stage boundary in either direction (``u`` in
   ``S`` with a consumer outside, or ``u`` outside with a consumer in ``S``) —
   the paper's definition — and ``r`` is the data-parallel replica count.
+  With ``relay`` (a pipeline that runs: :func:`~meshtorch.placement.trace.split`
+  passes a value that skips stages through every stage in between), ``comm(S)``
+  is instead every transfer ``S`` takes part in: the ``comm_time`` of each
+  producer whose output crosses the border in front of ``S`` (received) plus
+  each one crossing the border behind it (sent), so a relayed value costs a
+  stage it passes through twice (in and out), and the stages form a chain.
 * CPU stage: the CPUs' compute time only (host memory: no transfer, no bound).
-* memory of an accelerator stage: ``sum(mem_bytes)`` plus, in training with
-  ``stash``, the forward activations of the micro-batches in flight under a
-  1F1B schedule: ``ceil(d / r)`` of them, ``d`` being the number of devices
-  from this stage to the end of the pipeline.
+* memory of an accelerator stage: ``sum(mem_bytes)``, plus ``sum(weight_bytes)``
+  under 2BW (its second weight version), plus, in training with ``stash``, the
+  activations of the micro-batches in flight (:func:`in_flight`): ``f ·
+  sum(act_bytes)``, or with ``recompute`` (only stage inputs are stashed, the
+  forward re-runs at backward time) ``f · inputs + sum(act_bytes)``, ``inputs``
+  being the activation bytes crossing the border in front of the stage (and
+  the graph's inputs that the stage holds).
 
 A placement is *contiguous* when every forward edge goes to the same or a
 later stage (see :func:`order_constraints`): the stages then form a pipeline
@@ -42,6 +51,7 @@ from meshtorch.placement.graph import OpGraph
 
 ACC, CPU = "acc", "cpu"
 OBJECTIVES = ("throughput", "latency")
+SCHEDULES = ("gpipe", "1f1b", "2bw")
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,16 @@ class Problem:
     problem, with up to ``subgraphs`` subgraphs per accelerator; see
     :mod:`meshtorch.placement.latency`).
 
+    ``relay`` prices the transfers of the pipeline that runs (values that skip
+    stages are relayed through the stages in between, which pay for them);
+    ``None`` takes ``graph.meta["relay"]``: on for graphs traced from modules,
+    off (the paper's definition) for the paper's JSON files.
+
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"2bw"``), ``microbatches`` (per
+    batch; ``None``: as many as stages, at least) and ``recompute`` say what a
+    training stage holds in memory (see the module docstring and
+    :func:`in_flight`), as :class:`~meshtorch.pipeline.Pipeline` runs it.
+
     Example:
         >>> Problem(devices=4, memory=16 * 2**30).devices
         4
@@ -71,6 +91,10 @@ class Problem:
     max_replicas: int = 1
     objective: str = "throughput"
     subgraphs: int = 1
+    relay: bool | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    recompute: bool = False
 
     def resolve(self, graph: OpGraph) -> Problem:
         """Fill the ``None`` fields from ``graph.meta`` and check the values."""
@@ -91,6 +115,13 @@ class Problem:
             raise PlacementError(
                 f"unknown objective {self.objective!r}; choose from {list(OBJECTIVES)}"
             )
+        if self.schedule not in SCHEDULES:
+            raise PlacementError(f"unknown schedule {self.schedule!r}; choose from {list(SCHEDULES)}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise PlacementError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule == "gpipe" and self.microbatches is None and training and self.stash:
+            raise PlacementError("GPipe stashes all micro-batches of a batch: give microbatches= "
+                                 "(--microbatches)")
         if self.subgraphs < 1:
             raise PlacementError(f"subgraphs per accelerator must be >= 1, got {self.subgraphs}")
         if self.objective == "latency" and training:
@@ -98,8 +129,9 @@ class Problem:
                 "the latency objective is for inference (one sample's forward pass), but the "
                 "graph has backward nodes: drop --training or use --objective throughput"
             )
+        relay = bool(graph.meta.get("relay", False)) if self.relay is None else bool(self.relay)
         return replace(
-            self, devices=devices, cpus=cpus, memory=memory, training=training,
+            self, devices=devices, cpus=cpus, memory=memory, training=training, relay=relay,
             max_replicas=min(self.max_replicas, max(devices, 1)),
         )
 
@@ -247,6 +279,70 @@ def comm_of(graph: OpGraph, members: set[int] | Sequence[bool], succ: list[list[
     return total
 
 
+def in_flight(prob: Problem, devices_after: int, replicas: int = 1) -> int:
+    """Micro-batches whose activations an accelerator stage holds at its peak.
+
+    ``devices_after`` counts the devices from the stage to the end of the
+    pipeline (itself included); a stage on ``replicas`` devices gives each one
+    every ``replicas``-th micro-batch. GPipe: all ``m`` of a batch; 1F1B:
+    ``min(d, m)``; 2BW: ``d`` (no flush: the next batch enters while this one
+    drains, so ``m`` does not cap it).
+
+    Example:
+        >>> [in_flight(Problem(schedule=s, microbatches=8), 3) for s in ("gpipe", "1f1b", "2bw")]
+        [8, 3, 3]
+    """
+    m = prob.microbatches
+    if prob.schedule == "gpipe":
+        count = m if m is not None else devices_after
+    elif prob.schedule == "1f1b" and m is not None:
+        count = min(devices_after, m)
+    else:
+        count = devices_after
+    return -(-count // replicas)
+
+
+def stage_inputs(graph: OpGraph, where: Sequence[int], stages: int) -> list[float]:
+    """Activation bytes each stage receives (forward values crossing the border in front of
+    it, relayed ones included) plus those of the graph inputs it holds: what it stashes
+    per micro-batch under ``recompute``."""
+    out = [0.0] * stages
+    succ: list[list[int]] = [[] for _ in graph.nodes]
+    has_pred = [False] * len(graph)
+    for u, v, _ in graph.edges:
+        if not graph.nodes[u].backward and not graph.nodes[v].backward:
+            succ[u].append(v)
+            has_pred[v] = True
+    for u, nd in enumerate(graph.nodes):
+        if nd.backward or not nd.act_bytes or where[u] < 0:
+            continue
+        if not has_pred[u]:
+            out[where[u]] += nd.act_bytes
+        span = [where[u], *(where[v] for v in succ[u] if where[v] >= 0)]
+        for s in range(min(span) + 1, max(span) + 1):
+            out[s] += nd.act_bytes
+    return out
+
+
+def relay_comm(graph: OpGraph, where: Sequence[int], succ: list[list[int]], stages: int) -> list[float]:
+    """Communication time of every stage when skipped stages relay values (``Problem.relay``).
+
+    A producer whose output (with its consumers) spans stages ``lo..hi`` crosses
+    the borders between them: each stage pays it once per border crossed in front
+    of it (received) and once per border behind it (sent).
+    """
+    out = [0.0] * stages
+    for u, outs in enumerate(succ):
+        c = graph.nodes[u].comm_time
+        if not outs or c == 0 or where[u] < 0:
+            continue
+        span = [where[u], *(where[v] for v in outs if where[v] >= 0)]
+        lo, hi = min(span), max(span)
+        for s in range(lo, hi + 1):
+            out[s] += c * ((s > lo) + (s < hi))
+    return out
+
+
 def evaluate(
     graph: OpGraph,
     problem: Problem,
@@ -297,8 +393,10 @@ def evaluate(
             if h != where[v]:
                 violations.append(f"colocated nodes of colour {nd.color!r} are split")
     succ = graph.successors()
+    relayed = relay_comm(graph, where, succ, len(norm)) if prob.relay else None
+    stashed = stage_inputs(graph, where, len(norm)) if prob.recompute else None
     devices_after = 0
-    for st in reversed(norm):
+    for s_index, st in zip(reversed(range(len(norm))), reversed(norm)):
         devices_after += st.devices
         members = [False] * n
         for v in st.nodes:
@@ -321,13 +419,19 @@ def evaluate(
         if r > 1 and not prob.training:
             violations.append("replicated stages need training mode")
         st.compute = sum(x.acc_time or 0.0 for x in nodes)
-        st.comm = comm_of(graph, members, succ)
+        st.comm = relayed[s_index] if relayed is not None else comm_of(graph, members, succ)
         st.sync = 2.0 * (r - 1) / r * sum(x.sync_time for x in nodes) if r > 1 else 0.0
         st.load = (st.compute + st.comm) / r + st.sync
-        st.in_flight = -(-devices_after // r)
+        st.in_flight = in_flight(prob, devices_after, r)
         st.memory = sum(x.mem_bytes for x in nodes)
+        if prob.schedule == "2bw":
+            st.memory += sum(x.weight_bytes for x in nodes)
         if prob.training and prob.stash:
-            st.memory += st.in_flight * sum(x.act_bytes for x in nodes if not x.backward)
+            act = sum(x.act_bytes for x in nodes if not x.backward)
+            if stashed is not None:
+                st.memory += st.in_flight * stashed[s_index] + act
+            else:
+                st.memory += st.in_flight * act
         if st.memory > prob.memory * (1 + 1e-9):
             violations.append(
                 f"stage with {len(nodes)} nodes needs {st.memory:.4g} bytes, "

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from collections.abc import Callable
@@ -154,7 +155,8 @@ def _graph_of(
             costs.run(*example_inputs)
     finally:
         gm.train(was_training)
-    g = OpGraph(meta={"source": source, "training": training})
+    # relay: split() runs the placement by relaying values that skip stages; price that
+    g = OpGraph(meta={"source": source, "training": training, "relay": True})
     owner: dict[int, str] = {}  # id(tensor) -> colour of the first node using it
     colours: dict[str, str] = {}
     fx_nodes = list(gm.graph.nodes)
@@ -186,6 +188,7 @@ def _graph_of(
             acc_time=acc,
             cpu_time=cpu,
             mem_bytes=pbytes * (spec.train_state_factor if training else 1.0),
+            weight_bytes=pbytes,
             act_bytes=out_b if training else 0.0,
             comm_time=out_b / spec.link_bandwidth,
             sync_time=(pbytes / spec.link_bandwidth / spec.micro_batches) if training else 0.0,
@@ -380,11 +383,19 @@ def _add_backward(g: OpGraph, spec: DeviceSpec) -> None:
 
 
 def split(gm: torch.fx.GraphModule, placement: Placement) -> torch.fx.GraphModule:
-    """Cut a traced module into one submodule per stage (``submod_0``, ``submod_1``, ...).
+    """Cut a traced module into a chain of stages (``submod_0``, ``submod_1``, ...).
 
     Running the result computes the same function; each ``submod_i`` can be
-    moved to its own device. Needs a contiguous placement of the graph traced
-    from ``gm``.
+    moved to its own device. The stages form a chain, as
+    :class:`~meshtorch.pipeline.Pipeline` runs them: ``submod_0`` takes the
+    module's inputs, every later stage takes exactly what the one before returns
+    (a tuple when it is more than one value), the last returns the module's
+    output. A value that skips stages (a residual feeding a stage further on)
+    is *relayed*: every stage in between receives it and returns it unchanged,
+    the transfers that the placement cost model charges with
+    ``Problem(relay=True)``. Each stage owns the parameters and constants it
+    uses (the same objects, so training updates reach the model). Needs a
+    contiguous placement of the graph traced from ``gm``.
 
     Example:
         >>> import torch
@@ -397,59 +408,62 @@ def split(gm: torch.fx.GraphModule, placement: Placement) -> torch.fx.GraphModul
         >>> torch.allclose(parts(x), net(x))
         True
     """
-    from torch.fx.passes.split_module import split_module
-
     if not placement.is_contiguous():
         raise PlacementError("only a contiguous placement can be cut into pipeline stages")
     where = placement.device_of()
-    stage = {placement.graph.nodes[i].name: s for i, s in enumerate(where)}
-    missing = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")
-               and n.name not in stage]
+    stage_of = {placement.graph.nodes[i].name: s for i, s in enumerate(where)}
+    nodes = list(gm.graph.nodes)
+    missing = [n.name for n in nodes if n.op not in ("placeholder", "output", "get_attr")
+               and n.name not in stage_of]
     if missing:
         raise PlacementError(f"the placement does not cover traced nodes {missing[:5]}")
-    parts = split_module(gm, gm, lambda n: stage[n.name])
-    _own_tensors(parts)
-    return parts
+    count = len(placement.stages)
+    stage: dict[torch.fx.Node, int] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            stage[n] = 0  # the inputs enter the chain at stage 0
+        elif n.op == "get_attr":
+            stage[n] = -1  # every stage that uses an attribute reads it itself
+        elif n.op == "output":
+            stage[n] = count - 1
+        else:
+            stage[n] = stage_of[n.name]
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if stage[a] > stage[n]:
+                raise PlacementError(f"traced node {n.name!r} (stage {stage[n]}) uses {a.name!r} from a "
+                                     f"later stage {stage[a]}; the placement must be contiguous")
+    # live[s]: the values crossing from stage s - 1 into stage s, in graph order
+    last_use = {n: max((stage[u] for u in n.users), default=stage[n]) for n in nodes}
+    live = [[n for n in nodes if n.op == "placeholder"]]
+    live += [[n for n in nodes if stage[n] >= 0 and stage[n] < s <= last_use[n]] for s in range(1, count)]
+    top = torch.fx.Graph()
+    values: list[Any] = [top.placeholder(n.name) for n in live[0]]
+    subs: dict[str, Any] = {}
+    for s in range(count):
+        subs[f"submod_{s}"] = _stage_graph(gm, nodes, stage, s, live[s],
+                                           live[s + 1] if s + 1 < count else None)
+        out = top.call_module(f"submod_{s}", tuple(values))
+        k = len(live[s + 1]) if s + 1 < count else 1
+        values = [out] if k == 1 else [top.call_function(operator.getitem, (out, i)) for i in range(k)]
+    top.output(values[0])
+    return torch.fx.GraphModule(subs, top, class_name="Stages")
 
 
-def _own_tensors(parts: torch.fx.GraphModule) -> None:
-    """Make every stage hold the parameters and constants it uses.
-
-    ``split_module`` passes tensor attributes (``get_attr`` of a tensor, as ATen
-    traces have for every weight) from the parent as stage inputs, so a stage
-    moved to its own device would leave its weights behind. Here each stage
-    registers them itself (the same objects: training updates reach the model).
-    """
-    for call in list(parts.graph.nodes):
-        if call.op != "call_module":
-            continue
-        sub = parts.get_submodule(str(call.target))
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        holders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        if len(holders) != len(call.args) or call.kwargs:
-            continue  # not the calling convention split_module uses; leave it alone
-        kept = []
-        for ph, arg in zip(holders, call.args):
-            if not (isinstance(arg, torch.fx.Node) and arg.op == "get_attr"):
-                kept.append(arg)
-                continue
-            value: Any = parts
-            for part in str(arg.target).split("."):
-                value = getattr(value, part)
-            if not isinstance(value, torch.Tensor):
-                kept.append(arg)
-                continue
-            attr = str(arg.target).replace(".", "_")
-            if isinstance(value, torch.nn.Parameter):
-                sub.register_parameter(attr, value)
-            else:
-                sub.register_buffer(attr, value)
-            with sub.graph.inserting_before(ph):
-                got = sub.graph.get_attr(attr)
-            ph.replace_all_uses_with(got)
-            sub.graph.erase_node(ph)
-        call.args = tuple(kept)
-        sub.recompile()
-    parts.graph.eliminate_dead_code()
-    parts.recompile()
+def _stage_graph(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], stage: dict[torch.fx.Node, int],
+                 s: int, inputs: list[torch.fx.Node], outputs: list[torch.fx.Node] | None
+                 ) -> torch.fx.GraphModule:
+    """Stage ``s`` as its own module: ``inputs`` in, its nodes, ``outputs`` (``None``: the result) out."""
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {n: g.placeholder(n.name) for n in inputs}
+    for n in nodes:
+        if n.op == "get_attr" and any(stage[u] == s for u in n.users):
+            env[n] = g.node_copy(n, env.__getitem__)
+        elif n.op not in ("placeholder", "output", "get_attr") and stage[n] == s:
+            env[n] = g.node_copy(n, env.__getitem__)
+        elif n.op == "output" and outputs is None:
+            g.node_copy(n, env.__getitem__)
+    if outputs is not None:
+        g.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
+    # the root gm lends every call_module/get_attr target: the same parameter objects
+    return torch.fx.GraphModule(gm, g, class_name=f"Stage{s}")
