@@ -196,7 +196,7 @@ def test_search_equals_exhaustive_search(model, layers):
             assert c.by == "time"
             assert every[c.rules].step_seconds >= c.seconds * (1 - 1e-9) >= fastest * (1 - 1e-9)
     table = res.table(top=6)
-    assert len(table.splitlines()) == 6 + 2
+    assert len(table.splitlines()) == 6 + 3  # header, candidates, summary, why
     assert table.count("pruned: step time >=") == res.pruned["time"]
 
 

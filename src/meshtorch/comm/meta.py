@@ -22,11 +22,17 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshtorch.comm.base import Communicator
+from meshtorch.context import untraced
 from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
+
+# what a planner hands a processor it traces alone, for each recv: (axes, src, tag) -> the tensor
+Inbox = Callable[[tuple[str, ...], int, int], torch.Tensor]
 
 
 class MetaCommunicator(Communicator):
@@ -36,6 +42,12 @@ class MetaCommunicator(Communicator):
 
     def __init__(self, mesh: Mesh, rank: int = 0, check: bool = False):
         super().__init__(mesh, rank, check)
+        # point-to-point: nobody else runs, so a planner that knows what the peers send (a
+        # pipeline's activations) answers each recv (``inbox``), and every send is kept in
+        # ``sent`` as ``(axes, dst, tag, stand-in)``: a host tensor's copy, or an empty
+        # meta tensor of the same shape and dtype
+        self.inbox: Inbox | None = None
+        self.sent: list[tuple[tuple[str, ...], int, int, torch.Tensor]] = []
 
     def _all_reduce(self, t, axes, group, op, call):
         return t.clone()
@@ -54,11 +66,17 @@ class MetaCommunicator(Communicator):
         return t.clone()
 
     def _send(self, t, axes, group, dst, tag):
-        return None  # counted by send(); nobody receives on the meta backend
+        with untraced():  # a record of the program's send, no memory of the program
+            kept = t.detach().clone() if t.device.type != "meta" else torch.empty(
+                t.shape, dtype=t.dtype, device="meta")
+        self.sent.append((axes, dst, tag, kept))
 
     def _recv(self, axes, group, src, tag):
-        raise CommError(f"recv along {axes}: the meta backend runs processor {self.rank} alone, so nothing "
-                        "arrives; predict pipelines with meshtorch.pipeline.simulate instead")
+        if self.inbox is None:
+            raise CommError(f"recv along {axes}: the meta backend runs processor {self.rank} alone, so "
+                            "nothing arrives; plan pipelines with meshtorch.plan.pipeline (it answers "
+                            "each stage's recvs with what the neighbouring stages send)")
+        return self.inbox(axes, src, tag)
 
     def _broadcast(self, t, axes, group, src, call):
         return t.clone()

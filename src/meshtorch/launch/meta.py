@@ -24,8 +24,10 @@ from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
 
-def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules) -> Any:
-    """``fn(*args, **kwargs)`` as processor 0 of ``mesh`` under ``torch.device("meta")``.
+def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules,
+             rank: int = 0) -> Any:
+    """``fn(*args, **kwargs)`` as processor ``rank`` (default 0) of ``mesh`` under
+    ``torch.device("meta")``.
 
     Example:
         >>> import meshtorch as mt
@@ -33,9 +35,9 @@ def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rule
         >>> run_meta(lambda: torch.ones(2).device.type, (), {}, mt.Mesh("m:4"), mt.LayoutRules(""))
         'meta'
     """
-    ctx = ProcessorContext(MetaCommunicator(mesh), rules)
+    ctx = ProcessorContext(MetaCommunicator(mesh, rank), rules)
     try:
         with use(ctx), torch.device("meta"):
             return fn(*args, **kwargs)
     except Exception as e:
-        raise processor_error(e, 0, mesh.coords(0), where="(meta backend)") from e
+        raise processor_error(e, rank, mesh.coords(rank), where="(meta backend)") from e

@@ -51,13 +51,40 @@ def local(x: Any) -> torch.Tensor | None:
                         f"each other, got {type(x).__name__}")
 
 
+def _header(spec: dict[str, Any]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(spec).encode()), dtype=torch.uint8)
+
+
+def read_header(header: torch.Tensor) -> dict[str, Any]:
+    """A value's structure from its header: ``{"tuple": bool, "leaves": [None | "" | named shape]}``
+    (one plain tensor follows the header for each leaf that is not ``None``)."""
+    return json.loads(bytes(header.tolist()).decode())
+
+
+def gradient_message(header: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors a backward sends back for a value that arrived as ``header`` and ``parts``
+    (its leaves' tensors): a header, then an empty tensor of each floating leaf's shape and dtype,
+    on its device (the other leaves get no gradient). What a planner answers a stage's recv of
+    gradients with, on the meta backend, where the next stage does not run."""
+    spec, it, grads = read_header(header), iter(parts), []
+    kinds: list[str | None] = []
+    for kind in spec["leaves"]:
+        t = None if kind is None else next(it)
+        if t is not None and t.is_floating_point():
+            kinds.append("")
+            grads.append(torch.empty(t.shape, dtype=t.dtype, device=t.device))
+        else:
+            kinds.append(None)
+    return [_header({"tuple": spec["tuple"], "leaves": kinds}), *grads]
+
+
 def send_value(comm: Communicator, value: Any, axis: str, dst: int, tag: int) -> None:
     """Send ``value`` (detached) to member ``dst`` along ``axis``."""
     parts = leaves(value)
     spec = {"tuple": isinstance(value, tuple),
             "leaves": [None if x is None else str(x.shape) if isinstance(x, MeshTensor) else ""
                        for x in parts]}
-    comm.send(torch.frombuffer(bytearray(json.dumps(spec).encode()), dtype=torch.uint8), axis, dst, tag)
+    comm.send(_header(spec), axis, dst, tag)
     for x in parts:
         if x is not None:
             comm.send(local(x).detach(), axis, dst, tag)
@@ -65,7 +92,7 @@ def send_value(comm: Communicator, value: Any, axis: str, dst: int, tag: int) ->
 
 def recv_value(comm: Communicator, axis: str, src: int, tag: int) -> Any:
     """Receive a value sent with :func:`send_value` from member ``src`` along ``axis``."""
-    spec = json.loads(bytes(comm.recv(axis, src, tag).tolist()).decode())
+    spec = read_header(comm.recv(axis, src, tag))
     out = []
     for kind in spec["leaves"]:
         if kind is None:

@@ -14,6 +14,8 @@ Ring (bandwidth-optimal; Patarasuk & Yuan 2009, Thakur et al. 2005):
 | all_to_all (B = whole input) | (n-1)/n · B/bw + (n-1)·lat |
 | broadcast (pipelined) | B/bw + (n-1)·lat |
 | permute / shift (B = bytes sent) | B/bw + lat |
+| send (B = bytes sent; point-to-point) | B/bw + lat |
+| recv | 0 (its time is the matching send's) |
 
 Ring attention (a split ``length``) is a sequence of such shifts, each costed as one call:
 its bytes are what a real run sends, so the formula needs nothing of its own.
@@ -37,7 +39,7 @@ import math
 
 from meshtorch.errors import PlanError
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "broadcast", "send", "recv")
 ALGORITHMS = ("ring", "tree")
 
 
@@ -54,8 +56,10 @@ def _terms(kind: str, n: int, algorithm: str) -> tuple[float, float]:
         return (n - 1) / n, float(n - 1)
     if kind == "all_gather":
         return float(n - 1), float(n - 1)
-    if kind == "permute":
+    if kind in ("permute", "send"):
         return 1.0, 1.0
+    if kind == "recv":
+        return 0.0, 0.0
     raise PlanError(f"no cost formula for collective {kind!r}; known: {KINDS}")
 
 

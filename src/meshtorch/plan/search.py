@@ -57,6 +57,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.estimate import Estimate, _fmt_bytes, from_trace
+from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.tracing import KINDS, Trace, trace
 
 MODEL_DIMS = ("heads", "d_ff", "vocab", "experts")
@@ -118,6 +119,62 @@ def _divisible(m: Mesh, dims: dict[str, int], choice: Iterable[tuple[str, str | 
     return "; ".join(rules)
 
 
+PIPELINE_AXIS = "stage"
+
+
+def stage_counts(n: int, layers: int) -> list[int]:
+    """Pipeline depths the search tries on ``n`` processors: 2, 4, 8, ... dividing ``n``, at most
+    ``layers`` (a stage holds at least one block).
+
+    Example:
+        >>> from meshtorch.plan.search import stage_counts
+        >>> stage_counts(8, 6), stage_counts(6, 2), stage_counts(1, 4)
+        ([2, 4], [2], [])
+    """
+    out, s = [], 2
+    while s <= min(n, layers):
+        if n % s == 0:
+            out.append(s)
+        s *= 2
+    return out
+
+
+def microbatch_counts(stages: int, batch: int) -> list[int]:
+    """Micro-batch counts the search tries for ``stages`` stages: ``stages``, ``2·stages`` and
+    ``4·stages`` (bubbles of about 1/2, 1/3 and 1/5 of a flushed schedule) that divide ``batch``
+    (the batch each data-parallel slice of a stage cuts up).
+
+    Example:
+        >>> from meshtorch.plan.search import microbatch_counts
+        >>> microbatch_counts(2, 8), microbatch_counts(4, 8), microbatch_counts(2, 6)
+        ([2, 4, 8], [4, 8], [2])
+    """
+    return [m for m in (stages, 2 * stages, 4 * stages) if m <= batch and batch % m == 0]
+
+
+def pipeline_layouts(n: int, dims: dict[str, int], layers: int) -> list[tuple[str, str, int]]:
+    """The pipelined family: ``(mesh, rules, microbatches)`` for every stage count of
+    :func:`stage_counts`, every SPMD layout of the search on the ``n / stages`` processors left
+    (:func:`meshes_for`, :func:`rules_for` with each micro-batch's batch), the ``stage`` axis in
+    front, and every micro-batch count of :func:`microbatch_counts`.
+
+    Example:
+        >>> from meshtorch.plan.search import pipeline_layouts
+        >>> pipeline_layouts(2, {"batch": 8, "d_ff": 16}, layers=2)
+        [('stage:2', '', 2), ('stage:2', '', 4), ('stage:2', '', 8)]
+    """
+    out = []
+    for s in stage_counts(n, layers):
+        rest = n // s
+        for mesh in meshes_for(rest) if rest > 1 else [""]:
+            for mb in microbatch_counts(s, dims.get("batch", 1)):
+                micro = {**dims, "batch": dims.get("batch", 1) // mb} if "batch" in dims else dims
+                full = f"{PIPELINE_AXIS}:{s}" + (f",{mesh}" if mesh else "")
+                for rules in rules_for(mesh, micro) if mesh else [""]:
+                    out.append((full, rules, mb))
+    return out
+
+
 @dataclass(frozen=True)
 class Pruned:
     """A candidate the search ruled out without tracing it in full, and why.
@@ -133,6 +190,7 @@ class Pruned:
     memory_bytes: float
     by: str
     best: float = math.inf
+    pipeline: str = ""  # a pipelined candidate's schedule and micro-batches, e.g. "1f1b x4"
 
     def reason(self) -> str:
         if self.by == "memory":
@@ -141,7 +199,7 @@ class Pruned:
                 f"{self.best * 1e3:.2f} ms")
 
     def to_json(self) -> dict[str, Any]:
-        return {"mesh": self.mesh, "rules": self.rules, "pruned": self.by,
+        return {"mesh": self.mesh, "rules": self.rules, "pipeline": self.pipeline, "pruned": self.by,
                 "step_seconds_lower_bound": self.seconds, "memory_bytes_lower_bound": self.memory_bytes,
                 "reason": self.reason()}
 
@@ -197,12 +255,12 @@ class SearchResult:
         rows = [f"{'#':>3}  {'mesh':<14}{'rules':<48}{'step ms':>10}{'memory':>12}  fits  why"]
         for i, c in enumerate(self.ranking()[:top], 1):
             if isinstance(c, Pruned):
-                rows.append(f"{i:>3}  {c.mesh:<14}{c.rules or '(replicated)':<48}"
+                rows.append(f"{i:>3}  {c.mesh:<14}{_what(c):<48}"
                             f"{'>=' + format(c.seconds * 1e3, '.2f'):>10}"
                             f"{'>=' + _fmt_bytes(c.memory_bytes):>12}  "
                             f"{'NO ' if c.by == 'memory' else '?':<4}  {c.reason()}")
                 continue
-            rows.append(f"{i:>3}  {c.mesh:<14}{c.rules or '(replicated)':<48}{c.step_seconds * 1e3:>10.2f}"
+            rows.append(f"{i:>3}  {c.mesh:<14}{_what(c):<48}{c.step_seconds * 1e3:>10.2f}"
                         f"{_fmt_bytes(c.memory_bytes['total']):>12}  {'yes' if c.fits else 'NO ':<4}  "
                         f"{c.reason()}")
         n = self.pruned
@@ -210,13 +268,44 @@ class SearchResult:
             f" ({n['time']} pruned: time bound >= the best step time; "
             f"{n['memory']} pruned: parameter bytes alone do not fit)")
         space = self.space or len(self.candidates)
+        best = self.best
+        flags = (f" --pipeline-stages {best.stages} --schedule {best.schedule} --microbatches "
+                 f"{best.microbatches}" if isinstance(best, PipelineEstimate) else "")
         rows.append(f"{space} candidates, {len(self.candidates)} traced{pruned}, "
                     f"on {self.device} in {self.seconds:.1f} s; "
-                    f"best: --mesh {self.mesh} --rules \"{self.rules}\"")
+                    f"best: --mesh {self.mesh} --rules \"{self.rules}\"{flags}")
+        rows.append(f"why: {self.why()}")
         return "\n".join(rows)
+
+    def why(self) -> str:
+        """Why the best candidate won, against the best of the other family (layouts with or
+        without pipeline stages)."""
+        best = self.best
+        piped = isinstance(best, PipelineEstimate)
+        rival = next((c for c in self.candidates if isinstance(c, PipelineEstimate) != piped), None)
+        if not best.fits:
+            return f"nothing fits; the smallest: {best.reason()}"
+        what = (f"{best.label}: bubble {best.bubble:.0%}" if piped
+                else f"no pipeline stages: {best.reason()}")
+        if rival is None:
+            return what + ("" if piped else " (no pipelined layout was searched or traced)")
+        other = "the best layout without stages" if piped else f"the best pipelined layout ({rival.label})"
+        if not rival.fits:
+            return (f"{what}; fits memory where {other} does not ({_fmt_bytes(rival.memory_bytes['total'])} "
+                    f"> {_fmt_bytes(rival.memory_capacity)})")
+        return (f"{what}; {rival.step_seconds / best.step_seconds:.2f}x faster than {other} "
+                f"(--mesh {rival.mesh} --rules \"{rival.rules}\": {rival.step_seconds * 1e3:.2f} ms)")
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _what(c: Estimate | Pruned) -> str:
+    """A candidate's rules, and for a pipelined one its schedule and micro-batches."""
+    rules = c.rules or "(replicated)"
+    if isinstance(c, PipelineEstimate):
+        return f"{rules} [{c.schedule} x{c.microbatches}]"
+    return f"{rules} [{c.pipeline}]" if isinstance(c, Pruned) and c.pipeline else rules
 
 
 def _key(e: Estimate) -> tuple:
@@ -369,7 +458,7 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> 
 
 def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str | DeviceSpec = "tpu-v2",
            *, verify: int = 3, meshes: Iterable[str] | None = None,
-           algorithm: str = "ring", max_candidates: int = 100_000) -> SearchResult:
+           algorithm: str = "ring", max_candidates: int = 100_000, pipeline: bool = True) -> SearchResult:
     """Search mesh shapes and layout rules for the fastest step that fits ``device``'s memory.
 
     ``processors`` is a processor count (meshes are searched) or a mesh (only
@@ -381,6 +470,13 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     candidates are traced in order of their time bound until the bound reaches
     the best step time found, and those whose parameters alone overflow memory
     are not traced. The result is the same as tracing every candidate.
+
+    With ``pipeline`` (the default), a step that can be pipelined (one with a ``pipelined(microbatches)``
+    attribute giving its pipelined step, as ``meshtorch plan``'s LM training step) and a processor
+    count also searches the pipelined family (:func:`pipeline_layouts`, priced by
+    :func:`meshtorch.plan.pipeline.estimate_pipeline`), with the same bounds divided by the
+    number of stages (the busiest stage does at least the average work and holds at least the
+    average parameters); :meth:`SearchResult.why` compares the two families.
     """
     t0 = time.perf_counter()
     if isinstance(processors, int):
@@ -460,9 +556,53 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
             break
         for c in todo:
             done[c] = run(c, True)
-    results = sorted(done.values(), key=_key)
+    results = list(done.values())
+    cuts = list(cut.values())
+    n_space = len(space)
+    pipelined = getattr(step_fn, "pipelined", None)
+    if pipeline and pipelined is not None and isinstance(processors, int) and meshes is None:
+        family = pipeline_layouts(n, dims, getattr(step_fn, "layers", 0))
+        n_space += len(family)
+        traced, cut_pipes = _search_pipelines(pipelined, family, spec, algorithm, bounds, best_time(),
+                                              len(space) + len(family), max_candidates)
+        results += traced
+        cuts += cut_pipes
+    results.sort(key=_key)
     best = min((e.step_seconds for e in results if e.fits), default=math.inf)
-    pruned = sorted((replace(p, best=best) for p in cut.values()),
-                    key=lambda p: (p.by == "memory", p.seconds))
-    return SearchResult(results, spec.name, time.perf_counter() - t0, space=len(space),
+    pruned = sorted((replace(p, best=best) for p in cuts), key=lambda p: (p.by == "memory", p.seconds))
+    return SearchResult(results, spec.name, time.perf_counter() - t0, space=n_space,
                         pruned_candidates=pruned)
+
+
+def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
+                      spec: DeviceSpec, algorithm: str,
+                      bounds: Callable[[str, str], tuple[float, float, float]], best: float, total: int,
+                      max_candidates: int) -> tuple[list[Estimate], list[Pruned]]:
+    """Branch and bound over the pipelined family, given the best step time found so far."""
+    if total > max_candidates:
+        raise PlanError(f"{total} candidates (with {len(family)} pipelined ones) exceed max_candidates="
+                        f"{max_candidates}; pass pipeline=False (meshtorch plan --no-pipeline), fewer "
+                        "processors, or raise max_candidates")
+    lb = {}
+    for c in family:
+        m = Mesh(c[0])
+        stages = m.axis_size(PIPELINE_AXIS)
+        rest = ",".join(f"{a}:{m.axis_size(a)}" for a in m.axis_names if a != PIPELINE_AXIS) or "b:1"
+        t, mem, _ = bounds(rest, c[1])
+        lb[c] = (t / stages, mem / stages)
+    traced: list[Estimate] = []
+    cut: list[Pruned] = []
+    for c in sorted(family, key=lambda c: lb[c][0]):
+        mesh, rules, mb = c
+        step = pipelined(mb)
+        label = f"{step.pipeline['schedule']} x{mb}"
+        if lb[c][1] > spec.memory_bytes:
+            cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "memory", pipeline=label))
+        elif lb[c][0] * (1 + 1e-9) >= best:
+            cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "time", pipeline=label))
+        else:
+            e = estimate_pipeline(step, mesh, rules, spec, algorithm)
+            traced.append(e)
+            if e.fits:
+                best = min(best, e.step_seconds)
+    return traced, cut

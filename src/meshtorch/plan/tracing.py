@@ -54,6 +54,9 @@ from torch.utils.flop_counter import flop_registry
 
 from meshtorch.comm.stats import CommStats
 from meshtorch.context import current, use_tracer
+from meshtorch.errors import PlanError
+from meshtorch.layout import LayoutRules
+from meshtorch.mesh import Mesh
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -403,8 +406,8 @@ def tracing() -> Iterator[Tracer]:
         _uninstall()
 
 
-def _traced(fn, args, kwargs, mesh, rules, backend):
-    if current().rank != 0:  # the trace is processor 0's; the others only take part
+def _traced(fn, args, kwargs, mesh, rules, backend, rank=0):
+    if current().rank != rank:  # the trace is one processor's; the others only take part
         return fn(*args, **kwargs)
     t0 = time.perf_counter()
     with tracing() as tr:
@@ -421,17 +424,25 @@ def _traced(fn, args, kwargs, mesh, rules, backend):
 
 
 def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", backend: str = "meta",
-          **kwargs: Any) -> Trace:
+          rank: int = 0, **kwargs: Any) -> Trace:
     """Run ``fn`` as one processor of ``mesh`` under ``rules`` and return its :class:`Trace`.
 
-    ``backend="meta"`` (default) runs processor 0 alone on meta tensors (no
-    storage, collectives counted, not run): planning. ``backend="threads"``
-    runs every processor for real and returns processor 0's trace: measuring.
-    ``fn`` must build everything it uses (model, optimizer, data) so that their
-    memory is seen.
+    ``backend="meta"`` (default) runs processor ``rank`` (default 0) alone on
+    meta tensors (no storage, collectives counted, not run): planning.
+    ``backend="threads"`` runs every processor for real and returns processor
+    ``rank``'s trace: measuring. ``fn`` must build everything it uses (model,
+    optimizer, data) so that their memory is seen.
     """
     from meshtorch.launch import launch
+    from meshtorch.launch.meta import run_meta
 
-    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, mesh=mesh, rules=rules,
+    m = Mesh(mesh)
+    if not 0 <= rank < m.size:
+        raise PlanError(f"rank {rank} is not a processor of the mesh '{m}' (0 to {m.size - 1})")
+    if backend == "meta" and rank:
+        r = LayoutRules(rules)
+        r.check(m)
+        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank), {}, m, r, rank=rank)
+    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, mesh=mesh, rules=rules,
                      backend=backend)
-    return results[0]
+    return results[rank if backend != "meta" else 0]

@@ -21,9 +21,18 @@ from meshtorch.errors import PlanError
 from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path
 from meshtorch.plan.estimate import Estimate, estimate
+from meshtorch.plan.pipeline import estimate_pipeline
 from meshtorch.plan.search import search
-from meshtorch.recipes.lm.config import MODELS, OPTIMIZERS, PRECISIONS, TrainConfig, check_layout
-from meshtorch.recipes.lm.steps import training_step
+from meshtorch.recipes.lm.config import (
+    MODELS,
+    OPTIMIZERS,
+    PIPELINE_SCHEDULES,
+    PRECISIONS,
+    TrainConfig,
+    check_layout,
+)
+from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
+from meshtorch.recipes.lm.strategies import AXIS, pipeline_mesh
 
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
@@ -32,7 +41,9 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
                           heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
                           encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
                           tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
-                          precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules)
+                          precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules,
+                          pipeline_stages=args.pipeline_stages, microbatches=args.microbatches,
+                          schedule=args.schedule)
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
@@ -82,16 +93,33 @@ def run(args: argparse.Namespace) -> int:
             return 0
     cfg = config_of(args)
     step = training_step(cfg, args.vocab)
-    if args.search:
+    if args.pipeline_stages > 1 and args.search:
+        raise PlanError("--search tries pipeline stages itself (--no-pipeline leaves them out); "
+                        "--pipeline-stages N prices one pipelined layout: drop one of the two")
+    if args.pipeline_stages > 1:
+        if cfg.model.name != "lm":
+            raise PlanError(f"--pipeline-stages plans --model lm (the model meshtorch train pipelines); "
+                            f"got --model {cfg.model.name!r}")
+        mesh = pipeline_mesh(args.mesh, args.pipeline_stages)
+        rest = ",".join(f"{a}:{Mesh(mesh).axis_size(a)}" for a in Mesh(mesh).axis_names if a != AXIS)
+        if args.rules:
+            check_layout(cfg, args.vocab, rest or "b:1", args.rules)
+        est = estimate_pipeline(pipelined_training_step(cfg, args.vocab), mesh, args.rules,
+                                device=args.device, algorithm=args.algorithm)
+        ests: list[Estimate] = [est]
+        out = est.to_json()
+        if not args.json:
+            print(est.table())
+    elif args.search:
         target: int | str = args.mesh if args.mesh and args.fixed_mesh else (
             args.processors or (Mesh(args.mesh).size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
-        res = search(step, target, device=args.device, algorithm=args.algorithm)
+        res = search(step, target, device=args.device, algorithm=args.algorithm, pipeline=args.pipeline)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
-        out = {**res.best.to_json(), "search_seconds": res.seconds,
+        out = {**res.best.to_json(), "search_seconds": res.seconds, "why": res.why(),
                "candidates": [e.to_json() for e in ests[: args.top]],
                "pruned": [p.to_json() for p in res.pruned_candidates]}
     else:
@@ -138,7 +166,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this machine once and store it for --device cpu (alone: only that)")
     ap.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    ap.add_argument("--pipeline-stages", type=int, default=1,
+                    help="plan --model lm pipelined over this many stages along a 'stage' mesh axis "
+                    "(added in front of --mesh if absent), as meshtorch train --pipeline-stages runs it")
+    ap.add_argument("--microbatches", type=int, default=4,
+                    help="micro-batches per batch with --pipeline-stages")
+    ap.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                    help="pipeline schedule with --pipeline-stages, and the one --search tries")
     ap.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
+    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --search: also try pipeline stages (2, 4, ...) x the layouts of the "
+                    "processors left x micro-batch counts (--model lm)")
     ap.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")

@@ -133,6 +133,73 @@ def training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, 
     program.layers = cfg.model.layers
     program.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
     program.with_layers = lambda n: training_step(cfg.replace(layers=n), vocab)
+    if cfg.model.name == "lm":  # the model meshtorch train pipelines: the search prices stages too
+        program.pipelined = lambda microbatches, schedule=None: pipelined_training_step(
+            cfg.replace(microbatches=microbatches, schedule=schedule or cfg.parallelism.schedule), vocab)
+    return program
+
+
+class _PlannableOptimizer:
+    """The pipeline's optimizer, stepped with :func:`optimizer_step` (which also works on meta
+    parameters): all the pipeline asks of it is ``step()``."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt = opt
+
+    def step(self) -> None:
+        optimizer_step(self.opt)
+
+
+def prepare_pipelined(cfg: TrainConfig, vocab: int = 264) -> tuple[Any, tuple]:
+    """``meshtorch train --pipeline-stages``'s step strategy for ``cfg`` (a
+    :class:`~meshtorch.recipes.lm.strategies.PipelinedStep`, on a mesh with a ``stage`` axis) and a
+    synthetic batch, after one warm-up step (optimizer state, 2BW's second weight version)."""
+    from meshtorch.recipes.lm.strategies import PipelinedStep
+
+    model = build_model(cfg, vocab)
+    step = PipelinedStep(cfg, model, make_optimizer(cfg, model))
+    step.resume(None, lead=False)
+    step.pipe.optimizer = _PlannableOptimizer(step.opt)
+    batch = synthetic_batch(cfg, vocab)
+    step.run([batch], 0)
+    return step, batch
+
+
+def pipelined_training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, Any]]:
+    """An SPMD program: ``meshtorch train --pipeline-stages``'s step of ``cfg`` on a synthetic batch.
+
+    It runs on a mesh with a ``stage`` axis (the stages; see
+    :func:`meshtorch.recipes.lm.strategies.pipeline_mesh`) and is the trainer's own
+    :class:`~meshtorch.recipes.lm.strategies.PipelinedStep`: ``--schedule``,
+    ``--microbatches``, clipping over all stages, every processor holding the whole model (and under
+    2BW its previous version) for the checkpoint. After the warm-up of :func:`prepare_pipelined`,
+    one step runs inside :func:`meshtorch.plan.measure`. It returns ``{"parameters": global count,
+    "comm": that step's collectives as this processor's communicator counts them}``.
+    :func:`meshtorch.plan.pipeline.estimate_pipeline` traces it once per stage.
+
+    Example:
+        >>> from meshtorch.plan.pipeline import stage_traces
+        >>> cfg = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, batch=4, length=8,
+        ...                      microbatches=2, schedule="gpipe")
+        >>> first, last = stage_traces(pipelined_training_step(cfg, vocab=16), "stage:2", "")
+        >>> first.comm.calls("stage", "send"), last.comm.calls("stage", "recv")  # header + activation
+        (4, 4)
+    """
+    from meshtorch.context import comm_stats
+
+    par = cfg.parallelism
+
+    def program() -> dict[str, Any]:
+        step, batch = prepare_pipelined(cfg, vocab)
+        with measure():
+            before = comm_stats().copy()
+            step.run([batch], 1)
+            counted = comm_stats() - before
+        return {"parameters": step.model.num_parameters(), "comm": counted.as_dict()}
+
+    program.pipeline = {"axis": "stage", "schedule": par.schedule, "microbatches": par.microbatches,
+                        "recompute": False}
+    program.layers = cfg.model.layers
     return program
 
 

@@ -1,0 +1,316 @@
+"""``mt.plan.pipeline``: price a pipelined step, stage by stage.
+
+A pipelined step runs on a mesh with a pipeline axis (``stage``): the
+processors along it hold consecutive stages of the model, and along the
+other axes each stage is an SPMD program laid out by the rules. The planner
+traces the step once per stage on the meta backend, as the processor at
+that stage (the others' coordinates 0), running the pipeline runtime
+itself: each stage's layers (the runtime's partition), its micro-batches in
+the schedule's order, the activations it stashes for every micro-batch in
+flight (2BW's second weight version included), its own collectives on the
+other axes, and the sends along the pipeline axis. Nobody else runs on the
+meta backend, so the planner answers the stage's receives: the activations
+the previous stage's trace sent it, and for the gradients coming back, a
+tensor of each sent activation's shape and dtype
+(:func:`meshtorch.pipeline.transport.gradient_message`). Bytes, calls and
+peak memory per stage are therefore those of a real run's processor at that
+stage, not a model of it.
+
+Time: a stage's traced work (FLOPs at the device's rate plus its collectives
+off the pipeline axis, :mod:`meshtorch.plan.estimate`) is spread evenly over
+its micro-batches, one third forward and two thirds backward (a backward
+multiplies twice per forward multiply; with recomputation, one quarter and
+three quarters), and :func:`meshtorch.pipeline.simulate` replays the
+schedule with those durations and the link time of one activation message
+per hop, which gives the step time and the bubble. The collectives *over*
+the pipeline axis (the tied embedding's gradient, the global gradient norm,
+the loss) run once, at the update, and are added.
+
+Example:
+    >>> import meshtorch as mt
+    >>> from meshtorch.plan.pipeline import estimate_pipeline
+    >>> from meshtorch.recipes.lm import TrainConfig
+    >>> from meshtorch.recipes.lm.steps import pipelined_training_step
+    >>> cfg = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, batch=8, length=8,
+    ...                      microbatches=4, schedule="1f1b")
+    >>> est = estimate_pipeline(pipelined_training_step(cfg, vocab=16), "stage:2,b:2", "batch:b",
+    ...                         device="a100")
+    >>> est.stages, est.microbatches, round(est.bubble, 2) > 0, est.transfer_bytes["activations"]
+    (2, 4, True, 256)
+    >>> 8 // 4 // 2 * 8 * 8 * 4   # one micro-batch's [batch, length, d_model] slice, float32
+    256
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meshtorch.context import current, untraced
+from meshtorch.errors import PlanError
+from meshtorch.layout import LayoutRules
+from meshtorch.mesh import Mesh
+from meshtorch.pipeline.executor import BACKWARD_TAG, FORWARD_TAG
+from meshtorch.pipeline.schedule import build as build_schedule
+from meshtorch.pipeline.simulate import simulate
+from meshtorch.pipeline.transport import gradient_message, read_header
+from meshtorch.plan.cost import collective_seconds
+from meshtorch.plan.devices import DeviceSpec
+from meshtorch.plan.devices import device as get_device
+from meshtorch.plan.estimate import Estimate, _fmt_bytes, from_trace
+from meshtorch.plan.tracing import KINDS, Trace, trace
+
+POINT_TO_POINT = ("send", "recv")
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor like ``t`` (its bytes too, for a host tensor such as a message header)."""
+    if t.device.type == "meta":
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return t.clone()
+
+
+def _messages(sent: list, dst: int, tag: int) -> deque[torch.Tensor]:
+    return deque(t for _, d, g, t in sent if d == dst and g == tag)
+
+
+class _Inbox:
+    """Answers the recvs of the stage ``stage`` traced alone: forward activations replay what the
+    previous stage's trace sent; gradients mirror what this stage sent on (one per activation)."""
+
+    def __init__(self, stage: int, forward: deque[torch.Tensor]):
+        self.stage, self.forward = stage, forward
+        self.replies: deque[torch.Tensor] = deque()
+        self.answered = 0  # this stage's forward messages already mirrored
+
+    def __call__(self, axes: tuple[str, ...], src: int, tag: int) -> torch.Tensor:
+        with untraced():  # arriving data: a transport buffer, as on a real backend
+            if tag == FORWARD_TAG and src == self.stage - 1 and self.forward:
+                return _stand_in(self.forward.popleft())
+            if tag == BACKWARD_TAG and src == self.stage + 1:
+                if not self.replies:
+                    self._mirror(current().comm.sent)
+                if self.replies:
+                    return self.replies.popleft()
+        raise PlanError(f"stage {self.stage} waits for a message (tag {tag}) from stage {src} along {axes} "
+                        "that no traced stage sends: the step is not a pipeline of the meshtorch runtime "
+                        "(meshtorch.pipeline.Pipeline) along this axis")
+
+    def _mirror(self, sent: list) -> None:
+        out = list(_messages(sent, self.stage + 1, FORWARD_TAG))[self.answered:]
+        if not out:
+            return
+        spec = read_header(out[0])
+        k = sum(leaf is not None for leaf in spec["leaves"])
+        self.replies.extend(gradient_message(out[0], out[1:1 + k]))
+        self.answered += 1 + k
+
+
+def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
+                 axis: str = "stage") -> list[Trace]:
+    """The meta trace of every stage of a pipelined step: stage ``s`` as the processor at
+    coordinate ``s`` of ``axis`` (0 on the other axes).
+
+    ``step_fn`` runs one step of a :class:`meshtorch.pipeline.Pipeline` along ``axis``
+    (e.g. :func:`meshtorch.recipes.lm.steps.pipelined_training_step`); see the module docstring
+    for how the stages' receives are answered.
+    """
+    return _trace_stages(step_fn, mesh, rules, axis)[0]
+
+
+def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
+                  axis: str) -> tuple[list[Trace], int]:
+    """The stage traces, and the header bytes of one activation message of stage 0."""
+    m = Mesh(mesh)
+    if axis not in m.axis_names:
+        raise PlanError(f"the pipeline axis {axis!r} is not an axis of the mesh '{m}'; plan a pipeline "
+                        f"on a mesh like '{axis}:2,{m}'")
+    traces: list[Trace] = []
+    sent: list = []
+    header = 0
+    for s in range(m.axis_size(axis)):
+        inbox = _Inbox(s, _messages(sent, s, FORWARD_TAG))
+        kept: list = []
+
+        def stage_step(inbox: _Inbox = inbox, kept: list = kept) -> Any:
+            comm = current().comm
+            comm.inbox = inbox
+            kept.append(comm)
+            return step_fn()
+
+        rank = m.rank({a: s if a == axis else 0 for a in m.axis_names})
+        traces.append(trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta",
+                            rank=rank))
+        sent = kept[0].sent
+        if s == 0 and sent:
+            header = int(_messages(sent, 1, FORWARD_TAG)[0].numel())  # a header leads each message
+    return traces, header
+
+
+def _on_axis(key: str, axis: str) -> bool:
+    return axis in key.split("@")[1].split(",")
+
+
+@dataclass
+class PipelineEstimate(Estimate):
+    """A pipelined layout's predicted cost: an :class:`Estimate` per stage, and the schedule's.
+
+    The :class:`Estimate` fields describe the busiest processor: ``memory_bytes`` are the
+    fullest stage's (``fits``: every stage fits), ``flops``, ``compute_seconds`` and the bytes,
+    calls and seconds per axis are the most of any stage; ``step_seconds`` is the replayed
+    schedule's step plus the update's collectives over the pipeline axis.
+
+    Attributes:
+        axis, stages, schedule, microbatches, recompute: the pipeline.
+        stage_estimates: one :class:`Estimate` per stage (its processor's trace).
+        bubble: the schedule's idle share (:func:`meshtorch.pipeline.simulate`).
+        in_flight: most micro-batches whose activations a stage holds at once.
+        transfer_bytes: one micro-batch's message between neighbouring stages (per processor):
+            ``{"activations": bytes, "header": bytes}``.
+        transfer_seconds: link time of one such message (one hop).
+        stage_seconds: each stage's work per step (compute plus its collectives off the axis).
+    """
+
+    axis: str = "stage"
+    stages: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    recompute: bool = False
+    stage_estimates: list[Estimate] = field(default_factory=list, repr=False)
+    bubble: float = 0.0
+    in_flight: list[int] = field(default_factory=list)
+    transfer_bytes: dict[str, int] = field(default_factory=dict)
+    transfer_seconds: float = 0.0
+    stage_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"pipeline {self.stages}x{self.schedule}, {self.microbatches} micro-batches"
+
+    def reason(self) -> str:
+        busiest = max(range(self.stages), key=lambda s: self.stage_seconds[s])
+        fullest = max(range(self.stages), key=lambda s: self.stage_estimates[s].memory_bytes["total"])
+        text = (f"{self.label}: bubble {self.bubble:.0%}, stage {busiest} busiest "
+                f"({self.stage_seconds[busiest] * 1e3:.1f} ms), "
+                f"{_fmt_bytes(self.transfer_bytes['activations'])} per micro-batch between stages; "
+                f"stage {fullest} fullest "
+                f"({self.in_flight[fullest]} micro-batches in flight)")
+        if not self.fits:
+            over = self.memory_bytes["total"] - self.memory_capacity
+            return (f"does not fit: stage {fullest} needs {_fmt_bytes(self.memory_bytes['total'])} > "
+                    f"{_fmt_bytes(self.memory_capacity)} by {_fmt_bytes(over)}; {text}")
+        return text
+
+    def table(self) -> str:
+        lines = [f"mesh '{self.mesh}'  rules '{self.rules}'  device {self.device}  "
+                 f"{self.label}{' (recompute)' if self.recompute else ''}",
+                 f"parameters        {self.parameters:,} ({self.parameters / 1e9:.2f}B)",
+                 f"{'stage':<7}{'FLOPs':>12}{'work ms':>10}{'in flight':>11}{'memory':>12}  fits  "
+                 f"bytes over '{self.axis}' (send/collectives)"]
+        for s, e in enumerate(self.stage_estimates):
+            on_axis = sum(b for axes, kinds in e.bytes_per_axis.items() if self.axis in axes.split(",")
+                          for b in kinds.values())
+            lines.append(f"{s:<7}{e.flops:>12.3e}{self.stage_seconds[s] * 1e3:>10.2f}{self.in_flight[s]:>11}"
+                         f"{_fmt_bytes(e.memory_bytes['total']):>12}  {'yes' if e.fits else 'NO ':<4}  "
+                         f"{on_axis}")
+        lines.append(f"transfer          {self.transfer_bytes['activations']} B activations + "
+                     f"{self.transfer_bytes['header']} B header per micro-batch and hop "
+                     f"({self.transfer_seconds * 1e3:.3f} ms)")
+        lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms; {self.reason()}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "pipeline": {
+            "axis": self.axis, "stages": self.stages, "schedule": self.schedule,
+            "microbatches": self.microbatches, "recompute": self.recompute, "bubble": self.bubble,
+            "in_flight": self.in_flight, "transfer_bytes": self.transfer_bytes,
+            "transfer_seconds": self.transfer_seconds, "stage_seconds": self.stage_seconds,
+            "per_stage": [e.to_json() for e in self.stage_estimates]}}
+
+
+def _pipeline_of(step_fn: Callable[[], Any]) -> dict[str, Any]:
+    info = getattr(step_fn, "pipeline", None)
+    if not isinstance(info, dict) or not {"schedule", "microbatches"} <= set(info):
+        raise PlanError("a pipelined step function needs a 'pipeline' attribute "
+                        "{'schedule': ..., 'microbatches': ..., 'axis': ..., 'recompute': ...}, as "
+                        "meshtorch.recipes.lm.steps.pipelined_training_step gives it")
+    return {"axis": "stage", "recompute": False, **info}
+
+
+def _most(dicts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for d in dicts:
+        for axes, kinds in d.items():
+            for kind, v in kinds.items():
+                out.setdefault(axes, {})[kind] = max(out.get(axes, {}).get(kind, 0), v)
+    return out
+
+
+def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *, schedule: str,
+                      microbatches: int, axis: str = "stage", recompute: bool = False,
+                      algorithm: str = "ring", header: int = 0) -> PipelineEstimate:
+    """Cost the stage traces of :func:`stage_traces` on ``spec`` (see the module docstring);
+    ``header``: the bytes of an activation message's header (reported apart)."""
+    m = Mesh(mesh)
+    p, mb = m.axis_size(axis), microbatches
+    ests = [from_trace(t, m, spec, algorithm) for t in traces]
+    work, sync = [], []
+    for e in ests:
+        off = sum(v for k, v in e.comm_seconds.items() if not _on_axis(k, axis))
+        work.append(e.compute_seconds + off)
+        sync.append(sum(v for k, v in e.comm_seconds.items() if _on_axis(k, axis)
+                        and k.split("@")[0] not in POINT_TO_POINT))
+    # stage 0 sends only activations: its sends per micro-batch are one message (header + leaves)
+    first = traces[0].comm
+    calls, nbytes = first.calls(axis, "send"), first.bytes(axis, "send")
+    hop = 0.0
+    if p > 1 and calls:
+        link = spec.link(axis)
+        hop = collective_seconds("send", nbytes / mb, 2, link.bandwidth, link.latency, calls // mb, algorithm)
+    share = 0.25 if recompute else 1 / 3
+    table = build_schedule(schedule, p, mb)
+    sim = simulate(table, forward=[w * share / mb for w in work],
+                   backward=[w * (1 - share) / mb for w in work], comm=hop)
+    fullest = max(ests, key=lambda e: e.memory_bytes["total"])
+    comm_seconds: dict[str, float] = {}
+    for e in ests:
+        for k, v in e.comm_seconds.items():
+            comm_seconds[k] = max(comm_seconds.get(k, 0.0), v)
+    params = ests[0].parameters
+    return PipelineEstimate(
+        mesh=str(m), rules=traces[0].rules, device=spec.name, parameters=params,
+        flops=max(e.flops for e in ests),
+        flops_by_dtype=max(ests, key=lambda e: e.flops).flops_by_dtype,
+        bytes_per_axis=_most([e.bytes_per_axis for e in ests]),
+        calls_per_axis=_most([e.calls_per_axis for e in ests]),
+        memory_bytes=dict(fullest.memory_bytes), memory_capacity=spec.memory_bytes,
+        fits=all(e.fits for e in ests), compute_seconds=max(e.compute_seconds for e in ests),
+        comm_seconds=comm_seconds, step_seconds=sim.step_time + max(sync),
+        axis=axis, stages=p, schedule=schedule, microbatches=mb, recompute=recompute,
+        stage_estimates=ests, bubble=sim.bubble_fraction, in_flight=sim.in_flight,
+        transfer_bytes={"activations": (nbytes - header * mb) // mb if p > 1 else 0, "header": header},
+        transfer_seconds=hop, stage_seconds=work)
+
+
+def estimate_pipeline(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
+                      device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring") -> PipelineEstimate:
+    """Predict a pipelined step's per-stage bytes, calls and peak memory, its bubble and step time.
+
+    ``step_fn`` runs one step of a pipeline along the mesh axis its ``pipeline`` attribute names
+    (``{"axis", "schedule", "microbatches", "recompute"}``), e.g.
+    ``meshtorch.recipes.lm.steps.pipelined_training_step(cfg)``; ``mesh`` has that axis.
+    """
+    m = Mesh(mesh)
+    info = _pipeline_of(step_fn)
+    spec = get_device(device, processors=m.size)
+    traces, header = _trace_stages(step_fn, m, rules, info["axis"])
+    return from_stage_traces(traces, m, spec, schedule=info["schedule"], microbatches=info["microbatches"],
+                             axis=info["axis"], recompute=info["recompute"], algorithm=algorithm,
+                             header=header)
+
+
+__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "stage_traces"]

@@ -1,0 +1,126 @@
+"""Planned pipelined steps against real ones, and the search over the pipelined family.
+
+The reference is a real run on the threads backend of the same step
+(``meshtorch train --pipeline-stages``'s own ``PipelinedStep``): each stage's
+processor's collectives as its communicator counts them (``mt.comm_stats()``
+around the step, inside the program; the tracer only watches), and the peak
+of its real storages. The plan traces each stage alone on the meta backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import meshtorch as mt
+from meshtorch.errors import PlanError
+from meshtorch.mesh import Mesh
+from meshtorch.pipeline import build_schedule, simulate
+from meshtorch.plan import trace
+from meshtorch.plan.estimate import from_trace
+from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline, stage_traces
+from meshtorch.plan.search import pipeline_layouts, rules_for, search
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
+
+VOCAB = 16
+TINY = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=3, batch=8, length=8, optimizer="adamw")
+MESH, RULES = "stage:2,b:2", "batch:b"
+
+
+def _measured(step, stage: int):
+    """Processor (stage, b=0)'s trace of a real threads-backend run: its peak, and the step's
+    collectives as its communicator counted them."""
+    rank = Mesh(MESH).rank({"stage": stage, "b": 0})
+    return trace(step, mesh=MESH, rules=RULES, backend="threads", rank=rank)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw"])
+def test_stage_bytes_calls_and_peak_equal_a_real_pipelined_step(schedule):
+    cfg = TINY.replace(schedule=schedule, microbatches=4)
+    step = pipelined_training_step(cfg, VOCAB)
+    est = estimate_pipeline(step, MESH, RULES, device="a100")
+    assert est.stages == 2 and est.schedule == schedule
+    for s, planned in enumerate(e.trace for e in est.stage_estimates):
+        real = _measured(step, s)
+        assert planned.comm.as_dict() == real.result["comm"]  # every kind and axis, sends included
+        assert planned.peak_bytes == real.peak_bytes
+        assert planned.peak_by_kind == real.peak_by_kind
+    # between the stages: per micro-batch, one header and one [batch/4/2, length, d_model] float32 slice
+    slice_bytes = 8 // 4 // 2 * 8 * 8 * 4
+    assert est.transfer_bytes["activations"] == slice_bytes
+    first, last = (e.trace.comm for e in est.stage_estimates)
+    header = est.transfer_bytes["header"]
+    assert first.calls("stage", "send") == 2 * 4
+    assert first.bytes("stage", "send") == 4 * (header + slice_bytes)
+    assert last.calls("stage", "recv") == 2 * 4 and last.bytes("stage", "send") > 4 * slice_bytes
+    # the stage holding more micro-batches in flight: all 4 under GPipe, p - s under 1F1B and 2BW
+    assert est.in_flight == ([4, 4] if schedule == "gpipe" else [2, 1])
+    # every processor holds the whole model for the checkpoint (the rules split no parameter),
+    # and under 2BW its previous version too
+    versions = 2 if schedule == "2bw" else 1
+    for e in est.stage_estimates:
+        assert e.memory_bytes["parameters"] == versions * est.parameters * 4
+
+
+def test_step_time_is_the_simulated_schedule_of_the_stage_work():
+    est = estimate_pipeline(pipelined_training_step(TINY.replace(microbatches=4), VOCAB), MESH, RULES,
+                            device="a100")
+    work = est.stage_seconds
+    sim = simulate(build_schedule("1f1b", 2, 4), forward=[w / 3 / 4 for w in work],
+                   backward=[w * 2 / 3 / 4 for w in work], comm=est.transfer_seconds)
+    sync = max(sum(v for k, v in e.comm_seconds.items() if k.split("@")[1] == "stage"
+                   and not k.startswith(("send", "recv"))) for e in est.stage_estimates)
+    assert est.step_seconds == pytest.approx(sim.step_time + sync)
+    assert est.bubble == pytest.approx(sim.bubble_fraction) and 0 < est.bubble < 1
+    assert est.step_seconds >= max(work)
+
+
+def test_stage_traces_need_the_pipeline_axis():
+    with pytest.raises(PlanError, match="'stage' is not an axis"):
+        stage_traces(pipelined_training_step(TINY, VOCAB), "b:2", RULES)
+
+
+# heads 1, d_ff and vocab odd: only batch is splittable, so the whole space is small enough to trace
+SMALL = TrainConfig.of(d_model=8, heads=1, d_kv=4, d_ff=15, layers=2, batch=8, length=8, optimizer="adamw")
+
+
+def _exhaustive(cfg, n, spec):
+    step = training_step(cfg, 15)
+    dims = {"batch": 8}
+    out = [from_trace(trace(step, mesh=m, rules=r), m, spec) for m in ("b:2",) for r in rules_for(m, dims)]
+    out += [estimate_pipeline(step.pipelined(mb), m, r, spec) for m, r, mb in pipeline_layouts(n, dims, 2)]
+    return out
+
+
+def test_search_equals_exhaustive_over_the_pipelined_family():
+    # a slow processor (compute dominates) whose memory only the pipelined layouts fit
+    spec = mt.plan.device("a100")
+    spec = dataclasses.replace(spec, peak_flops={"float32": 2e8}, memory_bytes=40 * 1024)
+    every = _exhaustive(SMALL, 2, spec)
+    assert len(every) == 2 + 3
+    fitting = [e for e in every if e.fits]
+    assert fitting and all(isinstance(e, PipelineEstimate) for e in fitting)
+    truth = min(fitting, key=lambda e: e.step_seconds)
+    res = search(training_step(SMALL, 15), 2, device=spec)
+    assert res.space == 5
+    best = res.best
+    assert isinstance(best, PipelineEstimate)
+    assert (best.mesh, best.rules, best.microbatches) == (truth.mesh, truth.rules, truth.microbatches)
+    assert best.step_seconds == pytest.approx(truth.step_seconds)
+    assert "fits memory where the best layout without stages does not" in res.why()
+    assert f"--pipeline-stages 2 --schedule 1f1b --microbatches {truth.microbatches}" in res.table()
+    # every candidate is ranked: traced or pruned with its bound
+    assert len(res.ranking()) == 5
+    without = search(training_step(SMALL, 15), 2, device=spec, pipeline=False)
+    assert without.space == 2 and not without.best.fits
+
+
+def test_pipeline_layouts_cover_stages_layouts_and_microbatches():
+    got = pipeline_layouts(8, {"batch": 8, "d_ff": 16}, layers=4)
+    stages = {Mesh(m).axis_size("stage") for m, _, _ in got}
+    assert stages == {2, 4}
+    assert ("stage:2,b:2,m:2", "batch:b; d_ff:m", 2) in got
+    assert ("stage:4,b:2", "batch:b", 4) in got
+    assert all(8 // mb % (Mesh(m).axis_size("b") if "batch:b" in r else 1) == 0 for m, r, mb in got)
