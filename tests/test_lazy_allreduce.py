@@ -97,11 +97,14 @@ def test_the_planner_predicts_the_lazy_reduction():
 
 
 def _dense(x, ws, c):
-    """The reference: three contractions of ``x`` and one elementwise use, on one processor."""
+    """The reference: four contractions of ``x`` (one under another dim name) and one
+    elementwise use, on one processor."""
     y1 = torch.einsum("bd,dh->bh", x, ws[0])
     y2 = torch.einsum("bd,dh->bh", x, ws[1])
     y3 = torch.einsum("bd,dk->bk", x, ws[2])
-    return (y1 * c[0]).sum() + (y2 * c[1]).sum() + (y3 * c[2]).sum() + (x * x * c[3]).sum()
+    y4 = torch.einsum("bd,dh->bh", x, ws[0])
+    return ((y1 * c[0]).sum() + (y2 * c[1]).sum() + (y3 * c[2]).sum() + (x * x * c[3]).sum()
+            + (y4 * c[4]).sum())
 
 
 @given(data=st.data())
@@ -115,7 +118,8 @@ def test_values_and_gradients_equal_dense_torch(data):
     def rnd(*size):
         return torch.randn(*size, generator=g, dtype=torch.float64)
 
-    x, ws, c = rnd(4, 8), [rnd(8, 4), rnd(8, 4), rnd(8, 12)], [rnd(4, 4), rnd(4, 4), rnd(4, 12), rnd(4, 8)]
+    x, ws = rnd(4, 8), [rnd(8, 4), rnd(8, 4), rnd(8, 12)]
+    c = [rnd(4, 4), rnd(4, 4), rnd(4, 12), rnd(4, 8), rnd(4, 4)]
     ref_x, ref_ws = x.clone().requires_grad_(), [w.clone().requires_grad_() for w in ws]
     ref_loss = _dense(ref_x, ref_ws, c)
     ref_loss.backward()
@@ -124,7 +128,8 @@ def test_values_and_gradients_equal_dense_torch(data):
         mx = mt.from_global(x, "batch:4,d:8", requires_grad=True)
         mws = [mt.from_global(w, s, requires_grad=True)
                for w, s in zip(ws, ["d:8,h:4", "d:8,h:4", "d:8,k:12"])]
-        mc = [mt.from_global(t, s) for t, s in zip(c, ["batch:4,h:4"] * 2 + ["batch:4,k:12", "batch:4,d:8"])]
+        specs = ["batch:4,h:4"] * 2 + ["batch:4,k:12", "batch:4,d:8", "rows:4,h:4"]
+        mc = [mt.from_global(t, s) for t, s in zip(c, specs)]
         ys = [mt.einsum("batch d, d h -> batch h", mx, mws[0]),
               mt.einsum("batch d, d h -> batch h", mx, mws[1])]
         with torch.no_grad():  # a use outside autograd neither shares nor disturbs the shared one
@@ -136,8 +141,10 @@ def test_values_and_gradients_equal_dense_torch(data):
             (y3,) = f.run()
         else:
             y3 = mt.einsum("batch d, d k -> batch k", mx, mws[2])
+        # x under another name: where the rules lay ``rows`` out as ``batch``, the same slice
+        y4 = mt.einsum("rows d, d h -> rows h", mt.rename(mx, "batch", "rows"), mws[0])
         terms = [mt.reduce_sum(y * t) for y, t in zip(ys + [y3], mc)] + [mt.reduce_sum(mx * mx * mc[3])]
-        loss = terms[0] + terms[1] + terms[2] + terms[3]
+        loss = terms[0] + terms[1] + terms[2] + terms[3] + mt.reduce_sum(y4 * mc[4])
         loss.backward()
         return (loss.item(), mx.grad.to_global(), [w.grad.to_global() for w in mws])
 
