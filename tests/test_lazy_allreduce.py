@@ -155,22 +155,27 @@ def test_values_and_gradients_equal_dense_torch(data):
             torch.testing.assert_close(gw, rw.grad, rtol=1e-9, atol=1e-9)
 
 
-def test_three_uses_reduce_the_input_gradient_once():
+def three_uses():
     """x replicated on m, three contractions against weights split on m (two on h, one on k) and
-    an elementwise use: one all_reduce of x's gradient over m, where one per use ran before."""
+    an elementwise use; the model-axis all_reduces of the backward and a gradient entry."""
+    x = mt.from_global(torch.ones(4, 8), "batch:4,d:8", requires_grad=True)
+    ys = [mt.einsum("batch d, d h -> batch h", x, mt.ones("d:8,h:4") * (i + 1)) for i in range(2)]
+    y3 = mt.einsum("batch d, d k -> batch k", x, mt.ones("d:8,k:12"))
+    loss = mt.reduce_sum(ys[0]) + mt.reduce_sum(ys[1]) + mt.reduce_sum(y3) + mt.reduce_sum(x * 3)
+    before = mt.comm_stats().copy()
+    loss.backward()
+    diff = mt.comm_stats() - before
+    return diff.calls("m", "all_reduce"), diff.bytes("m", "all_reduce"), x.grad.to_global()[0, 0].item()
 
-    def program():
-        x = mt.from_global(torch.ones(4, 8), "batch:4,d:8", requires_grad=True)
-        ys = [mt.einsum("batch d, d h -> batch h", x, mt.ones("d:8,h:4") * (i + 1)) for i in range(2)]
-        y3 = mt.einsum("batch d, d k -> batch k", x, mt.ones("d:8,k:12"))
-        loss = mt.reduce_sum(ys[0]) + mt.reduce_sum(ys[1]) + mt.reduce_sum(y3) + mt.reduce_sum(x * 3)
-        before = mt.comm_stats().copy()
-        loss.backward()
-        diff = mt.comm_stats() - before
-        return diff.calls("m", "all_reduce"), diff.bytes("m", "all_reduce"), x.grad.to_global()[0, 0].item()
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_three_uses_reduce_the_input_gradient_once(backend):
+    """One all_reduce of x's gradient over m, where one per use ran before, on threads and on
+    two gloo processes."""
+    out = mt.launch(three_uses, mesh="m:2", rules="h:m; k:m", backend=backend, nprocs=2)
     # d loss / d x = 4·1 + 4·2 + 12·1 + 3; one all_reduce of x's [4, 8] float32 gradient slice
-    assert mt.launch(program, mesh="m:2", rules="h:m; k:m") == [(1, 4 * 8 * 4, 27.0)] * 2
+    assert out == [(1, 4 * 8 * 4, 27.0)] * 2
 
 
 def test_shared_adapters_follow_the_slice_and_the_processor():
