@@ -10,6 +10,9 @@ and the local function. :func:`lower` then
    is split along the axis;
 2. brings every input to that computation layout with exactly one adapter of
    :mod:`meshtorch.lowering.adapters` per input and axis (the adapter table of the adapters module);
+   where those adapters sum the input's gradient, every use of the tensor that needs the same
+   ones shares them, so its gradient is reduced once (Mesh-TF's lazy all-reduce:
+   :func:`~meshtorch.lowering.redistribute.run_shared`);
 3. runs the local function on the slices;
 4. turns the local result into the output's layout (partial sums →
    ``all_reduce`` or ``reduce_scatter``; a split moved → ``all_to_all``; ...).

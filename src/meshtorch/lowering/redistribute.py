@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Axes, Layout
 from meshtorch.lowering import adapters as ca
 from meshtorch.mesh import Mesh
+
+if TYPE_CHECKING:
+    from meshtorch.tensor import MeshTensor
 
 # One step of a move: an adapter, the axis (or group of axes, in mesh order) it runs over, and
 # its arguments after (tensor, comm, axes).
@@ -164,7 +168,7 @@ def sums_gradient(steps: Sequence[Step]) -> bool:
     return any(fn is ca.identity_grad_sum or fn is ca.all_gather for fn, _, _ in steps)
 
 
-def run_shared(x, steps: tuple[Step, ...]) -> torch.Tensor:
+def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
     """:func:`run_steps` on the MeshTensor ``x``'s slice, shared by every use of ``x`` that runs
     the same ``steps``: Mesh-TensorFlow's lazy all-reduce.
 
@@ -206,14 +210,14 @@ def run_shared(x, steps: tuple[Step, ...]) -> torch.Tensor:
     return out
 
 
-def _memo(x) -> dict:
+def _memo(x: MeshTensor) -> dict:
     memo = x._adapted
     if memo is None:
         memo = x._adapted = {}
     return memo
 
 
-def share_adapted(src, dst) -> None:
+def share_adapted(src: MeshTensor, dst: MeshTensor) -> None:
     """``dst`` wraps the very slice of ``src`` under other dim names (a relayout that moved
     nothing, such as attention's keys read from its queries' input under ``memory_length``): let
     their uses share adapters (:func:`run_shared`), as uses of one tensor do. The adapters act on
