@@ -32,7 +32,8 @@ class MeshTensor:
             in ``shape`` order and whose sizes are :func:`local_shape` of the layout.
     """
 
-    __slots__ = ("shape", "layout", "local", "name")
+    # ``_adapted``: the lowering's per-tensor state (see meshtorch.lowering.redistribute.run_shared)
+    __slots__ = ("shape", "layout", "local", "name", "_adapted")
     __array_priority__ = 1000  # so numpy scalars defer to our operators
 
     def __init__(self, local: torch.Tensor, shape: Shape, layout: Layout, name: str | None = None):
@@ -46,6 +47,7 @@ class MeshTensor:
         self.layout = layout
         self.local = local
         self.name = name
+        self._adapted = None
         if traced:
             tracer = current().tracer
             if tracer is not None:
@@ -57,7 +59,7 @@ class MeshTensor:
         """Construct without re-checking ``local``'s size: for hot paths (the one-processor
         lowering) that have just checked it against the shape."""
         t = object.__new__(cls)
-        t.shape, t.layout, t.local, t.name = shape, layout, local, name
+        t.shape, t.layout, t.local, t.name, t._adapted = shape, layout, local, name, None
         if traced:
             tracer = current().tracer
             if tracer is not None:

@@ -10,6 +10,9 @@ and the local function. :func:`lower` then
    is split along the axis;
 2. brings every input to that computation layout with exactly one adapter of
    :mod:`meshtorch.lowering.adapters` per input and axis (the adapter table of the adapters module);
+   where those adapters sum the input's gradient, every use of the tensor that needs the same
+   ones shares them, so its gradient is reduced once (Mesh-TF's lazy all-reduce:
+   :func:`~meshtorch.lowering.redistribute.run_shared`);
 3. runs the local function on the slices;
 4. turns the local result into the output's layout (partial sums →
    ``all_reduce`` or ``reduce_scatter``; a split moved → ``all_to_all``; ...).
@@ -43,7 +46,7 @@ from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
-from meshtorch.lowering.redistribute import Step, group, moves, run_steps
+from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
 from meshtorch.shape import Shape
 from meshtorch.tensor import MeshTensor, layout_for
 
@@ -235,11 +238,14 @@ class Plan:
         layout: the output's layout.
         computed_as: per split dim, its axes (for error messages).
         moves: whether any adapter runs (never on one processor).
+        shared: per input, whether its adapters are shared by every use of the tensor that runs
+            the same ones (:func:`~meshtorch.lowering.redistribute.run_shared`: their backward sums
+            the gradient, so it is summed locally and reduced once); ``None`` where none is.
     """
 
-    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as", "moves")
+    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as", "moves", "shared")
 
-    def __init__(self, inputs, outputs, view, want, layout, computed_as):
+    def __init__(self, inputs, outputs, view, want, layout, computed_as, shared=None):
         self.inputs: tuple[tuple[Step, ...], ...] = inputs
         self.outputs: tuple[Step, ...] = outputs
         self.view: LocalView = view
@@ -247,6 +253,7 @@ class Plan:
         self.layout: Layout = layout
         self.computed_as: dict[str, tuple[str, ...]] = computed_as
         self.moves = bool(outputs) or any(inputs)
+        self.shared: tuple[bool, ...] | None = shared if shared and any(shared) else None
 
     @property
     def adapters(self) -> int:
@@ -285,10 +292,12 @@ def make_plan(
     want = tuple(view_slices[d.name][1] if d.name in split else d.size for d in out_shape)
     if not comp:
         return Plan(((),) * len(inputs), (), LocalView(view_slices), want, out_layout, split)
+    grad = torch.is_grad_enabled()
+    steps = tuple(_to_computation(x, comp, split, grad) for x in inputs)
     return Plan(
-        tuple(_to_computation(x, comp, split, torch.is_grad_enabled()) for x in inputs),
-        _from_computation(comp, split, out_shape, out_layout, reduced),
+        steps, _from_computation(comp, split, out_shape, out_layout, reduced),
         LocalView(view_slices), want, out_layout, split,
+        tuple(grad and x.requires_grad and sums_gradient(s) for x, s in zip(inputs, steps)),
     )
 
 
@@ -377,7 +386,10 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
     layout, checked against the plan's size, before the output adapters (``plan.outputs``) run.
     :mod:`meshtorch.lowering.fused` runs the output adapters of several ops together."""
     plan = plan_of(op, inputs, out_shape, reduced, whole, name)
-    if plan.moves:
+    if plan.shared is not None:
+        result = local_fn(plan.view, *[run_shared(x, s) if shared else run_steps(x.local, s)
+                                       for x, s, shared in zip(inputs, plan.inputs, plan.shared)])
+    elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Axes, Layout
 from meshtorch.lowering import adapters as ca
 from meshtorch.mesh import Mesh
+
+if TYPE_CHECKING:
+    from meshtorch.tensor import MeshTensor
 
 # One step of a move: an adapter, the axis (or group of axes, in mesh order) it runs over, and
 # its arguments after (tensor, comm, axes).
@@ -155,6 +159,71 @@ def run_steps(t: torch.Tensor, steps: Sequence[Step]) -> torch.Tensor:
         for fn, axis, args in steps:
             t = fn(t, comm, axis, *args)
     return t
+
+
+def sums_gradient(steps: Sequence[Step]) -> bool:
+    """Whether ``steps`` hold an adapter whose backward sums gradients over an axis (an input
+    used whole by an op that varies along the axis: ``identity_grad_sum``, or ``all_gather``
+    with its ``reduce_scatter`` backward)."""
+    return any(fn is ca.identity_grad_sum or fn is ca.all_gather for fn, _, _ in steps)
+
+
+def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
+    """:func:`run_steps` on the MeshTensor ``x``'s slice, shared by every use of ``x`` that runs
+    the same ``steps``: Mesh-TensorFlow's lazy all-reduce.
+
+    Each op that varies along an axis ``x`` is replicated on (or whole along) sends back a partial
+    sum of ``x``'s gradient. Run per use, every use reduces its own part; here the first use runs
+    the adapters and later ones take their output, so autograd adds the parts locally and the
+    reduction runs once per tensor and axis group (three projections of one input: one
+    ``all_reduce``, not three). The adapters are linear and save no tensors, so a shared output
+    is exact, also when a later use comes after a backward or in a recomputation.
+
+    The output lives on ``x`` (so it dies with ``x`` and is never seen by another tensor), is
+    kept per communicator (one processor never takes another's), and is used only while ``x``'s
+    slice is the same tensor at the same version (an in-place update, such as an optimizer step
+    on a parameter, makes the next use adapt afresh). Callers share only in grad mode, for
+    ``x`` requiring grad and steps that :func:`sums_gradient`; otherwise nothing is summed and
+    :func:`run_steps` is used.
+
+    Example (two uses of ``x``, replicated on ``m``, by ops that split ``h`` over ``m``):
+        >>> import torch, meshtorch as mt
+        >>> def f():
+        ...     x = mt.from_global(torch.ones(2, 3), "batch:2,d:3", requires_grad=True)
+        ...     w = mt.from_global(torch.ones(3, 4), "d:3,h:4")
+        ...     y = mt.einsum("batch d, d h -> batch h", x, w)
+        ...     z = mt.einsum("batch d, d h -> batch h", x, w * 2)
+        ...     mt.reduce_sum(y + z).backward()
+        ...     return mt.comm_stats().calls("m", "all_reduce"), x.grad.to_global()[0].tolist()
+        >>> mt.launch(f, mesh="m:2", rules="h:m")[0]
+        (2, [12.0, 12.0, 12.0])
+    """
+    comm = current().comm
+    t = x.local
+    memo = _memo(x)
+    key = (steps, id(comm))
+    hit = memo.get(key)
+    if hit is not None and hit[0] is comm and hit[1] is t and hit[2] == t._version:
+        return hit[3]
+    out = run_steps(t, steps)
+    memo[key] = (comm, t, t._version, out)
+    return out
+
+
+def _memo(x: MeshTensor) -> dict:
+    memo = x._adapted
+    if memo is None:
+        memo = x._adapted = {}
+    return memo
+
+
+def share_adapted(src: MeshTensor, dst: MeshTensor) -> None:
+    """``dst`` wraps the very slice of ``src`` under other dim names (a relayout that moved
+    nothing, such as attention's keys read from its queries' input under ``memory_length``): let
+    their uses share adapters (:func:`run_shared`), as uses of one tensor do. The adapters act on
+    tensor dims by position, never by name, so the same steps give the same result for both."""
+    if dst.local is src.local:
+        dst._adapted = _memo(src)
 
 
 def redistribute(t: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:

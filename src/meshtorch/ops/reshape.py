@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 from meshtorch.errors import ShapeError
 from meshtorch.lowering.plan import align, lower
-from meshtorch.lowering.redistribute import redistribute
+from meshtorch.lowering.redistribute import redistribute, share_adapted
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
 
@@ -43,8 +43,9 @@ def relayout(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None
             f"shape [{shape}] has {list(shape.sizes)}; use mt.reshape to change sizes"
         )
     out_layout = layout_for(shape, name)
-    t = redistribute(x.local, x.layout, out_layout)
-    return MeshTensor(t, shape, out_layout, name)
+    out = MeshTensor(redistribute(x.local, x.layout, out_layout), shape, out_layout, name)
+    share_adapted(x, out)
+    return out
 
 
 def relayout_like(x: MeshTensor, like: MeshTensor) -> MeshTensor:
