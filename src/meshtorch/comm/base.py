@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import functools
 import math
 import numbers
@@ -84,7 +83,7 @@ def user_call_site() -> str:
 F = TypeVar("F", bound=Callable)
 
 # the live communicator of each (mesh, rank), for collectives that a compiled graph runs
-_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def collective(method: F) -> F:
@@ -111,33 +110,6 @@ def collective(method: F) -> F:
         return method(self, t, *args, **kwargs)
 
     return call  # type: ignore[return-value]
-
-
-@functools.lru_cache(maxsize=4096)
-def _decode(call: str) -> tuple:
-    return ast.literal_eval(call)
-
-
-@torch.library.custom_op("meshtorch::collective", mutates_args=())
-def _collective_op(t: torch.Tensor, call: str) -> torch.Tensor:
-    mesh, rank, name, args, kwargs = _decode(call)
-    comm = _LIVE.get((mesh, rank))
-    if comm is None:
-        raise CommError(f"a compiled graph runs {name} on processor {rank} of mesh '{mesh}', which has "
-                        "no live communicator; run the compiled function inside the launch it was "
-                        "compiled in")
-    # the method itself, not the compile-time wrapper: this runs the collective
-    out = getattr(type(comm), name).__wrapped__(comm, t, *args, **kwargs)
-    return out.clone() if out is t else out  # a custom op's result never aliases its input
-
-
-@_collective_op.register_fake
-def _(t: torch.Tensor, call: str) -> torch.Tensor:
-    from meshtorch.comm.meta import MetaCommunicator  # the meta backend shapes every collective
-
-    mesh, rank, name, args, kwargs = _decode(call)
-    out = getattr(MetaCommunicator, name).__wrapped__(MetaCommunicator(Mesh(mesh), rank), t, *args, **kwargs)
-    return out.clone() if out is t else out
 
 
 def as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
@@ -168,7 +140,7 @@ class Communicator(ABC):
         self.check = check
         self.stats = CommStats()
         if self.backend != "meta":  # the meta backend only shapes what compiled graphs run
-            _LIVE[(str(mesh), rank)] = self
+            LIVE[(str(mesh), rank)] = self
 
     # ----------------------------------------------------------------- helpers
     def group(self, axes: str | Iterable[str]) -> tuple[int, ...]:
