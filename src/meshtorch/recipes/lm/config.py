@@ -192,6 +192,9 @@ class RunSection:
     progress: bool = True
     overwrite: bool = False
     memory_check: bool = True
+    # from Hugging Face: a model directory to fine-tune (its config.json sets the model), a tokenizer
+    init_from: str | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -271,6 +274,8 @@ def model_dims(cfg: TrainConfig, vocab: int) -> dict[str, int]:
         dims["positions"] = max(run.length, 8)
     if model.name == "moe":
         dims["experts"] = model.experts
+    if model.kv_heads:
+        dims["kv_heads"] = model.kv_heads
     return dims
 
 

@@ -1,0 +1,118 @@
+"""A Hugging Face tokenizer (``tokenizer.json``) in place of bytes: ``meshtorch train --tokenizer DIR``.
+
+It reads a directory written by ``save_pretrained`` (or a ``tokenizer.json``
+file) with the ``tokenizers`` library; a directory without ``tokenizer.json``
+(a slow tokenizer's ``vocab.json`` + ``merges.txt``) is read with
+``transformers.AutoTokenizer`` when transformers is installed. Neither is a
+dependency of meshtorch: ``pip install 'meshtorch[hf]'``.
+
+The end-of-text id (files are joined by it, samples start from it) is the
+``eos_token`` of ``tokenizer_config.json``, else the first of the usual
+special tokens the vocabulary has (``<|endoftext|>``, ``</s>``, ...).
+
+Example:
+    >>> import tempfile
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    >>> from meshtorch.data.hf_tokenizer import HFTokenizer
+    >>> t = Tokenizer(models.BPE()); t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    >>> t.train_from_iterator(["def f(x):\\n    return x\\n"] * 50, trainers.BpeTrainer(
+    ...     vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+    ...     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    >>> path = tempfile.mkdtemp() + "/tokenizer.json"; t.save(path)
+    >>> tok = HFTokenizer(path)
+    >>> tok.eos, tok.vocab_size % 8, tok.encode("def f(x):") == t.encode("def f(x):").ids
+    (0, 0, True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from meshtorch.data.corpus import DataError
+
+FILE = "tokenizer.json"
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
+
+
+def _backend(path: str) -> Any:
+    """The ``tokenizers.Tokenizer`` of ``path`` (a tokenizer.json, or a directory)."""
+    file = path if os.path.isfile(path) else os.path.join(path, FILE)
+    if os.path.isfile(file):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"--tokenizer {path!r} needs the tokenizers library: pip install "
+                            "'meshtorch[hf]'") from None
+        return Tokenizer.from_file(file)
+    if not os.path.isdir(path):
+        raise DataError(f"--tokenizer {path!r} is neither a directory nor a {FILE} file; pass a "
+                        "directory written by a tokenizer's save_pretrained")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(f"--tokenizer {path!r} has no {FILE}; reading its other files needs transformers: "
+                        "pip install 'meshtorch[hf]'") from None
+    try:
+        return AutoTokenizer.from_pretrained(path).backend_tokenizer
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"--tokenizer {path!r}: transformers cannot read a fast tokenizer there ({e})") from e
+
+
+def _eos_token(path: str) -> str | None:
+    cfile = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "tokenizer_config.json")
+    if not os.path.isfile(cfile):
+        return None
+    with open(cfile) as f:
+        eos = json.load(f).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer with :class:`~meshtorch.data.ByteTokenizer`'s interface.
+
+    Attributes:
+        vocab_size: the tokenizer's ids (added tokens included) rounded up to a multiple of
+            ``multiple``, so that ``vocab`` can be split over mesh axes; a model loaded with
+            ``--init-from`` keeps its own (it must be at least :attr:`sample_limit`).
+        sample_limit: the number of ids the tokenizer has; samplers draw below it.
+        eos: the end-of-text id.
+    """
+
+    def __init__(self, path: str | os.PathLike, multiple: int = 8):
+        self.path = os.fspath(path)
+        self.tok = _backend(self.path)
+        self.sample_limit = self.tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = -(-self.sample_limit // multiple) * multiple
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        named = _eos_token(self.path)
+        eos = named if named in vocab else next((t for t in EOS_CANDIDATES if t in vocab), None)
+        if eos is None:
+            raise DataError(f"--tokenizer {self.path!r} has no end-of-text token (no eos_token in "
+                            f"tokenizer_config.json, none of {list(EOS_CANDIDATES)}); add one, e.g. "
+                            "'<|endoftext|>' as a special token")
+        self.eos = vocab[eos]
+
+    @property
+    def name(self) -> str:
+        return f"tokenizer:{self.path}"
+
+    def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> list[int]:
+        """The tokenizer's ids of ``text`` (no special tokens added), optionally ended by ``eos``."""
+        if bos:
+            raise DataError(f"--tokenizer {self.path!r}: meshtorch frames texts with eos only")
+        return self.arrays([text])[0].tolist() + ([self.eos] if eos else [])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``, special tokens dropped."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def arrays(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """Each text's ids (encoded in one parallel batch), ``uint16`` when they fit, else ``uint32``."""
+        dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+        strs = [t if isinstance(t, str) else bytes(t).decode("utf-8", errors="replace") for t in texts]
+        return [np.asarray(e.ids, dtype=dtype) for e in self.tok.encode_batch(strs, add_special_tokens=False)]
