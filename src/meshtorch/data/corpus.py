@@ -57,6 +57,36 @@ def list_files(root: str, suffixes: tuple[str, ...] | None) -> list[str]:
     return out
 
 
+def read_dir(root: str, suffixes: tuple[str, ...] | None = None) -> dict[str, bytes]:
+    """The contents of the files under ``root`` (with one of ``suffixes``), by relative path."""
+    texts = {}
+    for rel in list_files(root, suffixes):
+        with open(os.path.join(root, rel), "rb") as f:
+            texts[rel] = f.read()
+    return texts
+
+
+def train_texts(path: str | None, heldout_percent: float = 5.0) -> list[bytes]:
+    """The texts of ``--data`` ``path`` that :meth:`Corpus.from_path` trains on (not the held-out
+    files; a single file whole): what a tokenizer may be fitted to."""
+    if path is None or os.path.isdir(path):
+        texts = read_dir(stdlib_root(), (".py",)) if path is None else read_dir(path)
+        return [t for rel, t in sorted(texts.items()) if not is_heldout(rel, heldout_percent)]
+    if not os.path.isfile(path):
+        raise DataError(f"--data {path!r} is neither a file nor a directory")
+    return _split_file(path, heldout_percent)[:1]
+
+
+def _split_file(path: str, heldout_percent: float) -> list[bytes]:
+    """A text file's train and held-out parts: its last ``heldout_percent``, from a line break."""
+    with open(path, "rb") as f:
+        data = f.read()
+    cut = int(len(data) * (1 - heldout_percent / 100))
+    nl = data.rfind(b"\n", 0, cut)
+    cut = nl + 1 if nl > 0 else cut
+    return [data[:cut], data[cut:]]
+
+
 @dataclass
 class Corpus:
     """A train and a held-out token stream (``uint16`` numpy arrays; ``uint32`` for a tokenizer
@@ -98,11 +128,7 @@ class Corpus:
     def from_dir(cls, root: str, heldout_percent: float = 5.0, suffixes: tuple[str, ...] | None = None,
                  name: str | None = None, tokenizer: Tokenizer | None = None) -> Corpus:
         """Every file under ``root`` (or with one of ``suffixes``), split by path hash."""
-        texts = {}
-        for rel in list_files(root, suffixes):
-            with open(os.path.join(root, rel), "rb") as f:
-                texts[rel] = f.read()
-        return cls.from_texts(texts, heldout_percent, name or root, tokenizer)._checked()
+        return cls.from_texts(read_dir(root, suffixes), heldout_percent, name or root, tokenizer)._checked()
 
     @classmethod
     def from_path(cls, path: str | None, heldout_percent: float = 5.0,
@@ -116,12 +142,7 @@ class Corpus:
         if not os.path.isfile(path):
             raise DataError(f"--data {path!r} is neither a file nor a directory; give a text file or a "
                             "directory of text files, or leave --data out for the Python stdlib corpus")
-        with open(path, "rb") as f:
-            data = f.read()
-        cut = int(len(data) * (1 - heldout_percent / 100))
-        nl = data.rfind(b"\n", 0, cut)
-        cut = nl + 1 if nl > 0 else cut
-        tr, ho = (tokenizer or ByteTokenizer()).arrays([data[:cut], data[cut:]])
+        tr, ho = (tokenizer or ByteTokenizer()).arrays(_split_file(path, heldout_percent))
         return cls(tr, ho, path, (1, 1))._checked()
 
     def _checked(self) -> Corpus:

@@ -57,8 +57,10 @@ HELP = {
     "memory_check": "before training, compare the planner's peak-memory prediction with the memory available",
     "init_from": "fine-tune a Hugging Face model directory (config.json + safetensors; Llama family or "
                  "GPT-2): its config sets the model, each processor reads its slices of the weights",
-    "tokenizer": "encode with a Hugging Face tokenizer (a directory with tokenizer.json) instead of bytes "
-                 "(pip install 'meshtorch[hf]')",
+    "tokenizer": "bytes; bpe:N: a byte-level BPE of N ids fitted to the training data (saved in "
+                 "--out/tokenizer/); a Hugging Face tokenizer directory (tokenizer.json); auto: "
+                 "--init-from's tokenizer if it has one, else bpe:1024 when the tokenizers library is "
+                 "installed (pip install 'meshtorch[hf]'), else bytes",
 }
 GROUPS = {"model": "model (the fields of meshtorch.models.TransformerConfig)",
           "parallelism": "parallelism", "optimizer": "optimizer", "run": "run"}

@@ -173,7 +173,7 @@ class OptimizerSection:
 class RunSection:
     """Steps, batches, data, outputs, evaluation and the sample."""
 
-    steps: int = 600
+    steps: int = 400
     batch: int = 16
     length: int = 64
     precision: str = "fp32"
@@ -194,7 +194,7 @@ class RunSection:
     memory_check: bool = True
     # from Hugging Face: a model directory to fine-tune (its config.json sets the model), a tokenizer
     init_from: str | None = None
-    tokenizer: str | None = None
+    tokenizer: str = "auto"
 
     def __post_init__(self) -> None:
         check_fields(self)

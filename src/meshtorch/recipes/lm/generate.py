@@ -40,7 +40,7 @@ def run_tokenizer(path: str) -> Tokenizer:
     """The tokenizer the run of checkpoint ``path`` trained with (its ``--tokenizer``, else bytes)."""
     extra = from_json(read_index(path).get("extra")) or {}
     where = (extra.get("train_config") or {}).get("tokenizer")
-    if not where:
+    if not where or where == "bytes":
         return ByteTokenizer()
     from meshtorch.data.hf_tokenizer import HFTokenizer
 

@@ -10,7 +10,7 @@ tokenizer (``--tokenizer``, else bytes) must fit in it.
 Example:
     >>> from meshtorch.recipes.lm.config import TrainConfig
     >>> from meshtorch.recipes.lm.pretrained import model_vocab, tokenizer_of
-    >>> cfg = TrainConfig()
+    >>> cfg = TrainConfig.of(tokenizer="bytes")
     >>> tok = tokenizer_of(cfg)
     >>> tok.name, model_vocab(cfg, tok)
     ('bytes', 264)
@@ -26,6 +26,9 @@ from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import ArgumentError
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import ModelSection, TrainConfig
+
+AUTO_BPE = 1024  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
+TOKENIZER_DIR = "tokenizer"  # where a fitted BPE is saved in --out
 
 
 def _hf(path: str) -> tuple:
@@ -66,10 +69,73 @@ def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
     return cfg.replace(**wanted)
 
 
+def _recorded_tokenizer(run_dir: str) -> str:
+    """The tokenizer the run in ``run_dir`` trained with (checkpoints from before the option: bytes)."""
+    from meshtorch.checkpoint.index import read_index
+    from meshtorch.checkpoint.state import from_json
+
+    extra = from_json(read_index(os.path.join(run_dir, "checkpoint")).get("extra")) or {}
+    return (extra.get("train_config") or {}).get("tokenizer") or "bytes"
+
+
+def resolve_tokenizer(cfg: TrainConfig, out: str) -> TrainConfig:
+    """``cfg`` with ``--tokenizer`` made ``bytes`` or a directory: ``auto`` picks (``--init-from``'s
+    own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 1024 ids when the
+    tokenizers library is installed, else bytes), ``bpe:N`` is fitted to the training texts and
+    saved in ``out/tokenizer/``. A resumed run keeps the tokenizer it was trained with."""
+    spec, run = cfg.run.tokenizer, cfg.run
+    if spec not in ("auto",) and not spec.startswith("bpe:"):
+        if spec != "bytes" and cfg.model.name == "seq2seq":
+            raise ArgumentError(f"--tokenizer {spec!r}: --model seq2seq spells numbers in bytes; drop "
+                                "--tokenizer")
+        return cfg
+    if cfg.model.name == "seq2seq":
+        return cfg.replace(tokenizer="bytes")
+    if run.resume:
+        return cfg.replace(tokenizer=_recorded_tokenizer(run.resume))
+    if spec == "auto":
+        if run.init_from:
+            own = os.path.isfile(os.path.join(run.init_from, "tokenizer.json"))
+            return cfg.replace(tokenizer=run.init_from if own else "bytes")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            return cfg.replace(tokenizer="bytes")
+        spec = f"bpe:{AUTO_BPE}"
+    try:
+        size = int(spec.removeprefix("bpe:"))
+    except ValueError:
+        size = 0
+    if size < 260:
+        raise ArgumentError(f"--tokenizer {spec!r}: give the BPE's number of ids, at least 260 (256 bytes, "
+                            "end-of-text, merges), e.g. bpe:1024")
+    from meshtorch.data.corpus import train_texts
+    from meshtorch.data.hf_tokenizer import train_bpe
+
+    path = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
+    train_bpe(train_texts(run.data), size, path)
+    return cfg.replace(tokenizer=path)
+
+
+def planned_vocab(cfg: TrainConfig) -> int:
+    """The model's vocabulary size before a tokenizer is fitted: at most this (for the checks that
+    run before anything is written); :func:`model_vocab` once it is."""
+    spec = cfg.run.tokenizer
+    if cfg.run.init_from or cfg.model.name == "seq2seq" or not (spec == "auto" or spec.startswith("bpe:")):
+        fitted = spec == "auto" or spec.startswith("bpe:")
+        return model_vocab(cfg, ByteTokenizer() if fitted else tokenizer_of(cfg))
+    size = spec.removeprefix("bpe:")
+    size = int(size) if size.isdigit() else AUTO_BPE
+    return -(-size // 8) * 8
+
+
 def tokenizer_of(cfg: TrainConfig) -> Tokenizer:
-    """``--tokenizer``'s Hugging Face tokenizer, else bytes."""
-    if not cfg.run.tokenizer:
+    """``--tokenizer``'s tokenizer (after :func:`resolve_tokenizer`): bytes or a Hugging Face one."""
+    if cfg.run.tokenizer == "bytes":
         return ByteTokenizer()
+    if cfg.run.tokenizer == "auto" or cfg.run.tokenizer.startswith("bpe:"):
+        raise ArgumentError(f"--tokenizer {cfg.run.tokenizer!r} is fitted by meshtorch train; pass bytes or "
+                            "a directory here")
     from meshtorch.data.hf_tokenizer import HFTokenizer
 
     return HFTokenizer(cfg.run.tokenizer)
@@ -82,7 +148,7 @@ def model_vocab(cfg: TrainConfig, tok: Tokenizer) -> int:
         return tok.vocab_size
     kind, hf, fields = _hf(cfg.run.init_from)
     if tok.sample_limit > hf.vocab:
-        what = f"--tokenizer {cfg.run.tokenizer!r}" if cfg.run.tokenizer else "the byte tokenizer"
+        what = "the byte tokenizer" if cfg.run.tokenizer == "bytes" else f"--tokenizer {cfg.run.tokenizer!r}"
         raise ArgumentError(f"{what} has {tok.sample_limit} ids but --init-from {cfg.run.init_from!r} has "
                             f"{fields['vocab']}={hf.vocab}; pass the tokenizer saved with that model "
                             "(--tokenizer DIR)")

@@ -42,7 +42,13 @@ from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
-from meshtorch.recipes.lm.pretrained import model_vocab, tokenizer_of, with_pretrained_model
+from meshtorch.recipes.lm.pretrained import (
+    model_vocab,
+    planned_vocab,
+    resolve_tokenizer,
+    tokenizer_of,
+    with_pretrained_model,
+)
 from meshtorch.recipes.lm.report import (
     Progress,
     json_text,
@@ -167,19 +173,17 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Check ``cfg``, load the corpus, run the program on every processor; return processor 0's
-    summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``, ``out``, ...)."""
-    from meshtorch.launch import launch
-
+    """Check ``cfg``, fit or load the tokenizer, load the corpus, run the program on every processor;
+    return processor 0's summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``,
+    ``out``, ...)."""
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     par, run = cfg.parallelism, cfg.run
     error: type[MeshTorchError] = MeshTorchError
     if par.pipeline_stages > 1:
         cfg = cfg.replace(mesh=pipeline_mesh(par.mesh, par.pipeline_stages))
     cfg = with_pretrained_model(cfg)
-    tok = tokenizer_of(cfg)
-    vocab = model_vocab(cfg, tok)
-    check_config(cfg, vocab=vocab, world=world)
+    # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
+    check_config(cfg, vocab=planned_vocab(cfg), world=world)
     if par.pipeline_stages > 1:
         if cfg.model.name != "lm":
             raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model.name!r}")
@@ -187,22 +191,33 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if run.resume:
         check_resume(cfg, error)
     out = run.out or run.resume or default_out()
-    # threads share one corpus in memory; torch-backend processes each read it themselves
-    corpus = (None if cfg.model.name == "seq2seq" or par.backend != "threads"
-              else Corpus.from_path(run.data, tokenizer=tok))
     # every processor of this machine holds its slices: all of them under threads or a spawn
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world or Mesh(cfg.parallelism.mesh).size))
-    check_memory(cfg, vocab, here)
-    kwargs: dict[str, Any] = {"mesh": cfg.parallelism.mesh, "rules": par.rules, "timeout": par.timeout,
-                              "device": par.device}
-    if par.backend != "threads":
-        kwargs["backend"] = par.backend
-    t0 = time.time()
-    threads = torch.get_num_threads()
+    check_memory(cfg, planned_vocab(cfg), here)
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
     lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
     with lock:
-        result = launch(program, cfg, corpus, out, **kwargs)[0]
+        cfg = resolve_tokenizer(cfg, out)
+        tok = tokenizer_of(cfg)
+        vocab = model_vocab(cfg, tok)
+        check_config(cfg, vocab=vocab, world=world)
+        # threads share one corpus in memory; torch-backend processes each read it themselves
+        corpus = (None if cfg.model.name == "seq2seq" or par.backend != "threads"
+                  else Corpus.from_path(run.data, tokenizer=tok))
+        kwargs: dict[str, Any] = {"mesh": cfg.parallelism.mesh, "rules": par.rules, "timeout": par.timeout,
+                                  "device": par.device}
+        if par.backend != "threads":
+            kwargs["backend"] = par.backend
+        result = _run(cfg, corpus, out, kwargs)
+    return result
+
+
+def _run(cfg: TrainConfig, corpus: Corpus | None, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    from meshtorch.launch import launch
+
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    result = launch(program, cfg, corpus, out, **kwargs)[0]
     torch.set_num_threads(threads)
     result["wall_s"] = round(time.time() - t0, 1)
     return result
