@@ -185,3 +185,12 @@ def test_tokenizer_and_length_must_fit_the_model(files, tmp_path):
         os.makedirs(tmp_path / "bare")
         bare.save(str(tmp_path / "bare" / "tokenizer.json"))
         train(TrainConfig.of(tokenizer=str(tmp_path / "bare"), steps=1))
+
+
+def test_fitted_tokenizer_options_are_checked(files, tmp_path):
+    from meshtorch.recipes.lm import TrainConfig, train
+
+    with pytest.raises(ArgumentError, match="'bpe:12': give the BPE's number of ids, at least 260"):
+        train(TrainConfig.of(tokenizer="bpe:12", data=files["corpus"], steps=1, out=str(tmp_path / "a")))
+    with pytest.raises(ArgumentError, match="--model seq2seq spells numbers in bytes"):
+        train(TrainConfig.of(model="seq2seq", tokenizer=files["tok"], steps=1))

@@ -115,7 +115,9 @@ class HFTokenizer:
         """Each text's ids (encoded in one parallel batch), ``uint16`` when they fit, else ``uint32``."""
         dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
         strs = [t if isinstance(t, str) else bytes(t).decode("utf-8", errors="replace") for t in texts]
-        return [np.asarray(e.ids, dtype=dtype) for e in self.tok.encode_batch(strs, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets: ~15% less time
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [np.asarray(e.ids, dtype=dtype) for e in encode(strs, add_special_tokens=False)]
 
 
 def train_bpe(texts: Sequence[str | bytes], vocab_size: int, path: str | os.PathLike,

@@ -161,7 +161,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train``, ``generate``, ``export`` and ``plan`` parsers to ``sub``."""
-    p = sub.add_parser("train", help="train a Transformer on text (defaults: the Python stdlib, ~30 s)",
+    p = sub.add_parser("train", help="train a Transformer on text (defaults: the Python stdlib, ~1 min)",
                        description="Train a Transformer on text, data-, model- or pipeline-parallel on a "
                        "processor mesh. Every option is also a key of the --config TOML file.")
     _add_flags(p)

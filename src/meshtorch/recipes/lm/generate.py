@@ -44,6 +44,9 @@ def run_tokenizer(path: str) -> Tokenizer:
         return ByteTokenizer()
     from meshtorch.data.hf_tokenizer import HFTokenizer
 
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer")
+    if not os.path.exists(where) and os.path.basename(where) == "tokenizer" and os.path.isdir(beside):
+        where = beside  # a BPE fitted by the run, in a run directory that was moved
     if not os.path.exists(where):
         raise CheckpointError(f"checkpoint {path!r} was trained with --tokenizer {where!r}, which is gone; "
                               "put the tokenizer back there")
