@@ -91,16 +91,20 @@ def hf_step(path: str, window: torch.Tensor, weight_decay: float) -> tuple[float
     return loss.item(), {k: v.detach() for k, v in hf.state_dict().items()}
 
 
-@pytest.mark.parametrize("arch, mesh, rules, wd", [
-    ("llama", "b:1", "", 0.01),
-    ("llama", "m:2", "heads:m; kv_heads:m; d_ff:m; vocab:m", 0.01),
+@pytest.mark.parametrize("arch, mesh, rules, wd, backend", [
+    ("llama", "b:1", "", 0.01, "threads"),
+    ("llama", "m:2", "heads:m; kv_heads:m; d_ff:m; vocab:m", 0.01, "threads"),
+    # one process per processor (gloo): each reads its own slices of the safetensors file
+    ("llama", "b:2", "batch:b; d_ff:b", 0.01, "torch"),
     # GPT-2's biases are [heads, d_kv] matrices here, which the decay groups decay: no decay
-    ("gpt2", "b:2", "batch:b", 0.0),
+    ("gpt2", "b:2", "batch:b", 0.0, "threads"),
 ])
-def test_fine_tune_step_equals_transformers_and_exports(files, tmp_path, capsys, arch, mesh, rules, wd):
+def test_fine_tune_step_equals_transformers_and_exports(files, tmp_path, capsys, arch, mesh, rules, wd,
+                                                        backend):
     out, export = str(tmp_path / "run"), str(tmp_path / "export")
     flags = ["--init-from", files[arch], "--tokenizer", files["tok"], "--data", files["corpus"],
-             "--mesh", mesh, "--rules", rules, "--weight-decay", str(wd), *RUN]
+             "--mesh", mesh, "--rules", rules, "--weight-decay", str(wd), "--backend", backend,
+             "--timeout", "60", *RUN]
     assert cli.main(["train", "--steps", "1", "--out", out, *flags]) == 0
     capsys.readouterr()
     want_loss, want = hf_step(files[arch], first_window(files), wd)
