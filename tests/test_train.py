@@ -34,7 +34,9 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
     assert cli.main(["train", "--steps", "4", "--out", a, "--data", text, *TINY]) == 0
     printed = capsys.readouterr().out
     assert f"run directory: {os.path.abspath(a)}" in printed
-    assert "byte-unigram entropy" in printed and "sample:" in printed
+    # the default tokenizer: a BPE fitted to the corpus, saved with the run (a rerun fits the same one)
+    assert "token-unigram entropy" in printed and "sample:" in printed
+    assert os.path.exists(os.path.join(a, "tokenizer", "tokenizer.json"))
     for f in ("checkpoint/latest", "checkpoint/step-000004/index.json", "metrics.jsonl", "summary.json"):
         assert os.path.exists(os.path.join(a, f)), f
     m = _metrics(a)

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "launch": "meshtorch.launch.cli",
     "train": "meshtorch.recipes.lm.cli",
     "generate": "meshtorch.recipes.lm.cli",
+    "export": "meshtorch.recipes.lm.cli",
     "plan": "meshtorch.recipes.lm.cli",
     "place": "meshtorch.placement.cli",
 }

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshtorch.data.tokenizer import ByteTokenizer
+from meshtorch.data.tokenizer import ByteTokenizer, Tokenizer
 from meshtorch.errors import MeshTorchError
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
@@ -57,9 +57,40 @@ def list_files(root: str, suffixes: tuple[str, ...] | None) -> list[str]:
     return out
 
 
+def read_dir(root: str, suffixes: tuple[str, ...] | None = None) -> dict[str, bytes]:
+    """The contents of the files under ``root`` (with one of ``suffixes``), by relative path."""
+    texts = {}
+    for rel in list_files(root, suffixes):
+        with open(os.path.join(root, rel), "rb") as f:
+            texts[rel] = f.read()
+    return texts
+
+
+def train_texts(path: str | None, heldout_percent: float = 5.0) -> list[bytes]:
+    """The texts of ``--data`` ``path`` that :meth:`Corpus.from_path` trains on (not the held-out
+    files; a single file whole): what a tokenizer may be fitted to."""
+    if path is None or os.path.isdir(path):
+        texts = read_dir(stdlib_root(), (".py",)) if path is None else read_dir(path)
+        return [t for rel, t in sorted(texts.items()) if not is_heldout(rel, heldout_percent)]
+    if not os.path.isfile(path):
+        raise DataError(f"--data {path!r} is neither a file nor a directory")
+    return _split_file(path, heldout_percent)[:1]
+
+
+def _split_file(path: str, heldout_percent: float) -> list[bytes]:
+    """A text file's train and held-out parts: its last ``heldout_percent``, from a line break."""
+    with open(path, "rb") as f:
+        data = f.read()
+    cut = int(len(data) * (1 - heldout_percent / 100))
+    nl = data.rfind(b"\n", 0, cut)
+    cut = nl + 1 if nl > 0 else cut
+    return [data[:cut], data[cut:]]
+
+
 @dataclass
 class Corpus:
-    """A train and a held-out token stream (``uint16`` numpy arrays).
+    """A train and a held-out token stream (``uint16`` numpy arrays; ``uint32`` for a tokenizer
+    of more than 65536 ids).
 
     Files are joined with the tokenizer's ``eos`` id between them.
     """
@@ -71,56 +102,47 @@ class Corpus:
 
     @classmethod
     def from_texts(cls, texts: Mapping[str, str | bytes], heldout_percent: float = 5.0,
-                   name: str = "texts", tokenizer: ByteTokenizer | None = None) -> Corpus:
-        """Split named texts by the hash of their names."""
+                   name: str = "texts", tokenizer: Tokenizer | None = None) -> Corpus:
+        """Split named texts by the hash of their names; ``tokenizer`` (default bytes) encodes them."""
         tok = tokenizer or ByteTokenizer()
         parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
         held = {rel for rel in texts if is_heldout(rel, heldout_percent)}
         if not held and len(texts) > 1 and heldout_percent > 0:
             # too few files for the hash to pick any: hold out the one with the smallest hash
             held = {min(texts, key=path_hash)}
-        for rel in sorted(texts):
-            data = texts[rel]
-            ids = np.frombuffer(data.encode() if isinstance(data, str) else bytes(data), dtype=np.uint8)
-            parts[rel in held].append(np.append(ids.astype(np.uint16), tok.eos))
+        names = sorted(texts)
+        for rel, ids in zip(names, tok.arrays([texts[rel] for rel in names])):
+            parts[rel in held].append(np.append(ids, np.array(tok.eos, ids.dtype)))
         join = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.uint16)  # noqa: E731
         corpus = cls(join(parts[False]), join(parts[True]), name, (len(parts[False]), len(parts[True])))
         return corpus
 
     @classmethod
-    def stdlib(cls, heldout_percent: float = 5.0) -> Corpus:
+    def stdlib(cls, heldout_percent: float = 5.0, tokenizer: Tokenizer | None = None) -> Corpus:
         """The running Python's standard library ``.py`` files (no download)."""
         root = stdlib_root()
-        return cls.from_dir(root, heldout_percent, suffixes=(".py",), name=f"python-stdlib:{root}")
+        return cls.from_dir(root, heldout_percent, suffixes=(".py",), name=f"python-stdlib:{root}",
+                            tokenizer=tokenizer)
 
     @classmethod
     def from_dir(cls, root: str, heldout_percent: float = 5.0, suffixes: tuple[str, ...] | None = None,
-                 name: str | None = None) -> Corpus:
+                 name: str | None = None, tokenizer: Tokenizer | None = None) -> Corpus:
         """Every file under ``root`` (or with one of ``suffixes``), split by path hash."""
-        texts = {}
-        for rel in list_files(root, suffixes):
-            with open(os.path.join(root, rel), "rb") as f:
-                texts[rel] = f.read()
-        return cls.from_texts(texts, heldout_percent, name or root)._checked()
+        return cls.from_texts(read_dir(root, suffixes), heldout_percent, name or root, tokenizer)._checked()
 
     @classmethod
-    def from_path(cls, path: str | None, heldout_percent: float = 5.0) -> Corpus:
+    def from_path(cls, path: str | None, heldout_percent: float = 5.0,
+                  tokenizer: Tokenizer | None = None) -> Corpus:
         """``None``: the stdlib corpus; a directory: its files; a file: its last
         ``heldout_percent`` of bytes (at a line break) are held out."""
         if path is None:
-            return cls.stdlib(heldout_percent)
+            return cls.stdlib(heldout_percent, tokenizer)
         if os.path.isdir(path):
-            return cls.from_dir(path, heldout_percent)
+            return cls.from_dir(path, heldout_percent, tokenizer=tokenizer)
         if not os.path.isfile(path):
             raise DataError(f"--data {path!r} is neither a file nor a directory; give a text file or a "
                             "directory of text files, or leave --data out for the Python stdlib corpus")
-        with open(path, "rb") as f:
-            data = f.read()
-        cut = int(len(data) * (1 - heldout_percent / 100))
-        nl = data.rfind(b"\n", 0, cut)
-        cut = nl + 1 if nl > 0 else cut
-        tr = np.frombuffer(data[:cut], dtype=np.uint8).astype(np.uint16)
-        ho = np.frombuffer(data[cut:], dtype=np.uint8).astype(np.uint16)
+        tr, ho = (tokenizer or ByteTokenizer()).arrays(_split_file(path, heldout_percent))
         return cls(tr, ho, path, (1, 1))._checked()
 
     def _checked(self) -> Corpus:

@@ -12,7 +12,29 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    """What a corpus, the trainer and the sampler need of a tokenizer (bytes or Hugging Face's)."""
+
+    vocab_size: int  # the model's vocabulary: the ids, rounded up so that mesh axes divide it
+    eos: int  # joins files; samples start from it
+
+    @property
+    def sample_limit(self) -> int: ...  # ids below it are what a sampler may draw
+
+    @property
+    def name(self) -> str: ...  # for run banners and checkpoints
+
+    def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def arrays(self, texts: Sequence[str | bytes]) -> list[np.ndarray]: ...
 
 
 class ByteTokenizer:
@@ -35,3 +57,17 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of byte ids; specials and ids past 255 are dropped, bad UTF-8 replaced."""
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    @property
+    def sample_limit(self) -> int:
+        """Ids below this are what a sampler may produce (bytes and ``eos``, never pad or bos)."""
+        return self.eos + 1
+
+    @property
+    def name(self) -> str:
+        return "bytes"
+
+    def arrays(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """Each text's ids as a ``uint16`` array (no specials): what a corpus stores."""
+        raw = [t.encode() if isinstance(t, str) else bytes(t) for t in texts]
+        return [np.frombuffer(r, dtype=np.uint8).astype(np.uint16) for r in raw]

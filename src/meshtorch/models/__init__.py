@@ -13,10 +13,10 @@ Example:
 
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.decode import beam_search, generate
-from meshtorch.models.hf import export_hf, from_hf
+from meshtorch.models.hf import export_hf, from_hf, hf_config
 from meshtorch.models.lm import Block, DecoderLM, KVCache
 from meshtorch.models.moe import MoE
 from meshtorch.models.seq2seq import EncoderDecoder
 
 __all__ = ["TransformerConfig", "DecoderLM", "Block", "KVCache", "generate", "EncoderDecoder", "MoE",
-           "from_hf", "export_hf", "beam_search"]
+           "from_hf", "export_hf", "hf_config", "beam_search"]

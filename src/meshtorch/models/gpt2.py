@@ -45,6 +45,12 @@ PREFIX = "transformer."
 # our dim -> the GPT2Config field that sizes it (for errors)
 FIELDS = {"heads": "n_head", "d_ff": "n_inner", "vocab": "vocab_size", "d_model": "n_embd",
           "positions": "n_positions"}
+# each TransformerConfig field -> the GPT2Config field that sets it (for messages)
+CONFIG_FIELDS = {**FIELDS, "layers": "n_layer", "max_length": "n_positions", "d_kv": "n_embd / n_head",
+                 "tie_embeddings": "tie_word_embeddings", "activation": "activation_function",
+                 "eps": "layer_norm_epsilon", "positions": "model_type", "norm": "model_type",
+                 "bias": "model_type", "gated": "model_type", "kv_heads": "model_type",
+                 "rotary_base": "model_type"}
 # released GPT-2 checkpoints (small .. xl) all have 64-dim heads
 HEAD_SIZE = 64
 

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -49,6 +50,8 @@ from meshtorch.models.lm import DecoderLM
 
 ARCHITECTURES: dict[str, ModuleType] = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama}
 CONFIG = "config.json"
+# TransformerConfig fields a loaded model may set freely: how it runs, not what its weights mean
+RUN_OPTIONS = ("dropout", "attention")
 
 
 def _architecture(config: Mapping[str, Any] | None, src: Source) -> ModuleType:
@@ -94,7 +97,48 @@ def _hf_shapes(pieces: Mapping[str, Piece], model: DecoderLM) -> dict[str, list[
     return out
 
 
-def from_hf(source: Any, *, config: Any = None, heads: int | None = None) -> DecoderLM:
+def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, TransformerConfig, Source]:
+    """The architecture, our config and the weights of ``source`` (see :func:`from_hf`)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        cfile = os.path.join(path, CONFIG)
+        if config is None and os.path.isfile(cfile):
+            with open(cfile) as f:
+                config = json.load(f)
+        src = Source.of(path)
+    elif isinstance(source, Mapping):
+        src = Source.of(source)
+    else:
+        src = Source.of(source.state_dict())
+        config = getattr(source, "config", None) if config is None else config
+    hf_config = config_dict(config)
+    arch = _architecture(hf_config, src)
+    src.strip = arch.PREFIX
+    return arch, arch.config_from_hf(hf_config, src, heads), src
+
+
+def hf_config(path: str | os.PathLike) -> tuple[str, TransformerConfig, dict[str, str]]:
+    """What :func:`from_hf` would build from the directory ``path``, without building it: the
+    ``model_type``, our :class:`TransformerConfig`, and for each of its fields the HF config
+    field that sets it (for messages).
+
+    Example:
+        >>> import tempfile, meshtorch as mt
+        >>> from meshtorch.models import DecoderLM, TransformerConfig, export_hf, hf_config
+        >>> path = tempfile.mkdtemp()
+        >>> cfg = TransformerConfig(vocab=32, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8,
+        ...                         bias=True)
+        >>> _ = mt.launch(lambda: export_hf(path, DecoderLM(cfg)))
+        >>> kind, back, fields = hf_config(path)
+        >>> kind, back.d_model, fields["d_model"]
+        ('gpt2', 8, 'n_embd')
+    """
+    arch, cfg, _ = _read(path, None, None)
+    return arch.MODEL_TYPE, cfg, dict(arch.CONFIG_FIELDS)
+
+
+def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
+            options: Mapping[str, Any] | None = None) -> DecoderLM:
     """A :class:`DecoderLM` holding a Hugging Face causal LM's weights (GPT-2 or Llama family),
     laid out by the current rules.
 
@@ -111,6 +155,8 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None) -> Dec
             (see :func:`meshtorch.models.gpt2.gpt2_config`).
         heads: number of attention heads, for a GPT-2 state dict without config
             (default ``d_model / 64``).
+        options: :class:`TransformerConfig` fields that do not change what the weights
+            compute, to set on the model (:data:`RUN_OPTIONS`: ``dropout``, ``attention``).
 
     Parameters are float32 (whatever the source dtype); train or run in bf16
     with :func:`meshtorch.autocast`.
@@ -121,22 +167,13 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None) -> Dec
         CheckpointError: a weight or config.json is missing, or the config is not one
             DecoderLM can express (named).
     """
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
-        cfile = os.path.join(path, CONFIG)
-        if config is None and os.path.isfile(cfile):
-            with open(cfile) as f:
-                config = json.load(f)
-        src = Source.of(path)
-    elif isinstance(source, Mapping):
-        src = Source.of(source)
-    else:
-        src = Source.of(source.state_dict())
-        config = getattr(source, "config", None) if config is None else config
-    hf_config = config_dict(config)
-    arch = _architecture(hf_config, src)
-    src.strip = arch.PREFIX
-    cfg = arch.config_from_hf(hf_config, src, heads)
+    arch, cfg, src = _read(source, config, heads)
+    if options:
+        bad = sorted(set(options) - set(RUN_OPTIONS))
+        if bad:
+            raise CheckpointError(f"from_hf options {bad} would change the weights' meaning; only "
+                                  f"{list(RUN_OPTIONS)} may be set")
+        cfg = dataclasses.replace(cfg, **options)
     _check_layout(cfg, arch)
     model = DecoderLM(cfg)
     pieces = arch.pieces(cfg)

@@ -29,6 +29,11 @@ PREFIX = "model."
 # our dim -> the LlamaConfig field that sizes it (for errors)
 FIELDS = {"heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "d_ff": "intermediate_size",
           "vocab": "vocab_size", "d_model": "hidden_size", "d_kv": "head_dim"}
+# each TransformerConfig field -> the LlamaConfig field that sets it (for messages)
+CONFIG_FIELDS = {**FIELDS, "layers": "num_hidden_layers", "max_length": "max_position_embeddings",
+                 "tie_embeddings": "tie_word_embeddings", "activation": "hidden_act",
+                 "bias": "attention_bias", "eps": "rms_norm_eps", "rotary_base": "rope_theta",
+                 "positions": "model_type", "norm": "model_type", "gated": "model_type"}
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float:

@@ -57,6 +57,12 @@ HELP = {
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
     "memory_check": "before training, compare the planner's peak-memory prediction with the memory available",
+    "init_from": "fine-tune a Hugging Face model directory (config.json + safetensors; Llama family or "
+                 "GPT-2): its config sets the model, each processor reads its slices of the weights",
+    "tokenizer": "bytes; bpe:N: a byte-level BPE of N ids fitted to the training data (saved in "
+                 "--out/tokenizer/); a Hugging Face tokenizer directory (tokenizer.json); auto: "
+                 "--init-from's tokenizer if it has one, else bpe:1024 when the tokenizers library is "
+                 "installed (pip install 'meshtorch[hf]'), else bytes",
 }
 GROUPS = {"model": "model (the fields of meshtorch.models.TransformerConfig)",
           "parallelism": "parallelism", "optimizer": "optimizer", "run": "run"}
@@ -144,9 +150,20 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_export(args: argparse.Namespace) -> int:
+    """``meshtorch export``: write the Hugging Face directory and name its files; the exit status."""
+    import torch
+
+    from meshtorch.recipes.lm.export import export_checkpoint
+
+    files = export_checkpoint(args.checkpoint, args.out, torch.bfloat16 if args.dtype == "bf16" else None)
+    print(f"wrote {', '.join(files)} to {os.path.abspath(args.out)}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``train``, ``generate`` and ``plan`` parsers to ``sub``."""
-    p = sub.add_parser("train", help="train a Transformer on text (defaults: the Python stdlib, ~30 s)",
+    """Add the ``train``, ``generate``, ``export`` and ``plan`` parsers to ``sub``."""
+    p = sub.add_parser("train", help="train a Transformer on text (defaults: the Python stdlib, ~1 min)",
                        description="Train a Transformer on text, data-, model- or pipeline-parallel on a "
                        "processor mesh. Every option is also a key of the --config TOML file.")
     _add_flags(p)
@@ -156,7 +173,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "on any mesh.")
     g.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
     g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    g.add_argument("--tokens", type=int, default=200, help="bytes to generate (default: 200)")
+    g.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest, 0 = all "
                    "(default: 40)")
@@ -166,4 +183,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--mesh", default="", help="mesh to load onto (default: one processor)")
     g.add_argument("--rules", default="", help="layout rules for --mesh")
     g.set_defaults(func=run_generate)
+    e = sub.add_parser("export", help="write a trained checkpoint as a Hugging Face model directory",
+                       description="Write the LM of a meshtorch train checkpoint as config.json + "
+                       "safetensors in transformers' names (Llama or GPT-2), with the run's tokenizer.")
+    e.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
+    e.add_argument("--out", required=True, help="the directory to write")
+    e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="(default: fp32)")
+    e.set_defaults(func=run_export)
     plan_cli.register(sub)

@@ -173,7 +173,7 @@ class OptimizerSection:
 class RunSection:
     """Steps, batches, data, outputs, evaluation and the sample."""
 
-    steps: int = 600
+    steps: int = 400
     batch: int = 16
     length: int = 64
     precision: str = "fp32"
@@ -194,6 +194,9 @@ class RunSection:
     progress: bool = True
     overwrite: bool = False
     memory_check: bool = True
+    # from Hugging Face: a model directory to fine-tune (its config.json sets the model), a tokenizer
+    init_from: str | None = None
+    tokenizer: str = "auto"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -273,6 +276,8 @@ def model_dims(cfg: TrainConfig, vocab: int) -> dict[str, int]:
         dims["positions"] = max(run.length, 8)
     if model.name == "moe":
         dims["experts"] = model.experts
+    if model.kv_heads:
+        dims["kv_heads"] = model.kv_heads
     return dims
 
 

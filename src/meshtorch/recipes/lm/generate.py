@@ -14,6 +14,7 @@ from meshtorch.checkpoint.index import read_index
 from meshtorch.checkpoint.state import from_json
 from meshtorch.checkpoint.versions import POINTER
 from meshtorch.data import ByteTokenizer
+from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import CheckpointError
 from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
 
@@ -36,29 +37,54 @@ def model_config(path: str) -> tuple[str, TransformerConfig]:
     return extra.get("model", "lm"), TransformerConfig.from_dict(extra["model_config"])
 
 
+def run_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer the run of checkpoint ``path`` trained with (its ``--tokenizer``, else bytes)."""
+    extra = from_json(read_index(path).get("extra")) or {}
+    where = (extra.get("train_config") or {}).get("tokenizer")
+    if not where or where == "bytes":
+        return ByteTokenizer()
+    from meshtorch.data.hf_tokenizer import HFTokenizer
+
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer")
+    if not os.path.exists(where) and os.path.basename(where) == "tokenizer" and os.path.isdir(beside):
+        where = beside  # a BPE fitted by the run, in a run directory that was moved
+    if not os.path.exists(where):
+        raise CheckpointError(f"checkpoint {path!r} was trained with --tokenizer {where!r}, which is gone; "
+                              "put the tokenizer back there")
+    return HFTokenizer(where)
+
+
+def load_lm(path: str) -> DecoderLM:
+    """The LM of checkpoint ``path`` (a run directory or its checkpoint/), on the current mesh."""
+    from meshtorch.checkpoint import load
+
+    path = checkpoint_dir(path)
+    kind, cfg = model_config(path)
+    if kind == "seq2seq":
+        raise CheckpointError(f"checkpoint {path!r} is a seq2seq model; only LM checkpoints hold a DecoderLM")
+    model = DecoderLM(cfg)
+    load(path, model=model, restore_rng_state=False)
+    return model
+
+
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
                              beams: int = 0) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
     or with ``beams >= 1`` the best of a beam search of that width)."""
-    from meshtorch.checkpoint import load
     from meshtorch.launch import launch
 
     path = checkpoint_dir(path)
-    kind, cfg = model_config(path)
-    if kind == "seq2seq":
-        raise CheckpointError(f"checkpoint {path!r} is a seq2seq model; generate continues LM text only")
-    tok = ByteTokenizer()
+    tok = run_tokenizer(path)
 
     def prog() -> str:
-        model = DecoderLM(cfg)
-        load(path, model=model, restore_rng_state=False)
+        model = load_lm(path)
         ids = [tok.eos] + tok.encode(prompt)
         if beams:
-            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.eos + 1)[0]
+            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit)[0]
         else:
             new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                           limit=tok.eos + 1)[0]
+                           limit=tok.sample_limit)[0]
         return tok.decode(ids + new)
 
     return launch(prog, mesh=mesh, rules=rules)[0]

@@ -37,7 +37,7 @@ from meshtorch.recipes.lm.config import TrainConfig
 
 LOCK = ".lock"
 # what makes a directory an earlier run's (its other files are the user's and are left alone)
-RUN_FILES = ("checkpoint", "metrics.jsonl", "summary.json", "loss.png")
+RUN_FILES = ("checkpoint", "metrics.jsonl", "summary.json", "loss.png", "tokenizer")
 FIX = "Lower --lr, keep --clip on (e.g. --clip 1), or use --precision fp32, then rerun or --resume"
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from meshtorch.data import ByteTokenizer, Corpus
+from meshtorch.data import Corpus
+from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import TrainingError
 from meshtorch.models import TransformerConfig, generate
 from meshtorch.plan.devices import matmul_rate
@@ -132,7 +133,7 @@ def evaluate(model: torch.nn.Module, heldout: Any, n: int) -> float:
     return total / n
 
 
-def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpus | None, tok: ByteTokenizer,
+def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpus | None, tok: Tokenizer,
            lead: bool) -> dict[str, Any]:
     """Held-out evaluation and a generated sample (printed by processor 0)."""
     if cfg.model.name == "seq2seq":
@@ -150,11 +151,12 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
     entropy = corpus.unigram_entropy("heldout")
     prompt = [tok.eos] + tok.encode(cfg.run.prompt)
     new = generate(model, [prompt], cfg.run.sample_tokens, temperature=cfg.run.temperature, top_k=40,
-                   seed=cfg.run.seed, limit=tok.eos + 1)[0]
+                   seed=cfg.run.seed, limit=tok.sample_limit)[0]
     sample = tok.decode(prompt + new)
     if lead:
-        verdict = "learned" if loss <= entropy - 1.0 else "not yet 1 nat/byte below it"
-        print(f"held-out loss {loss:.3f} nats/byte vs byte-unigram entropy {entropy:.3f} "
+        unit = "byte" if tok.name == "bytes" else "token"
+        verdict = "learned" if loss <= entropy - 1.0 else f"not yet 1 nat/{unit} below it"
+        print(f"held-out loss {loss:.3f} nats/{unit} vs {unit}-unigram entropy {entropy:.3f} "
               f"({entropy - loss:+.3f} below: {verdict})")
         print("sample:\n" + "-" * 40 + "\n" + sample + "\n" + "-" * 40)
     return {"heldout_loss": loss, "unigram_entropy": entropy, "sample": sample}

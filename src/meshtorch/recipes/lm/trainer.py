@@ -34,13 +34,21 @@ from typing import Any
 import torch
 
 from meshtorch.context import current
-from meshtorch.data import ByteTokenizer, Corpus, LMBatches
+from meshtorch.data import Corpus, LMBatches
+from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
 from meshtorch.mesh import Mesh
 from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
+from meshtorch.recipes.lm.pretrained import (
+    model_vocab,
+    planned_vocab,
+    resolve_tokenizer,
+    tokenizer_of,
+    with_pretrained_model,
+)
 from meshtorch.recipes.lm.report import (
     Progress,
     json_text,
@@ -56,9 +64,9 @@ from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
 
 def build_task(cfg: TrainConfig, corpus: Corpus | None,
-               tok: ByteTokenizer) -> tuple[torch.nn.Module, Any, Any]:
+               tok: Tokenizer) -> tuple[torch.nn.Module, Any, Any]:
     """Model, train batches and held-out batches for ``cfg.model`` (on this processor)."""
-    mcfg = cfg.model_config(tok.vocab_size)
+    mcfg = cfg.model_config(model_vocab(cfg, tok))
     run = cfg.run
     if cfg.model.name == "seq2seq":
         from meshtorch.data.seq2seq import SpellingTask
@@ -67,7 +75,12 @@ def build_task(cfg: TrainConfig, corpus: Corpus | None,
         task = SpellingTask(batch=run.batch, seed=run.seed)
         mcfg = dataclasses.replace(mcfg, max_length=max(task.max_target, task.max_source))
         return EncoderDecoder(mcfg, seed=run.seed), task, task.heldout(run.eval_batches)
-    model = DecoderLM(mcfg, seed=run.seed)
+    if run.init_from:
+        from meshtorch.models import from_hf
+
+        model = from_hf(run.init_from, options={"dropout": mcfg.dropout, "attention": mcfg.attention})
+    else:
+        model = DecoderLM(mcfg, seed=run.seed)
     train = LMBatches(corpus.train, run.batch, run.length, seed=run.seed)
     heldout = LMBatches(corpus.heldout, run.batch, run.length, seed=12345)
     return model, train, heldout
@@ -81,9 +94,10 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     """One processor's part of a training run; processor 0 reports and writes files."""
     lead = current().rank == 0
     run = cfg.run
-    tok = ByteTokenizer()
+    tok = tokenizer_of(cfg)
     if corpus is None and cfg.model.name != "seq2seq":
-        corpus = Corpus.from_path(run.data)  # each process of the torch backend reads its own copy
+        # each process of the torch backend reads its own copy
+        corpus = Corpus.from_path(run.data, tokenizer=tok)
     model, batches, heldout = build_task(cfg, corpus, tok)
     opt = make_optimizer(cfg, model)
     strategy: TrainStep = (PipelinedStep(cfg, model, opt)
@@ -159,16 +173,17 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Check ``cfg``, load the corpus, run the program on every processor; return processor 0's
-    summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``, ``out``, ...)."""
-    from meshtorch.launch import launch
-
+    """Check ``cfg``, fit or load the tokenizer, load the corpus, run the program on every processor;
+    return processor 0's summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``,
+    ``out``, ...)."""
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     par, run = cfg.parallelism, cfg.run
     error: type[MeshTorchError] = MeshTorchError
     if par.pipeline_stages > 1:
         cfg = cfg.replace(mesh=pipeline_mesh(par.mesh, par.pipeline_stages))
-    check_config(cfg, world=world)
+    cfg = with_pretrained_model(cfg)
+    # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
+    check_config(cfg, vocab=planned_vocab(cfg), world=world)
     if par.pipeline_stages > 1:
         if cfg.model.name != "lm":
             raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model.name!r}")
@@ -176,21 +191,33 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if run.resume:
         check_resume(cfg, error)
     out = run.out or run.resume or default_out()
-    # threads share one corpus in memory; torch-backend processes each read it themselves
-    corpus = None if cfg.model.name == "seq2seq" or par.backend != "threads" else Corpus.from_path(run.data)
     # every processor of this machine holds its slices: all of them under threads or a spawn
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world or Mesh(cfg.parallelism.mesh).size))
-    check_memory(cfg, ByteTokenizer().vocab_size, here)
-    kwargs: dict[str, Any] = {"mesh": cfg.parallelism.mesh, "rules": par.rules, "timeout": par.timeout,
-                              "device": par.device}
-    if par.backend != "threads":
-        kwargs["backend"] = par.backend
-    t0 = time.time()
-    threads = torch.get_num_threads()
+    check_memory(cfg, planned_vocab(cfg), here)
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
     lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
     with lock:
-        result = launch(program, cfg, corpus, out, **kwargs)[0]
+        cfg = resolve_tokenizer(cfg, out)
+        tok = tokenizer_of(cfg)
+        vocab = model_vocab(cfg, tok)
+        check_config(cfg, vocab=vocab, world=world)
+        # threads share one corpus in memory; torch-backend processes each read it themselves
+        corpus = (None if cfg.model.name == "seq2seq" or par.backend != "threads"
+                  else Corpus.from_path(run.data, tokenizer=tok))
+        kwargs: dict[str, Any] = {"mesh": cfg.parallelism.mesh, "rules": par.rules, "timeout": par.timeout,
+                                  "device": par.device}
+        if par.backend != "threads":
+            kwargs["backend"] = par.backend
+        result = _run(cfg, corpus, out, kwargs)
+    return result
+
+
+def _run(cfg: TrainConfig, corpus: Corpus | None, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    from meshtorch.launch import launch
+
+    t0 = time.time()
+    threads = torch.get_num_threads()
+    result = launch(program, cfg, corpus, out, **kwargs)[0]
     torch.set_num_threads(threads)
     result["wall_s"] = round(time.time() - t0, 1)
     return result

@@ -1,0 +1,155 @@
+"""``--init-from DIR`` and ``--tokenizer DIR``: fine-tune a Hugging Face model with its tokenizer.
+
+With ``--init-from`` the model's architecture is the directory's
+``config.json`` (read by :func:`meshtorch.models.hf_config`): the model flags
+take its values, and a model flag set to something else is an error naming the
+flag and the config field. Only ``--dropout`` and ``--attention``, which do not
+change what the weights compute, stay free. The vocabulary is the model's; the
+tokenizer (``--tokenizer``, else bytes) must fit in it.
+
+Example:
+    >>> from meshtorch.recipes.lm.config import TrainConfig
+    >>> from meshtorch.recipes.lm.pretrained import model_vocab, tokenizer_of
+    >>> cfg = TrainConfig.of(tokenizer="bytes")
+    >>> tok = tokenizer_of(cfg)
+    >>> tok.name, model_vocab(cfg, tok)
+    ('bytes', 264)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from meshtorch.data import ByteTokenizer
+from meshtorch.data.tokenizer import Tokenizer
+from meshtorch.errors import ArgumentError
+from meshtorch.models.hf import RUN_OPTIONS
+from meshtorch.recipes.lm.config import ModelSection, TrainConfig
+
+AUTO_BPE = 1024  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
+TOKENIZER_DIR = "tokenizer"  # where a fitted BPE is saved in --out
+
+
+def _hf(path: str) -> tuple:
+    from meshtorch.models import hf_config
+
+    if not os.path.isdir(path):
+        raise ArgumentError(f"--init-from {path!r} is not a directory; pass a Hugging Face model "
+                            "directory (config.json + safetensors, as save_pretrained writes)")
+    return hf_config(path)
+
+
+def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its model flags set from ``--init-from``'s ``config.json`` (``cfg`` itself
+    without ``--init-from``); a model flag that the config contradicts is an :class:`ArgumentError`."""
+    path = cfg.run.init_from
+    if not path:
+        return cfg
+    if cfg.model.name != "lm":
+        raise ArgumentError(f"--init-from loads a decoder-only LM; got --model {cfg.model.name!r} "
+                            "(drop --model or pass --model lm)")
+    kind, hf, fields = _hf(path)
+    defaults, wanted = ModelSection(), {}
+    for f in dataclasses.fields(ModelSection):
+        if f.name not in fields or f.name in RUN_OPTIONS:
+            continue
+        theirs, mine = getattr(hf, f.name), getattr(cfg.model, f.name)
+        if mine != getattr(defaults, f.name) and mine != theirs:
+            flag = "--" + f.name.replace("_", "-")
+            field = fields.get(f.name, "model_type")
+            raise ArgumentError(f"{flag} {mine!r} conflicts with --init-from {path!r}: its config.json "
+                                f"({kind}) has {field} -> {f.name}={theirs!r}; drop {flag}, the model's "
+                                "architecture comes from --init-from")
+        wanted[f.name] = theirs
+    if hf.positions == "learned" and cfg.run.length > hf.max_length:
+        raise ArgumentError(f"--length {cfg.run.length} is longer than the {hf.max_length} positions of "
+                            f"--init-from {path!r} ({fields['max_length']}={hf.max_length}); pass --length "
+                            f"{hf.max_length} or less")
+    return cfg.replace(**wanted)
+
+
+def _recorded_tokenizer(run_dir: str) -> str:
+    """The tokenizer the run in ``run_dir`` trained with (checkpoints from before the option: bytes)."""
+    from meshtorch.checkpoint.index import read_index
+    from meshtorch.checkpoint.state import from_json
+
+    extra = from_json(read_index(os.path.join(run_dir, "checkpoint")).get("extra")) or {}
+    return (extra.get("train_config") or {}).get("tokenizer") or "bytes"
+
+
+def resolve_tokenizer(cfg: TrainConfig, out: str) -> TrainConfig:
+    """``cfg`` with ``--tokenizer`` made ``bytes`` or a directory: ``auto`` picks (``--init-from``'s
+    own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 1024 ids when the
+    tokenizers library is installed, else bytes), ``bpe:N`` is fitted to the training texts and
+    saved in ``out/tokenizer/``. A resumed run keeps the tokenizer it was trained with."""
+    spec, run = cfg.run.tokenizer, cfg.run
+    if spec not in ("auto",) and not spec.startswith("bpe:"):
+        if spec != "bytes" and cfg.model.name == "seq2seq":
+            raise ArgumentError(f"--tokenizer {spec!r}: --model seq2seq spells numbers in bytes; drop "
+                                "--tokenizer")
+        return cfg
+    if cfg.model.name == "seq2seq":
+        return cfg.replace(tokenizer="bytes")
+    if run.resume:
+        return cfg.replace(tokenizer=_recorded_tokenizer(run.resume))
+    if spec == "auto":
+        if run.init_from:
+            own = os.path.isfile(os.path.join(run.init_from, "tokenizer.json"))
+            return cfg.replace(tokenizer=run.init_from if own else "bytes")
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:
+            return cfg.replace(tokenizer="bytes")
+        spec = f"bpe:{AUTO_BPE}"
+    try:
+        size = int(spec.removeprefix("bpe:"))
+    except ValueError:
+        size = 0
+    if size < 260:
+        raise ArgumentError(f"--tokenizer {spec!r}: give the BPE's number of ids, at least 260 (256 bytes, "
+                            "end-of-text, merges), e.g. bpe:1024")
+    from meshtorch.data.corpus import train_texts
+    from meshtorch.data.hf_tokenizer import train_bpe
+
+    path = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
+    train_bpe(train_texts(run.data), size, path)
+    return cfg.replace(tokenizer=path)
+
+
+def planned_vocab(cfg: TrainConfig) -> int:
+    """The model's vocabulary size before a tokenizer is fitted: at most this (for the checks that
+    run before anything is written); :func:`model_vocab` once it is."""
+    spec = cfg.run.tokenizer
+    if cfg.run.init_from or cfg.model.name == "seq2seq" or not (spec == "auto" or spec.startswith("bpe:")):
+        fitted = spec == "auto" or spec.startswith("bpe:")
+        return model_vocab(cfg, ByteTokenizer() if fitted else tokenizer_of(cfg))
+    size = spec.removeprefix("bpe:")
+    size = int(size) if size.isdigit() else AUTO_BPE
+    return -(-size // 8) * 8
+
+
+def tokenizer_of(cfg: TrainConfig) -> Tokenizer:
+    """``--tokenizer``'s tokenizer (after :func:`resolve_tokenizer`): bytes or a Hugging Face one."""
+    if cfg.run.tokenizer == "bytes":
+        return ByteTokenizer()
+    if cfg.run.tokenizer == "auto" or cfg.run.tokenizer.startswith("bpe:"):
+        raise ArgumentError(f"--tokenizer {cfg.run.tokenizer!r} is fitted by meshtorch train; pass bytes or "
+                            "a directory here")
+    from meshtorch.data.hf_tokenizer import HFTokenizer
+
+    return HFTokenizer(cfg.run.tokenizer)
+
+
+def model_vocab(cfg: TrainConfig, tok: Tokenizer) -> int:
+    """The model's vocabulary size: ``--init-from``'s, which the tokenizer's ids must fit in, or
+    the tokenizer's (rounded up so mesh axes divide it)."""
+    if not cfg.run.init_from:
+        return tok.vocab_size
+    kind, hf, fields = _hf(cfg.run.init_from)
+    if tok.sample_limit > hf.vocab:
+        what = "the byte tokenizer" if cfg.run.tokenizer == "bytes" else f"--tokenizer {cfg.run.tokenizer!r}"
+        raise ArgumentError(f"{what} has {tok.sample_limit} ids but --init-from {cfg.run.init_from!r} has "
+                            f"{fields['vocab']}={hf.vocab}; pass the tokenizer saved with that model "
+                            "(--tokenizer DIR)")
+    return hf.vocab
