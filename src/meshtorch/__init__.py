@@ -131,7 +131,8 @@ class _Package(types.ModuleType):
 
     def __getattr__(self, name: str):
         state = self.__dict__["_state"]
-        if name.startswith("__") and name != "__all__" or state["loading"] or state["loaded"]:
+        loaded = "__all__" in self.__dict__
+        if name.startswith("__") and name != "__all__" or state["loading"] or loaded:
             raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
         if name != "launch" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
             # a sub-module (`from meshtorch import random` inside the package): import
@@ -145,7 +146,6 @@ class _Package(types.ModuleType):
         for key, value in api.items():
             types.ModuleType.__setattr__(self, key, value)
         types.ModuleType.__setattr__(self, "__all__", sorted(api))
-        state["loaded"] = True
         return getattr(self, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -157,5 +157,5 @@ class _Package(types.ModuleType):
         return sorted(set(super().__dir__()) | set(self.__all__))
 
 
-_state = {"loading": False, "loaded": False}
+_state = {"loading": False}
 sys.modules[__name__].__class__ = _Package
