@@ -11,22 +11,32 @@ from mesh_harness import SIZES, check_op, meshes, rand, rules_for
 
 SET = settings(max_examples=8, deadline=None)
 
+# (meshtorch op, torch reference, positive inputs only, input scale); the Mesh-TF activations
+# take inputs scaled by 3 so that their negative branches and kinks are exercised
 UNARY = [
-    (mt.relu, torch.relu, False),
-    (mt.gelu, F.gelu, False),
-    (mt.silu, F.silu, False),
-    (mt.exp, torch.exp, False),
-    (mt.log, torch.log, True),
-    (mt.tanh, torch.tanh, False),
-    (mt.sigmoid, torch.sigmoid, False),
-    (mt.rsqrt, torch.rsqrt, True),
-    (mt.sqrt, torch.sqrt, True),
-    (mt.abs, torch.abs, False),
-    (mt.square, torch.square, False),
-    (lambda x: x ** 3, lambda x: x ** 3, False),
-    (lambda x: mt.pow(x, 0.5), lambda x: x ** 0.5, True),
-    (lambda x: -x, lambda x: -x, False),
-    (lambda x: mt.clamp(x, -0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), False),
+    (mt.relu, torch.relu, False, 1),
+    (mt.gelu, F.gelu, False, 1),
+    (mt.silu, F.silu, False, 1),
+    (mt.exp, torch.exp, False, 1),
+    (mt.log, torch.log, True, 1),
+    (mt.tanh, torch.tanh, False, 1),
+    (mt.sigmoid, torch.sigmoid, False, 1),
+    (mt.rsqrt, torch.rsqrt, True, 1),
+    (mt.sqrt, torch.sqrt, True, 1),
+    (mt.abs, torch.abs, False, 1),
+    (mt.square, torch.square, False, 1),
+    (lambda x: x ** 3, lambda x: x ** 3, False, 1),
+    (lambda x: mt.pow(x, 0.5), lambda x: x ** 0.5, True, 1),
+    (lambda x: -x, lambda x: -x, False, 1),
+    (lambda x: mt.clamp(x, -0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), False, 1),
+    (mt.elu, F.elu, False, 3),
+    (lambda x: mt.elu(x, alpha=0.5), lambda x: F.elu(x, 0.5), False, 3),
+    (mt.selu, F.selu, False, 3),
+    (mt.softplus, F.softplus, False, 3),
+    (mt.leaky_relu, lambda x: F.leaky_relu(x, 0.2), False, 3),  # Mesh-TF's default slope
+    (lambda x: mt.leaky_relu(x, alpha=0.01), F.leaky_relu, False, 3),
+    (mt.sign, torch.sign, False, 3),
+    (mt.reciprocal, lambda x: 1.0 / x, True, 3),
 ]
 
 
@@ -34,11 +44,11 @@ UNARY = [
 @given(data=st.data())
 @SET
 def test_unary(i, data):
-    mt_fn, torch_fn, positive = UNARY[i]
+    mt_fn, torch_fn, positive, scale = UNARY[i]
     mesh = data.draw(meshes())
     a, b = data.draw(SIZES), data.draw(SIZES)
     rules = data.draw(rules_for(mesh, ["p", "q"]))
-    check_op(mt_fn, torch_fn, [(rand(a, b, positive=positive), f"p:{a},q:{b}")], mesh, rules)
+    check_op(mt_fn, torch_fn, [(scale * rand(a, b, positive=positive), f"p:{a},q:{b}")], mesh, rules)
 
 
 def test_cast_keeps_gradient_in_original_dtype():

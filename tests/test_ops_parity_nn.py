@@ -15,29 +15,6 @@ from meshtorch.errors import ArgumentError, ShapeError
 
 SET = settings(max_examples=6, deadline=None)
 
-UNARY = [
-    (mt.elu, F.elu, False),
-    (lambda x: mt.elu(x, alpha=0.5), lambda x: F.elu(x, 0.5), False),
-    (mt.selu, F.selu, False),
-    (mt.softplus, F.softplus, False),
-    (mt.leaky_relu, lambda x: F.leaky_relu(x, 0.2), False),  # Mesh-TF's default slope
-    (lambda x: mt.leaky_relu(x, alpha=0.01), F.leaky_relu, False),
-    (mt.sign, torch.sign, False),
-    (mt.reciprocal, lambda x: 1.0 / x, True),
-]
-
-
-@pytest.mark.parametrize("i", range(len(UNARY)))
-@given(data=st.data())
-@SET
-def test_unary(i, data):
-    mt_fn, torch_fn, positive = UNARY[i]
-    mesh = data.draw(meshes())
-    a, b = data.draw(SIZES), data.draw(SIZES)
-    rules = data.draw(rules_for(mesh, ["p", "q"]))
-    check_op(mt_fn, torch_fn, [(3 * rand(a, b, positive=positive), f"p:{a},q:{b}")], mesh, rules)
-
-
 def _divisors(n: int, seed: int) -> torch.Tensor:
     # both signs, kept away from 0 so that floor(x / y) is far from its jumps
     g = torch.Generator().manual_seed(seed)
