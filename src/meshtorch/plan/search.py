@@ -264,7 +264,7 @@ def _extrapolate(t1: Trace, t2: Trace, periods: int) -> Trace:
                    param_shapes=[])
 
 
-def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str) -> Trace:
+def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str, staging: str = "none") -> Trace:
     """``step_fn``'s meta trace, extrapolated from two shallow depths when it can be
     rebuilt with fewer layers (what the search does to each candidate).
 
@@ -279,8 +279,8 @@ def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str) -> Trace:
     """
     shallow = _shallow_steps(step_fn)
     if shallow is None:
-        return trace(step_fn, mesh=mesh, rules=rules, backend="meta")
-    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta") for f in shallow[:2])
+        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging)
+    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging) for f in shallow[:2])
     return _extrapolate(t1, t2, shallow[2])
 
 
@@ -369,7 +369,7 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> 
 
 def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str | DeviceSpec = "tpu-v2",
            *, verify: int = 3, meshes: Iterable[str] | None = None,
-           algorithm: str = "ring", max_candidates: int = 100_000) -> SearchResult:
+           algorithm: str = "ring", max_candidates: int = 100_000, staging: str = "none") -> SearchResult:
     """Search mesh shapes and layout rules for the fastest step that fits ``device``'s memory.
 
     ``processors`` is a processor count (meshes are searched) or a mesh (only
@@ -381,6 +381,8 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     candidates are traced in order of their time bound until the bound reaches
     the best step time found, and those whose parameters alone overflow memory
     are not traced. The result is the same as tracing every candidate.
+    ``staging``: the backend whose collective buffers the memory holds (see
+    :func:`meshtorch.plan.estimate`).
     """
     t0 = time.perf_counter()
     if isinstance(processors, int):
@@ -422,8 +424,9 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
         if whole or not quick:
             full.add(c)
-            return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta"), c[0], spec, algorithm)
-        t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta")
+            return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta", staging=staging),
+                              c[0], spec, algorithm)
+        t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
@@ -431,7 +434,7 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         if bound >= best_time() * (1 + 1e-9):
             cut[c] = Pruned(c[0], c[1], bound, lb[c][1], "time")
             return None
-        t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta")
+        t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         return from_trace(_extrapolate(t1, t2, periods), c[0], spec, algorithm)
 
     def best_time() -> float:

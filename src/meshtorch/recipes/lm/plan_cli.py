@@ -22,6 +22,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path
 from meshtorch.plan.estimate import Estimate, estimate
 from meshtorch.plan.search import search
+from meshtorch.plan.tracing import staging_for
 from meshtorch.recipes.lm.config import MODELS, OPTIMIZERS, PRECISIONS, TrainConfig, check_layout
 from meshtorch.recipes.lm.steps import training_step
 
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
             args.processors or (Mesh(args.mesh).size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
-        res = search(step, target, device=args.device, algorithm=args.algorithm)
+        res = search(step, target, device=args.device, algorithm=args.algorithm,
+                     staging=staging_for(args.backend))
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
@@ -98,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.mesh:
             raise PlanError("pass --mesh (e.g. batch:16,model:32) or --search --processors N")
         check_layout(cfg, args.vocab, args.mesh, args.rules)
-        est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm)
+        est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm,
+                       staging=staging_for(args.backend))
         ests = [est]
         out = est.to_json()
         if not args.json:
@@ -138,6 +141,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this machine once and store it for --device cpu (alone: only that)")
     ap.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    ap.add_argument("--backend", choices=("threads", "torch"), default="threads",
+                    help="the backend of the planned run: torch plans gloo's collective buffers too")
     ap.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
     ap.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
