@@ -89,12 +89,12 @@ def run(args: argparse.Namespace) -> int:
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
         res = search(step, target, device=args.device, algorithm=args.algorithm,
-                     staging=staging_for(args.backend))
+                     staging=staging_for(args.backend), axes=args.axes)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
         out = {**res.best.to_json(), "search_seconds": res.seconds,
-               "candidates": [e.to_json() for e in ests[: args.top]],
+               "candidates": [{**e.to_json(), "why": res.why(e)} for e in ests[: args.top]],
                "pruned": [p.to_json() for p in res.pruned_candidates]}
     else:
         if not args.mesh:
@@ -144,6 +144,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--backend", choices=("threads", "torch"), default="threads",
                     help="the backend of the planned run: torch plans gloo's collective buffers too")
     ap.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
+    ap.add_argument("--axes", type=int, choices=(1, 2, 3), default=2,
+                    help="with --search: meshes of up to this many axes (3 adds b:x,m:y,x:z)")
     ap.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")
