@@ -33,7 +33,8 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
                           heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
                           encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
                           tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
-                          precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules)
+                          precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules,
+                          dropout=args.dropout, recompute=args.recompute)
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
@@ -132,6 +133,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=False,
                     help="share the embedding and output layer (the paper's models do not)")
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adafactor")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout rate (its masks and draws are planned)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="activation recomputation: one more forward of FLOPs, blocks' activations not kept")
     ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
     ap.add_argument("--mesh", default="", help="e.g. batch:16,model:32")
     ap.add_argument("--rules", default="", help='e.g. "batch:batch; heads:model; d_ff:model; vocab:model"')
