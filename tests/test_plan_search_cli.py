@@ -145,7 +145,8 @@ def test_search_prunes_the_paper_model_without_changing_the_answer():
                       tie_embeddings=False, optimizer="adafactor")
     step = training_step(cfg, vocab=8192)
     res = mt.plan.search(step, 4, device="tpu-v2", meshes=["b:2,m:2"])
-    assert res.pruned["time"] > 0 and len(res.candidates) < res.space == 18
+    # 18 rule sets of data and model parallelism, 16 with d_model or length on the model axis
+    assert res.pruned["time"] > 0 and len(res.candidates) < res.space == 34
     best = mt.plan.estimate(step, res.mesh, res.rules, device="tpu-v2")
     assert best.step_seconds == pytest.approx(res.best.step_seconds, rel=1e-12)
     # the paper's kind of layout (data on b, the model dims on m) is never better than the search's
@@ -181,8 +182,10 @@ def test_search_equals_exhaustive_search(model, layers):
     # b or not, and batch over (b,m) with d_model over (b,m) or not
     step = training_step(DEEP.replace(model=model, layers=layers), vocab=33)
     mesh, spec = "b:2,m:2", device("tpu-v2")
-    space = rules_for(mesh, {"batch": 8, "heads": 3, "d_ff": 32, "vocab": 33, "experts": 3, "d_model": 16})
-    assert len(space) == 6
+    space = rules_for(mesh, {"batch": 8, "heads": 3, "d_ff": 32, "vocab": 33, "experts": 3, "d_model": 16,
+                             "length": 8})
+    # and d_model or length on m, with d_ff on m or not
+    assert len(space) == 6 + 4
     every = {r: mt.plan.estimate(step, mesh, r, device=spec) for r in space}
     fastest = min(e.step_seconds for e in every.values())
     res = mt.plan.search(step, mesh, device=spec, verify=1)
@@ -190,13 +193,13 @@ def test_search_equals_exhaustive_search(model, layers):
     assert every[res.rules].step_seconds == pytest.approx(fastest, rel=1e-12)
     # traced and pruned, every candidate is ranked once; a pruned one with a true lower bound
     ranked = res.ranking()
-    assert sorted(c.rules for c in ranked) == sorted(space) and res.space == 6
+    assert sorted(c.rules for c in ranked) == sorted(space) and res.space == len(space)
     for c in ranked:
         if isinstance(c, Pruned):
             assert c.by == "time"
             assert every[c.rules].step_seconds >= c.seconds * (1 - 1e-9) >= fastest * (1 - 1e-9)
-    table = res.table(top=6)
-    assert len(table.splitlines()) == 6 + 3  # header, candidates, summary, why
+    table = res.table(top=len(space))
+    assert len(table.splitlines()) == len(space) + 3  # header, candidates, summary, why
     assert table.count("pruned: step time >=") == res.pruned["time"]
 
 

@@ -45,6 +45,10 @@ class ProcessorTracer(Protocol):
     def paused(self) -> AbstractContextManager[Any]:
         """A block whose tensor work the tracer does not see."""
 
+    def drawing(self) -> AbstractContextManager[bool]:
+        """A block drawing random numbers; it yields whether the tracer follows its memory
+        (inside a measured step, where a dropout mask's draw is the step's own work)."""
+
 
 @dataclass
 class ProcessorContext:
@@ -153,6 +157,24 @@ def untraced() -> AbstractContextManager[Any]:
     """
     tracer = current().tracer if traced else None
     return nullcontext() if tracer is None else tracer.paused()
+
+
+def drawing() -> AbstractContextManager[bool]:
+    """A block drawing random numbers: unseen by this processor's tracer when it is
+    initialisation, followed as memory inside a measured step (each step draws its
+    dropout masks again, and the draw's temporaries are part of its peak). It yields
+    whether a tracer follows it.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.context import drawing
+        >>> with drawing() as followed:
+        ...     t = torch.zeros(3)
+        >>> followed
+        False
+    """
+    tracer = current().tracer if traced else None
+    return nullcontext(False) if tracer is None else tracer.drawing()
 
 
 def set_process_context(ctx: ProcessorContext) -> None:

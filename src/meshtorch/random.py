@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from meshtorch.context import current, untraced
+from meshtorch.context import current, drawing
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, layout_for, local_shape
@@ -85,13 +85,14 @@ def _resolve(seed, stream) -> tuple[int, int | str]:
 
 
 def _uniform53(shape, seed, stream, device, layout) -> torch.Tensor:
-    # drawing numbers is not the program's work: a tracer neither counts these ops nor holds
-    # their temporaries as memory
-    with untraced():
+    # initialising is not the step's work: a tracer neither counts these ops nor holds their
+    # temporaries as memory; a draw inside the measured step (dropout) holds real memory
+    with drawing() as followed:
         dev = torch.device(device) if device is not None else torch.get_default_device()
-        if dev.type == "meta":
+        if dev.type == "meta" and not followed:
             # a meta tensor has no values; skip the ~100 integer ops per tensor, which are slow on
-            # meta (initialising a 4.9B-parameter model took 38 s) and only produce this shape
+            # meta (initialising a 4.9B-parameter model took 38 s) and only produce this shape;
+            # in a traced step they run, so that the plan holds their temporaries
             return torch.empty(local_shape(layout), dtype=torch.float64, device=dev)
         a, b = _words(shape, seed, stream, device, layout)
         # 53 random bits → a float64 in [0, 1), as MT19937's genrand_res53

@@ -7,6 +7,21 @@ mesh can be traced on a laptop. Every collective is counted exactly as
 processor 0 of a real run counts it, and returns a tensor of the shape the
 real collective would return.
 
+The transient memory of a collective depends on the backend that will run
+it, and the plan must hold what that backend holds (``staging``):
+
+- ``"none"``: only the result. The ``threads`` backend's private copies in
+  its hub are made unseen by a tracer (``comm/threads.py``, ``_stage``).
+- ``"torch"``: the copies ``comm/torch.py`` makes around every
+  ``torch.distributed`` call: a contiguous copy of an input that is not
+  contiguous along the gathered/scattered dim, the output buffer a
+  reduce_scatter or all_to_all fills before it is reshaped into the result.
+- ``"gloo"``: those, plus the buffers gloo allocates inside a call, measured
+  with the allocator (``tests/test_plan_memory.py``): an all_gather fills a
+  flat buffer of the whole output before copying it into the result, a
+  reduce_scatter reduces a copy of the whole input; all_reduce, broadcast,
+  all_to_all and point-to-point work in place.
+
 Example:
     >>> import meshtorch as mt
     >>> def step():
@@ -34,14 +49,16 @@ from meshtorch.mesh import Mesh
 
 # what a planner hands a processor it traces alone, for each recv: (axes, src, tag) -> the tensor
 Inbox = Callable[[tuple[str, ...], int, int], torch.Tensor]
+STAGING = ("none", "torch", "gloo")
 
 
 class MetaCommunicator(Communicator):
-    """Processor ``rank``'s communicator on a mesh nobody else is running."""
+    """Processor ``rank``'s communicator on a mesh nobody else is running; ``staging``
+    (one of :data:`STAGING`) is the transient memory of the backend being planned."""
 
     backend = "meta"
 
-    def __init__(self, mesh: Mesh, rank: int = 0, check: bool = False):
+    def __init__(self, mesh: Mesh, rank: int = 0, check: bool = False, staging: str = "none"):
         super().__init__(mesh, rank, check)
         # point-to-point: nobody else runs, so a planner that knows what the peers send (a
         # pipeline's activations) answers each recv (``inbox``), and every send is kept in
@@ -52,22 +69,55 @@ class MetaCommunicator(Communicator):
         # ``untraced``, set by whoever runs the processor: this module sits below the context)
         self.unseen: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.sent: list[tuple[tuple[str, ...], int, int, torch.Tensor]] = []
+        self.staging = staging
+
+    @property
+    def staging(self) -> str:
+        return self._staging
+
+    @staging.setter
+    def staging(self, value: str) -> None:
+        if value not in STAGING:
+            raise CommError(f"staging {value!r} is not one of {STAGING} (the backend whose collective "
+                            "buffers a plan holds: 'none' for threads, 'gloo' for torch on CPU)")
+        self._staging = value
+
+    def _copy(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """``t`` with ``dim`` first, as comm/torch.py hands it to torch.distributed (a copy
+        when that is not contiguous)."""
+        t = t.movedim(dim, 0)
+        return t.contiguous() if self._staging != "none" else t
 
     def _all_reduce(self, t, axes, group, op, call):
-        return t.clone()
+        return self._copy(t).clone()
 
     def _all_gather(self, t, axes, group, dim, call):
-        return torch.cat([t] * len(group), dim)
+        x = self._copy(t, dim)
+        out = torch.empty((len(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        if self._staging == "gloo":
+            flat = torch.empty_like(out)  # gloo gathers into a flat buffer, then copies it out
+            del flat
+        del x
+        return out.movedim(0, dim)
 
     def _reduce_scatter(self, t, axes, group, dim, op, call):
-        return t.chunk(len(group), dim)[0].clone()
+        x = self._copy(t, dim)
+        out = torch.empty((x.shape[0] // len(group),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        if self._staging == "gloo":
+            whole = torch.empty_like(x)  # gloo reduces a copy of the whole input
+            del whole
+        del x
+        return out.movedim(0, dim).contiguous()
 
     def _all_to_all(self, t, axes, group, split_dim, concat_dim, call):
-        chunk = t.chunk(len(group), split_dim)[0]
-        return torch.cat([chunk] * len(group), concat_dim)
+        n = len(group)
+        x = self._copy(t, split_dim)
+        out = torch.empty_like(x) if self._staging != "none" else x
+        pieces = out.view(n, x.shape[0] // n, *x.shape[1:]) if out.is_contiguous() else out.chunk(n, 0)
+        return torch.cat([pieces[j].movedim(0, split_dim) for j in range(n)], concat_dim)
 
     def _permute(self, t, axes, group, sources, call):
-        return t.clone()
+        return self._copy(t).clone()
 
     def _send(self, t, axes, group, dst, tag):
         with self.unseen():  # a record of the program's send, no memory of the program
@@ -83,7 +133,7 @@ class MetaCommunicator(Communicator):
         return self.inbox(axes, src, tag)
 
     def _broadcast(self, t, axes, group, src, call):
-        return t.clone()
+        return self._copy(t).clone()
 
     def _barrier(self, call):
         return None

@@ -54,6 +54,9 @@ class TransformerConfig:
         gated: the feed-forward layer is gated, ``wo(act(wg(x)) * wi(x))``
             (SwiGLU with ``activation="silu"``, as in Llama).
         rotary_base: base of the rotary angles (Llama's ``rope_theta``).
+        recompute: activation recomputation: in training, each block keeps only its
+            input and runs its forward again during backward (``mt.nn.checkpoint``),
+            trading one more forward's FLOPs (and collectives) for its activations.
         experts: number of experts of each MoE layer (0: no MoE).
         moe_every: every ``moe_every``-th block's feed-forward is an MoE layer.
         top_k: experts per token (1 or 2); ``capacity_factor``: an expert takes
@@ -85,6 +88,7 @@ class TransformerConfig:
     kv_heads: int = 0
     gated: bool = False
     rotary_base: float = 10000.0
+    recompute: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

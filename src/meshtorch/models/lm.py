@@ -20,6 +20,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from meshtorch import nn
@@ -168,10 +170,13 @@ class Stack(nn.Module):
         if self.training and cfg.dropout:
             x = dropout(x, cfg.dropout)
         aux = None
+        # recomputation keeps a block's input only; decoding (a cache) keeps nothing anyway
+        remat = cfg.recompute and self.training and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
             entry = None if cache is None else cache.entries[i]
-            x, a = block(x, bias=bias, rotary=rotary, cache=entry, memory=memory, memory_bias=memory_bias,
-                         ring=ring)
+            run = functools.partial(nn.checkpoint, block) if remat else block
+            x, a = run(x, bias=bias, rotary=rotary, cache=entry, memory=memory, memory_bias=memory_bias,
+                       ring=ring)
             if a is not None:
                 aux = a if aux is None else add(aux, a)
         if cache is not None:

@@ -163,17 +163,19 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
 
 
 def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
-             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring") -> Estimate:
+             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring", staging: str = "none") -> Estimate:
     """Predict one processor's FLOPs, bytes per axis and kind, peak memory and step time.
 
     ``step_fn`` is an SPMD program that builds its model, optimizer and data
     and runs one step (put the step in :func:`meshtorch.plan.measure` to leave
     a warm-up out of the counts; ``meshtorch plan``'s training step
     does). It runs once, on meta tensors: planning a 512-processor mesh needs
-    no storage.
+    no storage. ``staging`` names the backend whose collective buffers the
+    peak memory holds (:func:`meshtorch.plan.tracing.staging_for`: ``"gloo"``
+    for a run on the torch backend on CPUs, ``"none"`` for threads).
     """
     mesh = Mesh(mesh)
     spec = get_device(device, processors=mesh.size)
-    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta")
+    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging)
     return from_trace(t, mesh, spec, algorithm)
 

@@ -61,47 +61,127 @@ from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.tracing import KINDS, Trace, trace
 
 MODEL_DIMS = ("heads", "d_ff", "vocab", "experts")
+# dims of the activations that may go on the model axis too (Megatron's sequence parallelism
+# splits length; d_model on the model axis splits the residual stream and the parameters' rows)
+ACTIVATION_DIMS = ("d_model", "length")
 
 
-def meshes_for(n: int) -> list[str]:
-    """``b:n`` and every two-axis ``b:x,m:n/x``.
+def meshes_for(n: int, axes: int = 2) -> list[str]:
+    """``b:n`` and every two-axis ``b:x,m:n/x``; with ``axes=3`` also every three-axis
+    ``b:x,m:y,x:z`` (each axis of at least 2 processors).
 
     Example:
         >>> from meshtorch.plan.search import meshes_for
         >>> meshes_for(8)
         ['b:8', 'b:2,m:4', 'b:4,m:2']
+        >>> meshes_for(8, axes=3)[3:]
+        ['b:2,m:2,x:2']
     """
     if n < 1:
         raise PlanError(f"num_processors must be >= 1, got {n}")
-    return [f"b:{n}"] + [f"b:{x},m:{n // x}" for x in range(2, n) if n % x == 0]
+    if axes not in (1, 2, 3):
+        raise PlanError(f"the search's meshes have 1, 2 or 3 axes, got axes={axes}")
+    out = [f"b:{n}"]
+    if axes >= 2:
+        out += [f"b:{x},m:{n // x}" for x in range(2, n) if n % x == 0]
+    if axes == 3:
+        out += [f"b:{x},m:{y},x:{n // (x * y)}" for x in range(2, n) if n % x == 0
+                for y in range(2, n // x) if (n // x) % y == 0 and n // (x * y) >= 2]
+    return out
+
+
+def _choices(names: list[str], options: list[list]) -> Iterable[list[tuple[str, Any]]]:
+    for choice in itertools.product(*options):
+        yield list(zip(names, choice))
+
+
+def one_axis_family(axes: tuple[str, ...], dims: dict[str, int]) -> Iterable[list[tuple[str, Any]]]:
+    """One axis: ``batch`` and each model dim on it or not."""
+    if len(axes) != 1:
+        return
+    names = ["batch", *(d for d in MODEL_DIMS if d in dims)]
+    yield from _choices(names, [[None, axes[0]]] * len(names))
+
+
+def data_model_family(axes: tuple[str, ...], dims: dict[str, int]) -> Iterable[list[tuple[str, Any]]]:
+    """Two axes: ``batch`` on the data axis, each model dim on the model axis or not, and
+    ``d_model`` on the data axis or not (ZeRO/FSDP-style sharding of the parameters)."""
+    if len(axes) != 2:
+        return
+    b, m = axes
+    model = [d for d in MODEL_DIMS if d in dims]
+    yield from _choices(["batch", *model, "d_model"], [[b]] + [[None, m]] * len(model) + [[None, b]])
+
+
+def whole_mesh_data_family(axes: tuple[str, ...], dims: dict[str, int]) -> Iterable[list[tuple[str, Any]]]:
+    """Two axes: data parallelism over the whole mesh, the parameters whole or sharded over
+    every processor (ZeRO-3)."""
+    if len(axes) != 2:
+        return
+    yield [("batch", axes)]
+    yield [("batch", axes), ("d_model", axes)]
+
+
+def activation_model_family(axes: tuple[str, ...], dims: dict[str, int]) -> Iterable[list[tuple[str, Any]]]:
+    """Two axes: ``batch`` on the data axis and ``d_model`` or ``length`` on the model axis
+    (with ``length``, causal attention runs as ring attention), with each of ``heads, d_ff,
+    vocab`` on the model axis or not (an earlier dim of a tensor on the model axis wins)."""
+    if len(axes) != 2:
+        return
+    b, m = axes
+    model = [d for d in MODEL_DIMS if d in dims and d != "experts"]
+    for act in ACTIVATION_DIMS:
+        if act in dims:
+            yield from _choices(["batch", act, *model], [[b], [m]] + [[None, m]] * len(model))
+
+
+def experts_on_data_family(axes: tuple[str, ...], dims: dict[str, int]) -> Iterable[list[tuple[str, Any]]]:
+    """Two axes, MoE: ``experts`` on the data axis with ``batch`` (Mesh-TF's MoE layout: the
+    tokens of a group go to the processors holding their experts by all_to_all), each of
+    ``heads, d_ff, vocab`` on the model axis or not."""
+    if len(axes) != 2 or "experts" not in dims:
+        return
+    b, m = axes
+    model = [d for d in MODEL_DIMS if d in dims and d != "experts"]
+    yield from _choices(["batch", "experts", *model], [[b], [b]] + [[None, m]] * len(model))
+
+
+def three_axis_family(axes: tuple[str, ...], dims: dict[str, int]) -> Iterable[list[tuple[str, Any]]]:
+    """Three axes ``b, m, x``: ``batch`` over ``(b, x)``, each model dim on ``m`` or not, and
+    ``d_model`` over ``(b, x)`` or not. Priced like its two-axis collapse unless the device
+    gives the axes different links (``spec.with_links``)."""
+    if len(axes) != 3:
+        return
+    b, m, x = axes
+    model = [d for d in MODEL_DIMS if d in dims]
+    options = [[(b, x)]] + [[None, m]] * len(model) + [[None, (b, x)]]
+    yield from _choices(["batch", *model, "d_model"], options)
+
+
+# each family proposes rule sets for the meshes it knows; rules_for keeps those that divide
+FAMILIES: tuple[Callable[[tuple[str, ...], dict[str, int]], Iterable[list[tuple[str, Any]]]], ...] = (
+    one_axis_family, data_model_family, whole_mesh_data_family, activation_model_family,
+    experts_on_data_family, three_axis_family)
 
 
 def rules_for(mesh: str, dims: dict[str, int]) -> list[str]:
-    """Every rule set of the search space for ``mesh`` whose splits divide their dims."""
+    """Every rule set of the search space for ``mesh`` whose splits divide their dims: the
+    union of what the :data:`FAMILIES` propose.
+
+    Example:
+        >>> from meshtorch.plan.search import rules_for
+        >>> rules_for("b:2,m:2", {"batch": 8, "d_ff": 32, "d_model": 16, "length": 8})[5:7]
+        ['batch:b; d_model:m', 'batch:b; length:m']
+    """
     m = Mesh(mesh)
-    axes = m.axis_names
-    model = [d for d in MODEL_DIMS if d in dims]
-    if len(axes) == 1:
-        a = axes[0]
-        options = [[None, a] for _ in ["batch", *model]]
-        names = ["batch", *model]
-    else:
-        b, mm = axes[0], axes[-1]
-        names = ["batch", *model, "d_model"]
-        options = [[b]] + [[None, mm] for _ in model] + [[None, b]]
-    out = []
-    for choice in itertools.product(*options):
-        rules = _divisible(m, dims, zip(names, choice))
-        if rules is not None:
-            out.append(rules)
-    if len(axes) == 2:
-        # data parallelism over the whole mesh, the parameters whole or sharded over every processor
-        both = (axes[0], axes[1])
-        for choice in ([both, None], [both, both]):
-            rules = _divisible(m, dims, zip(["batch", "d_model"], choice))
+    axes = tuple(m.axis_names)
+    out = set()
+    for family in FAMILIES:
+        for choice in family(axes, dims):
+            rules = _divisible(m, dims, choice)
             if rules is not None:
-                out.append(rules)
-    return sorted(set(out), key=lambda r: (r.count(":"), r))
+                out.add(rules)
+    return sorted(out, key=lambda r: (r.count(":"), r))
 
 
 def _divisible(m: Mesh, dims: dict[str, int], choice: Iterable[tuple[str, str | tuple[str, ...] | None]]
@@ -249,9 +329,44 @@ class SearchResult:
 
         return sorted([*self.candidates, *self.pruned_candidates], key=key)
 
+    def why(self, c: Estimate | Pruned | None = None) -> str:
+        """Why ``c`` ranks where it does, against the best: the best "fits memory (…); fastest,
+        dominated by …"; another "12% slower: more all_reduce@m (+1.20 ms); less memory (…)";
+        one that does not fit, by how much; a pruned one, its bound. Without ``c``: why the
+        best won against the best of the other family (layouts with or without pipeline
+        stages)."""
+        if c is None:
+            return self._why_chosen()
+        if isinstance(c, Pruned):
+            return c.reason()
+        if not c.fits:
+            return c.reason()
+        best = self.best
+        if c is best:
+            return (f"fits memory ({_fmt_bytes(c.memory_bytes['total'])} of "
+                    f"{_fmt_bytes(c.memory_capacity)}); fastest, {c.reason()}")
+        slower = (c.step_seconds / best.step_seconds - 1) * 100 if best.step_seconds else 0.0
+        mine = {"compute": c.compute_seconds, **c.comm_seconds}
+        theirs = {"compute": best.compute_seconds, **best.comm_seconds}
+        part, extra = max(((k, mine.get(k, 0.0) - theirs.get(k, 0.0)) for k in {*mine, *theirs}),
+                          key=lambda kv: (kv[1], kv[0]))
+        out = f"{slower:.0f}% slower than #1"
+        if extra > 0:
+            out += f": more {part} (+{extra * 1e3:.2f} ms)"
+        less = best.memory_bytes["total"] - c.memory_bytes["total"]
+        if less > 0:
+            out += f"; {_fmt_bytes(less)} less memory"
+        return out
+
+    def reasons(self, top: int = 3) -> list[str]:
+        """``"1st: …"``, ``"2nd: …"``: :meth:`why` for each of the ``top`` ranked candidates."""
+        ordinal = {1: "1st", 2: "2nd", 3: "3rd"}
+        return [f"{ordinal.get(i, f'{i}th')} {c.mesh} \"{c.rules}\": {self.why(c)}"
+                for i, c in enumerate(self.ranking()[:top], 1)]
+
     def table(self, top: int = 10) -> str:
-        """The ``top`` candidates of :meth:`ranking` with the reason for each; pruned ones
-        show their lower bounds (``>=``)."""
+        """The ``top`` candidates of :meth:`ranking` with the reason for each (:meth:`why`);
+        pruned ones show their lower bounds (``>=``)."""
         rows = [f"{'#':>3}  {'mesh':<14}{'rules':<48}{'step ms':>10}{'memory':>12}  fits  why"]
         for i, c in enumerate(self.ranking()[:top], 1):
             if isinstance(c, Pruned):
@@ -262,7 +377,7 @@ class SearchResult:
                 continue
             rows.append(f"{i:>3}  {c.mesh:<14}{_what(c):<48}{c.step_seconds * 1e3:>10.2f}"
                         f"{_fmt_bytes(c.memory_bytes['total']):>12}  {'yes' if c.fits else 'NO ':<4}  "
-                        f"{c.reason()}")
+                        f"{self.why(c)}")
         n = self.pruned
         pruned = "" if not self.pruned_candidates else (
             f" ({n['time']} pruned: time bound >= the best step time; "
@@ -277,9 +392,7 @@ class SearchResult:
         rows.append(f"why: {self.why()}")
         return "\n".join(rows)
 
-    def why(self) -> str:
-        """Why the best candidate won, against the best of the other family (layouts with or
-        without pipeline stages)."""
+    def _why_chosen(self) -> str:
         best = self.best
         piped = isinstance(best, PipelineEstimate)
         rival = next((c for c in self.candidates if isinstance(c, PipelineEstimate) != piped), None)
@@ -353,7 +466,7 @@ def _extrapolate(t1: Trace, t2: Trace, periods: int) -> Trace:
                    param_shapes=[])
 
 
-def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str) -> Trace:
+def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str, staging: str = "none") -> Trace:
     """``step_fn``'s meta trace, extrapolated from two shallow depths when it can be
     rebuilt with fewer layers (what the search does to each candidate).
 
@@ -368,8 +481,8 @@ def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str) -> Trace:
     """
     shallow = _shallow_steps(step_fn)
     if shallow is None:
-        return trace(step_fn, mesh=mesh, rules=rules, backend="meta")
-    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta") for f in shallow[:2])
+        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging)
+    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging) for f in shallow[:2])
     return _extrapolate(t1, t2, shallow[2])
 
 
@@ -458,7 +571,8 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> 
 
 def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str | DeviceSpec = "tpu-v2",
            *, verify: int = 3, meshes: Iterable[str] | None = None,
-           algorithm: str = "ring", max_candidates: int = 100_000, pipeline: bool = True) -> SearchResult:
+           algorithm: str = "ring", max_candidates: int = 100_000, pipeline: bool = True,
+           staging: str = "none", axes: int = 2) -> SearchResult:
     """Search mesh shapes and layout rules for the fastest step that fits ``device``'s memory.
 
     ``processors`` is a processor count (meshes are searched) or a mesh (only
@@ -477,10 +591,14 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     :func:`meshtorch.plan.pipeline.estimate_pipeline`), with the same bounds divided by the
     number of stages (the busiest stage does at least the average work and holds at least the
     average parameters); :meth:`SearchResult.why` compares the two families.
+
+    ``staging``: the backend whose collective buffers the memory holds (see
+    :func:`meshtorch.plan.estimate`). ``axes=3`` adds three-axis meshes
+    (:func:`meshes_for`), worth it when the device's links differ per axis.
     """
     t0 = time.perf_counter()
     if isinstance(processors, int):
-        mesh_list = list(meshes) if meshes is not None else meshes_for(processors)
+        mesh_list = list(meshes) if meshes is not None else meshes_for(processors, axes)
     else:
         mesh_list = [str(Mesh(processors))]
     n = Mesh(mesh_list[0]).size
@@ -518,8 +636,9 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
         if whole or not quick:
             full.add(c)
-            return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta"), c[0], spec, algorithm)
-        t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta")
+            return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta", staging=staging),
+                              c[0], spec, algorithm)
+        t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
@@ -527,7 +646,7 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         if bound >= best_time() * (1 + 1e-9):
             cut[c] = Pruned(c[0], c[1], bound, lb[c][1], "time")
             return None
-        t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta")
+        t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         return from_trace(_extrapolate(t1, t2, periods), c[0], spec, algorithm)
 
     def best_time() -> float:

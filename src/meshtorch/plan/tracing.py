@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from meshtorch.comm.meta import STAGING, MetaCommunicator
 from meshtorch.comm.stats import CommStats
 from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
@@ -127,6 +128,7 @@ class Tracer(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._paused = 0  # inside paused() blocks: ops run unseen
+        self.stepping = 0  # inside measure() blocks, after their set-up
         self.flops_by_dtype: dict[str, int] = defaultdict(int)
         self.kind: dict[int, str] = {}          # storage serial -> kind (when not activations)
         self.live: dict[int, tuple[int, int]] = {}  # id(storage) -> (serial, nbytes)
@@ -219,6 +221,16 @@ class Tracer(TorchDispatchMode):
                 if id(t.untyped_storage()) not in seen:
                     self.track(t)
         return out
+
+    @contextmanager
+    def drawing(self) -> Iterator[bool]:
+        """Random numbers drawn: initialisation is paused; inside a measured step (a dropout
+        mask) the draw's temporaries are followed as the step's memory."""
+        if self.stepping:
+            yield True
+            return
+        with self.paused():
+            yield False
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -329,9 +341,11 @@ def measure() -> Iterator[None]:
     start = len(tr.events)
     if not tr.start_by_kind:
         tr.start_by_kind = tr.live_by_kind()
+    tr.stepping += 1
     try:
         yield
     finally:
+        tr.stepping -= 1
         tr.inside -= 1
         tr.windows.append((start, len(tr.events)))
 
@@ -406,9 +420,12 @@ def tracing() -> Iterator[Tracer]:
         _uninstall()
 
 
-def _traced(fn, args, kwargs, mesh, rules, backend, rank=0):
+def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
     if current().rank != rank:  # the trace is one processor's; the others only take part
         return fn(*args, **kwargs)
+    comm = current().comm
+    if isinstance(comm, MetaCommunicator):
+        comm.staging = staging
     t0 = time.perf_counter()
     with tracing() as tr:
         result = fn(*args, **kwargs)
@@ -423,26 +440,47 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0):
                  start_by_kind=tr.start_by_kind)
 
 
+def staging_for(backend: str = "threads", device: str = "cpu") -> str:
+    """The collective buffers a run on ``backend`` and ``device`` holds, as the meta backend
+    plans them (:data:`meshtorch.comm.meta.STAGING`): ``"gloo"`` for the torch backend on
+    the CPU, ``"torch"`` for it on GPUs (NCCL), ``"none"`` for the threads backend.
+
+    Example:
+        >>> from meshtorch.plan.tracing import staging_for
+        >>> staging_for("torch"), staging_for("torch", "cuda"), staging_for("threads")
+        ('gloo', 'torch', 'none')
+    """
+    if backend != "torch":
+        return "none"
+    return "torch" if str(device).startswith("cuda") else "gloo"
+
+
 def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", backend: str = "meta",
-          rank: int = 0, **kwargs: Any) -> Trace:
+          rank: int = 0, staging: str = "none", **kwargs: Any) -> Trace:
     """Run ``fn`` as one processor of ``mesh`` under ``rules`` and return its :class:`Trace`.
 
     ``backend="meta"`` (default) runs processor ``rank`` (default 0) alone on
     meta tensors (no storage, collectives counted, not run): planning.
-    ``backend="threads"`` runs every processor for real and returns processor
-    ``rank``'s trace: measuring. ``fn`` must build everything it uses (model,
-    optimizer, data) so that their memory is seen.
+    ``backend="threads"`` (or ``"torch"``, for a picklable ``fn``) runs every
+    processor for real and returns processor ``rank``'s trace: measuring.
+    ``staging`` is, on the meta backend, the backend whose collective buffers
+    the plan holds (:func:`staging_for`; ``"gloo"`` plans a run on the torch
+    backend on CPUs). ``fn`` must build everything it uses (model, optimizer,
+    data) so that their memory is seen.
     """
     from meshtorch.launch import launch
     from meshtorch.launch.meta import run_meta
 
+    if staging not in STAGING:
+        raise PlanError(f"staging {staging!r} is not one of {STAGING}; staging_for(backend, device) "
+                        "gives the one of a run")
     m = Mesh(mesh)
     if not 0 <= rank < m.size:
         raise PlanError(f"rank {rank} is not a processor of the mesh '{m}' (0 to {m.size - 1})")
     if backend == "meta" and rank:
         r = LayoutRules(rules)
         r.check(m)
-        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank), {}, m, r, rank=rank)
-    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, mesh=mesh, rules=rules,
+        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank, staging), {}, m, r, rank=rank)
+    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, staging, mesh=mesh, rules=rules,
                      backend=backend)
     return results[rank if backend != "meta" else 0]

@@ -54,6 +54,8 @@ HELP = {
     "clip": "bound on the global gradient norm; 0: no clipping",
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
+    "recompute": "recompute each block's activations in backward instead of keeping them (less memory, "
+                 "one more forward of FLOPs; meshtorch plan prices it)",
     "memory_check": "before training, compare the planner's peak-memory prediction with the memory available",
     "init_from": "fine-tune a Hugging Face model directory (config.json + safetensors; Llama family or "
                  "GPT-2): its config sets the model, each processor reads its slices of the weights",

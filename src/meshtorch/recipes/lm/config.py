@@ -121,6 +121,7 @@ class ModelSection:
     kv_heads: int = 0
     gated: bool = False
     rotary_base: float = 10000.0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)

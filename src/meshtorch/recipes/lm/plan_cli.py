@@ -23,6 +23,7 @@ from meshtorch.plan.devices import calibrate, calibration_path
 from meshtorch.plan.estimate import Estimate, estimate
 from meshtorch.plan.pipeline import estimate_pipeline
 from meshtorch.plan.search import search
+from meshtorch.plan.tracing import staging_for
 from meshtorch.recipes.lm.config import (
     MODELS,
     OPTIMIZERS,
@@ -43,7 +44,7 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
                           tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
                           precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules,
                           pipeline_stages=args.pipeline_stages, microbatches=args.microbatches,
-                          schedule=args.schedule)
+                          schedule=args.schedule, dropout=args.dropout, recompute=args.recompute)
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
@@ -115,18 +116,20 @@ def run(args: argparse.Namespace) -> int:
             args.processors or (Mesh(args.mesh).size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
-        res = search(step, target, device=args.device, algorithm=args.algorithm, pipeline=args.pipeline)
+        res = search(step, target, device=args.device, algorithm=args.algorithm, pipeline=args.pipeline,
+                     staging=staging_for(args.backend), axes=args.axes)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
         out = {**res.best.to_json(), "search_seconds": res.seconds, "why": res.why(),
-               "candidates": [e.to_json() for e in ests[: args.top]],
+               "candidates": [{**e.to_json(), "why": res.why(e)} for e in ests[: args.top]],
                "pruned": [p.to_json() for p in res.pruned_candidates]}
     else:
         if not args.mesh:
             raise PlanError("pass --mesh (e.g. batch:16,model:32) or --search --processors N")
         check_layout(cfg, args.vocab, args.mesh, args.rules)
-        est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm)
+        est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm,
+                       staging=staging_for(args.backend))
         ests = [est]
         out = est.to_json()
         if not args.json:
@@ -157,6 +160,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=False,
                     help="share the embedding and output layer (the paper's models do not)")
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adafactor")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="dropout rate (its masks and draws are planned)")
+    ap.add_argument("--recompute", action="store_true",
+                    help="activation recomputation: one more forward of FLOPs, blocks' activations not kept")
     ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
     ap.add_argument("--mesh", default="", help="e.g. batch:16,model:32")
     ap.add_argument("--rules", default="", help='e.g. "batch:batch; heads:model; d_ff:model; vocab:model"')
@@ -173,10 +180,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="micro-batches per batch with --pipeline-stages")
     ap.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
                     help="pipeline schedule with --pipeline-stages, and the one --search tries")
+    ap.add_argument("--backend", choices=("threads", "torch"), default="threads",
+                    help="the backend of the planned run: torch plans gloo's collective buffers too")
     ap.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
     ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
                     help="with --search: also try pipeline stages (2, 4, ...) x the layouts of the "
                     "processors left x micro-batch counts (--model lm)")
+    ap.add_argument("--axes", type=int, choices=(1, 2, 3), default=2,
+                    help="with --search: meshes of up to this many axes (3 adds b:x,m:y,x:z)")
     ap.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     ap.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")

@@ -32,7 +32,7 @@ from meshtorch.comm.device import auto_device, parse_device
 from meshtorch.errors import TrainingError
 from meshtorch.plan import devices
 from meshtorch.plan.estimate import _fmt_bytes
-from meshtorch.plan.tracing import measure, trace
+from meshtorch.plan.tracing import measure, staging_for, trace
 from meshtorch.recipes.lm.config import TrainConfig
 from meshtorch.recipes.lm.optimizer import make_optimizer
 from meshtorch.recipes.lm.strategies import precision_context
@@ -114,29 +114,46 @@ def train_step(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
     return loss
 
 
-def training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, Any]]:
+class TrainingStep:
+    """The SPMD program :func:`training_step` returns: picklable, so that it also runs in
+    fresh processes (``mt.plan.trace(step, backend="torch")`` measures a gloo step).
+
+    ``layers``, ``period`` and :meth:`with_layers` let the search trace shallower
+    copies and extrapolate: blocks repeat with ``period`` (an MoE model alternates
+    dense and expert feed-forward blocks).
+    """
+
+    def __init__(self, cfg: TrainConfig, vocab: int) -> None:
+        self.cfg, self.vocab = cfg, vocab
+        self.layers = cfg.model.layers
+        self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
+        if cfg.model.name != "lm":  # only the LM is pipelined by meshtorch train: no stages to price
+            self.pipelined = None
+
+    def pipelined(self, microbatches: int, schedule: str | None = None) -> Callable[[], dict[str, Any]]:
+        """This step pipelined over ``microbatches`` (the search prices stages too)."""
+        return pipelined_training_step(
+            self.cfg.replace(microbatches=microbatches, schedule=schedule or self.cfg.parallelism.schedule),
+            self.vocab)
+
+    def with_layers(self, n: int) -> TrainingStep:
+        return TrainingStep(self.cfg.replace(layers=n), self.vocab)
+
+    def __call__(self) -> dict[str, Any]:
+        model, opt, batch = prepare(self.cfg, self.vocab)
+        with measure():
+            loss = train_step(self.cfg, model, opt, batch)
+        return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
+
+
+def training_step(cfg: TrainConfig, vocab: int = 264) -> TrainingStep:
     """An SPMD program: build ``cfg``'s model and run one steady-state training step.
 
     It returns ``{"parameters": global parameter count, "loss": the loss tensor's
     local value}``; the step itself is inside :func:`meshtorch.plan.measure`
     (the warm-up of :func:`prepare` is not).
     """
-
-    def program() -> dict[str, Any]:
-        model, opt, batch = prepare(cfg, vocab)
-        with measure():
-            loss = train_step(cfg, model, opt, batch)
-        return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
-
-    # the search traces shallower copies and extrapolates: blocks repeat with this period
-    # (an MoE model alternates dense and expert feed-forward blocks)
-    program.layers = cfg.model.layers
-    program.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
-    program.with_layers = lambda n: training_step(cfg.replace(layers=n), vocab)
-    if cfg.model.name == "lm":  # the model meshtorch train pipelines: the search prices stages too
-        program.pipelined = lambda microbatches, schedule=None: pipelined_training_step(
-            cfg.replace(microbatches=microbatches, schedule=schedule or cfg.parallelism.schedule), vocab)
-    return program
+    return TrainingStep(cfg, vocab)
 
 
 class _PlannableOptimizer:
@@ -233,7 +250,8 @@ def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int]
         return None
     have, source = limit
     sharing = 1 if on_gpu else processes
-    t = trace(training_step(cfg, vocab), mesh=par.mesh, rules=par.rules)
+    t = trace(training_step(cfg, vocab), mesh=par.mesh, rules=par.rules,
+              staging=staging_for(par.backend, "cuda" if on_gpu else "cpu"))
     need = {**t.peak_by_kind, "total": t.peak_bytes}
     if t.peak_bytes * sharing > have:
         kinds = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in t.peak_by_kind.items())

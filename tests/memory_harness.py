@@ -1,0 +1,69 @@
+"""Programs the memory tests run on the torch backend (module level: they travel to processes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+_spec = importlib.util.spec_from_file_location(
+    "allocator_peak", Path(__file__).resolve().parents[1] / "benchmarks" / "allocator_peak.py")
+allocator_peak = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = allocator_peak
+_spec.loader.exec_module(allocator_peak)
+
+SIDE = (8, 4, 128)  # 16 KiB of float32
+
+
+def _run(kind: str, dim: int, t: torch.Tensor) -> torch.Tensor:
+    import meshtorch as mt
+
+    comm = mt.current().comm
+    if kind == "all_reduce":
+        return comm.all_reduce(t, "b")
+    if kind == "all_gather":
+        return comm.all_gather(t, "b", dim=dim)
+    if kind == "reduce_scatter":
+        return comm.reduce_scatter(t, "b", dim=dim)
+    return comm.all_to_all(t, "b", split_dim=dim, concat_dim=2 - dim)
+
+
+def collective_step(kind: str, dim: int) -> tuple:
+    """The step the planner traces: the input made before the measured block, the collective in it."""
+    import meshtorch as mt
+
+    t = torch.ones(SIDE)
+    with mt.plan.measure():
+        r = _run(kind, dim, t)
+    return tuple(r.shape)
+
+
+CASES = [("all_reduce", 0), ("all_gather", 0), ("all_gather", 1), ("reduce_scatter", 0),
+         ("reduce_scatter", 1), ("all_to_all", 0), ("all_to_all", 1)]
+
+
+def collective_peaks() -> dict:
+    """For each of :data:`CASES`, the allocator's peak during the collective, its input made
+    before (the least of two calls)."""
+    return {case: min(allocator_peak.step_peaks(lambda: torch.ones(SIDE), lambda t, c=case: _run(*c, t), 2))
+            for case in CASES}
+
+
+def training_step_peak(cfg, vocab: int) -> int:
+    return allocator_peak.training_step_peak(cfg, vocab)
+
+
+def step_flops_and_peak(cfg, vocab: int) -> tuple[int, int]:
+    """A real steady-state step's FLOPs (``torch.utils.flop_counter``, no planner) and the
+    least allocator peak of three steps."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from meshtorch.recipes.lm.steps import prepare, train_step
+
+    peak = allocator_peak.training_step_peak(cfg, vocab)
+    model, opt, batch = prepare(cfg, vocab)
+    with FlopCounterMode(display=False) as counter:
+        train_step(cfg, model, opt, batch)
+    return counter.get_total_flops(), peak

@@ -1,0 +1,82 @@
+"""The planned peak memory against a real step's, measured by the CPU allocator.
+
+The reference is independent of the planner's tracer: ``torch.profiler``'s
+record of every allocation and free of torch's CPU allocator
+(``benchmarks/allocator_peak.py``), in real steps on the torch backend (gloo,
+2 processes), where gloo allocates buffers inside its calls. On the threads
+backend the tracer following real storages is the reference (its staging
+copies are made unseen, see ``comm/threads.py``); dropout's draws are real
+memory on both.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import meshtorch as mt
+from memory_harness import CASES, collective_peaks, collective_step, step_flops_and_peak, training_step_peak
+from meshtorch.plan import trace
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.steps import training_step
+
+VOCAB = 64
+CFG = TrainConfig.of(batch=4, length=16, d_model=64, heads=4, d_kv=16, d_ff=256, layers=1, optimizer="adamw")
+
+
+def test_gloo_collective_buffers_are_planned():
+    real = mt.launch(collective_peaks, mesh="b:2", backend="torch", timeout=60)
+    for kind, dim in CASES:
+        plan = trace(collective_step, kind, dim, mesh="b:2", staging="gloo")
+        bare = trace(collective_step, kind, dim, mesh="b:2")
+        # processor 0's, as planned, to the allocator's few bytes of bookkeeping; gloo's
+        # algorithms give another processor a receive buffer of one piece more at most
+        assert plan.peak_bytes == pytest.approx(real[0][kind, dim], abs=256), (kind, dim, real)
+        assert plan.peak_bytes == pytest.approx(real[1][kind, dim], rel=0.15), (kind, dim, real)
+        if kind != "all_reduce":  # all_reduce works in place; the others stage
+            assert bare.peak_bytes < plan.peak_bytes
+
+
+LAYOUTS = {
+    "data": ("b:2", "batch:b", 0.0),
+    "model+dropout": ("m:2", "heads:m; d_ff:m; vocab:m", 0.1),
+    "fsdp": ("b:2", "batch:b; d_model:b", 0.0),
+    "fsdp+dropout": ("b:2", "batch:b; d_model:b", 0.1),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planned_peak_is_within_5_percent_of_a_gloo_step(layout):
+    mesh, rules, rate = LAYOUTS[layout]
+    cfg = CFG.replace(dropout=rate)
+    plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
+    real = mt.launch(training_step_peak, cfg, VOCAB, mesh=mesh, rules=rules, backend="torch", timeout=120)
+    for r in real:
+        assert plan.peak_bytes == pytest.approx(r, rel=0.05), (layout, plan.peak_bytes, real)
+
+
+@pytest.mark.parametrize("layout", ["model+dropout", "fsdp+dropout"])
+def test_dropout_masks_and_their_draws_are_planned_on_threads(layout):
+    mesh, rules, rate = LAYOUTS[layout]
+    cfg = CFG.replace(dropout=rate)
+    plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules)
+    real = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, backend="threads")
+    without = trace(training_step(CFG, VOCAB), mesh=mesh, rules=rules)
+    assert plan.peak_bytes == real.peak_bytes
+    # at least the masks of the embedding, attention and feed-forward outputs (float32, batch·length·d_model)
+    assert plan.peak_bytes - without.peak_bytes >= 3 * 4 * 16 * 64 * 4 // 2
+
+
+@pytest.mark.parametrize("model", ["lm", "seq2seq"])
+def test_recompute_is_priced_as_a_real_recompute_step(model):
+    mesh, rules = "b:2", "batch:b; d_model:b"
+    cfg = CFG.replace(model=model, layers=2, encoder_layers=1, dropout=0.1)
+    plain = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
+    remat = trace(training_step(cfg.replace(recompute=True), VOCAB), mesh=mesh, rules=rules, staging="gloo")
+    (flops, peak), _ = mt.launch(step_flops_and_peak, cfg.replace(recompute=True), VOCAB, mesh=mesh,
+                                 rules=rules, backend="torch", timeout=120)
+    assert remat.flops == flops
+    assert remat.peak_bytes == pytest.approx(peak, rel=0.05), (remat.peak_bytes, peak)
+    # what recomputation trades: each block's forward once more, for its activations
+    assert plain.flops < remat.flops < 1.5 * plain.flops
+    assert remat.peak_by_kind["activations"] < 0.8 * plain.peak_by_kind["activations"]
+    assert remat.result["loss"].shape == plain.result["loss"].shape
