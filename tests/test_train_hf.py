@@ -198,3 +198,22 @@ def test_fitted_tokenizer_options_are_checked(files, tmp_path):
         train(TrainConfig.of(tokenizer="bpe:12", data=files["corpus"], steps=1, out=str(tmp_path / "a")))
     with pytest.raises(ArgumentError, match="--model seq2seq spells numbers in bytes"):
         train(TrainConfig.of(model="seq2seq", tokenizer=files["tok"], steps=1))
+
+
+def test_auto_tokenizer_picks(files, tmp_path, monkeypatch):
+    import sys
+
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.pretrained import resolve_tokenizer
+
+    out = str(tmp_path / "run")
+    assert resolve_tokenizer(TrainConfig.of(init_from=files["llama"]), out).run.tokenizer == "bytes"
+    exported = str(tmp_path / "with_tok")
+    transformers.AutoModelForCausalLM.from_pretrained(files["llama"]).save_pretrained(exported)
+    transformers.AutoTokenizer.from_pretrained(files["tok"]).save_pretrained(exported)
+    assert resolve_tokenizer(TrainConfig.of(init_from=exported), out).run.tokenizer == exported
+    assert resolve_tokenizer(TrainConfig.of(model="seq2seq"), out).run.tokenizer == "bytes"
+    fitted = resolve_tokenizer(TrainConfig.of(data=files["corpus"]), out).run.tokenizer
+    assert fitted == os.path.join(os.path.abspath(out), "tokenizer")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed: bytes
+    assert resolve_tokenizer(TrainConfig.of(data=files["corpus"]), out).run.tokenizer == "bytes"

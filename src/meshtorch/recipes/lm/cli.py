@@ -128,7 +128,7 @@ def run_train(args: argparse.Namespace) -> int:
     result = train(config_from_args(args))
     png = "loss.png" if result.get("loss_png") else "loss.png skipped: matplotlib is not installed " \
         "(pip install 'meshtorch[plot]')"
-    wrote = [f for f in ("checkpoint/", "metrics.jsonl", "summary.json", "tensorboard/")
+    wrote = [f for f in ("checkpoint/", "tokenizer/", "metrics.jsonl", "summary.json", "tensorboard/")
              if os.path.exists(os.path.join(result["out"], f.rstrip("/")))]
     if "tokens_per_s" in result:
         print(f"training: {result['tokens_per_s']:.0f} tokens/s, model-FLOP utilisation "

@@ -82,8 +82,10 @@ class Progress:
             print()
 
 
-def plot_losses(path: str, metrics: list[dict], heldout: list[tuple[int, float]], entropy: float) -> bool:
-    """Write ``loss.png`` if matplotlib is importable; return whether it did."""
+def plot_losses(path: str, metrics: list[dict], heldout: list[tuple[int, float]], entropy: float,
+                unit: str = "byte") -> bool:
+    """Write ``loss.png`` (losses in nats per ``unit``: byte or token) if matplotlib is importable;
+    return whether it did."""
     try:
         import matplotlib
 
@@ -95,9 +97,9 @@ def plot_losses(path: str, metrics: list[dict], heldout: list[tuple[int, float]]
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="train loss")
     if heldout:
         ax.plot(*zip(*heldout), "o-", label="held-out loss")
-    ax.axhline(entropy, color="gray", ls="--", label="byte-unigram entropy")
+    ax.axhline(entropy, color="gray", ls="--", label=f"{unit}-unigram entropy")
     ax.set_xlabel("step")
-    ax.set_ylabel("nats / byte")
+    ax.set_ylabel(f"nats / {unit}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

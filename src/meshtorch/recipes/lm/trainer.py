@@ -166,7 +166,8 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     if lead:
         hl = [(step, result["heldout_loss"])]
         result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), metrics, hl,
-                                         result.get("unigram_entropy", float("nan")))
+                                         result.get("unigram_entropy", float("nan")),
+                                         "byte" if cfg.run.tokenizer == "bytes" else "token")
         with open(os.path.join(out, "summary.json"), "w") as f:
             f.write(json_text(result, os.path.join(out, "summary.json"), indent=1))
     return result
