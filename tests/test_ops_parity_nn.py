@@ -89,8 +89,9 @@ def test_bool_error_points_to_reduce_any_which_gives_the_truth():
 
 
 def _softmax_extra(x: torch.Tensor, e, dim: int) -> torch.Tensor:
-    # Mesh-TF: one more logit of value e in the denominator
-    return x.exp() / (x.exp().sum(dim, keepdim=True) + torch.as_tensor(e).exp())
+    # Mesh-TF: one more logit of value e in the denominator (a number e in x's dtype: a float32
+    # exp(2.0) alone is 1e-8 off, more than the float64 tolerance)
+    return x.exp() / (x.exp().sum(dim, keepdim=True) + torch.as_tensor(e, dtype=x.dtype).exp())
 
 
 @given(data=st.data(), extra=st.sampled_from([0.0, -1.5, 2.0]))
