@@ -90,3 +90,8 @@ def test_weight_decay_groups_by_dim_name():
         (0.1, 0.5, ["1.kernel"]), (0.0, 0.5, ["0.table", "1.bias", "2.weight", "2.bias"])]
     decayed = mt.optim.weight_decay_groups(model, 0.1, decay_vectors=True)
     assert len(decayed[0]["params"]) == 5
+    # a bias of two dims (attention's [heads, d_kv]) is a bias too
+    qkv = mt.nn.Sequential(mt.nn.Dense(d, [h, mt.Dim("d_kv", 3)]))
+    names = {id(p): n for n, p in qkv.named_parameters()}
+    assert [[names[id(p)] for p in g["params"]] for g in mt.optim.weight_decay_groups(qkv, 0.1)] == [
+        ["0.kernel"], ["0.bias"]]
