@@ -33,6 +33,9 @@ from limits import ENV, RESULTS, measure, save, table
 
 HERE = Path(__file__).resolve().parent
 
+# modules the benchmarks (and tests) import, not benchmarks themselves
+MODULES = {"limits", "run_all", "allocator_peak"}
+
 # name -> (arguments of a full run, arguments of a --quick run)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "tp_mlp": ([], ["--steps", "10"]),
