@@ -145,7 +145,7 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
                      "--microbatches", "2", *tiny]) == 0
     printed = capsys.readouterr().out
     assert "pipeline of 2 stages (gpipe, 2 micro-batches) on mesh 'stage:2,b:1'" in printed
-    assert "wrote checkpoint/, metrics.jsonl, summary.json" in printed and "sample:" in printed
+    assert "wrote checkpoint/, tokenizer/, metrics.jsonl, summary.json" in printed and "sample:" in printed
 
     def losses(out):
         with open(os.path.join(out, "metrics.jsonl")) as f:
