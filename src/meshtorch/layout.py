@@ -252,7 +252,7 @@ class Layout:
         self._by_axis = {a: d for d, axes in self.split.items() for a in axes}
         if len(self._by_axis) != sum(map(len, self.split.values())):
             raise LayoutError(f"layout {split} splits over one axis twice")
-        counts = [math.prod(mesh.axis_size(a) for a in self.split.get(d.name, ())) for d in shape]
+        counts = [math.prod([mesh.axis_size(a) for a in self.split.get(d.name, ())]) for d in shape]
         #: sizes of the local slice, in shape order, when they are the same on every processor
         #: (every split dim divisible by its number of pieces); else ``None``
         self.even_sizes: tuple[int, ...] | None = (

@@ -20,11 +20,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import traceback
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
@@ -77,6 +80,38 @@ def user_call_site() -> str:
     return "<unknown>"
 
 
+F = TypeVar("F", bound=Callable)
+
+# the live communicator of each (mesh, rank), for collectives that a compiled graph runs
+LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def collective(method: F) -> F:
+    """Mark a communicator method that talks to other processors. Under ``torch.compile`` the
+    call becomes one opaque op of the graph (``meshtorch::collective``): Dynamo neither traces
+    the backend's rendezvous (threads) or its checked ``torch.distributed`` calls, nor breaks the
+    graph there; when the compiled graph runs, the op calls this processor's communicator,
+    which counts the call as in eager mode. On a one-processor mesh every group is this
+    processor alone, and the method is traced as it is.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.comm.base import LocalCommunicator
+        >>> torch.compile(lambda t: LocalCommunicator().all_reduce(t, ()) * 2, backend="eager")(
+        ...     torch.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, t, *args, **kwargs):
+        if torch.compiler.is_compiling() and self.mesh.size > 1:
+            return torch.ops.meshtorch.collective(t, repr((str(self.mesh), self.rank, name, args, kwargs)))
+        return method(self, t, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
 def as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
@@ -104,6 +139,8 @@ class Communicator(ABC):
         self.coords = mesh.coords(rank)
         self.check = check
         self.stats = CommStats()
+        if self.backend != "meta":  # the meta backend only shapes what compiled graphs run
+            LIVE[(str(mesh), rank)] = self
 
     # ----------------------------------------------------------------- helpers
     def group(self, axes: str | Iterable[str]) -> tuple[int, ...]:
@@ -131,6 +168,7 @@ class Communicator(ABC):
         return axes, self.group(axes)
 
     # ------------------------------------------------------------ collectives
+    @collective
     def all_reduce(self, t: torch.Tensor, axes, op: str = "sum") -> torch.Tensor:
         """Elementwise ``sum``/``max``/``min`` of ``t`` over the group; same on all."""
         if op not in REDUCE_OPS:
@@ -141,6 +179,7 @@ class Communicator(ABC):
         self.stats.record("all_reduce", axes, t.numel() * t.element_size())
         return self._all_reduce(t, axes, group, op, self._describe("all_reduce", axes, t, op=op))
 
+    @collective
     def all_gather(self, t: torch.Tensor, axes, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
         """Concatenate the group's tensors along tensor dim ``dim``, in group order.
 
@@ -165,6 +204,7 @@ class Communicator(ABC):
         out = self._all_gather(padded, axes, group, dim, self._describe("all_gather", axes, padded, dim=dim))
         return torch.cat([out.narrow(dim, i * m, n) for i, n in enumerate(sizes)], dim)
 
+    @collective
     def reduce_scatter(self, t: torch.Tensor, axes, dim: int, op: str = "sum",
                        sizes: list[int] | None = None) -> torch.Tensor:
         """Reduce over the group, then keep this processor's chunk of tensor dim ``dim``
@@ -191,6 +231,7 @@ class Communicator(ABC):
         call = self._describe("reduce_scatter", axes, padded, op=op, dim=dim)
         return self._reduce_scatter(padded, axes, group, dim, op, call).narrow(dim, 0, sizes[me]).contiguous()
 
+    @collective
     def all_to_all(self, t: torch.Tensor, axes, split_dim: int, concat_dim: int,
                    split_sizes: list[int] | None = None, concat_sizes: list[int] | None = None
                    ) -> torch.Tensor:
@@ -227,6 +268,7 @@ class Communicator(ABC):
         blocks = [out.narrow(concat_dim, i * mc, c) for i, c in enumerate(concats)]
         return torch.cat(blocks, concat_dim).narrow(split_dim, 0, mine).contiguous()
 
+    @collective
     def permute(self, t: torch.Tensor, axis, sources: list[int | None]) -> torch.Tensor:
         """Point-to-point along one axis, or a group of axes (members numbered row-major in
         mesh order, as :meth:`group`): member ``i`` receives the tensor of member
@@ -307,6 +349,7 @@ class Communicator(ABC):
     def _recv(self, axes, group, src, tag):
         raise CommError(f"the {self.backend} backend has no point-to-point send/recv")
 
+    @collective
     def broadcast(self, t: torch.Tensor, axes, src: int = 0) -> torch.Tensor:
         """The tensor of group member ``src`` (an index into the group), on all members."""
         axes, group = self._prepare("broadcast", axes, t)

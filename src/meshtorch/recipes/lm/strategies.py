@@ -69,11 +69,45 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     return amp.autocast(torch.bfloat16) if cfg.run.precision == "bf16" else contextlib.nullcontext()
 
 
+def compile_loss(model: torch.nn.Module, backend: str = "inductor") -> Any:
+    """``model.loss`` under ``torch.compile``: Dynamo traces the whole local program of the forward
+    (meshtorch's layouts and plans are constants of the trace, each collective one opaque op), so
+    one graph per processor, whose backward AOTAutograd compiles too. Shapes are static: a batch
+    of another shape compiles again.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.models import DecoderLM, TransformerConfig
+        >>> from meshtorch.recipes.lm.strategies import compile_loss
+        >>> m = DecoderLM(TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1,
+        ...                                 max_length=8))
+        >>> ids = mt.from_global(torch.arange(8).reshape(1, 8), "batch:1,length:8")
+        >>> torch.allclose(compile_loss(m, "eager")(ids, ids).local, m.loss(ids, ids).local)
+        True
+    """
+    config = torch._dynamo.config
+    # under the threads backend every processor compiles its own graph (its plans, its slices)
+    # of the same code: allow that many versions of each frame
+    n = current().mesh.size
+    config.recompile_limit = max(config.recompile_limit, 2 * n)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * n)
+    return torch.compile(model.loss, backend=backend, dynamic=False)
+
+
+def graph_breaks() -> dict[str, int]:
+    """The graph breaks ``torch.compile`` has met in this process so far: reason -> count."""
+    from torch._dynamo.utils import counters
+
+    return {reason.strip().splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()}
+
+
 class PlainStep:
-    """Every processor runs forward, backward, clipping and the optimizer step of each batch."""
+    """Every processor runs forward, backward, clipping and the optimizer step of each batch
+    (with ``--compile``, the forward and backward as ``torch.compile`` graphs)."""
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
         self.cfg, self.model, self.opt = cfg, model, opt
+        self.loss = compile_loss(model) if cfg.run.compile else model.loss
 
     def resume(self, batches: Any, lead: bool) -> int:
         """Load ``--resume``; the step to continue from."""
@@ -82,7 +116,8 @@ class PlainStep:
     def banner(self) -> str:
         cfg = self.cfg
         return (f"model {cfg.model.name}: {self.model.num_parameters():,} parameters; mesh "
-                f"'{cfg.parallelism.mesh}' rules '{cfg.parallelism.rules}' backend {cfg.parallelism.backend}")
+                f"'{cfg.parallelism.mesh}' rules '{cfg.parallelism.rules}' backend {cfg.parallelism.backend}"
+                + ("; torch.compile (the first step compiles)" if cfg.run.compile else ""))
 
     def run(self, batches: list, first: int) -> float:
         """Train on ``batches`` (steps ``first``, ``first + 1``, ...); the last one's loss."""
@@ -93,7 +128,7 @@ class PlainStep:
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, first + i)
             with precision_context(self.cfg):
-                loss = self.model.loss(*batch)
+                loss = self.loss(*batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if self.cfg.optimizer.clip:
@@ -106,7 +141,7 @@ class PlainStep:
         return self.model
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        return {"compiled": True, "graph_breaks": graph_breaks()} if self.cfg.run.compile else {}
 
 
 def pipeline_mesh(mesh: str, stages: int) -> str:
