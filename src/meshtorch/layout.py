@@ -174,7 +174,7 @@ class LayoutRules:
             >>> rules.pieces("batch", Mesh("b:2,m:4")), rules.pieces("d", Mesh("b:2"))
             (8, 1)
         """
-        return math.prod(mesh.axis_size(a) for a in self.rules.get(dim, ()) if a in mesh)
+        return math.prod([mesh.axis_size(a) for a in self.rules.get(dim, ()) if a in mesh])
 
     def check(self, mesh: Mesh) -> None:
         """Raise if a rule names an axis the mesh does not have."""
