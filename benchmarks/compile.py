@@ -4,7 +4,7 @@ meshtorch vs the same LM in plain PyTorch compiled the same way.
 Four steppers train copies of one model (:class:`overhead.PlainLM` holds a
 :class:`~meshtorch.models.DecoderLM`'s weights): plain PyTorch and meshtorch,
 each eager and with its loss under ``torch.compile(..., backend, dynamic=False)``
-(meshtorch's through :func:`meshtorch.recipes.lm.strategies.compile_loss`, what
+(meshtorch's through :func:`meshtorch.compiler.compile_step`, what
 ``meshtorch train --compile`` runs). The step is the same everywhere: forward,
 mean cross-entropy, backward (compiled by AOTAutograd where the forward is),
 global-norm clipping, ``torch.optim.AdamW`` (eager). The first call of a
@@ -39,8 +39,8 @@ from limits import attach, count, figure, section
 from overhead import BATCH, CONFIG, LENGTH, PlainLM, batch
 
 import meshtorch as mt
+from meshtorch.compiler import compile_step, graph_breaks
 from meshtorch.models import DecoderLM, TransformerConfig
-from meshtorch.recipes.lm.strategies import compile_loss, graph_breaks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAMES = ("plain eager", "plain compiled", "meshtorch eager", "meshtorch compiled")
@@ -86,7 +86,7 @@ def main() -> None:
     for name, model in models.items():
         loss_fn = model.loss
         if name.endswith("compiled"):
-            loss_fn = (compile_loss(model, args.backend) if name.startswith("meshtorch")
+            loss_fn = (compile_step(model.loss, args.backend) if name.startswith("meshtorch")
                        else torch.compile(model.loss, backend=args.backend, dynamic=False))
         steps[name] = stepper(model, loss_fn, name.startswith("meshtorch"))
     first = {}

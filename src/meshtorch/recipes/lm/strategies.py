@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from meshtorch.compiler import compile_step, graph_breaks
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
 from meshtorch.mesh import Mesh
@@ -69,45 +70,13 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     return amp.autocast(torch.bfloat16) if cfg.run.precision == "bf16" else contextlib.nullcontext()
 
 
-def compile_loss(model: torch.nn.Module, backend: str = "inductor") -> Any:
-    """``model.loss`` under ``torch.compile``: Dynamo traces the whole local program of the forward
-    (meshtorch's layouts and plans are constants of the trace, each collective one opaque op), so
-    one graph per processor, whose backward AOTAutograd compiles too. Shapes are static: a batch
-    of another shape compiles again.
-
-    Example:
-        >>> import torch, meshtorch as mt
-        >>> from meshtorch.models import DecoderLM, TransformerConfig
-        >>> from meshtorch.recipes.lm.strategies import compile_loss
-        >>> m = DecoderLM(TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1,
-        ...                                 max_length=8))
-        >>> ids = mt.from_global(torch.arange(8).reshape(1, 8), "batch:1,length:8")
-        >>> torch.allclose(compile_loss(m, "eager")(ids, ids).local, m.loss(ids, ids).local)
-        True
-    """
-    config = torch._dynamo.config
-    # under the threads backend every processor compiles its own graph (its plans, its slices)
-    # of the same code: allow that many versions of each frame
-    n = current().mesh.size
-    config.recompile_limit = max(config.recompile_limit, 2 * n)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * n)
-    return torch.compile(model.loss, backend=backend, dynamic=False)
-
-
-def graph_breaks() -> dict[str, int]:
-    """The graph breaks ``torch.compile`` has met in this process so far: reason -> count."""
-    from torch._dynamo.utils import counters
-
-    return {reason.strip().splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()}
-
-
 class PlainStep:
     """Every processor runs forward, backward, clipping and the optimizer step of each batch
     (with ``--compile``, the forward and backward as ``torch.compile`` graphs)."""
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
         self.cfg, self.model, self.opt = cfg, model, opt
-        self.loss = compile_loss(model) if cfg.run.compile else model.loss
+        self.loss = compile_step(model.loss) if cfg.run.compile else model.loss
 
     def resume(self, batches: Any, lead: bool) -> int:
         """Load ``--resume``; the step to continue from."""
