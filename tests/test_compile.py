@@ -42,8 +42,8 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(backend, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``steps`` AdamW steps of the tiny LM, eager (``backend=None``) or compiled; the losses and
-    the whole (global) gradients of the last step."""
+    """``steps`` AdamW steps of the tiny LM (gradients clipped eagerly), eager (``backend=None``)
+    or compiled; the losses and the whole (global) gradients of the last step."""
     model = DecoderLM(CFG, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_fn = model.loss if backend is None else compile_step(model.loss, backend)
@@ -53,6 +53,7 @@ def train(backend, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
+        mt.optim.clip_grad_norm_(model, 1.0)
         opt.step()
         losses.append(loss.item())
     return losses, grads
@@ -97,14 +98,15 @@ def mlp_program(x_global: torch.Tensor) -> tuple:
 
 
 def gloo_program() -> tuple:
-    """The tiny LM's step, eager and compiled (``aot_eager``, graph recorded), on this process;
-    with the collectives each counted, the graph breaks and the graphs compiled."""
-    eager = train(None, steps=1)
+    """Two steps of the tiny LM, eager and compiled (``aot_eager``, graph recorded), on this
+    process; with the collectives each counted, the graph breaks and the graphs compiled (one:
+    the eager code between the steps must not invalidate the first step's graph)."""
+    eager = train(None)
     eager_stats = mt.comm_stats().as_dict()
     mt.reset_comm_stats()
     counters.clear()
     recorder = Recorder()
-    compiled = train(recorder, steps=1)
+    compiled = train(recorder)
     return (eager, eager_stats, compiled, mt.comm_stats().as_dict(), graph_breaks(),
             counters["stats"]["unique_graphs"], recorder.count("_c10d_functional"),
             recorder.count("meshtorch.collective"))
@@ -165,14 +167,15 @@ def test_two_gloo_processes_run_functional_collectives_in_one_graph():
     collectives: one graph per process, no breaks, the eager step's losses, gradients and
     collective counts (counted at every run of the graph, not once per trace)."""
     out = mt.launch(gloo_program, mesh="b:2", rules="batch:b; d_ff:b", backend="torch", nprocs=2)
-    one_losses, one_grads = train(None, steps=1)
+    # AdamW's first update is about lr * sign(gradient), so the second step's gradients depend
+    # on the rounding of tiny first-step sums: the one-processor run is matched on the losses
+    one_losses, _ = train(None)
     for eager, eager_stats, compiled, stats, breaks, graphs, functional, opaque in out:
         assert breaks == {} and graphs == 1
         assert functional > 0 and opaque == 0
-        assert compiled[0] == eager[0] and compiled[0] == pytest.approx(one_losses, rel=1e-5)
+        assert compiled[0] == eager[0] and compiled[0] == pytest.approx(one_losses, rel=1e-4)
         for name, g in compiled[1].items():
             torch.testing.assert_close(g, eager[1][name], rtol=0, atol=0, msg=name)
-            torch.testing.assert_close(g, one_grads[name], msg=name)
         assert stats == eager_stats and stats["all_reduce@b"]["calls"] > 0
 
 
