@@ -1,8 +1,9 @@
 """The op a compiled graph runs for each collective: ``meshtorch::collective``.
 
-Under ``torch.compile`` a communicator's collective methods (marked with
-:func:`meshtorch.comm.base.collective`) do not let Dynamo trace the backend;
-they emit this one custom op, whose argument names the call (mesh, rank,
+Under ``torch.compile`` the collective methods (marked with
+:func:`meshtorch.comm.base.collective`) of a backend that Dynamo cannot trace (the
+``threads`` backend's rendezvous; the ``torch`` backend is traced, as functional
+collectives) emit this one custom op, whose argument names the call (mesh, rank,
 method, arguments). When the graph runs, the op calls the method of the live
 communicator of that mesh and rank, which checks and counts the call as in eager
 mode; while the graph is traced, the ``meta`` backend gives the result's shape.
