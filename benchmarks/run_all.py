@@ -40,6 +40,7 @@ MODULES = {"limits", "run_all", "allocator_peak"}
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "tp_mlp": ([], ["--steps", "10"]),
     "overhead": ([], ["--steps", "10", "--warmup", "2"]),
+    "compile": ([], ["--steps", "5", "--warmup", "1"]),
     "mesh_step": ([], ["--steps", "5", "--warmup", "1"]),
     "optim_fused": ([], ["--rounds", "2", "--steps", "2", "--no-plan"]),
     "init": ([], ["--repeats", "5"]),

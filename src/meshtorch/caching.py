@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypeVar
 
 V = TypeVar("V")
@@ -34,8 +35,20 @@ class BoundedCache(dict):
         self.limit = limit
 
     def put(self, key: Any, value: V) -> V:
-        """Store ``value`` under ``key`` (clearing first when full) and return it."""
+        """Store ``value`` under ``key`` (clearing first when full) and return it.
+
+        Under ``torch.compile`` nothing is stored: the traced program keeps what it computed as
+        constants, and a store would be a side effect on a global dict that Dynamo replays
+        after the graph (rebuilding the keys it made half-initialised)."""
+        if compiling():
+            return value
         if len(self) >= self.limit:
             self.clear()
         self[key] = value
         return value
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile`` (Dynamo) is tracing this call; never imports torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()

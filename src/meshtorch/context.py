@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import meshtorch.comm.compiled  # noqa: F401  (registers the op compiled collectives run)
 from meshtorch.comm.base import Communicator, LocalCommunicator
 from meshtorch.comm.stats import CommStats
 from meshtorch.errors import PlanError

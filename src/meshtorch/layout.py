@@ -112,11 +112,11 @@ class LayoutRules:
     __slots__ = ("rules", "_layouts", "_hash")
 
     def __init__(self, spec: LayoutRules | str | Mapping[str, str | Iterable[str]] | None = ""):
-        self._hash: int | None = None  # the lowering's plans are keyed by the rules: hash once
         # per rules object; a program uses far fewer distinct shapes than the bound
         self._layouts: BoundedCache = BoundedCache(4096)
         if isinstance(spec, LayoutRules):
             self.rules: dict[str, Axes] = dict(spec.rules)
+            self._hash = spec._hash
             return
         pairs: list[tuple[str, object]] = []
         if spec is None:
@@ -147,6 +147,9 @@ class LayoutRules:
                 )
             rules[dim] = axes
         self.rules = rules
+        # the lowering's plans are keyed by the rules: hashed once, here, not on first use, which
+        # torch.compile would guard on (a recompile once eager code hashed it)
+        self._hash = hash(tuple(sorted(rules.items())))
 
     def axes_of(self, dim: str) -> Axes:
         """The axes a dim name is split over, major first (``()``: no rule)."""
@@ -174,7 +177,7 @@ class LayoutRules:
             >>> rules.pieces("batch", Mesh("b:2,m:4")), rules.pieces("d", Mesh("b:2"))
             (8, 1)
         """
-        return math.prod(mesh.axis_size(a) for a in self.rules.get(dim, ()) if a in mesh)
+        return math.prod([mesh.axis_size(a) for a in self.rules.get(dim, ()) if a in mesh])
 
     def check(self, mesh: Mesh) -> None:
         """Raise if a rule names an axis the mesh does not have."""
@@ -216,8 +219,6 @@ class LayoutRules:
         return isinstance(other, LayoutRules) and self.rules == other.rules
 
     def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = hash(tuple(sorted(self.rules.items())))
         return self._hash
 
     def __reduce__(self):
@@ -244,15 +245,17 @@ class Layout:
     __slots__ = ("shape", "mesh", "split", "_by_axis", "even_sizes", "_at", "_hash")
 
     def __init__(self, shape: Shape, mesh: Mesh, split: Mapping[str, str | Axes]):
-        self._hash: int | None = None
         self.shape = shape
         self.mesh = mesh
         self.split: dict[str, Axes] = {
             d.name: _as_axes(split[d.name]) for d in shape if d.name in split and split[d.name]}
+        # every lowered op hashes its inputs' layouts (the plan's key): hashed once, here, not on
+        # first use, which torch.compile would guard on (a recompile once eager code hashed it)
+        self._hash = hash((shape, mesh, tuple(self.split.items())))
         self._by_axis = {a: d for d, axes in self.split.items() for a in axes}
         if len(self._by_axis) != sum(map(len, self.split.values())):
             raise LayoutError(f"layout {split} splits over one axis twice")
-        counts = [math.prod(mesh.axis_size(a) for a in self.split.get(d.name, ())) for d in shape]
+        counts = [math.prod([mesh.axis_size(a) for a in self.split.get(d.name, ())]) for d in shape]
         #: sizes of the local slice, in shape order, when they are the same on every processor
         #: (every split dim divisible by its number of pieces); else ``None``
         self.even_sizes: tuple[int, ...] | None = (
@@ -323,9 +326,6 @@ class Layout:
         )
 
     def __hash__(self) -> int:
-        # every lowered op hashes its inputs' layouts (the plan's key): computed once
-        if self._hash is None:
-            self._hash = hash((self.shape, self.mesh, tuple(self.split.items())))
         return self._hash
 
     def __reduce__(self):

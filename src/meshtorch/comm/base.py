@@ -20,15 +20,18 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import traceback
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
 
-from meshtorch.comm.stats import CommStats
+from meshtorch.comm.stats import CommStats, note_traced
 from meshtorch.errors import ArgumentError, CommError
 from meshtorch.mesh import Mesh
 
@@ -77,6 +80,40 @@ def user_call_site() -> str:
     return "<unknown>"
 
 
+F = TypeVar("F", bound=Callable)
+
+# the live communicator of each (mesh, rank), for collectives that a compiled graph runs
+LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def collective(method: F) -> F:
+    """Mark a communicator method that talks to other processors. Under ``torch.compile``, a
+    backend whose collectives are traceable (:attr:`Communicator.traceable`: the ``torch``
+    backend, whose methods then call ``torch.distributed``'s functional collectives) is traced
+    as it is. Any other backend's call becomes one opaque op of the graph
+    (``meshtorch::collective``): Dynamo does not trace the backend's rendezvous (threads), nor
+    breaks the graph there; when the compiled graph runs, the op calls this processor's
+    communicator, which counts the call as in eager mode. On a one-processor mesh every group
+    is this processor alone, and the method is traced as it is.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.comm.base import LocalCommunicator
+        >>> torch.compile(lambda t: LocalCommunicator().all_reduce(t, ()) * 2, backend="eager")(
+        ...     torch.ones(2)).tolist()
+        [2.0, 2.0]
+    """
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, t, *args, **kwargs):
+        if torch.compiler.is_compiling() and self.mesh.size > 1 and not self.traceable:
+            return torch.ops.meshtorch.collective(t, repr((str(self.mesh), self.rank, name, args, kwargs)))
+        return method(self, t, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
 def as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
@@ -97,6 +134,8 @@ class Communicator(ABC):
     # where this processor computes (its tensors, its collectives' buffers); None: wherever
     # torch's default device is (one processor outside any launch, the meta backend)
     device: torch.device | None = None
+    #: whether the backend methods can be traced by ``torch.compile`` (see :func:`collective`)
+    traceable: bool = False
 
     def __init__(self, mesh: Mesh, rank: int, check: bool = False):
         self.mesh = mesh
@@ -104,6 +143,8 @@ class Communicator(ABC):
         self.coords = mesh.coords(rank)
         self.check = check
         self.stats = CommStats()
+        if self.backend != "meta":  # the meta backend only shapes what compiled graphs run
+            LIVE[(str(mesh), rank)] = self
 
     # ----------------------------------------------------------------- helpers
     def group(self, axes: str | Iterable[str]) -> tuple[int, ...]:
@@ -113,6 +154,15 @@ class Communicator(ABC):
     def position(self, axes: str | Iterable[str]) -> int:
         """This processor's index within its group over ``axes``."""
         return self.group(axes).index(self.rank)
+
+    def _record(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+        # a traced collective runs each time its graph does, not each time it is traced: the
+        # trace notes it, and the compiled step (meshtorch.compiler) counts it per run (an
+        # opaque collective counts itself when it runs)
+        if self.traceable and torch.compiler.is_compiling():
+            note_traced(kind, axes, nbytes)
+        else:
+            self.stats.record(kind, axes, nbytes)
 
     def _describe(self, kind: str, axes: tuple[str, ...], t: torch.Tensor, **args) -> dict:
         """The call as the group compares it (see :func:`compare_calls`): the kind, axes,
@@ -131,6 +181,7 @@ class Communicator(ABC):
         return axes, self.group(axes)
 
     # ------------------------------------------------------------ collectives
+    @collective
     def all_reduce(self, t: torch.Tensor, axes, op: str = "sum") -> torch.Tensor:
         """Elementwise ``sum``/``max``/``min`` of ``t`` over the group; same on all."""
         if op not in REDUCE_OPS:
@@ -138,9 +189,10 @@ class Communicator(ABC):
         axes, group = self._prepare("all_reduce", axes, t)
         if len(group) == 1:
             return t
-        self.stats.record("all_reduce", axes, t.numel() * t.element_size())
+        self._record("all_reduce", axes, t.numel() * t.element_size())
         return self._all_reduce(t, axes, group, op, self._describe("all_reduce", axes, t, op=op))
 
+    @collective
     def all_gather(self, t: torch.Tensor, axes, dim: int, sizes: list[int] | None = None) -> torch.Tensor:
         """Concatenate the group's tensors along tensor dim ``dim``, in group order.
 
@@ -151,7 +203,7 @@ class Communicator(ABC):
         if len(group) == 1:
             return t
         dim = dim % max(t.dim(), 1)
-        self.stats.record("all_gather", axes, t.numel() * t.element_size())
+        self._record("all_gather", axes, t.numel() * t.element_size())
         uneven = sizes is not None and len(set(sizes)) > 1
         if uneven and self.gathers_uneven:
             # the group compares the call as if padded: every member's shape must agree but dim's
@@ -165,6 +217,7 @@ class Communicator(ABC):
         out = self._all_gather(padded, axes, group, dim, self._describe("all_gather", axes, padded, dim=dim))
         return torch.cat([out.narrow(dim, i * m, n) for i, n in enumerate(sizes)], dim)
 
+    @collective
     def reduce_scatter(self, t: torch.Tensor, axes, dim: int, op: str = "sum",
                        sizes: list[int] | None = None) -> torch.Tensor:
         """Reduce over the group, then keep this processor's chunk of tensor dim ``dim``
@@ -181,7 +234,7 @@ class Communicator(ABC):
                 f"reduce_scatter over {axes}: tensor dim {dim} of size {t.shape[dim]} is not "
                 f"divisible by the group size {len(group)}; pass sizes= for uneven chunks"
             )
-        self.stats.record("reduce_scatter", axes, t.numel() * t.element_size())
+        self._record("reduce_scatter", axes, t.numel() * t.element_size())
         if sizes is None or len(set(sizes)) == 1:
             return self._reduce_scatter(t, axes, group, dim, op,
                                         self._describe("reduce_scatter", axes, t, op=op, dim=dim))
@@ -191,6 +244,7 @@ class Communicator(ABC):
         call = self._describe("reduce_scatter", axes, padded, op=op, dim=dim)
         return self._reduce_scatter(padded, axes, group, dim, op, call).narrow(dim, 0, sizes[me]).contiguous()
 
+    @collective
     def all_to_all(self, t: torch.Tensor, axes, split_dim: int, concat_dim: int,
                    split_sizes: list[int] | None = None, concat_sizes: list[int] | None = None
                    ) -> torch.Tensor:
@@ -211,7 +265,7 @@ class Communicator(ABC):
                 f"all_to_all over {axes}: tensor dim {split_dim} of size {t.shape[split_dim]} "
                 f"is not divisible by the group size {len(group)}; pass split_sizes= for uneven chunks"
             )
-        self.stats.record("all_to_all", axes, t.numel() * t.element_size())
+        self._record("all_to_all", axes, t.numel() * t.element_size())
         if not uneven:
             call = self._describe("all_to_all", axes, t, split_dim=split_dim, concat_dim=concat_dim)
             return self._all_to_all(t, axes, group, split_dim, concat_dim, call)
@@ -227,6 +281,7 @@ class Communicator(ABC):
         blocks = [out.narrow(concat_dim, i * mc, c) for i, c in enumerate(concats)]
         return torch.cat(blocks, concat_dim).narrow(split_dim, 0, mine).contiguous()
 
+    @collective
     def permute(self, t: torch.Tensor, axis, sources: list[int | None]) -> torch.Tensor:
         """Point-to-point along one axis, or a group of axes (members numbered row-major in
         mesh order, as :meth:`group`): member ``i`` receives the tensor of member
@@ -239,7 +294,7 @@ class Communicator(ABC):
         if all(s == i for i, s in enumerate(sources)):
             return t
         sends = sum(1 for i, s in enumerate(sources) if s == me and i != me)
-        self.stats.record("permute", axes, sends * t.numel() * t.element_size())
+        self._record("permute", axes, sends * t.numel() * t.element_size())
         call = self._describe("permute", axes, t, sources=tuple(sources))
         return self._permute(t, axes, group, list(sources), call)
 
@@ -287,14 +342,14 @@ class Communicator(ABC):
         axes, group = self._peer("send", axis, dst)
         if not isinstance(t, torch.Tensor):
             raise CommError(f"send needs a torch.Tensor, got {type(t).__name__}")
-        self.stats.record("send", axes, t.numel() * t.element_size())
+        self._record("send", axes, t.numel() * t.element_size())
         self._send(t, axes, group, dst, tag)
 
     def recv(self, axis: str, src: int, tag: int = 0) -> torch.Tensor:
         """The next tensor member ``src`` of this processor's group along ``axis``
         sent here with ``tag`` (waits for it; see :meth:`send`)."""
         axes, group = self._peer("recv", axis, src)
-        self.stats.record("recv", axes, 0)
+        self._record("recv", axes, 0)
         return self._recv(axes, group, src, tag)
 
     def wait_sends(self) -> None:
@@ -307,6 +362,7 @@ class Communicator(ABC):
     def _recv(self, axes, group, src, tag):
         raise CommError(f"the {self.backend} backend has no point-to-point send/recv")
 
+    @collective
     def broadcast(self, t: torch.Tensor, axes, src: int = 0) -> torch.Tensor:
         """The tensor of group member ``src`` (an index into the group), on all members."""
         axes, group = self._prepare("broadcast", axes, t)
@@ -314,7 +370,7 @@ class Communicator(ABC):
             return t
         if not 0 <= src < len(group):
             raise CommError(f"broadcast over {axes}: src {src} is not in a group of {len(group)}")
-        self.stats.record("broadcast", axes, t.numel() * t.element_size())
+        self._record("broadcast", axes, t.numel() * t.element_size())
         return self._broadcast(t, axes, group, src, self._describe("broadcast", axes, t, src=src))
 
     def barrier(self) -> None:

@@ -14,9 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+import torch
 
 
 class CommStats:
@@ -102,3 +106,44 @@ class CommStats:
 
     def __repr__(self) -> str:
         return f"CommStats({self.as_dict()})"
+
+
+# --------------------------------------------------------- collectives of a traced step
+# Under torch.compile a collective's Python runs once, when Dynamo traces it, while its graph
+# runs at every call. So a trace notes each collective (kind, axes, bytes) in a tally, the
+# tally's number is a constant the compiled function returns, and the caller counts the tally
+# once per run (meshtorch.compiler.compile_step). The two functions below run at trace time
+# only: Dynamo calls a function marked assume_constant_result and keeps its result.
+Tally = tuple[tuple[str, tuple[str, ...], int], ...]
+_tallies: dict[int, list[tuple[str, tuple[str, ...], int]]] = {}
+_numbers = itertools.count(1)
+_open = threading.local()  # this thread's tally being traced (Dynamo traces on the caller's thread)
+
+
+@torch.compiler.assume_constant_result
+def begin_traced() -> int:
+    """Open a new tally for the collectives traced next on this thread; its number."""
+    number = next(_numbers)
+    _tallies[number] = _open.tally = []
+    return number
+
+
+@torch.compiler.assume_constant_result
+def note_traced(kind: str, axes: tuple[str, ...], nbytes: int) -> int:
+    """Note a traced collective in this thread's open tally (none open: not counted)."""
+    tally = getattr(_open, "tally", None)
+    if tally is not None:
+        tally.append((kind, tuple(axes), int(nbytes)))
+    return 0
+
+
+def traced_tally(number: int) -> Tally:
+    """The collectives noted in tally ``number`` (a run of its graph makes each once).
+
+    Example:
+        >>> from meshtorch.comm.stats import begin_traced, note_traced, traced_tally
+        >>> n = begin_traced(); _ = note_traced("all_reduce", ("b",), 64)
+        >>> traced_tally(n)
+        (('all_reduce', ('b',), 64),)
+    """
+    return tuple(_tallies.get(number, ()))

@@ -18,6 +18,12 @@ gloo (CPU) and NCCL (GPU) both run every collective; where the installed
 to the list forms, once, and remembers. With NCCL, tensors are moved to
 ``cuda:<local rank>`` for the collective and back to where they came from.
 
+Under ``torch.compile`` the collectives are ``torch.distributed``'s functional
+collectives (``torch.distributed._functional_collectives``): ops of the traced
+graph, which the compiler can schedule and overlap with the local work, instead of
+calls it cannot trace; ``check`` is not applied to them (the trace fixes every
+call, so a mismatch shows in an eager run of the same step).
+
 With ``check=True`` the members of a group first all-gather a 64-bit hash of
 the call's description (kind, axes, reduce op, dims, source, dtype, shape:
 ``meshtorch.comm.base.CALL_FIELDS``); if the hashes differ they exchange the
@@ -48,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from meshtorch.comm.base import (
     CALL_FIELDS,
@@ -99,6 +106,7 @@ class TorchCommunicator(Communicator):
     """
 
     backend = "torch"
+    traceable = True
 
     def __init__(self, mesh: Mesh | str, check: bool = False, timeout: float | None = None,
                  device: torch.device | str | None = None):
@@ -250,6 +258,8 @@ class TorchCommunicator(Communicator):
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, t, axes, group, op, call):
+        if torch.compiler.is_compiling():
+            return self._back(funcol.all_reduce(self._on_dev(t), op, self._process_group(axes)), t)
         self._check(call, group)
         pg = self._process_group(axes)
         x = self._to_dev(t).clone()
@@ -257,6 +267,8 @@ class TorchCommunicator(Communicator):
         return x.to(t.device)
 
     def _all_gather(self, t, axes, group, dim, call):
+        if torch.compiler.is_compiling():
+            return self._back(funcol.all_gather_tensor(self._on_dev(t), dim, self._process_group(axes)), t)
         self._check(call, group)
         pg = self._process_group(axes)
         x = self._to_dev(t.movedim(dim, 0))
@@ -265,6 +277,9 @@ class TorchCommunicator(Communicator):
         return out.movedim(0, dim).to(t.device)
 
     def _reduce_scatter(self, t, axes, group, dim, op, call):
+        if torch.compiler.is_compiling():
+            out = funcol.reduce_scatter_tensor(self._on_dev(t), op, dim, self._process_group(axes))
+            return self._back(out, t)
         self._check(call, group)
         pg = self._process_group(axes)
         x = self._to_dev(t.movedim(dim, 0))
@@ -290,9 +305,13 @@ class TorchCommunicator(Communicator):
         return out.movedim(0, dim).contiguous().to(t.device)
 
     def _all_to_all(self, t, axes, group, split_dim, concat_dim, call):
+        n = len(group)
+        if torch.compiler.is_compiling():
+            x = self._on_dev(t.movedim(split_dim, 0))
+            out = funcol.all_to_all_single(x, None, None, self._process_group(axes))
+            return self._blocks(out, t, n, split_dim, concat_dim)
         self._check(call, group)
         pg = self._process_group(axes)
-        n = len(group)
         x = self._to_dev(t.movedim(split_dim, 0))
         out = torch.empty_like(x)
 
@@ -312,11 +331,19 @@ class TorchCommunicator(Communicator):
             out.copy_(torch.cat([whole[j].chunk(n, 0)[me] for j in range(n)], 0))
 
         self._run("all_to_all", axes, group, go)
-        pieces = out.view(n, x.shape[0] // n, *x.shape[1:])
+        return self._blocks(out, t, n, split_dim, concat_dim)
+
+    @staticmethod
+    def _blocks(out: torch.Tensor, t: torch.Tensor, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:
+        """What arrived from each member (``out``, stacked along dim 0) concatenated along
+        ``concat_dim``, in group order, on ``t``'s device."""
+        pieces = out.view(n, out.shape[0] // n, *out.shape[1:])
         parts = [pieces[j].movedim(0, split_dim) for j in range(n)]
         return torch.cat(parts, concat_dim).to(t.device)
 
     def _permute(self, t, axes, group, sources, call):
+        if torch.compiler.is_compiling():
+            return self._traced_permute(t, axes, group, sources)
         self._check(call, group)
         pg = self._process_group(axes)
         me = group.index(self.rank)
@@ -334,6 +361,27 @@ class TorchCommunicator(Communicator):
 
         self._run("permute", axes, group, go)
         return recv.to(t.device)
+
+    def _traced_permute(self, t, axes, group, sources):
+        # one all_to_all_single with a block per (sender, receiver) pair: a member sends its
+        # tensor once to each member that names it, and receives one block (or nothing)
+        me, numel = group.index(self.rank), t.numel()
+        dsts = [i for i, s in enumerate(sources) if s == me]
+        send = [numel if i in dsts else 0 for i in range(len(group))]
+        recv = [numel if i == sources[me] else 0 for i in range(len(group))]
+        x = self._on_dev(t).reshape(1, -1).expand(len(dsts), numel).reshape(-1)
+        out = funcol.all_to_all_single(x, recv, send, self._process_group(axes))
+        if sources[me] is None:
+            return torch.zeros_like(t)
+        return self._back(out.view(t.shape), t)
+
+    def _on_dev(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where a traced collective runs it (contiguous, on this processor's device)."""
+        return (t if t.device == self.device else t.to(self.device)).contiguous()
+
+    @staticmethod
+    def _back(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return out if out.device == t.device else out.to(t.device)
 
     def _send(self, t, axes, group, dst, tag):
         pg = self._process_group(axes)
@@ -368,6 +416,8 @@ class TorchCommunicator(Communicator):
             self._run("send", axes, group, work.wait)
 
     def _broadcast(self, t, axes, group, src, call):
+        if torch.compiler.is_compiling():
+            return self._back(funcol.broadcast(self._on_dev(t), group[src], self._process_group(axes)), t)
         self._check(call, group)
         pg = self._process_group(axes)
         x = self._to_dev(t).clone()

@@ -83,7 +83,7 @@ def _dim_sizes(inputs: Sequence[MeshTensor], out: Shape, whole: set[str]) -> dic
 def _per_processor(layout: Layout) -> float:
     """Elements of a slice, averaged over the processors."""
     mesh = layout.mesh
-    return layout.shape.numel / math.prod(mesh.axis_size(a) for a in mesh.axis_names if layout.dim_of(a))
+    return layout.shape.numel / math.prod([mesh.axis_size(a) for a in mesh.axis_names if layout.dim_of(a)])
 
 
 def _cost(c, axis, n, inputs, out_layout, reduced, grad) -> float:
@@ -153,7 +153,8 @@ def choose_computation(
         def key(c, axis=axis, n=n, d_out=d_out):
             return (_cost(c, axis, n, inputs, out_layout, reduced, grad), c != d_out)
 
-        comp[axis] = min(cands, key=key)
+        # the first cheapest (min's own key= is not traceable by torch.compile)
+        comp[axis] = cands[min([(key(c), i) for i, c in enumerate(cands)])[1]]
     return comp
 
 

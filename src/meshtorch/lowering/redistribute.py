@@ -87,7 +87,7 @@ def moves(mesh: Mesh, sizes: Sequence[int], src: Sequence[Axes], dst: Sequence[A
     def whole(i: int, keep: int) -> tuple:
         """What a gather of dim ``i`` down to its first ``keep`` axes needs to know of uneven
         pieces: its global size and those axes (nothing when every piece is equal)."""
-        if sizes[i] % math.prod(mesh.axis_size(a) for a in cur[i]) == 0:
+        if sizes[i] % math.prod([mesh.axis_size(a) for a in cur[i]]) == 0:
             return ()
         return (sizes[i], cur[i][:keep])
 

@@ -46,7 +46,7 @@ def shift_slice(t: torch.Tensor, i: int, axes: str | tuple[str, ...] | None, off
     if not axes:
         return _shift_whole(t, i, offset, wrap)
     comm = current().comm
-    n = math.prod(comm.mesh.axis_size(a) for a in axes)
+    n = math.prod([comm.mesh.axis_size(a) for a in axes])
     total = t.shape[i] * n if total is None else total
     if len(axes) > 1 or total % n:
         if not wrap and abs(offset) >= total:

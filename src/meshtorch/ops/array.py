@@ -212,7 +212,7 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
     if ignore is not None:
         t = torch.where(t == ignore, 0, t)
     # a tracer (make_fx, torch.compile) cannot read a value: it records the assert instead
-    if t.device.type != "cpu" or get_proxy_mode() is not None or torch.compiler.is_compiling():
+    if t.device.type != "cpu" or torch.compiler.is_compiling() or get_proxy_mode() is not None:
         torch._assert_async(((t >= 0) & (t < dim.size)).all(),
                             f"{op}: {what} outside dim {dim.name!r} of size {dim.size}")
         return

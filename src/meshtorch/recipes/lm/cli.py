@@ -37,6 +37,9 @@ HELP = {
     "device": "cuda: one GPU per processor (NCCL with --backend torch); auto: cuda when this machine "
               "has a GPU for every processor, else cpu",
     "precision": "bf16: autocast with fp32 master weights",
+    "compile": "torch.compile each step's forward and backward (inductor; the first step compiles, "
+               "tens of seconds); collectives are ops of the graph (functional collectives with --backend "
+               "torch)",
     "out": "output directory (default: runs/<date-time>/)",
     "resume": "continue the run in this --out directory from its checkpoint, up to --steps in all",
     "keep": "checkpoints kept in --out/checkpoint/, the newest first",

@@ -178,6 +178,8 @@ class RunSection:
     batch: int = 16
     length: int = 64
     precision: str = "fp32"
+    # torch.compile each step's forward (and so its backward); the optimizer step stays eager
+    compile: bool = False
     seed: int = 0
     data: str | None = None
     out: str | None = None
@@ -321,6 +323,9 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
                         f"are running; start {Mesh(par.mesh).size} processes or pass a mesh of {world} "
                         f"processors")
     check_layout(cfg, vocab, par.mesh, par.rules)
+    if cfg.run.compile and par.pipeline_stages > 1:
+        raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
+                             f"{par.pipeline_stages}) runs eagerly: drop one of them")
     if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
         raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
     cfg.model_config(vocab)

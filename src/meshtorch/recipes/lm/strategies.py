@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from meshtorch.compiler import compile_step, graph_breaks
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
 from meshtorch.mesh import Mesh
@@ -70,10 +71,12 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 
 class PlainStep:
-    """Every processor runs forward, backward, clipping and the optimizer step of each batch."""
+    """Every processor runs forward, backward, clipping and the optimizer step of each batch
+    (with ``--compile``, the forward and backward as ``torch.compile`` graphs)."""
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
         self.cfg, self.model, self.opt = cfg, model, opt
+        self.loss = compile_step(model.loss) if cfg.run.compile else model.loss
 
     def resume(self, batches: Any, lead: bool) -> int:
         """Load ``--resume``; the step to continue from."""
@@ -82,7 +85,8 @@ class PlainStep:
     def banner(self) -> str:
         cfg = self.cfg
         return (f"model {cfg.model.name}: {self.model.num_parameters():,} parameters; mesh "
-                f"'{cfg.parallelism.mesh}' rules '{cfg.parallelism.rules}' backend {cfg.parallelism.backend}")
+                f"'{cfg.parallelism.mesh}' rules '{cfg.parallelism.rules}' backend {cfg.parallelism.backend}"
+                + ("; torch.compile (the first step compiles)" if cfg.run.compile else ""))
 
     def run(self, batches: list, first: int) -> float:
         """Train on ``batches`` (steps ``first``, ``first + 1``, ...); the last one's loss."""
@@ -93,7 +97,7 @@ class PlainStep:
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, first + i)
             with precision_context(self.cfg):
-                loss = self.model.loss(*batch)
+                loss = self.loss(*batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if self.cfg.optimizer.clip:
@@ -106,7 +110,7 @@ class PlainStep:
         return self.model
 
     def summary(self) -> dict[str, Any]:
-        return {}
+        return {"compiled": True, "graph_breaks": graph_breaks()} if self.cfg.run.compile else {}
 
 
 def pipeline_mesh(mesh: str, stages: int) -> str:

@@ -1,0 +1,83 @@
+"""``torch.compile`` of a meshtorch step: each processor's local program as one graph.
+
+Dynamo traces the whole step on each processor: meshtorch's layouts, plans and
+adapters are Python constants of the trace, so what remains is the processor's
+torch ops and its collectives. On the ``torch`` backend (gloo, NCCL) the
+collectives are ``torch.distributed``'s functional collectives, ops of the graph;
+on the ``threads`` backend each is one opaque op (``meshtorch::collective``) that
+calls the processor's communicator. AOTAutograd compiles the backward too.
+
+The communicator's counters (``mt.comm_stats()``) count a compiled step's
+collectives at every call, as an eager step's: a trace notes them once and
+:func:`compile_step` counts them per call (the backward's with its forward).
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.compiler import compile_step
+    >>> def f():
+    ...     x = mt.from_global(torch.arange(4.0), "batch:4")
+    ...     step = compile_step(mt.reduce_sum, backend="eager")
+    ...     return [(step(x).item(), mt.comm_stats().calls()) for _ in range(2)]
+    >>> mt.launch(f, mesh="b:2", rules="batch:b")
+    [[(6.0, 1), (6.0, 2)], [(6.0, 1), (6.0, 2)]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meshtorch.comm.stats import begin_traced, traced_tally
+from meshtorch.context import current
+
+
+def compile_step(fn: Callable[..., Any], backend: str = "inductor", dynamic: bool = False
+                 ) -> Callable[..., Any]:
+    """``fn`` (a step, or a model's ``loss``) under ``torch.compile(backend=..., dynamic=...)``,
+    counting its collectives in this processor's ``mt.comm_stats()`` at every call.
+
+    Shapes are static by default: a batch of another shape compiles again. Under the threads
+    backend every processor compiles its own graph of the same code (its plans, its slices):
+    Dynamo's recompile limits are raised to allow one version per processor.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.compiler import compile_step
+        >>> x = mt.from_global(torch.ones(2, 3), "batch:2,d:3")
+        >>> compile_step(mt.reduce_sum, backend="eager")(x).item()
+        6.0
+    """
+    config = torch._dynamo.config
+    n = current().mesh.size
+    config.recompile_limit = max(config.recompile_limit, 2 * n)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * n)
+
+    def traced(*args: Any, **kwargs: Any) -> tuple[Any, int]:
+        tally = begin_traced()  # a constant of the trace: the tally its collectives are noted in
+        return fn(*args, **kwargs), tally
+
+    compiled = torch.compile(traced, backend=backend, dynamic=dynamic)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        out, tally = compiled(*args, **kwargs)
+        stats = current().comm.stats
+        for kind, axes, nbytes in traced_tally(tally):
+            stats.record(kind, axes, nbytes)
+        return out
+
+    return step
+
+
+def graph_breaks() -> dict[str, int]:
+    """The graph breaks ``torch.compile`` has met in this process so far: reason -> count.
+
+    Example:
+        >>> from meshtorch.compiler import graph_breaks
+        >>> isinstance(graph_breaks(), dict)
+        True
+    """
+    from torch._dynamo.utils import counters
+
+    return {reason.strip().splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()}

@@ -1,0 +1,184 @@
+"""torch.compile of a meshtorch step: one graph per processor, no graph breaks, the eager step's
+loss, gradients and collective counts (torch's own compiled run against the uncompiled one).
+
+Cost: tracing meshtorch's Python is the price of a compile, so the models are tiny, only one
+test runs inductor (on a small step), the others ``aot_eager`` (the same ATen ops as eager, so
+the results are bitwise the eager ones), and the threads test compiles a two-layer MLP rather
+than the LM (its processors trace in turn); the LM on two processors is compiled once, on gloo,
+where the processes trace in parallel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.debugging import aot_eager
+from torch._dynamo.utils import counters
+
+import meshtorch as mt
+from meshtorch.compiler import compile_step, graph_breaks
+from meshtorch.models import DecoderLM, TransformerConfig
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.config import check_config
+
+CFG = TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=8)
+SHAPE = "batch:4,length:8"
+D, H = mt.Dim("d_model", 8), mt.Dim("d_ff", 16)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing and leaves nothing compiled behind (Dynamo's caches and
+    counters are per process, shared by every test of the session)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [tuple(torch.randint(0, CFG.vocab, (4, 8), generator=g) for _ in range(2)) for _ in range(n)]
+
+
+def train(backend, steps: int = 2) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` AdamW steps of the tiny LM (gradients clipped eagerly), eager (``backend=None``)
+    or compiled; the losses and the whole (global) gradients of the last step."""
+    model = DecoderLM(CFG, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = model.loss if backend is None else compile_step(model.loss, backend)
+    losses = []
+    for ids, tgt in batches(steps):
+        loss = loss_fn(mt.from_global(ids, SHAPE), mt.from_global(tgt, SHAPE))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
+        mt.optim.clip_grad_norm_(model, 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads
+
+
+class Recorder:
+    """A ``torch.compile`` backend that keeps the names of the ops Dynamo's graphs call
+    (backward bodies of autograd functions included), then runs them as ``aot_eager``."""
+
+    def __init__(self):
+        self.ops: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs):
+        for m in gm.modules():
+            if isinstance(m, torch.fx.GraphModule):
+                self.ops += [str(n.target) for n in m.graph.nodes if n.op == "call_function"]
+        return aot_eager(gm, inputs)
+
+    def count(self, fragment: str) -> int:
+        return sum(fragment in op for op in self.ops)
+
+
+def mlp_program(x_global: torch.Tensor) -> tuple:
+    """A two-layer MLP's loss and gradients, eager and compiled (``aot_eager``, graph recorded),
+    and the collectives each counted."""
+    model = mt.nn.Sequential(mt.nn.Dense(D, H), mt.relu, mt.nn.Dense(H, D))
+
+    def loss_fn(x):
+        y = model(x)
+        return mt.reduce_sum(y * y)
+
+    runs = []
+    recorder = Recorder()
+    for fn in (loss_fn, compile_step(loss_fn, recorder)):
+        mt.reset_comm_stats()
+        model.zero_grad(set_to_none=True)
+        loss = fn(mt.from_global(x_global, "batch:4,d_model:8"))
+        loss.backward()
+        grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
+        runs.append((loss.item(), grads, mt.comm_stats().as_dict()))
+    return runs, recorder.count("meshtorch.collective"), recorder.count("_c10d_functional")
+
+
+def gloo_program() -> tuple:
+    """Two steps of the tiny LM, eager and compiled (``aot_eager``, graph recorded), on this
+    process; with the collectives each counted, the graph breaks and the graphs compiled (one:
+    the eager code between the steps must not invalidate the first step's graph)."""
+    eager = train(None)
+    eager_stats = mt.comm_stats().as_dict()
+    mt.reset_comm_stats()
+    counters.clear()
+    recorder = Recorder()
+    compiled = train(recorder)
+    return (eager, eager_stats, compiled, mt.comm_stats().as_dict(), graph_breaks(),
+            counters["stats"]["unique_graphs"], recorder.count("_c10d_functional"),
+            recorder.count("meshtorch.collective"))
+
+
+def test_one_processor_forward_is_one_graph_without_breaks():
+    model = DecoderLM(CFG, seed=0)
+    ids, tgt = (mt.from_global(t, SHAPE) for t in batches(1)[0])
+    explained = torch._dynamo.explain(model.loss)(ids, tgt)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_one_processor_inductor_step_matches_eager():
+    # the MLP, not the LM: inductor's C++ kernels are the cost, so the fewer the better
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    model = mt.nn.Sequential(mt.nn.Dense(D, H), mt.gelu, mt.nn.Dense(H, D))
+
+    def loss_fn(x):
+        return mt.reduce_sum(mt.gelu(model(x)) ** 2)
+
+    results = []
+    for fn in (loss_fn, compile_step(loss_fn, "inductor")):
+        model.zero_grad(set_to_none=True)
+        loss = fn(mt.from_global(x, "batch:4,d_model:8"))
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (eager_loss, eager_grads), (loss, grads) = results
+    assert loss == pytest.approx(eager_loss, rel=1e-5)
+    for g, want in zip(grads, eager_grads):
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6)
+    assert graph_breaks() == {}
+
+
+def test_two_thread_processors_run_collectives_as_opaque_ops_of_the_graph():
+    """Rules split the batch and d_ff over one axis, so the forward and backward all-gather,
+    reduce-scatter and all-reduce; each processor compiles one graph without breaks, whose
+    collectives are ``meshtorch::collective`` ops, and the step equals the eager one bitwise
+    and the one-processor step to rounding."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    out = mt.launch(mlp_program, x, mesh="b:2", rules="batch:b; d_ff:b")
+    assert graph_breaks() == {}
+    assert counters["stats"]["unique_graphs"] == 2  # one graph per processor
+    (one, _), _, _ = mt.launch(mlp_program, x)[0]
+    for (eager, compiled), opaque, functional in out:
+        assert opaque > 0 and functional == 0
+        assert compiled[0] == eager[0] and compiled[0] == pytest.approx(one[0], rel=1e-5)
+        for name, g in compiled[1].items():
+            torch.testing.assert_close(g, eager[1][name], rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(g, one[1][name], msg=name)
+        assert compiled[2] == eager[2]
+        assert {"all_gather@b", "reduce_scatter@b", "all_reduce@b"} <= set(eager[2])
+
+
+@pytest.mark.timeout(240)  # two processes each trace the LM; tens of seconds on a loaded machine
+def test_two_gloo_processes_run_functional_collectives_in_one_graph():
+    """On the torch backend the collectives are traced as torch.distributed functional
+    collectives: one graph per process, no breaks, the eager step's losses, gradients and
+    collective counts (counted at every run of the graph, not once per trace)."""
+    out = mt.launch(gloo_program, mesh="b:2", rules="batch:b; d_ff:b", backend="torch", nprocs=2)
+    # AdamW's first update is about lr * sign(gradient), so the second step's gradients depend
+    # on the rounding of tiny first-step sums: the one-processor run is matched on the losses
+    one_losses, _ = train(None)
+    for eager, eager_stats, compiled, stats, breaks, graphs, functional, opaque in out:
+        assert breaks == {} and graphs == 1
+        assert functional > 0 and opaque == 0
+        assert compiled[0] == eager[0] and compiled[0] == pytest.approx(one_losses, rel=1e-4)
+        for name, g in compiled[1].items():
+            torch.testing.assert_close(g, eager[1][name], rtol=0, atol=0, msg=name)
+        assert stats == eager_stats and stats["all_reduce@b"]["calls"] > 0
+
+
+def test_compile_with_pipeline_stages_is_refused():
+    with pytest.raises(mt.errors.MeshTorchError, match="--compile"):
+        check_config(TrainConfig.of(compile=True, pipeline_stages=2, mesh="b:2"))
