@@ -26,7 +26,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -207,7 +209,19 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
         return hit[3]
     out = run_steps(t, steps)
     memo[key] = (comm, t, t._version, out)
+    if t.is_leaf:
+        # A leaf (a parameter) outlives the step, and so would its shared output (a gathered
+        # copy of the whole parameter, under FSDP-style rules): drop it once backward has summed
+        # every use's gradient into it; the next forward (micro-batch, step) adapts afresh. The
+        # hook holds the output weakly, so it never keeps the output alive.
+        out.register_hook(functools.partial(_release, memo, key, weakref.ref(out)))
     return out
+
+
+def _release(memo: dict, key: tuple, out: weakref.ref, grad: torch.Tensor) -> None:
+    hit = memo.get(key)
+    if hit is not None and hit[3] is out():
+        del memo[key]
 
 
 def _memo(x: MeshTensor) -> dict:
