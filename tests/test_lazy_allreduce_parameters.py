@@ -189,3 +189,22 @@ def test_fsdp_rules_keep_no_gathered_copy():
         assert (scatters, kept) == (13, [])
         for name in ref:
             torch.testing.assert_close(g[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def converted(dtype: torch.dtype):
+    """An SPMD program: a step, the model converted to ``dtype`` (``module.to`` swaps each
+    parameter's storage without an in-place update), another step; its gradients."""
+    model = DecoderLM(config(True), seed=0)
+    step(model, seed=1)
+    model.to(dtype)
+    model.zero_grad()
+    step(model, seed=2)
+    return {n: t.grad.to_global() for n, t in model.named_mesh_parameters()}
+
+
+def test_a_converted_model_adapts_its_new_storage():
+    ((ref),) = mt.launch(functools.partial(converted, torch.float64))
+    for g in mt.launch(functools.partial(converted, torch.float64), mesh="b:2", rules="batch:b"):
+        for name in ref:
+            assert g[name].dtype == torch.float64
+            torch.testing.assert_close(g[name], ref[name], rtol=1e-9, atol=1e-12, msg=name)

@@ -203,11 +203,15 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
     comm = current().comm
     t = x.local
     memo = _memo(x)
-    if type(memo) is LastingMemo and not all(fn is ca.identity_grad_sum for fn, _, _ in steps):
+    lasting = type(memo) is LastingMemo
+    if lasting and not all(fn is ca.identity_grad_sum for fn, _, _ in steps):
         return run_steps(t, steps)
     key = (steps, id(comm))
     hit = memo.get(key)
-    if hit is not None and hit[0] is comm and hit[1] is t and hit[2] == t._version:
+    if (hit is not None and hit[0] is comm and hit[1] is t and hit[2] == t._version
+            # a lasting view must still alias the slice: `p.data = ...` (module.to(dtype),
+            # .double()) swaps the storage without a version bump
+            and (not lasting or torch._C._is_alias_of(hit[3], t))):
         return hit[3]
     out = run_steps(t, steps)
     memo[key] = (comm, t, t._version, out)
