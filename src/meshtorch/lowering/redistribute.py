@@ -184,7 +184,9 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
     slice is the same tensor at the same version (an in-place update, such as an optimizer step
     on a parameter, makes the next use adapt afresh). Callers share only in grad mode, for
     ``x`` requiring grad and steps that :func:`sums_gradient`; otherwise nothing is summed and
-    :func:`run_steps` is used.
+    :func:`run_steps` is used. A parameter gives every MeshTensor read from it one
+    :class:`LastingMemo`: its uses share too (a tied embedding table's lookup and output layer
+    reduce its gradient once), but only adapters whose output is a view of the slice.
 
     Example (two uses of ``x``, replicated on ``m``, by ops that split ``h`` over ``m``):
         >>> import torch, meshtorch as mt
@@ -201,13 +203,43 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
     comm = current().comm
     t = x.local
     memo = _memo(x)
+    lasting = type(memo) is LastingMemo
+    if lasting and not all(fn is ca.identity_grad_sum for fn, _, _ in steps):
+        return run_steps(t, steps)
     key = (steps, id(comm))
     hit = memo.get(key)
-    if hit is not None and hit[0] is comm and hit[1] is t and hit[2] == t._version:
+    if (hit is not None and hit[0] is comm and hit[1] is t and hit[2] == t._version
+            # a lasting view must still alias the slice: `p.data = ...` (module.to(dtype),
+            # .double()) swaps the storage without a version bump
+            and (not lasting or torch._C._is_alias_of(hit[3], t))):
         return hit[3]
     out = run_steps(t, steps)
     memo[key] = (comm, t, t._version, out)
     return out
+
+
+class LastingMemo(dict):
+    """The shared adapters of a tensor that outlives a step (a parameter, whose MeshTensors are
+    read afresh for each use): :func:`run_shared` keeps in it only outputs that are views of the
+    slice (the identity of a replicated input, whose backward sums the gradient), so sharing
+    holds no memory. A parameter gathered whole (FSDP-style rules) is gathered per use, so a
+    ZeRO-style layout or a recomputed block does not keep a whole copy alive through the step.
+
+    Example (two uses of a parameter replicated on ``b`` by ops split on ``b``: its gradient is
+    all-reduced once, and is the sum of both uses' over the whole batch):
+        >>> import torch, meshtorch as mt
+        >>> def f():
+        ...     p = mt.nn.MeshParameter("d:3", init="ones")
+        ...     x = mt.from_global(torch.ones(2, 3), "batch:2,d:3")
+        ...     y = mt.einsum("batch d, d -> batch", x, p.mesh_tensor)      # a read per use
+        ...     z = mt.einsum("batch d, d -> batch", x * 2, p.mesh_tensor)
+        ...     loss = mt.reduce_sum(y + z)
+        ...     before = mt.comm_stats().calls("b", "all_reduce")
+        ...     loss.backward()
+        ...     return mt.comm_stats().calls("b", "all_reduce") - before, p.grad.tolist()
+        >>> mt.launch(f, mesh="b:2", rules="batch:b")
+        [(1, [6.0, 6.0, 6.0]), (1, [6.0, 6.0, 6.0])]
+    """
 
 
 def _memo(x: MeshTensor) -> dict:

@@ -36,6 +36,7 @@ from meshtorch import random as mtr
 from meshtorch.context import current, use
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout
+from meshtorch.lowering.redistribute import LastingMemo
 from meshtorch.shape import Dim, Shape, as_shape
 from meshtorch.tensor import MeshTensor, full, layout_for, local_shape
 
@@ -114,6 +115,7 @@ class MeshParameter(torch.nn.Parameter):
                   materialized: bool) -> None:
         self.mesh_shape, self.mesh_layout = shape, layout
         self._init, self._ctx = fn, ctx
+        self._adapted = LastingMemo()
         self.seed, self.stream, self.materialized = seed, stream, materialized
 
     @property
@@ -121,7 +123,12 @@ class MeshParameter(torch.nn.Parameter):
         """This parameter as a MeshTensor sharing its storage (gradients reach the parameter)."""
         if not self.materialized:
             self.materialize()
-        return MeshTensor(self, self.mesh_shape, self.mesh_layout)
+        t = MeshTensor(self, self.mesh_shape, self.mesh_layout)
+        # Every read shares the lowering's adapters (run_shared): uses of one parameter (a tied
+        # embedding table: lookup and output layer) add their partial gradients locally and
+        # reduce them once per axis group, as Mesh-TF does.
+        t._adapted = self._adapted
+        return t
 
     def relabel(self, stream: str, seed: int) -> None:
         """Give the parameter its path in the model (and the model's seed); its values are
