@@ -186,7 +186,8 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
     ``x`` requiring grad and steps that :func:`sums_gradient`; otherwise nothing is summed and
     :func:`run_steps` is used. A parameter gives every MeshTensor read from it one
     :class:`LastingMemo`: its uses share too (a tied embedding table's lookup and output layer
-    reduce its gradient once), but only adapters whose output is a view of the slice.
+    reduce its gradient once), but only adapters whose output is a view of the slice, and not
+    inside a ``torch.compile``d step (there each use of a parameter reduces its own part).
 
     Example (two uses of ``x``, replicated on ``m``, by ops that split ``h`` over ``m``):
         >>> import torch, meshtorch as mt
@@ -204,7 +205,10 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
     t = x.local
     memo = _memo(x)
     lasting = type(memo) is LastingMemo
-    if lasting and not all(fn is ca.identity_grad_sum for fn, _, _ in steps):
+    # under torch.compile a store that outlives the call would be a side effect Dynamo replays and
+    # guards on (a recompile per step): a compiled step reduces a parameter once per use
+    if lasting and (torch.compiler.is_compiling()
+                    or not all(fn is ca.identity_grad_sum for fn, _, _ in steps)):
         return run_steps(t, steps)
     key = (steps, id(comm))
     hit = memo.get(key)
