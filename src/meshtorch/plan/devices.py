@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from meshtorch.errors import PlanError
+from meshtorch.plan.cost import collective_seconds
 
 GiB = 2 ** 30
 
@@ -171,18 +172,19 @@ def measure_cpu(n: int = 256, copy_bytes: int = 8 * 2 ** 20,
 
 
 def _tiny_lm_step() -> Callable[[], None]:
-    """A one-layer Transformer LM of tiny dims and its Adafactor step on one processor: the
-    models' own mix of ops, at sizes where their FLOPs cost nothing."""
+    """A two-layer Transformer LM of tiny dims and its Adafactor step: the models' own mix of
+    ops, at sizes where their FLOPs cost nothing (a step of a thousand-odd ops, tens of ms:
+    as long as a small real step, so that its least time is as lucky as theirs)."""
     from meshtorch import random
     from meshtorch.models import DecoderLM
     from meshtorch.models.config import TransformerConfig
     from meshtorch.ops.elementwise import cast
     from meshtorch.optim import Adafactor
 
-    model = DecoderLM(TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1,
+    model = DecoderLM(TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2,
                                         max_length=8), seed=0)
     opt = Adafactor(model)
-    ids = cast(random.uniform("batch:2,length:8", 0, 32, seed=1) * 0.999, torch.int64)
+    ids = cast(random.uniform("batch:4,length:8", 0, 32, seed=1) * 0.999, torch.int64)
 
     def step() -> None:
         loss = model.loss(ids, ids)
@@ -194,7 +196,9 @@ def _tiny_lm_step() -> Callable[[], None]:
     return step
 
 
-def _op_seconds_program(repeats: int) -> tuple[float, int]:
+def _tiny_step_program(repeats: int) -> tuple[float, int, dict[str, dict[str, int]]]:
+    """The least time of ``repeats`` steps of :func:`_tiny_lm_step`, and the aten ops and
+    collectives the planner's tracer counts in one."""
     from meshtorch.plan.tracing import measure, tracing
 
     # one intra-op thread, as each of a run's processes has: on a machine other jobs share, an op
@@ -208,12 +212,12 @@ def _op_seconds_program(repeats: int) -> tuple[float, int]:
         times.append(time.perf_counter() - t0)
     with tracing() as tr, measure():
         step()
-    return min(times), tr.aten_ops
+    return min(times), tr.aten_ops, tr.comm.as_dict()
 
 
-def measure_op_seconds(repeats: int = 25, backend: str = "threads") -> float:
+def measure_op_seconds(repeats: int = 15, backend: str = "threads") -> float:
     """Seconds an aten op of a meshtorch training step costs on this machine's host, FLOPs
-    aside: the least time of a tiny one-layer LM's step (Adafactor) with one intra-op thread
+    aside: the least time of a tiny two-layer LM's step (Adafactor) with one intra-op thread
     (other work on the machine only slows a step down, as for :func:`matmul_rate`),
     over the aten ops the planner's tracer counts in it. On the ``threads`` backend one processor
     runs it; on ``torch`` a process per core runs it at once (replicated, no collectives), so
@@ -227,8 +231,8 @@ def measure_op_seconds(repeats: int = 25, backend: str = "threads") -> float:
     from meshtorch.launch import launch
 
     mesh = f"b:{os.cpu_count() or 1}" if backend == "torch" else "b:1"
-    runs = launch(_op_seconds_program, repeats, mesh=mesh, backend=backend, timeout=300)
-    return max(seconds / max(ops, 1) for seconds, ops in runs)
+    runs = launch(_tiny_step_program, repeats, mesh=mesh, backend=backend, timeout=300)
+    return max(seconds / max(ops, 1) for seconds, ops, _ in runs)
 
 
 def _link_program(sizes: tuple[int, ...], repeats: int) -> list[float]:
@@ -248,16 +252,32 @@ def _link_program(sizes: tuple[int, ...], repeats: int) -> list[float]:
     return out
 
 
-def measure_link(backend: str = "torch", repeats: int = 30) -> Link:
-    """One hop's latency and the bandwidth of ``backend``'s collectives between two processors
-    of this machine, from the least all_reduce of 4 bytes and of 1 MiB (a 2-processor ring
-    all_reduce is 2 hops and moves its payload once): gloo over loopback for ``"torch"``."""
+def measure_link(backend: str = "torch", op_seconds: float = 0.0, repeats: int = 15) -> Link:
+    """The latency per hop and bandwidth of ``backend``'s collectives between two processors of
+    this machine (gloo over loopback for ``"torch"``).
+
+    Bandwidth: from the least all_reduce of 4 bytes and of 1 MiB (a 2-processor ring all_reduce
+    moves its payload once). Latency: as a step meets it, between compute, where one processor
+    reaches a collective before the other and waits to be woken: the tiny LM's FSDP-style step
+    (``batch:b; d_model:b``: all_gathers, reduce_scatters and all_reduces) less its aten ops at
+    ``op_seconds`` and its bytes at that bandwidth, over its collectives' hops; at least the
+    latency of back-to-back all_reduces (2 hops each).
+    """
     from meshtorch.launch import launch
 
     small, big = 1, 2 ** 18
     t_small, t_big = launch(_link_program, (small, big), repeats, mesh="b:2", backend=backend, timeout=300)[0]
     bandwidth = 4 * (big - small) / max(t_big - t_small, 1e-9)
-    return Link(bandwidth, t_small / 2)
+    runs = launch(_tiny_step_program, repeats, mesh="b:2", rules="batch:b; d_model:b", backend=backend,
+                  timeout=300)
+    seconds, ops, comm = max(runs, key=lambda r: r[0])
+    hops = moved = 0.0
+    for key, v in comm.items():
+        kind = key.split("@")[0]
+        hops += collective_seconds(kind, 0, 2, 1.0, 1.0, v["calls"])
+        moved += collective_seconds(kind, v["bytes"], 2, bandwidth, 0.0)
+    waited = (seconds - ops * op_seconds - moved) / hops if hops else 0.0
+    return Link(bandwidth, max(t_small / 2, waited))
 
 
 def _read_int(path: str) -> int | None:
@@ -367,7 +387,7 @@ def measure_machine(backend: str = "threads") -> DeviceSpec:
     spec = dataclasses.replace(core, peak_flops={k: v * cores for k, v in core.peak_flops.items()},
                                op_seconds=measure_op_seconds(backend=backend))
     if backend == "torch":
-        spec = dataclasses.replace(spec, default_link=measure_link("torch"))
+        spec = dataclasses.replace(spec, default_link=measure_link("torch", spec.op_seconds))
     return spec
 
 
