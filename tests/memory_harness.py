@@ -67,3 +67,15 @@ def step_flops_and_peak(cfg, vocab: int) -> tuple[int, int]:
     with FlopCounterMode(display=False) as counter:
         train_step(cfg, model, opt, batch)
     return counter.get_total_flops(), peak
+
+
+def pipelined_step_peak(cfg, vocab: int) -> int:
+    """The least allocator peak of three steady-state steps of ``meshtorch train --pipeline-stages``'s
+    step of ``cfg`` on this processor (after the warm-up of ``prepare_pipelined``)."""
+    from itertools import count
+
+    from meshtorch.recipes.lm.steps import prepare_pipelined
+
+    steps = count(1)
+    return min(allocator_peak.step_peaks(lambda: prepare_pipelined(cfg, vocab),
+                                         lambda s: s[0].run([s[1]], next(steps))))

@@ -20,7 +20,9 @@ it, and the plan must hold what that backend holds (``staging``):
   with the allocator (``tests/test_plan_memory.py``): an all_gather fills a
   flat buffer of the whole output before copying it into the result, a
   reduce_scatter reduces a copy of the whole input; all_reduce, broadcast,
-  all_to_all and point-to-point work in place.
+  all_to_all and point-to-point work in place. A send is asynchronous there:
+  ``comm/torch.py`` keeps the sent tensor and a header of its shape alive until
+  the send is done, planned as until the next send or ``wait_sends``.
 
 Example:
     >>> import meshtorch as mt
@@ -69,6 +71,7 @@ class MetaCommunicator(Communicator):
         # ``untraced``, set by whoever runs the processor: this module sits below the context)
         self.unseen: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.sent: list[tuple[tuple[str, ...], int, int, torch.Tensor]] = []
+        self.in_flight: list[torch.Tensor] = []
         self.staging = staging
 
     @property
@@ -124,6 +127,12 @@ class MetaCommunicator(Communicator):
             kept = t.detach().clone() if t.device.type != "meta" else torch.empty(
                 t.shape, dtype=t.dtype, device="meta")
         self.sent.append((axes, dst, tag, kept))
+        if self._staging != "none":
+            # comm/torch.py holds an isend's tensor and its shape header until it is delivered
+            self.in_flight = [t, torch.zeros(10, dtype=torch.int64, device=t.device)]
+
+    def wait_sends(self) -> None:
+        self.in_flight = []
 
     def _recv(self, axes, group, src, tag):
         if self.inbox is None:

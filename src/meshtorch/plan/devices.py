@@ -37,6 +37,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 
 from meshtorch.errors import PlanError
+from meshtorch.plan.cost import collective_seconds
 
 GiB = 2 ** 30
 
@@ -61,6 +63,9 @@ class DeviceSpec:
     """One processor: peak FLOP/s by dtype, the fraction of it achieved, memory, links.
 
     ``links`` may give a :class:`Link` per mesh axis name; other axes use ``default_link``.
+    ``op_seconds`` is the host time each aten op of a step costs besides its FLOPs (Python,
+    dispatch, autograd): what a CPU step of small tensors is mostly made of. It is 0 for the
+    accelerators, whose host work runs ahead of their queues.
     """
 
     name: str
@@ -70,6 +75,7 @@ class DeviceSpec:
     default_link: Link
     achievable: float = 0.5
     links: dict[str, Link] = field(default_factory=dict)
+    op_seconds: float = 0.0
 
     def flops_per_second(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls in ``dtype`` (float32 when not listed)."""
@@ -98,8 +104,11 @@ DEVICES: dict[str, DeviceSpec] = {
 
 
 def matmul_rate(n: int, dtype: torch.dtype = torch.float32, window: float = 0.1) -> float:
-    """FLOP/s of an ``n``×``n`` ``dtype`` matmul on the default device: the best of three
-    ``window``-second runs after one warm-up product (on a GPU, timed once its queue drains).
+    """FLOP/s of ``n``×``n`` ``dtype`` matmuls on the default device, in the three operand layouts
+    of a dense layer's training step (``x @ w.T`` forward, ``dy @ w`` and ``dy.T @ x`` backward),
+    one of each: the best of three ``window``-second runs after one warm-up round (on a GPU,
+    timed once its queue drains). The layouts matter: on a CPU without bf16 units, bf16
+    ``a @ b`` ran at 1.3 GFLOP/s here, ``a @ b.T`` at 8 and ``a.T @ b`` at 24.
 
     Example:
         >>> from meshtorch.plan.devices import matmul_rate
@@ -107,18 +116,25 @@ def matmul_rate(n: int, dtype: torch.dtype = torch.float32, window: float = 0.1)
         True
     """
     a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
     cuda = a.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    a @ a  # warm-up: a BLAS library picks its kernel once
+
+    def products() -> None:
+        a @ b.T
+        a @ b
+        a.T @ b
+
+    products()  # warm-up: a BLAS library picks its kernels once
     best = 0.0
     for _ in range(3):  # best of three: other work on the machine only slows a run down
         sync()
         t0, reps = time.perf_counter(), 0
         while time.perf_counter() - t0 < window:
-            a @ a
+            products()
             reps += 1
         sync()
-        best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+        best = max(best, 3 * 2 * n ** 3 * reps / (time.perf_counter() - t0))
     return best
 
 
@@ -153,6 +169,115 @@ def measure_cpu(n: int = 256, copy_bytes: int = 8 * 2 ** 20,
         mem = 16 * GiB
     # a thread collective is a copy through shared memory and a rendezvous (~tens of µs)
     return DeviceSpec("cpu", rates, mem, bw, Link(bw, 2e-5), achievable=1.0)
+
+
+def _tiny_lm_step() -> Callable[[], None]:
+    """A two-layer Transformer LM of tiny dims and its Adafactor step: the models' own mix of
+    ops, at sizes where their FLOPs cost nothing (a step of a thousand-odd ops, tens of ms:
+    as long as a small real step, so that its least time is as lucky as theirs)."""
+    from meshtorch import random
+    from meshtorch.models import DecoderLM
+    from meshtorch.models.config import TransformerConfig
+    from meshtorch.ops.elementwise import cast
+    from meshtorch.optim import Adafactor
+
+    model = DecoderLM(TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2,
+                                        max_length=8), seed=0)
+    opt = Adafactor(model)
+    ids = cast(random.uniform("batch:4,length:8", 0, 32, seed=1) * 0.999, torch.int64)
+
+    def step() -> None:
+        loss = model.loss(ids, ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    step()  # the optimizer's state exists from now on
+    return step
+
+
+def _tiny_step_program(repeats: int) -> tuple[float, int, dict[str, dict[str, int]]]:
+    """The least time of ``repeats`` steps of :func:`_tiny_lm_step`, and the aten ops and
+    collectives the planner's tracer counts in one."""
+    from meshtorch.plan.tracing import measure, tracing
+
+    # one intra-op thread, as each of a run's processes has: on a machine other jobs share, an op
+    # split over two threads waits for the one descheduled (20-100x slower here)
+    torch.set_num_threads(1)
+    step = _tiny_lm_step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with tracing() as tr, measure():
+        step()
+    return min(times), tr.aten_ops, tr.comm.as_dict()
+
+
+def measure_op_seconds(repeats: int = 15, backend: str = "threads") -> float:
+    """Seconds an aten op of a meshtorch training step costs on this machine's host, FLOPs
+    aside: the least time of a tiny two-layer LM's step (Adafactor) with one intra-op thread
+    (other work on the machine only slows a step down, as for :func:`matmul_rate`),
+    over the aten ops the planner's tracer counts in it. On the ``threads`` backend one processor
+    runs it; on ``torch`` a process per core runs it at once (replicated, no collectives), so
+    the cores are as busy as in a run.
+
+    Example:
+        >>> from meshtorch.plan.devices import measure_op_seconds
+        >>> 0 < measure_op_seconds(repeats=1) < 0.01
+        True
+    """
+    from meshtorch.launch import launch
+
+    mesh = f"b:{os.cpu_count() or 1}" if backend == "torch" else "b:1"
+    runs = launch(_tiny_step_program, repeats, mesh=mesh, backend=backend, timeout=300)
+    return max(seconds / max(ops, 1) for seconds, ops, _ in runs)
+
+
+def _link_program(sizes: tuple[int, ...], repeats: int) -> list[float]:
+    from meshtorch.context import current
+
+    comm, out = current().comm, []
+    for n in sizes:
+        x = torch.ones(n)
+        for _ in range(3):
+            comm.all_reduce(x, ("b",))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            comm.all_reduce(x, ("b",))
+            times.append(time.perf_counter() - t0)
+        out.append(min(times))
+    return out
+
+
+def measure_link(backend: str = "torch", op_seconds: float = 0.0, repeats: int = 15) -> Link:
+    """The latency per hop and bandwidth of ``backend``'s collectives between two processors of
+    this machine (gloo over loopback for ``"torch"``).
+
+    Bandwidth: from the least all_reduce of 4 bytes and of 1 MiB (a 2-processor ring all_reduce
+    moves its payload once). Latency: as a step meets it, between compute, where one processor
+    reaches a collective before the other and waits to be woken: the tiny LM's FSDP-style step
+    (``batch:b; d_model:b``: all_gathers, reduce_scatters and all_reduces) less its aten ops at
+    ``op_seconds`` and its bytes at that bandwidth, over its collectives' hops; at least the
+    latency of back-to-back all_reduces (2 hops each).
+    """
+    from meshtorch.launch import launch
+
+    small, big = 1, 2 ** 18
+    t_small, t_big = launch(_link_program, (small, big), repeats, mesh="b:2", backend=backend, timeout=300)[0]
+    bandwidth = 4 * (big - small) / max(t_big - t_small, 1e-9)
+    runs = launch(_tiny_step_program, repeats, mesh="b:2", rules="batch:b; d_model:b", backend=backend,
+                  timeout=300)
+    seconds, ops, comm = max(runs, key=lambda r: r[0])
+    hops = moved = 0.0
+    for key, v in comm.items():
+        kind = key.split("@")[0]
+        hops += collective_seconds(kind, 0, 2, 1.0, 1.0, v["calls"])
+        moved += collective_seconds(kind, v["bytes"], 2, bandwidth, 0.0)
+    waited = (seconds - ops * op_seconds - moved) / hops if hops else 0.0
+    return Link(bandwidth, max(t_small / 2, waited))
 
 
 def _read_int(path: str) -> int | None:
@@ -226,10 +351,12 @@ def available_memory() -> tuple[int, str] | None:
 
 
 def share(machine: DeviceSpec, processors: int) -> DeviceSpec:
-    """One of ``processors`` thread-processors sharing ``machine``: its FLOP/s and memory split evenly."""
+    """One of ``processors`` processors sharing ``machine``: its FLOP/s and memory split evenly,
+    and its host's time per aten op stretched when there are more processors than cores."""
     p = max(1, processors)
+    crowd = max(1.0, p / (os.cpu_count() or 1))
     return dataclasses.replace(machine, peak_flops={k: v / p for k, v in machine.peak_flops.items()},
-                               memory_bytes=machine.memory_bytes // p)
+                               memory_bytes=machine.memory_bytes // p, op_seconds=machine.op_seconds * crowd)
 
 
 def calibration_path() -> Path:
@@ -241,10 +368,35 @@ def calibration_path() -> Path:
     return Path(root) / "cpu.json"
 
 
-def calibrate(path: str | os.PathLike | None = None) -> DeviceSpec:
-    """Measure this machine once and store it (:func:`calibration_path` by default), so that
-    ``device("cpu")`` gives the same numbers whatever the load when a plan runs."""
-    spec = measure_cpu()
+def measure_machine(backend: str = "threads") -> DeviceSpec:
+    """This machine as the planner prices it: one core's matmul rates times the cores, an aten
+    op's host time (:func:`measure_op_seconds`), and for ``backend="torch"`` gloo's link between
+    processes (:func:`measure_link`) instead of a copy through shared memory.
+
+    One core, not all: a matmul on every core of a machine other jobs share waits for its
+    slowest thread, and measured anything from 2 to 60 GFLOP/s here from one run to the next
+    where one core gave 56-63; a run's processors take a core each.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        core = measure_cpu()
+    finally:
+        torch.set_num_threads(threads)
+    cores = os.cpu_count() or 1
+    spec = dataclasses.replace(core, peak_flops={k: v * cores for k, v in core.peak_flops.items()},
+                               op_seconds=measure_op_seconds(backend=backend))
+    if backend == "torch":
+        spec = dataclasses.replace(spec, default_link=measure_link("torch", spec.op_seconds))
+    return spec
+
+
+def calibrate(path: str | os.PathLike | None = None, backend: str = "threads") -> DeviceSpec:
+    """Measure this machine once (:func:`measure_machine`) and store it (:func:`calibration_path`
+    by default), so that ``device("cpu")`` gives the same numbers whatever the load when a plan
+    runs. ``backend="torch"`` prices collectives as gloo between processes (store it in a
+    device file of its own and plan with ``device=path``)."""
+    spec = measure_machine(backend)
     save_spec(spec, path or calibration_path())
     return spec
 
@@ -253,7 +405,7 @@ def spec_to_json(spec: DeviceSpec) -> dict[str, Any]:
     """The JSON object of a device file (what :func:`load_spec` reads)."""
     return {"name": spec.name, "peak_flops": dict(spec.peak_flops), "memory_bytes": spec.memory_bytes,
             "memory_bandwidth": spec.memory_bandwidth, "achievable": spec.achievable,
-            "link": dataclasses.asdict(spec.default_link),
+            "op_seconds": spec.op_seconds, "link": dataclasses.asdict(spec.default_link),
             "links": {a: dataclasses.asdict(lk) for a, lk in spec.links.items()}}
 
 
@@ -277,7 +429,8 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
     """A :class:`DeviceSpec` from a JSON device file: one processor's ``peak_flops`` by dtype
     (``float32`` required), ``memory_bytes``, ``link`` (``bandwidth`` bytes/s each way,
     ``latency`` s per hop), and optionally ``links`` per mesh axis, ``memory_bandwidth``,
-    ``achievable`` (fraction of peak, default 0.5) and ``name``.
+    ``achievable`` (fraction of peak, default 0.5), ``op_seconds`` (host seconds per aten op,
+    default 0) and ``name``.
 
     Example:
         >>> import json, tempfile, os
@@ -298,7 +451,8 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
                         f"of {sorted(DEVICES) + ['cpu']}") from e
     except json.JSONDecodeError as e:
         raise PlanError(f"device file {path} is not JSON: {e}") from e
-    known = {"name", "peak_flops", "memory_bytes", "memory_bandwidth", "achievable", "link", "links"}
+    known = {"name", "peak_flops", "memory_bytes", "memory_bandwidth", "achievable", "link", "links",
+             "op_seconds"}
     if not isinstance(d, dict):
         raise PlanError(f"device file {path} must hold one JSON object, got {type(d).__name__}")
     missing, unknown = {"peak_flops", "memory_bytes", "link"} - set(d), set(d) - known
@@ -314,7 +468,8 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
     return DeviceSpec(str(d.get("name", path.stem)), {str(k): float(v) for k, v in flops.items()},
                       int(d["memory_bytes"]), float(d.get("memory_bandwidth", 0.0)),
                       _link(path, "link", d["link"]), float(d.get("achievable", 0.5)),
-                      {str(a): _link(path, f"links.{a}", v) for a, v in links.items()})
+                      {str(a): _link(path, f"links.{a}", v) for a, v in links.items()},
+                      float(d.get("op_seconds", 0.0)))
 
 
 def cpu(processors: int = 1) -> DeviceSpec:
@@ -323,7 +478,7 @@ def cpu(processors: int = 1) -> DeviceSpec:
     path = calibration_path()
     if path.exists():
         return share(load_spec(path), processors)
-    machine = measure_cpu()
+    machine = measure_machine()
     try:
         save_spec(machine, path)
     except OSError:

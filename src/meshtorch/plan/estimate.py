@@ -2,7 +2,8 @@
 
 The step is traced on the ``meta`` backend (:mod:`meshtorch.plan.tracing`);
 the device spec turns the trace into seconds: matmul FLOPs at the device's
-achievable rate for their dtype, plus every collective by the ring (or tree)
+achievable rate for their dtype and the host's time per aten op (``op_seconds``,
+measured on CPUs, 0 on accelerators), plus every collective by the ring (or tree)
 formulas of :mod:`meshtorch.plan.cost` over its axes' links. Compute and
 communication are added, not overlapped: an upper bound a run with overlap
 beats.
@@ -148,7 +149,9 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
         bytes_per_axis.setdefault(axes_s, {})[kind] = v["bytes"]
         calls_per_axis.setdefault(axes_s, {})[kind] = v["calls"]
         comm_seconds[key] = collective_seconds(kind, v["bytes"], n, bw, lat, v["calls"], algorithm)
-    compute = sum(f / spec.flops_per_second(dt) for dt, f in t.flops_by_dtype.items())
+    # on a CPU the host's per-op work (Python, dispatch, autograd) is most of a small step
+    compute = (sum(f / spec.flops_per_second(dt) for dt, f in t.flops_by_dtype.items())
+               + t.aten_ops * spec.op_seconds)
     memory = dict(t.peak_by_kind)
     memory["total"] = t.peak_bytes
     params = t.parameters

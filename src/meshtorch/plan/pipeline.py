@@ -62,7 +62,7 @@ from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.estimate import Estimate, _fmt_bytes, from_trace
-from meshtorch.plan.tracing import KINDS, Trace, trace
+from meshtorch.plan.tracing import KINDS, Trace, active, trace
 
 POINT_TO_POINT = ("send", "recv")
 
@@ -88,14 +88,22 @@ class _Inbox:
         self.answered = 0  # this stage's forward messages already mirrored
 
     def __call__(self, axes: tuple[str, ...], src: int, tag: int) -> torch.Tensor:
-        with untraced():  # arriving data: a transport buffer, as on a real backend
+        got = None
+        with untraced():  # arriving data: made by the transport, not by the program's ops
             if tag == FORWARD_TAG and src == self.stage - 1 and self.forward:
-                return _stand_in(self.forward.popleft())
-            if tag == BACKWARD_TAG and src == self.stage + 1:
+                got = _stand_in(self.forward.popleft())
+            elif tag == BACKWARD_TAG and src == self.stage + 1:
                 if not self.replies:
                     self._mirror(current().comm.sent)
                 if self.replies:
-                    return self.replies.popleft()
+                    got = self.replies.popleft()
+        if got is not None:
+            tr = active()
+            if tr is not None and current().comm.staging != "none":
+                # torch.distributed receives into a tensor it allocates (the allocator sees it); the
+                # threads backend hands over a copy made unseen, so there it is not counted
+                tr.track(got)
+            return got
         raise PlanError(f"stage {self.stage} waits for a message (tag {tag}) from stage {src} along {axes} "
                         "that no traced stage sends: the step is not a pipeline of the meshtorch runtime "
                         "(meshtorch.pipeline.Pipeline) along this axis")
@@ -111,19 +119,20 @@ class _Inbox:
 
 
 def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
-                 axis: str = "stage") -> list[Trace]:
+                 axis: str = "stage", staging: str = "none") -> list[Trace]:
     """The meta trace of every stage of a pipelined step: stage ``s`` as the processor at
     coordinate ``s`` of ``axis`` (0 on the other axes).
 
     ``step_fn`` runs one step of a :class:`meshtorch.pipeline.Pipeline` along ``axis``
     (e.g. :func:`meshtorch.recipes.lm.steps.pipelined_training_step`); see the module docstring
-    for how the stages' receives are answered.
+    for how the stages' receives are answered. ``staging`` is the backend whose collective
+    buffers the peak memory holds (:func:`meshtorch.plan.tracing.staging_for`).
     """
-    return _trace_stages(step_fn, mesh, rules, axis)[0]
+    return _trace_stages(step_fn, mesh, rules, axis, staging)[0]
 
 
 def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                  axis: str) -> tuple[list[Trace], int]:
+                  axis: str, staging: str = "none") -> tuple[list[Trace], int]:
     """The stage traces, and the header bytes of one activation message of stage 0."""
     m = Mesh(mesh)
     if axis not in m.axis_names:
@@ -144,7 +153,7 @@ def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRul
 
         rank = m.rank({a: s if a == axis else 0 for a in m.axis_names})
         traces.append(trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta",
-                            rank=rank))
+                            rank=rank, staging=staging))
         sent = kept[0].sent
         if s == 0 and sent:
             header = int(_messages(sent, 1, FORWARD_TAG)[0].numel())  # a header leads each message
@@ -297,17 +306,20 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
 
 
 def estimate_pipeline(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
-                      device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring") -> PipelineEstimate:
+                      device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring",
+                      staging: str = "none") -> PipelineEstimate:
     """Predict a pipelined step's per-stage bytes, calls and peak memory, its bubble and step time.
 
     ``step_fn`` runs one step of a pipeline along the mesh axis its ``pipeline`` attribute names
     (``{"axis", "schedule", "microbatches", "recompute"}``), e.g.
     ``meshtorch.recipes.lm.steps.pipelined_training_step(cfg)``; ``mesh`` has that axis.
+    ``staging`` names the backend whose collective buffers each stage's peak memory holds
+    (:func:`meshtorch.plan.tracing.staging_for`).
     """
     m = Mesh(mesh)
     info = _pipeline_of(step_fn)
     spec = get_device(device, processors=m.size)
-    traces, header = _trace_stages(step_fn, m, rules, info["axis"])
+    traces, header = _trace_stages(step_fn, m, rules, info["axis"], staging)
     return from_stage_traces(traces, m, spec, schedule=info["schedule"], microbatches=info["microbatches"],
                              axis=info["axis"], recompute=info["recompute"], algorithm=algorithm,
                              header=header)

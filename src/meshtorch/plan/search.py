@@ -463,7 +463,7 @@ def _extrapolate(t1: Trace, t2: Trace, periods: int) -> Trace:
     return replace(t2, comm=comm, peak_by_kind=by_kind, peak_bytes=sum(by_kind.values()),
                    flops_by_dtype=flops, flops=sum(flops.values()),
                    parameters=lin(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
-                   param_shapes=[])
+                   param_shapes=[], aten_ops=lin(t1.aten_ops, t2.aten_ops))
 
 
 def layered_trace(step_fn: Callable[[], Any], mesh: str, rules: str, staging: str = "none") -> Trace:

@@ -94,7 +94,9 @@ class Trace:
     """What one processor did: FLOPs, collectives, memory peak by kind, and the op list.
 
     ``parameters`` counts the global elements of every parameter registered
-    while tracing (each once, whatever its layout).
+    while tracing (each once, whatever its layout); ``aten_ops`` the aten ops
+    counted (what the host's share of a step scales with, priced by a device's
+    ``op_seconds``).
     """
 
     mesh: str
@@ -112,6 +114,7 @@ class Trace:
     flop_ops: list[tuple[str, int, frozenset[str] | None]] = field(default_factory=list, repr=False)
     param_shapes: list[tuple[tuple[str, ...], int, bool]] = field(default_factory=list, repr=False)
     start_by_kind: dict[str, int] = field(default_factory=dict)
+    aten_ops: int = 0
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -142,6 +145,7 @@ class Tracer(TorchDispatchMode):
         self.comm = CommStats()
         self.all_comm = CommStats()
         self.all_flops: dict[str, int] = defaultdict(int)
+        self.aten_ops = 0  # aten ops run while counting: what a CPU step's dispatch costs scale with
         self.ops: list[TraceOp] = []
         self._pending_aten: list[str] = []
         self._pending_flops = 0
@@ -220,6 +224,8 @@ class Tracer(TorchDispatchMode):
             for t in outs:
                 if id(t.untyped_storage()) not in seen:
                     self.track(t)
+        if self.counting:
+            self.aten_ops += 1
         return out
 
     @contextmanager
@@ -250,6 +256,7 @@ class Tracer(TorchDispatchMode):
         """Forget the FLOPs and collectives counted so far: the measured step starts now."""
         self.comm = CommStats()
         self.flops_by_dtype.clear()
+        self.aten_ops = 0
         self.flop_ops.clear()
         self._pending_flop_ops = []
 
@@ -437,7 +444,7 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  wall_s=time.perf_counter() - t0,
                  flop_ops=[(dt, n, None if d is None else frozenset(d)) for dt, n, d in tr.flop_ops],
                  param_shapes=[(*v, k in tr.grad_at_start) for k, v in tr.param_shapes.items()],
-                 start_by_kind=tr.start_by_kind)
+                 start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops)
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:
