@@ -1,4 +1,5 @@
-"""The bounded memo the hot paths share (layouts, one-processor views, einsum and broadcast plans).
+"""The bounded memo the hot paths share (layouts, one-processor views, einsum and broadcast plans),
+and the directory where meshtorch keeps what it measured or computed once per machine.
 
 A model asks for the same few derived objects (a layout, an einsum plan) on every op of every
 step; each is a pure function of its key, so it is computed once. The bound only guards against
@@ -15,6 +16,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, TypeVar
 
 V = TypeVar("V")
@@ -39,3 +42,18 @@ class BoundedCache(dict):
             self.clear()
         self[key] = value
         return value
+
+
+def cache_root() -> Path:
+    """Where meshtorch keeps per-machine results (the planner's calibration, encoded corpora):
+    ``$MESHTORCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/meshtorch`` (``~/.cache/meshtorch``).
+
+    Example:
+        >>> from meshtorch.caching import cache_root
+        >>> (cache_root() / "cpu.json").suffix
+        '.json'
+    """
+    root = os.environ.get("MESHTORCH_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshtorch")
+    return Path(root)
