@@ -1,9 +1,10 @@
 """Text corpora as token streams, split into train and held-out by file hash.
 
 The default corpus is the ``.py`` sources of the running Python's standard
-library, without its regression-test package ``test/`` (over half the bytes, with
-deliberately malformed and oddly encoded files among them): present on every
-machine, no download. Files are read in sorted
+library, without its test packages (``test/``, the regression suite: over half
+the bytes, with deliberately malformed and oddly encoded files among them; and
+``tests/``, ``idle_test/`` and the ``test/`` of packages): library code, present on
+every machine, no download. Files are read in sorted
 order and each goes to the held-out split when the hash of its relative path
 says so, so the split is the same on every machine with the same Python.
 
@@ -28,9 +29,10 @@ from meshtorch.data.tokenizer import ByteTokenizer, Tokenizer
 from meshtorch.errors import MeshTorchError
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
-# the stdlib corpus leaves out the regression suite: half its bytes, and the samples are meant to
-# look like library code, not like malformed-input fixtures
-STDLIB_SKIP = ("test",)
+# the stdlib corpus leaves out its test packages (the regression suite test/ alone is half its
+# bytes): the samples are meant to look like library code, not like assertEqual runs and
+# malformed-input fixtures, and the first run encodes 40% of the text
+STDLIB_SKIP = ("test", "tests", "idle_test")
 
 
 class DataError(MeshTorchError, ValueError):
@@ -53,12 +55,11 @@ def stdlib_root() -> str:
 
 def list_files(root: str, suffixes: tuple[str, ...] | None, skip: tuple[str, ...] = ()) -> list[str]:
     """Files under ``root`` (relative paths, sorted), skipping installed packages, caches and the
-    subdirectories ``skip`` of ``root`` itself."""
+    directories named one of ``skip``."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        top = dirpath == root
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")
-                             and not (top and d in skip))
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and d not in skip
+                             and not d.startswith("."))
         for f in sorted(filenames):
             if suffixes is None or f.endswith(suffixes):
                 out.append(os.path.relpath(os.path.join(dirpath, f), root))
@@ -67,8 +68,8 @@ def list_files(root: str, suffixes: tuple[str, ...] | None, skip: tuple[str, ...
 
 def read_dir(root: str, suffixes: tuple[str, ...] | None = None,
              skip: tuple[str, ...] = ()) -> dict[str, bytes]:
-    """The contents of the files under ``root`` (with one of ``suffixes``, not under ``skip``), by
-    relative path."""
+    """The contents of the files under ``root`` (with one of ``suffixes``, not in a directory named
+    one of ``skip``), by relative path."""
     texts = {}
     for rel in list_files(root, suffixes, skip):
         with open(os.path.join(root, rel), "rb") as f:
@@ -129,7 +130,7 @@ class Corpus:
 
     @classmethod
     def stdlib(cls, heldout_percent: float = 5.0, tokenizer: Tokenizer | None = None) -> Corpus:
-        """The running Python's standard library ``.py`` files (no download), without ``test/``."""
+        """The running Python's standard library ``.py`` files (no download), without its tests."""
         root = stdlib_root()
         texts = read_dir(root, (".py",), STDLIB_SKIP)
         return cls.from_texts(texts, heldout_percent, f"python-stdlib:{root}", tokenizer)._checked()
