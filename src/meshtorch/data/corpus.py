@@ -3,8 +3,9 @@
 The default corpus is the ``.py`` sources of the running Python's standard
 library, without its test packages (``test/``, the regression suite: over half
 the bytes, with deliberately malformed and oddly encoded files among them; and
-``tests/``, ``idle_test/`` and the ``test/`` of packages): library code, present on
-every machine, no download. Files are read in sorted
+``tests/``, ``idle_test/`` and the ``test/`` of packages) and its generated tables
+(``encodings/``' codec tables, ``pydoc_data/``): library code, present on every
+machine, no download. Files are read in sorted
 order and each goes to the held-out split when the hash of its relative path
 says so, so the split is the same on every machine with the same Python.
 
@@ -30,9 +31,10 @@ from meshtorch.errors import MeshTorchError
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 # the stdlib corpus leaves out its test packages (the regression suite test/ alone is half its
-# bytes): the samples are meant to look like library code, not like assertEqual runs and
-# malformed-input fixtures, and the first run encodes 40% of the text
-STDLIB_SKIP = ("test", "tests", "idle_test")
+# bytes) and generated tables: the samples are meant to look like library code, not like
+# assertEqual runs, malformed-input fixtures or codec tables, and the first run encodes a third
+# of the text
+STDLIB_SKIP = ("test", "tests", "idle_test", "encodings", "pydoc_data")
 
 
 class DataError(MeshTorchError, ValueError):
