@@ -24,6 +24,7 @@ from meshtorch.errors import TrainingError
 from meshtorch.models import TransformerConfig, generate
 from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.generate import prompt_ids
 
 
 def json_text(record: dict[str, Any], path: str, indent: int | None = None) -> str:
@@ -172,7 +173,7 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
     loss = evaluate(model, heldout, cfg.run.eval_batches)
     bpb = bits_per_byte(loss, heldout, cfg.run.eval_batches, tok)
     entropy = corpus.unigram_entropy("heldout")
-    prompt = [tok.eos] + tok.encode(cfg.run.prompt)
+    prompt = prompt_ids(tok, cfg.run.prompt)
     new = generate(model, [prompt], cfg.run.sample_tokens, temperature=cfg.run.temperature, top_k=40,
                    seed=cfg.run.seed, limit=tok.sample_limit)[0]
     sample = tok.decode(prompt + new)
