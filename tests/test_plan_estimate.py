@@ -126,7 +126,8 @@ def test_device_file_errors_name_the_file_and_field(tmp_path, text, match):
         device(tmp_path / "missing.json")
 
 
-CFG = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, batch=8, length=16)
+# learned positions: their table (16 x 32) is in the hand-derived parameter count
+CFG = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, batch=8, length=16, positions="learned")
 
 
 def test_data_parallel_estimate_matches_hand_derivation():

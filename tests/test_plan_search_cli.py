@@ -156,7 +156,7 @@ def test_search_prunes_the_paper_model_without_changing_the_answer():
 
 # heads and experts of 3 do not divide over 2: 8 rule sets on b:2,m:2 (d_ff, vocab on m, d_model on b)
 DEEP = TrainConfig.of(d_model=16, heads=3, d_kv=4, d_ff=32, layers=6, encoder_layers=1, batch=8, length=8,
-                      experts=3, top_k=2, optimizer="adafactor")
+                      experts=3, top_k=2, optimizer="adafactor", positions="learned")
 
 
 @pytest.mark.parametrize("layers", [4, 6, 7])

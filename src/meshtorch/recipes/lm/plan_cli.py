@@ -38,7 +38,10 @@ from meshtorch.recipes.lm.strategies import AXIS, pipeline_mesh
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` that ``meshtorch plan``'s model options describe."""
-    return TrainConfig.of(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
+    # the paper's Transformer, as plan's other defaults (untied, Adafactor): learned positions,
+    # whatever meshtorch train's default is
+    return TrainConfig.of(model=args.model, positions="learned", batch=args.batch, length=args.length,
+                          d_model=args.d_model,
                           heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
                           encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
                           tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,

@@ -27,7 +27,7 @@ from meshtorch.errors import ArgumentError
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import ModelSection, TrainConfig
 
-AUTO_BPE = 1024  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
+AUTO_BPE = 2048  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
 TOKENIZER_DIR = "tokenizer"  # where a fitted BPE is saved in --out
 
 
@@ -80,7 +80,7 @@ def _recorded_tokenizer(run_dir: str) -> str:
 
 def resolve_tokenizer(cfg: TrainConfig, out: str, fit: bool = True) -> TrainConfig:
     """``cfg`` with ``--tokenizer`` made ``bytes`` or a directory: ``auto`` picks (``--init-from``'s
-    own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 1024 ids when the
+    own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 2048 ids when the
     tokenizers library is installed, else bytes), ``bpe:N`` is fitted to the training texts and
     saved in ``out/tokenizer/`` (with ``fit=False``, only named there: another process fitted it).
     A resumed run keeps the tokenizer it was trained with."""
