@@ -29,6 +29,7 @@ def test_layer_extrapolation_is_exact_for_bytes_and_flops(mesh, rules):
     ext = _extrapolate(t1, t2, 2)  # two layers deeper than t1
     assert ext.comm.as_dict() == full.comm.as_dict()
     assert ext.flops == full.flops and ext.result["parameters"] == full.result["parameters"]
+    assert ext.aten_ops == full.aten_ops > t2.aten_ops  # the host's share of a CPU step, per op
     for kind in ("parameters", "optimizer"):  # held all step long; the rest depends on the peak moment
         assert ext.peak_by_kind[kind] == full.peak_by_kind[kind]
     assert ext.peak_bytes == pytest.approx(full.peak_bytes, rel=0.1)
@@ -156,7 +157,7 @@ def test_search_prunes_the_paper_model_without_changing_the_answer():
 
 # heads and experts of 3 do not divide over 2: 8 rule sets on b:2,m:2 (d_ff, vocab on m, d_model on b)
 DEEP = TrainConfig.of(d_model=16, heads=3, d_kv=4, d_ff=32, layers=6, encoder_layers=1, batch=8, length=8,
-                      experts=3, top_k=2, optimizer="adafactor", positions="learned")
+                      experts=3, top_k=2, optimizer="adafactor")
 
 
 @pytest.mark.parametrize("layers", [4, 6, 7])

@@ -147,7 +147,7 @@ def test_model_options_are_the_transformer_config_fields(tmp_path):
             assert f.name not in train_fields, f.name
             continue
         assert train_fields[f.name].type == f.type, f.name
-        want = {"encoder_layers": 2, "experts": 4, "positions": "rotary"}.get(f.name, f.default)
+        want = {"encoder_layers": 2, "experts": 4}.get(f.name, f.default)
         assert train_fields[f.name].default == want, f.name
     # flags and TOML keys reach the model config; --model decides encoder/expert counts
     cfg_file = tmp_path / "m.toml"

@@ -90,9 +90,8 @@ class ModelSection:
 
     Same names, types and defaults as ``TransformerConfig`` (a test holds them
     equal), except ``encoder_layers=2`` and ``experts=4``, which only ``--model
-    seq2seq`` / ``moe`` use, and ``positions="rotary"``, which in the ~1 minute
-    default run reaches a lower held-out loss than learned positions. The run
-    decides ``vocab`` (the tokenizer's) and ``max_length`` (from ``--length``).
+    seq2seq`` / ``moe`` use. The run decides ``vocab`` (the tokenizer's) and
+    ``max_length`` (from ``--length``).
 
     Example:
         >>> ModelSection(name="moe", d_model=64).config(vocab=264, length=32).experts
@@ -106,7 +105,7 @@ class ModelSection:
     d_ff: int = 512
     layers: int = 2
     encoder_layers: int = 2
-    positions: str = "rotary"
+    positions: str = "learned"
     tie_embeddings: bool = True
     norm: str = "layer"
     activation: str = "gelu"

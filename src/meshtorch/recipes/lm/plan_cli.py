@@ -38,10 +38,7 @@ from meshtorch.recipes.lm.strategies import AXIS, pipeline_mesh
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` that ``meshtorch plan``'s model options describe."""
-    # the paper's Transformer, as plan's other defaults (untied, Adafactor): learned positions,
-    # whatever meshtorch train's default is
-    return TrainConfig.of(model=args.model, positions="learned", batch=args.batch, length=args.length,
-                          d_model=args.d_model,
+    return TrainConfig.of(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
                           heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
                           encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
                           tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
@@ -91,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
         machine = calibrate()
         print(f"meshtorch plan: stored this machine's calibration in {calibration_path()}: "
               f"{machine.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32, "
-              f"{machine.memory_bandwidth / 1e9:.1f} GB/s copies, {machine.memory_bytes / 2 ** 30:.1f} GiB; "
+              f"{machine.memory_bandwidth / 1e9:.1f} GB/s copies, "
+              f"{machine.op_seconds * 1e6:.0f} µs an aten op, "
+              f"{machine.memory_bytes / 2 ** 30:.1f} GiB; "
               "--device cpu uses it from now on", file=sys.stderr)
         if not (args.mesh or args.search):
             return 0
