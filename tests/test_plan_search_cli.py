@@ -29,7 +29,6 @@ def test_layer_extrapolation_is_exact_for_bytes_and_flops(mesh, rules):
     ext = _extrapolate(t1, t2, 2)  # two layers deeper than t1
     assert ext.comm.as_dict() == full.comm.as_dict()
     assert ext.flops == full.flops and ext.result["parameters"] == full.result["parameters"]
-    assert ext.aten_ops == full.aten_ops > t2.aten_ops  # the host's share of a CPU step, per op
     for kind in ("parameters", "optimizer"):  # held all step long; the rest depends on the peak moment
         assert ext.peak_by_kind[kind] == full.peak_by_kind[kind]
     assert ext.peak_bytes == pytest.approx(full.peak_bytes, rel=0.1)

@@ -88,9 +88,7 @@ def run(args: argparse.Namespace) -> int:
         machine = calibrate()
         print(f"meshtorch plan: stored this machine's calibration in {calibration_path()}: "
               f"{machine.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32, "
-              f"{machine.memory_bandwidth / 1e9:.1f} GB/s copies, "
-              f"{machine.op_seconds * 1e6:.0f} µs an aten op, "
-              f"{machine.memory_bytes / 2 ** 30:.1f} GiB; "
+              f"{machine.memory_bandwidth / 1e9:.1f} GB/s copies, {machine.memory_bytes / 2 ** 30:.1f} GiB; "
               "--device cpu uses it from now on", file=sys.stderr)
         if not (args.mesh or args.search):
             return 0
