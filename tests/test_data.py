@@ -11,7 +11,7 @@ import torch
 
 import meshtorch as mt
 from meshtorch.data import ByteTokenizer, Corpus, DataError, LMBatches
-from meshtorch.data.corpus import is_heldout, list_files, stdlib_root
+from meshtorch.data.corpus import STDLIB_SKIP, is_heldout, list_files, stdlib_root
 
 
 def test_byte_tokenizer_round_trip_and_specials():
@@ -32,7 +32,11 @@ def test_unigram_entropy_is_hand_derived():
 
 def test_stdlib_corpus_split_by_file_hash():
     c = Corpus.stdlib()
-    files = list_files(stdlib_root(), (".py",))
+    files = list_files(stdlib_root(), (".py",), STDLIB_SKIP)
+    # the test packages are left out, the rest of the library kept
+    assert not any(set(f.split(os.sep)[:-1]) & {"test", "tests", "idle_test", "encodings"} for f in files)
+    assert "os.py" in files and os.path.join("json", "decoder.py") in files
+    assert os.path.join("unittest", "case.py") in files
     held = [f for f in files if is_heldout(f, 5.0)]
     assert c.files == (len(files) - len(held), len(held))
     assert 0 < len(held) < len(files) // 5

@@ -58,7 +58,12 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
     assert_same_bits(checkpoint_tensors(a), checkpoint_tensors(b))
 
     assert cli.main(["generate", "--checkpoint", a, "--prompt", "def ", "--tokens", "5"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    assert capsys.readouterr().out.startswith("def")
+    # a BPE's words carry their leading space: the prompt's trailing space is left to the model
+    from meshtorch.recipes.lm.generate import checkpoint_dir, prompt_ids, run_tokenizer
+
+    tok = run_tokenizer(checkpoint_dir(a))
+    assert tok.decode(prompt_ids(tok, "def ")) == "def" and tok.decode(tok.encode("def ")) == "def "
     # beam search: the same best continuation on one processor and with the vocabulary split
     from meshtorch.recipes.lm.generate import generate_from_checkpoint
 
@@ -190,3 +195,52 @@ def test_resume_drops_a_metrics_record_cut_short_and_names_a_malformed_one(tmp_p
     (run / "metrics.jsonl").write_text(text + '{"loss": 1}\n')
     with pytest.raises(MeshTorchError, match=r"line 4 is not a metrics record with an integer 'step'"):
         earlier_metrics(cfg, str(tmp_path / "out"), start=6)
+
+
+def _train_counting_fits(cfg, sample):
+    """One torchrun-like process (RANK/WORLD_SIZE set, gloo world joined): ``meshtorch train``'s own
+    code path, counting the BPE fits this process runs and recording the ids its tokenizer gives."""
+    import meshtorch.data.hf_tokenizer as hf
+    import meshtorch.recipes.lm.trainer as trainer
+
+    fits, ids, fit, tokenizer_of = [], [], hf.train_bpe, trainer.tokenizer_of
+
+    def counted(*a, **k):
+        fits.append(1)
+        return fit(*a, **k)
+
+    def recorded(c):
+        tok = tokenizer_of(c)
+        ids.append(tok.encode(sample))
+        return tok
+
+    hf.train_bpe, trainer.tokenizer_of = counted, recorded
+    try:
+        result = train(cfg)
+    finally:
+        hf.train_bpe, trainer.tokenizer_of = fit, tokenizer_of
+    return len(fits), ids, result["final_loss"]
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_processes_fit_the_tokenizer_once_and_share_its_ids(text, tmp_path):
+    """Under torchrun every process runs ``train``: processor 0 alone fits and writes the BPE, the
+    other reads that file, and both encode with the same ids (before, each fitted its own and wrote
+    the same file at once)."""
+    import meshtorch as mt
+    from meshtorch.data.hf_tokenizer import HFTokenizer
+
+    out = str(tmp_path / "run")
+    cfg = TrainConfig.of(backend="torch", steps=2, data=text, out=out, tokenizer="bpe:300",
+                         memory_check=False, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4,
+                         length=16, eval_batches=1, sample_tokens=4, log_every=1, progress=False)
+    sample = "def f3_7(x):\n    return x + 7\n"
+    per_proc = mt.launch(_train_counting_fits, cfg, sample, mesh="b:2", backend="torch", nprocs=2)
+    assert [fits for fits, _, _ in per_proc] == [1, 0]
+    want = HFTokenizer(os.path.join(out, "tokenizer")).encode(sample)  # the file as left, read afresh
+    assert len(want) < len(sample)  # merges were fitted: not one id per byte
+    for _, ids, loss in per_proc:
+        assert ids and all(i == want for i in ids)
+        assert loss == per_proc[0][2]
+    assert sorted(f for f in os.listdir(os.path.join(out, "tokenizer"))) == ["tokenizer.json",
+                                                                            "tokenizer_config.json"]

@@ -1,4 +1,5 @@
-"""The bounded memo the hot paths share (layouts, one-processor views, einsum and broadcast plans).
+"""The bounded memo the hot paths share (layouts, one-processor views, einsum and broadcast plans),
+and the directory where meshtorch keeps what it measured or computed once per machine.
 
 A model asks for the same few derived objects (a layout, an einsum plan) on every op of every
 step; each is a pure function of its key, so it is computed once. The bound only guards against
@@ -15,7 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any, TypeVar
 
 V = TypeVar("V")
@@ -52,3 +55,18 @@ def compiling() -> bool:
     """Whether ``torch.compile`` (Dynamo) is tracing this call; never imports torch."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.compiler.is_compiling()
+
+
+def cache_root() -> Path:
+    """Where meshtorch keeps per-machine results (the planner's calibration, encoded corpora):
+    ``$MESHTORCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/meshtorch`` (``~/.cache/meshtorch``).
+
+    Example:
+        >>> from meshtorch.caching import cache_root
+        >>> (cache_root() / "cpu.json").suffix
+        '.json'
+    """
+    root = os.environ.get("MESHTORCH_CACHE_DIR")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshtorch")
+    return Path(root)

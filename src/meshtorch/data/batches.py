@@ -62,14 +62,22 @@ class LMBatches:
             out[epoch == e] = self._perm[1][i[epoch == e]]
         return out
 
+    def _block(self, step: int, rows: slice, cols: slice) -> np.ndarray:
+        k = np.arange(rows.start, rows.stop, dtype=np.int64) + step * self.batch
+        starts = self._window(k) * self.length
+        offs = np.arange(cols.start, cols.stop + 1)
+        return self.tokens[starts[:, None] + offs[None, :]]
+
+    def windows_at(self, step: int) -> np.ndarray:
+        """The whole batch of ``step`` as ``[batch, length + 1]`` token ids (inputs are ``[:, :-1]``,
+        targets ``[:, 1:]``), on the host: e.g. to count the bytes its targets stand for."""
+        return self._block(step, slice(0, self.batch), slice(0, self.length))
+
     def at(self, step: int) -> tuple[MeshTensor, MeshTensor]:
         """The batch of ``step``, read only for this processor's slice."""
         layout = layout_for(self.shape)
         rows, cols = local_slices(layout)
-        k = np.arange(rows.start, rows.stop, dtype=np.int64) + step * self.batch
-        starts = self._window(k) * self.length
-        offs = np.arange(cols.start, cols.stop + 1)
-        block = on_processor(torch.from_numpy(self.tokens[starts[:, None] + offs[None, :]].astype(np.int64)))
+        block = on_processor(torch.from_numpy(self._block(step, rows, cols).astype(np.int64)))
         return (MeshTensor(block[:, :-1].contiguous(), self.shape, layout),
                 MeshTensor(block[:, 1:].contiguous(), self.shape, layout))
 

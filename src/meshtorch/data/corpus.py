@@ -1,7 +1,11 @@
 """Text corpora as token streams, split into train and held-out by file hash.
 
 The default corpus is the ``.py`` sources of the running Python's standard
-library: present on every machine, no download. Files are read in sorted
+library, without its test packages (``test/``, the regression suite: over half
+the bytes, with deliberately malformed and oddly encoded files among them; and
+``tests/``, ``idle_test/`` and the ``test/`` of packages) and its generated tables
+(``encodings/``' codec tables, ``pydoc_data/``): library code, present on every
+machine, no download. Files are read in sorted
 order and each goes to the held-out split when the hash of its relative path
 says so, so the split is the same on every machine with the same Python.
 
@@ -26,6 +30,11 @@ from meshtorch.data.tokenizer import ByteTokenizer, Tokenizer
 from meshtorch.errors import MeshTorchError
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
+# the stdlib corpus leaves out its test packages (the regression suite test/ alone is half its
+# bytes) and generated tables: the samples are meant to look like library code, not like
+# assertEqual runs, malformed-input fixtures or codec tables, and the first run encodes a third
+# of the text
+STDLIB_SKIP = ("test", "tests", "idle_test", "encodings", "pydoc_data")
 
 
 class DataError(MeshTorchError, ValueError):
@@ -46,21 +55,25 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def list_files(root: str, suffixes: tuple[str, ...] | None) -> list[str]:
-    """Files under ``root`` (relative paths, sorted), skipping installed packages and caches."""
+def list_files(root: str, suffixes: tuple[str, ...] | None, skip: tuple[str, ...] = ()) -> list[str]:
+    """Files under ``root`` (relative paths, sorted), skipping installed packages, caches and the
+    directories named one of ``skip``."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and d not in skip
+                             and not d.startswith("."))
         for f in sorted(filenames):
             if suffixes is None or f.endswith(suffixes):
                 out.append(os.path.relpath(os.path.join(dirpath, f), root))
     return out
 
 
-def read_dir(root: str, suffixes: tuple[str, ...] | None = None) -> dict[str, bytes]:
-    """The contents of the files under ``root`` (with one of ``suffixes``), by relative path."""
+def read_dir(root: str, suffixes: tuple[str, ...] | None = None,
+             skip: tuple[str, ...] = ()) -> dict[str, bytes]:
+    """The contents of the files under ``root`` (with one of ``suffixes``, not in a directory named
+    one of ``skip``), by relative path."""
     texts = {}
-    for rel in list_files(root, suffixes):
+    for rel in list_files(root, suffixes, skip):
         with open(os.path.join(root, rel), "rb") as f:
             texts[rel] = f.read()
     return texts
@@ -70,7 +83,7 @@ def train_texts(path: str | None, heldout_percent: float = 5.0) -> list[bytes]:
     """The texts of ``--data`` ``path`` that :meth:`Corpus.from_path` trains on (not the held-out
     files; a single file whole): what a tokenizer may be fitted to."""
     if path is None or os.path.isdir(path):
-        texts = read_dir(stdlib_root(), (".py",)) if path is None else read_dir(path)
+        texts = read_dir(stdlib_root(), (".py",), STDLIB_SKIP) if path is None else read_dir(path)
         return [t for rel, t in sorted(texts.items()) if not is_heldout(rel, heldout_percent)]
     if not os.path.isfile(path):
         raise DataError(f"--data {path!r} is neither a file nor a directory")
@@ -119,10 +132,10 @@ class Corpus:
 
     @classmethod
     def stdlib(cls, heldout_percent: float = 5.0, tokenizer: Tokenizer | None = None) -> Corpus:
-        """The running Python's standard library ``.py`` files (no download)."""
+        """The running Python's standard library ``.py`` files (no download), without its tests."""
         root = stdlib_root()
-        return cls.from_dir(root, heldout_percent, suffixes=(".py",), name=f"python-stdlib:{root}",
-                            tokenizer=tokenizer)
+        texts = read_dir(root, (".py",), STDLIB_SKIP)
+        return cls.from_texts(texts, heldout_percent, f"python-stdlib:{root}", tokenizer)._checked()
 
     @classmethod
     def from_dir(cls, root: str, heldout_percent: float = 5.0, suffixes: tuple[str, ...] | None = None,

@@ -362,10 +362,9 @@ def share(machine: DeviceSpec, processors: int) -> DeviceSpec:
 def calibration_path() -> Path:
     """Where ``meshtorch plan --calibrate`` stores this machine's measurement:
     ``$MESHTORCH_CACHE_DIR`` or ``$XDG_CACHE_HOME/meshtorch`` (``~/.cache/meshtorch``), ``cpu.json``."""
-    root = os.environ.get("MESHTORCH_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "meshtorch")
-    return Path(root) / "cpu.json"
+    from meshtorch.caching import cache_root
+
+    return cache_root() / "cpu.json"
 
 
 def measure_machine(backend: str = "threads") -> DeviceSpec:

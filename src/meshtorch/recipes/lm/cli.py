@@ -64,7 +64,7 @@ HELP = {
                  "GPT-2): its config sets the model, each processor reads its slices of the weights",
     "tokenizer": "bytes; bpe:N: a byte-level BPE of N ids fitted to the training data (saved in "
                  "--out/tokenizer/); a Hugging Face tokenizer directory (tokenizer.json); auto: "
-                 "--init-from's tokenizer if it has one, else bpe:1024 when the tokenizers library is "
+                 "--init-from's tokenizer if it has one, else bpe:2048 when the tokenizers library is "
                  "installed (pip install 'meshtorch[hf]'), else bytes",
 }
 GROUPS = {"model": "model (the fields of meshtorch.models.TransformerConfig)",

@@ -54,6 +54,20 @@ def run_tokenizer(path: str) -> Tokenizer:
     return HFTokenizer(where)
 
 
+def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
+    """The ids a sample starts from: end-of-text, then ``prompt``. With a BPE, ``prompt``'s trailing
+    spaces are left to the model: its words' tokens carry their leading space (``" name"``), so
+    a prompt ending in a lone space token starts it where the training text never was.
+
+    Example:
+        >>> from meshtorch.data import ByteTokenizer
+        >>> prompt_ids(ByteTokenizer(), "def ")[1:]
+        [100, 101, 102, 32]
+    """
+    text = prompt if tok.name == "bytes" else prompt.rstrip(" ") or prompt
+    return [tok.eos] + tok.encode(text)
+
+
 def load_lm(path: str) -> DecoderLM:
     """The LM of checkpoint ``path`` (a run directory or its checkpoint/), on the current mesh."""
     from meshtorch.checkpoint import load
@@ -79,7 +93,7 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
 
     def prog() -> str:
         model = load_lm(path)
-        ids = [tok.eos] + tok.encode(prompt)
+        ids = prompt_ids(tok, prompt)
         if beams:
             new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit)[0]
         else:

@@ -27,7 +27,7 @@ from meshtorch.errors import ArgumentError
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import ModelSection, TrainConfig
 
-AUTO_BPE = 1024  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
+AUTO_BPE = 2048  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
 TOKENIZER_DIR = "tokenizer"  # where a fitted BPE is saved in --out
 
 
@@ -78,11 +78,12 @@ def _recorded_tokenizer(run_dir: str) -> str:
     return (extra.get("train_config") or {}).get("tokenizer") or "bytes"
 
 
-def resolve_tokenizer(cfg: TrainConfig, out: str) -> TrainConfig:
+def resolve_tokenizer(cfg: TrainConfig, out: str, fit: bool = True) -> TrainConfig:
     """``cfg`` with ``--tokenizer`` made ``bytes`` or a directory: ``auto`` picks (``--init-from``'s
-    own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 1024 ids when the
+    own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 2048 ids when the
     tokenizers library is installed, else bytes), ``bpe:N`` is fitted to the training texts and
-    saved in ``out/tokenizer/``. A resumed run keeps the tokenizer it was trained with."""
+    saved in ``out/tokenizer/`` (with ``fit=False``, only named there: another process fitted it).
+    A resumed run keeps the tokenizer it was trained with."""
     spec, run = cfg.run.tokenizer, cfg.run
     if spec not in ("auto",) and not spec.startswith("bpe:"):
         if spec != "bytes" and cfg.model.name == "seq2seq":
@@ -113,8 +114,42 @@ def resolve_tokenizer(cfg: TrainConfig, out: str) -> TrainConfig:
     from meshtorch.data.hf_tokenizer import train_bpe
 
     path = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
-    train_bpe(train_texts(run.data), size, path)
+    if fit:
+        train_bpe(train_texts(run.data), size, path)
     return cfg.replace(tokenizer=path)
+
+
+def resolve_tokenizer_once(cfg: TrainConfig, out: str) -> TrainConfig:
+    """:func:`resolve_tokenizer` for every process of a ``torch.distributed`` world (torchrun): processor
+    0 fits and writes ``out/tokenizer/``; the others wait for it at a collective, then read the same
+    files, so every process encodes with the same ids and no two write the same file. Outside such
+    a world (one process, threads) it is :func:`resolve_tokenizer`.
+
+    Example:
+        >>> from meshtorch.recipes.lm.config import TrainConfig
+        >>> resolve_tokenizer_once(TrainConfig.of(tokenizer="bytes"), "unused").run.tokenizer
+        'bytes'
+    """
+    from meshtorch.context import current
+
+    comm = current().comm
+    if comm.mesh.size == 1 or comm.backend != "torch":
+        return resolve_tokenizer(cfg, out)
+    import torch
+
+    error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            resolved = resolve_tokenizer(cfg, out)
+        except BaseException as e:  # noqa: BLE001 - raised below, after the others are told
+            error = e
+    failed = comm.all_reduce(torch.tensor([float(error is not None)]), comm.mesh.axis_names, "max").item()
+    if error is not None:
+        raise error
+    if failed:
+        raise ArgumentError("processor 0 could not fit or read --tokenizer "
+                            f"{cfg.run.tokenizer!r} (its error says why); fix that and rerun")
+    return resolved if comm.rank == 0 else resolve_tokenizer(cfg, out, fit=False)
 
 
 def planned_vocab(cfg: TrainConfig) -> int:

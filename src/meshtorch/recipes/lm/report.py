@@ -24,6 +24,7 @@ from meshtorch.errors import TrainingError
 from meshtorch.models import TransformerConfig, generate
 from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.generate import prompt_ids
 
 
 def json_text(record: dict[str, Any], path: str, indent: int | None = None) -> str:
@@ -135,6 +136,26 @@ def evaluate(model: torch.nn.Module, heldout: Any, n: int) -> float:
     return total / n
 
 
+def bits_per_byte(loss: float, heldout: Any, n: int, tok: Tokenizer) -> float:
+    """The held-out ``loss`` (mean nats per token over ``n`` batches) in bits per byte of the text the
+    targets decode to: what compares runs with different tokenizers (an end-of-text id counts as
+    a token but no byte).
+
+    Example:
+        >>> import numpy as np
+        >>> from meshtorch.data import ByteTokenizer, LMBatches
+        >>> b = LMBatches(np.frombuffer(b"abcdefghi", np.uint8).astype(np.uint16), batch=2, length=4)
+        >>> round(bits_per_byte(math.log(2), b, 1, ByteTokenizer()), 6)
+        1.0
+    """
+    tokens = nbytes = 0
+    for i in range(n):
+        targets = heldout.windows_at(i)[:, 1:]
+        tokens += targets.size
+        nbytes += sum(len(tok.decode(row.tolist()).encode("utf-8")) for row in targets)
+    return loss * tokens / math.log(2) / max(1, nbytes)
+
+
 def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpus | None, tok: Tokenizer,
            lead: bool) -> dict[str, Any]:
     """Held-out evaluation and a generated sample (printed by processor 0)."""
@@ -150,8 +171,9 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
         return {"heldout_accuracy": acc, "heldout_numbers": len(examples),
                 "heldout_loss": evaluate(model, heldout, cfg.run.eval_batches)}
     loss = evaluate(model, heldout, cfg.run.eval_batches)
+    bpb = bits_per_byte(loss, heldout, cfg.run.eval_batches, tok)
     entropy = corpus.unigram_entropy("heldout")
-    prompt = [tok.eos] + tok.encode(cfg.run.prompt)
+    prompt = prompt_ids(tok, cfg.run.prompt)
     new = generate(model, [prompt], cfg.run.sample_tokens, temperature=cfg.run.temperature, top_k=40,
                    seed=cfg.run.seed, limit=tok.sample_limit)[0]
     sample = tok.decode(prompt + new)
@@ -159,6 +181,6 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
         unit = "byte" if tok.name == "bytes" else "token"
         verdict = "learned" if loss <= entropy - 1.0 else f"not yet 1 nat/{unit} below it"
         print(f"held-out loss {loss:.3f} nats/{unit} vs {unit}-unigram entropy {entropy:.3f} "
-              f"({entropy - loss:+.3f} below: {verdict})")
+              f"({entropy - loss:+.3f} below: {verdict}); {bpb:.3f} bits/byte")
         print("sample:\n" + "-" * 40 + "\n" + sample + "\n" + "-" * 40)
-    return {"heldout_loss": loss, "unigram_entropy": entropy, "sample": sample}
+    return {"heldout_loss": loss, "heldout_bits_per_byte": bpb, "unigram_entropy": entropy, "sample": sample}

@@ -45,7 +45,7 @@ from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.pretrained import (
     model_vocab,
     planned_vocab,
-    resolve_tokenizer,
+    resolve_tokenizer_once,
     tokenizer_of,
     with_pretrained_model,
 )
@@ -196,9 +196,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world or Mesh(cfg.parallelism.mesh).size))
     check_memory(cfg, planned_vocab(cfg), here)
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
+    if par.backend == "torch" and (world or 1) > 1:
+        # join the world now (the launch below reuses it): processor 0 fits the tokenizer, the others wait
+        from meshtorch.launch import init_distributed
+
+        init_distributed(par.mesh, par.rules, timeout=par.timeout, device=par.device)
     lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
     with lock:
-        cfg = resolve_tokenizer(cfg, out)
+        cfg = resolve_tokenizer_once(cfg, out)
         tok = tokenizer_of(cfg)
         vocab = model_vocab(cfg, tok)
         check_config(cfg, vocab=vocab, world=world)
