@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
@@ -339,11 +338,9 @@ def plan_of(
         comm.mesh,
         comm.rank,
     )
-    plan = None if is_compiling() else _PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name)
-        if not is_compiling():
-            _PLANS.put(key, plan)
+        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
     return plan
 
 
