@@ -148,6 +148,16 @@ def test_meshtorch_launch_reports_the_exit_of_a_processor(tmp_path):
     assert "error: processor 1 {'m': 1} raised ProcessExit: exited with code 3" in p.stderr
 
 
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    script = tmp_path / "prog.py"
+    script.write_text("import meshtorch as mt\nprint(mt.launch(abs, -3, mesh='m:2', backend='torch'))\n")
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=100,
+                       env={**os.environ, "PYTHONPATH": SRC})
+    assert p.returncode != 0
+    assert 'call it under `if __name__ == "__main__":`' in p.stderr
+    assert "AssertionError" not in p.stderr  # the failed start is reported, not masked
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--nnodes", "0"], "--nnodes '0': the number of nodes must be at least 1"),
     (["--nnodes=-2"], "--nnodes '-2' is not N or MIN:MAX"),

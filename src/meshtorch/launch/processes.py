@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import multiprocessing
 import os
 import pickle
 import queue as queue_mod
@@ -59,6 +60,11 @@ def launch_processes(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Me
         [3, 3]
     """
     timeout = check_timeout(timeout)
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ProcessorError(
+            "mt.launch(backend='torch') was called while a fresh processor imported your script's "
+            "main module: call it under `if __name__ == \"__main__\":` so that only the parent "
+            "launches")
     if nprocs is None and in_torchrun():
         return _run_in_world(fn, args, kwargs, mesh, rules, timeout, check, device)
     nprocs = mesh.size if nprocs is None else nprocs
@@ -258,6 +264,8 @@ def _terminate(procs, sig: int = signal.SIGTERM) -> None:
                 pass
     deadline = time.monotonic() + 3.0
     for p in procs:
+        if p.pid is None:  # never started (an earlier start failed): nothing to stop
+            continue
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
             p.kill()
