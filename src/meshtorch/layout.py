@@ -28,7 +28,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
-from meshtorch.caching import BoundedCache
+from meshtorch.caching import BoundedCache, compiling
 from meshtorch.errors import LayoutError, ShapeError
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Dim, Shape
@@ -196,9 +196,11 @@ class LayoutRules:
         # immutable and compared by value, so an entry is right for any equal shape and mesh.
         # (``name`` only words the error, and errors are not cached.)
         key = (shape, mesh)
-        lay = self._layouts.get(key)
+        lay = None if compiling() else self._layouts.get(key)
         if lay is None:
-            lay = self._layouts.put(key, self._derive(shape, mesh, name))
+            lay = self._derive(shape, mesh, name)
+            if not compiling():
+                self._layouts.put(key, lay)
         return lay
 
     def _derive(self, shape: Shape, mesh: Mesh, name: str | None) -> Layout:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
@@ -338,9 +339,11 @@ def plan_of(
         comm.mesh,
         comm.rank,
     )
-    plan = _PLANS.get(key)
+    plan = None if is_compiling() else _PLANS.get(key)
     if plan is None:
-        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
+        plan = make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name)
+        if not is_compiling():
+            _PLANS.put(key, plan)
     return plan
 
 

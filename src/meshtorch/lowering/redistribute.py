@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
@@ -278,9 +279,9 @@ def redistribute(t: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
     if src is dst:
         return t
     key = (src, dst)
-    steps = _STEPS.get(key)
+    steps = None if is_compiling() else _STEPS.get(key)
     if steps is None:
-        steps = _STEPS.put(key, steps_between(src, dst))
+        steps = steps_between(src, dst) if is_compiling() else _STEPS.put(key, steps_between(src, dst))
     return run_steps(t, steps)
 
 

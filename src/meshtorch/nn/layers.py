@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ArgumentError, ShapeError
@@ -74,15 +75,16 @@ class Dense(Module):
 
     def forward(self, x: MeshTensor) -> MeshTensor:
         x = as_mesh_tensor(x)
-        out = self._out_names.get(x.shape)
+        out = None if is_compiling() else self._out_names.get(x.shape)
         if out is None:  # checked once per input shape: a model feeds the same few every step
             ins = {d.name for d in self.in_dims}
             for d in self.in_dims + self.expert_dims:
                 if d not in x.shape:
                     what = "expert dim" if d in self.expert_dims else "dim"
                     raise ShapeError(f"Dense expects {what} {d} in its input, got [{x.shape}]")
-            out = self._out_names.put(
-                x.shape, tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims]))
+            out = tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims])
+            if not is_compiling():
+                self._out_names.put(x.shape, out)
         y = einsum(x, self.kernel.mesh_tensor, output_shape=out)
         if self.bias is None:
             return y

@@ -25,6 +25,7 @@ import string
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
@@ -83,14 +84,16 @@ def einsum(
     # the plan (and the checks made when building it) depends only on the operand shapes and
     # the equation or output dims, so they are the key
     key = (tuple([x.shape for x in xs]), spec)
-    plan = _PLANS.get(key)
+    plan = None if is_compiling() else _PLANS.get(key)
     if plan is None:
         if isinstance(equation, MeshTensor):
             out_dims = list(spec.dims if isinstance(spec, Shape) else as_shape(spec).dims
                             if isinstance(spec, str) else spec)
         else:
             out_dims = _parse(equation, xs)
-        plan = _PLANS.put(key, _broadcast_plan(xs, out_dims))
+        plan = _broadcast_plan(xs, out_dims)
+        if not is_compiling():
+            _PLANS.put(key, plan)
     out, local_fn, reduced = plan
     return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
@@ -67,9 +68,9 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
     key = tuple(shapes)
-    plan = _NARY.get(key)
+    plan = None if is_compiling() else _NARY.get(key)
     if plan is None:
-        plan = _NARY.put(key, _nary_plan(key, op))
+        plan = _nary_plan(key, op) if is_compiling() else _NARY.put(key, _nary_plan(key, op))
     out, same_shapes = plan
     tensors = [x for x in xs if isinstance(x, MeshTensor)]
     if same_shapes:
