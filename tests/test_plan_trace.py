@@ -106,3 +106,28 @@ def test_trace_names_the_dims_of_every_mesh_tensor():
     ffn = [op for op in t.ops if "d_ff:16" in op.shape and "batch:4" in op.shape]
     assert ffn and all("d_ff:m" in op.layout and "batch:b" in op.layout for op in ffn)
     assert any(op.flops == 2 * 2 * 8 * 8 * 8 for op in ffn)  # [batch/2, length] x d_model x d_ff/2
+
+
+def _phased_step():
+    import torch
+
+    from meshtorch.context import phase
+
+    a, b = torch.ones(4, 8), torch.ones(8, 16)
+    x = mt.random.normal("batch:8,d:4", seed=0)
+    with mt.plan.measure():
+        torch.mm(a, b)
+        with phase("update"):
+            torch.mm(b.T, a.T)
+            mt.reduce_sum(x, output_shape=[])  # a sum over the split batch: one all_reduce over b
+        with phase("update"):
+            torch.add(a, 1)
+
+
+def test_a_phase_counts_its_blocks_work_apart_and_in_the_totals():
+    t = trace(_phased_step, mesh="b:2", rules="batch:b")
+    up = t.phases["update"]
+    assert up.flops_by_dtype == {"float32": 2 * 16 * 8 * 4}  # the second mm, hand-counted
+    assert t.flops_by_dtype == {"float32": 2 * 2 * 16 * 8 * 4}
+    assert up.comm.as_dict() == t.comm.as_dict() == {"all_reduce@b": {"calls": 1, "bytes": 4}}
+    assert 3 <= up.aten_ops < t.aten_ops  # the mm, the sum's ops, the add; not the first mm

@@ -50,6 +50,10 @@ class ProcessorTracer(Protocol):
         """A block drawing random numbers; it yields whether the tracer follows its memory
         (inside a measured step, where a dropout mask's draw is the step's own work)."""
 
+    def phase(self, name: str) -> AbstractContextManager[Any]:
+        """A block whose work the tracer also counts apart, under ``name`` (a pipeline's
+        update, which runs after the schedule's micro-batches instead of between them)."""
+
 
 @dataclass
 class ProcessorContext:
@@ -176,6 +180,21 @@ def drawing() -> AbstractContextManager[bool]:
     """
     tracer = current().tracer if traced else None
     return nullcontext(False) if tracer is None else tracer.drawing()
+
+
+def phase(name: str) -> AbstractContextManager[Any]:
+    """A block of the program whose work a tracer (if any) also counts apart under ``name``;
+    nothing otherwise. The pipeline runtime marks its optimizer update so, as the planner
+    prices it after the schedule's micro-batches rather than spread over them.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.context import phase
+        >>> with phase("update"):
+        ...     t = torch.zeros(3)
+    """
+    tracer = current().tracer if traced else None
+    return nullcontext() if tracer is None else tracer.phase(name)
 
 
 def set_process_context(ctx: ProcessorContext) -> None:

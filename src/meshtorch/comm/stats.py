@@ -88,6 +88,13 @@ class CommStats:
         out._bytes.update(self._bytes)
         return out
 
+    def __add__(self, other: CommStats) -> CommStats:
+        out = self.copy()
+        for key, v in other._calls.items():
+            out._calls[key] += v
+            out._bytes[key] += other._bytes[key]
+        return out
+
     def __sub__(self, other: CommStats) -> CommStats:
         out = self.copy()
         for key, v in other._calls.items():

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.context import current
+from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
 from meshtorch.pipeline.schedule import FORWARD, Schedule
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
@@ -183,7 +183,8 @@ class Executor:
         self.trace = []
         for a in schedule.for_stage(s):
             while on_update is not None and done < nb and updates[done] <= a.slot:
-                on_update(done)
+                with phase("update"):  # the planner prices it apart from the micro-batches
+                    on_update(done)
                 done += 1
             if bind is not None:
                 bind(a.version)
@@ -230,7 +231,8 @@ class Executor:
             self.trace.append((a.kind, i, t0, t1, a.version))
         comm.wait_sends()
         while on_update is not None and done < nb:
-            on_update(done)
+            with phase("update"):
+                on_update(done)
             done += 1
         if not last:
             return None

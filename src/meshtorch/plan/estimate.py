@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtorch.comm.stats import CommStats
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.plan.cost import collective_seconds
@@ -134,24 +135,58 @@ class Estimate:
         return self.table()
 
 
-def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "ring") -> Estimate:
-    """Cost a trace on ``spec``."""
+def compute_seconds(flops_by_dtype: dict[str, int], aten_ops: int, spec: DeviceSpec) -> float:
+    """Seconds of ``flops_by_dtype`` at ``spec``'s rates plus ``aten_ops`` host ops at its ``op_seconds``.
+
+    Example:
+        >>> from meshtorch.plan.devices import device
+        >>> from meshtorch.plan.estimate import compute_seconds
+        >>> spec = device("a100")
+        >>> compute_seconds({"float32": 10 ** 12}, 0, spec) == 10 ** 12 / spec.flops_per_second("float32")
+        True
+    """
+    # on a CPU the host's per-op work (Python, dispatch, autograd) is most of a small step
+    return sum(f / spec.flops_per_second(dt) for dt, f in flops_by_dtype.items()) + aten_ops * spec.op_seconds
+
+
+def collectives_seconds(comm: CommStats, mesh: Mesh | str, spec: DeviceSpec,
+                        algorithm: str = "ring") -> dict[str, float]:
+    """Seconds of each ``"kind@axes"`` of ``comm`` over ``mesh``'s links on ``spec``: the
+    slowest link's bandwidth and latency of its axes (:mod:`meshtorch.plan.cost`).
+
+    Example:
+        >>> from meshtorch.comm.stats import CommStats
+        >>> from meshtorch.plan.devices import Link, device
+        >>> from meshtorch.plan.estimate import collectives_seconds
+        >>> c = CommStats()
+        >>> c.record("all_reduce", ("b",), 4000)
+        >>> spec = device("a100").with_links(b=Link(bandwidth=1e9, latency=1e-5))
+        >>> collectives_seconds(c, "b:2", spec)   # 2·(1/2)·4000 B / 1 GB/s + 2 hops of 10 µs
+        {'all_reduce@b': 2.4e-05}
+    """
     mesh = Mesh(mesh)
-    bytes_per_axis: dict[str, dict[str, int]] = {}
-    calls_per_axis: dict[str, dict[str, int]] = {}
-    comm_seconds: dict[str, float] = {}
-    for key, v in t.comm.as_dict().items():
+    out: dict[str, float] = {}
+    for key, v in comm.as_dict().items():
         kind, axes_s = key.split("@")
         axes = axes_s.split(",")
         n = math.prod(mesh.axis_size(a) for a in axes)
         links = [spec.link(a) for a in axes]
         bw, lat = min(lk.bandwidth for lk in links), max(lk.latency for lk in links)
+        out[key] = collective_seconds(kind, v["bytes"], n, bw, lat, v["calls"], algorithm)
+    return out
+
+
+def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "ring") -> Estimate:
+    """Cost a trace on ``spec``."""
+    mesh = Mesh(mesh)
+    bytes_per_axis: dict[str, dict[str, int]] = {}
+    calls_per_axis: dict[str, dict[str, int]] = {}
+    for key, v in t.comm.as_dict().items():
+        kind, axes_s = key.split("@")
         bytes_per_axis.setdefault(axes_s, {})[kind] = v["bytes"]
         calls_per_axis.setdefault(axes_s, {})[kind] = v["calls"]
-        comm_seconds[key] = collective_seconds(kind, v["bytes"], n, bw, lat, v["calls"], algorithm)
-    # on a CPU the host's per-op work (Python, dispatch, autograd) is most of a small step
-    compute = (sum(f / spec.flops_per_second(dt) for dt, f in t.flops_by_dtype.items())
-               + t.aten_ops * spec.op_seconds)
+    comm_seconds = collectives_seconds(t.comm, mesh, spec, algorithm)
+    compute = compute_seconds(t.flops_by_dtype, t.aten_ops, spec)
     memory = dict(t.peak_by_kind)
     memory["total"] = t.peak_bytes
     params = t.parameters

@@ -16,15 +16,18 @@ tensor of each sent activation's shape and dtype
 peak memory per stage are therefore those of a real run's processor at that
 stage, not a model of it.
 
-Time: a stage's traced work (FLOPs at the device's rate plus its collectives
-off the pipeline axis, :mod:`meshtorch.plan.estimate`) is spread evenly over
-its micro-batches, one third forward and two thirds backward (a backward
-multiplies twice per forward multiply; with recomputation, one quarter and
-three quarters), and :func:`meshtorch.pipeline.simulate` replays the
-schedule with those durations and the link time of one activation message
-per hop, which gives the step time and the bubble. The collectives *over*
-the pipeline axis (the tied embedding's gradient, the global gradient norm,
-the loss) run once, at the update, and are added.
+Time: a stage's traced work (FLOPs at the device's rate, host time per aten
+op, and its collectives off the pipeline axis, :mod:`meshtorch.plan.estimate`)
+less its update is spread evenly over its micro-batches, one third forward
+and two thirds backward (a backward multiplies twice per forward multiply;
+with recomputation, one quarter and three quarters), and
+:func:`meshtorch.pipeline.simulate` replays the schedule with those durations
+and the link time of one activation message per hop, which gives the
+schedule's time and the bubble. The update (the runtime marks it with
+:func:`meshtorch.context.phase`: optimizer, clipping) runs once per batch,
+after a stage's last micro-batch, so the slowest stage's update is added,
+and so are the collectives *over* the pipeline axis (the tied embedding's
+gradient, the global gradient norm, the loss), which run in it.
 
 Example:
     >>> import meshtorch as mt
@@ -61,7 +64,7 @@ from meshtorch.pipeline.transport import gradient_message, read_header
 from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
-from meshtorch.plan.estimate import Estimate, _fmt_bytes, from_trace
+from meshtorch.plan.estimate import Estimate, _fmt_bytes, collectives_seconds, compute_seconds, from_trace
 from meshtorch.plan.tracing import KINDS, Trace, active, trace
 
 POINT_TO_POINT = ("send", "recv")
@@ -182,6 +185,8 @@ class PipelineEstimate(Estimate):
             ``{"activations": bytes, "header": bytes}``.
         transfer_seconds: link time of one such message (one hop).
         stage_seconds: each stage's work per step (compute plus its collectives off the axis).
+        update_seconds: the part of it each stage spends in its update (optimizer, clipping),
+            after its last micro-batch.
     """
 
     axis: str = "stage"
@@ -195,6 +200,7 @@ class PipelineEstimate(Estimate):
     transfer_bytes: dict[str, int] = field(default_factory=dict)
     transfer_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
+    update_seconds: list[float] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -218,12 +224,14 @@ class PipelineEstimate(Estimate):
         lines = [f"mesh '{self.mesh}'  rules '{self.rules}'  device {self.device}  "
                  f"{self.label}{' (recompute)' if self.recompute else ''}",
                  f"parameters        {self.parameters:,} ({self.parameters / 1e9:.2f}B)",
-                 f"{'stage':<7}{'FLOPs':>12}{'work ms':>10}{'in flight':>11}{'memory':>12}  fits  "
+                 f"{'stage':<7}{'FLOPs':>12}{'work ms':>10}{'update':>8}{'in flight':>11}"
+                 f"{'memory':>12}  fits  "
                  f"bytes over '{self.axis}' (send/collectives)"]
         for s, e in enumerate(self.stage_estimates):
             on_axis = sum(b for axes, kinds in e.bytes_per_axis.items() if self.axis in axes.split(",")
                           for b in kinds.values())
-            lines.append(f"{s:<7}{e.flops:>12.3e}{self.stage_seconds[s] * 1e3:>10.2f}{self.in_flight[s]:>11}"
+            lines.append(f"{s:<7}{e.flops:>12.3e}{self.stage_seconds[s] * 1e3:>10.2f}"
+                         f"{self.update_seconds[s] * 1e3:>8.2f}{self.in_flight[s]:>11}"
                          f"{_fmt_bytes(e.memory_bytes['total']):>12}  {'yes' if e.fits else 'NO ':<4}  "
                          f"{on_axis}")
         lines.append(f"transfer          {self.transfer_bytes['activations']} B activations + "
@@ -238,6 +246,7 @@ class PipelineEstimate(Estimate):
             "microbatches": self.microbatches, "recompute": self.recompute, "bubble": self.bubble,
             "in_flight": self.in_flight, "transfer_bytes": self.transfer_bytes,
             "transfer_seconds": self.transfer_seconds, "stage_seconds": self.stage_seconds,
+            "update_seconds": self.update_seconds,
             "per_stage": [e.to_json() for e in self.stage_estimates]}}
 
 
@@ -267,12 +276,16 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
     m = Mesh(mesh)
     p, mb = m.axis_size(axis), microbatches
     ests = [from_trace(t, m, spec, algorithm) for t in traces]
-    work, sync = [], []
-    for e in ests:
+    work, update, sync = [], [], []
+    for t, e in zip(traces, ests):
         off = sum(v for k, v in e.comm_seconds.items() if not _on_axis(k, axis))
         work.append(e.compute_seconds + off)
         sync.append(sum(v for k, v in e.comm_seconds.items() if _on_axis(k, axis)
                         and k.split("@")[0] not in POINT_TO_POINT))
+        # the update (optimizer, clipping) runs once, after the stage's last micro-batch
+        up = t.phases.get("update")
+        update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec) + sum(
+            v for k, v in collectives_seconds(up.comm, m, spec, algorithm).items() if not _on_axis(k, axis)))
     # stage 0 sends only activations: its sends per micro-batch are one message (header + leaves)
     first = traces[0].comm
     calls, nbytes = first.calls(axis, "send"), first.bytes(axis, "send")
@@ -282,8 +295,9 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         hop = collective_seconds("send", nbytes / mb, 2, link.bandwidth, link.latency, calls // mb, algorithm)
     share = 0.25 if recompute else 1 / 3
     table = build_schedule(schedule, p, mb)
-    sim = simulate(table, forward=[w * share / mb for w in work],
-                   backward=[w * (1 - share) / mb for w in work], comm=hop)
+    per_mb = [(w - u) / mb for w, u in zip(work, update)]
+    sim = simulate(table, forward=[w * share for w in per_mb], backward=[w * (1 - share) for w in per_mb],
+                   comm=hop)
     fullest = max(ests, key=lambda e: e.memory_bytes["total"])
     comm_seconds: dict[str, float] = {}
     for e in ests:
@@ -298,11 +312,11 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         calls_per_axis=_most([e.calls_per_axis for e in ests]),
         memory_bytes=dict(fullest.memory_bytes), memory_capacity=spec.memory_bytes,
         fits=all(e.fits for e in ests), compute_seconds=max(e.compute_seconds for e in ests),
-        comm_seconds=comm_seconds, step_seconds=sim.step_time + max(sync),
+        comm_seconds=comm_seconds, step_seconds=sim.step_time + max(update) + max(sync),
         axis=axis, stages=p, schedule=schedule, microbatches=mb, recompute=recompute,
         stage_estimates=ests, bubble=sim.bubble_fraction, in_flight=sim.in_flight,
         transfer_bytes={"activations": (nbytes - header * mb) // mb if p > 1 else 0, "header": header},
-        transfer_seconds=hop, stage_seconds=work)
+        transfer_seconds=hop, stage_seconds=work, update_seconds=update)
 
 
 def estimate_pipeline(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",

@@ -90,6 +90,16 @@ class TraceOp:
 
 
 @dataclass
+class Phase:
+    """The counted work of the blocks marked :func:`meshtorch.context.phase` ``(name)``
+    (included in the trace's totals too): aten ops, FLOPs by dtype, collectives."""
+
+    aten_ops: int = 0
+    flops_by_dtype: dict[str, int] = field(default_factory=dict)
+    comm: CommStats = field(default_factory=CommStats)
+
+
+@dataclass
 class Trace:
     """What one processor did: FLOPs, collectives, memory peak by kind, and the op list.
 
@@ -115,6 +125,7 @@ class Trace:
     param_shapes: list[tuple[tuple[str, ...], int, bool]] = field(default_factory=list, repr=False)
     start_by_kind: dict[str, int] = field(default_factory=dict)
     aten_ops: int = 0
+    phases: dict[str, Phase] = field(default_factory=dict)
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -158,6 +169,7 @@ class Tracer(TorchDispatchMode):
         self._pending_flop_ops: list[int] = []
         self.param_shapes: dict[int, tuple[tuple[str, ...], int]] = {}  # dim names, global bytes
         self.grad_at_start: set[int] = set()  # parameters with a gradient as the first block began
+        self.phases: dict[str, Phase] = {}
         self.start_by_kind: dict[str, int] = {}
 
     # -------------------------------------------------------------- storages
@@ -248,6 +260,19 @@ class Tracer(TorchDispatchMode):
         finally:
             self._paused -= 1
 
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Count this block's work apart too, under ``name`` (:class:`Phase`)."""
+        ops, flops, comm = self.aten_ops, dict(self.flops_by_dtype), self.comm.copy()
+        try:
+            yield
+        finally:
+            got = self.phases.setdefault(name, Phase())
+            got.aten_ops += self.aten_ops - ops
+            for dt, n in self.flops_by_dtype.items():
+                got.flops_by_dtype[dt] = got.flops_by_dtype.get(dt, 0) + n - flops.get(dt, 0)
+            got.comm = got.comm + (self.comm - comm)
+
     def observe(self, tensor: Any) -> None:
         """One MeshTensor made: an entry of the named-dim trace."""
         self.record_mesh_tensor(tensor.local, tensor.shape, tensor.layout)
@@ -259,6 +284,7 @@ class Tracer(TorchDispatchMode):
         self.aten_ops = 0
         self.flop_ops.clear()
         self._pending_flop_ops = []
+        self.phases = {}
 
     @property
     def counting(self) -> bool:
@@ -444,7 +470,7 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  wall_s=time.perf_counter() - t0,
                  flop_ops=[(dt, n, None if d is None else frozenset(d)) for dt, n, d in tr.flop_ops],
                  param_shapes=[(*v, k in tr.grad_at_start) for k, v in tr.param_shapes.items()],
-                 start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops)
+                 start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases)
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:
