@@ -45,8 +45,13 @@ def _case(shape: str) -> dict:
     }
 
 
-def program(shapes: list[str]) -> list[dict]:
-    return [_case(s) for s in shapes]
+def program(groups: list[tuple[str, list[str]]]) -> list[list[dict]]:
+    """Each group's shapes under its rules: one launch serves several rule sets on a mesh."""
+    out = []
+    for rules, shapes in groups:
+        mt.current().rules = mt.LayoutRules(rules)
+        out.append([_case(s) for s in shapes])
+    return out
 
 
 SHAPES_1D = ["a:4,b:6,c:4", "b:6,a:4,c:4", "c:4,b:6,a:4"]
@@ -60,12 +65,11 @@ SHAPES_MULTI = ["a:4,b:6,c:4", "c:4,b:6,a:4", "b:6,c:4,a:4"]
 
 @pytest.fixture(scope="module")
 def runs():
-    one = mt.launch(program, SHAPES_1D, mesh="m:2", rules="a:m; c:m",
-                    backend="torch", timeout=60)
-    two = mt.launch(program, SHAPES_2D, mesh="x:2,y:2", rules="a:x; b:y; c:y", backend="torch", timeout=60)
-    multi = mt.launch(program, SHAPES_MULTI, mesh="x:2,y:2", rules="a:(x,y); c:(y,x); b:(x,y)",
-                      backend="torch", timeout=60)
-    return one, two, multi
+    (one,) = zip(*mt.launch(program, [("a:m; c:m", SHAPES_1D)], mesh="m:2", backend="torch", timeout=60))
+    two, multi = zip(*mt.launch(program, [("a:x; b:y; c:y", SHAPES_2D),
+                                          ("a:(x,y); c:(y,x); b:(x,y)", SHAPES_MULTI)],
+                                mesh="x:2,y:2", backend="torch", timeout=120))
+    return list(one), list(two), list(multi)
 
 
 # expected placements per mesh axis, from the layout rules by hand

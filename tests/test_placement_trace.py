@@ -187,7 +187,7 @@ def test_our_transformer_lm_traced_at_aten_level_places_and_runs():
     from meshtorch.models import DecoderLM, TransformerConfig
     from meshtorch.placement.trace import trace_function
 
-    cfg = TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2,
+    cfg = TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1,
                             max_length=8, tie_embeddings=False)
     model = DecoderLM(cfg, seed=0)
 
