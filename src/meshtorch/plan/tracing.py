@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from meshtorch.comm.meta import STAGING, MetaCommunicator
@@ -58,6 +57,8 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.plan.meta_memo import run as run_op
+from meshtorch.plan.meta_memo import tensors_in
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -192,35 +193,32 @@ class Tracer(TorchDispatchMode):
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         if self._paused:
             return out
         packet = func._overloadpacket
         if packet in flop_registry:
             n = int(flop_registry[packet](*args, **kwargs, out_val=out))
-            dtype = next((str(a.dtype).replace("torch.", "") for a in tree_leaves(args)
-                          if isinstance(a, torch.Tensor)), "float32")
+            dtype = next((str(a.dtype).replace("torch.", "") for a in tensors_in(args)), "float32")
             self.all_flops[dtype] += n
             if self.counting:
                 self.flops_by_dtype[dtype] += n
                 dims: set[str] | None = set()
-                for a in tree_leaves(args):
-                    if isinstance(a, torch.Tensor):
-                        names = self.names.get(id(a.untyped_storage()))
-                        if names is None:
-                            dims = None
-                            break
-                        dims |= names
+                for a in tensors_in(args):
+                    names = self.names.get(id(a.untyped_storage()))
+                    if names is None:
+                        dims = None
+                        break
+                    dims |= names
                 self._pending_flop_ops.append(len(self.flop_ops))
                 self.flop_ops.append([dtype, n, dims])
             self._pending_flops += n
         self._pending_aten.append(packet.__name__)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = list(tensors_in(out))
         if outs:
             # a view of an input is not new memory, also when the input is not ours
             # (another thread-processor's payload, read during a collective)
-            seen = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs))
-                    if isinstance(a, torch.Tensor)}
+            seen = {id(a.untyped_storage()) for a in tensors_in((args, kwargs))}
             for t in outs:
                 if id(t.untyped_storage()) not in seen:
                     self.track(t)
