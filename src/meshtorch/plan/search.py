@@ -54,10 +54,11 @@ from typing import Any
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.pipeline.simulate import step_time_bound
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.estimate import Estimate, _fmt_bytes, from_trace
-from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
+from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline, stage_traces
 from meshtorch.plan.tracing import KINDS, Trace, trace
 
 MODEL_DIMS = ("heads", "d_ff", "vocab", "experts")
@@ -628,12 +629,23 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         return (*b[0], 0.0)
 
     lb = {c: bounds(*c) for c in space}
+    without_update = getattr(fns[0], "without_update", None)
+    partial = without_update() if without_update is not None else None
     order = sorted(space, key=lambda c: lb[c][0])
     done: dict[tuple[str, str], Estimate] = {}
     full: set[tuple[str, str]] = set()
     cut: dict[tuple[str, str], Pruned] = {}
 
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
+        if not whole and partial is not None:
+            # the shallow step without its update is part of the step's work: if it and the
+            # periods' bound already lose, the whole step does
+            part = from_trace(trace(partial, mesh=c[0], rules=c[1], backend="meta", staging=staging),
+                              c[0], spec, algorithm)
+            bound = part.step_seconds + periods * lb[c][2]
+            if bound >= best_time() * (1 + 1e-9):
+                cut[c] = Pruned(c[0], c[1], bound, lb[c][1], "time")
+                return None
         if whole or not quick:
             full.add(c)
             return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta", staging=staging),
@@ -682,8 +694,8 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     if pipeline and pipelined is not None and isinstance(processors, int) and meshes is None:
         family = pipeline_layouts(n, dims, getattr(step_fn, "layers", 0))
         n_space += len(family)
-        traced, cut_pipes = _search_pipelines(pipelined, family, spec, algorithm, bounds, best_time(),
-                                              len(space) + len(family), max_candidates)
+        traced, cut_pipes = _search_pipelines(pipelined, family, spec, algorithm, best_time(),
+                                              len(space) + len(family), max_candidates, staging)
         results += traced
         cuts += cut_pipes
     results.sort(key=_key)
@@ -694,21 +706,14 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
 
 
 def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
-                      spec: DeviceSpec, algorithm: str,
-                      bounds: Callable[[str, str], tuple[float, float, float]], best: float, total: int,
-                      max_candidates: int) -> tuple[list[Estimate], list[Pruned]]:
+                      spec: DeviceSpec, algorithm: str, best: float, total: int, max_candidates: int,
+                      staging: str = "none") -> tuple[list[Estimate], list[Pruned]]:
     """Branch and bound over the pipelined family, given the best step time found so far."""
     if total > max_candidates:
         raise PlanError(f"{total} candidates (with {len(family)} pipelined ones) exceed max_candidates="
                         f"{max_candidates}; pass pipeline=False (meshtorch plan --no-pipeline), fewer "
                         "processors, or raise max_candidates")
-    lb = {}
-    for c in family:
-        m = Mesh(c[0])
-        stages = m.axis_size(PIPELINE_AXIS)
-        rest = ",".join(f"{a}:{m.axis_size(a)}" for a in m.axis_names if a != PIPELINE_AXIS) or "b:1"
-        t, mem, _ = bounds(rest, c[1])
-        lb[c] = (t / stages, mem / stages)
+    lb = pipeline_bounds(pipelined, family, spec)
     traced: list[Estimate] = []
     cut: list[Pruned] = []
     for c in sorted(family, key=lambda c: lb[c][0]):
@@ -720,8 +725,54 @@ def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[
         elif lb[c][0] * (1 + 1e-9) >= best:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "time", pipeline=label))
         else:
-            e = estimate_pipeline(step, mesh, rules, spec, algorithm)
+            e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging)
             traced.append(e)
             if e.fits:
                 best = min(best, e.step_seconds)
     return traced, cut
+
+
+def pipeline_bounds(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
+                    spec: DeviceSpec) -> dict[tuple[str, str, int], tuple[float, float]]:
+    """Lower bounds on the step time and the fullest stage's memory of every pipelined candidate
+    ``(mesh, rules, microbatches)`` of ``family``.
+
+    Each stage count's step is traced once per stage, replicated (``stage:S`` with
+    :data:`REFERENCE_MESH`, no rules, ``S`` micro-batches); :func:`lower_bounds` of a stage's
+    trace under a candidate's rules on the mesh without ``stage`` bounds that stage's work and
+    memory. Neither depends on the micro-batch count (a micro-batch's FLOPs are its share of the
+    batch's; the gradients are reduced once a step), so one trace serves every count; the
+    schedule's replay then takes at least :func:`meshtorch.pipeline.simulate.step_time_bound` of
+    the stage bounds (the first micro-batch passes the stages before the busiest one forward and
+    back: the bubble).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.plan.pipeline import estimate_pipeline
+        >>> from meshtorch.plan.search import pipeline_bounds
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.steps import training_step
+        >>> step = training_step(TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, batch=8,
+        ...                                     length=8), vocab=16)
+        >>> spec = mt.plan.device("a100")
+        >>> c = ("stage:2,b:2", "batch:b", 4)
+        >>> t, m = pipeline_bounds(step.pipelined, [c], spec)[c]
+        >>> e = estimate_pipeline(step.pipelined(4), c[0], c[1], spec)
+        >>> 0 < t <= e.step_seconds, 0 < m <= e.memory_bytes["total"]
+        (True, True)
+    """
+    stages = sorted({Mesh(c[0]).axis_size(PIPELINE_AXIS) for c in family})
+    refs = {s: stage_traces(pipelined(s), f"{PIPELINE_AXIS}:{s},{REFERENCE_MESH}", "") for s in stages}
+    per_layout: dict[tuple[int, str, str], tuple[list[float], float]] = {}
+    out = {}
+    for c in family:
+        m = Mesh(c[0])
+        s = m.axis_size(PIPELINE_AXIS)
+        rest = ",".join(f"{a}:{m.axis_size(a)}" for a in m.axis_names if a != PIPELINE_AXIS) or "b:1"
+        key = (s, rest, c[1])
+        if key not in per_layout:
+            b = [lower_bounds(t, rest, c[1], spec) for t in refs[s]]
+            per_layout[key] = ([w for w, _ in b], max(mem for _, mem in b))
+        work, mem = per_layout[key]
+        out[c] = (step_time_bound(work, c[2]), mem)
+    return out
