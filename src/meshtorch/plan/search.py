@@ -636,15 +636,23 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     full: set[tuple[str, str]] = set()
     cut: dict[tuple[str, str], Pruned] = {}
 
+    # time bounds found by tracing part of a candidate, kept for when the loop comes back to it
+    traced_bound: dict[tuple[str, str], float] = {}
+
+    def loses(c: tuple[str, str], bound: float) -> bool:
+        traced_bound[c] = max(bound, traced_bound.get(c, 0.0))
+        if traced_bound[c] >= best_time() * (1 + 1e-9):
+            cut[c] = Pruned(c[0], c[1], traced_bound[c], lb[c][1], "time")
+            return True
+        return False
+
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
-        if not whole and partial is not None:
+        if not whole and partial is not None and c not in traced_bound:
             # the shallow step without its update is part of the step's work: if it and the
             # periods' bound already lose, the whole step does
             part = from_trace(trace(partial, mesh=c[0], rules=c[1], backend="meta", staging=staging),
                               c[0], spec, algorithm)
-            bound = part.step_seconds + periods * lb[c][2]
-            if bound >= best_time() * (1 + 1e-9):
-                cut[c] = Pruned(c[0], c[1], bound, lb[c][1], "time")
+            if loses(c, part.step_seconds + periods * lb[c][2]):
                 return None
         if whole or not quick:
             full.add(c)
@@ -654,9 +662,7 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
-        bound = e1.step_seconds + periods * lb[c][2]
-        if bound >= best_time() * (1 + 1e-9):
-            cut[c] = Pruned(c[0], c[1], bound, lb[c][1], "time")
+        if loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
         t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         return from_trace(_extrapolate(t1, t2, periods), c[0], spec, algorithm)
@@ -673,6 +679,8 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "memory")
             elif lb[c][0] * (1 + 1e-9) >= best_time():
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "time")
+            elif c in traced_bound and loses(c, 0.0):
+                pass
             elif (e := run(c, False)) is not None:
                 done[c] = e
         if not any(e.fits for e in done.values()) and any(p.by == "memory" for p in cut.values()):
@@ -713,7 +721,8 @@ def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[
         raise PlanError(f"{total} candidates (with {len(family)} pipelined ones) exceed max_candidates="
                         f"{max_candidates}; pass pipeline=False (meshtorch plan --no-pipeline), fewer "
                         "processors, or raise max_candidates")
-    lb = pipeline_bounds(pipelined, family, spec)
+    works = _stage_bounds(pipelined, family, spec)
+    lb = {c: (step_time_bound(works[c][0], c[2]), works[c][1]) for c in family}
     traced: list[Estimate] = []
     cut: list[Pruned] = []
     for c in sorted(family, key=lambda c: lb[c][0]):
@@ -725,7 +734,18 @@ def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[
         elif lb[c][0] * (1 + 1e-9) >= best:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "time", pipeline=label))
         else:
-            e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging)
+            # stage by stage, the traced work replaces the stage's bound: stop once that loses
+            work = list(works[c][0])
+
+            def give_up(stage: int, w: float, work: list[float] = work, mb: int = mb,
+                        limit: float = best) -> bool:
+                work[stage] = max(work[stage], w)
+                return step_time_bound(work, mb) >= limit * (1 + 1e-9)
+
+            e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging, give_up=give_up)
+            if e is None:
+                cut.append(Pruned(mesh, rules, step_time_bound(work, mb), lb[c][1], "time", pipeline=label))
+                continue
             traced.append(e)
             if e.fits:
                 best = min(best, e.step_seconds)
@@ -761,6 +781,13 @@ def pipeline_bounds(pipelined: Callable[..., Callable[[], Any]], family: list[tu
         >>> 0 < t <= e.step_seconds, 0 < m <= e.memory_bytes["total"]
         (True, True)
     """
+    bounds = _stage_bounds(pipelined, family, spec)
+    return {c: (step_time_bound(work, c[2]), mem) for c, (work, mem) in bounds.items()}
+
+
+def _stage_bounds(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
+                  spec: DeviceSpec) -> dict[tuple[str, str, int], tuple[list[float], float]]:
+    """Per candidate, lower bounds on each stage's work and on the fullest stage's memory."""
     stages = sorted({Mesh(c[0]).axis_size(PIPELINE_AXIS) for c in family})
     refs = {s: stage_traces(pipelined(s), f"{PIPELINE_AXIS}:{s},{REFERENCE_MESH}", "") for s in stages}
     per_layout: dict[tuple[int, str, str], tuple[list[float], float]] = {}
@@ -773,6 +800,5 @@ def pipeline_bounds(pipelined: Callable[..., Callable[[], Any]], family: list[tu
         if key not in per_layout:
             b = [lower_bounds(t, rest, c[1], spec) for t in refs[s]]
             per_layout[key] = ([w for w, _ in b], max(mem for _, mem in b))
-        work, mem = per_layout[key]
-        out[c] = (step_time_bound(work, c[2]), mem)
+        out[c] = per_layout[key]
     return out

@@ -113,6 +113,7 @@ class Trace:
     result: Any = None
     wall_s: float = 0.0
     flop_ops: list[tuple[str, int, frozenset[str] | None]] = field(default_factory=list, repr=False)
+    # (dim names, global bytes, whether it has a gradient as the step begins or is given one in it)
     param_shapes: list[tuple[tuple[str, ...], int, bool]] = field(default_factory=list, repr=False)
     start_by_kind: dict[str, int] = field(default_factory=dict)
     aten_ops: int = 0
@@ -159,6 +160,7 @@ class Tracer(TorchDispatchMode):
         self._pending_flop_ops: list[int] = []
         self.param_shapes: dict[int, tuple[tuple[str, ...], int]] = {}  # dim names, global bytes
         self.grad_at_start: set[int] = set()  # parameters with a gradient as the first block began
+        self.grad_in_step: set[int] = set()  # parameters given a gradient inside a measured block
         self.start_by_kind: dict[str, int] = {}
 
     # -------------------------------------------------------------- storages
@@ -411,6 +413,8 @@ def _on_grad(param: torch.Tensor) -> None:
     tr = active()
     if tr is not None:
         tr.mark(param.grad, "gradients")
+        if tr.inside:
+            tr.grad_in_step.add(id(param))
 
 
 @contextmanager
@@ -441,7 +445,8 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  comm=tr.comm, peak_bytes=peak, peak_by_kind=by_kind, ops=tr.ops, result=result,
                  wall_s=time.perf_counter() - t0,
                  flop_ops=[(dt, n, None if d is None else frozenset(d)) for dt, n, d in tr.flop_ops],
-                 param_shapes=[(*v, k in tr.grad_at_start) for k, v in tr.param_shapes.items()],
+                 param_shapes=[(*v, k in tr.grad_at_start or k in tr.grad_in_step)
+                               for k, v in tr.param_shapes.items()],
                  start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops)
 
 
