@@ -136,6 +136,12 @@ def test_pipeline_bounds_hold_and_the_pruned_search_equals_exhaustive():
         t, m = bounds[c]
         assert 0 < t <= e.step_seconds * (1 + 1e-9) and 0 < m <= e.memory_bytes["total"], c
         assert t >= 0.55 * e.step_seconds, c  # the bubble and the uneven stages make it this tight
+    # stage by stage: give_up sees each stage's work as the estimate has it, and can stop it
+    c, seen = family[0], []
+    e = estimate_pipeline(step.pipelined(c[2]), c[0], c[1], spec,
+                          give_up=lambda s, w: seen.append(w) or False)
+    assert e.stage_seconds == pytest.approx(seen) == piped[c].stage_seconds
+    assert estimate_pipeline(step.pipelined(c[2]), c[0], c[1], spec, give_up=lambda s, w: True) is None
     spmd = [mt.plan.estimate(step, m, r, device=spec) for m in meshes_for(4) for r in rules_for(m, dims)]
     every = [*spmd, *piped.values()]
     # memory for the pipelined layouts and a few others only: the best of each family is in play
