@@ -12,6 +12,7 @@ from meshtorch.errors import PipelineError
 from meshtorch.pipeline import build_schedule, memory, simulate
 from meshtorch.pipeline.plot import timeline
 from meshtorch.pipeline.schedule import Action, Schedule, from_orders
+from meshtorch.pipeline.simulate import step_time_bound
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,6 +75,45 @@ def test_2bw_without_flush_has_a_smaller_bubble_than_flushed_1f1b(p, m, steps):
     assert {(a.microbatch // m, a.version) for a in two_bw.actions} == {(k, k - 1) for k in range(steps)}
     want = [200.0 + 10 * min(p - s, steps * m) for s in range(p)]
     assert memory(two_bw, weights=100, activations=10) == want
+
+
+@given(name=st.sampled_from(["gpipe", "1f1b", "2bw"]), m=st.integers(1, 6), batches=st.integers(1, 3),
+       costs=st.lists(st.tuples(st.floats(0, 5), st.floats(0, 5)), min_size=1, max_size=5),
+       comm=st.floats(0, 1))
+@settings(max_examples=200, deadline=None)
+def test_step_time_bound_is_below_every_simulated_schedule(name, m, batches, costs, comm):
+    # the planner prunes pipelined layouts with it: it must hold for uneven stages, any split of
+    # a stage's work into forward and backward, any hop time, flushed or not
+    if name == "2bw":
+        m = max(m, len(costs) - 1)  # 2BW's tables need micro-batches >= stages - 1
+    else:
+        batches = 1
+    f, b = [c[0] for c in costs], [c[1] for c in costs]
+    sim = simulate(build_schedule(name, len(costs), m, batches=batches), f, b, comm=comm)
+    work = [m * (x + y) for x, y in costs]
+    bound = step_time_bound(work, m, batches)
+    assert bound <= sim.step_time * (1 + 1e-9) + 1e-12
+    # by hand: the first micro-batch's trip through the stages before the busiest one
+    k = max(range(len(work)), key=lambda s: work[s] + sum(work[:s]) / (m * batches))
+    assert bound == pytest.approx(work[k] + sum(work[:k]) / (m * batches))
+    if comm == 0 and len(set(costs)) == 1 and name != "2bw":  # even stages: exactly the flushed step
+        assert bound == pytest.approx(sim.step_time)
+
+
+@given(st.integers(1, 8), st.lists(st.tuples(st.floats(0, 5), st.floats(0, 5), st.floats(0, 5)),
+                                   min_size=1, max_size=5), st.floats(0, 1))
+@settings(max_examples=100, deadline=None)
+def test_step_time_bound_holds_when_an_update_runs_after_the_micro_batches(m, costs, comm):
+    # the planner's pipelined step: the replay of the work less each stage's update, plus the
+    # slowest update; only the spread part delays the stages after it
+    spread = [m * (f + b) for f, b, _ in costs]
+    update = [u for _, _, u in costs]
+    step = simulate(build_schedule("1f1b", len(costs), m), [f for f, _, _ in costs],
+                    [b for _, b, _ in costs], comm=comm).step_time + max(update)
+    work = [w + u for w, u in zip(spread, update)]
+    assert step_time_bound(work, m, spread=spread) <= step * (1 + 1e-9) + 1e-12
+    # with no spread, the bound is the busiest stage's work alone
+    assert step_time_bound(work, m, spread=[0.0] * len(work)) == pytest.approx(max(work))
 
 
 def test_memory_model():

@@ -126,6 +126,50 @@ def test_search_equals_exhaustive_over_the_pipelined_family():
     assert without.space == 2 and not without.best.fits
 
 
+# d_ff of 16 splits over 2, heads 1 and 15 ids do not: on 4 processors, 10 pipelined candidates
+# (stage:2 with b:2; batch and d_ff on b or not; 2, 4 or 8 micro-batches) besides the SPMD ones
+SPLIT = SMALL.replace(d_ff=16)
+
+
+def test_pipeline_bounds_hold_and_the_pruned_search_equals_exhaustive():
+    from meshtorch.plan.search import REFERENCE_MESH, _dims, meshes_for, pipeline_bounds
+
+    spec = dataclasses.replace(mt.plan.device("a100"), peak_flops={"float32": 2e8})  # compute dominates
+    step = training_step(SPLIT, 15)
+    dims = _dims(trace(step, mesh=REFERENCE_MESH))
+    family = pipeline_layouts(4, dims, 2)
+    assert len(family) == 10
+    bounds = pipeline_bounds(step.pipelined, family, spec)
+    piped = {c: estimate_pipeline(step.pipelined(c[2]), c[0], c[1], spec) for c in family}
+    for c, e in piped.items():
+        t, m = bounds[c]
+        assert 0 < t <= e.step_seconds * (1 + 1e-9) and 0 < m <= e.memory_bytes["total"], c
+        assert t >= 0.55 * e.step_seconds, c  # the bubble and the uneven stages make it this tight
+    # stage by stage: give_up sees each stage's work as the estimate has it, and can stop it
+    c, seen = family[0], []
+    e = estimate_pipeline(step.pipelined(c[2]), c[0], c[1], spec,
+                          give_up=lambda s, w: seen.append(w) or False)
+    assert e.stage_seconds == pytest.approx(seen) == piped[c].stage_seconds
+    assert estimate_pipeline(step.pipelined(c[2]), c[0], c[1], spec, give_up=lambda s, w: True) is None
+    spmd = [mt.plan.estimate(step, m, r, device=spec) for m in meshes_for(4) for r in rules_for(m, dims)]
+    every = [*spmd, *piped.values()]
+    # memory for the pipelined layouts and a few others only: the best of each family is in play
+    need = sorted(e.memory_bytes["total"] for e in every)
+    small = dataclasses.replace(spec, name="small", memory_bytes=need[len(need) // 3])
+    fitting = [e for e in every if e.memory_bytes["total"] <= small.memory_bytes]
+    truth = min(fitting, key=lambda e: e.step_seconds)
+    res = search(step, 4, device=small)
+    assert res.space == len(every)
+    assert res.best.step_seconds == pytest.approx(truth.step_seconds, rel=1e-12)
+    assert (res.best.mesh, res.best.rules) == (truth.mesh, truth.rules)
+    assert len(res.ranking()) == len(every)
+    for p in res.pruned_candidates:
+        if p.pipeline and p.by == "time":  # a pruned pipelined candidate's bound is below its step
+            (e,) = [e for c, e in piped.items() if (c[0], c[1]) == (p.mesh, p.rules)
+                    and p.pipeline.endswith(f"x{c[2]}")]
+            assert p.seconds <= e.step_seconds * (1 + 1e-9)
+
+
 def test_pipeline_layouts_cover_stages_layouts_and_microbatches():
     got = pipeline_layouts(8, {"batch": 8, "d_ff": 16}, layers=4)
     stages = {Mesh(m).axis_size("stage") for m, _, _ in got}

@@ -129,6 +129,9 @@ def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model,
         est = mt.plan.estimate(step, mesh, rules, device=spec)
         t, m = lower_bounds(ref, mesh, rules, spec)
         assert 0 < t <= est.step_seconds * (1 + 1e-9), rules
+        # the forward and backward alone (what the search traces before the whole shallow step)
+        part = from_trace(trace(step.without_update(), mesh=mesh, rules=rules), mesh, spec).step_seconds
+        assert t * 0.1 < part <= est.step_seconds * (1 + 1e-9), rules
         assert 0 < m <= est.memory_bytes["total"], rules
         everything.append(est)
     # memory between the smallest and largest need, so that half the candidates do not fit

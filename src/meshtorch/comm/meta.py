@@ -116,8 +116,11 @@ class MetaCommunicator(Communicator):
         n = len(group)
         x = self._copy(t, split_dim)
         out = torch.empty_like(x) if self._staging != "none" else x
-        pieces = out.view(n, x.shape[0] // n, *x.shape[1:]) if out.is_contiguous() else out.chunk(n, 0)
-        return torch.cat([pieces[j].movedim(0, split_dim) for j in range(n)], concat_dim)
+        if not out.is_contiguous():
+            return torch.cat([p.movedim(0, split_dim) for p in out.chunk(n, 0)], concat_dim)
+        # the torch backend's ops (comm/torch.py, _blocks): one permute and one unbind
+        pieces = out.view(n, x.shape[0] // n, *x.shape[1:])
+        return torch.cat(pieces.movedim(1, split_dim + 1).unbind(0), concat_dim)
 
     def _permute(self, t, axes, group, sources, call):
         return self._copy(t).clone()

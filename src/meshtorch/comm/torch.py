@@ -338,8 +338,8 @@ class TorchCommunicator(Communicator):
         """What arrived from each member (``out``, stacked along dim 0) concatenated along
         ``concat_dim``, in group order, on ``t``'s device."""
         pieces = out.view(n, out.shape[0] // n, *out.shape[1:])
-        parts = [pieces[j].movedim(0, split_dim) for j in range(n)]
-        return torch.cat(parts, concat_dim).to(t.device)
+        # one permute and one unbind, not a movedim per member (n aten ops: 128 on a 128-way axis)
+        return torch.cat(pieces.movedim(1, split_dim + 1).unbind(0), concat_dim).to(t.device)
 
     def _permute(self, t, axes, group, sources, call):
         if torch.compiler.is_compiling():

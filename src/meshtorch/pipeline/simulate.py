@@ -113,6 +113,40 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
                       schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)])
 
 
+def step_time_bound(work: Sequence[float], microbatches: int, batches: int = 1,
+                    spread: Sequence[float] | None = None) -> float:
+    """A lower bound on :func:`simulate`'s ``step_time`` for any schedule of ``len(work)`` stages
+    whose stage ``s`` does ``work[s]`` seconds per batch (forward and backward of its
+    ``microbatches`` micro-batches, split between them in any way; any ``comm``).
+
+    Stage ``k`` cannot start before the first micro-batch's forward has passed the stages
+    before it, and after its last backward that micro-batch's backward still has to pass them:
+    ``T · step_time >= T · work[k] + sum(work[:k]) / microbatches`` for ``T`` batches. With even
+    stages that is the flushed schedules' bubble, ``(p-1)/m`` of a stage's work.
+
+    ``spread``: when part of a stage's work runs once after its micro-batches (a pipeline's
+    update, which the planner adds after the replay), a lower bound per stage on the rest,
+    the part spread over the micro-batches; only that part delays the stages after it, so
+    the bound is ``max_k work[k] + sum(spread[:k]) / microbatches``. By default all of it.
+
+    Example:
+        >>> from meshtorch.pipeline import build_schedule
+        >>> step_time_bound([3.0, 3.0], 4), simulate(build_schedule("1f1b", 2, 4), 0.25, 0.5).step_time
+        (3.75, 3.75)
+        >>> step_time_bound([1.0, 4.0, 2.0], 2) <= simulate(build_schedule("gpipe", 3, 2), [.2, .8, .4],
+        ...                                                  [.3, 1.2, .6], comm=0.1).step_time
+        True
+    """
+    if microbatches < 1 or batches < 1:
+        raise PipelineError(f"step_time_bound needs microbatches and batches >= 1, got {microbatches} "
+                            f"and {batches}")
+    out, before = 0.0, 0.0
+    for w, lead in zip(work, work if spread is None else spread):
+        out = max(out, w + before / (microbatches * batches))
+        before += lead
+    return out
+
+
 def memory(schedule: Schedule, weights: float | Sequence[float], activations: float | Sequence[float],
            inputs: float | Sequence[float] = 0.0, optimizer: float | Sequence[float] = 0.0,
            recompute: bool = False) -> list[float]:

@@ -47,7 +47,7 @@ Example:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,11 +137,18 @@ def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRule
 def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
                   axis: str, staging: str = "none") -> tuple[list[Trace], int]:
     """The stage traces, and the header bytes of one activation message of stage 0."""
+    pairs = list(_stage_by_stage(step_fn, mesh, rules, axis, staging))
+    return [t for t, _ in pairs], pairs[-1][1]
+
+
+def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
+                    axis: str, staging: str = "none") -> Iterator[tuple[Trace, int]]:
+    """Each stage's trace in turn (a stage needs what the ones before it sent), with the header
+    bytes of one activation message of stage 0."""
     m = Mesh(mesh)
     if axis not in m.axis_names:
         raise PlanError(f"the pipeline axis {axis!r} is not an axis of the mesh '{m}'; plan a pipeline "
                         f"on a mesh like '{axis}:2,{m}'")
-    traces: list[Trace] = []
     sent: list = []
     header = 0
     for s in range(m.axis_size(axis)):
@@ -155,16 +162,22 @@ def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRul
             return step_fn()
 
         rank = m.rank({a: s if a == axis else 0 for a in m.axis_names})
-        traces.append(trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta",
-                            rank=rank, staging=staging))
+        t = trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta", rank=rank,
+                  staging=staging)
         sent = kept[0].sent
         if s == 0 and sent:
             header = int(_messages(sent, 1, FORWARD_TAG)[0].numel())  # a header leads each message
-    return traces, header
+        yield t, header
 
 
 def _on_axis(key: str, axis: str) -> bool:
     return axis in key.split("@")[1].split(",")
+
+
+def stage_work(e: Estimate, axis: str = "stage") -> float:
+    """A stage's work per step, as the schedule's replay spreads it over the micro-batches: its
+    compute and its collectives off the pipeline ``axis``."""
+    return e.compute_seconds + sum(v for k, v in e.comm_seconds.items() if not _on_axis(k, axis))
 
 
 @dataclass
@@ -278,8 +291,7 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
     ests = [from_trace(t, m, spec, algorithm) for t in traces]
     work, update, sync = [], [], []
     for t, e in zip(traces, ests):
-        off = sum(v for k, v in e.comm_seconds.items() if not _on_axis(k, axis))
-        work.append(e.compute_seconds + off)
+        work.append(stage_work(e, axis))
         sync.append(sum(v for k, v in e.comm_seconds.items() if _on_axis(k, axis)
                         and k.split("@")[0] not in POINT_TO_POINT))
         # the update (optimizer, clipping) runs once, after the stage's last micro-batch
@@ -321,22 +333,32 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
 
 def estimate_pipeline(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
                       device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring",
-                      staging: str = "none") -> PipelineEstimate:
+                      staging: str = "none", *, give_up: Callable[[int, float], bool] | None = None
+                      ) -> PipelineEstimate | None:
     """Predict a pipelined step's per-stage bytes, calls and peak memory, its bubble and step time.
 
     ``step_fn`` runs one step of a pipeline along the mesh axis its ``pipeline`` attribute names
     (``{"axis", "schedule", "microbatches", "recompute"}``), e.g.
     ``meshtorch.recipes.lm.steps.pipelined_training_step(cfg)``; ``mesh`` has that axis.
     ``staging`` names the backend whose collective buffers each stage's peak memory holds
-    (:func:`meshtorch.plan.tracing.staging_for`).
+    (:func:`meshtorch.plan.tracing.staging_for`). ``give_up(stage, work)``, if given, is called with
+    each stage's work (:func:`stage_work`) as soon as that stage is traced; when it returns True
+    the rest is not traced and the result is None (a search that already knows the layout loses).
     """
     m = Mesh(mesh)
     info = _pipeline_of(step_fn)
     spec = get_device(device, processors=m.size)
-    traces, header = _trace_stages(step_fn, m, rules, info["axis"], staging)
+    traces, header = [], 0
+    for t, h in _stage_by_stage(step_fn, m, rules, info["axis"], staging):
+        traces.append(t)
+        header = h
+        if give_up is not None and give_up(len(traces) - 1,
+                                           stage_work(from_trace(t, m, spec, algorithm), info["axis"])):
+            return None
     return from_stage_traces(traces, m, spec, schedule=info["schedule"], microbatches=info["microbatches"],
                              axis=info["axis"], recompute=info["recompute"], algorithm=algorithm,
                              header=header)
 
 
-__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "stage_traces"]
+__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "stage_traces",
+           "stage_work"]

@@ -54,10 +54,11 @@ from typing import Any
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.pipeline.simulate import step_time_bound
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.estimate import Estimate, _fmt_bytes, from_trace
-from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
+from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline, stage_traces
 from meshtorch.plan.tracing import KINDS, Trace, trace
 
 MODEL_DIMS = ("heads", "d_ff", "vocab", "experts")
@@ -512,6 +513,28 @@ def _dims(t: Trace) -> dict[str, int]:
     return dims
 
 
+def _splitter(m: Mesh, r: dict) -> Callable[[frozenset[str] | None], int]:
+    """The most processors the rules ``r`` can split a tensor of the given dims over on ``m``
+    (None: any, the whole mesh)."""
+    cache: dict[frozenset[str] | None, int] = {}
+
+    def split(dims: frozenset[str] | None) -> int:
+        if dims not in cache:
+            cache[dims] = m.size if dims is None else math.prod(
+                m.axis_size(a) for a in {a for d in dims for a in r.get(d, ()) if a in m})
+        return cache[dims]
+
+    return split
+
+
+def flop_bound(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> float:
+    """The FLOP part of :func:`lower_bounds`: each counted FLOP op of the replicated trace ``ref``
+    over the most processors the rules can split its operands over, at ``spec``'s rate."""
+    m = Mesh(mesh) if not isinstance(mesh, Mesh) else mesh
+    split = _splitter(m, LayoutRules(rules).rules)
+    return sum(n / split(d) / spec.flops_per_second(dt) for dt, n, d in ref.flop_ops)
+
+
 def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> tuple[float, float]:
     """Lower bounds on a layout's compute seconds and peak bytes, from a replicated trace.
 
@@ -546,15 +569,8 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec) -> 
     """
     m = Mesh(mesh) if not isinstance(mesh, Mesh) else mesh
     r = LayoutRules(rules).rules
-    cache: dict[frozenset[str] | None, int] = {}
-
-    def split(dims: frozenset[str] | None) -> int:
-        if dims not in cache:
-            cache[dims] = m.size if dims is None else math.prod(
-                m.axis_size(a) for a in {a for d in dims for a in r.get(d, ()) if a in m})
-        return cache[dims]
-
-    seconds = sum(n / split(d) / spec.flops_per_second(dt) for dt, n, d in ref.flop_ops)
+    split = _splitter(m, r)
+    seconds = flop_bound(ref, m, rules, spec)
     params = sum(b / split(frozenset(names)) for names, b, _ in ref.param_shapes)
     start = ref.start_by_kind
     held = 2 if start and start.get("gradients", 0) >= start.get("parameters", 0) > 0 else 1
@@ -628,12 +644,31 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         return (*b[0], 0.0)
 
     lb = {c: bounds(*c) for c in space}
+    without_update = getattr(fns[0], "without_update", None)
+    partial = without_update() if without_update is not None else None
     order = sorted(space, key=lambda c: lb[c][0])
     done: dict[tuple[str, str], Estimate] = {}
     full: set[tuple[str, str]] = set()
     cut: dict[tuple[str, str], Pruned] = {}
 
+    # time bounds found by tracing part of a candidate, kept for when the loop comes back to it
+    traced_bound: dict[tuple[str, str], float] = {}
+
+    def loses(c: tuple[str, str], bound: float) -> bool:
+        traced_bound[c] = max(bound, traced_bound.get(c, 0.0))
+        if traced_bound[c] >= best_time() * (1 + 1e-9):
+            cut[c] = Pruned(c[0], c[1], traced_bound[c], lb[c][1], "time")
+            return True
+        return False
+
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
+        if not whole and partial is not None and c not in traced_bound:
+            # the shallow step without its update is part of the step's work: if it and the
+            # periods' bound already lose, the whole step does
+            part = from_trace(trace(partial, mesh=c[0], rules=c[1], backend="meta", staging=staging),
+                              c[0], spec, algorithm)
+            if loses(c, part.step_seconds + periods * lb[c][2]):
+                return None
         if whole or not quick:
             full.add(c)
             return from_trace(trace(step_fn, mesh=c[0], rules=c[1], backend="meta", staging=staging),
@@ -642,9 +677,7 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
-        bound = e1.step_seconds + periods * lb[c][2]
-        if bound >= best_time() * (1 + 1e-9):
-            cut[c] = Pruned(c[0], c[1], bound, lb[c][1], "time")
+        if loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
         t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         return from_trace(_extrapolate(t1, t2, periods), c[0], spec, algorithm)
@@ -661,6 +694,8 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "memory")
             elif lb[c][0] * (1 + 1e-9) >= best_time():
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "time")
+            elif c in traced_bound and loses(c, 0.0):
+                pass
             elif (e := run(c, False)) is not None:
                 done[c] = e
         if not any(e.fits for e in done.values()) and any(p.by == "memory" for p in cut.values()):
@@ -682,8 +717,8 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
     if pipeline and pipelined is not None and isinstance(processors, int) and meshes is None:
         family = pipeline_layouts(n, dims, getattr(step_fn, "layers", 0))
         n_space += len(family)
-        traced, cut_pipes = _search_pipelines(pipelined, family, spec, algorithm, bounds, best_time(),
-                                              len(space) + len(family), max_candidates)
+        traced, cut_pipes = _search_pipelines(pipelined, family, spec, algorithm, best_time(),
+                                              len(space) + len(family), max_candidates, staging)
         results += traced
         cuts += cut_pipes
     results.sort(key=_key)
@@ -694,21 +729,15 @@ def search(step_fn: Callable[[], Any], processors: int | str | Mesh, device: str
 
 
 def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
-                      spec: DeviceSpec, algorithm: str,
-                      bounds: Callable[[str, str], tuple[float, float, float]], best: float, total: int,
-                      max_candidates: int) -> tuple[list[Estimate], list[Pruned]]:
+                      spec: DeviceSpec, algorithm: str, best: float, total: int, max_candidates: int,
+                      staging: str = "none") -> tuple[list[Estimate], list[Pruned]]:
     """Branch and bound over the pipelined family, given the best step time found so far."""
     if total > max_candidates:
         raise PlanError(f"{total} candidates (with {len(family)} pipelined ones) exceed max_candidates="
                         f"{max_candidates}; pass pipeline=False (meshtorch plan --no-pipeline), fewer "
                         "processors, or raise max_candidates")
-    lb = {}
-    for c in family:
-        m = Mesh(c[0])
-        stages = m.axis_size(PIPELINE_AXIS)
-        rest = ",".join(f"{a}:{m.axis_size(a)}" for a in m.axis_names if a != PIPELINE_AXIS) or "b:1"
-        t, mem, _ = bounds(rest, c[1])
-        lb[c] = (t / stages, mem / stages)
+    works = _stage_bounds(pipelined, family, spec)
+    lb = {c: (step_time_bound(works[c][0], c[2], spread=works[c][2]), works[c][1]) for c in family}
     traced: list[Estimate] = []
     cut: list[Pruned] = []
     for c in sorted(family, key=lambda c: lb[c][0]):
@@ -720,8 +749,82 @@ def _search_pipelines(pipelined: Callable[..., Callable[[], Any]], family: list[
         elif lb[c][0] * (1 + 1e-9) >= best:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "time", pipeline=label))
         else:
-            e = estimate_pipeline(step, mesh, rules, spec, algorithm)
+            # stage by stage, the traced work replaces the stage's bound: stop once that loses
+            work = list(works[c][0])
+
+            lead = works[c][2]
+
+            def give_up(stage: int, w: float, work: list[float] = work, mb: int = mb,
+                        limit: float = best, lead: list[float] = lead) -> bool:
+                work[stage] = max(work[stage], w)
+                return step_time_bound(work, mb, spread=lead) >= limit * (1 + 1e-9)
+
+            e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging, give_up=give_up)
+            if e is None:
+                cut.append(Pruned(mesh, rules, step_time_bound(work, mb, spread=lead), lb[c][1], "time",
+                                  pipeline=label))
+                continue
             traced.append(e)
             if e.fits:
                 best = min(best, e.step_seconds)
     return traced, cut
+
+
+def pipeline_bounds(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
+                    spec: DeviceSpec) -> dict[tuple[str, str, int], tuple[float, float]]:
+    """Lower bounds on the step time and the fullest stage's memory of every pipelined candidate
+    ``(mesh, rules, microbatches)`` of ``family``.
+
+    Each stage count's step is traced once per stage, replicated (``stage:S`` with
+    :data:`REFERENCE_MESH`, no rules, ``S`` micro-batches); :func:`lower_bounds` of a stage's
+    trace under a candidate's rules on the mesh without ``stage`` bounds that stage's work and
+    memory. Neither depends on the micro-batch count (a micro-batch's FLOPs are its share of the
+    batch's; the gradients are reduced once a step), so one trace serves every count; the
+    schedule's replay then takes at least :func:`meshtorch.pipeline.simulate.step_time_bound` of
+    the stage bounds (the first micro-batch passes the stages before the busiest one forward and
+    back: the bubble).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.plan.pipeline import estimate_pipeline
+        >>> from meshtorch.plan.search import pipeline_bounds
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.steps import training_step
+        >>> step = training_step(TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, batch=8,
+        ...                                     length=8), vocab=16)
+        >>> spec = mt.plan.device("a100")
+        >>> c = ("stage:2,b:2", "batch:b", 4)
+        >>> t, m = pipeline_bounds(step.pipelined, [c], spec)[c]
+        >>> e = estimate_pipeline(step.pipelined(4), c[0], c[1], spec)
+        >>> 0 < t <= e.step_seconds, 0 < m <= e.memory_bytes["total"]
+        (True, True)
+    """
+    bounds = _stage_bounds(pipelined, family, spec)
+    return {c: (step_time_bound(work, c[2], spread=lead), mem) for c, (work, mem, lead) in bounds.items()}
+
+
+def _stage_bounds(pipelined: Callable[..., Callable[[], Any]], family: list[tuple[str, str, int]],
+                  spec: DeviceSpec) -> dict[tuple[str, str, int], tuple[list[float], float, list[float]]]:
+    """Per candidate, lower bounds on each stage's work and on the fullest stage's memory, and
+    on each stage's work between micro-batches (before its update: the FLOPs part of the work
+    bound, when the update runs no FLOP op, else nothing)."""
+    stages = sorted({Mesh(c[0]).axis_size(PIPELINE_AXIS) for c in family})
+    refs = {s: stage_traces(pipelined(s), f"{PIPELINE_AXIS}:{s},{REFERENCE_MESH}", "") for s in stages}
+    per_layout: dict[tuple[int, str, str], tuple[list[float], float, list[float]]] = {}
+    out = {}
+    for c in family:
+        m = Mesh(c[0])
+        s = m.axis_size(PIPELINE_AXIS)
+        rest = ",".join(f"{a}:{m.axis_size(a)}" for a in m.axis_names if a != PIPELINE_AXIS) or "b:1"
+        key = (s, rest, c[1])
+        if key not in per_layout:
+            b = [lower_bounds(t, rest, c[1], spec) for t in refs[s]]
+            lead = [flop_bound(t, rest, c[1], spec) if not _update_flops(t) else 0.0 for t in refs[s]]
+            per_layout[key] = ([w for w, _ in b], max(mem for _, mem in b), lead)
+        out[c] = per_layout[key]
+    return out
+
+
+def _update_flops(t: Trace) -> int:
+    up = t.phases.get("update")
+    return 0 if up is None else sum(up.flops_by_dtype.values())

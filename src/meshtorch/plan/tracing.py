@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from meshtorch.comm.meta import STAGING, MetaCommunicator
@@ -58,6 +57,8 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.plan.meta_memo import run as run_op
+from meshtorch.plan.meta_memo import tensors_in
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -122,6 +123,7 @@ class Trace:
     result: Any = None
     wall_s: float = 0.0
     flop_ops: list[tuple[str, int, frozenset[str] | None]] = field(default_factory=list, repr=False)
+    # (dim names, global bytes, whether it has a gradient as the step begins or is given one in it)
     param_shapes: list[tuple[tuple[str, ...], int, bool]] = field(default_factory=list, repr=False)
     start_by_kind: dict[str, int] = field(default_factory=dict)
     aten_ops: int = 0
@@ -170,6 +172,7 @@ class Tracer(TorchDispatchMode):
         self.param_shapes: dict[int, tuple[tuple[str, ...], int]] = {}  # dim names, global bytes
         self.grad_at_start: set[int] = set()  # parameters with a gradient as the first block began
         self.phases: dict[str, Phase] = {}
+        self.grad_in_step: set[int] = set()  # parameters given a gradient inside a measured block
         self.start_by_kind: dict[str, int] = {}
 
     # -------------------------------------------------------------- storages
@@ -204,35 +207,32 @@ class Tracer(TorchDispatchMode):
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = run_op(func, args, kwargs)
         if self._paused:
             return out
         packet = func._overloadpacket
         if packet in flop_registry:
             n = int(flop_registry[packet](*args, **kwargs, out_val=out))
-            dtype = next((str(a.dtype).replace("torch.", "") for a in tree_leaves(args)
-                          if isinstance(a, torch.Tensor)), "float32")
+            dtype = next((str(a.dtype).replace("torch.", "") for a in tensors_in(args)), "float32")
             self.all_flops[dtype] += n
             if self.counting:
                 self.flops_by_dtype[dtype] += n
                 dims: set[str] | None = set()
-                for a in tree_leaves(args):
-                    if isinstance(a, torch.Tensor):
-                        names = self.names.get(id(a.untyped_storage()))
-                        if names is None:
-                            dims = None
-                            break
-                        dims |= names
+                for a in tensors_in(args):
+                    names = self.names.get(id(a.untyped_storage()))
+                    if names is None:
+                        dims = None
+                        break
+                    dims |= names
                 self._pending_flop_ops.append(len(self.flop_ops))
                 self.flop_ops.append([dtype, n, dims])
             self._pending_flops += n
         self._pending_aten.append(packet.__name__)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = list(tensors_in(out))
         if outs:
             # a view of an input is not new memory, also when the input is not ours
             # (another thread-processor's payload, read during a collective)
-            seen = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs))
-                    if isinstance(a, torch.Tensor)}
+            seen = {id(a.untyped_storage()) for a in tensors_in((args, kwargs))}
             for t in outs:
                 if id(t.untyped_storage()) not in seen:
                     self.track(t)
@@ -439,6 +439,8 @@ def _on_grad(param: torch.Tensor) -> None:
     tr = active()
     if tr is not None:
         tr.mark(param.grad, "gradients")
+        if tr.inside:
+            tr.grad_in_step.add(id(param))
 
 
 @contextmanager
@@ -469,7 +471,8 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  comm=tr.comm, peak_bytes=peak, peak_by_kind=by_kind, ops=tr.ops, result=result,
                  wall_s=time.perf_counter() - t0,
                  flop_ops=[(dt, n, None if d is None else frozenset(d)) for dt, n, d in tr.flop_ops],
-                 param_shapes=[(*v, k in tr.grad_at_start) for k, v in tr.param_shapes.items()],
+                 param_shapes=[(*v, k in tr.grad_at_start or k in tr.grad_in_step)
+                               for k, v in tr.param_shapes.items()],
                  start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases)
 
 

@@ -123,8 +123,8 @@ class TrainingStep:
     dense and expert feed-forward blocks).
     """
 
-    def __init__(self, cfg: TrainConfig, vocab: int) -> None:
-        self.cfg, self.vocab = cfg, vocab
+    def __init__(self, cfg: TrainConfig, vocab: int, update: bool = True) -> None:
+        self.cfg, self.vocab, self.update = cfg, vocab, update
         self.layers = cfg.model.layers
         self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
         if cfg.model.name != "lm":  # only the LM is pipelined by meshtorch train: no stages to price
@@ -137,9 +137,21 @@ class TrainingStep:
             self.vocab)
 
     def with_layers(self, n: int) -> TrainingStep:
-        return TrainingStep(self.cfg.replace(layers=n), self.vocab)
+        return TrainingStep(self.cfg.replace(layers=n), self.vocab, update=self.update)
+
+    def without_update(self) -> TrainingStep:
+        """This step's forward and backward alone (no optimizer, no warm-up): a part of the
+        step's work, so its cost bounds the whole step's from below (the search prunes with it)."""
+        return TrainingStep(self.cfg, self.vocab, update=False)
 
     def __call__(self) -> dict[str, Any]:
+        if not self.update:
+            model, batch = build_model(self.cfg, self.vocab), synthetic_batch(self.cfg, self.vocab)
+            with measure():
+                with precision_context(self.cfg):
+                    loss = model.loss(*batch)
+                loss.backward()
+            return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
         model, opt, batch = prepare(self.cfg, self.vocab)
         with measure():
             loss = train_step(self.cfg, model, opt, batch)
