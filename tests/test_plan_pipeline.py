@@ -77,8 +77,9 @@ def test_step_time_is_the_simulated_schedule_of_the_stage_work():
         assert u == pytest.approx(up.aten_ops * spec.op_seconds + sum(
             n / spec.flops_per_second(dt) for dt, n in up.flops_by_dtype.items()))
     per_mb = [(w - u) / 4 for w, u in zip(work, update)]
-    sim = simulate(build_schedule("1f1b", 2, 4), forward=[w / 3 for w in per_mb],
-                   backward=[w * 2 / 3 for w in per_mb], comm=est.transfer_seconds)
+    hop = est.transfer_seconds  # a send also occupies its sender: stage 0's forwards, stage 1's backwards
+    sim = simulate(build_schedule("1f1b", 2, 4), forward=[per_mb[0] / 3 + hop, per_mb[1] / 3],
+                   backward=[per_mb[0] * 2 / 3, per_mb[1] * 2 / 3 + hop], comm=hop)
     sync = max(sum(v for k, v in e.comm_seconds.items() if k.split("@")[1] == "stage"
                    and not k.startswith(("send", "recv"))) for e in est.stage_estimates)
     assert est.step_seconds == pytest.approx(sim.step_time + max(update) + sync)

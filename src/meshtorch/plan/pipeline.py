@@ -308,7 +308,10 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
     share = 0.25 if recompute else 1 / 3
     table = build_schedule(schedule, p, mb)
     per_mb = [(w - u) / mb for w, u in zip(work, update)]
-    sim = simulate(table, forward=[w * share for w in per_mb], backward=[w * (1 - share) for w in per_mb],
+    # a send occupies its sender too (gloo's isend hands the message to the transport before it
+    # returns): each forward but the last stage's and each backward but the first's ends with one
+    sim = simulate(table, forward=[w * share + (hop if s < p - 1 else 0.0) for s, w in enumerate(per_mb)],
+                   backward=[w * (1 - share) + (hop if s > 0 else 0.0) for s, w in enumerate(per_mb)],
                    comm=hop)
     fullest = max(ests, key=lambda e: e.memory_bytes["total"])
     comm_seconds: dict[str, float] = {}
