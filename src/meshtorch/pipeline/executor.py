@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,6 +75,13 @@ def _add(totals: list, b: int, loss: torch.Tensor) -> None:
 def _call(module: Callable, value: Any) -> Any:
     return module(*value) if isinstance(value, tuple) else module(value)
 
+
+
+def _marked_update(on_update: Callable[[int], None], batch: int) -> None:
+    """``on_update(batch)`` marked as the "update" phase: the planner prices it apart from the
+    micro-batches (:func:`meshtorch.context.phase`)."""
+    with phase("update"):
+        on_update(batch)
 
 class Executor:
     """One stage of a pipeline: runs its row of a schedule table.
@@ -177,14 +185,14 @@ class Executor:
                 raise PipelineError(f"stage {s}: {len(seq)} micro-batch {name} for {nb} batch(es) of {m} "
                                     "micro-batches")
         updates = [schedule.update_slot(b) for b in range(nb)]
+        update = None if on_update is None else functools.partial(_marked_update, on_update)
         done = 0  # batches whose update ran
         stash: dict[int, tuple] = {}
         totals: list[torch.Tensor | None] = [None] * nb
         self.trace = []
         for a in schedule.for_stage(s):
-            while on_update is not None and done < nb and updates[done] <= a.slot:
-                with phase("update"):  # the planner prices it apart from the micro-batches
-                    on_update(done)
+            while update is not None and done < nb and updates[done] <= a.slot:
+                update(done)
                 done += 1
             if bind is not None:
                 bind(a.version)
@@ -230,9 +238,8 @@ class Executor:
                                BACKWARD_TAG)
             self.trace.append((a.kind, i, t0, t1, a.version))
         comm.wait_sends()
-        while on_update is not None and done < nb:
-            with phase("update"):
-                on_update(done)
+        while update is not None and done < nb:
+            update(done)
             done += 1
         if not last:
             return None

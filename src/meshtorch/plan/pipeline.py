@@ -174,10 +174,14 @@ def _on_axis(key: str, axis: str) -> bool:
     return axis in key.split("@")[1].split(",")
 
 
+def _off_axis(comm_seconds: dict[str, float], axis: str) -> float:
+    return sum(v for k, v in comm_seconds.items() if not _on_axis(k, axis))
+
+
 def stage_work(e: Estimate, axis: str = "stage") -> float:
     """A stage's work per step, as the schedule's replay spreads it over the micro-batches: its
     compute and its collectives off the pipeline ``axis``."""
-    return e.compute_seconds + sum(v for k, v in e.comm_seconds.items() if not _on_axis(k, axis))
+    return e.compute_seconds + _off_axis(e.comm_seconds, axis)
 
 
 @dataclass
@@ -296,8 +300,8 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
                         and k.split("@")[0] not in POINT_TO_POINT))
         # the update (optimizer, clipping) runs once, after the stage's last micro-batch
         up = t.phases.get("update")
-        update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec) + sum(
-            v for k, v in collectives_seconds(up.comm, m, spec, algorithm).items() if not _on_axis(k, axis)))
+        update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec)
+                      + _off_axis(collectives_seconds(up.comm, m, spec, algorithm), axis))
     # stage 0 sends only activations: its sends per micro-batch are one message (header + leaves)
     first = traces[0].comm
     calls, nbytes = first.calls(axis, "send"), first.bytes(axis, "send")
