@@ -191,8 +191,10 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
     slice) is outside ``0 .. dim.size - 1`` and is not ``ignore``: what torch's own lookups
     raise, where a masked lookup over a split ``dim`` would give zeros silently.
 
-    On the CPU this reads one ``aminmax`` of the ids (the CPU computes synchronously anyway);
-    on an accelerator it is torch's asynchronous assert, so the host never waits for the device
+    It is torch's assert on a device tensor: on the CPU it checks in place (the CPU computes
+    synchronously anyway) and only a failing check reads the ids' range for the message, so a
+    step reads no value into Python (``tests/test_syncs.py`` counts such reads); on an
+    accelerator the assert is asynchronous, so the host never waits for the device
     (a failure surfaces at a later synchronisation, as torch's own index checks do there).
     Under a tracer (``make_fx``, ``torch.compile``) the assert is recorded, as on an accelerator.
     Meta tensors (planning) hold no values and are not checked.
@@ -211,11 +213,16 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
         return
     if ignore is not None:
         t = torch.where(t == ignore, 0, t)
+    ok = ((t >= 0) & (t < dim.size)).all()
     # a tracer (make_fx, torch.compile) cannot read a value: it records the assert instead
     if t.device.type != "cpu" or torch.compiler.is_compiling() or get_proxy_mode() is not None:
-        torch._assert_async(((t >= 0) & (t < dim.size)).all(),
-                            f"{op}: {what} outside dim {dim.name!r} of size {dim.size}")
+        torch._assert_async(ok, f"{op}: {what} outside dim {dim.name!r} of size {dim.size}")
         return
+    try:  # the same assert checks in place on the host: no value comes back to Python unless it fails
+        torch._assert_async(ok)
+        return
+    except RuntimeError:
+        pass
     lo, hi = (int(v) for v in torch.aminmax(t))
     if lo < 0 or hi >= dim.size:
         skip = f" other than ignore_index={ignore}" if ignore is not None else ""

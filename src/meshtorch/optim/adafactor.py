@@ -60,6 +60,7 @@ class Adafactor(torch.optim.Optimizer):
                         multiply_by_parameter_scale=multiply_by_parameter_scale, eps1=eps1, eps2=eps2,
                         min_dim_size_to_factor=min_dim_size_to_factor, weight_decay=weight_decay)
         super().__init__(torch_params(params), defaults)
+        self._counts: dict[int, tuple[torch.Tensor, float]] = {}  # id(p) -> (its counter, its value)
 
     # ------------------------------------------------------------ shapes
     def _view(self, p: torch.Tensor) -> MeshTensor:
@@ -93,6 +94,23 @@ class Adafactor(torch.optim.Optimizer):
         if key not in st:
             st[key] = torch.zeros(local_shape(layout), dtype=torch.float32, device=p.device)
         return MeshTensor(st[key], shape, layout)
+
+    def _next_step(self, p: torch.Tensor) -> float:
+        """Count a step of ``p``: its counter ``state[p]["step"]`` (a host tensor, as checkpoints
+        hold it) becomes a new tensor one higher; the number, for the step's learning rate and
+        decay, comes from the host copy kept beside it, so a step reads no tensor (no
+        ``.item()``): the counter is read only when it is not the one this optimizer made (a
+        first step, or one loaded by ``load_state_dict``)."""
+        st = self.state[p]
+        counter = st.get("step")
+        made = self._counts.get(id(p))
+        if made is not None and made[0] is counter:
+            t = made[1] + 1
+        else:
+            t = (float(counter) if counter is not None else 0.0) + 1
+        st["step"] = torch.tensor(t, dtype=torch.float32, device="cpu")
+        self._counts[id(p)] = (st["step"], t)
+        return t
 
     # ------------------------------------------------------------ step
     @torch.no_grad()
@@ -129,9 +147,7 @@ class Adafactor(torch.optim.Optimizer):
         """The local parts of the reductions one parameter's update needs before clipping."""
         p, group = u.p, u.group
         u.view = view = self._view(p)
-        st = self.state[p]
-        st["step"] = st.get("step", torch.zeros((), dtype=torch.float32, device="cpu")) + 1
-        t = float(st["step"])
+        t = self._next_step(p)
         u.lr = group["lr"] if group["lr"] is not None else min(1e-2, 1.0 / math.sqrt(t))
         u.decay = 1.0 - t ** (-group["decay_rate"])
         u.g = g = MeshTensor(p.grad.detach().float(), view.shape, view.layout)

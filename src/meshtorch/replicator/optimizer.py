@@ -284,10 +284,12 @@ class GradientSync:
                 pending.wait()
             except RuntimeError as e:
                 raise self._comm_error(b, e) from e
-        # the flags now count the replicas that had a gradient
-        for p, view, count in zip(b.params, b.views, b.flags.tolist()):
-            if count > 0 and p.grad is not view:
-                p.grad = view
+        # the flags now count the replicas that had a gradient; they are read (a device sync) only
+        # for a bucket with a parameter unused here, whose gradient exists if another replica's does
+        if any(p.grad is not view for p, view in zip(b.params, b.views)):
+            for p, view, count in zip(b.params, b.views, b.flags.tolist()):
+                if count > 0 and p.grad is not view:
+                    p.grad = view
 
     def _finish(self) -> None:
         # end of backward: send what is left, in bucket order, then wait for all

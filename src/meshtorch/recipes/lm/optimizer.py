@@ -18,13 +18,21 @@ from meshtorch.recipes.lm.config import TrainConfig
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """``cfg``'s optimizer over ``model``: AdamW with weight-decay groups, or Adafactor."""
+    """``cfg``'s optimizer over ``model``: AdamW with weight-decay groups, or Adafactor.
+
+    On CUDA AdamW is torch's fused one: one kernel for all parameters, and its step counters
+    stay on the GPU where the kernel reads them, so a step makes no host sync (the for-each
+    AdamW reads a counter per parameter with ``.item()``, a sync each where the counters are on
+    the GPU). On the host (and the planner's meta tensors) it stays the for-each AdamW: fused
+    results differ from it in the last bit, and a host read is no sync there.
+    """
     from meshtorch import optim
 
     if cfg.optimizer.name == "adafactor":
         return optim.Adafactor(model, lr=cfg.optimizer.lr)
     groups = optim.weight_decay_groups(model, cfg.optimizer.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(0.9, 0.99))
+    fused = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(0.9, 0.99), fused=fused or None)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
