@@ -111,7 +111,7 @@ class PlainLM(torch.nn.Module):
         bsz, t = ids.shape
         h, k = cfg.heads, cfg.d_kv
         x = self.wte[ids] + self.wpe[:t]
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
         for b in self.blocks:
             y = F.layer_norm(x, (cfg.d_model,), *b["ln1"], cfg.eps)
             q, kk, v = (self._linear(y, b[w], b[w + "_b"]).view(bsz, t, h, k).transpose(1, 2) for w in "qkv")

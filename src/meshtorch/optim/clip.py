@@ -66,6 +66,11 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
 
     Like ``torch.nn.utils.clip_grad_norm_`` on the dense model; returns the norm
     before clipping. Every processor must call it (it communicates).
+
+    It reads no value back to the host (no sync with a GPU): the norm stays a tensor, and a
+    non-finite one makes the gradients non-finite, which the loss shows. Check the returned
+    norm where the training loop logs, not every step; ``error_if_nonfinite=True`` reads the
+    norm on every call to raise at once (a host sync each step on a GPU, as torch's does).
     """
     views = [(p, lay) for p, lay in layouts_of(params) if p.grad is not None]
     total = _global_grad_norm(views, norm_type)
