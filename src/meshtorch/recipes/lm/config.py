@@ -84,54 +84,47 @@ def check_fields(section: Any) -> None:
             raise ArgumentError(f"{flag} {value!r} is out of range: it must be {bound}{note}")
 
 
-@dataclass
-class ModelSection:
-    """The model: ``name`` (``--model``) and :class:`~meshtorch.models.TransformerConfig`'s fields.
+# TransformerConfig's fields that the run decides, not a flag: ``vocab`` (the tokenizer's), ``max_length``
+# (from --length), ``extra`` (what an imported model carries)
+RUN_DECIDES = ("vocab", "max_length", "extra")
+# the recipe's defaults where they differ from TransformerConfig's: a --model seq2seq or moe run gets
+# encoder blocks and experts without more flags (--model lm uses neither)
+MODEL_DEFAULTS: dict[str, Any] = {"encoder_layers": 2, "experts": 4}
 
-    Same names, types and defaults as ``TransformerConfig`` (a test holds them
-    equal), except ``encoder_layers=2`` and ``experts=4``, which only ``--model
-    seq2seq`` / ``moe`` use. The run decides ``vocab`` (the tokenizer's) and
-    ``max_length`` (from ``--length``).
+
+def _model_post_init(self: Any) -> None:
+    check_fields(self)
+
+
+def _model_config(self: Any, vocab: int, length: int) -> TransformerConfig:
+    """The :class:`TransformerConfig` of this model over ``vocab`` ids and sequences of ``length``."""
+    opts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+    opts["encoder_layers"] = self.encoder_layers if self.name == "seq2seq" else 0
+    opts["experts"] = self.experts if self.name == "moe" else 0
+    return TransformerConfig(vocab=vocab, max_length=max(length, 8), **opts)
+
+
+_MODEL_DOC = """The model: ``name`` (``--model``) and :class:`~meshtorch.models.TransformerConfig`'s fields.
+
+    The fields are derived from ``TransformerConfig``'s (same names, types and defaults, in its
+    order), except the defaults of :data:`MODEL_DEFAULTS` (``encoder_layers=2`` and ``experts=4``,
+    which only ``--model seq2seq`` / ``moe`` use) and the fields the run decides
+    (:data:`RUN_DECIDES`: ``vocab`` is the tokenizer's, ``max_length`` comes from ``--length``).
 
     Example:
         >>> ModelSection(name="moe", d_model=64).config(vocab=264, length=32).experts
         4
+        >>> [f.name for f in dataclasses.fields(ModelSection)][:5]
+        ['name', 'd_model', 'heads', 'd_kv', 'd_ff']
     """
-
-    name: str = "lm"
-    d_model: int = 128
-    heads: int = 4
-    d_kv: int = 32
-    d_ff: int = 512
-    layers: int = 2
-    encoder_layers: int = 2
-    positions: str = "learned"
-    tie_embeddings: bool = True
-    norm: str = "layer"
-    activation: str = "gelu"
-    bias: bool = False
-    dropout: float = 0.0
-    attention: str = "auto"
-    eps: float = 1e-5
-    experts: int = 4
-    moe_every: int = 2
-    top_k: int = 2
-    capacity_factor: float = 2.0
-    aux_loss: float = 0.01
-    kv_heads: int = 0
-    gated: bool = False
-    rotary_base: float = 10000.0
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    def config(self, vocab: int, length: int) -> TransformerConfig:
-        """The :class:`TransformerConfig` of this model over ``vocab`` ids and sequences of ``length``."""
-        opts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
-        opts["encoder_layers"] = self.encoder_layers if self.name == "seq2seq" else 0
-        opts["experts"] = self.experts if self.name == "moe" else 0
-        return TransformerConfig(vocab=vocab, max_length=max(length, 8), **opts)
+# derived, not repeated: a field TransformerConfig gains is a flag of meshtorch train at once
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection",
+    [("name", "str", field(default="lm"))] + [
+        (f.name, f.type, field(default=MODEL_DEFAULTS.get(f.name, f.default)))
+        for f in dataclasses.fields(TransformerConfig) if f.name not in RUN_DECIDES],
+    namespace={"__module__": __name__, "__post_init__": _model_post_init, "config": _model_config,
+               "__doc__": _MODEL_DOC})
 
 
 AXIS = "stage"  # the mesh axis a pipelined run's stages lie along
