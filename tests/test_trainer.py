@@ -146,6 +146,17 @@ def test_the_mesh_and_rules_strings_are_parsed_once_on_the_way_to_the_first_step
     assert at_first_step == [[("mesh", "b:2"), ("rules", "batch:b")]]
 
 
+def test_the_process_count_is_checked_against_the_mesh_with_its_stage_axis(monkeypatch):
+    from meshtorch.errors import MeshError
+    from meshtorch.recipes.lm import TrainConfig, train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MeshError, match=r"--mesh 'b:2' \(with the 'stage' axis of --pipeline-stages 2: "
+                       r"'stage:2,b:2'\) has 4 processors but 2 processes are running; start 4 processes or "
+                       r"pass a --mesh of 1 processors besides the 'stage' axis"):
+        train(TrainConfig.of(mesh="b:2", pipeline_stages=2))
+
+
 @pytest.mark.timeout(240)
 def test_torchrun_pipelined_run_on_the_mesh_with_its_stage_axis(text, tmp_path):
     """``torchrun --nproc-per-node 4 -m meshtorch train --pipeline-stages 2 --mesh b:2``: the mesh is

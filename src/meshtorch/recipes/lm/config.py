@@ -381,10 +381,14 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         raise MeshTorchError(f"{flag} {value!r} is not one of {allowed}")
     par, mesh = cfg.parallelism, cfg.parallelism.parsed.mesh
     if world is not None and world != mesh.size:
-        staged = f" (with the {AXIS!r} axis of --pipeline-stages {par.pipeline_stages}: '{mesh}')" \
-            if par.pipeline_stages > 1 else ""
+        staged, want = "", f"a --mesh of {world} processors"
+        if par.pipeline_stages > 1:
+            stages = par.pipeline_stages
+            staged = f" (with the {AXIS!r} axis of --pipeline-stages {stages}: '{mesh}')"
+            want = (f"a --mesh of {world // stages} processors besides the {AXIS!r} axis"
+                    if world % stages == 0 else f"a --mesh and --pipeline-stages that make {world}")
         raise MeshError(f"--mesh {par.mesh!r}{staged} has {mesh.size} processors but {world} processes "
-                        f"are running; start {mesh.size} processes or pass a mesh of {world} processors")
+                        f"are running; start {mesh.size} processes or pass {want}")
     check_layout(cfg, vocab)
     if cfg.run.compile and par.pipeline_stages > 1:
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
