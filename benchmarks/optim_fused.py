@@ -7,7 +7,7 @@ round (``meshtorch.lowering.fused``). "one by one" runs the same reductions with
 all_reduces issued one per reduction (what the optimizer did before fusion). Reports the
 collectives of the optimizer part (clipping + ``opt.step()``) per step, and the median times of
 the optimizer part and of the whole step, over interleaved rounds (the machine's load drifts).
-Also plans the step on a 512-processor mesh (meta backend, ``--device tpu-v2``) both ways: the
+Also plans the step on a 512-processor mesh (meta backend, ``device="tpu-v2"``) both ways: the
 model axis's planned communication time. The measured steps are held against this machine's
 limits (``limits.py``). Writes benchmarks/results/optim_fused.{json,md}.
 

@@ -103,13 +103,26 @@ def test_cli_json_and_png(capsys, tmp_path):
 
 
 def test_cli_search_and_errors(capsys):
-    assert main(ARGS + ["--search", "--processors", "2", "--device", "a100"]) == 0
+    assert main(ARGS + ["--search", "--processors", "2", "--hardware", "a100"]) == 0
     text = capsys.readouterr().out
     assert "best: --mesh b:2" in text and "dominated by" in text
     assert main(ARGS + ["--mesh", "b:3", "--rules", "d_ff:b"]) == 2
     assert "dim 'd_ff' of size 64 over axis 'b' of size 3" in capsys.readouterr().err
     assert main(ARGS + ["--mesh", "b:2", "--rules", "experts:b"]) == 2
     assert "does not have" in capsys.readouterr().err
+
+
+def test_plan_device_is_the_deprecated_name_of_hardware(capsys):
+    """``meshtorch plan --hardware`` is the hardware priced (``meshtorch train --device`` is where a run
+    computes); the old ``--device`` still prices that hardware, with a notice on stderr."""
+    one = ARGS + ["--mesh", "b:2", "--rules", "batch:b", "--json"]
+    assert main(one + ["--hardware", "h100"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["device"] == "h100" and "deprecated" not in out.err
+    assert main(one + ["--device", "a100"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["device"] == "a100"
+    assert "meshtorch plan: --device is deprecated, pass --hardware a100" in out.err
 
 
 SMALL = TrainConfig.of(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, length=8, experts=4, top_k=2)

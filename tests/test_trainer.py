@@ -115,3 +115,64 @@ def test_config_file_sections_reach_their_fields(tmp_path):
     f.write_text("[run]\nstepz = 1\n")
     with pytest.raises(Exception, match="stepz"):
         config_from_args(p.parse_args(["train", "--config", str(f)]))
+
+
+@pytest.mark.parametrize("flags", [[], PIPE], ids=["plain", "pipelined"])
+def test_the_mesh_and_rules_strings_are_parsed_once_on_the_way_to_the_first_step(text, tmp_path, monkeypatch,
+                                                                                flags):
+    """From ``meshtorch train``'s arguments to the first step, ``--mesh`` and ``--rules`` are parsed
+    once (when the config is built) and everything after takes the parsed objects: the checks, the
+    memory check's trace, the stage axis of a pipelined run, the launch. (Before: 18 parses at 5-6
+    places in the code, plain and pipelined alike.)"""
+    from meshtorch.layout import LayoutRules
+    from meshtorch.mesh import Mesh
+
+    parsed, at_first_step = [], []
+    for cls, kind in ((Mesh, "mesh"), (LayoutRules, "rules")):
+        def counting(self, spec="", _init=cls.__init__, _kind=kind):
+            if isinstance(spec, str) and spec:  # "" is the empty mesh of the context outside a launch
+                parsed.append((_kind, spec))
+            _init(self, spec)
+        monkeypatch.setattr(cls, "__init__", counting)
+    for step in (strategies.PlainStep, strategies.PipelinedStep):
+        def spy(self, batches, first, _run=step.run):
+            if not at_first_step:
+                at_first_step.append(list(parsed))
+            return _run(self, batches, first)
+        monkeypatch.setattr(step, "run", spy)
+    args = ["train", "--out", str(tmp_path / "run"), "--data", text, *TINY, "--mesh", "b:2", "--rules",
+            "batch:b", "--tokenizer", "bytes", "--steps", "1", "--sample-tokens", "0", *flags]
+    assert cli.main(args) == 0
+    assert at_first_step == [[("mesh", "b:2"), ("rules", "batch:b")]]
+
+
+def test_the_process_count_is_checked_against_the_mesh_with_its_stage_axis(monkeypatch):
+    from meshtorch.errors import MeshError
+    from meshtorch.recipes.lm import TrainConfig, train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MeshError, match=r"--mesh 'b:2' \(with the 'stage' axis of --pipeline-stages 2: "
+                       r"'stage:2,b:2'\) has 4 processors but 2 processes are running; start 4 processes or "
+                       r"pass a --mesh of 1 processors besides the 'stage' axis"):
+        train(TrainConfig.of(mesh="b:2", pipeline_stages=2))
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_pipelined_run_on_the_mesh_with_its_stage_axis(text, tmp_path):
+    """``torchrun --nproc-per-node 4 -m meshtorch train --pipeline-stages 2 --mesh b:2``: the mesh is
+    stage:2,b:2, four processors (before, the world was joined on the mesh without its stage axis and
+    the run failed with "start 2 processes"). Its losses are the threads backend's on the same mesh."""
+    from test_launcher import _run as run_in_group
+
+    flags = [*TINY, "--mesh", "b:2", "--rules", "batch:b", "--tokenizer", "bytes", "--steps", "2",
+             "--log-every", "1", "--sample-tokens", "0", *PIPE]
+    out = str(tmp_path / "torchrun")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                "-m", "meshtorch", "train", "--backend", "torch", "--device", "cpu", "--out", out,
+                "--data", text, *flags]
+    code, _, err = run_in_group(cmd, timeout=220)
+    assert code == 0, err[-3000:]
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert (summary["pipeline_stages"], summary["steps"]) == (2, 2)
+    threads = _run(str(tmp_path / "threads"), text, *flags[len(TINY):])
+    assert [r["loss"] for r in _metrics(out)] == pytest.approx(threads, abs=1e-4)

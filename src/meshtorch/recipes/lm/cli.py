@@ -72,14 +72,13 @@ GROUPS = {"model": "model (the fields of meshtorch.models.TransformerConfig)",
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
-    defaults = TrainConfig().options()
     groups = {s: p.add_argument_group(title) for s, title in GROUPS.items()}
     for name, (section, attr) in OPTIONS.items():
         f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == attr)
         flag = "--" + name.replace("_", "-")
         h = HELP.get(name, "")
-        if defaults[name] is not None and "(default" not in h:
-            h = f"{h} (default: {defaults[name]})".lstrip()
+        if f.default is not None and "(default" not in h:
+            h = f"{h} (default: {f.default})".lstrip()
         group = groups[section]
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=h)

@@ -23,7 +23,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtorch.errors import ArgumentError, LayoutError, MeshError, MeshTorchError
+from meshtorch.errors import ArgumentError, LayoutError, MeshError, MeshTorchError, PipelineError
 from meshtorch.layout import LayoutRules, format_axes
 from meshtorch.mesh import Mesh
 from meshtorch.models.config import ACTIVATIONS, ATTENTIONS, NORMS, POSITIONS, TransformerConfig
@@ -84,59 +84,97 @@ def check_fields(section: Any) -> None:
             raise ArgumentError(f"{flag} {value!r} is out of range: it must be {bound}{note}")
 
 
-@dataclass
-class ModelSection:
-    """The model: ``name`` (``--model``) and :class:`~meshtorch.models.TransformerConfig`'s fields.
+# TransformerConfig's fields that the run decides, not a flag: ``vocab`` (the tokenizer's), ``max_length``
+# (from --length), ``extra`` (what an imported model carries)
+RUN_DECIDES = ("vocab", "max_length", "extra")
+# the recipe's defaults where they differ from TransformerConfig's: a --model seq2seq or moe run gets
+# encoder blocks and experts without more flags (--model lm uses neither)
+MODEL_DEFAULTS: dict[str, Any] = {"encoder_layers": 2, "experts": 4}
 
-    Same names, types and defaults as ``TransformerConfig`` (a test holds them
-    equal), except ``encoder_layers=2`` and ``experts=4``, which only ``--model
-    seq2seq`` / ``moe`` use. The run decides ``vocab`` (the tokenizer's) and
-    ``max_length`` (from ``--length``).
+
+def _model_post_init(self: Any) -> None:
+    check_fields(self)
+
+
+def _model_config(self: Any, vocab: int, length: int) -> TransformerConfig:
+    """The :class:`TransformerConfig` of this model over ``vocab`` ids and sequences of ``length``."""
+    opts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+    opts["encoder_layers"] = self.encoder_layers if self.name == "seq2seq" else 0
+    opts["experts"] = self.experts if self.name == "moe" else 0
+    return TransformerConfig(vocab=vocab, max_length=max(length, 8), **opts)
+
+
+_MODEL_DOC = """The model: ``name`` (``--model``) and :class:`~meshtorch.models.TransformerConfig`'s fields.
+
+    The fields are derived from ``TransformerConfig``'s (same names, types and defaults, in its
+    order), except the defaults of :data:`MODEL_DEFAULTS` (``encoder_layers=2`` and ``experts=4``,
+    which only ``--model seq2seq`` / ``moe`` use) and the fields the run decides
+    (:data:`RUN_DECIDES`: ``vocab`` is the tokenizer's, ``max_length`` comes from ``--length``).
 
     Example:
         >>> ModelSection(name="moe", d_model=64).config(vocab=264, length=32).experts
         4
+        >>> [f.name for f in dataclasses.fields(ModelSection)][:5]
+        ['name', 'd_model', 'heads', 'd_kv', 'd_ff']
+    """
+# derived, not repeated: a field TransformerConfig gains is a flag of meshtorch train at once
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection",
+    [("name", "str", field(default="lm"))] + [
+        (f.name, f.type, field(default=MODEL_DEFAULTS.get(f.name, f.default)))
+        for f in dataclasses.fields(TransformerConfig) if f.name not in RUN_DECIDES],
+    namespace={"__module__": __name__, "__post_init__": _model_post_init, "config": _model_config,
+               "__doc__": _MODEL_DOC})
+
+
+AXIS = "stage"  # the mesh axis a pipelined run's stages lie along
+
+
+def pipeline_mesh(mesh: Mesh | str, stages: int) -> Mesh:
+    """``mesh`` with a ``stage:<stages>`` axis in front, unless it has a ``stage`` axis of that size.
+
+    Example:
+        >>> str(pipeline_mesh("b:2", 2)), str(pipeline_mesh("b:2,stage:2", 2))
+        ('stage:2,b:2', 'b:2,stage:2')
+    """
+    m = Mesh(mesh)
+    if AXIS in m.axis_names:
+        if m.axis_size(AXIS) != stages:
+            raise PipelineError(f"--mesh '{m}' has a {AXIS!r} axis of size {m.axis_size(AXIS)} but "
+                                f"--pipeline-stages is {stages}; make them equal or drop the axis")
+        return m
+    return Mesh(((AXIS, stages), *m.axes))
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """``--mesh``, ``--rules`` and ``--pipeline-stages`` parsed: the run's whole mesh (a pipelined
+    run's with its ``stage`` axis) and its layout rules.
+
+    :class:`ParallelismSection` builds it once, when the config is built, and every later step of
+    ``meshtorch train`` (the checks, the memory check's trace, joining the torch world, the launch)
+    takes these objects: no one parses the strings again, and no one can use the mesh without its
+    stage axis by mistake.
+
+    Example:
+        >>> p = TrainConfig.of(mesh="b:2", rules="batch:b", pipeline_stages=2).parallelism.parsed
+        >>> p.mesh, p.mesh.size, p.rules, p.stage_mesh
+        (Mesh('stage:2,b:2'), 4, LayoutRules('batch:b'), Mesh('b:2'))
     """
 
-    name: str = "lm"
-    d_model: int = 128
-    heads: int = 4
-    d_kv: int = 32
-    d_ff: int = 512
-    layers: int = 2
-    encoder_layers: int = 2
-    positions: str = "learned"
-    tie_embeddings: bool = True
-    norm: str = "layer"
-    activation: str = "gelu"
-    bias: bool = False
-    dropout: float = 0.0
-    attention: str = "auto"
-    eps: float = 1e-5
-    experts: int = 4
-    moe_every: int = 2
-    top_k: int = 2
-    capacity_factor: float = 2.0
-    aux_loss: float = 0.01
-    kv_heads: int = 0
-    gated: bool = False
-    rotary_base: float = 10000.0
-    recompute: bool = False
+    mesh: Mesh
+    rules: LayoutRules
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    def config(self, vocab: int, length: int) -> TransformerConfig:
-        """The :class:`TransformerConfig` of this model over ``vocab`` ids and sequences of ``length``."""
-        opts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
-        opts["encoder_layers"] = self.encoder_layers if self.name == "seq2seq" else 0
-        opts["experts"] = self.experts if self.name == "moe" else 0
-        return TransformerConfig(vocab=vocab, max_length=max(length, 8), **opts)
+    @property
+    def stage_mesh(self) -> Mesh:
+        """The mesh one pipeline stage's layers are split over: :attr:`mesh` without the stage axis."""
+        return Mesh([(a, n) for a, n in self.mesh.axes if a != AXIS])
 
 
 @dataclass
 class ParallelismSection:
-    """Where the run's processors are and how tensors and layers are split over them."""
+    """Where the run's processors are and how tensors and layers are split over them;
+    :attr:`parsed` holds the mesh and the rules parsed (:class:`Parallelism`)."""
 
     mesh: str = "b:2"
     rules: str = "batch:b"
@@ -152,7 +190,20 @@ class ParallelismSection:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        Mesh(self.mesh), LayoutRules(self.rules)  # their own syntax errors, naming the axis or rule
+        self._parsed = self._parse()  # their own syntax errors now, naming the axis or rule
+
+    def _parse(self) -> tuple[tuple[str, str, int], Parallelism]:
+        mesh = Mesh(self.mesh)
+        if self.pipeline_stages > 1:
+            mesh = pipeline_mesh(mesh, self.pipeline_stages)
+        return (self.mesh, self.rules, self.pipeline_stages), Parallelism(mesh, LayoutRules(self.rules))
+
+    @property
+    def parsed(self) -> Parallelism:
+        """The mesh (with the stage axis when pipelined) and the rules, parsed when the section was built."""
+        if self._parsed[0] != (self.mesh, self.rules, self.pipeline_stages):  # a field set since
+            self._parsed = self._parse()
+        return self._parsed[1]
 
 
 @dataclass
@@ -220,6 +271,17 @@ OPTIONS = _flat_names()
 _FLAGS = {(SECTIONS[section], attr): name for name, (section, attr) in OPTIONS.items()}
 
 
+def _per_section(options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Options by flag name -> each section's field values."""
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for name, value in options.items():
+        if name not in OPTIONS:
+            raise MeshTorchError(f"unknown option {name!r} of meshtorch train; known: {sorted(OPTIONS)}")
+        section, attr = OPTIONS[name]
+        per_section[section][attr] = value
+    return per_section
+
+
 @dataclass
 class TrainConfig:
     """Every option of ``meshtorch train``, in sections as torchtitan's JobConfig.
@@ -241,18 +303,14 @@ class TrainConfig:
     @classmethod
     def of(cls, **options: Any) -> TrainConfig:
         """The defaults with ``options`` (flag names: ``d_model``, ``model``, ``steps``, ...) set."""
-        return cls().replace(**options)
+        # each section built once, from its options: its mesh and rules parsed once
+        return cls(**{s: SECTIONS[s](**kw) for s, kw in _per_section(options).items()})
 
     def replace(self, **options: Any) -> TrainConfig:
         """A copy with ``options`` (flag names) set."""
-        per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-        for name, value in options.items():
-            if name not in OPTIONS:
-                raise MeshTorchError(f"unknown option {name!r} of meshtorch train; known: {sorted(OPTIONS)}")
-            section, attr = OPTIONS[name]
-            per_section[section][attr] = value
-        return TrainConfig(**{s: dataclasses.replace(getattr(self, s), **kw)
-                              for s, kw in per_section.items()})
+        # a section without a change is kept as it is (its parsed mesh and rules with it)
+        return TrainConfig(**{s: dataclasses.replace(getattr(self, s), **kw) if kw else getattr(self, s)
+                              for s, kw in _per_section(options).items()})
 
     def options(self) -> dict[str, Any]:
         """Every option by its flag name (what a checkpoint records and ``--config`` reads)."""
@@ -282,9 +340,13 @@ def model_dims(cfg: TrainConfig, vocab: int) -> dict[str, int]:
     return dims
 
 
-def check_layout(cfg: TrainConfig, vocab: int, mesh: str, rules: str) -> None:
-    """Raise :class:`LayoutError` unless every rule names a dim of the model that its axis divides."""
-    m, r = Mesh(mesh), LayoutRules(rules)
+def check_layout(cfg: TrainConfig, vocab: int, mesh: Mesh | str | None = None,
+                 rules: LayoutRules | str | None = None) -> None:
+    """Raise :class:`LayoutError` unless every rule names a dim of the model that its axis divides
+    (on ``cfg``'s parsed mesh and rules unless ``mesh`` and ``rules`` are given)."""
+    parsed = cfg.parallelism.parsed
+    m = parsed.mesh if mesh is None else Mesh(mesh)
+    r = parsed.rules if rules is None else LayoutRules(rules)
     r.check(m)
     dims = model_dims(cfg, vocab)
     for dim, axes in r.rules.items():
@@ -317,12 +379,17 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         if section == "model" and name != "model":
             cfg.model_config(vocab)  # the model config's own error, e.g. activation='tanh'
         raise MeshTorchError(f"{flag} {value!r} is not one of {allowed}")
-    par = cfg.parallelism
-    if world is not None and world != Mesh(par.mesh).size:
-        raise MeshError(f"--mesh {par.mesh!r} has {Mesh(par.mesh).size} processors but {world} processes "
-                        f"are running; start {Mesh(par.mesh).size} processes or pass a mesh of {world} "
-                        f"processors")
-    check_layout(cfg, vocab, par.mesh, par.rules)
+    par, mesh = cfg.parallelism, cfg.parallelism.parsed.mesh
+    if world is not None and world != mesh.size:
+        staged, want = "", f"a --mesh of {world} processors"
+        if par.pipeline_stages > 1:
+            stages = par.pipeline_stages
+            staged = f" (with the {AXIS!r} axis of --pipeline-stages {stages}: '{mesh}')"
+            want = (f"a --mesh of {world // stages} processors besides the {AXIS!r} axis"
+                    if world % stages == 0 else f"a --mesh and --pipeline-stages that make {world}")
+        raise MeshError(f"--mesh {par.mesh!r}{staged} has {mesh.size} processors but {world} processes "
+                        f"are running; start {mesh.size} processes or pass {want}")
+    check_layout(cfg, vocab)
     if cfg.run.compile and par.pipeline_stages > 1:
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
                              f"{par.pipeline_stages}) runs eagerly: drop one of them")

@@ -8,7 +8,10 @@ models: untied embedding and output layer, Adafactor, float32.
 Example:
     $ meshtorch plan --model lm --layers 6 --d-model 1024 --d-kv 256 --d-ff 262144 --heads 256 \\
         --batch 256 --length 256 --vocab 32768 --mesh batch:16,model:32 \\
-        --rules "batch:batch; heads:model; d_ff:model; vocab:model" --device tpu-v2
+        --rules "batch:batch; heads:model; d_ff:model; vocab:model" --hardware tpu-v2
+
+``--hardware`` names the hardware priced (``meshtorch train --device`` is where a run computes);
+``--device``, its old name here, still works for one release and prints a deprecation notice.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from meshtorch.errors import PlanError
 from meshtorch.mesh import Mesh
@@ -29,11 +33,11 @@ from meshtorch.recipes.lm.config import (
     OPTIMIZERS,
     PIPELINE_SCHEDULES,
     PRECISIONS,
+    ModelSection,
     TrainConfig,
     check_layout,
 )
 from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
-from meshtorch.recipes.lm.strategies import AXIS, pipeline_mesh
 
 
 def config_of(args: argparse.Namespace) -> TrainConfig:
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
               f"{machine.memory_bandwidth / 1e9:.1f} GB/s copies, "
               f"{machine.op_seconds * 1e6:.0f} µs an aten op, "
               f"{machine.memory_bytes / 2 ** 30:.1f} GiB; "
-              "--device cpu uses it from now on", file=sys.stderr)
+              "--hardware cpu uses it from now on", file=sys.stderr)
         if not (args.mesh or args.search):
             return 0
     cfg = config_of(args)
@@ -103,22 +107,24 @@ def run(args: argparse.Namespace) -> int:
         if cfg.model.name != "lm":
             raise PlanError(f"--pipeline-stages plans --model lm (the model meshtorch train pipelines); "
                             f"got --model {cfg.model.name!r}")
-        mesh = pipeline_mesh(args.mesh, args.pipeline_stages)
-        rest = ",".join(f"{a}:{Mesh(mesh).axis_size(a)}" for a in Mesh(mesh).axis_names if a != AXIS)
+        layout = cfg.parallelism.parsed  # --mesh with the stage axis, parsed with the config
         if args.rules:
-            check_layout(cfg, args.vocab, rest or "b:1", args.rules)
-        est = estimate_pipeline(pipelined_training_step(cfg, args.vocab), mesh, args.rules,
-                                device=args.device, algorithm=args.algorithm)
+            per_stage = layout.stage_mesh
+            check_layout(cfg, args.vocab, per_stage if per_stage.axis_names else Mesh({"b": 1}))
+        # without --mesh the stages are the whole mesh (the config's placeholder b:1 is not priced)
+        mesh = layout.mesh if args.mesh else Mesh(layout.mesh.axes[:1])
+        est = estimate_pipeline(pipelined_training_step(cfg, args.vocab), mesh, layout.rules,
+                                device=args.hardware, algorithm=args.algorithm)
         ests: list[Estimate] = [est]
         out = est.to_json()
         if not args.json:
             print(est.table())
     elif args.search:
         target: int | str = args.mesh if args.mesh and args.fixed_mesh else (
-            args.processors or (Mesh(args.mesh).size if args.mesh else 0))
+            args.processors or (cfg.parallelism.parsed.mesh.size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
-        res = search(step, target, device=args.device, algorithm=args.algorithm, pipeline=args.pipeline,
+        res = search(step, target, device=args.hardware, algorithm=args.algorithm, pipeline=args.pipeline,
                      staging=staging_for(args.backend), axes=args.axes)
         if not args.json:
             print(res.table(args.top))
@@ -129,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.mesh:
             raise PlanError("pass --mesh (e.g. batch:16,model:32) or --search --processors N")
-        check_layout(cfg, args.vocab, args.mesh, args.rules)
-        est = estimate(step, args.mesh, args.rules, device=args.device, algorithm=args.algorithm,
+        layout = cfg.parallelism.parsed
+        check_layout(cfg, args.vocab)
+        est = estimate(step, layout.mesh, layout.rules, device=args.hardware, algorithm=args.algorithm,
                        staging=staging_for(args.backend))
         ests = [est]
         out = est.to_json()
@@ -146,9 +153,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _DeprecatedDevice(argparse.Action):
+    """``meshtorch plan --device``: the old name of ``--hardware`` (``meshtorch train --device`` is where
+    a run computes, so the planner's flag got its own name); kept for one release, with a notice."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"meshtorch plan: --device is deprecated, pass --hardware {values} (the hardware to price; "
+              "meshtorch train --device is where a run computes)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``meshtorch plan`` to the ``meshtorch`` command line."""
-    d = TrainConfig().model
+    d = ModelSection()
     ap = subparsers.add_parser("plan", help="predict FLOPs, bytes, memory and step time of a layout; "
                                "--search for the fastest that fits",
                                description="Predict (or --search) the layout of a meshtorch train model "
@@ -169,11 +187,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
     ap.add_argument("--mesh", default="", help="e.g. batch:16,model:32")
     ap.add_argument("--rules", default="", help='e.g. "batch:batch; heads:model; d_ff:model; vocab:model"')
-    ap.add_argument("--device", default="tpu-v2",
-                    help="tpu-v2, tpu-v3, a100, h100, cpu (this machine, as stored by --calibrate) or a JSON "
-                    "device file (peak_flops by dtype, memory_bytes, link, links per axis: docs/planner.md)")
+    ap.add_argument("--hardware", default="tpu-v2",
+                    help="the hardware to price: tpu-v2, tpu-v3, a100, h100, cpu (this machine, as stored by "
+                    "--calibrate) or a JSON device file (peak_flops by dtype, memory_bytes, link, links per "
+                    "axis: docs/planner.md)")
+    ap.add_argument("--device", dest="hardware", action=_DeprecatedDevice, help=argparse.SUPPRESS)
     ap.add_argument("--calibrate", action="store_true",
-                    help="measure this machine once and store it for --device cpu (alone: only that)")
+                    help="measure this machine once and store it for --hardware cpu (alone: only that)")
     ap.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
     ap.add_argument("--pipeline-stages", type=int, default=1,
                     help="plan --model lm pipelined over this many stages along a 'stage' mesh axis "

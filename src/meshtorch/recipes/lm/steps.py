@@ -262,7 +262,7 @@ def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int]
         return None
     have, source = limit
     sharing = 1 if on_gpu else processes
-    t = trace(training_step(cfg, vocab), mesh=par.mesh, rules=par.rules,
+    t = trace(training_step(cfg, vocab), mesh=par.parsed.mesh, rules=par.parsed.rules,
               staging=staging_for(par.backend, "cuda" if on_gpu else "cpu"))
     need = {**t.peak_by_kind, "total": t.peak_bytes}
     if t.peak_bytes * sharing > have:

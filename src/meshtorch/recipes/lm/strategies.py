@@ -20,7 +20,7 @@ uninterrupted run; a checkpoint without them resumes with ``W(t-1) = W(t)``.
 
 Example:
     >>> from meshtorch.recipes.lm.strategies import pipeline_mesh
-    >>> pipeline_mesh("b:2", 2), pipeline_mesh("b:2,stage:2", 2)
+    >>> str(pipeline_mesh("b:2", 2)), str(pipeline_mesh("b:2,stage:2", 2))
     ('stage:2,b:2', 'b:2,stage:2')
 """
 
@@ -34,13 +34,10 @@ import torch
 
 from meshtorch.compiler import compile_step, graph_breaks
 from meshtorch.context import current
-from meshtorch.errors import PipelineError
-from meshtorch.mesh import Mesh
-from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.config import AXIS, TrainConfig, pipeline_mesh  # noqa: F401 - re-exported
 from meshtorch.recipes.lm.optimizer import lr_at
 from meshtorch.recipes.lm.run_files import resume_run
 
-AXIS = "stage"
 PREVIOUS = "previous"  # 2BW's W(t-1) in the checkpoint: tensors model/previous.<name>
 
 
@@ -111,17 +108,6 @@ class PlainStep:
 
     def summary(self) -> dict[str, Any]:
         return {"compiled": True, "graph_breaks": graph_breaks()} if self.cfg.run.compile else {}
-
-
-def pipeline_mesh(mesh: str, stages: int) -> str:
-    """``mesh`` with a ``stage:<stages>`` axis in front, unless it has a ``stage`` axis of that size."""
-    m = Mesh(mesh)
-    if AXIS in m.axis_names:
-        if m.axis_size(AXIS) != stages:
-            raise PipelineError(f"--mesh {mesh!r} has a {AXIS!r} axis of size {m.axis_size(AXIS)} but "
-                                f"--pipeline-stages is {stages}; make them equal or drop the axis")
-        return mesh
-    return f"{AXIS}:{stages}" + (f",{mesh}" if mesh else "")
 
 
 def _clip(pipe: Any, max_norm: float) -> None:

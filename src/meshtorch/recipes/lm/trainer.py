@@ -37,9 +37,8 @@ from meshtorch.context import current
 from meshtorch.data import Corpus, LMBatches
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
-from meshtorch.mesh import Mesh
 from meshtorch.models import DecoderLM
-from meshtorch.recipes.lm.config import TrainConfig, check_config
+from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.pretrained import (
@@ -59,7 +58,7 @@ from meshtorch.recipes.lm.report import (
 )
 from meshtorch.recipes.lm.run_files import check_resume, earlier_metrics, save_run
 from meshtorch.recipes.lm.steps import check_memory
-from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep, TrainStep, pipeline_mesh
+from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep, TrainStep
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
 
@@ -178,39 +177,42 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return processor 0's summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``,
     ``out``, ...)."""
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    par, run = cfg.parallelism, cfg.run
-    error: type[MeshTorchError] = MeshTorchError
-    if par.pipeline_stages > 1:
-        cfg = cfg.replace(mesh=pipeline_mesh(par.mesh, par.pipeline_stages))
     cfg = with_pretrained_model(cfg)
-    # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
-    check_config(cfg, vocab=planned_vocab(cfg), world=world)
+    par, run = cfg.parallelism, cfg.run
+    # the mesh (with the stage axis when pipelined) and the rules, parsed once when cfg was built:
+    # everything below takes these objects
+    layout = par.parsed
+    error: type[MeshTorchError] = MeshTorchError
     if par.pipeline_stages > 1:
         if cfg.model.name != "lm":
             raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model.name!r}")
         error = PipelineError
+    # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
+    planned = planned_vocab(cfg)
+    check_config(cfg, vocab=planned, world=world)
     if run.resume:
         check_resume(cfg, error)
     out = run.out or run.resume or default_out()
     # every processor of this machine holds its slices: all of them under threads or a spawn
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", world or Mesh(cfg.parallelism.mesh).size))
-    check_memory(cfg, planned_vocab(cfg), here)
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world or layout.mesh.size))
+    check_memory(cfg, planned, here)
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
     if par.backend == "torch" and (world or 1) > 1:
         # join the world now (the launch below reuses it): processor 0 fits the tokenizer, the others wait
         from meshtorch.launch import init_distributed
 
-        init_distributed(par.mesh, par.rules, timeout=par.timeout, device=par.device)
+        init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
     lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
     with lock:
         cfg = resolve_tokenizer_once(cfg, out)
         tok = tokenizer_of(cfg)
         vocab = model_vocab(cfg, tok)
-        check_config(cfg, vocab=vocab, world=world)
+        if vocab != planned:  # the fitted tokenizer's size: only the layout's vocab split depends on it
+            check_layout(cfg, vocab)
         # threads share one corpus in memory; torch-backend processes each read it themselves
         corpus = (None if cfg.model.name == "seq2seq" or par.backend != "threads"
                   else Corpus.from_path(run.data, tokenizer=tok))
-        kwargs: dict[str, Any] = {"mesh": cfg.parallelism.mesh, "rules": par.rules, "timeout": par.timeout,
+        kwargs: dict[str, Any] = {"mesh": layout.mesh, "rules": layout.rules, "timeout": par.timeout,
                                   "device": par.device}
         if par.backend != "threads":
             kwargs["backend"] = par.backend
