@@ -512,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                  "flops_per_step": work.per_step, "formula": work.formula(mcfg, size["length"]),
                  "matmul_bound_ms": round(1e3 * work.per_step / measured, 3),
                  "variants": {v: {"status": "not run yet"} for v in VARIANTS if v in a.variants}}
+        entry["ratios"] = ratios(entry["variants"])
         report["sizes"][size_name] = entry
         print(f"\n{size_name}: {work.params:,} parameters; {entry['formula']}", flush=True)
         for v in VARIANTS:
@@ -527,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["variants"][v] = {"status": "running",
                                     "reason": f"started {since:.0f} s into the run, which stopped first"}
             write(report, out)
-            clear_compile_counters()
+            if compiled:
+                clear_compile_counters()
             t = time.perf_counter()
             try:
                 if v.startswith("meshtorch"):
@@ -547,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed = True
             r["wall_s"] = round(time.perf_counter() - t, 1)
             entry["variants"][v] = r
-            clear_compile_counters()
+            if compiled:
+                clear_compile_counters()
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
