@@ -118,6 +118,20 @@ def nominal_peak(name: str) -> float | None:
     return next((p for key, p in NOMINAL_BF16 if key in name), None)
 
 
+def amount(flops: float, unit: str = "FLOP") -> str:
+    """FLOPs (or FLOP/s with ``unit="FLOP/s"``) in T or G, as suits them (a dry run's CPU makes G).
+
+    Example:
+        >>> amount(7.0032e12), amount(3.1e10, "FLOP/s")
+        ('7.00 TFLOP', '31.00 GFLOP/s')
+    """
+    return f"{flops / 1e12:.2f} T{unit}" if flops >= 1e12 else f"{flops / 1e9:.2f} G{unit}"
+
+
+def rate(flops_per_s: float) -> str:
+    return amount(flops_per_s, "FLOP/s")
+
+
 # ---------------------------------------------------------------- the work of a step
 @dataclasses.dataclass(frozen=True)
 class Work:
@@ -138,7 +152,7 @@ class Work:
                 f"12·{mcfg.layers}·{mcfg.heads}·{mcfg.d_kv}·{length} = "
                 f"{6 * self.matmul_params / 1e6:,.1f}M + "
                 f"{self.attention_per_token / 1e6:,.1f}M = {self.per_token / 1e6:,.1f} MFLOP; "
-                f"x {self.tokens:,} tokens = {self.per_step / 1e9:,.1f} GFLOP per step")
+                f"x {self.tokens:,} tokens = {amount(self.per_step)} per step")
 
 
 def work_of(mcfg: TransformerConfig, params: int, batch: int, length: int) -> Work:
@@ -345,14 +359,6 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def rate(flops_per_s: float) -> str:
-    """FLOP/s in the unit that suits it (a dry run's CPU makes GFLOP/s).
-
-    Example:
-        >>> rate(7.2e14), rate(3.1e10)
-        ('720.0 TFLOP/s', '31.0 GFLOP/s')
-    """
-    return f"{flops_per_s / 1e12:.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.1f} GFLOP/s"
 
 
 def markdown(report: dict[str, Any]) -> str:

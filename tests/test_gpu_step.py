@@ -8,6 +8,7 @@ The compiled variants are left out here (Inductor takes minutes on 2 cores); the
 
 from __future__ import annotations
 
+import doctest
 import importlib.util
 import json
 import sys
@@ -104,6 +105,10 @@ def test_the_124m_step_is_7_tflop_under_the_stated_convention():
 def test_nominal_peak_by_device_name(name, tflops):
     got = gpu_step.nominal_peak(name)
     assert (got if got is None else got / 1e12) == tflops
+
+
+def test_doctests_of_the_script():
+    assert doctest.testmod(gpu_step).failed == 0
 
 
 def test_arguments_are_checked():
