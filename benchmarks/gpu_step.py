@@ -244,7 +244,7 @@ def run_steps(step: Callable[[int], float], n: int, device: torch.device) -> dic
 
 
 def _mesh_program(cfg: TrainConfig, vocab: int, data: list) -> dict[str, Any]:
-    device = mt.current().device or torch.device("cpu")
+    device = mt.current().device or torch.get_default_device()
     model = build_model(cfg, vocab)
     step = PlainStep(cfg, model, make_optimizer(cfg, model))
     shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
@@ -441,7 +441,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch at every size")
     ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                     help="bf16 autocast (default) or fp32 (the default of --dry-run: CPUs run bf16 slowly)")
-    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--lr", type=float, default=3e-4, help="constant learning rate (no warm-up)")
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="nominal peak, for a GPU not in the table")
