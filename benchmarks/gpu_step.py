@@ -309,8 +309,10 @@ def clear_compile_counters() -> None:
         pass
 
 
-def summarise(raw: dict[str, Any], warmup: int, work: Work, nominal: float | None, measured: float) -> dict:
-    """A variant's figures from its steps."""
+def summarise(raw: dict[str, Any], warmup: int, work: Work, nominal: float | None, measured: float,
+              compiled: bool) -> dict:
+    """A variant's figures from its steps; ``compile_s`` (compiled variants) is what the warm-up
+    steps took beyond as many median steps."""
     timed = raw["times"][warmup:]
     t = statistics.median(timed)
     extra = sum(raw["times"][:warmup]) - warmup * t
@@ -319,9 +321,10 @@ def summarise(raw: dict[str, Any], warmup: int, work: Work, nominal: float | Non
            "step_ms_max": round(1e3 * max(timed), 3), "tokens_per_s": round(work.tokens / t, 1),
            "flops_per_s": round(work.per_step / t),
            "mfu_nominal": round(work.per_step / t / nominal, 4) if nominal else None,
-           "of_matmul_peak": round(work.per_step / t / measured, 4),
+           "mfu_measured_matmul": round(work.per_step / t / measured, 4),
            "peak_memory_gib": None if peak is None else round(peak / 2 ** 30, 3),
            "first_step_s": round(raw["times"][0], 3), "warmup_excess_s": round(extra, 2),
+           "compile_s": round(extra, 1) if compiled else None,
            "losses": [round(v, 6) for v in raw["losses"]]}
     return out
 
@@ -400,14 +403,14 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {r['status']}{': ' + why if why else ''} |" + " |" * 9)
                 continue
             mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
-            comp = f"{r['warmup_excess_s']:.1f}" if "compiled" in name else "-"
+            comp = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
             graphs = (f"{r['compile']['graphs']} / {r['compile']['graph_breaks']}"
                       if r.get("compile") else "-")
             agree = ("n/a" if "losses_agree" not in r else
                      f"{'ok' if r['losses_agree'] else 'DIFFER'} (max {r['loss_max_rel_diff']:.1e})")
             lines.append(f"| {name} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
                          f"{rate(r['flops_per_s'])} | {_pct(r['mfu_nominal'])} | "
-                         f"{_pct(r['of_matmul_peak'])} | {mem} | {comp} | {graphs} | {agree} |")
+                         f"{_pct(r['mfu_measured_matmul'])} | {mem} | {comp} | {graphs} | {agree} |")
         q = s["ratios"]
         fmt = (lambda x, t: "n/a" if x is None else f"**{x:.3f}** ({'meets' if x <= t else 'misses'} <= {t})")
         lines += ["", f"meshtorch / plain step: eager {fmt(q['eager'], TARGETS['eager'])}, compiled "
@@ -544,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     raw = run_plain(twin, compiled, a.compile_backend, a.precision, base.optimizer.clip, data,
                                     device)
-                r = {"status": "ok", **summarise(raw, a.warmup, work, nominal, measured)}
+                r = {"status": "ok", **summarise(raw, a.warmup, work, nominal, measured, compiled)}
                 if compiled:
                     r["compile"] = compile_counters()
             except Exception as e:  # noqa: BLE001 - a failing variant is a row of the report
@@ -569,8 +572,9 @@ def main(argv: list[str] | None = None) -> int:
                 mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
                 print(f"  {v}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
                       f"{rate(r['flops_per_s'])}: MFU {_pct(r['mfu_nominal'])} of nominal, "
-                      f"{_pct(r['of_matmul_peak'])} of the measured matmul peak; peak memory {mem}; warm-up "
-                      f"{r['warmup_excess_s']:.1f} s beyond steady steps; {r['wall_s']} s in all", flush=True)
+                      f"{_pct(r['mfu_measured_matmul'])} of the measured matmul peak; peak memory {mem}; "
+                      f"warm-up {r['warmup_excess_s']:.1f} s beyond steady steps; {r['wall_s']} s in all",
+                      flush=True)
             else:
                 print(f"  {v}: {r['status']}: {r['error']}", flush=True)
         bad = [k for k, r in entry["variants"].items() if r.get("losses_agree") is False]
