@@ -73,6 +73,7 @@ from typing import Any
 import torch
 
 import meshtorch as mt
+from meshtorch.compiler import compile_step
 from meshtorch.models import TransformerConfig
 from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm import TrainConfig
@@ -201,6 +202,7 @@ class Twin:
     decayed: set[str]  # DecoderLM parameter names in the weight-decay group
     options: dict[str, Any]  # lr, betas, eps, weight_decay of the recipe's AdamW
     params: int
+    clip: float  # the recipe's global-norm bound (0: none)
 
 
 def _twin_program(cfg: TrainConfig, vocab: int) -> Twin:
@@ -213,7 +215,8 @@ def _twin_program(cfg: TrainConfig, vocab: int) -> Twin:
     g = opt.param_groups[0]
     options = {"lr": g["lr"], "betas": g["betas"], "eps": g["eps"],
                "weight_decay": max(g["weight_decay"] for g in opt.param_groups)}
-    return Twin(PlainLM(model, sdpa=True).to("cpu"), decayed, options, model.num_parameters())
+    return Twin(PlainLM(model, sdpa=True).to("cpu"), decayed, options, model.num_parameters(),
+                cfg.optimizer.clip)
 
 
 # ---------------------------------------------------------------- running the variants
@@ -243,23 +246,27 @@ def run_steps(step: Callable[[int], float], n: int, device: torch.device) -> dic
     return {"times": times, "losses": losses, "peak_bytes": _peak(device)}
 
 
-def _mesh_program(cfg: TrainConfig, vocab: int, data: list) -> dict[str, Any]:
+def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str) -> dict[str, Any]:
     device = mt.current().device or torch.get_default_device()
     model = build_model(cfg, vocab)
     step = PlainStep(cfg, model, make_optimizer(cfg, model))
+    if cfg.run.compile and backend != "inductor":  # the recipe compiles with inductor
+        step.loss = compile_step(model.loss, backend=backend)
     shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
     meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
     _reset_peak(device)
     return run_steps(lambda i: step.run([meshed[i]], i), len(meshed), device)
 
 
-def run_meshtorch(cfg: TrainConfig, vocab: int, data: list, device: torch.device) -> dict[str, Any]:
+def run_meshtorch(cfg: TrainConfig, vocab: int, data: list, device: torch.device, backend: str = "inductor"
+                  ) -> dict[str, Any]:
     """The recipe's step of ``cfg`` on one processor, as ``meshtorch train`` launches it."""
-    return mt.launch(_mesh_program, cfg, vocab, data, mesh="b:1", rules="batch:b", device=device.type)[0]
+    return mt.launch(_mesh_program, cfg, vocab, data, backend, mesh="b:1", rules="batch:b",
+                     device=device.type)[0]
 
 
-def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, clip: float, data: list,
-              device: torch.device) -> dict[str, Any]:
+def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: list, device: torch.device
+              ) -> dict[str, Any]:
     """The same step in plain PyTorch: the twin's weights, ``AdamW(fused=True)``, optional compile."""
     model = copy.deepcopy(twin.model).to(device)
     decay = [p for n, p in model.named_parameters() if model.names[n] in twin.decayed]
@@ -279,8 +286,8 @@ def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, clip: fl
             loss = loss_fn(ids, tgt)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+        if twin.clip:
+            torch.nn.utils.clip_grad_norm_(params, twin.clip)
         opt.step()
         return loss.item()
 
@@ -389,8 +396,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += [f"## {size}: {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads x d_kv "
                   f"{c['d_kv']}, d_ff {c['d_ff']}, vocab {c['vocab']}, batch {c['batch']} x {c['length']}",
                   "",
-                  f"{s['parameters']:,} parameters. {s['formula']}. At the measured matmul peak a step "
-                  f"would take {s['matmul_bound_ms']:.2f} ms.", "",
+                  (f"{s['parameters']:,} parameters. {s['formula']}. At the measured matmul peak a step "
+                   f"would take {s['matmul_bound_ms']:.2f} ms." if "formula" in s else "No model was built."),
+                  "",
                   "| variant | step ms | tokens/s | FLOP/s | MFU (nominal) | % of matmul peak | "
                   f"peak GiB | compile s | graphs / breaks | loss vs {s.get('loss_reference', 'plain')} |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -471,6 +479,112 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def _error(e: BaseException) -> dict[str, str]:
+    oom = isinstance(e, torch.cuda.OutOfMemoryError)
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return {"status": "out of memory" if oom else "error", "error": f"{type(e).__name__}: {first}"}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_variant(v: str, size: dict[str, int], a: argparse.Namespace, twin: Twin, data: list, work: Work,
+                device: torch.device, nominal: float | None, measured: float) -> dict[str, Any]:
+    """One variant's row: its figures, or why it has none."""
+    compiled = v.endswith("compiled")
+    if compiled:
+        clear_compile_counters()
+    t = time.perf_counter()
+    try:
+        if v.startswith("meshtorch"):
+            raw = run_meshtorch(train_config(size, a.precision, compiled, device.type, a.lr), size["vocab"],
+                                data, device, a.compile_backend)
+        else:
+            raw = run_plain(twin, compiled, a.compile_backend, a.precision, data, device)
+        r = {"status": "ok", **summarise(raw, a.warmup, work, nominal, measured, compiled)}
+        if compiled:
+            r["compile"] = compile_counters()
+    except Exception as e:  # noqa: BLE001 - a failing variant is a row of the report
+        traceback.print_exc()
+        r = _error(e)
+    r["wall_s"] = round(time.perf_counter() - t, 1)
+    if compiled:
+        clear_compile_counters()
+    _free(device)
+    return r
+
+
+def run_size(size_name: str, a: argparse.Namespace, report: dict[str, Any], out: Path, device: torch.device,
+             nominal: float | None, measured: float, t0: float) -> bool:
+    """Every variant of one size, the report written after each; whether one failed or differed."""
+    size = dict(SIZES[size_name])
+    if a.batch:
+        size["batch"] = a.batch
+    base = train_config(size, a.precision, False, device.type, a.lr)
+    vocab = size["vocab"]
+    mcfg = base.model_config(vocab)
+    entry: dict[str, Any] = {"config": size, "variants": {v: {"status": "not run yet"}
+                                                          for v in VARIANTS if v in a.variants}}
+    entry["ratios"] = ratios(entry["variants"])
+    report["sizes"][size_name] = entry
+    spent = a.budget_s is not None and time.perf_counter() - t0 > a.budget_s
+    try:
+        if spent:
+            raise TimeoutError(f"--budget-s {a.budget_s:g} spent")
+        twin = mt.launch(_twin_program, base, vocab, mesh="b:1", rules="batch:b", device=device.type)[0]
+    except Exception as e:  # noqa: BLE001 - no model: every variant of this size says why
+        if not spent:
+            traceback.print_exc()
+        why = {"status": "skipped", "reason": str(e)} if spent else _error(e)
+        entry["variants"] = {v: dict(why) for v in entry["variants"]}
+        write(report, out)
+        print(f"\n{size_name}: {why['status']}: {why.get('error', why.get('reason'))}", flush=True)
+        _free(device)
+        return not spent
+    work = work_of(mcfg, twin.params, size["batch"], size["length"])
+    data = [(i.to(device), t.to(device)) for i, t in batches(vocab, size["batch"], size["length"],
+                                                              a.warmup + a.steps)]
+    entry.update({"parameters": work.params, "matmul_parameters": work.matmul_params,
+                  "flops_per_token": work.per_token, "attention_flops_per_token": work.attention_per_token,
+                  "flops_per_step": work.per_step, "formula": work.formula(mcfg, size["length"]),
+                  "matmul_bound_ms": round(1e3 * work.per_step / measured, 3)})
+    print(f"\n{size_name}: {work.params:,} parameters; {entry['formula']}", flush=True)
+    failed = False
+    for v in entry["variants"]:
+        if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
+            entry["variants"][v] = {"status": "skipped", "reason": f"--budget-s {a.budget_s:g} spent"}
+            print(f"  {v}: skipped (--budget-s spent)", flush=True)
+            continue
+        # a run stopped from outside (gpu_check.sh's time budget) leaves this in the report
+        entry["variants"][v] = {"status": "running", "reason": f"started {time.perf_counter() - t0:.0f} s "
+                                "into the run, which stopped first"}
+        write(report, out)
+        r = entry["variants"][v] = run_variant(v, size, a, twin, data, work, device, nominal, measured)
+        failed |= r["status"] != "ok"
+        compare_losses(entry["variants"], a.loss_rtol)
+        entry["ratios"] = ratios(entry["variants"])
+        entry["loss_reference"] = next((r["loss_reference"] for r in entry["variants"].values()
+                                        if "loss_reference" in r), "plain-eager")
+        write(report, out)
+        if r["status"] == "ok":
+            mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
+            print(f"  {v}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"{rate(r['flops_per_s'])}: MFU {_pct(r['mfu_nominal'])} of nominal, "
+                  f"{_pct(r['mfu_measured_matmul'])} of the measured matmul peak; peak memory {mem}; "
+                  f"warm-up {r['warmup_excess_s']:.1f} s beyond steady steps; {r['wall_s']} s in all",
+                  flush=True)
+        else:
+            print(f"  {v}: {r['status']}: {r['error']}", flush=True)
+    bad = [k for k, r in entry["variants"].items() if r.get("losses_agree") is False]
+    if bad:
+        print(f"  losses differ from {entry['loss_reference']}'s beyond {a.loss_rtol:g}: " + ", ".join(bad))
+    return failed or bool(bad)
+
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if not a.dry_run and not torch.cuda.is_available():
@@ -506,83 +620,7 @@ def main(argv: list[str] | None = None) -> int:
           f"measured {rate(measured)} ({mm_n}^3 {report['precision_matmul']} matmuls)", flush=True)
     failed = False
     for size_name in a.sizes:
-        size = dict(SIZES[size_name])
-        if a.batch:
-            size["batch"] = a.batch
-        base = train_config(size, a.precision, False, device.type, a.lr)
-        vocab = size["vocab"]
-        mcfg = base.model_config(vocab)
-        twin = mt.launch(_twin_program, base, vocab, mesh="b:1", rules="batch:b", device=device.type)[0]
-        work = work_of(mcfg, twin.params, size["batch"], size["length"])
-        data = [(i.to(device), t.to(device))
-                for i, t in batches(vocab, size["batch"], size["length"], a.warmup + a.steps)]
-        entry = {"config": size, "parameters": work.params, "matmul_parameters": work.matmul_params,
-                 "flops_per_token": work.per_token, "attention_flops_per_token": work.attention_per_token,
-                 "flops_per_step": work.per_step, "formula": work.formula(mcfg, size["length"]),
-                 "matmul_bound_ms": round(1e3 * work.per_step / measured, 3),
-                 "variants": {v: {"status": "not run yet"} for v in VARIANTS if v in a.variants}}
-        entry["ratios"] = ratios(entry["variants"])
-        report["sizes"][size_name] = entry
-        print(f"\n{size_name}: {work.params:,} parameters; {entry['formula']}", flush=True)
-        for v in VARIANTS:
-            if v not in a.variants:
-                continue
-            if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
-                entry["variants"][v] = {"status": "skipped", "reason": f"--budget-s {a.budget_s:g} spent"}
-                print(f"  {v}: skipped (--budget-s spent)", flush=True)
-                continue
-            compiled = v.endswith("compiled")
-            # a run stopped from outside (gpu_check.sh's time budget) leaves this in the report
-            since = time.perf_counter() - t0
-            entry["variants"][v] = {"status": "running",
-                                    "reason": f"started {since:.0f} s into the run, which stopped first"}
-            write(report, out)
-            if compiled:
-                clear_compile_counters()
-            t = time.perf_counter()
-            try:
-                if v.startswith("meshtorch"):
-                    raw = run_meshtorch(train_config(size, a.precision, compiled, device.type, a.lr), vocab,
-                                        data, device)
-                else:
-                    raw = run_plain(twin, compiled, a.compile_backend, a.precision, base.optimizer.clip, data,
-                                    device)
-                r = {"status": "ok", **summarise(raw, a.warmup, work, nominal, measured, compiled)}
-                if compiled:
-                    r["compile"] = compile_counters()
-            except Exception as e:  # noqa: BLE001 - a failing variant is a row of the report
-                traceback.print_exc()
-                oom = isinstance(e, torch.cuda.OutOfMemoryError)
-                r = {"status": "out of memory" if oom else "error",
-                     "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}"}
-                failed = True
-            r["wall_s"] = round(time.perf_counter() - t, 1)
-            entry["variants"][v] = r
-            if compiled:
-                clear_compile_counters()
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            compare_losses(entry["variants"], a.loss_rtol)
-            entry["ratios"] = ratios(entry["variants"])
-            entry["loss_reference"] = next((r["loss_reference"] for r in entry["variants"].values()
-                                            if "loss_reference" in r), "plain-eager")
-            write(report, out)
-            if r["status"] == "ok":
-                mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
-                print(f"  {v}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
-                      f"{rate(r['flops_per_s'])}: MFU {_pct(r['mfu_nominal'])} of nominal, "
-                      f"{_pct(r['mfu_measured_matmul'])} of the measured matmul peak; peak memory {mem}; "
-                      f"warm-up {r['warmup_excess_s']:.1f} s beyond steady steps; {r['wall_s']} s in all",
-                      flush=True)
-            else:
-                print(f"  {v}: {r['status']}: {r['error']}", flush=True)
-        bad = [k for k, r in entry["variants"].items() if r.get("losses_agree") is False]
-        if bad:
-            failed = True
-            print(f"  losses differ from {entry['loss_reference']}'s beyond {a.loss_rtol:g}: "
-                  + ", ".join(bad))
-        del twin, data
+        failed |= run_size(size_name, a, report, out, device, nominal, measured, t0)
     write(report, out)
     print("\n" + markdown(report))
     print(f"wrote {out / (STEM + '.json')} and {out / (STEM + '.md')} ({time.perf_counter() - t0:.0f} s)")

@@ -88,6 +88,14 @@ def test_a_failing_variant_is_a_row_and_fails_the_run(tmp_path, monkeypatch):
     assert "| plain-eager | error: RuntimeError: boom |" in (tmp_path / "gpu_step.md").read_text()
 
 
+def test_a_spent_budget_skips_what_has_not_started(tmp_path):
+    assert gpu_step.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu_step.json").read_text())["sizes"]["tiny"]["variants"]
+    assert list(rows) == list(gpu_step.VARIANTS)
+    assert all(r["status"] == "skipped" for r in rows.values())
+    assert "| plain-compiled | skipped: --budget-s 0 spent |" in (tmp_path / "gpu_step.md").read_text()
+
+
 def test_the_124m_step_is_7_tflop_under_the_stated_convention():
     cfg = TransformerConfig(vocab=50304, d_model=768, heads=12, d_kv=64, d_ff=3072, layers=12,
                             max_length=1024)
