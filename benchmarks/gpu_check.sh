@@ -6,6 +6,7 @@
 #
 # Needs only torch (and meshtorch's own dependencies) on the machine: meshtorch runs from src/ of this
 # checkout (PYTHONPATH), nothing is installed. Without pytest the tests are skipped and said so.
+# GPU_CHECK_RESULTS (default benchmarks/results) is where the benchmark writes gpu_step.{json,md}.
 # GPU_CHECK_SECONDS (default 290) is the whole check's wall-clock budget: the tests get at most 120 s,
 # the benchmark the rest. The benchmark starts no variant in its last 75 s (--budget-s) and is
 # stopped at the budget; it writes benchmarks/results/gpu_step.{json,md} after every variant, so a
@@ -18,6 +19,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_SECONDS:-290}"
+RESULTS="${GPU_CHECK_RESULTS:-benchmarks/results}"  # where gpu_step.{json,md} go
 start=$SECONDS
 status=0
 
@@ -51,7 +53,7 @@ left=$((BUDGET - (SECONDS - start)))
 if [ "$gpu" = "1" ]; then
     [ $left -lt 60 ] && { echo "gpu_check: only $left s left for the benchmark; not started"; exit 3; }
     echo "== benchmark: gpu_step.py --quick (${left} s left; no variant starts after $((left - 75)) s)"
-    timeout -k 10 "$left" "$PY" benchmarks/gpu_step.py --quick --budget-s $((left - 75))
+    timeout -k 10 "$left" "$PY" benchmarks/gpu_step.py --quick --budget-s $((left - 75)) --out "$RESULTS"
     rc=$?
 else
     echo "== benchmark: no GPU, so gpu_step.py --dry-run (the tiny model on the CPU, eager variants)"
@@ -60,8 +62,8 @@ else
     rc=$?
 fi
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-    echo "gpu_check: the benchmark was stopped at the time budget; benchmarks/results/gpu_step.md has what it measured:"
-    [ "$gpu" = "1" ] && cat benchmarks/results/gpu_step.md
+    echo "gpu_check: the benchmark was stopped at the time budget; $RESULTS/gpu_step.md has what it measured:"
+    [ "$gpu" = "1" ] && cat "$RESULTS/gpu_step.md"
     [ $status -eq 0 ] && status=3
 elif [ $rc -ne 0 ]; then
     echo "gpu_check: the benchmark reports a failure (exit $rc): see its table above"
