@@ -1,162 +1,630 @@
-"""One-GPU training steps: `meshtorch train`'s model at a realistic size vs the same model in
-plain PyTorch, in bf16, with model-FLOP utilisation against the GPU's peak.
+"""One GPU at full speed: meshtorch's training step vs plain PyTorch's, eager and compiled, at
+GPT-2-small size and at ~1.3B, with model-FLOP utilisation against the GPU's nominal and measured peak.
 
-The model is :class:`~meshtorch.models.DecoderLM` (learned positions, pre-LayerNorm, GELU,
-tied embeddings) at GPT-2-small size by default: 12 blocks, d_model 768, 12 heads, a
-50304-id vocabulary, 124M parameters, batch 8 x 1024 tokens. The plain model is
-``benchmarks/overhead.py``'s :class:`PlainLM` with the same weights (tests hold the two
-equal). Both take the same step: bf16 autocast forward, mean cross-entropy, backward,
-global-norm clipping to 1.0, ``torch.optim.AdamW`` on fp32 parameters.
+Four variants per size, each a fresh model from the SAME initial weights on the SAME batches:
 
-meshtorch runs as ``meshtorch train --device cuda`` runs it: inside ``mt.launch(...,
-device="cuda")`` (one processor, torch's device mode on); plain PyTorch runs as one
-writes it, with explicit ``device=``. Steps are interleaved (plain, meshtorch, meshtorch,
-plain, ...) after a warm-up, each ending in ``torch.cuda.synchronize()``; the overhead
-figure is the median over pairs of (meshtorch step / the plain step timed next to it).
+- ``meshtorch-eager``: the step ``meshtorch train --device cuda`` takes, through the public API:
+  ``mt.launch(program, mesh="b:1", rules="batch:b", device="cuda")`` running the recipe's own
+  model (:func:`~meshtorch.recipes.lm.steps.build_model`: a :class:`~meshtorch.models.DecoderLM`),
+  optimizer (:func:`~meshtorch.recipes.lm.optimizer.make_optimizer`) and step
+  (:class:`~meshtorch.recipes.lm.strategies.PlainStep`: bf16 autocast forward, mean
+  cross-entropy, backward, global-norm clip 1.0, AdamW with the recipe's weight-decay groups);
+- ``meshtorch-compiled``: the same with ``--compile`` (the recipe compiles the loss; its
+  backward follows; the optimizer step stays eager);
+- ``plain-eager``: the same model written as one writes it in PyTorch for speed
+  (``benchmarks/overhead.py``'s :class:`PlainLM` with ``sdpa=True``:
+  ``F.scaled_dot_product_attention(is_causal=True)``), its weights copied from meshtorch's, the
+  same step with ``torch.optim.AdamW(fused=True)`` over the same groups, lr, betas and decay;
+- ``plain-compiled``: the same with ``torch.compile`` of the loss, as the recipe compiles its own.
 
-Model-FLOP utilisation = 6·(matmul parameters)·tokens + attention products (the count
-``meshtorch train`` reports) / step time / peak, with the peak the GPU's nominal dense bf16
-rate (H100/H200: 989 TFLOP/s, A100: 312) and, beside it, a measured 4096² bf16 matmul.
+So whatever the recipe's step gains (SDPA attention, fused AdamW, one compiled graph) shows up
+here without editing this script.
 
-Writes ``benchmarks/results/gpu_step.{json,md}``. Without a GPU it says so and exits 0.
+Timing: after ``--warmup`` steps, the median of ``--steps`` steps, each ending in
+``loss.item()`` (as the training loop's) and ``torch.cuda.synchronize()``. A variant's compile
+seconds are what its warm-up steps took beyond that many median steps (the first step compiles;
+a recompile in a later warm-up step is counted too). Peak memory is
+``torch.cuda.max_memory_allocated`` over the variant's steps (weights, gradients, optimizer state,
+activations). The losses of every variant are held against ``plain-eager``'s, step by step.
+
+Model-FLOP utilisation (MFU) has ONE convention here, PaLM's (appendix B) as nanoGPT counts it,
+the one ``meshtorch train`` reports (:func:`~meshtorch.recipes.lm.report.step_flops`)::
+
+    FLOPs per token = 6·N + 12·layers·heads·d_kv·length
+
+with N the parameters less the learned position table (a lookup, not a matmul); the tied token
+table is counted once, as the output projection's matmul. The second term is attention's two
+score products (QK^T and AV, forward and backward) over the whole length: the half the causal
+mask skips is counted, as PaLM does. MFU = FLOPs per step / step time / peak, against (a) the
+GPU's nominal dense bf16 rate (table :data:`NOMINAL_BF16` by ``torch.cuda.get_device_name()``,
+or ``--peak-tflops``) and (b) the rate of 8192³ bf16 matmuls measured at the start of the run:
+what the GPU's matmuls reach at best here, so "% of matmul peak" says how believable a figure is.
+
+Writes ``benchmarks/results/gpu_step.{json,md}`` after every variant (a run stopped part-way keeps
+what it measured). Without a GPU it says so and exits 0. ``--dry-run`` runs every variant of a
+tiny model on the CPU (no CUDA call) and writes to a temporary directory unless ``--out`` is given.
+Exit status 1 when a variant failed or its losses left plain-eager's.
 
 Run:
-    python benchmarks/gpu_step.py [--steps 20] [--warmup 3] [--layers 12 --d-model 768 ...]
+    python benchmarks/gpu_step.py                      # both sizes, all four variants
+    python benchmarks/gpu_step.py --quick              # fewer steps (benchmarks/gpu_check.sh)
+    python benchmarks/gpu_step.py --sizes 124m --variants plain-eager,meshtorch-eager
+    python benchmarks/gpu_step.py --dry-run            # the tiny model on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import gc
 import json
 import statistics
 import sys
+import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import meshtorch as mt
-from meshtorch.models import DecoderLM, TransformerConfig
-from meshtorch.plan.devices import DEVICES
-from meshtorch.recipes.lm.report import matmul_peak_flops, step_flops
+from meshtorch.compiler import compile_step
+from meshtorch.models import TransformerConfig
+from meshtorch.plan.devices import matmul_rate
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.optimizer import make_optimizer
+from meshtorch.recipes.lm.report import step_flops
+from meshtorch.recipes.lm.steps import build_model
+from meshtorch.recipes.lm.strategies import PlainStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import PlainLM  # noqa: E402 - the one plain-PyTorch twin of DecoderLM
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# nominal dense bf16 rates by the words in torch.cuda.get_device_name(); H200 computes as H100
-NOMINAL = (("H100", DEVICES["h100"].peak_flops["bfloat16"]), ("H200", DEVICES["h100"].peak_flops["bfloat16"]),
-           ("A100", DEVICES["a100"].peak_flops["bfloat16"]))
+STEM = "gpu_step"
+
+# the model sizes: GPT-2 small, a ~1.3B model (1.21B without embeddings), and the dry run's
+SIZES: dict[str, dict[str, int]] = {
+    "124m": dict(layers=12, d_model=768, heads=12, d_kv=64, d_ff=3072, vocab=50304, batch=8, length=1024),
+    "1b": dict(layers=24, d_model=2048, heads=16, d_kv=128, d_ff=8192, vocab=50304, batch=8, length=1024),
+    "tiny": dict(layers=2, d_model=64, heads=4, d_kv=16, d_ff=256, vocab=512, batch=4, length=64),
+}
+# in order of importance, so that a run out of time has the pair that matters most first
+VARIANTS = ("meshtorch-eager", "plain-eager", "plain-compiled", "meshtorch-compiled")
+# issue 25's targets: meshtorch step / plain step, eager and compiled, and peak memory
+TARGETS = {"eager": 1.05, "compiled": 1.10, "memory": 1.10}
+
+# nominal dense (no sparsity) bf16 tensor-core FLOP/s by a word of torch.cuda.get_device_name(),
+# from NVIDIA's data sheets; the first match wins, so the more specific names come first
+NOMINAL_BF16: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12),
+)
 
 
 def nominal_peak(name: str) -> float | None:
-    return next((p for key, p in NOMINAL if key in name), None)
+    """The nominal dense bf16 FLOP/s of the GPU called ``name``, or ``None`` if not in the table.
+
+    Example:
+        >>> nominal_peak("NVIDIA H100 80GB HBM3") / 1e12, nominal_peak("NVIDIA H100 PCIe") / 1e12
+        (989.0, 756.0)
+        >>> nominal_peak("NVIDIA GeForce GTX 1080") is None
+        True
+    """
+    return next((p for key, p in NOMINAL_BF16 if key in name), None)
 
 
-def build(cfg: TransformerConfig) -> DecoderLM:
-    return DecoderLM(cfg, seed=0)
+def amount(flops: float, unit: str = "FLOP") -> str:
+    """FLOPs (or FLOP/s with ``unit="FLOP/s"``) in T or G, as suits them (a dry run's CPU makes G).
+
+    Example:
+        >>> amount(7.0032e12), amount(3.1e10, "FLOP/s")
+        ('7.00 TFLOP', '31.00 GFLOP/s')
+    """
+    return f"{flops / 1e12:.2f} T{unit}" if flops >= 1e12 else f"{flops / 1e9:.2f} G{unit}"
 
 
-def data(step: int, vocab: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    d = torch.randint(0, vocab, (batch, length + 1), generator=g).cuda()
-    return d[:, :-1], d[:, 1:]
+def rate(flops_per_s: float) -> str:
+    return amount(flops_per_s, "FLOP/s")
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
+# ---------------------------------------------------------------- the work of a step
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """The FLOPs of one training step under this benchmark's one MFU convention."""
+
+    params: int  # all parameters
+    matmul_params: int  # N: less the position table (and an untied input table)
+    per_token: float  # 6·N + attention
+    attention_per_token: float  # 12·layers·heads·d_kv·length
+    tokens: int
+
+    @property
+    def per_step(self) -> float:
+        return self.per_token * self.tokens
+
+    def formula(self, mcfg: TransformerConfig, length: int) -> str:
+        return (f"FLOPs/token = 6·N + 12·layers·heads·d_kv·length = 6·{self.matmul_params:,} + "
+                f"12·{mcfg.layers}·{mcfg.heads}·{mcfg.d_kv}·{length} = "
+                f"{6 * self.matmul_params / 1e6:,.1f}M + "
+                f"{self.attention_per_token / 1e6:,.1f}M = {self.per_token / 1e6:,.1f} MFLOP; "
+                f"x {self.tokens:,} tokens = {amount(self.per_step)} per step")
 
 
-def main() -> int:
+def work_of(mcfg: TransformerConfig, params: int, batch: int, length: int) -> Work:
+    """A step's FLOPs as :func:`~meshtorch.recipes.lm.report.step_flops` counts them, in parts.
+
+    Example (GPT-2 small: 124,392,960 parameters, 854.9 MFLOP a token):
+        >>> cfg = TransformerConfig(vocab=50304, d_model=768, heads=12, d_kv=64, d_ff=3072, layers=12,
+        ...                         max_length=1024)
+        >>> w = work_of(cfg, 124_392_960, batch=8, length=1024)
+        >>> w.matmul_params, int(w.attention_per_token), int(w.per_token)
+        (123606528, 113246208, 854885376)
+    """
+    per_token = step_flops(mcfg, 1, length, params)
+    attention = 12.0 * mcfg.layers * mcfg.heads * mcfg.d_kv * length
+    n = round((per_token - attention) / 6)
+    return Work(params, n, per_token, attention, batch * length)
+
+
+# ---------------------------------------------------------------- data and configuration
+def batches(vocab: int, batch: int, length: int, n: int, seed: int = 0
+            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of (ids, next ids), on the host: token ids drawn from a Zipf law over the
+    vocabulary (as words in text), so the loss falls as the model learns the frequencies and the
+    losses of two variants can part if their training differs."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64) ** 1.1
+    ids = torch.multinomial(weights, n * batch * (length + 1), replacement=True, generator=g)
+    ids = ids.view(n, batch, length + 1)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in ids]
+
+
+def train_config(size: dict[str, int], precision: str, compiled: bool, device: str, lr: float) -> TrainConfig:
+    """``meshtorch train``'s options for one processor at ``size`` (constant learning rate)."""
+    return TrainConfig.of(
+        layers=size["layers"], d_model=size["d_model"], heads=size["heads"], d_kv=size["d_kv"],
+        d_ff=size["d_ff"], batch=size["batch"], length=size["length"], precision=precision,
+        compile=compiled, mesh="b:1", rules="batch:b", device=device, lr=lr, warmup=0,
+        lr_schedule="constant", seed=0)
+
+
+@dataclasses.dataclass
+class Twin:
+    """What the plain variants copy from meshtorch's: the model (on the host) and its optimizer."""
+
+    model: PlainLM
+    decayed: set[str]  # DecoderLM parameter names in the weight-decay group
+    options: dict[str, Any]  # lr, betas, eps, weight_decay of the recipe's AdamW
+    params: int
+    clip: float  # the recipe's global-norm bound (0: none)
+
+
+def _twin_program(cfg: TrainConfig, vocab: int) -> Twin:
+    model = build_model(cfg, vocab)
+    opt = make_optimizer(cfg, model)
+    if not isinstance(opt, torch.optim.AdamW):
+        raise TypeError(f"the recipe's optimizer is {type(opt).__name__}; this benchmark mirrors AdamW")
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in opt.param_groups if g["weight_decay"] for p in g["params"]}
+    g = opt.param_groups[0]
+    options = {"lr": g["lr"], "betas": g["betas"], "eps": g["eps"],
+               "weight_decay": max(g["weight_decay"] for g in opt.param_groups)}
+    return Twin(PlainLM(model, sdpa=True).to("cpu"), decayed, options, model.num_parameters(),
+                cfg.optimizer.clip)
+
+
+# ---------------------------------------------------------------- running the variants
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def run_steps(step: Callable[[int], float], n: int, device: torch.device) -> dict[str, Any]:
+    """Run ``step(i)`` for i < n (each returns the loss as a float), timing each to a synchronize."""
+    times, losses = [], []
+    for i in range(n):
+        _sync(device)
+        t = time.perf_counter()
+        losses.append(step(i))
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return {"times": times, "losses": losses, "peak_bytes": _peak(device)}
+
+
+def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str) -> dict[str, Any]:
+    device = mt.current().device or torch.get_default_device()
+    model = build_model(cfg, vocab)
+    step = PlainStep(cfg, model, make_optimizer(cfg, model))
+    if cfg.run.compile and backend != "inductor":  # the recipe compiles with inductor
+        step.loss = compile_step(model.loss, backend=backend)
+    shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
+    meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
+    _reset_peak(device)
+    return run_steps(lambda i: step.run([meshed[i]], i), len(meshed), device)
+
+
+def run_meshtorch(cfg: TrainConfig, vocab: int, data: list, device: torch.device, backend: str = "inductor"
+                  ) -> dict[str, Any]:
+    """The recipe's step of ``cfg`` on one processor, as ``meshtorch train`` launches it."""
+    return mt.launch(_mesh_program, cfg, vocab, data, backend, mesh="b:1", rules="batch:b",
+                     device=device.type)[0]
+
+
+def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: list, device: torch.device
+              ) -> dict[str, Any]:
+    """The same step in plain PyTorch: the twin's weights, ``AdamW(fused=True)``, optional compile."""
+    model = copy.deepcopy(twin.model).to(device)
+    decay = [p for n, p in model.named_parameters() if model.names[n] in twin.decayed]
+    keep = [p for n, p in model.named_parameters() if model.names[n] not in twin.decayed]
+    opts = {k: v for k, v in twin.options.items() if k != "weight_decay"}
+    groups = [g for g in ({"params": decay, "weight_decay": twin.options["weight_decay"]},
+                          {"params": keep, "weight_decay": 0.0}) if g["params"]]
+    opt = torch.optim.AdamW(groups, fused=True, **opts)
+    params = list(model.parameters())
+    loss_fn = torch.compile(model.loss, backend=backend) if compiled else model.loss
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else (
+        contextlib.nullcontext)
+
+    def step(i: int) -> float:
+        ids, tgt = data[i]
+        with autocast():
+            loss = loss_fn(ids, tgt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if twin.clip:
+            torch.nn.utils.clip_grad_norm_(params, twin.clip)
+        opt.step()
+        return loss.item()
+
+    _reset_peak(device)
+    return run_steps(step, len(data), device)
+
+
+def compile_counters() -> dict[str, int] | None:
+    """Graphs and graph breaks Dynamo counted since the last :func:`clear_compile_counters`
+    (``torch._dynamo.utils.counters``, private: ``None`` where a torch version lacks it)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def clear_compile_counters() -> None:
+    try:
+        torch._dynamo.reset()
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+    except (AttributeError, ImportError):
+        pass
+
+
+def summarise(raw: dict[str, Any], warmup: int, work: Work, nominal: float | None, measured: float,
+              compiled: bool) -> dict:
+    """A variant's figures from its steps; ``compile_s`` (compiled variants) is what the warm-up
+    steps took beyond as many median steps."""
+    timed = raw["times"][warmup:]
+    t = statistics.median(timed)
+    extra = sum(raw["times"][:warmup]) - warmup * t
+    peak = raw["peak_bytes"]
+    out = {"step_ms": round(1e3 * t, 3), "step_ms_min": round(1e3 * min(timed), 3),
+           "step_ms_max": round(1e3 * max(timed), 3), "tokens_per_s": round(work.tokens / t, 1),
+           "flops_per_s": round(work.per_step / t),
+           "mfu_nominal": round(work.per_step / t / nominal, 4) if nominal else None,
+           "mfu_measured_matmul": round(work.per_step / t / measured, 4),
+           "peak_memory_gib": None if peak is None else round(peak / 2 ** 30, 3),
+           "first_step_s": round(raw["times"][0], 3), "warmup_excess_s": round(extra, 2),
+           "compile_s": round(extra, 1) if compiled else None,
+           "losses": [round(v, 6) for v in raw["losses"]]}
+    return out
+
+
+def compare_losses(runs: dict[str, dict], rtol: float) -> None:
+    """Hold every variant's losses against plain-eager's (or, without it, the first plain one's)."""
+    ok = {k: r for k, r in runs.items() if r.get("status") == "ok"}
+    ref_name = next((k for k in ("plain-eager", "plain-compiled") if k in ok), None)
+    if ref_name is None:
+        return
+    ref = ok[ref_name]["losses"]
+    for r in ok.values():
+        rel = [abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)]
+        r["loss_reference"] = ref_name
+        r["loss_max_rel_diff"] = max(rel)
+        r["loss_first_rel_diff"] = rel[0]
+        r["losses_agree"] = max(rel) <= rtol
+
+
+def ratios(runs: dict[str, dict]) -> dict[str, float | None]:
+    def ratio(a: str, b: str, key: str) -> float | None:
+        ra, rb = runs.get(a, {}), runs.get(b, {})
+        if ra.get("status") != "ok" or rb.get("status") != "ok" or not ra.get(key) or not rb.get(key):
+            return None
+        return round(ra[key] / rb[key], 4)
+
+    return {"eager": ratio("meshtorch-eager", "plain-eager", "step_ms"),
+            "compiled": ratio("meshtorch-compiled", "plain-compiled", "step_ms"),
+            "memory_eager": ratio("meshtorch-eager", "plain-eager", "peak_memory_gib"),
+            "memory_compiled": ratio("meshtorch-compiled", "plain-compiled", "peak_memory_gib")}
+
+
+# ---------------------------------------------------------------- the report
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    nominal = env["nominal_peak_flops"]
+    lines = [
+        f"# One GPU: meshtorch vs plain PyTorch training steps ({env['device_name']})", "",
+        f"`{report['command']}` on {report['date']}, torch {env['torch']}"
+        + (" (**dry run on the CPU**: the tiny model; not GPU figures)" if report["dry_run"] else "")
+        + f". Median of {report['steps']} steps after {report['warmup']} warm-up steps, each ending in "
+        f"`loss.item()` and a synchronize; "
+        + ("bf16 autocast, fp32 weights" if report["precision"] == "bf16" else "fp32")
+        + ", clip 1.0, AdamW; the same "
+        "initial weights and batches on every row. Variants: see `benchmarks/gpu_step.py`.", "",
+        (f"Peak: nominal {rate(nominal)} (dense bf16, {env['nominal_source']})" if nominal else
+         f"Peak: nominal unknown ({env['nominal_source']})")
+        + f"; measured {rate(env['measured_matmul_flops'])} ({env['matmul_n']}³ "
+        f"{report['precision_matmul']} matmuls, the three layouts of a training step).", "",
+        "MFU convention: FLOPs/token = 6·N + 12·layers·heads·d_kv·length (PaLM, as nanoGPT and "
+        "`meshtorch train` count it): N = parameters less the position table, the tied token table "
+        "counted once (the output matmul); attention's score products over the whole length "
+        "(the causally masked half counted).", ""]
+    for size, s in report["sizes"].items():
+        c = s["config"]
+        lines += [f"## {size}: {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads x d_kv "
+                  f"{c['d_kv']}, d_ff {c['d_ff']}, vocab {c['vocab']}, batch {c['batch']} x {c['length']}",
+                  "",
+                  (f"{s['parameters']:,} parameters. {s['formula']}. At the measured matmul peak a step "
+                   f"would take {s['matmul_bound_ms']:.2f} ms." if "formula" in s else "No model was built."),
+                  "",
+                  "| variant | step ms | tokens/s | FLOP/s | MFU (nominal) | % of matmul peak | "
+                  f"peak GiB | compile s | graphs / breaks | loss vs {s.get('loss_reference', 'plain')} |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+        for name in VARIANTS:
+            r = s["variants"].get(name)
+            if r is None:
+                continue
+            if r["status"] != "ok":
+                why = r.get("error", r.get("reason"))
+                lines.append(f"| {name} | {r['status']}{': ' + why if why else ''} |" + " |" * 9)
+                continue
+            mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}"
+            comp = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+            graphs = (f"{r['compile']['graphs']} / {r['compile']['graph_breaks']}"
+                      if r.get("compile") else "-")
+            agree = ("n/a" if "losses_agree" not in r else
+                     f"{'ok' if r['losses_agree'] else 'DIFFER'} (max {r['loss_max_rel_diff']:.1e})")
+            lines.append(f"| {name} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
+                         f"{rate(r['flops_per_s'])} | {_pct(r['mfu_nominal'])} | "
+                         f"{_pct(r['mfu_measured_matmul'])} | {mem} | {comp} | {graphs} | {agree} |")
+        q = s["ratios"]
+        fmt = (lambda x, t: "n/a" if x is None else f"**{x:.3f}** ({'meets' if x <= t else 'misses'} <= {t})")
+        lines += ["", f"meshtorch / plain step: eager {fmt(q['eager'], TARGETS['eager'])}, compiled "
+                  f"{fmt(q['compiled'], TARGETS['compiled'])}; peak memory: eager "
+                  f"{fmt(q['memory_eager'], TARGETS['memory'])}, compiled "
+                  f"{fmt(q['memory_compiled'], TARGETS['memory'])}.", ""]
+    lines += ["Columns: *% of matmul peak* is the step's FLOP rate over the measured matmul rate (how far "
+              "the step is from what this GPU's matmuls reach); *compile s* is what the warm-up steps took "
+              "beyond as many median steps; *graphs / breaks* are Dynamo's counts for the variant; *loss* "
+              f"compares every step's loss (relative tolerance {report['loss_rtol']:g}).", ""]
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{STEM}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{STEM}.md").write_text(markdown(report))
+
+
+# ---------------------------------------------------------------- main
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--length", type=int, default=1024)
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_step.py needs a CUDA GPU (torch sees none); nothing measured")
+    ap.add_argument("--quick", action="store_true", help="fewer timed steps (the 5-minute check)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed steps per variant (default 15; 5 with --quick, 3 with --dry-run)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps first: compiles, allocator (default 3; 2 with --dry-run)")
+    ap.add_argument("--sizes", default=None, help=f"comma-separated, of {', '.join(SIZES)} (default 124m,1b)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated, of " + ", ".join(VARIANTS))
+    ap.add_argument("--batch", type=int, default=None, help="sequences per batch at every size")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                    help="bf16 autocast (default) or fp32 (the default of --dry-run: CPUs run bf16 slowly)")
+    ap.add_argument("--lr", type=float, default=3e-4, help="constant learning rate (no warm-up)")
+    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="nominal peak, for a GPU not in the table")
+    ap.add_argument("--loss-rtol", type=float, default=None,
+                    help="relative loss tolerance against plain-eager (default 1e-2 in bf16, 1e-4 in fp32)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no variant after this many seconds (the rest are marked skipped)")
+    ap.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU; no CUDA call")
+    ap.add_argument("--out", default=None,
+                    help="directory for gpu_step.{json,md} (default benchmarks/results)")
+    a = ap.parse_args(argv)
+    a.steps = a.steps if a.steps is not None else (3 if a.dry_run else 5 if a.quick else 15)
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.dry_run else 3)
+    a.precision = a.precision or ("fp32" if a.dry_run else "bf16")
+    a.sizes = (a.sizes or ("tiny" if a.dry_run else "124m,1b")).split(",")
+    a.variants = a.variants.split(",")
+    for s in a.sizes:
+        if s not in SIZES:
+            ap.error(f"--sizes: {s!r} is not one of {', '.join(SIZES)}")
+    for v in a.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    a.loss_rtol = a.loss_rtol if a.loss_rtol is not None else (1e-2 if a.precision == "bf16" else 1e-4)
+    return a
+
+
+def _error(e: BaseException) -> dict[str, str]:
+    oom = isinstance(e, torch.cuda.OutOfMemoryError)
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return {"status": "out of memory" if oom else "error", "error": f"{type(e).__name__}: {first}"}
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_variant(v: str, size: dict[str, int], a: argparse.Namespace, twin: Twin, data: list, work: Work,
+                device: torch.device, nominal: float | None, measured: float) -> dict[str, Any]:
+    """One variant's row: its figures, or why it has none."""
+    compiled = v.endswith("compiled")
+    if compiled:
+        clear_compile_counters()
+    t = time.perf_counter()
+    try:
+        if v.startswith("meshtorch"):
+            raw = run_meshtorch(train_config(size, a.precision, compiled, device.type, a.lr), size["vocab"],
+                                data, device, a.compile_backend)
+        else:
+            raw = run_plain(twin, compiled, a.compile_backend, a.precision, data, device)
+        r = {"status": "ok", **summarise(raw, a.warmup, work, nominal, measured, compiled)}
+        if compiled:
+            r["compile"] = compile_counters()
+    except Exception as e:  # noqa: BLE001 - a failing variant is a row of the report
+        traceback.print_exc()
+        r = _error(e)
+    r["wall_s"] = round(time.perf_counter() - t, 1)
+    if compiled:
+        clear_compile_counters()
+    _free(device)
+    return r
+
+
+def run_size(size_name: str, a: argparse.Namespace, report: dict[str, Any], out: Path, device: torch.device,
+             nominal: float | None, measured: float, t0: float) -> bool:
+    """Every variant of one size, the report written after each; whether one failed or differed."""
+    size = dict(SIZES[size_name])
+    if a.batch:
+        size["batch"] = a.batch
+    base = train_config(size, a.precision, False, device.type, a.lr)
+    vocab = size["vocab"]
+    mcfg = base.model_config(vocab)
+    entry: dict[str, Any] = {"config": size, "variants": {v: {"status": "not run yet"}
+                                                          for v in VARIANTS if v in a.variants}}
+    entry["ratios"] = ratios(entry["variants"])
+    report["sizes"][size_name] = entry
+    spent = a.budget_s is not None and time.perf_counter() - t0 > a.budget_s
+    try:
+        if spent:
+            raise TimeoutError(f"--budget-s {a.budget_s:g} spent")
+        twin = mt.launch(_twin_program, base, vocab, mesh="b:1", rules="batch:b", device=device.type)[0]
+    except Exception as e:  # noqa: BLE001 - no model: every variant of this size says why
+        if not spent:
+            traceback.print_exc()
+        why = {"status": "skipped", "reason": str(e)} if spent else _error(e)
+        entry["variants"] = {v: dict(why) for v in entry["variants"]}
+        write(report, out)
+        print(f"\n{size_name}: {why['status']}: {why.get('error', why.get('reason'))}", flush=True)
+        _free(device)
+        return not spent
+    work = work_of(mcfg, twin.params, size["batch"], size["length"])
+    data = [(i.to(device), t.to(device)) for i, t in batches(vocab, size["batch"], size["length"],
+                                                              a.warmup + a.steps)]
+    entry.update({"parameters": work.params, "matmul_parameters": work.matmul_params,
+                  "flops_per_token": work.per_token, "attention_flops_per_token": work.attention_per_token,
+                  "flops_per_step": work.per_step, "formula": work.formula(mcfg, size["length"]),
+                  "matmul_bound_ms": round(1e3 * work.per_step / measured, 3)})
+    print(f"\n{size_name}: {work.params:,} parameters; {entry['formula']}", flush=True)
+    failed = False
+    for v in entry["variants"]:
+        if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
+            entry["variants"][v] = {"status": "skipped", "reason": f"--budget-s {a.budget_s:g} spent"}
+            print(f"  {v}: skipped (--budget-s spent)", flush=True)
+            continue
+        # a run stopped from outside (gpu_check.sh's time budget) leaves this in the report
+        entry["variants"][v] = {"status": "running", "reason": f"started {time.perf_counter() - t0:.0f} s "
+                                "into the run, which stopped first"}
+        write(report, out)
+        r = entry["variants"][v] = run_variant(v, size, a, twin, data, work, device, nominal, measured)
+        failed |= r["status"] != "ok"
+        compare_losses(entry["variants"], a.loss_rtol)
+        entry["ratios"] = ratios(entry["variants"])
+        entry["loss_reference"] = next((r["loss_reference"] for r in entry["variants"].values()
+                                        if "loss_reference" in r), "plain-eager")
+        write(report, out)
+        if r["status"] == "ok":
+            mem = "n/a" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f} GiB"
+            print(f"  {v}: {r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"{rate(r['flops_per_s'])}: MFU {_pct(r['mfu_nominal'])} of nominal, "
+                  f"{_pct(r['mfu_measured_matmul'])} of the measured matmul peak; peak memory {mem}; "
+                  f"warm-up {r['warmup_excess_s']:.1f} s beyond steady steps; {r['wall_s']} s in all",
+                  flush=True)
+        else:
+            print(f"  {v}: {r['status']}: {r['error']}", flush=True)
+    bad = [k for k, r in entry["variants"].items() if r.get("losses_agree") is False]
+    if bad:
+        print(f"  losses differ from {entry['loss_reference']}'s beyond {a.loss_rtol:g}: " + ", ".join(bad))
+    return failed or bool(bad)
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        print("gpu_step.py needs a CUDA GPU (torch sees none); nothing measured. "
+              "`--dry-run` runs it on the CPU with a tiny model.")
         return 0
-    cfg = TransformerConfig(vocab=a.vocab, d_model=a.d_model, heads=a.heads, d_kv=a.d_model // a.heads,
-                            d_ff=4 * a.d_model, layers=a.layers, max_length=a.length)
-    shape = f"batch:{a.batch},length:{a.length}"
-    model = mt.launch(build, cfg, mesh="b:1", device="cuda")[0]
-    plain = PlainLM(model).cuda()
-    params = model.num_parameters()
-    m_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    p_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.0)
-
-    def mesh_step(ids, tgt):
-        with mt.autocast(torch.bfloat16):
-            loss = model.loss(mt.from_global(ids, shape), mt.from_global(tgt, shape))
-        m_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        mt.optim.clip_grad_norm_(model, 1.0)
-        m_opt.step()
-
-    def plain_step(ids, tgt):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = plain.loss(ids, tgt)
-        p_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        p_opt.step()
-
-    runs = {"meshtorch": lambda b: mt.launch(mesh_step, *b, mesh="b:1", device="cuda"),
-            "plain": lambda b: plain_step(*b)}
-    times: dict[str, list[float]] = {"meshtorch": [], "plain": []}
-    peak_mem: dict[str, int] = {}
-    for i in range(a.warmup + a.steps):
-        b = data(i, a.vocab, a.batch, a.length)
-        order = ("plain", "meshtorch") if i % 2 == 0 else ("meshtorch", "plain")
-        for name in order:
-            torch.cuda.reset_peak_memory_stats()
-            dt = timed(lambda name=name, b=b: runs[name](b))
-            peak_mem[name] = max(peak_mem.get(name, 0), torch.cuda.max_memory_allocated())
-            if i >= a.warmup:
-                times[name].append(dt)
-    ratio = statistics.median(m / p for m, p in zip(times["meshtorch"], times["plain"]))
-    tokens = a.batch * a.length
-    flops = step_flops(cfg, tokens, a.length, params)
-    name = torch.cuda.get_device_name()
-    nominal = nominal_peak(name)
-    with torch.device("cuda"):
-        measured = matmul_peak_flops(torch.bfloat16)
-    rows = {}
-    for k, ts in times.items():
-        t = statistics.median(ts)
-        rows[k] = {"step_s": round(t, 5), "tokens_per_s": round(tokens / t, 1),
-                   "mfu_nominal": round(flops / t / nominal, 4) if nominal else None,
-                   "mfu_measured_matmul": round(flops / t / measured, 4),
-                   "peak_memory_gib": round(peak_mem[k] / 2 ** 30, 3)}
-    out = {"gpu": name, "torch": torch.__version__, "parameters": params, "step_flops": flops,
-           "config": {**vars(a), "d_kv": cfg.d_kv, "d_ff": cfg.d_ff, "precision": "bf16"},
-           "nominal_peak_flops": nominal, "measured_matmul_flops": round(measured),
-           "overhead_ratio": round(ratio, 4), **rows}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gpu_step.json").write_text(json.dumps(out, indent=1) + "\n")
-    md = [f"# One-GPU training step, bf16 ({name}, torch {torch.__version__})", "",
-          f"{params / 1e6:.1f}M parameters, batch {a.batch} x {a.length} tokens, {flops / 1e12:.2f} TFLOP "
-          f"per step; peak {'%.0f' % (nominal / 1e12) if nominal else '?'} TFLOP/s nominal, "
-          f"{measured / 1e12:.0f} measured (4096² bf16 matmul).", "",
-          "| | step (ms) | tokens/s | MFU (nominal) | MFU (measured matmul) | peak memory (GiB) |",
-          "|---|---|---|---|---|---|"]
-    for k, r in rows.items():
-        mfu = f"{100 * r['mfu_nominal']:.1f}%" if r["mfu_nominal"] is not None else "n/a"
-        md.append(f"| {k} | {1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | "
-                  f"{100 * r['mfu_measured_matmul']:.1f}% | {r['peak_memory_gib']:.2f} |")
-    md += ["", f"overhead ratio (median meshtorch / plain step): **{ratio:.3f}**", ""]
-    (RESULTS / "gpu_step.md").write_text("\n".join(md))
-    print("\n".join(md))
-    return 0
+    t0 = time.perf_counter()
+    device = torch.device("cpu") if a.dry_run else torch.device("cuda", torch.cuda.current_device())
+    out = Path(a.out) if a.out else (Path(tempfile.mkdtemp(prefix="gpu_step_dry_run_")) if a.dry_run
+                                     else RESULTS)
+    name = "CPU (dry run)" if a.dry_run else torch.cuda.get_device_name(device)
+    if a.peak_tflops:
+        nominal, source = a.peak_tflops * 1e12, "--peak-tflops"
+    elif a.dry_run:
+        nominal, source = None, "none on the CPU"
+    else:
+        nominal = nominal_peak(name)
+        source = "table NOMINAL_BF16" if nominal else f"'{name}' is not in NOMINAL_BF16: pass --peak-tflops"
+    mm_dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    mm_n = 256 if a.dry_run else 8192
+    with torch.device(device):
+        measured = matmul_rate(mm_n, mm_dtype, 0.02 if a.dry_run else 0.1)
+    report: dict[str, Any] = {
+        "command": "python benchmarks/gpu_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "dry_run": a.dry_run,
+        "steps": a.steps, "warmup": a.warmup, "precision": a.precision, "precision_matmul": str(mm_dtype)[6:],
+        "loss_rtol": a.loss_rtol, "compile_backend": a.compile_backend,
+        "environment": {"device_name": name, "torch": torch.__version__,
+                        "cuda": torch.version.cuda, "nominal_peak_flops": nominal, "nominal_source": source,
+                        "measured_matmul_flops": round(measured), "matmul_n": mm_n},
+        "sizes": {}}
+    print(f"{name}: nominal peak {rate(nominal) if nominal else 'unknown'} ({source}), "
+          f"measured {rate(measured)} ({mm_n}^3 {report['precision_matmul']} matmuls)", flush=True)
+    failed = False
+    for size_name in a.sizes:
+        failed |= run_size(size_name, a, report, out, device, nominal, measured, t0)
+    write(report, out)
+    print("\n" + markdown(report))
+    print(f"wrote {out / (STEM + '.json')} and {out / (STEM + '.md')} ({time.perf_counter() - t0:.0f} s)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -61,25 +61,36 @@ BATCH, LENGTH = 16, 64
 
 class PlainLM(torch.nn.Module):
     """:class:`DecoderLM` (learned positions, pre-LayerNorm, GELU, tied or untied head, optional
-    biases) written in plain PyTorch, with the weights of ``model``."""
+    biases) written in plain PyTorch, with the weights of ``model``.
 
-    def __init__(self, model: DecoderLM):
+    ``sdpa=False`` computes attention as meshtorch's einsum path does (scores, a causal mask,
+    softmax, values); ``sdpa=True`` as one writes it for speed,
+    ``F.scaled_dot_product_attention(is_causal=True)`` (flash/cuDNN kernels on a GPU). The mask
+    and every tensor of the forward are made on the device of ``ids``: the model runs wherever
+    ``.to(device)`` put it.
+    """
+
+    def __init__(self, model: DecoderLM, sdpa: bool = False):
         super().__init__()
         cfg = self.cfg = model.cfg
         if cfg.positions != "learned" or cfg.norm != "layer" or cfg.experts:
             raise ValueError("PlainLM covers learned positions, LayerNorm and dense feed-forward layers")
+        self.sdpa = sdpa
         P = {n: v.to_global().detach().clone() for n, v in model.named_mesh_parameters()}
         d, hk = cfg.d_model, cfg.heads * cfg.d_kv
         self.names: dict[str, str] = {}  # our parameter name -> DecoderLM's, to compare gradients
 
-        def param(ours: str, theirs: str, shape=None) -> torch.nn.Parameter:
-            p = torch.nn.Parameter(P[theirs].reshape(shape) if shape else P[theirs])
-            self.register_parameter(ours.replace(".", "_"), p)
-            self.names[ours.replace(".", "_")] = theirs
-            return p
+        def param(ours: str, theirs: str, shape=None) -> str:
+            # blocks hold names, not Parameter objects: forward looks each up in this module, so
+            # copies (deepcopy) and moves (.to(device)) of the model keep working
+            name = ours.replace(".", "_")
+            value = P[theirs].reshape(shape) if shape else P[theirs]
+            self.register_parameter(name, torch.nn.Parameter(value))
+            self.names[name] = theirs
+            return name
 
-        self.wte = param("wte", "embed.table")
-        self.wpe = param("wpe", "decoder.pos.table")
+        self.wte_name = param("wte", "embed.table")
+        self.wpe_name = param("wpe", "decoder.pos.table")
         self.blocks = []
         for i in range(cfg.layers):
             p = f"decoder.blocks.{i}."
@@ -98,31 +109,44 @@ class PlainLM(torch.nn.Module):
             b["wo_b"] = param(f"h{i}.wo_b", p + "ffn.wo.bias") if cfg.bias else None
             self.blocks.append(b)
         self.ln_f = (param("ln_f.w", "decoder.ln_f.weight"), param("ln_f.b", "decoder.ln_f.bias"))
-        self.head = None if cfg.tie_embeddings else param("head", "head.kernel")
+        self.head_name = None if cfg.tie_embeddings else param("head", "head.kernel")
         self.act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
                     "relu": F.relu, "silu": F.silu}[cfg.activation]
 
-    @staticmethod
-    def _linear(x, w, b):
+    def _p(self, name: str | None) -> torch.Tensor | None:
+        return None if name is None else self._parameters[name]
+
+    def _linear(self, x, w, b):
+        w, b = self._p(w), self._p(b)
         return x @ w if b is None else torch.addmm(b, x.flatten(0, -2), w).view(*x.shape[:-1], -1)
+
+    def _attend(self, q, k, v):
+        """Causal attention of ``[batch, heads, length, d_kv]`` queries, keys and values."""
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t = q.shape[-2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+        return s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+    def _norm(self, x, wb):
+        return F.layer_norm(x, (self.cfg.d_model,), *(self._p(n) for n in wb), self.cfg.eps)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         bsz, t = ids.shape
         h, k = cfg.heads, cfg.d_kv
-        x = self.wte[ids] + self.wpe[:t]
-        mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        wte = self._p(self.wte_name)
+        x = wte[ids] + self._p(self.wpe_name)[:t]
         for b in self.blocks:
-            y = F.layer_norm(x, (cfg.d_model,), *b["ln1"], cfg.eps)
+            y = self._norm(x, b["ln1"])
             q, kk, v = (self._linear(y, b[w], b[w + "_b"]).view(bsz, t, h, k).transpose(1, 2) for w in "qkv")
-            s = (q @ kk.transpose(-1, -2)) * (k ** -0.5)
-            a = s.masked_fill(~mask, float("-inf")).softmax(-1)
-            o = (a @ v).transpose(1, 2).reshape(bsz, t, h * k)
+            o = self._attend(q, kk, v).transpose(1, 2).reshape(bsz, t, h * k)
             x = x + self._linear(o, b["o"], b["o_b"])
-            y = F.layer_norm(x, (cfg.d_model,), *b["ln2"], cfg.eps)
+            y = self._norm(x, b["ln2"])
             x = x + self._linear(self.act(self._linear(y, b["wi"], b["wi_b"])), b["wo"], b["wo_b"])
-        x = F.layer_norm(x, (cfg.d_model,), *self.ln_f, cfg.eps)
-        return x @ (self.wte.T if self.head is None else self.head)
+        x = self._norm(x, self.ln_f)
+        return x @ (wte.T if self.head_name is None else self._p(self.head_name))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self(ids).flatten(0, 1), targets.flatten())

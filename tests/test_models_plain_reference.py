@@ -27,14 +27,15 @@ finally:
     sys.path.remove(_bench)
 
 
+@pytest.mark.parametrize("sdpa", [False, True])
 @pytest.mark.parametrize("opts", [dict(), dict(bias=True, tie_embeddings=False, activation="gelu_tanh")])
-def test_plain_lm_has_the_same_loss_and_gradients(opts):
+def test_plain_lm_has_the_same_loss_and_gradients(opts, sdpa):
     cfg = TransformerConfig(vocab=24, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, max_length=8, **opts)
     ours = DecoderLM(cfg, seed=2)
     with torch.no_grad():  # biases and norms start at 0 and 1: make them count
         for p in ours.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    plain = overhead.PlainLM(ours)
+    plain = overhead.PlainLM(ours, sdpa=sdpa)
     data = torch.randint(0, cfg.vocab, (3, 9), generator=torch.Generator().manual_seed(0))
     ids, tgt = data[:, :-1], data[:, 1:]
     loss = ours.loss(mt.from_global(ids, "batch:3,length:8"), mt.from_global(tgt, "batch:3,length:8"))

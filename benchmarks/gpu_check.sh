@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The one-GPU check, in under 5 minutes on one H100: the CUDA tests, then benchmarks/gpu_step.py --quick
+# (meshtorch eager and compiled vs plain PyTorch with SDPA and fused AdamW, at 124M and ~1.3B).
+#
+#   bash benchmarks/gpu_check.sh            # from anywhere; uses python3 (or $PYTHON)
+#
+# Needs only torch (and meshtorch's own dependencies) on the machine: meshtorch runs from src/ of this
+# checkout (PYTHONPATH), nothing is installed. Without pytest the tests are skipped and said so.
+# GPU_CHECK_RESULTS (default benchmarks/results) is where the benchmark writes gpu_step.{json,md}.
+# GPU_CHECK_SECONDS (default 290) is the whole check's wall-clock budget: the tests get at most 120 s,
+# the benchmark the rest. The benchmark starts no variant in its last 75 s (--budget-s) and is
+# stopped at the budget; it writes benchmarks/results/gpu_step.{json,md} after every variant, so a
+# stopped run keeps what it measured (the variant it was in is marked "running" there).
+# Without a GPU it runs the CPU side instead: the same tests (CUDA ones skip) and gpu_step.py --dry-run.
+# Exit status: 0 all passed; 1 a test or a benchmark variant failed (or losses differ); 3 the benchmark
+# was stopped at the time budget; 2 the setup is broken (torch or meshtorch does not import).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+BUDGET="${GPU_CHECK_SECONDS:-290}"
+RESULTS="${GPU_CHECK_RESULTS:-benchmarks/results}"  # where gpu_step.{json,md} go
+start=$SECONDS
+status=0
+
+gpu=$("$PY" -c "import torch, meshtorch; print(int(torch.cuda.is_available()))") || {
+    echo "gpu_check: torch or meshtorch (from $PWD/src) does not import with $PY"; exit 2; }
+"$PY" -c "import torch; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '|',
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU: CPU side only')"
+
+# ---- the CUDA tests: tests/test_gpu_path.py whole, and the tests named or parametrised cuda/gpu in
+# every other file that asks torch for a GPU
+if "$PY" -c "import pytest" 2>/dev/null; then
+    others=$(grep -lE "torch\.cuda\.is_available\(\)|pytest\.mark\.cuda" tests/test_*.py | grep -v "tests/test_gpu_path.py")
+    echo "== tests: tests/test_gpu_path.py${others:+ and -k 'cuda or gpu' in }$(echo $others)"
+    timeout -k 5 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_path.py
+    rc=$?
+    if [ -n "$others" ]; then
+        t=$((120 - (SECONDS - start))); [ $t -lt 20 ] && t=20
+        timeout -k 5 $t "$PY" -m pytest -q -p no:cacheprovider -k "cuda or gpu" $others
+        rc2=$?
+        [ $rc2 -eq 5 ] && rc2=0  # nothing selected
+        [ $rc -eq 0 ] && rc=$rc2
+    fi
+    [ $rc -ne 0 ] && { echo "gpu_check: tests failed (exit $rc)"; status=1; }
+else
+    echo "== tests: skipped (pytest is not installed for $PY)"
+fi
+echo "== tests took $((SECONDS - start)) s"
+
+# ---- the benchmark
+left=$((BUDGET - (SECONDS - start)))
+if [ "$gpu" = "1" ]; then
+    [ $left -lt 60 ] && { echo "gpu_check: only $left s left for the benchmark; not started"; exit 3; }
+    echo "== benchmark: gpu_step.py --quick (${left} s left; no variant starts after $((left - 75)) s)"
+    timeout -k 10 "$left" "$PY" benchmarks/gpu_step.py --quick --budget-s $((left - 75)) --out "$RESULTS"
+    rc=$?
+else
+    echo "== benchmark: no GPU, so gpu_step.py --dry-run (the tiny model on the CPU, eager variants)"
+    timeout -k 10 "$((left > 60 ? left : 60))" "$PY" benchmarks/gpu_step.py --dry-run \
+        --variants meshtorch-eager,plain-eager
+    rc=$?
+fi
+if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "gpu_check: the benchmark was stopped at the time budget; $RESULTS/gpu_step.md has what it measured:"
+    [ "$gpu" = "1" ] && cat "$RESULTS/gpu_step.md"
+    [ $status -eq 0 ] && status=3
+elif [ $rc -ne 0 ]; then
+    echo "gpu_check: the benchmark reports a failure (exit $rc): see its table above"
+    status=1
+fi
+echo "== gpu_check: $((SECONDS - start)) s in all, exit $status"
+exit $status
