@@ -65,7 +65,7 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
     return replace(t2, comm=comm, peak_by_kind=by_kind, peak_bytes=sum(by_kind.values()),
                    flops_by_dtype=flops, flops=sum(flops.values()),
                    parameters=lin_(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
-                   param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops))
+                   param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops), aten_names=[])
 
 
 def shallow_programs(program: Program) -> tuple[Program, Program, int] | None:

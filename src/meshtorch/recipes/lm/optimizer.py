@@ -45,8 +45,8 @@ def optimizer_step(opt: torch.optim.Optimizer) -> None:
         return
     if isinstance(opt, Adafactor):
         for p in params:
-            if p.grad is not None:
-                opt.state[p].setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
+            if p.grad is not None and "step" not in opt.state[p]:  # made once, as Adafactor does
+                opt.state[p]["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
         opt.step()
         return
     with torch.device("cpu"):
