@@ -14,7 +14,7 @@ from meshtorch.plan import trace
 from meshtorch.plan.devices import device
 from meshtorch.plan.estimate import from_trace
 from meshtorch.plan.layered import extrapolate, layered_trace
-from meshtorch.plan.search import Pruned
+from meshtorch.plan.ranking import Pruned
 from meshtorch.plan.space import meshes_for, rules_for
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import build_model, training_step
@@ -210,7 +210,7 @@ def test_search_equals_exhaustive_search(model, layers):
 
 
 def test_pruned_candidates_are_ranked_with_their_bound():
-    from meshtorch.plan.search import SearchResult
+    from meshtorch.plan.ranking import SearchResult
 
     est = mt.plan.estimate(training_step(CFG.replace(layers=1), vocab=64), "b:2", "batch:b", device="a100")
     slow = Pruned("b:2", "batch:b; vocab:b", est.step_seconds * 2, 1e3, "time", best=est.step_seconds)

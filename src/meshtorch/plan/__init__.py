@@ -20,7 +20,8 @@ Example:
 
 from meshtorch.plan.devices import DEVICES, DeviceSpec, Link, device
 from meshtorch.plan.estimate import Estimate, estimate
-from meshtorch.plan.search import SearchResult, search
+from meshtorch.plan.ranking import SearchResult
+from meshtorch.plan.search import search
 from meshtorch.plan.tracing import Trace, measure, trace
 
 __all__ = ["DEVICES", "DeviceSpec", "Estimate", "Link", "SearchResult", "Trace", "device", "estimate",

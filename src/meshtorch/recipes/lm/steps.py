@@ -104,6 +104,8 @@ class TrainingProgram:
     that it also runs in fresh processes (``mt.plan.trace(program, backend="torch")``
     measures a gloo step).
 
+    With ``--compile`` the strategy's step is traced eagerly (the same ops and collectives).
+
     ``layers``, ``period`` and :meth:`with_layers` let the search trace shallower copies and
     extrapolate: blocks repeat with ``period`` (an MoE model alternates dense and expert
     feed-forward blocks). A pipelined program (:meth:`pipelined`; ``meshtorch train
@@ -113,6 +115,9 @@ class TrainingProgram:
     """
 
     def __init__(self, cfg: TrainConfig, vocab: int, *, update: bool = True, pipelined: bool = False) -> None:
+        # --compile runs the same ops and collectives (a meta trace of the compiled step counts the
+        # eager one's, and compiling it on meta costs ~15 s even for a tiny model): trace it eagerly
+        cfg = cfg.replace(compile=False)
         self.cfg, self.vocab, self.update = cfg, vocab, update
         self.layers = cfg.model.layers
         self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1

@@ -211,14 +211,15 @@ class PipelinedStep:
         from meshtorch.checkpoint.index import read_index
         from meshtorch.pipeline.lm import lm_pipeline, restore_previous
 
-        cfg, par = self.cfg, self.cfg.parallelism
+        cfg = self.cfg
         resumed_previous = bool(cfg.run.resume) and self.previous is not None and any(
             k.startswith(f"model/{PREVIOUS}.")
             for k in read_index(os.path.join(cfg.run.resume, "checkpoint"))["tensors"])
         start = resume_run(cfg, self.model, self.opt, batches, lead,
                            saved=_with_previous(self.model, self.previous) if resumed_previous else None)
-        pipe = lm_pipeline(self.model.cfg, model=self.model, axis=AXIS, microbatches=par.microbatches,
-                           schedule=par.schedule)
+        how = pipelining(cfg)  # what this step declares to the planner (self.pipeline) is what it builds
+        pipe = lm_pipeline(self.model.cfg, model=self.model, axis=how.axis, microbatches=how.microbatches,
+                           schedule=how.schedule, recompute=how.recompute)
         pipe.optimizer, pipe.batches_trained = _Stepper(self.opt), start
         if resumed_previous:
             restore_previous(pipe, self.previous)
