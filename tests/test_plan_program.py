@@ -35,7 +35,7 @@ from meshtorch.comm.torch import TorchCommunicator
 from meshtorch.context import current, use_tracer
 from meshtorch.plan import trace
 from meshtorch.plan.pipeline import stage_traces
-from meshtorch.plan.program import Program, Step
+from meshtorch.plan.program import Program, SpaceDims, Step, program_of
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import pipelined_training_step, prepare, training_step
 from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep
@@ -184,3 +184,28 @@ def test_the_strategies_and_the_lm_program_implement_the_planners_protocols():
     assert isinstance(plain, PlainStep) and isinstance(plain, Step) and plain.pipeline is None
     assert isinstance(pipe, PipelinedStep) and isinstance(pipe, Step)
     assert pipe.pipeline == piped.pipelined(2).pipeline
+
+
+def _mlp(batch: str, hidden: str, units: str):
+    def step():
+        ff = mt.nn.Dense(mt.Dim(hidden, 64), mt.Dim(units, 256), bias=False)
+        with mt.plan.measure():
+            mt.reduce_sum(ff(mt.random.normal(f"{batch}:32,{hidden}:64", seed=1))).backward()
+
+    return step
+
+
+def test_the_search_takes_the_models_dim_names_from_the_program():
+    ours = mt.plan.search(_mlp("batch", "d_model", "d_ff"), 4, device="a100")
+    roles = SpaceDims(batch="rows", model=("units",), hidden="width")
+    named = program_of(_mlp("rows", "width", "units"), roles)
+    theirs = mt.plan.search(named, 4, device="a100")
+    rename = {"rows": "batch", "width": "d_model", "units": "d_ff"}
+    renamed = [(c.mesh, " ".join(rename.get(w, w) for w in c.rules.replace(":", " : ").split()))
+               for c in theirs.ranking()]
+    assert theirs.space == ours.space > 10
+    assert renamed == [(c.mesh, " ".join(c.rules.replace(":", " : ").split())) for c in ours.ranking()]
+    assert theirs.best.step_seconds == ours.best.step_seconds
+    # told nothing, the search knows no dim of this model to split: each mesh keeps it replicated
+    blind = mt.plan.search(_mlp("rows", "width", "units"), 4, device="a100")
+    assert sorted((c.mesh, c.rules) for c in blind.ranking()) == [("b:2,m:2", ""), ("b:4", "")]
