@@ -201,6 +201,6 @@ def step_peaks(setup: Callable[[], Any], step: Callable[[Any], Any], repeats: in
 def training_step_peak(cfg, vocab: int, repeats: int = 3) -> int:
     """The least allocator peak of ``repeats`` steady-state training steps of ``cfg`` (the
     planner's ``training_step`` after its warm-up), on this processor."""
-    from meshtorch.recipes.lm.steps import prepare, train_step
+    from meshtorch.recipes.lm.steps import prepare
 
-    return min(step_peaks(lambda: prepare(cfg, vocab), lambda s: train_step(cfg, *s), repeats))
+    return min(step_peaks(lambda: prepare(cfg, vocab), lambda s: s[0].run([s[1]], 1), repeats))

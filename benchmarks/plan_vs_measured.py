@@ -48,8 +48,6 @@ from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import (
     pipelined_training_step,
     prepare,
-    prepare_pipelined,
-    train_step,
     training_step,
 )
 
@@ -110,12 +108,12 @@ def _measure(setup, run) -> dict:
 
 
 def spmd_program(cfg: TrainConfig) -> dict:
-    return _measure(lambda: prepare(cfg, VOCAB), lambda s: train_step(cfg, *s))
+    return _measure(lambda: prepare(cfg, VOCAB), lambda s: s[0].run([s[1]], 1))
 
 
 def pipeline_program(cfg: TrainConfig) -> dict:
     steps = iter(range(1, 1000))
-    return _measure(lambda: prepare_pipelined(cfg, VOCAB), lambda s: s[0].run([s[1]], next(steps)))
+    return _measure(lambda: prepare(cfg, VOCAB, pipelined=True), lambda s: s[0].run([s[1]], next(steps)))
 
 
 def _row(model, layout, stage, mesh, rules, precision, planned, est_seconds, real) -> dict:

@@ -60,22 +60,22 @@ def step_flops_and_peak(cfg, vocab: int) -> tuple[int, int]:
     least allocator peak of three steps."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from meshtorch.recipes.lm.steps import prepare, train_step
+    from meshtorch.recipes.lm.steps import prepare
 
     peak = allocator_peak.training_step_peak(cfg, vocab)
-    model, opt, batch = prepare(cfg, vocab)
+    step, batch = prepare(cfg, vocab)
     with FlopCounterMode(display=False) as counter:
-        train_step(cfg, model, opt, batch)
+        step.run([batch], 1)
     return counter.get_total_flops(), peak
 
 
 def pipelined_step_peak(cfg, vocab: int) -> int:
     """The least allocator peak of three steady-state steps of ``meshtorch train --pipeline-stages``'s
-    step of ``cfg`` on this processor (after the warm-up of ``prepare_pipelined``)."""
+    step of ``cfg`` on this processor (after the warm-up of ``prepare``)."""
     from itertools import count
 
-    from meshtorch.recipes.lm.steps import prepare_pipelined
+    from meshtorch.recipes.lm.steps import prepare
 
     steps = count(1)
-    return min(allocator_peak.step_peaks(lambda: prepare_pipelined(cfg, vocab),
+    return min(allocator_peak.step_peaks(lambda: prepare(cfg, vocab, pipelined=True),
                                          lambda s: s[0].run([s[1]], next(steps))))

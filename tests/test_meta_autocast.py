@@ -13,7 +13,7 @@ import meshtorch as mt
 from meshtorch.meta_autocast import MetaAutocast, autocast_enabled
 from meshtorch.plan import trace
 from meshtorch.recipes.lm import TrainConfig
-from meshtorch.recipes.lm.steps import prepare, train_step, training_step
+from meshtorch.recipes.lm.steps import prepare, training_step
 
 IDS = torch.tensor([1, 2, 0, 3])
 
@@ -101,10 +101,10 @@ def real_step(cfg: TrainConfig, mesh: str, rules: str) -> tuple[dict, int]:
     the communicator counts them, and its FLOPs as torch's FlopCounterMode counts them."""
 
     def program():
-        model, opt, batch = prepare(cfg, VOCAB)
+        step, batch = prepare(cfg, VOCAB)
         before = mt.comm_stats().copy()
         with FlopCounterMode(display=False) as flops:
-            train_step(cfg, model, opt, batch)
+            step.run([batch], 1)
         return (mt.comm_stats() - before).as_dict(), flops.get_total_flops()
 
     return mt.launch(program, mesh=mesh, rules=rules, backend="threads")[0]

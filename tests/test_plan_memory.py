@@ -119,4 +119,4 @@ def test_recompute_is_priced_as_a_real_recompute_step(model):
     # what recomputation trades: each block's forward once more, for its activations
     assert plain.flops < remat.flops < 1.5 * plain.flops
     assert remat.peak_by_kind["activations"] < 0.8 * plain.peak_by_kind["activations"]
-    assert remat.result["loss"].shape == plain.result["loss"].shape
+    assert remat.result["parameters"] == plain.result["parameters"]

@@ -20,7 +20,8 @@ from meshtorch.pipeline import build_schedule, simulate
 from meshtorch.plan import trace
 from meshtorch.plan.estimate import from_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline, stage_traces
-from meshtorch.plan.search import pipeline_layouts, rules_for, search
+from meshtorch.plan.search import search
+from meshtorch.plan.space import pipeline_layouts, rules_for
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
 
@@ -133,11 +134,12 @@ SPLIT = SMALL.replace(d_ff=16)
 
 
 def test_pipeline_bounds_hold_and_the_pruned_search_equals_exhaustive():
-    from meshtorch.plan.search import REFERENCE_MESH, _dims, meshes_for, pipeline_bounds
+    from meshtorch.plan.bounds import REFERENCE_MESH, dims_of, pipeline_bounds
+    from meshtorch.plan.space import meshes_for
 
     spec = dataclasses.replace(mt.plan.device("a100"), peak_flops={"float32": 2e8})  # compute dominates
     step = training_step(SPLIT, 15)
-    dims = _dims(trace(step, mesh=REFERENCE_MESH))
+    dims = dims_of(trace(step, mesh=REFERENCE_MESH))
     family = pipeline_layouts(4, dims, 2)
     assert len(family) == 10
     bounds = pipeline_bounds(step.pipelined, family, spec)

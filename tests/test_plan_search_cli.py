@@ -13,7 +13,9 @@ from meshtorch.cli import main
 from meshtorch.plan import trace
 from meshtorch.plan.devices import device
 from meshtorch.plan.estimate import from_trace
-from meshtorch.plan.search import Pruned, _extrapolate, layered_trace, meshes_for, rules_for
+from meshtorch.plan.layered import extrapolate, layered_trace
+from meshtorch.plan.ranking import Pruned
+from meshtorch.plan.space import meshes_for, rules_for
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import build_model, training_step
 
@@ -26,7 +28,7 @@ def test_layer_extrapolation_is_exact_for_bytes_and_flops(mesh, rules):
     step = training_step(CFG, vocab=64)
     t1, t2 = (trace(step.with_layers(n), mesh=mesh, rules=rules) for n in (1, 2))
     full = trace(step, mesh=mesh, rules=rules)
-    ext = _extrapolate(t1, t2, 2)  # two layers deeper than t1
+    ext = extrapolate(t1, t2, 2)  # two layers deeper than t1
     assert ext.comm.as_dict() == full.comm.as_dict()
     assert ext.flops == full.flops and ext.result["parameters"] == full.result["parameters"]
     assert ext.aten_ops == full.aten_ops > t2.aten_ops  # the host's share of a CPU step, per op
@@ -131,14 +133,14 @@ SMALL = TrainConfig.of(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, 
 @pytest.mark.parametrize("model, mesh, optimizer", [("lm", "b:2,m:2", "adafactor"),
                                                     ("moe", "b:2,m:2", "adamw")])
 def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model, mesh, optimizer):
-    from meshtorch.plan.search import REFERENCE_MESH, _dims, lower_bounds
+    from meshtorch.plan.bounds import REFERENCE_MESH, dims_of, lower_bounds
 
     cfg = SMALL.replace(model=model, optimizer=optimizer)
     step = training_step(cfg, vocab=32)
     spec = device("tpu-v2")
     ref = trace(step, mesh=REFERENCE_MESH)
     everything = []
-    for rules in rules_for(mesh, _dims(ref)):
+    for rules in rules_for(mesh, dims_of(ref)):
         est = mt.plan.estimate(step, mesh, rules, device=spec)
         t, m = lower_bounds(ref, mesh, rules, spec)
         assert 0 < t <= est.step_seconds * (1 + 1e-9), rules
@@ -221,7 +223,7 @@ def test_search_equals_exhaustive_search(model, layers):
 
 
 def test_pruned_candidates_are_ranked_with_their_bound():
-    from meshtorch.plan.search import SearchResult
+    from meshtorch.plan.ranking import SearchResult
 
     est = mt.plan.estimate(training_step(CFG.replace(layers=1), vocab=64), "b:2", "batch:b", device="a100")
     slow = Pruned("b:2", "batch:b; vocab:b", est.step_seconds * 2, 1e3, "time", best=est.step_seconds)

@@ -8,9 +8,10 @@ import pytest
 
 import meshtorch as mt
 from meshtorch.plan import trace
-from meshtorch.plan.search import REFERENCE_MESH, _dims, meshes_for, rules_for
+from meshtorch.plan.bounds import REFERENCE_MESH, dims_of
+from meshtorch.plan.space import meshes_for, rules_for
 from meshtorch.recipes.lm import TrainConfig
-from meshtorch.recipes.lm.steps import prepare, train_step, training_step
+from meshtorch.recipes.lm.steps import prepare, training_step
 
 VOCAB = 16
 TINY = TrainConfig.of(batch=4, length=8, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, encoder_layers=1,
@@ -18,7 +19,7 @@ TINY = TrainConfig.of(batch=4, length=8, d_model=8, heads=2, d_kv=4, d_ff=16, la
 
 
 def space(step, mesh):
-    return rules_for(mesh, _dims(trace(step, mesh=REFERENCE_MESH)))
+    return rules_for(mesh, dims_of(trace(step, mesh=REFERENCE_MESH)))
 
 
 @pytest.mark.parametrize("model", ["lm", "moe", "seq2seq"])
@@ -53,9 +54,9 @@ def test_three_axis_meshes_and_their_search():
 
 
 def _counted(cfg, vocab):
-    model, opt, batch = prepare(cfg, vocab)
+    step, batch = prepare(cfg, vocab)
     before = mt.comm_stats().copy()
-    train_step(cfg, model, opt, batch)
+    step.run([batch], 1)
     return (mt.comm_stats() - before).as_dict()
 
 

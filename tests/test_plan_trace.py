@@ -17,7 +17,7 @@ import meshtorch as mt
 from mesh_harness import meshes, rules_for
 from meshtorch.plan import trace
 from meshtorch.recipes.lm import TrainConfig, model_dims
-from meshtorch.recipes.lm.steps import prepare, train_step, training_step
+from meshtorch.recipes.lm.steps import prepare, training_step
 
 VOCAB = 16
 BASE = TrainConfig.of(batch=4, length=8, d_model=8, heads=4, d_kv=4, d_ff=16, layers=2, encoder_layers=1,
@@ -33,9 +33,9 @@ def communicator_counts(cfg: TrainConfig, mesh: str, rules: str) -> dict:
     counts them: no tracer, no measure() block; the warm-up before it is not part of it."""
 
     def program() -> dict:
-        model, opt, batch = prepare(cfg, VOCAB)
+        step, batch = prepare(cfg, VOCAB)
         before = mt.comm_stats().copy()
-        train_step(cfg, model, opt, batch)
+        step.run([batch], 1)
         return (mt.comm_stats() - before).as_dict()
 
     return mt.launch(program, mesh=mesh, rules=rules, backend="threads")[0]

@@ -4,7 +4,8 @@ The ``meta`` backend runs one representative processor on meta tensors;
 :func:`trace` records what that processor does (FLOPs, collectives, memory by
 kind, the named shape of every MeshTensor); :func:`estimate` turns it into
 bytes per axis, peak memory and a step time on a :class:`DeviceSpec`;
-:func:`search` finds the fastest mesh and rules that fit.
+:func:`search` finds the fastest mesh and rules that fit. A step is any callable, or a
+:class:`Program` that also says what a search may do with it (:mod:`meshtorch.plan.program`).
 
 Example:
     >>> import meshtorch as mt
@@ -20,8 +21,10 @@ Example:
 
 from meshtorch.plan.devices import DEVICES, DeviceSpec, Link, device
 from meshtorch.plan.estimate import Estimate, estimate
-from meshtorch.plan.search import SearchResult, search
+from meshtorch.plan.program import Pipelining, Program, SpaceDims
+from meshtorch.plan.ranking import SearchResult
+from meshtorch.plan.search import search
 from meshtorch.plan.tracing import Trace, measure, trace
 
-__all__ = ["DEVICES", "DeviceSpec", "Estimate", "Link", "SearchResult", "Trace", "device", "estimate",
-           "measure", "search", "trace"]
+__all__ = ["DEVICES", "DeviceSpec", "Estimate", "Link", "Pipelining", "Program", "SearchResult", "SpaceDims",
+           "Trace", "device", "estimate", "measure", "search", "trace"]

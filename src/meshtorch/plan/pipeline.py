@@ -65,6 +65,7 @@ from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.estimate import Estimate, _fmt_bytes, collectives_seconds, compute_seconds, from_trace
+from meshtorch.plan.program import Pipelining, Program
 from meshtorch.plan.tracing import KINDS, Trace, active, trace
 
 POINT_TO_POINT = ("send", "recv")
@@ -267,13 +268,13 @@ class PipelineEstimate(Estimate):
             "per_stage": [e.to_json() for e in self.stage_estimates]}}
 
 
-def _pipeline_of(step_fn: Callable[[], Any]) -> dict[str, Any]:
-    info = getattr(step_fn, "pipeline", None)
-    if not isinstance(info, dict) or not {"schedule", "microbatches"} <= set(info):
-        raise PlanError("a pipelined step function needs a 'pipeline' attribute "
-                        "{'schedule': ..., 'microbatches': ..., 'axis': ..., 'recompute': ...}, as "
-                        "meshtorch.recipes.lm.steps.pipelined_training_step gives it")
-    return {"axis": "stage", "recompute": False, **info}
+def program_pipeline(program: Program) -> Pipelining:
+    """How ``program`` is pipelined (its ``pipeline``); :class:`PlanError` for an SPMD program."""
+    if program.pipeline is None:
+        raise PlanError("this program is not pipelined: a pipelined step is a meshtorch.plan.program.Program "
+                        "whose 'pipeline' is a Pipelining(schedule, microbatches, axis, recompute), as "
+                        "meshtorch.recipes.lm.steps.pipelined_training_step(cfg) is")
+    return program.pipeline
 
 
 def _most(dicts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -338,14 +339,14 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         transfer_seconds=hop, stage_seconds=work, update_seconds=update)
 
 
-def estimate_pipeline(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
+def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | str = "",
                       device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring",
                       staging: str = "none", *, give_up: Callable[[int, float], bool] | None = None
                       ) -> PipelineEstimate | None:
     """Predict a pipelined step's per-stage bytes, calls and peak memory, its bubble and step time.
 
-    ``step_fn`` runs one step of a pipeline along the mesh axis its ``pipeline`` attribute names
-    (``{"axis", "schedule", "microbatches", "recompute"}``), e.g.
+    ``step_fn`` is a :class:`~meshtorch.plan.program.Program` that runs one step of a pipeline
+    along the mesh axis its ``pipeline`` (:class:`~meshtorch.plan.program.Pipelining`) names, e.g.
     ``meshtorch.recipes.lm.steps.pipelined_training_step(cfg)``; ``mesh`` has that axis.
     ``staging`` names the backend whose collective buffers each stage's peak memory holds
     (:func:`meshtorch.plan.tracing.staging_for`). ``give_up(stage, work)``, if given, is called with
@@ -353,19 +354,19 @@ def estimate_pipeline(step_fn: Callable[[], Any], mesh: Mesh | str, rules: Layou
     the rest is not traced and the result is None (a search that already knows the layout loses).
     """
     m = Mesh(mesh)
-    info = _pipeline_of(step_fn)
+    info = program_pipeline(step_fn)
     spec = get_device(device, processors=m.size)
     traces, header = [], 0
-    for t, h in _stage_by_stage(step_fn, m, rules, info["axis"], staging):
+    for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging):
         traces.append(t)
         header = h
         if give_up is not None and give_up(len(traces) - 1,
-                                           stage_work(from_trace(t, m, spec, algorithm), info["axis"])):
+                                           stage_work(from_trace(t, m, spec, algorithm), info.axis)):
             return None
-    return from_stage_traces(traces, m, spec, schedule=info["schedule"], microbatches=info["microbatches"],
-                             axis=info["axis"], recompute=info["recompute"], algorithm=algorithm,
+    return from_stage_traces(traces, m, spec, schedule=info.schedule, microbatches=info.microbatches,
+                             axis=info.axis, recompute=info.recompute, algorithm=algorithm,
                              header=header)
 
 
-__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "stage_traces",
-           "stage_work"]
+__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "program_pipeline",
+           "stage_traces", "stage_work"]

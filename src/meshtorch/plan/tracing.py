@@ -107,7 +107,7 @@ class Trace:
     ``parameters`` counts the global elements of every parameter registered
     while tracing (each once, whatever its layout); ``aten_ops`` the aten ops
     counted (what the host's share of a step scales with, priced by a device's
-    ``op_seconds``).
+    ``op_seconds``), ``aten_names`` their names in the order they ran.
     """
 
     mesh: str
@@ -128,6 +128,7 @@ class Trace:
     start_by_kind: dict[str, int] = field(default_factory=dict)
     aten_ops: int = 0
     phases: dict[str, Phase] = field(default_factory=dict)
+    aten_names: list[str] = field(default_factory=list, repr=False)
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -159,6 +160,7 @@ class Tracer(TorchDispatchMode):
         self.all_comm = CommStats()
         self.all_flops: dict[str, int] = defaultdict(int)
         self.aten_ops = 0  # aten ops run while counting: what a CPU step's dispatch costs scale with
+        self.aten_names: list[str] = []  # their names, in order
         self.ops: list[TraceOp] = []
         self._pending_aten: list[str] = []
         self._pending_flops = 0
@@ -238,6 +240,7 @@ class Tracer(TorchDispatchMode):
                     self.track(t)
         if self.counting:
             self.aten_ops += 1
+            self.aten_names.append(packet.__name__)
         return out
 
     @contextmanager
@@ -282,6 +285,7 @@ class Tracer(TorchDispatchMode):
         self.comm = CommStats()
         self.flops_by_dtype.clear()
         self.aten_ops = 0
+        self.aten_names = []
         self.flop_ops.clear()
         self._pending_flop_ops = []
         self.phases = {}
@@ -473,7 +477,8 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  flop_ops=[(dt, n, None if d is None else frozenset(d)) for dt, n, d in tr.flop_ops],
                  param_shapes=[(*v, k in tr.grad_at_start or k in tr.grad_in_step)
                                for k, v in tr.param_shapes.items()],
-                 start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases)
+                 start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases,
+                 aten_names=tr.aten_names)
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:

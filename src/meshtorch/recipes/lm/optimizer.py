@@ -35,6 +35,32 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opti
     return torch.optim.AdamW(groups, lr=cfg.optimizer.lr, betas=(0.9, 0.99), fused=fused or None)
 
 
+def optimizer_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()``, also on meta parameters (a planner's trace of the step).
+
+    Optimizers keep their step counter on the host and read it with
+    ``float()``/``.item()``; under the meta backend the default device is meta,
+    so the counter would have no value. Adafactor makes its counter lazily with
+    the default device: give it a host one. torch's optimizers make theirs
+    with ``torch.tensor``: let factories default to the host while they step
+    (their moments follow the parameters' device, meta).
+    """
+    from meshtorch.optim import Adafactor
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params or params[0].device.type != "meta":
+        opt.step()
+        return
+    if isinstance(opt, Adafactor):
+        for p in params:
+            if p.grad is not None and "step" not in opt.state[p]:  # made once, as Adafactor does
+                opt.state[p]["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
+        opt.step()
+        return
+    with torch.device("cpu"):
+        opt.step()
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to a tenth (or constant with ``lr_schedule="constant"``)."""
     o = cfg.optimizer

@@ -1,13 +1,17 @@
-"""One training step of a meshtorch model, as an SPMD program the planner can trace.
+"""``meshtorch train``'s step as a program the planner traces, prices and searches.
 
-:func:`training_step` builds the model, optimizer and a synthetic batch from a
-:class:`~meshtorch.recipes.lm.config.TrainConfig` (the options of ``meshtorch train``),
-then runs a steady-state step in the order of the training loop:
+:func:`training_step` (and :func:`pipelined_training_step`) is a
+:class:`TrainingProgram`: it builds the model, optimizer and a synthetic batch
+from a :class:`~meshtorch.recipes.lm.config.TrainConfig` (the options of
+``meshtorch train``), the trainer's own strategy around them
+(:func:`~meshtorch.recipes.lm.strategies.strategy_for`), warms up, and runs the
+strategy's ``run`` (what the training loop calls: learning-rate schedule,
 forward, ``zero_grad(set_to_none=True)``, backward, global-norm clipping,
-``optimizer.step()``. A warm-up ``optimizer.step()`` on zero gradients first
-creates the optimizer state, so that the measured step holds what every step
-but the first holds: parameters, optimizer state, the previous step's
-gradients during the forward pass, and the activations.
+``optimizer.step()``) on one batch inside :func:`meshtorch.plan.measure`. The
+warm-up leaves what every step but the first holds: parameters, optimizer state,
+the previous step's gradients during the forward pass. There is no second step
+function: the step planned is the step that trains
+(``tests/test_plan_program.py`` checks their ops and collectives are the same).
 
 Example:
     >>> import meshtorch as mt
@@ -23,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,10 +35,11 @@ from meshtorch.comm.device import auto_device, parse_device
 from meshtorch.errors import TrainingError
 from meshtorch.plan import devices
 from meshtorch.plan.estimate import _fmt_bytes
+from meshtorch.plan.program import Pipelining, SpaceDims, measured_run
 from meshtorch.plan.tracing import measure, staging_for, trace
 from meshtorch.recipes.lm.config import TrainConfig
-from meshtorch.recipes.lm.optimizer import make_optimizer
-from meshtorch.recipes.lm.strategies import precision_context
+from meshtorch.recipes.lm.optimizer import make_optimizer, optimizer_step
+from meshtorch.recipes.lm.strategies import TrainStep, pipelining, precision_context, strategy_for
 
 
 def build_model(cfg: TrainConfig, vocab: int) -> torch.nn.Module:
@@ -61,88 +65,83 @@ def synthetic_batch(cfg: TrainConfig, vocab: int) -> tuple:
     return ids(1), ids(2)
 
 
-def optimizer_step(opt: torch.optim.Optimizer) -> None:
-    """``opt.step()``, also on meta parameters.
-
-    Optimizers keep their step counter on the host and read it with
-    ``float()``/``.item()``; under the meta backend the default device is meta,
-    so the counter would have no value. Adafactor makes its counter lazily with
-    the default device: give it a host one. torch's optimizers make theirs
-    with ``torch.tensor``: let factories default to the host while they step
-    (their moments follow the parameters' device, meta).
-    """
-    from meshtorch.optim import Adafactor
-
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if not params or params[0].device.type != "meta":
-        opt.step()
-        return
-    if isinstance(opt, Adafactor):
-        for p in params:
-            if p.grad is not None:
-                opt.state[p].setdefault("step", torch.zeros((), dtype=torch.float32, device="cpu"))
-        opt.step()
-        return
-    with torch.device("cpu"):
-        opt.step()
-
-
-def prepare(cfg: TrainConfig, vocab: int = 264) -> tuple[torch.nn.Module, torch.optim.Optimizer, tuple]:
-    """``cfg``'s model, optimizer and a synthetic batch, after the warm-up: a first
-    ``optimizer.step()`` on zero gradients has created the optimizer state."""
+def prepare(cfg: TrainConfig, vocab: int = 264, pipelined: bool = False) -> tuple[TrainStep, tuple]:
+    """The trainer's step strategy for ``cfg`` (:func:`~meshtorch.recipes.lm.strategies.strategy_for`:
+    a :class:`~meshtorch.recipes.lm.strategies.PipelinedStep` on a mesh with a ``stage`` axis when
+    ``pipelined``, else a :class:`~meshtorch.recipes.lm.strategies.PlainStep`) and a synthetic
+    batch, after the warm-up that leaves what every step but the first holds: the plain step's
+    optimizer state, made by an ``optimizer.step()`` on zero gradients (no step's work, so that a
+    trace stays cheap); the pipelined step runs one whole step (it also makes 2BW's second
+    weight version). A synthetic step resumes nothing (``--resume`` is dropped)."""
+    cfg = cfg.replace(resume=None)
     model = build_model(cfg, vocab)
-    opt = make_optimizer(cfg, model)
+    step = strategy_for(cfg, model, make_optimizer(cfg, model), pipelined=pipelined)
+    step.resume(None, lead=False)
     batch = synthetic_batch(cfg, vocab)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-    optimizer_step(opt)
-    return model, opt, batch
+    if step.pipeline is None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        optimizer_step(step.opt)
+    else:
+        step.run([batch], 0)
+    return step, batch
 
 
-def train_step(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> Any:
-    """One steady-state step of the training loop on ``batch``; the loss MeshTensor."""
-    from meshtorch import optim
-
-    with precision_context(cfg):
-        loss = model.loss(*batch)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if cfg.optimizer.clip:
-        optim.clip_grad_norm_(model, cfg.optimizer.clip)
-    optimizer_step(opt)
-    return loss
+# the dims of meshtorch's LM, seq2seq and MoE models that the search's layouts split, by role
+LM_DIMS = SpaceDims(batch="batch", model=("heads", "d_ff", "vocab"), experts="experts", hidden="d_model",
+                    sequence="length")
 
 
-class TrainingStep:
-    """The SPMD program :func:`training_step` returns: picklable, so that it also runs in
-    fresh processes (``mt.plan.trace(step, backend="torch")`` measures a gloo step).
+class TrainingProgram:
+    """``meshtorch train``'s step of ``cfg`` on a synthetic batch, as the planner traces it: a
+    :class:`meshtorch.plan.program.Program`.
 
-    ``layers``, ``period`` and :meth:`with_layers` let the search trace shallower
-    copies and extrapolate: blocks repeat with ``period`` (an MoE model alternates
-    dense and expert feed-forward blocks).
+    Calling it builds the model and the trainer's own strategy (:func:`prepare`), warms up,
+    and runs the strategy's ``run`` on one batch inside :func:`meshtorch.plan.measure`
+    (:func:`meshtorch.plan.program.measured_run`), returning ``{"parameters": global count,
+    "comm": that step's collectives as this processor counts them}``. It is picklable, so
+    that it also runs in fresh processes (``mt.plan.trace(program, backend="torch")``
+    measures a gloo step).
+
+    With ``--compile`` the strategy's step is traced eagerly (the same ops and collectives).
+
+    ``layers``, ``period`` and :meth:`with_layers` let the search trace shallower copies and
+    extrapolate: blocks repeat with ``period`` (an MoE model alternates dense and expert
+    feed-forward blocks). A pipelined program (:meth:`pipelined`; ``meshtorch train
+    --pipeline-stages``) runs on a mesh with a ``stage`` axis (see
+    :func:`~meshtorch.recipes.lm.strategies.pipeline_mesh`); :mod:`meshtorch.plan.pipeline` traces it
+    once per stage.
     """
 
-    def __init__(self, cfg: TrainConfig, vocab: int, update: bool = True) -> None:
+    def __init__(self, cfg: TrainConfig, vocab: int, *, update: bool = True, pipelined: bool = False) -> None:
+        # --compile runs the same ops and collectives (a meta trace of the compiled step counts the
+        # eager one's, and compiling it on meta costs ~15 s even for a tiny model): trace it eagerly
+        cfg = cfg.replace(compile=False)
         self.cfg, self.vocab, self.update = cfg, vocab, update
         self.layers = cfg.model.layers
         self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
-        if cfg.model.name != "lm":  # only the LM is pipelined by meshtorch train: no stages to price
-            self.pipelined = None
+        self.pipeline: Pipelining | None = pipelining(cfg) if pipelined else None
+        self.dims = LM_DIMS
 
-    def pipelined(self, microbatches: int, schedule: str | None = None) -> Callable[[], dict[str, Any]]:
-        """This step pipelined over ``microbatches`` (the search prices stages too)."""
-        return pipelined_training_step(
-            self.cfg.replace(microbatches=microbatches, schedule=schedule or self.cfg.parallelism.schedule),
-            self.vocab)
+    def with_layers(self, n: int) -> TrainingProgram:
+        return TrainingProgram(self.cfg.replace(layers=n), self.vocab, update=self.update,
+                               pipelined=self.pipeline is not None)
 
-    def with_layers(self, n: int) -> TrainingStep:
-        return TrainingStep(self.cfg.replace(layers=n), self.vocab, update=self.update)
-
-    def without_update(self) -> TrainingStep:
+    def without_update(self) -> TrainingProgram | None:
         """This step's forward and backward alone (no optimizer, no warm-up): a part of the
         step's work, so its cost bounds the whole step's from below (the search prunes with it)."""
-        return TrainingStep(self.cfg, self.vocab, update=False)
+        if self.pipeline is not None:
+            return None
+        return TrainingProgram(self.cfg, self.vocab, update=False)
+
+    def pipelined(self, microbatches: int, schedule: str | None = None) -> TrainingProgram | None:
+        """This step pipelined over ``microbatches`` (``schedule``: this config's unless given);
+        None for the models ``meshtorch train`` does not pipeline (all but ``lm``)."""
+        if self.cfg.model.name != "lm":
+            return None
+        cfg = self.cfg.replace(microbatches=microbatches, schedule=schedule or self.cfg.parallelism.schedule)
+        return TrainingProgram(cfg, self.vocab, pipelined=True)
 
     def __call__(self) -> dict[str, Any]:
         if not self.update:
@@ -151,60 +150,20 @@ class TrainingStep:
                 with precision_context(self.cfg):
                     loss = model.loss(*batch)
                 loss.backward()
-            return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
-        model, opt, batch = prepare(self.cfg, self.vocab)
-        with measure():
-            loss = train_step(self.cfg, model, opt, batch)
-        return {"parameters": model.num_parameters(), "loss": loss.local.detach()}
+            return {"parameters": model.num_parameters()}
+        step, batch = prepare(self.cfg, self.vocab, pipelined=self.pipeline is not None)
+        return measured_run(step, batch)
 
 
-def training_step(cfg: TrainConfig, vocab: int = 264) -> TrainingStep:
-    """An SPMD program: build ``cfg``'s model and run one steady-state training step.
-
-    It returns ``{"parameters": global parameter count, "loss": the loss tensor's
-    local value}``; the step itself is inside :func:`meshtorch.plan.measure`
-    (the warm-up of :func:`prepare` is not).
-    """
-    return TrainingStep(cfg, vocab)
+def training_step(cfg: TrainConfig, vocab: int = 264) -> TrainingProgram:
+    """``meshtorch train``'s step of ``cfg`` as a program the planner traces (:class:`TrainingProgram`)."""
+    return TrainingProgram(cfg, vocab)
 
 
-class _PlannableOptimizer:
-    """The pipeline's optimizer, stepped with :func:`optimizer_step` (which also works on meta
-    parameters): all the pipeline asks of it is ``step()``."""
-
-    def __init__(self, opt: torch.optim.Optimizer):
-        self.opt = opt
-
-    def step(self) -> None:
-        optimizer_step(self.opt)
-
-
-def prepare_pipelined(cfg: TrainConfig, vocab: int = 264) -> tuple[Any, tuple]:
-    """``meshtorch train --pipeline-stages``'s step strategy for ``cfg`` (a
-    :class:`~meshtorch.recipes.lm.strategies.PipelinedStep`, on a mesh with a ``stage`` axis) and a
-    synthetic batch, after one warm-up step (optimizer state, 2BW's second weight version)."""
-    from meshtorch.recipes.lm.strategies import PipelinedStep
-
-    model = build_model(cfg, vocab)
-    step = PipelinedStep(cfg, model, make_optimizer(cfg, model))
-    step.resume(None, lead=False)
-    step.pipe.optimizer = _PlannableOptimizer(step.opt)
-    batch = synthetic_batch(cfg, vocab)
-    step.run([batch], 0)
-    return step, batch
-
-
-def pipelined_training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], dict[str, Any]]:
-    """An SPMD program: ``meshtorch train --pipeline-stages``'s step of ``cfg`` on a synthetic batch.
-
-    It runs on a mesh with a ``stage`` axis (the stages; see
-    :func:`meshtorch.recipes.lm.strategies.pipeline_mesh`) and is the trainer's own
-    :class:`~meshtorch.recipes.lm.strategies.PipelinedStep`: ``--schedule``,
-    ``--microbatches``, clipping over all stages, every processor holding the whole model (and under
-    2BW its previous version) for the checkpoint. After the warm-up of :func:`prepare_pipelined`,
-    one step runs inside :func:`meshtorch.plan.measure`. It returns ``{"parameters": global count,
-    "comm": that step's collectives as this processor's communicator counts them}``.
-    :func:`meshtorch.plan.pipeline.estimate_pipeline` traces it once per stage.
+def pipelined_training_step(cfg: TrainConfig, vocab: int = 264) -> TrainingProgram:
+    """``meshtorch train --pipeline-stages``'s step of ``cfg`` (``--schedule``, ``--microbatches``,
+    clipping over all stages, every processor holding the whole model, and under 2BW its previous
+    version, for the checkpoint) as a program the planner traces stage by stage.
 
     Example:
         >>> from meshtorch.plan.pipeline import stage_traces
@@ -214,22 +173,7 @@ def pipelined_training_step(cfg: TrainConfig, vocab: int = 264) -> Callable[[], 
         >>> first.comm.calls("stage", "send"), last.comm.calls("stage", "recv")  # header + activation
         (4, 4)
     """
-    from meshtorch.context import comm_stats
-
-    par = cfg.parallelism
-
-    def program() -> dict[str, Any]:
-        step, batch = prepare_pipelined(cfg, vocab)
-        with measure():
-            before = comm_stats().copy()
-            step.run([batch], 1)
-            counted = comm_stats() - before
-        return {"parameters": step.model.num_parameters(), "comm": counted.as_dict()}
-
-    program.pipeline = {"axis": "stage", "schedule": par.schedule, "microbatches": par.microbatches,
-                        "recompute": False}
-    program.layers = cfg.model.layers
-    return program
+    return TrainingProgram(cfg, vocab, pipelined=True)
 
 
 def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int] | None:

@@ -2,6 +2,10 @@
 
 A strategy resumes from ``--resume``, trains on a window of batches (the steps
 between two log or checkpoint steps) and names the module a checkpoint holds.
+It is also the step the planner prices: both strategies implement
+:class:`meshtorch.plan.program.Step` (model, optimizer, how it is pipelined, ``run``),
+and :class:`meshtorch.recipes.lm.steps.TrainingProgram` traces their ``run``
+(:func:`strategy_for` picks the strategy for both), so the step planned is the step that trains.
 
 :class:`PipelinedStep` (``--pipeline-stages N``) splits ``--model lm`` by
 layers: the mesh gets a ``stage:N`` axis in front unless it has one (so
@@ -34,24 +38,23 @@ import torch
 
 from meshtorch.compiler import compile_step, graph_breaks
 from meshtorch.context import current
+from meshtorch.plan.program import Pipelining, Step
 from meshtorch.recipes.lm.config import AXIS, TrainConfig, pipeline_mesh  # noqa: F401 - re-exported
-from meshtorch.recipes.lm.optimizer import lr_at
+from meshtorch.recipes.lm.optimizer import lr_at, optimizer_step
 from meshtorch.recipes.lm.run_files import resume_run
 
 PREVIOUS = "previous"  # 2BW's W(t-1) in the checkpoint: tensors model/previous.<name>
 
 
-class TrainStep(Protocol):
-    """What the training loop asks of a strategy."""
+class TrainStep(Step, Protocol):
+    """What the training loop asks of a strategy: the planner's :class:`~meshtorch.plan.program.Step`
+    (``model``, ``opt``, ``pipeline``, ``run``) and what a run around it needs."""
 
     def resume(self, batches: Any, lead: bool) -> int:
         """Load ``--resume`` (if given); the step to continue from."""
 
     def banner(self) -> str:
         """The run's first line: what trains on which mesh."""
-
-    def run(self, batches: list, first: int) -> float:
-        """Train on ``batches``, steps ``first``, ``first + 1``, ...; the last one's loss."""
 
     def saved(self) -> torch.nn.Module:
         """The module a checkpoint holds now."""
@@ -67,9 +70,16 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     return amp.autocast(torch.bfloat16) if cfg.run.precision == "bf16" else contextlib.nullcontext()
 
 
+def _value(loss: Any) -> float:
+    """A scalar loss on the host; NaN on the meta backend (a planner's trace: no values)."""
+    return float("nan") if loss.local.device.type == "meta" else loss.item()
+
+
 class PlainStep:
     """Every processor runs forward, backward, clipping and the optimizer step of each batch
     (with ``--compile``, the forward and backward as ``torch.compile`` graphs)."""
+
+    pipeline: Pipelining | None = None  # an SPMD step: every processor runs all of it
 
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
         self.cfg, self.model, self.opt = cfg, model, opt
@@ -99,8 +109,8 @@ class PlainStep:
             loss.backward()
             if self.cfg.optimizer.clip:
                 optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
-            self.opt.step()
-        return loss.item()
+            optimizer_step(self.opt)
+        return _value(loss)
 
     def saved(self) -> torch.nn.Module:
         """The module the checkpoint holds."""
@@ -108,6 +118,33 @@ class PlainStep:
 
     def summary(self) -> dict[str, Any]:
         return {"compiled": True, "graph_breaks": graph_breaks()} if self.cfg.run.compile else {}
+
+
+def strategy_for(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 pipelined: bool | None = None) -> TrainStep:
+    """The strategy that trains ``model`` with ``opt``: :class:`PipelinedStep` with
+    ``--pipeline-stages`` > 1 (or ``pipelined``), else :class:`PlainStep`."""
+    if pipelined is None:
+        pipelined = cfg.parallelism.pipeline_stages > 1
+    return PipelinedStep(cfg, model, opt) if pipelined else PlainStep(cfg, model, opt)
+
+
+def pipelining(cfg: TrainConfig) -> Pipelining:
+    """How :class:`PipelinedStep` pipelines ``cfg``'s step: along ``stage``, ``--schedule``,
+    ``--microbatches``, without recomputation."""
+    par = cfg.parallelism
+    return Pipelining(schedule=par.schedule, microbatches=par.microbatches, axis=AXIS, recompute=False)
+
+
+class _Stepper:
+    """The pipeline's optimizer: all the pipeline asks of it is ``step()``, here
+    :func:`~meshtorch.recipes.lm.optimizer.optimizer_step` (which also steps meta parameters)."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.opt = opt
+
+    def step(self) -> None:
+        optimizer_step(self.opt)
 
 
 def _clip(pipe: Any, max_norm: float) -> None:
@@ -152,6 +189,7 @@ class PipelinedStep:
         self.cfg, self.model, self.opt = cfg, model, opt
         # 2BW: the whole model's W(t-1), gathered from the stages for the checkpoint
         self.previous = DecoderLM(model.cfg, seed=cfg.run.seed) if cfg.parallelism.schedule == "2bw" else None
+        self.pipeline: Pipelining | None = pipelining(cfg)
         self.pipe: Any = None
 
     def resume(self, batches: Any, lead: bool) -> int:
@@ -159,15 +197,16 @@ class PipelinedStep:
         from meshtorch.checkpoint.index import read_index
         from meshtorch.pipeline.lm import lm_pipeline, restore_previous
 
-        cfg, par = self.cfg, self.cfg.parallelism
+        cfg = self.cfg
         resumed_previous = bool(cfg.run.resume) and self.previous is not None and any(
             k.startswith(f"model/{PREVIOUS}.")
             for k in read_index(os.path.join(cfg.run.resume, "checkpoint"))["tensors"])
         start = resume_run(cfg, self.model, self.opt, batches, lead,
                            saved=_with_previous(self.model, self.previous) if resumed_previous else None)
-        pipe = lm_pipeline(self.model.cfg, model=self.model, axis=AXIS, microbatches=par.microbatches,
-                           schedule=par.schedule)
-        pipe.optimizer, pipe.batches_trained = self.opt, start
+        how = pipelining(cfg)  # what this step declares to the planner (self.pipeline) is what it builds
+        pipe = lm_pipeline(self.model.cfg, model=self.model, axis=how.axis, microbatches=how.microbatches,
+                           schedule=how.schedule, recompute=how.recompute)
+        pipe.optimizer, pipe.batches_trained = _Stepper(self.opt), start
         if resumed_previous:
             restore_previous(pipe, self.previous)
         if cfg.optimizer.clip:

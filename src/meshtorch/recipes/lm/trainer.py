@@ -58,7 +58,7 @@ from meshtorch.recipes.lm.report import (
 )
 from meshtorch.recipes.lm.run_files import check_resume, earlier_metrics, save_run
 from meshtorch.recipes.lm.steps import check_memory
-from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep, TrainStep
+from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
 
@@ -99,8 +99,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
         corpus = Corpus.from_path(run.data, tokenizer=tok)
     model, batches, heldout = build_task(cfg, corpus, tok)
     opt = make_optimizer(cfg, model)
-    strategy: TrainStep = (PipelinedStep(cfg, model, opt)
-                           if cfg.parallelism.pipeline_stages > 1 else PlainStep(cfg, model, opt))
+    strategy = strategy_for(cfg, model, opt)
     start = strategy.resume(batches, lead)
     params = model.num_parameters()
     # the yardstick: every processor's matmul rate measured at once, under the same contention

@@ -1,0 +1,104 @@
+"""A deep program's trace from two shallow ones: what keeps each of the search's candidates cheap.
+
+A :class:`~meshtorch.plan.program.Program` with ``layers`` > 0 can be rebuilt
+with fewer layers (``with_layers``). Its blocks repeat with its ``period`` (an
+MoE model whose every second block has an expert feed-forward layer has period
+2). For ``L`` layers, period ``p`` and ``a = p + L mod p``, the program is traced
+at ``a`` and ``a + p`` layers (:func:`shallow_depths`), which both end a whole
+number of periods after the same remainder, so their difference is exactly one
+period's cost and :func:`extrapolate` adds ``(L - a) / p`` of them: exact for
+parameters, FLOPs and bytes.
+
+Example:
+    >>> from meshtorch.plan.layered import shallow_depths
+    >>> shallow_depths(24, period=2)
+    (2, 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from meshtorch.errors import PlanError
+from meshtorch.plan.program import Program, program_of
+from meshtorch.plan.tracing import KINDS, Trace, trace
+
+
+def lin(a: Any, b: Any, k: float) -> Any:
+    """``a`` plus ``k`` times the step from ``a`` to ``b``."""
+    return a + k * (b - a)
+
+
+def shallow_depths(layers: int, period: int = 1) -> tuple[int, int] | None:
+    """The two depths a ``layers``-deep step is extrapolated from, or None when tracing it
+    whole is as cheap (at most one period deeper than the shallow trace).
+
+    Example:
+        >>> from meshtorch.plan.layered import shallow_depths
+        >>> shallow_depths(6), shallow_depths(6, period=2), shallow_depths(7, period=2), shallow_depths(4, 2)
+        ((1, 2), (2, 4), (3, 5), None)
+    """
+    if period < 1:
+        raise PlanError(f"a step's period of repeating blocks must be >= 1, got {period}")
+    a = period + layers % period
+    return None if layers <= a + period else (a, a + period)
+
+
+def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
+    """The trace ``periods`` periods deeper than ``t1``, where ``t2`` is one period deeper."""
+
+    def lin_(a, b):
+        return lin(a, b, periods)
+
+    comm = t1.comm.copy()
+    for key in set(t1.comm._calls) | set(t2.comm._calls):
+        comm._calls[key] = lin_(t1.comm._calls.get(key, 0), t2.comm._calls.get(key, 0))
+        comm._bytes[key] = lin_(t1.comm._bytes.get(key, 0), t2.comm._bytes.get(key, 0))
+    by_kind = {kd: lin_(t1.peak_by_kind[kd], t2.peak_by_kind[kd]) for kd in KINDS}
+    flops = {dt: lin_(t1.flops_by_dtype.get(dt, 0), t2.flops_by_dtype.get(dt, 0))
+             for dt in set(t1.flops_by_dtype) | set(t2.flops_by_dtype)}
+    result = t2.result
+    if isinstance(t1.result, dict) and "parameters" in t1.result:
+        result = {"parameters": lin_(t1.result["parameters"], t2.result["parameters"])}
+    return replace(t2, comm=comm, peak_by_kind=by_kind, peak_bytes=sum(by_kind.values()),
+                   flops_by_dtype=flops, flops=sum(flops.values()),
+                   parameters=lin_(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
+                   param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops), aten_names=[])
+
+
+def shallow_programs(program: Program) -> tuple[Program, Program, int] | None:
+    """A deep program's two shallow copies (one period apart) and the periods to add to the
+    shallower; None for a program that cannot be rebuilt with fewer layers or is shallow already."""
+    if program.layers <= 0:
+        return None
+    depths = shallow_depths(program.layers, program.period)
+    if depths is None:
+        return None
+    return (program.with_layers(depths[0]), program.with_layers(depths[1]),
+            (program.layers - depths[0]) // program.period)
+
+
+def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
+                  staging: str = "none") -> Trace:
+    """``step_fn``'s meta trace, extrapolated from two shallow depths when it can be
+    rebuilt with fewer layers (what the search does to each candidate).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.steps import training_step
+        >>> step = training_step(TrainConfig.of(model="moe", d_model=8, heads=2, d_kv=4, d_ff=16,
+        ...                                     layers=6, batch=4, length=8, experts=2, top_k=1), vocab=16)
+        >>> layered_trace(step, "b:2", "batch:b").parameters == mt.plan.trace(step, mesh="b:2").parameters
+        True
+    """
+    shallow = shallow_programs(program_of(step_fn))
+    if shallow is None:
+        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging)
+    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging) for f in shallow[:2])
+    return extrapolate(t1, t2, shallow[2])
+
+
+__all__ = ["extrapolate", "layered_trace", "lin", "shallow_depths", "shallow_programs"]
