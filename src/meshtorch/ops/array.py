@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from meshtorch.context import untraced
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.plan import lower
 from meshtorch.lowering.scan import cumsum_slice
@@ -211,6 +212,11 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
     t = ids.local
     if t.device.type == "meta" or t.numel() == 0:
         return
+    with untraced():  # a guard, not the program's work: a plan (meta, no values) has no check to price
+        _check_ids(t, dim, op, what, ignore)
+
+
+def _check_ids(t: torch.Tensor, dim: Dim, op: str, what: str, ignore: int | None) -> None:
     if ignore is not None:
         t = torch.where(t == ignore, 0, t)
     ok = ((t >= 0) & (t < dim.size)).all()
