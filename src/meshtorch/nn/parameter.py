@@ -78,10 +78,11 @@ class MeshParameter(torch.nn.Parameter):
         requires_grad: as for ``torch.nn.Parameter``.
 
     The layout follows the mesh and rules current at creation; the storage is
-    allocated then, with the default dtype and device, and the values are
-    cast to it. Assigned to an ``mt.nn.Module`` attribute, the parameter takes
-    the attribute's path as its stream; attaching that module to a parent
-    re-labels the path (the values are drawn for the final path, once).
+    allocated then, with the default dtype on the processor's device
+    (``mt.current().device``), and the values are cast to it. Assigned to an
+    ``mt.nn.Module`` attribute, the parameter takes the attribute's path as its
+    stream; attaching that module to a parent re-labels the path (the values are
+    drawn for the final path, once).
 
     Example:
         >>> import meshtorch as mt
@@ -107,7 +108,9 @@ class MeshParameter(torch.nn.Parameter):
         shape = as_shape(shape)
         fn = _init_fn(init, init_kwargs)
         layout = layout_for(shape)
-        p = torch.Tensor._make_subclass(cls, torch.empty(local_shape(layout)), requires_grad)
+        # the storage is made where the processor computes; no device mode is needed for that
+        storage = torch.empty(local_shape(layout), device=current().device)
+        p = torch.Tensor._make_subclass(cls, storage, requires_grad)
         p._set_mesh(shape, layout, fn, current(), seed=0, stream="", materialized=False)
         return p
 
@@ -142,11 +145,12 @@ class MeshParameter(torch.nn.Parameter):
         if self._init is None:
             self.materialized = True
             return self
-        # drawn on the processor (and device) that made the parameter, wherever it is read from
+        # drawn on the processor that made the parameter, wherever it is read from; the
+        # initialisers make their values on that processor's device (a parameter moved since,
+        # by model.to(...), gets them copied over)
         ctx = self._ctx
         here = nullcontext() if ctx is None or current() is ctx else use(ctx)
-        device = nullcontext() if self.device == torch.get_default_device() else torch.device(self.device)
-        with torch.no_grad(), here, device:
+        with torch.no_grad(), here:
             value = self._init(self.mesh_shape, self.seed, self.stream)
             if value.shape != self.mesh_shape:
                 raise ShapeError(f"initializer of parameter {self.stream!r} returned shape [{value.shape}], "
