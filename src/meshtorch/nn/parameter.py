@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from meshtorch import random as mtr
 from meshtorch.context import current, use
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.layout import Layout
 from meshtorch.lowering.redistribute import LastingMemo
 from meshtorch.shape import Dim, Shape, as_shape
@@ -61,6 +61,13 @@ def _init_fn(init: str | InitFn, kwargs: dict[str, Any]) -> InitFn:
     """The initializer named ``init`` (with its keyword arguments), or ``init`` itself if callable."""
     if callable(init):
         return init
+    given = sorted({"seed", "stream"} & set(kwargs))
+    if given:
+        # the seed is the model's and the stream the parameter's path: a per-layer seed would
+        # make the same layer differ between models; Dense(d, h, seed=1) used to fail deep inside
+        raise ArgumentError(
+            f"initializer {init!r} got {', '.join(given)}=: a parameter's seed is its model's and its "
+            "stream its path; draw a layer from seed s with layer.reset_parameters(seed=s)")
     if init not in INITS:
         raise ShapeError(f"unknown initializer {init!r}; use one of {sorted(INITS)} or a callable "
                          "(shape, seed, stream) -> MeshTensor")
