@@ -148,6 +148,27 @@ def test_factories_put_tensors_on_the_processors_device(monkeypatch, positions):
     assert here == "cpu" and made == dict.fromkeys(made, "cpu")
 
 
+def _trainer_step(**options) -> tuple[str, set[str]]:
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import prepare, train_step
+
+    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8, mesh="b:2",
+                         rules="batch:b", clip=1.0, **options)
+    model, opt, batch = prepare(cfg)
+    loss = train_step(cfg, model, opt, batch)
+    return loss.device.type, {p.device.type for p in model.parameters()}
+
+
+@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"model": "moe", "optimizer": "adafactor"},
+                                     {"model": "seq2seq", "positions": "learned"}])
+def test_the_trainers_step_runs_on_the_processors_device(monkeypatch, options):
+    """``meshtorch train``'s step (model, autocast, clipping, optimizer) makes no host tensor
+    that meets the device's: on the ``meta`` stand-in such a mix raises."""
+    _fake_gpus(monkeypatch)
+    assert mt.launch(_trainer_step, mesh="b:2", rules="batch:b", device="cuda", **options) == \
+        [("meta", {"meta"})] * 2
+
+
 def test_launch_leaves_the_callers_default_device_alone(monkeypatch):
     _fake_gpus(monkeypatch)
     mt.launch(lambda: mt.zeros("a:2"), mesh="b:2", device="cuda")
