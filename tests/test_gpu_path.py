@@ -169,6 +169,35 @@ def test_the_trainers_step_runs_on_the_processors_device(monkeypatch, options):
         [("meta", {"meta"})] * 2
 
 
+def _dense_and_adamw():
+    model = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_a_checkpoint_loads_onto_the_processors_device(monkeypatch, tmp_path):
+    """Saved from CPU processors, loaded by processors on a device: the parameters and the
+    optimizer's moments land there; AdamW's step counter stays on the host, where
+    torch.optim keeps it (a counter on the GPU would cost a host sync per parameter)."""
+    path = str(tmp_path / "ckpt")
+
+    def save():
+        model, opt = _dense_and_adamw()
+        mt.reduce_sum(model(mt.ones("batch:2,d:4"))).backward()
+        opt.step()
+        mt.save(path, model=model, optimizer=opt, step=1)
+
+    def load():
+        model, opt = _dense_and_adamw()
+        mt.load(path, model=model, optimizer=opt)
+        return {p.device.type for p in model.parameters()}, \
+            {k: v.device.type for s in opt.state.values() for k, v in s.items()}
+
+    mt.launch(save, mesh="b:2", rules="h:b")
+    _fake_gpus(monkeypatch)
+    assert mt.launch(load, mesh="b:2", rules="h:b", device="cuda") == \
+        [({"meta"}, {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"})] * 2
+
+
 def test_launch_leaves_the_callers_default_device_alone(monkeypatch):
     _fake_gpus(monkeypatch)
     mt.launch(lambda: mt.zeros("a:2"), mesh="b:2", device="cuda")
