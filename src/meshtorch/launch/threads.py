@@ -43,9 +43,10 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
     """Run ``fn(*args, **kwargs)`` on one thread per processor; results in rank order.
 
     Each processor computes on ``device`` (see :func:`~meshtorch.comm.device.resolve_device`:
-    with ``"cuda"`` processor ``i`` gets ``cuda:i``). No torch-function device mode wraps ``fn``:
-meshtorch's own factories put tensors on ``mt.current().device``; a plain ``torch.zeros``
-in ``fn`` is made where torch would make it, so pass ``device=mt.current().device``.
+    with ``"cuda"`` processor ``i`` gets ``cuda:i``). No torch-function device mode wraps
+    ``fn``: meshtorch's own factories put tensors on ``mt.current().device``; a plain
+    ``torch.zeros`` in ``fn`` is made where torch would make it, so pass
+    ``device=mt.current().device``.
 
     Raises the first failure that is not another processor's abandonment, as
     an exception that is both its class and a ``ProcessorError``. The launch
