@@ -1,9 +1,12 @@
-"""The GPU path: which device each processor computes on, and (where torch sees GPUs) that
-CUDA runs give the CPU's values.
+"""The GPU path: which device each processor computes on, and that a run on a device gives
+the CPU's values.
 
 The device choice and its plumbing are tested everywhere, with torch's CUDA queries
-mocked and the ``meta`` device standing in for a GPU (tensors land on it without a GPU);
-the tests marked ``cuda`` run only where torch sees one (two for the multi-GPU ones).
+mocked and the ``meta`` device standing in for a GPU (tensors land on it without a GPU,
+and an elementwise op that mixes it with a host tensor raises, as CUDA would). The tests
+of values are parametrised by device: each runs its body on the CPU everywhere, and
+again on CUDA where torch sees a GPU (two for the multi-GPU ones), so only the device
+differs and a CUDA test cannot rot unseen.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from meshtorch.launch.world import init_distributed
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 two_gpus = pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+# every test of values runs on the CPU, and on CUDA where there is a GPU (or two)
+ONE_GPU = ["cpu", pytest.param("cuda", marks=cuda)]
+TWO_GPUS = ["cpu", pytest.param("cuda", marks=two_gpus)]
 
 
 def _gpus(monkeypatch, n: int) -> None:
@@ -52,29 +58,150 @@ def test_bad_device_fails_before_any_processor_starts(monkeypatch):
         mt.launch(lambda: 0, mesh="b:2", device="cuda")
 
 
-def test_processors_compute_on_their_device(monkeypatch):
-    """Each thread-processor gets its own device, and mt's factories, mt.random, layers'
-    parameters and from_global put tensors there (``meta`` stands in for the GPUs)."""
-    asked = {}
+def _function_modes() -> int:
+    """How many torch-function modes are active on this thread: torch's private counter, or
+    the length of the mode stack where a torch version lacks the counter."""
+    count = getattr(torch._C, "_len_torch_function_stack", None)
+    if count is not None:
+        return count()
+    return len(torch.overrides._get_current_function_mode_stack())
+
+
+def test_the_mode_count_works_with_and_without_the_private_counter(monkeypatch):
+    assert _function_modes() == 0
+    with torch.device("meta"):
+        assert _function_modes() == 1
+    monkeypatch.delattr(torch._C, "_len_torch_function_stack", raising=False)
+    assert _function_modes() == 0
+    with torch.device("meta"):
+        assert _function_modes() == 1
+
+
+def _inside() -> tuple[int, str, str, str]:
+    # a device mode would show as an active mode and would move plain torch factories
+    return (_function_modes(), torch.ones(1).device.type, torch.get_default_device().type,
+            str(mt.current().device))
+
+
+def _fake_gpus(monkeypatch) -> dict[int, str]:
+    """Thread-processors get the ``meta`` device when asked for CUDA; what each asked for."""
+    asked: dict[int, str] = {}
 
     def fake(spec, comm):
         asked[comm.rank] = spec
         return torch.device("meta")
 
     monkeypatch.setattr(launch_threads, "resolve_device", fake)
+    return asked
 
-    def f():
-        dense = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
-        return (str(mt.current().device), mt.zeros("a:4").device.type,
-                mt.random.normal("a:4", seed=1).device.type, dense.kernel.device.type,
-                mt.from_global(torch.ones(4), "a:4").device.type, torch.ones(1).device.type)
 
-    got = mt.launch(f, mesh="b:2", device="cuda")
+def test_no_device_mode_wraps_the_program(monkeypatch):
+    """The program runs with no torch-function mode: a processor on a device pays no Python
+    per torch call, optimizers keep their step counters on the host, and torch.compile
+    sees no mode. Plain torch factories stay where torch puts them."""
+    asked = _fake_gpus(monkeypatch)
+    assert mt.launch(_inside, mesh="b:2", device="cuda") == [(0, "cpu", "cpu", "meta")] * 2
     assert asked == {0: "cuda", 1: "cuda"}
-    assert got == [("meta",) * 6] * 2
-    assert torch.ones(1).device.type == "cpu"  # the launch left the caller's default device alone
+    assert mt.launch(_inside, mesh="b:1", device="cuda") == [(0, "cpu", "cpu", "meta")]  # no thread
+    # the torch backend's processes: checked by test_torch_backend_equals_threads (one spawn)
+
+
+def _made_on_the_device(positions: str) -> tuple[dict[str, str], str]:
+    """Where meshtorch's factories, a Transformer's masks, positions and tables, and a whole
+    training step (forward, backward, AdamW) put their tensors."""
+    from meshtorch.context import processor_device
+    from meshtorch.models import DecoderLM, TransformerConfig
+    from meshtorch.models.layers import causal_bias, rotary_tables
+
+    dense = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
+    made = {
+        "zeros": mt.zeros("a:4"), "full": mt.full("a:4", 2.0), "range": mt.range(mt.Dim("a", 4)),
+        "normal": mt.random.normal("a:4", seed=1), "bernoulli": mt.random.bernoulli("a:4", seed=1),
+        "uniform_whole": mt.random.uniform_whole("a:4", seed=1), "kernel": dense.kernel,
+        "bias": dense.bias, "host tensor laid out": mt.from_global(torch.ones(4), "a:4"),
+        "causal_bias": causal_bias(4), "rotary": rotary_tables(4, 4, "length")[0],
+    }
+    cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8,
+                            positions=positions)
+    model = DecoderLM(cfg, seed=0)
+    ids = mt.from_global(torch.arange(16, device=processor_device()).reshape(2, 8) % 16, "batch:2,length:8")
+    made["loss"] = loss = model.loss(ids, ids)  # an elementwise op mixing in a host tensor raises
+    loss.backward()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    made.update({f"grad {n}": p.grad for n, p in model.named_parameters()})
+    made.update({f"adam {k}": v for s in opt.state.values() for k, v in s.items() if k != "step"})
+    return {k: v.device.type for k, v in made.items()}, processor_device().type
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_factories_put_tensors_on_the_processors_device(monkeypatch, positions):
+    """``meta`` stands in for a GPU: everything meshtorch makes lands on it without a device
+    mode, and the step runs there (a stray host tensor would fail the step's elementwise ops)."""
+    _fake_gpus(monkeypatch)
+    for made, here in mt.launch(_made_on_the_device, positions, mesh="b:2,m:2",
+                                rules="batch:b; heads:m; vocab:m", device="cuda"):
+        assert here == "meta"
+        assert made == dict.fromkeys(made, "meta")
     monkeypatch.undo()
-    assert mt.launch(f, mesh="b:2") == [("cpu",) * 6] * 2
+    made, here = mt.launch(_made_on_the_device, positions, mesh="b:2", rules="batch:b")[0]
+    assert here == "cpu" and made == dict.fromkeys(made, "cpu")
+
+
+def _trainer_step(**options) -> tuple[str, set[str]]:
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import prepare, train_step
+
+    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8, mesh="b:2",
+                         rules="batch:b", clip=1.0, **options)
+    model, opt, batch = prepare(cfg)
+    loss = train_step(cfg, model, opt, batch)
+    return loss.device.type, {p.device.type for p in model.parameters()}
+
+
+@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"model": "moe", "optimizer": "adafactor"},
+                                     {"model": "seq2seq", "positions": "learned"}])
+def test_the_trainers_step_runs_on_the_processors_device(monkeypatch, options):
+    """``meshtorch train``'s step (model, autocast, clipping, optimizer) makes no host tensor
+    that meets the device's: on the ``meta`` stand-in such a mix raises."""
+    _fake_gpus(monkeypatch)
+    assert mt.launch(_trainer_step, mesh="b:2", rules="batch:b", device="cuda", **options) == \
+        [("meta", {"meta"})] * 2
+
+
+def _dense_and_adamw():
+    model = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def test_a_checkpoint_loads_onto_the_processors_device(monkeypatch, tmp_path):
+    """Saved from CPU processors, loaded by processors on a device: the parameters and the
+    optimizer's moments land there; AdamW's step counter stays on the host, where
+    torch.optim keeps it (a counter on the GPU would cost a host sync per parameter)."""
+    path = str(tmp_path / "ckpt")
+
+    def save():
+        model, opt = _dense_and_adamw()
+        mt.reduce_sum(model(mt.ones("batch:2,d:4"))).backward()
+        opt.step()
+        mt.save(path, model=model, optimizer=opt, step=1)
+
+    def load():
+        model, opt = _dense_and_adamw()
+        mt.load(path, model=model, optimizer=opt)
+        return {p.device.type for p in model.parameters()}, \
+            {k: v.device.type for s in opt.state.values() for k, v in s.items()}
+
+    mt.launch(save, mesh="b:2", rules="h:b")
+    _fake_gpus(monkeypatch)
+    assert mt.launch(load, mesh="b:2", rules="h:b", device="cuda") == \
+        [({"meta"}, {"step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"})] * 2
+
+
+def test_launch_leaves_the_callers_default_device_alone(monkeypatch):
+    _fake_gpus(monkeypatch)
+    mt.launch(lambda: mt.zeros("a:2"), mesh="b:2", device="cuda")
+    assert torch.ones(1).device.type == "cpu" and torch.get_default_device().type == "cpu"
 
 
 def test_threads_put_processor_i_on_gpu_i(monkeypatch):
@@ -113,102 +240,147 @@ def test_train_has_a_device_flag():
     assert TrainConfig.of(device="cuda").parallelism.device == "cuda"
 
 
-# ---------------------------------------------------------------- real GPUs
+# ------------------------------------------- values: on the CPU everywhere, on CUDA where there is one
 def _mlp_step(rules: str):
     """Loss and the global gradient of a 2-layer MLP on a fixed batch (fp32)."""
-    x = mt.from_global(torch.arange(32.0).reshape(8, 4) / 32, "batch:8,d:4")
-    l1 = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 8), seed=1)
-    l2 = mt.nn.Dense(mt.Dim("h", 8), mt.Dim("o", 2), seed=2)
+    x = mt.from_global(torch.arange(32.0).reshape(8, 4) / 32, "batch:8,d:4")  # a host batch, moved
+    l1 = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 8)).reset_parameters(seed=1)
+    l2 = mt.nn.Dense(mt.Dim("h", 8), mt.Dim("o", 2)).reset_parameters(seed=2)
     loss = mt.reduce_sum(l2(mt.relu(l1(x))) ** 2)
     loss.backward()
-    return loss.to_global().item(), l1.kernel.grad.to_global().cpu(), l1.kernel.device.type
+    return loss.to_global().item(), l1.kernel.mesh_tensor.grad.to_global().cpu(), l1.kernel.device.type
 
 
-@cuda
-def test_one_gpu_step_equals_the_cpu():
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_one_processor_step_equals_the_cpu(device):
     want_loss, want_grad, dev = mt.launch(_mlp_step, "", mesh="b:1")[0]
-    loss, grad, gdev = mt.launch(_mlp_step, "", mesh="b:1", device="cuda")[0]
-    assert (dev, gdev) == ("cpu", "cuda")
+    loss, grad, gdev = mt.launch(_mlp_step, "", mesh="b:1", device=device)[0]
+    assert (dev, gdev) == ("cpu", device)
     assert loss == pytest.approx(want_loss, rel=1e-5)
     torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
-@cuda
-def test_bf16_autocast_on_cuda():
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_bf16_autocast_on_the_device(device):
     def f():
         x = mt.ones("batch:2,d:4")
         with mt.autocast(torch.bfloat16):
-            y = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2), seed=0)(x)
+            y = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))(x)
         return y.dtype, y.device.type
 
-    assert mt.launch(f, mesh="b:1", device="cuda") == [(torch.bfloat16, "cuda")]
+    assert mt.launch(f, mesh="b:1", device=device) == [(torch.bfloat16, device)]
 
 
-@two_gpus
+@pytest.mark.parametrize("device", TWO_GPUS)
 @pytest.mark.parametrize("rules", ["batch:b", "h:b", "batch:b; h:b"])
-def test_threads_across_gpus_equal_the_cpu(rules):
-    """Collectives between thread-processors on different GPUs (all_reduce, all_gather,
-    reduce_scatter) move the data across devices and give the CPU's values."""
-    cpu = mt.launch(_mlp_step, rules, mesh="b:2", rules=rules)
-    gpu = mt.launch(_mlp_step, rules, mesh="b:2", rules=rules, device="cuda")
-    for (wl, wg, _), (gl, gg, dev) in zip(cpu, gpu):
-        assert dev == "cuda"
-        assert gl == pytest.approx(wl, rel=1e-5)
-        torch.testing.assert_close(gg, wg, rtol=1e-5, atol=1e-6)
+def test_threads_across_devices_equal_one_cpu(device, rules):
+    """Collectives between thread-processors on different devices (all_reduce, all_gather,
+    reduce_scatter) move the data across devices and give one CPU processor's values."""
+    want_loss, want_grad, _ = mt.launch(_mlp_step, "", mesh="b:1")[0]
+    for loss, grad, dev in mt.launch(_mlp_step, rules, mesh="b:2", rules=rules, device=device):
+        assert dev == device
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
 def _collectives():
     comm = mt.current().comm
-    t = torch.arange(4.0).reshape(2, 2) + 10 * comm.rank
+    here = mt.current().device
+    t = torch.arange(4.0, device=here).reshape(2, 2) + 10 * comm.rank
     checked = True
-    try:  # the mismatch check gathers its digests on the GPU too
-        comm.all_reduce(torch.ones(2 + comm.rank), "b")
+    try:  # the mismatch check gathers its digests on the device too
+        comm.all_reduce(torch.ones(2 + comm.rank, device=here), "b")
         checked = False
     except mt.errors.CommError:
         pass
     return (comm.all_reduce(t, "b").cpu(), comm.all_gather(t, "b", 0).cpu(),
             comm.all_to_all(t, "b", 0, 1).cpu(), comm.shift(t, "b", 1, wrap=True).cpu(), checked,
-            t.device.type)
+            t.device.type, _inside())
 
 
-@two_gpus
-def test_torch_backend_nccl_equals_threads():
+@pytest.mark.parametrize("device", TWO_GPUS)
+def test_torch_backend_equals_threads(device):
+    """gloo on the CPU, NCCL on CUDA, against the threads backend on the CPU; the torch
+    backend's processors run their program with no device mode either."""
     want = mt.launch(_collectives, mesh="b:2", check=True)
-    got = mt.launch(_collectives, mesh="b:2", check=True, backend="torch", device="cuda")
-    for w, g in zip(want, got):
+    got = mt.launch(_collectives, mesh="b:2", check=True, backend="torch", device=device)
+    here = "cpu" if device == "cpu" else "cuda:"
+    for rank, (w, g) in enumerate(zip(want, got)):
         for a, b in zip(w[:4], g[:4]):
             torch.testing.assert_close(b, a)
-        assert g[4:] == (True, "cuda")
+        assert g[4:6] == (True, device)
+        assert g[6] == (0, "cpu", "cpu", here + ("" if device == "cpu" else str(rank)))
 
 
-@cuda
-def test_replicator_on_cuda_equals_the_cpu():
-    def step(device):
-        repl = mt.Replicator(device=device)
-        with repl.context():
-            torch.manual_seed(0)
-            model = torch.nn.Linear(4, 1)
-        opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-        x = torch.arange(8.0).reshape(2, 4) / 8
-        repl.run(lambda b: model(b).pow(2).sum().backward(), lambda ctx: x)
-        opt.step()
-        return model.weight.detach().cpu(), model.weight.device.type
-
-    (w_cpu, d_cpu), = mt.replicator.launch(step, "cpu", num_replicas=1)
-    (w_gpu, d_gpu), = mt.replicator.launch(step, "cuda", num_replicas=1)
-    assert (d_cpu, d_gpu) == ("cpu", "cuda")
-    torch.testing.assert_close(w_gpu, w_cpu, rtol=1e-5, atol=1e-6)
+def _replicated_linear(device: str):
+    repl = mt.Replicator(device=device)
+    with repl.context():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)  # on the device, its weights drawn from the CPU generator
+    opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    repl.run(lambda b: model(b).pow(2).sum().backward(), lambda ctx: x)
+    opt.step()
+    return model.weight.detach().cpu(), model.weight.device.type
 
 
-@cuda
-def test_meshtorch_train_on_cuda(tmp_path):
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_replicator_on_the_device_equals_the_cpu(device):
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(4, 1)  # the reference: plain PyTorch on the CPU, one replica
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    plain(x).pow(2).sum().backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    (w, dev), = mt.replicator.launch(_replicated_linear, device, num_replicas=1)
+    assert dev == device
+    torch.testing.assert_close(w, plain.weight.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _decode():
+    from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
+
+    cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=10)
+    model = DecoderLM(cfg, seed=5)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    return (generate(model, prompts, 5), generate(model, prompts, 5, temperature=1.0, top_k=6, seed=2),
+            beam_search(model, prompts, 3, beams=2))
+
+
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_decoding_on_the_device_equals_the_cpu(device):
+    """Greedy, sampled and beam-search decoding run on the device (sampling draws its noise
+    from mt.random, not a device generator) and pick the CPU's tokens, on any mesh."""
+    want = mt.launch(_decode)[0]
+    assert mt.launch(_decode, mesh="b:1", device=device) == [want]
+    assert mt.launch(_decode, mesh="b:2", rules="batch:b; vocab:b", device=device) == [want] * 2
+    assert want[1] != want[0]  # the sampled tokens are not the greedy ones at this seed
+
+
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_pick_is_gumbel_max_of_mt_random_noise(device):
+    """Sampling is the argmax of logits + temperature * Gumbel(u) for u = mt.random's uniform
+    numbers over [batch, vocab]; row i's noise does not depend on how many rows there are."""
+    from meshtorch.models.decode import pick
+
+    logits = torch.linspace(-2.0, 2.0, 3 * 7).reshape(3, 7)
+    u = mt.random.uniform("batch:3,vocab:7", seed=4, stream=1, dtype=torch.float64).to_global()
+    want = (logits.double() - 0.8 * torch.log(-torch.log(u))).argmax(-1)
+    got = pick(logits.to(device), 0.8, seed=4, stream=1)
+    assert got.device.type == device
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(pick(logits[:2].to(device), 0.8, seed=4, stream=1).cpu(), want[:2])
+
+
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_meshtorch_train_on_the_device(tmp_path, device):
     from meshtorch.recipes.lm import TrainConfig, train
 
     data = tmp_path / "data.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 400)
     opts = dict(d_model=32, heads=2, d_kv=16, d_ff=64, layers=1, batch=4, length=16, steps=3, log_every=3,
                 eval_batches=1, sample_tokens=4, mesh="b:1", rules="", data=str(data), progress=False)
-    cpu = train(TrainConfig.of(**opts, device="cpu", out=str(tmp_path / "cpu")))
-    gpu = train(TrainConfig.of(**opts, device="cuda", out=str(tmp_path / "gpu")))
-    assert (cpu["device"], gpu["device"]) == ("cpu", "cuda:0")
-    assert gpu["final_loss"] == pytest.approx(cpu["final_loss"], rel=1e-3)
+    cpu = train(TrainConfig.of(**opts, device="cpu", out=str(tmp_path / "reference")))
+    # on the CPU the reference is the run (a second one would only cost the suite time)
+    got = cpu if device == "cpu" else train(TrainConfig.of(**opts, device=device, out=str(tmp_path / "run")))
+    assert (cpu["device"], got["device"]) == ("cpu", "cpu" if device == "cpu" else "cuda:0")
+    assert got["final_loss"] == pytest.approx(cpu["final_loss"], rel=1e-3)

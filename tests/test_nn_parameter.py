@@ -171,3 +171,13 @@ def test_parameter_errors_name_the_parameter():
     bad = mt.nn.Sequential(mt.nn.Dense(D, H, init=lambda s, seed, st: mt.zeros("h:6")))
     with pytest.raises(mt.errors.ShapeError, match=r"parameter '0.kernel' returned shape \[h:6\]"):
         bad(mt.ones("d:4"))
+
+
+@pytest.mark.parametrize("given", [{"seed": 1}, {"stream": "w"}])
+def test_a_layer_refuses_a_seed_of_its_own_and_names_the_fix(given):
+    with pytest.raises(mt.errors.ArgumentError, match=r"reset_parameters\(seed=s\)"):
+        mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2), **given)
+    # the fix: the layer drawn from seed 1 is the 1-processor draw of its kernel's path
+    layer = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2)).reset_parameters(seed=1)
+    want = mt.random.kaiming_normal("d:4,h:2", gain=1.0, fan_in=["d"], seed=1, stream="kernel")
+    assert torch.equal(layer.kernel.mesh_tensor.to_global(), want.to_global())

@@ -61,3 +61,15 @@ def test_bernoulli_rejects_probability_outside_unit_interval(p):
 def test_dropout_rejects_rate_outside_half_open_interval(rate):
     with pytest.raises(mt.errors.ArgumentError, match=rf"dropout: rate={rate} is outside \[0, 1\)"):
         mt.dropout(mt.ones("t:4"), rate, seed=0)
+
+
+@given(seed=st.integers(0, 2**40), stream=st.one_of(st.integers(0, 99), st.text(max_size=5)))
+@settings(max_examples=5, deadline=None)
+def test_uniform_whole_is_the_laid_out_uniform_made_whole_without_communication(seed, stream):
+    def prog():
+        laid_out = mt.random.uniform("a:4,c:8", seed=seed, stream=stream, dtype=torch.float64).to_global()
+        mt.reset_comm_stats()
+        whole = mt.random.uniform_whole("a:4,c:8", seed=seed, stream=stream)
+        return torch.equal(whole, laid_out), mt.comm_stats().bytes(), whole.device.type
+
+    assert mt.launch(prog, mesh="x:2,y:2", rules="a:y; c:x") == [(True, 0, "cpu")] * 4

@@ -98,3 +98,31 @@ def test_which_buckets_go_out_asynchronously(comm_device, check, async_ok):
     assert [b.async_ok for b in sync.buckets] == [async_ok, async_ok]
     assert (sync._group is comm.group_handle) == async_ok
     sync.remove()
+
+
+def test_a_model_built_for_a_device_draws_the_cpus_weights(monkeypatch):
+    """Inside ``repl.context()`` on a device, the initial weights come from the CPU generator in
+    the CPU's order (``meta`` stands in for a GPU: the generator's state after the build shows
+    which draws were made), and only the build runs under a device mode."""
+    from meshtorch.replicator import replicator as repl_mod
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Conv1d(3, 2, 3), torch.nn.Embedding(5, 2))
+
+    build()
+    after_cpu = torch.get_rng_state()
+    monkeypatch.setattr(repl_mod, "resolve_device", lambda spec, comm: torch.device("meta"))
+    # the start-up broadcast would stage meta tensors through the host: nothing to send here
+    monkeypatch.setattr(repl_mod.Replicator, "_broadcast_params", lambda self, params: None)
+
+    def f():
+        repl = mt.Replicator(device="cuda")
+        with repl.context():
+            model = build()
+            state = torch.get_rng_state()
+        modes = torch._C._len_torch_function_stack() if hasattr(torch._C, "_len_torch_function_stack") \
+            else len(torch.overrides._get_current_function_mode_stack())
+        return {p.device.type for p in model.parameters()}, torch.equal(state, after_cpu), modes
+
+    assert mt.launch(f, mesh="replica:1") == [({"meta"}, True, 0)]

@@ -197,6 +197,24 @@ def phase(name: str) -> AbstractContextManager[Any]:
     return nullcontext() if tracer is None else tracer.phase(name)
 
 
+def processor_device() -> torch.device:
+    """The device this processor computes on: ``mt.launch(..., device=)``'s (its context's
+    ``device``), or torch's default device outside a launch. No device mode wraps a
+    processor's program, so code that makes tensors passes this as ``device=``; a constant
+    made per call is better made once per device (a dict keyed by this device).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.context import processor_device
+        >>> mt.launch(lambda: processor_device().type, mesh="b:2")
+        ['cpu', 'cpu']
+    """
+    import torch
+
+    dev = current().device
+    return dev if dev is not None else torch.get_default_device()
+
+
 def set_process_context(ctx: ProcessorContext) -> None:
     """Make ``ctx`` the default of every thread of this process (torch backend)."""
     _process_default.append(ctx)

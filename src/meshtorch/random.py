@@ -4,7 +4,10 @@ Every random element is a pure function of ``(seed, stream, global element
 index)``: a counter-based hash (Chris Wellons' ``triple32`` finaliser applied
 to the index words and the key) computed only for the local slice. The same
 seed therefore gives bitwise the same global tensor on 1 or 512 processors,
-under any rules.
+under any rules, and on any device: uniform draws are integer arithmetic and exact
+float64 scaling, so a CUDA processor gets bitwise the CPU's numbers (normal ones
+up to float64 rounding of ``log``/``cos``). Tensors are made on ``device=``,
+by default the processor's (``mt.current().device``).
 
 Example:
     >>> import meshtorch as mt
@@ -26,6 +29,7 @@ import torch
 
 from meshtorch.context import current, drawing
 from meshtorch.errors import ArgumentError, ShapeError
+from meshtorch.layout import Layout
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, layout_for, local_shape
 
@@ -104,6 +108,8 @@ def _make(shape, seed, stream, dtype, device, requires_grad, name, fn) -> MeshTe
     seed, stream = _resolve(seed, stream)
     layout = layout_for(shape, name)
     dtype = dtype or torch.get_default_dtype()
+    # the processor's device unless told: made there, never copied from the host
+    device = device if device is not None else current().device
     local = fn(shape, seed, stream, device, layout).to(dtype)
     return MeshTensor(local.requires_grad_(requires_grad), shape, layout, name)
 
@@ -140,6 +146,30 @@ def normal(shape, mean: float = 0.0, std: float = 1.0, *, seed: int | None = Non
         return mean + std * z
 
     return _make(shape, seed, stream, dtype, device, requires_grad, name, fn)
+
+
+def uniform_whole(shape, low: float = 0.0, high: float = 1.0, *, seed: int, stream: int | str = 0,
+                  dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The whole of ``uniform(shape, low, high, seed=seed, stream=stream).to_global()``, made on
+    every processor without communication: for numbers every processor needs whole and the
+    same, such as decoding's sampling noise. On ``device`` (default: the processor's); the
+    same bits on the CPU and on a GPU.
+
+    Example:
+        >>> import meshtorch as mt
+        >>> whole = mt.random.uniform_whole("batch:4", seed=5, stream="s")
+        >>> def f():
+        ...     laid_out = mt.random.uniform("batch:4", seed=5, stream="s", dtype=whole.dtype)
+        ...     return bool((laid_out.to_global() == whole).all())
+        >>> mt.launch(f, mesh="b:2", rules="batch:b")
+        [True, True]
+    """
+    shape = as_shape(shape)
+    if not isinstance(seed, int):
+        raise ShapeError(f"seed must be an int, got {seed!r}")
+    whole = Layout(shape, current().mesh, {})  # replicated: every processor draws all of it
+    device = device if device is not None else current().device
+    return (low + (high - low) * _uniform53(shape, seed, stream, device, whole)).to(dtype)
 
 
 def bernoulli(shape, p: float = 0.5, *, seed: int | None = None, stream: int | str | None = None,

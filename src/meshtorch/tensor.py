@@ -257,7 +257,8 @@ def full(
     device: torch.device | str | None = None,
     name: str | None = None,
 ) -> MeshTensor:
-    """A tensor filled with ``value``, allocated slice by slice.
+    """A tensor filled with ``value``, allocated slice by slice on ``device`` (by default
+    the processor's, ``mt.current().device``).
 
     Example:
         >>> import meshtorch as mt
@@ -266,6 +267,7 @@ def full(
     """
     shape = as_shape(shape)
     layout = layout_for(shape, name)
+    device = device if device is not None else current().device
     local = torch.full(local_shape(layout), value, dtype=dtype, device=device)
     return MeshTensor(local.requires_grad_(requires_grad), shape, layout, name)
 

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -139,22 +138,3 @@ def resolve_device(spec: str | torch.device, comm: Communicator) -> torch.device
                         "use a mesh of 1 processor")
     return torch.device("mps")
 
-
-def on_device(device: torch.device | None) -> contextlib.AbstractContextManager:
-    """A block whose tensor factories (``torch.zeros``, ``mt.random``, layers' parameters)
-    default to ``device``, as in a script that called ``torch.set_default_device``.
-
-    On the CPU (or ``None``) nothing changes, so CPU programs pay nothing;
-    elsewhere torch's device mode costs a few microseconds per torch call,
-    which an accelerator's queued kernels hide.
-
-    Example:
-        >>> import torch
-        >>> from meshtorch.comm.device import on_device
-        >>> with on_device(torch.device("meta")):
-        ...     torch.zeros(2).device.type
-        'meta'
-    """
-    if device is None or device.type == "cpu":
-        return contextlib.nullcontext()
-    return torch.device(device)

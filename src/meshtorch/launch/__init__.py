@@ -72,13 +72,16 @@ def launch(
             returned, the others have ``timeout`` seconds to return too (see
             ``docs/distributed.md``, hangs and timeouts).
         check: record call sites so mismatched collectives name both sides.
-        device: where each processor computes, and where its tensor factories
-            (``mt.zeros``, ``mt.random``, layers' parameters, ``torch.zeros``) and
-            ``mt.from_global`` put its tensors: ``"cpu"``; ``"cuda"`` (one GPU per
+        device: where each processor computes: ``"cpu"``; ``"cuda"`` (one GPU per
             processor: processor ``i`` of a node on ``cuda:i``; NCCL on the torch
             backend); ``"auto"`` (CUDA when this machine has a GPU for each of its
             processors, else the CPU). Default: ``"cpu"`` on threads, ``"auto"`` on
-            torch (``MESHTORCH_DEVICE`` there); the meta backend ignores it.
+            torch (``MESHTORCH_DEVICE`` there); the meta backend ignores it. It is
+            ``mt.current().device`` inside ``fn``, where meshtorch's factories
+            (``mt.zeros``, ``mt.random``, layers' parameters, masks and positions) and
+            ``mt.from_global`` (also of a host tensor) put their tensors. No device mode
+            wraps ``fn``: a plain ``torch.zeros`` is made where torch makes it; pass it
+            ``device=mt.current().device``.
 
     Raises:
         ArgumentError: ``timeout`` is zero, negative or not a number.

@@ -27,7 +27,7 @@ import traceback
 from typing import Any
 
 from meshtorch.comm.base import check_timeout
-from meshtorch.comm.device import on_device, threads_device
+from meshtorch.comm.device import threads_device
 from meshtorch.errors import ArgumentError, MeshError, MeshTorchError, ProcessorError
 from meshtorch.launch.failures import RemoteTraceback
 from meshtorch.launch.lifeline import ENV_LAUNCHER_PID, die_with_launcher
@@ -88,8 +88,7 @@ def bootstrap() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     ctx = init_distributed()
     try:
-        with on_device(ctx.device):
-            _run_script(script)
+        _run_script(script)
     except BaseException as e:
         print(f"meshtorch: processor {ctx.rank} {ctx.coords} raised {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)

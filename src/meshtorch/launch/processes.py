@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from meshtorch.comm.base import check_timeout
-from meshtorch.comm.device import on_device
 from meshtorch.context import current
 from meshtorch.errors import CommError, MeshError, MeshTorchError, ProcessorError
 from meshtorch.launch.failures import FAILURE_GRACE_S, RemoteTraceback, processor_error, root_cause
@@ -104,8 +103,7 @@ def _run_in_world(fn, args, kwargs, mesh, rules, timeout, check, device) -> list
     else:
         ctx.rules = rules
     try:
-        with on_device(ctx.device):
-            out = fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     except BaseException as e:
         raise processor_error(e, ctx.rank, mesh.coords(ctx.rank)) from e
     return gather_results(out)
@@ -135,10 +133,9 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, parent_pid
             os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
         store = dist.FileStore(os.path.join(rendezvous, "store"), world)
         store.set_timeout(datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
-        ctx = init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
-                               world_size=world, device=device)
-        with on_device(ctx.device):
-            out = fn(*args, **kwargs)
+        init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
+                         world_size=world, device=device)
+        out = fn(*args, **kwargs)
         q.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
         tb = traceback.format_exc()

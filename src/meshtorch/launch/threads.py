@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.comm.device import on_device, resolve_device
+from meshtorch.comm.device import resolve_device
 from meshtorch.comm.threads import Hub, ThreadsCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import CommError
@@ -43,7 +43,10 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
     """Run ``fn(*args, **kwargs)`` on one thread per processor; results in rank order.
 
     Each processor computes on ``device`` (see :func:`~meshtorch.comm.device.resolve_device`:
-    with ``"cuda"`` processor ``i`` gets ``cuda:i`` and its tensor factories default there).
+    with ``"cuda"`` processor ``i`` gets ``cuda:i``). No torch-function device mode wraps
+    ``fn``: meshtorch's own factories put tensors on ``mt.current().device``; a plain
+    ``torch.zeros`` in ``fn`` is made where torch would make it, so pass
+    ``device=mt.current().device``.
 
     Raises the first failure that is not another processor's abandonment, as
     an exception that is both its class and a ``ProcessorError``. The launch
@@ -71,7 +74,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
         ctx = ProcessorContext(comm, rules)
         try:
             comm.device = resolve_device(device, comm)  # also this thread's current CUDA device
-            with use(ctx), on_device(comm.device):
+            with use(ctx):  # no device mode: meshtorch's factories put tensors on comm.device
                 out = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller below
             with hub.cond:

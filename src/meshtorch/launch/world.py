@@ -67,9 +67,9 @@ def init_distributed(
     The mesh size is checked against the world size before any communication.
     ``device`` is where this process computes: ``"cuda"`` (NCCL, GPU ``LOCAL_RANK``),
     ``"cpu"`` (gloo) or ``"auto"`` (``MESHTORCH_DEVICE``, default ``"auto"``: CUDA when
-    this machine has a GPU for each of its processes). Run the program inside
-    ``meshtorch.comm.device.on_device(ctx.device)`` for tensors to be made there
-    (``mt.launch`` and ``meshtorch launch`` do).
+    this machine has a GPU for each of its processes). meshtorch's factories put their
+    tensors on ``ctx.device``; no device mode wraps the program (plain torch factories
+    take ``device=mt.current().device``).
 
     Example (inside a script started by ``torchrun --nproc-per-node 2``):
         >>> import meshtorch as mt

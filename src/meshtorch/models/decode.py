@@ -1,8 +1,11 @@
 """Greedy, sampled (temperature, top-k) and beam-search decoding with a KV cache.
 
 Every processor runs the same loop (SPMD): the next-token logits are gathered
-(``[batch, vocab]`` is small) and sampled with a generator seeded the same on
-every processor, so all processors pick the same tokens under any layout.
+(``[batch, vocab]`` is small) and sampled by Gumbel-max with noise from
+:func:`meshtorch.random.uniform_whole`, a pure function of the seed, the step and
+the element, so all processors pick the same tokens under any layout, and a CUDA
+processor draws the same noise as a CPU one. The tokens stay on the processor's
+device until the end.
 Decoding adds one position at a time, which no axis can split: under rules that
 split ``length`` (sequence parallelism), ``generate`` runs with ``length`` whole.
 
@@ -24,21 +27,25 @@ from contextlib import contextmanager
 
 import torch
 
-from meshtorch.context import current, use
+from meshtorch.context import current, processor_device, use
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.layout import LayoutRules
 from meshtorch.ops.array import slice as mt_slice
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.reshape import rename
+from meshtorch.random import uniform_whole
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, from_global
 
 
-def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
-         generator: torch.Generator | None = None, limit: int | None = None) -> torch.Tensor:
+def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, *, seed: int = 0,
+         stream: int | str = 0, limit: int | None = None) -> torch.Tensor:
     """Next ids from ``[batch, vocab]`` logits: argmax if ``temperature == 0``, else a
-    sample from ``softmax(logits / temperature)`` over the ``top_k`` best (0: all).
-    Ids ``>= limit`` are never picked.
+    sample from ``softmax(logits / temperature)`` over the ``top_k`` best (0: all), as
+    :func:`~meshtorch.ops.select.sample_with_temperature` draws it: the argmax of
+    ``logits + temperature * g`` for Gumbel noise ``g`` from ``uniform_whole([batch, vocab],
+    seed=seed, stream=stream)`` (row ``i`` gets the same noise whatever the number of rows,
+    on any device). Ids ``>= limit`` are never picked.
 
     Example:
         >>> import torch
@@ -47,6 +54,8 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
         [1]
         >>> pick(torch.tensor([[0.0, 3.0, 9.0]]), limit=2).tolist()
         [1]
+        >>> pick(torch.tensor([[0.0, 50.0, 0.0]]), 1.0, seed=3).tolist()
+        [1]
     """
     logits = logits.detach().float()
     if limit is not None:
@@ -54,11 +63,14 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0,
         logits[:, limit:] = float("-inf")
     if temperature <= 0:
         return logits.argmax(-1)
-    logits = logits / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1]), -1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    rows, vocab = logits.shape
+    u = uniform_whole([Dim("batch", rows), Dim("vocab", vocab)], seed=seed, stream=stream,
+                      device=logits.device)
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    return (logits.double() + temperature * gumbel).argmax(-1)
 
 
 def _pad_rows(seq: torch.Tensor, n: int) -> torch.Tensor:
@@ -136,9 +148,9 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     model.eval()
     n0 = lengths.pop()
     max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
-    gen = torch.Generator().manual_seed(seed)
     rows = len(prompts)
-    seq = torch.tensor([list(p) for p in prompts], dtype=torch.int64)
+    # the tokens live on the processor's device: one copy of the prompts there, none per token
+    seq = torch.tensor([list(p) for p in prompts], dtype=torch.int64, device=processor_device())
     # the rules may split batch: repeat the prompts up to a multiple of that axis, keep the first rows
     ctx = current()
     seq = _pad_rows(seq, ctx.rules.pieces("batch", ctx.mesh))
@@ -147,9 +159,9 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     ids = seq
     out: list[torch.Tensor] = []
     try:
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             x = from_global(ids, [batch, Dim("length", ids.shape[1])])
-            nxt = pick(_last(model(x, cache)), temperature, top_k, gen, limit)
+            nxt = pick(_last(model(x, cache)), temperature, top_k, seed=seed, stream=step, limit=limit)
             out.append(nxt)
             seq = torch.cat([seq, nxt[:, None]], 1)
             ids = nxt[:, None] if use_cache else seq
@@ -211,16 +223,18 @@ def _beam_search(model, prompts, max_new_tokens, beams, limit):
     rows, n0 = len(prompts), len(prompts[0])
     max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
     ctx = current()
-    prompt = _pad_rows(torch.tensor([list(p) for p in prompts], dtype=torch.int64),
+    dev = processor_device()
+    prompt = _pad_rows(torch.tensor([list(p) for p in prompts], dtype=torch.int64, device=dev),
                        ctx.rules.pieces("batch", ctx.mesh))
     groups = prompt.shape[0]
     batch = Dim("batch", groups * beams)
     cache = model.new_cache(batch)
     ids = prompt.repeat_interleave(beams, 0)             # row g * beams + b: beam b of prompt g
     # only the first beam of each prompt is live at the start, so the first step's beams differ
-    score = torch.full((groups, beams), float("-inf"), dtype=torch.float64)
+    score = torch.full((groups, beams), float("-inf"), dtype=torch.float64, device=dev)
     score[:, 0] = 0.0
-    out = torch.zeros(groups, beams, 0, dtype=torch.int64)
+    out = torch.zeros(groups, beams, 0, dtype=torch.int64, device=dev)
+    firsts = torch.arange(groups, device=dev)[:, None] * beams  # row of each prompt's first beam
     try:
         for _ in range(max_new_tokens):
             logits = _last(model(from_global(ids, [batch, Dim("length", ids.shape[1])]), cache)).double()
@@ -234,24 +248,26 @@ def _beam_search(model, prompts, max_new_tokens, beams, limit):
             parent, token = best // vocab, best % vocab
             out = torch.cat([out.gather(1, parent[:, :, None].expand(-1, -1, out.shape[2])),
                              token[:, :, None]], 2)
-            rows_from = (parent + torch.arange(groups)[:, None] * beams).flatten()
+            rows_from = (parent + firsts).flatten()
             _reorder(cache, rows_from)
             ids = token.reshape(-1, 1)
     finally:
         model.train(was_training)
     top = score[:rows].argmax(1)
-    return (out[torch.arange(rows), top].tolist(), score[torch.arange(rows), top].tolist())
+    first = torch.arange(rows, device=dev)
+    return (out[first, top].tolist(), score[first, top].tolist())
 
 
 def _reorder(cache, rows_from: torch.Tensor) -> None:
     """Row ``j`` of every cached key and value becomes row ``rows_from[j]``: a one-hot einsum over
     ``batch``, which needs no indexing of a split dim."""
     n = rows_from.numel()
-    if torch.equal(rows_from, torch.arange(n)):
+    rows = torch.arange(n, device=rows_from.device)
+    if torch.equal(rows_from, rows):
         return
     entry = cache.entries[0]["k"]
-    onehot = torch.zeros(n, n, dtype=entry.dtype)
-    onehot[rows_from, torch.arange(n)] = 1.0
+    onehot = torch.zeros(n, n, dtype=entry.dtype, device=rows_from.device)
+    onehot[rows_from, rows] = 1.0
     pick = from_global(onehot, [Dim("batch", n), Dim("beam_row", n)])
     for e in cache.entries:
         for key in ("k", "v"):

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from meshtorch import nn
+from meshtorch.context import processor_device
 from meshtorch.errors import ShapeError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.layers import (
@@ -154,7 +155,7 @@ class Stack(nn.Module):
                              "TransformerConfig.max_length or pass shorter sequences")
         x = self.table(ids)
         if cfg.positions == "learned":
-            pos = from_global(torch.arange(offset, offset + n), [Dim(LENGTH, n)])
+            pos = from_global(torch.arange(offset, offset + n, device=processor_device()), [Dim(LENGTH, n)])
             x = x + self.pos(pos)
         rotary = None
         keys = n if cache is None else cfg.max_length

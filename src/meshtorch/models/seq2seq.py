@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from meshtorch import nn
+from meshtorch.context import processor_device
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.decode import length_whole
 from meshtorch.models.layers import LENGTH, MEMORY, padding_bias
@@ -94,7 +95,7 @@ class EncoderDecoder(nn.Module):
         self.eval()
         memory, bias = self.encode(src)
         b = src.shape["batch"]
-        seq = torch.full((b.size, 1), bos, dtype=torch.int64)
+        seq = torch.full((b.size, 1), bos, dtype=torch.int64, device=processor_device())
         with length_whole():
             for _ in range(steps):
                 ids = from_global(seq, [b, Dim(LENGTH, seq.shape[1])])

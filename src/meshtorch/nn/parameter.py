@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from meshtorch import random as mtr
 from meshtorch.context import current, use
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.layout import Layout
 from meshtorch.lowering.redistribute import LastingMemo
 from meshtorch.shape import Dim, Shape, as_shape
@@ -61,6 +61,13 @@ def _init_fn(init: str | InitFn, kwargs: dict[str, Any]) -> InitFn:
     """The initializer named ``init`` (with its keyword arguments), or ``init`` itself if callable."""
     if callable(init):
         return init
+    given = sorted({"seed", "stream"} & set(kwargs))
+    if given:
+        # the seed is the model's and the stream the parameter's path: a per-layer seed would
+        # make the same layer differ between models; Dense(d, h, seed=1) used to fail deep inside
+        raise ArgumentError(
+            f"initializer {init!r} got {', '.join(given)}=: a parameter's seed is its model's and its "
+            "stream its path; draw a layer from seed s with layer.reset_parameters(seed=s)")
     if init not in INITS:
         raise ShapeError(f"unknown initializer {init!r}; use one of {sorted(INITS)} or a callable "
                          "(shape, seed, stream) -> MeshTensor")
@@ -78,10 +85,11 @@ class MeshParameter(torch.nn.Parameter):
         requires_grad: as for ``torch.nn.Parameter``.
 
     The layout follows the mesh and rules current at creation; the storage is
-    allocated then, with the default dtype and device, and the values are
-    cast to it. Assigned to an ``mt.nn.Module`` attribute, the parameter takes
-    the attribute's path as its stream; attaching that module to a parent
-    re-labels the path (the values are drawn for the final path, once).
+    allocated then, with the default dtype on the processor's device
+    (``mt.current().device``), and the values are cast to it. Assigned to an
+    ``mt.nn.Module`` attribute, the parameter takes the attribute's path as its
+    stream; attaching that module to a parent re-labels the path (the values are
+    drawn for the final path, once).
 
     Example:
         >>> import meshtorch as mt
@@ -107,7 +115,9 @@ class MeshParameter(torch.nn.Parameter):
         shape = as_shape(shape)
         fn = _init_fn(init, init_kwargs)
         layout = layout_for(shape)
-        p = torch.Tensor._make_subclass(cls, torch.empty(local_shape(layout)), requires_grad)
+        # the storage is made where the processor computes; no device mode is needed for that
+        storage = torch.empty(local_shape(layout), device=current().device)
+        p = torch.Tensor._make_subclass(cls, storage, requires_grad)
         p._set_mesh(shape, layout, fn, current(), seed=0, stream="", materialized=False)
         return p
 
@@ -142,11 +152,12 @@ class MeshParameter(torch.nn.Parameter):
         if self._init is None:
             self.materialized = True
             return self
-        # drawn on the processor (and device) that made the parameter, wherever it is read from
+        # drawn on the processor that made the parameter, wherever it is read from; the
+        # initialisers make their values on that processor's device (a parameter moved since,
+        # by model.to(...), gets them copied over)
         ctx = self._ctx
         here = nullcontext() if ctx is None or current() is ctx else use(ctx)
-        device = nullcontext() if self.device == torch.get_default_device() else torch.device(self.device)
-        with torch.no_grad(), here, device:
+        with torch.no_grad(), here:
             value = self._init(self.mesh_shape, self.seed, self.stream)
             if value.shape != self.mesh_shape:
                 raise ShapeError(f"initializer of parameter {self.stream!r} returned shape [{value.shape}], "

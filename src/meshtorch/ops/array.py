@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from meshtorch.context import untraced
+from meshtorch.context import current, untraced
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.plan import lower
 from meshtorch.lowering.scan import cumsum_slice
 from meshtorch.lowering.shift import shift_slice
 from meshtorch.shape import Dim, Shape, dim_name
-from meshtorch.tensor import MeshTensor, as_mesh_tensor, on_processor
+from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
 
 def slice(x: MeshTensor, dim: str | Dim, begin: int, size: int, name: str | None = None) -> MeshTensor:  # noqa: A001
@@ -182,7 +182,8 @@ def range(dim: Dim, dtype: torch.dtype = torch.int64, name: str | None = None) -
 
     def local_fn(view):
         start, size = view.slices[dim.name]
-        return on_processor(torch.arange(start, start + size, dtype=dtype))
+        # made on the processor's device: no host copy per call
+        return torch.arange(start, start + size, dtype=dtype, device=current().device)
 
     return lower("range", [], Shape([dim]), local_fn, name=name)
 

@@ -34,7 +34,7 @@ import json
 
 import torch
 
-from meshtorch.context import current
+from meshtorch.context import current, processor_device
 from meshtorch.errors import PipelineError
 from meshtorch.models import DecoderLM, TransformerConfig
 from meshtorch.models.layers import LENGTH, MEMORY, causal_bias, rotary_tables
@@ -107,7 +107,7 @@ class LMStage(torch.nn.Module):
             ids = x
             x = self.embed(ids)
             if cfg.positions == "learned":
-                x = x + self.pos(from_global(torch.arange(n), [Dim(LENGTH, n)]))
+                x = x + self.pos(from_global(torch.arange(n, device=processor_device()), [Dim(LENGTH, n)]))
             if self.training and cfg.dropout:
                 x = dropout(x, cfg.dropout)
         rotary = None
@@ -127,7 +127,8 @@ class LMStage(torch.nn.Module):
             return
         table = next(self.embed.parameters()) if self.first else \
             next(self.table.parameters()) if self.last else None
-        g = table.grad if table is not None and table.grad is not None else torch.zeros(self._table_slice)
+        g = table.grad if table is not None and table.grad is not None else \
+            torch.zeros(self._table_slice, device=current().device)
         total = current().comm.all_reduce(g, axis)
         if table is not None:
             table.grad = total

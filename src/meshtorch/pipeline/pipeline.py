@@ -231,7 +231,8 @@ class Pipeline:
         """Each batch's loss (the last stage's ``totals``) on every processor."""
         comm = current().comm
         n = batches if totals is None else totals.numel()
-        loss = torch.zeros(n, dtype=torch.float64) if totals is None else totals.to(torch.float64).reshape(n)
+        loss = (torch.zeros(n, dtype=torch.float64, device=current().device) if totals is None
+                else totals.to(torch.float64).reshape(n))
         loss = comm.broadcast(loss, self.axis, src=self.num_stages - 1)
         # replicas of plain stages saw different data; a MeshTensor loss is the same on all (a no-op)
         axes = tuple(a for a in self.data_axes if current().mesh.axis_size(a) > 1)

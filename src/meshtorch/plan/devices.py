@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from meshtorch.context import processor_device
 from meshtorch.errors import PlanError
 from meshtorch.plan.cost import collective_seconds
 
@@ -103,8 +104,10 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
-def matmul_rate(n: int, dtype: torch.dtype = torch.float32, window: float = 0.1) -> float:
-    """FLOP/s of ``n``×``n`` ``dtype`` matmuls on the default device, in the three operand layouts
+def matmul_rate(n: int, dtype: torch.dtype = torch.float32, window: float = 0.1,
+                device: torch.device | str | None = None) -> float:
+    """FLOP/s of ``n``×``n`` ``dtype`` matmuls on ``device`` (default: the processor's, see
+    ``mt.launch(device=)``, else torch's default device), in the three operand layouts
     of a dense layer's training step (``x @ w.T`` forward, ``dy @ w`` and ``dy.T @ x`` backward),
     one of each: the best of three ``window``-second runs after one warm-up round (on a GPU,
     timed once its queue drains). The layouts matter: on a CPU without bf16 units, bf16
@@ -115,8 +118,9 @@ def matmul_rate(n: int, dtype: torch.dtype = torch.float32, window: float = 0.1)
         >>> matmul_rate(64, window=0.01) > 0
         True
     """
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+    device = device if device is not None else processor_device()
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
     cuda = a.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 

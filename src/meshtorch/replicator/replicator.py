@@ -43,7 +43,7 @@ from meshtorch.replicator import collectives
 from meshtorch.replicator.batchnorm import convert_sync_batchnorm
 from meshtorch.replicator.channel import channel_for
 from meshtorch.replicator.data import ReplicaLoader
-from meshtorch.replicator.device import resolve_device, to_device
+from meshtorch.replicator.device import host_random, resolve_device, to_device
 from meshtorch.replicator.optimizer import GradientSync
 
 # thread-replicas share torch's default generator: they build their models one at a time
@@ -101,7 +101,10 @@ class Replicator:
         """Build the model and optimizer here: identical initial weights everywhere.
 
         Inside the block torch's RNG is seeded with ``seed`` on every replica and
-        factory functions default to the replica's device. Thread-replicas share
+        factory functions default to the replica's device, while random numbers are
+        drawn from the CPU's generator (:class:`~meshtorch.replicator.device.host_random`):
+        the same seed gives the same initial weights on CPU, CUDA or MPS. The device
+        mode covers only this block; the steps run without one. Thread-replicas share
         one process-wide generator, so they take turns through the block; it
         must therefore not call collectives (they raise ``CommError``). On
         leaving, the parameters of optimizers wrapped inside are broadcast from
@@ -126,7 +129,7 @@ class Replicator:
                 if self.device.type == "cpu":
                     yield self.replica_context
                 else:
-                    with self.device:
+                    with self.device, host_random():
                         yield self.replica_context
             finally:
                 self.channel.building = False

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from meshtorch.context import processor_device
 from meshtorch.data import Corpus
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import TrainingError
@@ -112,7 +113,8 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32) -> float:
     """FLOP/s of a square ``dtype`` matmul on the default device (this processor's: see
     ``mt.launch(device=)``): the utilisation yardstick. 512×512 with torch's current threads
     on the CPU; 4096×4096 on a GPU."""
-    return matmul_rate(4096 if torch.get_default_device().type == "cuda" else 512, dtype, 0.1)
+    device = processor_device()
+    return matmul_rate(4096 if device.type == "cuda" else 512, dtype, 0.1, device)
 
 
 def step_flops(mcfg: TransformerConfig, tokens: int, length: int, params: int) -> float:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.context import current
+from meshtorch.context import current, processor_device
 from meshtorch.data import Corpus, LMBatches
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
@@ -105,7 +105,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     # the yardstick: every processor's matmul rate measured at once, under the same contention
     comm = current().comm
     # on a GPU the yardstick is its matmul in the run's precision (its tensor cores)
-    gpu_bf16 = run.precision == "bf16" and torch.get_default_device().type == "cuda"
+    gpu_bf16 = run.precision == "bf16" and processor_device().type == "cuda"
     mine = matmul_peak_flops(torch.bfloat16 if gpu_bf16 else torch.float32)
     peak = comm.all_reduce(torch.tensor([mine], dtype=torch.float64), comm.mesh.axis_names, "sum").item()
     tokens = run.batch * run.length
@@ -116,7 +116,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
         metrics = earlier_metrics(cfg, out, start)
         with open(metrics_path, "w") as f:
             f.writelines(json_text(m, metrics_path) + "\n" for m in metrics)
-        print(f"{strategy.banner()} on {torch.get_default_device()}; {run.steps} steps of "
+        print(f"{strategy.banner()} on {processor_device()}; {run.steps} steps of "
               f"{run.batch}x{run.length} tokens")
     board = MetricsBoard(out, lead and run.tensorboard)
     bar = Progress(run.steps, start, lead and run.progress)
@@ -154,7 +154,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
         # the step the run is at: a resumed run never relabels what it holds
         save_run(cfg, out, model, opt, batches, step, saved=strategy.saved())
     result = {"steps": step, "final_loss": loss, "parameters": params, "out": out,
-              "device": str(torch.get_default_device()),
+              "device": str(processor_device()),
               "train_s": round(wall, 2), "checkpoint": os.path.join(out, "checkpoint"), **strategy.summary()}
     if metrics and metrics[-1]["step"] == run.steps:
         result["flop_utilisation"] = metrics[-1]["flop_utilisation"]
