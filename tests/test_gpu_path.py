@@ -150,13 +150,14 @@ def test_factories_put_tensors_on_the_processors_device(monkeypatch, positions):
 
 def _trainer_step(**options) -> tuple[str, set[str]]:
     from meshtorch.recipes.lm import TrainConfig
-    from meshtorch.recipes.lm.steps import prepare, train_step
+    from meshtorch.recipes.lm.steps import prepare
 
     cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8, mesh="b:2",
                          rules="batch:b", clip=1.0, **options)
-    model, opt, batch = prepare(cfg)
-    loss = train_step(cfg, model, opt, batch)
-    return loss.device.type, {p.device.type for p in model.parameters()}
+    step, batch = prepare(cfg)  # the trainer's own strategy, warmed up by one step
+    step.run([batch], 1)
+    loss = step.model.loss(*batch)
+    return loss.device.type, {p.device.type for p in step.model.parameters()}
 
 
 @pytest.mark.parametrize("options", [{"precision": "bf16"}, {"model": "moe", "optimizer": "adafactor"},
