@@ -119,8 +119,12 @@ def test_a_planned_bf16_step_is_a_real_bf16_step(model, mesh, rules):
     # every matmul runs in bf16, the same FLOPs as in fp32
     fp32 = trace(training_step(cfg.replace(precision="fp32"), VOCAB), mesh=mesh, rules=rules)
     assert planned.flops_by_dtype == {"bfloat16": flops} and fp32.flops_by_dtype == {"float32": flops}
-    # bf16 activations: fewer bytes moved and held than in fp32, parameters and their state the same
-    assert planned.comm.bytes() < fp32.comm.bytes()
+    # bf16 activations: fewer bytes moved and held than in fp32, parameters and their state the same;
+    # the FSDP case communicates only fp32 parameters, their gradients and the (fp32) loss: same bytes
+    if "d_model:b" in rules:
+        assert planned.comm.bytes() == fp32.comm.bytes()
+    else:
+        assert planned.comm.bytes() < fp32.comm.bytes()
     assert planned.peak_bytes < fp32.peak_bytes
     measured = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, backend="threads")
     assert planned.peak_by_kind == measured.peak_by_kind and planned.peak_bytes == measured.peak_bytes

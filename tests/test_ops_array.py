@@ -117,6 +117,23 @@ def test_one_hot_gather_cross_entropy_with_split_vocab(data):
              [(rand(b, v, seed=5) * 2, f"batch:{b},vocab:{v}"), (ids, f"batch:{b}")], mesh, rules)
 
 
+@pytest.mark.parametrize("rules", ["batch:b", "vocab:b"])
+def test_bf16_logits_give_torch_s_fp32_loss_whole_or_split_vocab(rules):
+    """As F.cross_entropy under autocast: bf16 logits, an fp32 loss (a bf16 loss near 5 nats
+    would move in steps of 1/32), whether the vocabulary is whole on a processor or split."""
+    logits = (rand(4, 64, seed=7) * 4).bfloat16()
+    ids = torch.randint(0, 64, (4,), generator=torch.Generator().manual_seed(8))
+
+    def loss():
+        per = mt.cross_entropy(mt.from_global(logits, "batch:4,vocab:64"), mt.from_global(ids, "batch:4"))
+        return per.dtype, per.to_global()
+
+    want = F.cross_entropy(logits.float(), ids, reduction="none")
+    for dtype, got in mt.launch(loss, mesh="b:2", rules=rules):
+        assert dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @given(data=st.data(), reduction=st.sampled_from(["none", "mean", "sum"]))
 @SET
 def test_cross_entropy_ignore_index_is_torch_s_on_any_layout(data, reduction):

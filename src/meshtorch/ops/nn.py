@@ -126,12 +126,15 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
                                 "targets; give a position all-zero soft targets to leave it out")
     else:
         check_ids(targets, v, "cross_entropy", "targets", ignore_index)
+    # bf16/fp16 logits give an fp32 loss, as F.cross_entropy under autocast: a bf16 loss near 10
+    # nats moves in steps of 1/16 (the cast is fused into log_softmax's kernel)
+    acc = torch.float32 if logits.dtype in (torch.bfloat16, torch.float16) else logits.dtype
     if _whole_in(logits, v.name) and sorted(targets.names) == sorted((logits.shape if soft else out).names):
         i = logits.shape.index(v.name)
 
         def local_fn(view, t, tt):
             if soft:
-                picked = -(torch.log_softmax(t, i) * align(tt, targets.names, logits.names)).sum(i)
+                picked = -(torch.log_softmax(t, i, dtype=acc) * align(tt, targets.names, logits.names)).sum(i)
             else:
                 ids = align(tt, targets.names, out.names).unsqueeze(i)
                 # the clamp only keeps gather in bounds: ids were checked above, and ignored ones
@@ -140,15 +143,16 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
                 # -log_softmax[target], as F.cross_entropy: log_softmax and its backward are one
                 # vectorised kernel each, where logsumexp - t[target] costs an exp pass forward
                 # and a sub, exp and mul backward over the whole logits
-                picked = -torch.log_softmax(t, i).gather(i, safe).squeeze(i)
+                picked = -torch.log_softmax(t, i, dtype=acc).gather(i, safe).squeeze(i)
             if z_loss:
-                picked = picked + z_loss * torch.logsumexp(t, i).square()
+                picked = picked + z_loss * torch.logsumexp(t.to(acc), i).square()
             if ignore_index is None:
                 return picked
             return picked.masked_fill(ids.squeeze(i) == ignore_index, 0.0)
 
         per = lower("cross_entropy", [logits, targets], out, local_fn, whole=[v.name])
     else:
+        logits = logits if logits.dtype == acc else cast(logits, acc)
         lse = reduce_logsumexp(logits, v.name)
         if soft:
             per = reduce_sum((lse - logits) * targets, v.name)
