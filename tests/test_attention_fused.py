@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshtorch as mt
+import meshtorch.lowering.ring as ring
 import meshtorch.ops.attention as attention_mod
 from mesh_harness import check_op, meshes, rand, rules_for
 from meshtorch.errors import ShapeError
@@ -196,3 +197,64 @@ def test_mismatched_dims_are_named():
 
     with pytest.raises(ShapeError, match="share their other dims"):
         mt.launch(f)
+
+
+# ---------------------------------------------------------------- ring attention's fused blocks
+
+def _ring_case(monkeypatch, mesh, rules, causal, dtype=torch.float64, atol=1e-9, rtol=1e-7):
+    """Ring attention against dense attention; returns the names of the aten kernels it called."""
+    called: list[str] = []
+    real = ring._op
+
+    def spy(name):
+        op = real(name)
+        if op is None:
+            return None
+
+        def run(*args, **kwargs):
+            called.append(name)
+            return op(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(ring, "_op", spy)
+    inputs = [(rand(2, 8, 2, 4, seed=i).to(dtype), Q.format(b=2, n=8, h=2, d=4)) for i in range(3)]
+    check_op(lambda q, k, v: mt.ring_attention(q, k, v, causal=causal, scale=0.5),
+             lambda q, k, v: dense(q, k, v, None, causal, 0, 0.5), inputs, mesh, rules,
+             atol=atol, rtol=rtol)
+    return called
+
+
+@pytest.mark.parametrize("mesh,rules,causal", [("m:2", "length:m", True), ("m:4", "length:m", False),
+                                               ("b:2,m:2", "length:m; batch:b", True)])
+def test_ring_blocks_run_the_fused_kernel_with_its_logsumexp(monkeypatch, mesh, rules, causal):
+    called = _ring_case(monkeypatch, mesh, rules, causal)
+    fwd, bwd = ring.FUSED["cpu"]
+    assert fwd in called and bwd in called
+
+
+def test_ring_blocks_fall_back_to_the_math_without_the_private_kernels(monkeypatch):
+    monkeypatch.setattr(ring, "FUSED", {"cpu": ("no_such_kernel", "no_such_kernel_backward")})
+    assert _ring_case(monkeypatch, "m:2", "length:m", True) == []
+
+
+def test_ring_blocks_fall_back_when_the_kernel_refuses(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("not for these inputs")
+
+    monkeypatch.setattr(ring, "_op", lambda name: refuse)
+    inputs = [(rand(1, 4, 2, 4, seed=i), Q.format(b=1, n=4, h=2, d=4)) for i in range(3)]
+    check_op(lambda q, k, v: mt.ring_attention(q, k, v, causal=True, scale=0.5),
+             lambda q, k, v: dense(q, k, v, None, True, 0, 0.5), inputs, "m:2", "length:m")
+
+
+def test_ring_attention_in_bf16_matches_float32():
+    def f(dtype):
+        q, k, v = (mt.random.normal("batch:2,length:16,heads:2,d_kv:8", seed=s) for s in range(3))
+        q, k, v = (mt.cast(x, dtype).detach().requires_grad_() for x in (q, k, v))
+        out = mt.ring_attention(q, k, v, causal=True)
+        mt.reduce_sum(out * out).backward()
+        return [t.to_global().float() for t in (out, q.grad, k.grad, v.grad)]
+
+    for ref, low in zip(*(mt.launch(f, dt, mesh="m:2", rules="length:m")[0]
+                          for dt in (torch.float32, torch.bfloat16))):
+        torch.testing.assert_close(low, ref, atol=0.05, rtol=0.05)

@@ -175,13 +175,45 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
                                                          else (mask,))) * 0
             out = zero + qs.new_zeros(*qs.shape[:-1], vs.shape[-1])
             return out.reshape(*lead, *out.shape[-3:]).permute(back)
-        kw = {"enable_gqa": True} if gqa else {}
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal, scale=scale,
-                                             **kw)
+        out = _sdpa(qs, ks, vs, mask, is_causal, scale, gqa)
         return out.reshape(*lead, *out.shape[-3:]).permute(back)
 
     inputs = [q, k, v] + ([bias] if bias is not None else [])
     return lower("attention", inputs, q.shape, local_fn, whole=whole, name=name)
+
+
+def _sdpa(q, k, v, mask, is_causal, scale, gqa) -> torch.Tensor:
+    """``scaled_dot_product_attention``; on ``meta`` tensors (the planner) the fused CPU kernel
+    itself, which SDPA would run on a CPU: SDPA picks its math path for ``meta``, which would count
+    a ``[.., length, memory_length]`` score tensor that no fused kernel ever holds."""
+    fused = _op("_scaled_dot_product_flash_attention_for_cpu") if q.device.type == "meta" else None
+    if fused is not None and (mask is None or not mask.requires_grad):
+        if mask is not None and mask.dtype == torch.bool:   # as SDPA hands it over
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return fused(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+    kw = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **kw)
+
+
+def _op(name: str):
+    """The aten op ``name``, or ``None`` where this torch has none (private kernels)."""
+    return getattr(torch.ops.aten, name, None)
+
+
+def _count_cpu_flops() -> None:
+    """Teach ``torch.utils.flop_counter`` the fused CPU kernels SDPA runs on CPUs (it knows the
+    CUDA ones): the same formulas, so a CPU step counts attention's FLOPs like a GPU step."""
+    from torch.utils import flop_counter
+
+    flash = "_scaled_dot_product_flash_attention"
+    for cpu, gpu in ((f"{flash}_for_cpu", _op(flash)),
+                     (f"{flash}_for_cpu_backward", _op(f"{flash}_backward"))):
+        op = _op(cpu)
+        if op is not None and op not in flop_counter.flop_registry and gpu in flop_counter.flop_registry:
+            flop_counter.flop_registry[op] = flop_counter.flop_registry[gpu]
+
+
+_count_cpu_flops()
 
 
 # a large finite negative bias (the models' NEG): exp() underflows to 0, fully masked rows stay finite
