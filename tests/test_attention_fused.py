@@ -258,3 +258,22 @@ def test_ring_attention_in_bf16_matches_float32():
     for ref, low in zip(*(mt.launch(f, dt, mesh="m:2", rules="length:m")[0]
                           for dt in (torch.float32, torch.bfloat16))):
         torch.testing.assert_close(low, ref, atol=0.05, rtol=0.05)
+
+
+def test_flop_counter_counts_the_fused_cpu_kernels_with_grouped_keys():
+    """Hand-derived: forward q·kᵀ and w·v, 2 matmuls; backward (torch's formula) recomputes q·kᵀ and
+    forms dv, dw, dq, dk, 5 matmuls; each 2·b·h·n·m·d FLOPs, keys counted per query head."""
+    from torch.utils.flop_counter import FlopCounterMode
+    b, h, n, m, d = 2, 4, 6, 6, 8
+
+    def f():
+        q = mt.random.normal(f"batch:{b},length:{n},heads:{h},d_kv:{d}", seed=0).requires_grad_()
+        k, v = (mt.random.normal(f"batch:{b},memory_length:{m},kv_heads:2,d_kv:{d}", seed=s) for s in (1, 2))
+        with FlopCounterMode(display=False) as counter:
+            out = mt.attention(q, k, v, causal=True, kv_heads="kv_heads")
+            forward = counter.get_total_flops()
+            mt.reduce_sum(out).backward()
+        return forward, counter.get_total_flops()
+
+    unit = 2 * b * h * n * m * d
+    assert mt.launch(f) == [(2 * unit, 7 * unit)]

@@ -202,15 +202,28 @@ def _op(name: str):
 
 def _count_cpu_flops() -> None:
     """Teach ``torch.utils.flop_counter`` the fused CPU kernels SDPA runs on CPUs (it knows the
-    CUDA ones): the same formulas, so a CPU step counts attention's FLOPs like a GPU step."""
+    CUDA ones): the same formulas, so a CPU step (and the planner's meta trace, which runs the CPU
+    kernel) counts attention's FLOPs like a GPU step. Grouped-query keys are counted as the
+    query heads they serve (torch's formulas before 2026-03 refuse fewer key heads)."""
     from torch.utils import flop_counter
 
     flash = "_scaled_dot_product_flash_attention"
-    for cpu, gpu in ((f"{flash}_for_cpu", _op(flash)),
-                     (f"{flash}_for_cpu_backward", _op(f"{flash}_backward"))):
+    for cpu, gpu, query in ((f"{flash}_for_cpu", _op(flash), 0),
+                            (f"{flash}_for_cpu_backward", _op(f"{flash}_backward"), 1)):
         op = _op(cpu)
         if op is not None and op not in flop_counter.flop_registry and gpu in flop_counter.flop_registry:
-            flop_counter.flop_registry[op] = flop_counter.flop_registry[gpu]
+            formula = flop_counter.flop_registry[gpu]
+            flop_counter.flop_registry[op] = functools.partial(_heads_as_queries, formula, query)
+
+
+def _heads_as_queries(formula, query: int, *args, **kwargs) -> int:
+    args = list(args)
+    heads = args[query].shape[1]
+    for i in (query + 1, query + 2):   # keys and values: broadcast views (only shapes count)
+        t = args[i]
+        if t.dim() == 4 and t.shape[1] != heads:
+            args[i] = t[:, :1].expand(t.shape[0], heads, *t.shape[2:])
+    return formula(*args, **kwargs)
 
 
 _count_cpu_flops()
