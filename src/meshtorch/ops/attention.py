@@ -109,6 +109,12 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
             if d not in x.shape:
                 raise ShapeError(f"attention: {what} [{x.shape}] have no dim {d!r}; name the dims with "
                                  "dim=, memory=, heads=, kv_heads= and features=")
+    if seq == mem:
+        raise ShapeError(f"attention: queries and keys both on {seq!r}; give the keys their own dim "
+                         f"(mt.rename(k, {seq!r}, 'memory_length')) or use mt.ring_attention")
+    if k.shape[feat].size != q.shape[feat].size:
+        raise ShapeError(f"attention: {feat!r} is {q.shape[feat].size} in the queries [{q.shape}] and "
+                         f"{k.shape[feat].size} in the keys [{k.shape}]")
     others = [d for d in q.names if d not in (seq, hd, feat)]
     k_others = [d for d in k.names if d not in (mem, kvh, feat)]
     if sorted(others) != sorted(k_others):
@@ -142,7 +148,7 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
         n, keys = qs.shape[-2], ks.shape[-2]
         mask, is_causal = None, False
         if causal:
-            first = offset + view.start(seq) if seq != mem else offset
+            first = offset + view.start(seq)
             # keys after the last local query are never seen: leave them out
             keys = max(0, min(keys, first + n))
             ks, vs = ks[..., :keys, :], vs[..., :keys, :]
