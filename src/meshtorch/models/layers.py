@@ -39,7 +39,7 @@ from meshtorch.ops.nn import dropout, softmax
 from meshtorch.ops.reshape import rename
 from meshtorch.ops.slicewise import slicewise
 from meshtorch.shape import Dim, Shape
-from meshtorch.tensor import MeshTensor, from_global, layout_for, local_slices
+from meshtorch.tensor import MeshTensor, layout_for, local_slices
 
 LENGTH, MEMORY = "length", "memory_length"
 NEG = -1e9  # large finite: exp() underflows to exactly 0 and fully-masked rows stay finite
@@ -249,9 +249,11 @@ def cache_write(entry: dict, k: MeshTensor, v: MeshTensor) -> tuple[MeshTensor, 
     """
     n, offset = k.shape[MEMORY].size, entry["offset"]
     size = entry["k"].shape[MEMORY].size
-    place = torch.zeros(n, size)
-    place[torch.arange(n), torch.arange(n) + offset] = 1.0
-    p = from_global(place.to(k.dtype), [Dim("new_length", n), Dim(MEMORY, size)])
+    dev = current().device
+    place = torch.zeros(n, size, dtype=k.dtype, device=dev)   # made where it is used: no host copy
+    rows = torch.arange(n, device=dev)
+    place[rows, rows + offset] = 1.0
+    p = _constant(place, Shape([Dim("new_length", n), Dim(MEMORY, size)]))
     out = entry["k"].names
     k_new, v_new = rename(k, MEMORY, "new_length"), rename(v, MEMORY, "new_length")
     entry["k"] = entry["k"] + einsum(k_new, p, output_shape=out)
