@@ -277,3 +277,28 @@ def test_flop_counter_counts_the_fused_cpu_kernels_with_grouped_keys():
 
     unit = 2 * b * h * n * m * d
     assert mt.launch(f) == [(2 * unit, 7 * unit)]
+
+
+@pytest.mark.parametrize("mesh,rules", [("", ""), ("b:2,m:2", "batch:b; heads:m"), ("m:2", "length:m")])
+def test_bf16_autocast_values_and_grads_follow_float32_on_any_layout(mesh, rules):
+    """Under CPU bf16 autocast the kernel runs in bf16 (the inputs' float32 is cast by autocast),
+    and values and gradients stay within bf16's precision of the float32 dense computation."""
+    q0, k0, v0 = (torch.randn(2, 8, 4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3))
+
+    def f():
+        q = mt.from_global(q0, Q.format(b=2, n=8, h=4, d=16), requires_grad=True)
+        kv = KV.format(b=2, m=8, kvh="kv_heads", hk=2, d=16)
+        k, v = (mt.from_global(t[:, :, :2], kv, requires_grad=True) for t in (k0, v0))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = mt.attention(q, k, v, causal=True, kv_heads="kv_heads")
+        wide = mt.cast(out, torch.float32)
+        mt.reduce_sum(wide * wide).backward()
+        return out.dtype, [t.to_global().float() for t in (out, q.grad, k.grad, v.grad)]
+
+    ref = [t.requires_grad_() for t in (q0.clone(), k0[:, :, :2].clone(), v0[:, :, :2].clone())]
+    out = dense(*ref, None, True, 0, 0.25)
+    (out * out).sum().backward()
+    for dtype, got in mt.launch(f, mesh=mesh, rules=rules):
+        assert dtype == torch.bfloat16
+        for a, b in zip(got, [out] + [t.grad for t in ref]):
+            torch.testing.assert_close(a, b.detach(), atol=0.05, rtol=0.05)
