@@ -4,7 +4,7 @@ One training step (forward, backward, optimizer) of a small decoder LM on long s
 rules ``"length:m"`` on meshes ``m:1``, ``m:2``, ``m:4``, with causal attention run two ways:
 
 - ``ring``: ``mt.ring_attention`` (keys and values passed around the axis, online softmax);
-- ``gather``: einsum + softmax with the keys and values all-gathered along ``length``.
+- ``gather``: ``mt.attention`` (fused SDPA) with the keys and values all-gathered along ``length``.
 
 Each step runs for real on the threads backend and is traced (processor 0's peak live bytes
 by kind, and its bytes sent); the planner's prediction from the meta backend is printed beside

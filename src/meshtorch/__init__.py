@@ -42,7 +42,7 @@ def _load() -> dict:
     from meshtorch.layout import Layout, LayoutRules
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
-    from meshtorch.ops.attention import local_attention, ring_attention
+    from meshtorch.ops.attention import attention, local_attention, ring_attention
     from meshtorch.ops.conv import (
         conv1d,
         conv2d,

@@ -140,6 +140,81 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(kind, enabled=False)
 
 
+# The fused kernels that return the log-sum-exp, by device: (forward, backward) names in
+# torch.ops.aten. They are private: the same signatures from torch 2.3 through 2.15 (checked in
+# aten's native_functions.yaml), and where one is missing or refuses its inputs the block runs
+# the math below instead (tests/test_ring_attention.py takes that path by hiding them).
+FUSED = {
+    "cpu": ("_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    "cuda": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
+}
+
+
+def _op(name: str):
+    """The aten op ``name``, or ``None`` where this torch has none."""
+    return getattr(torch.ops.aten, name, None)
+
+
+def _fused_kernels(q: torch.Tensor, k: torch.Tensor):
+    """The (forward, backward) fused ops for these blocks, or ``None`` (then: the math path)."""
+    names = FUSED.get(q.device.type)
+    if names is None or q.numel() == 0 or k.numel() == 0:
+        return None  # (the CPU kernel dies on empty blocks, so they never reach it)
+    if q.device.type == "cuda" and (q.dtype not in (torch.float16, torch.bfloat16)
+                                    or q.shape[-1] % 8 or q.shape[-1] > 256):
+        return None  # flash's own limits
+    fwd, bwd = _op(names[0]), _op(names[1])
+    return None if fwd is None or bwd is None else (fwd, bwd)
+
+
+def _block_forward(q, k, v, qg, kg, masked, scale, dt):
+    """One block's normalised output and log-sum-exp per query, in ``dt``, and what its backward
+    needs from the fused kernel (``None``: the math ran). The fused kernel takes the block where
+    it can (a masked block is always a diagonal one: ``is_causal``); the math takes the rest."""
+    kernels = _fused_kernels(q, k)
+    if kernels is not None and (not masked or (qg == kg and q.shape[-2] == k.shape[-2])):
+        try:
+            res = kernels[0](q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), 0.0, masked, scale=scale)
+            # CUDA's flash also returns its (unused here) varlen sizes and RNG state: its backward's
+            return res[0].squeeze(1).to(dt), res[1].squeeze(1).to(dt), tuple(res[2:8])
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # a torch whose private kernel refuses these inputs or has another signature
+    s = _scores(q.to(dt), k.to(dt), qg, kg, masked, scale)
+    m = s.amax(-1, keepdim=True)
+    w = torch.exp(s - m)
+    total = w.sum(-1, keepdim=True)
+    return (w @ v.to(dt)) / total, (m + torch.log(total)).squeeze(-1), None
+
+
+def _block_backward(aux, g, q, k, v, out, lse, qg, kg, masked, scale, dt):
+    """One block's ``(dq, dk, dv)`` in ``dt`` given the whole output and log-sum-exp of these
+    queries (the softmax over every key block): the fused kernel's backward where its forward ran
+    (``aux``: what that forward returned for it), else the math."""
+    if aux is not None:
+        res = _fused_backward(_fused_kernels(q, k)[1], aux, g, q, k, v, out, lse, masked, scale)
+        if res is not None:
+            return tuple(t.squeeze(1).to(dt) for t in res)
+    qf, kf, vf, gf = q.to(dt), k.to(dt), v.to(dt), g.to(dt)
+    w = torch.exp(_scores(qf, kf, qg, kg, masked, scale) - lse.unsqueeze(-1))
+    dv = w.transpose(-1, -2) @ gf
+    ds = w * (gf @ vf.transpose(-1, -2) - (gf * out.to(dt)).sum(-1, keepdim=True))
+    return (ds @ kf) * scale, (ds.transpose(-1, -2) @ qf) * scale, dv
+
+
+def _fused_backward(op, aux, g, q, k, v, out, lse, causal, scale):
+    g4, q4, k4, v4 = (t.unsqueeze(1) for t in (g.to(q.dtype), q, k, v))
+    o4, l4 = out.to(q.dtype).unsqueeze(1), lse.unsqueeze(1).contiguous()
+    try:
+        if aux:  # CUDA flash: cum_seq_q, cum_seq_k, max_q, max_k, then the RNG state (seed, offset)
+            cum_q, cum_k, max_q, max_k, seed, offset = aux
+            return op(g4, q4, k4, v4, o4, l4, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset,
+                      scale=scale)
+        return op(g4, q4, k4, v4, o4, l4, 0.0, causal, scale=scale)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm, axis, causal, scale, zigzag):
@@ -147,31 +222,31 @@ class _RingAttention(torch.autograd.Function):
         p = 0 if axis is None else comm.coords[axis]
         length = q.shape[1]
         dt = _accumulation_dtype(q)
+        fused = []  # per block, in order: what the fused kernel left for its backward, or None
         with _no_autocast(q):
-            qf = q.to(dt)
-            m = torch.full(q.shape[:2], float("-inf"), device=q.device, dtype=dt)
-            lsum = torch.zeros(q.shape[:2], device=q.device, dtype=dt)
+            # the running output (normalised) and log-sum-exp of each query over the blocks so far
+            lse = torch.full(q.shape[:2], float("-inf"), device=q.device, dtype=dt)
             acc = torch.zeros(q.shape, device=q.device, dtype=dt)
             qs = segments(p, n, length, zigzag)
             kv = torch.stack([k, v])
             for step in range(n):
                 ks = segments((p - step) % n, n, length, zigzag)
-                kf, vf = kv[0].to(dt), kv[1].to(dt)
                 for (qo, qg, qn), (ko, kg, kn), masked in _pairs(qs, ks, causal):
-                    s = _scores(qf[:, qo:qo + qn], kf[:, ko:ko + kn], qg, kg, masked, scale)
-                    m_old = m[:, qo:qo + qn]
-                    m_new = torch.maximum(m_old, s.amax(-1))
-                    w = torch.exp(s - m_new.unsqueeze(-1))
-                    alpha = torch.exp(m_old - m_new)
-                    lsum[:, qo:qo + qn] = lsum[:, qo:qo + qn] * alpha + w.sum(-1)
-                    acc[:, qo:qo + qn] = acc[:, qo:qo + qn] * alpha.unsqueeze(-1) + w @ vf[:, ko:ko + kn]
-                    m[:, qo:qo + qn] = m_new
+                    o_b, lse_b, aux = _block_forward(q[:, qo:qo + qn], kv[0][:, ko:ko + kn],
+                                                   kv[1][:, ko:ko + kn], qg, kg, masked, scale, dt)
+                    fused.append(aux)
+                    # merge by log-sum-exp: each part weighs exp(its lse - the new lse)
+                    old = lse[:, qo:qo + qn]
+                    new = torch.logaddexp(old, lse_b)
+                    acc[:, qo:qo + qn] = (acc[:, qo:qo + qn] * torch.exp(old - new).unsqueeze(-1)
+                                          + o_b * torch.exp(lse_b - new).unsqueeze(-1))
+                    lse[:, qo:qo + qn] = new
                 if step < n - 1:
                     kv = comm.shift(kv.contiguous(), axis, 1, wrap=True)
-            out = acc / lsum.unsqueeze(-1)
-            lse = m + torch.log(lsum)
+            out = acc
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.axis, ctx.causal, ctx.scale, ctx.zigzag = comm, axis, causal, scale, zigzag
+        ctx.fused = fused
         return out.to(q.dtype)
 
     @staticmethod
@@ -182,9 +257,8 @@ class _RingAttention(torch.autograd.Function):
         p = 0 if axis is None else comm.coords[axis]
         length = q.shape[1]
         dt = _accumulation_dtype(q)
+        fused = iter(ctx.fused)
         with _no_autocast(q):
-            qf, gf = q.to(dt), g.to(dt)
-            delta = (gf * out).sum(-1)
             dq = torch.zeros(q.shape, device=q.device, dtype=dt)
             # keys, values and their gradients travel as one message, in the accumulation dtype
             zeros = torch.zeros((2, *k.shape), device=q.device, dtype=dt)
@@ -194,13 +268,14 @@ class _RingAttention(torch.autograd.Function):
                 ks = segments((p - step) % n, n, length, ctx.zigzag)
                 kf, vf, dk, dv = msg[0], msg[1], msg[2], msg[3]
                 for (qo, qg, qn), (ko, kg, kn), masked in _pairs(qs, ks, causal):
-                    qb, gb = qf[:, qo:qo + qn], gf[:, qo:qo + qn]
-                    kb, vb = kf[:, ko:ko + kn], vf[:, ko:ko + kn]
-                    w = torch.exp(_scores(qb, kb, qg, kg, masked, scale) - lse[:, qo:qo + qn].unsqueeze(-1))
-                    dv[:, ko:ko + kn] += w.transpose(-1, -2) @ gb
-                    ds = w * (gb @ vb.transpose(-1, -2) - delta[:, qo:qo + qn].unsqueeze(-1))
-                    dq[:, qo:qo + qn] += (ds @ kb) * scale
-                    dk[:, ko:ko + kn] += (ds.transpose(-1, -2) @ qb) * scale
+                    # the fused kernels take the inputs' own dtype: the travelling copies go back
+                    kb, vb = kf[:, ko:ko + kn].to(k.dtype), vf[:, ko:ko + kn].to(v.dtype)
+                    dq_b, dk_b, dv_b = _block_backward(
+                        next(fused), g[:, qo:qo + qn], q[:, qo:qo + qn], kb, vb, out[:, qo:qo + qn],
+                        lse[:, qo:qo + qn], qg, kg, masked, scale, dt)
+                    dq[:, qo:qo + qn] += dq_b
+                    dk[:, ko:ko + kn] += dk_b
+                    dv[:, ko:ko + kn] += dv_b
                 if step < n - 1:
                     msg = comm.shift(msg, axis, 1, wrap=True)
             dkv = msg[2:] if n == 1 else comm.shift(msg[2:].contiguous(), axis, 1, wrap=True)

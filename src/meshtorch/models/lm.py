@@ -33,7 +33,6 @@ from meshtorch.models.layers import (
     MEMORY,
     Attention,
     FeedForward,
-    causal_bias,
     make_norm,
     rotary_tables,
 )
@@ -71,8 +70,10 @@ class Block(nn.Module):
         return dropout(x, self.rate) if self.training and self.rate else x
 
     def forward(self, x: MeshTensor, bias: MeshTensor | None = None, rotary=None, cache: dict | None = None,
-                memory: MeshTensor | None = None, memory_bias: MeshTensor | None = None, ring: bool = False):
-        x = x + self._drop(self.attn(self.ln_attn(x), bias=bias, rotary=rotary, cache=cache, ring=ring))
+                memory: MeshTensor | None = None, memory_bias: MeshTensor | None = None, ring: bool = False,
+                causal: bool = False):
+        x = x + self._drop(self.attn(self.ln_attn(x), bias=bias, rotary=rotary, cache=cache, ring=ring,
+                                     causal=causal and not ring))
         if memory is not None:
             x = x + self._drop(self.cross(self.ln_cross(x), memory=memory, bias=memory_bias))
         y = self.ffn(self.ln_ffn(x))
@@ -158,16 +159,14 @@ class Stack(nn.Module):
             pos = from_global(torch.arange(offset, offset + n, device=processor_device()), [Dim(LENGTH, n)])
             x = x + self.pos(pos)
         rotary = None
-        keys = n if cache is None else cfg.max_length
         if cfg.positions == "rotary":
             cq, sq = rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base)
             # keys are computed for the new positions only, also when they go into a cache
             ck, sk = rotary_tables(n, cfg.d_kv, MEMORY, offset, cfg.rotary_base)
             rotary = (cq, sq, ck, sk)
         ring = causal and cache is None and self_bias is None and self.uses_ring(ids)
-        bias = causal_bias(n, keys, offset) if causal and not ring else None
-        if self_bias is not None:
-            bias = self_bias if bias is None else bias + self_bias
+        # causal masking is a flag of the fused attention (no [length, memory_length] bias tensor)
+        bias = self_bias
         if self.training and cfg.dropout:
             x = dropout(x, cfg.dropout)
         aux = None
@@ -177,7 +176,7 @@ class Stack(nn.Module):
             entry = None if cache is None else cache.entries[i]
             run = functools.partial(nn.checkpoint, block) if remat else block
             x, a = run(x, bias=bias, rotary=rotary, cache=entry, memory=memory, memory_bias=memory_bias,
-                       ring=ring)
+                       ring=ring, causal=causal)
             if a is not None:
                 aux = a if aux is None else add(aux, a)
         if cache is not None:

@@ -1,4 +1,10 @@
-"""``ring_attention``: softmax attention over a sequence dim, also when a mesh axis splits it.
+"""Softmax attention as one op: ``attention`` (fused, keys whole on a processor) and
+``ring_attention`` (keys go around the axis that splits the sequence), plus ``local_attention``.
+
+:func:`attention` lowers to ``torch.nn.functional.scaled_dot_product_attention`` (flash /
+cuDNN / memory-efficient kernels on GPUs, the fused CPU kernel on CPUs) on every processor: the
+lowering keeps the keys' sequence dim whole (gathering it where the rules split it), and splits
+batch, heads and queries like any other op. For ring attention:
 
 With ``length`` split (rules ``"length:m"``), the keys and values are never gathered: they go
 around the axis, one chunk per step, and the softmax accumulates online
@@ -17,17 +23,220 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.plan import align, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
+
+# SDPA's enable_gqa= (torch >= 2.5); without it the processor's key/value heads are repeated locally
+HAS_ENABLE_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+
+
+@functools.lru_cache(maxsize=256)
+def causal_mask(queries: int, keys: int, offset: int, device: torch.device | None) -> torch.Tensor:
+    """Boolean ``[queries, keys]``: True where key ``j <= offset + i`` (query ``i`` sits at position
+    ``offset + i``). Made once per (sizes, offset, device): no per-call host-to-device copy.
+
+    Example:
+        >>> from meshtorch.ops.attention import causal_mask
+        >>> causal_mask(2, 3, 1, None).tolist()
+        [[True, True, False], [True, True, True]]
+    """
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril_(offset)
+
+
+def _sdpa_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA computes in for query ``t``: autocast's where it is on for ``t``'s device."""
+    kind = t.device.type
+    if kind in ("cuda", "cpu") and t.is_floating_point() and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
+
+
+def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = False, offset: int = 0,
+              bias: MeshTensor | None = None, scale: float | None = None, dim: str | Dim = "length",
+              memory: str | Dim = "memory_length", features: str | Dim = "d_kv", heads: str | Dim = "heads",
+              kv_heads: str | Dim | None = None, name: str | None = None) -> MeshTensor:
+    """``softmax(q·kᵀ·scale + bias [+ causal mask]) · v``, fused: one
+    ``torch.nn.functional.scaled_dot_product_attention`` call per processor.
+
+    ``q`` has dims ``dim`` (query positions), ``heads`` and ``features``; ``k`` and ``v`` have
+    ``memory`` (key positions), ``kv_heads`` (default: ``heads``) and ``features``; every other dim
+    (``batch``, ...) is shared by the three and independent. With ``kv_heads`` (grouped-query
+    attention), query head ``h`` reads key/value head ``h // (heads / kv_heads)``.
+
+    ``causal``: query ``i`` (at position ``offset + i``; ``offset`` > 0 when decoding with a KV
+    cache) sees keys ``j <= offset + i``. Queries at the keys' positions use ``is_causal=True``;
+    split queries or an offset use a boolean lower-right mask, made once per device, and keys past
+    the last local query are not computed at all. ``bias`` (dims among ``q``'s and ``memory``, e.g.
+    a padding mask) is added to the scores, cast to the compute dtype (never promoting to float32).
+
+    Layouts: any rules for the batch dims, ``heads`` and ``dim``. ``memory``, ``features`` and
+    ``kv_heads`` are kept whole on a processor: where the rules split them, the lowering gathers
+    them (forward all-gather, backward reduce-scatter). To keep a split sequence from being
+    gathered use :func:`ring_attention`. There is no attention-weight dropout here: SDPA's
+    ``dropout_p`` draws from the device generator, which depends on the layout, while meshtorch's
+    random numbers must not (DESIGN §5); layers that drop attention weights in training form them
+    with ``mt.einsum`` and ``mt.softmax``.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> q = mt.random.normal("batch:2,length:4,heads:4,d_kv:8", seed=0)
+        >>> k, v = (mt.random.normal("batch:2,memory_length:4,kv_heads:2,d_kv:8", seed=s) for s in (1, 2))
+        >>> out = mt.attention(q, k, v, causal=True, kv_heads="kv_heads")
+        >>> t = lambda x: x.to_global().transpose(1, 2)        # [batch, heads, length, d_kv]
+        >>> kk, vv = (t(x).repeat_interleave(2, 1) for x in (k, v))
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(t(q), kk, vv, is_causal=True)
+        >>> torch.allclose(out.to_global(), ref.transpose(1, 2), atol=1e-6)
+        True
+    """
+    q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
+    seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)
+    kvh = hd if kv_heads is None else dim_name(kv_heads)
+    if v.shape != k.shape:
+        raise ShapeError(f"attention: values [{v.shape}] must have the keys' shape [{k.shape}]")
+    for what, x, need in (("queries", q, (seq, hd, feat)), ("keys", k, (mem, kvh, feat))):
+        for d in need:
+            if d not in x.shape:
+                raise ShapeError(f"attention: {what} [{x.shape}] have no dim {d!r}; name the dims with "
+                                 "dim=, memory=, heads=, kv_heads= and features=")
+    if seq == mem:
+        raise ShapeError(f"attention: queries and keys both on {seq!r}; give the keys their own dim "
+                         f"(mt.rename(k, {seq!r}, 'memory_length')) or use mt.ring_attention")
+    if k.shape[feat].size != q.shape[feat].size:
+        raise ShapeError(f"attention: {feat!r} is {q.shape[feat].size} in the queries [{q.shape}] and "
+                         f"{k.shape[feat].size} in the keys [{k.shape}]")
+    others = [d for d in q.names if d not in (seq, hd, feat)]
+    k_others = [d for d in k.names if d not in (mem, kvh, feat)]
+    if sorted(others) != sorted(k_others):
+        raise ShapeError(f"attention: queries [{q.shape}] and keys [{k.shape}] must share their other "
+                         f"dims (queries have {others}, keys {k_others})")
+    n_heads, n_kv = q.shape[hd].size, k.shape[kvh].size
+    if n_heads % n_kv:
+        raise ShapeError(f"attention: {kvh!r} ({n_kv}) must divide {hd!r} ({n_heads})")
+    if bias is not None:
+        bias = as_mesh_tensor(bias)
+        extra = [d for d in bias.names if d not in others + [hd, seq, mem]]
+        if extra:
+            raise ShapeError(f"attention: bias [{bias.shape}] has dims {extra} that are not the "
+                             f"queries' or {mem!r}")
+    scale = q.shape[feat].size ** -0.5 if scale is None else scale
+    grouped = kvh != hd
+    group = n_heads // n_kv
+    q_order = others + [hd, seq, feat]
+    k_order = others + [kvh, mem, feat]
+    q_perm = [q.names.index(d) for d in q_order]
+    k_perm = [k.names.index(d) for d in k_order]
+    back = [q_order.index(d) for d in q.names]
+    target = others + [hd, seq, mem]
+    whole = {mem, feat} | ({kvh} if grouped else set())
+
+    def local_fn(view, ql, kl, vl, bl=None):
+        lead = [view.size(d) for d in others]
+        rows = math.prod(lead)
+        qs = ql.permute(q_perm).reshape(rows, *ql.permute(q_perm).shape[-3:])
+        ks, vs = (t.permute(k_perm).reshape(rows, *t.permute(k_perm).shape[-3:]) for t in (kl, vl))
+        n, keys = qs.shape[-2], ks.shape[-2]
+        mask, is_causal = None, False
+        if causal:
+            first = offset + view.start(seq)
+            # keys after the last local query are never seen: leave them out
+            keys = max(0, min(keys, first + n))
+            ks, vs = ks[..., :keys, :], vs[..., :keys, :]
+            if first == 0:
+                is_causal = True
+            elif not (n == 1 and first >= keys - 1):
+                mask = causal_mask(n, keys, first, ql.device)
+        if bl is not None:
+            b = align(bl, bias.names, target)
+            b = b.expand(*lead, *b.shape[len(lead):]).reshape(rows, *b.shape[len(lead):])[..., :keys]
+            b = b.to(_sdpa_dtype(qs))
+            if is_causal:   # is_causal and attn_mask do not combine: the causal mask joins the bias
+                mask, is_causal = causal_mask(n, keys, 0, ql.device), False
+            mask = b if mask is None else torch.where(mask, b, b + NEG)
+        gqa = False
+        if grouped:
+            start, size = view.slices[hd]
+            if group > 1 and start % group == 0 and size % group == 0 and HAS_ENABLE_GQA:
+                # the kv heads of this processor's query heads, shared by SDPA's GQA kernel
+                mine = slice(start // group, (start + size) // group)
+                ks, vs = ks[:, mine], vs[:, mine]
+                gqa = True
+            else:
+                pick = torch.arange(start, start + size, device=ql.device) // group
+                ks, vs = ks.index_select(1, pick), vs.index_select(1, pick)
+        if qs.numel() == 0 or ks.numel() == 0:
+            # an empty slice (uneven pieces): SDPA's result would hang off none of the inputs, and
+            # every processor needs a gradient (zeros here) for the same tensors
+            zero = sum(t.sum() for t in (qs, ks, vs) + (() if mask is None or mask.dtype == torch.bool
+                                                         else (mask,))) * 0
+            out = zero + qs.new_zeros(*qs.shape[:-1], vs.shape[-1])
+            return out.reshape(*lead, *out.shape[-3:]).permute(back)
+        out = _sdpa(qs, ks, vs, mask, is_causal, scale, gqa)
+        return out.reshape(*lead, *out.shape[-3:]).permute(back)
+
+    inputs = [q, k, v] + ([bias] if bias is not None else [])
+    return lower("attention", inputs, q.shape, local_fn, whole=whole, name=name)
+
+
+def _sdpa(q, k, v, mask, is_causal, scale, gqa) -> torch.Tensor:
+    """``scaled_dot_product_attention``; on ``meta`` tensors (the planner) the fused CPU kernel
+    itself, which SDPA would run on a CPU: SDPA picks its math path for ``meta``, which would count
+    a ``[.., length, memory_length]`` score tensor that no fused kernel ever holds."""
+    fused = _op("_scaled_dot_product_flash_attention_for_cpu") if q.device.type == "meta" else None
+    if fused is not None and (mask is None or not mask.requires_grad):
+        if mask is not None and mask.dtype == torch.bool:   # as SDPA hands it over
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return fused(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+    kw = {"enable_gqa": True} if gqa else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, **kw)
+
+
+def _op(name: str):
+    """The aten op ``name``, or ``None`` where this torch has none (private kernels)."""
+    return getattr(torch.ops.aten, name, None)
+
+
+def _count_cpu_flops() -> None:
+    """Teach ``torch.utils.flop_counter`` the fused CPU kernels SDPA runs on CPUs (it knows the
+    CUDA ones): the same formulas, so a CPU step (and the planner's meta trace, which runs the CPU
+    kernel) counts attention's FLOPs like a GPU step. Grouped-query keys are counted as the
+    query heads they serve (torch's formulas before 2026-03 refuse fewer key heads)."""
+    from torch.utils import flop_counter
+
+    flash = "_scaled_dot_product_flash_attention"
+    for cpu, gpu, query in ((f"{flash}_for_cpu", _op(flash), 0),
+                            (f"{flash}_for_cpu_backward", _op(f"{flash}_backward"), 1)):
+        op = _op(cpu)
+        if op is not None and op not in flop_counter.flop_registry and gpu in flop_counter.flop_registry:
+            formula = flop_counter.flop_registry[gpu]
+            flop_counter.flop_registry[op] = functools.partial(_heads_as_queries, formula, query)
+
+
+def _heads_as_queries(formula, query: int, *args, **kwargs) -> int:
+    args = list(args)
+    heads = args[query].shape[1]
+    for i in (query + 1, query + 2):   # keys and values: broadcast views (only shapes count)
+        t = args[i]
+        if t.dim() == 4 and t.shape[1] != heads:
+            args[i] = t[:, :1].expand(t.shape[0], heads, *t.shape[2:])
+    return formula(*args, **kwargs)
+
+
+_count_cpu_flops()
+
+
+# a large finite negative bias (the models' NEG): exp() underflows to 0, fully masked rows stay finite
+NEG = -1e9
 
 
 def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = False,

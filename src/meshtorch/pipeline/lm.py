@@ -37,7 +37,7 @@ import torch
 from meshtorch.context import current, processor_device
 from meshtorch.errors import PipelineError
 from meshtorch.models import DecoderLM, TransformerConfig
-from meshtorch.models.layers import LENGTH, MEMORY, causal_bias, rotary_tables
+from meshtorch.models.layers import LENGTH, MEMORY, rotary_tables
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.pipeline.pipeline import OptimizerFactory, Pipeline
@@ -113,9 +113,8 @@ class LMStage(torch.nn.Module):
         rotary = None
         if cfg.positions == "rotary":
             rotary = rotary_tables(n, cfg.d_kv, LENGTH) + rotary_tables(n, cfg.d_kv, MEMORY)
-        bias = causal_bias(n, n)
         for block in self.blocks:
-            x, _ = block(x, bias=bias, rotary=rotary)
+            x, _ = block(x, rotary=rotary, causal=True)
         if self.last:
             h = self.ln_f(x)
             x = self.table.attend(h) if cfg.tie_embeddings else self.head(h)

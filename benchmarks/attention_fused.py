@@ -1,0 +1,90 @@
+"""Fused attention vs the einsum path it replaced, on this machine's device (CPU here; CUDA where one is).
+
+One forward and backward of causal self-attention (``[batch, length, heads, d_kv]``) on one processor:
+
+- ``einsum``: ``mt.einsum`` scores + a float32 causal bias + ``mt.softmax`` + ``mt.einsum`` (what
+  ``Attention`` ran before, and still runs for training-time attention dropout);
+- ``fused``: ``mt.attention(..., causal=True)`` (one ``scaled_dot_product_attention``);
+- ``ring/math`` and ``ring/fused``: ``mt.ring_attention`` on ``m:2`` (threads) with its blocks by
+  the math or by the fused kernel that returns the log-sum-exp.
+
+Prints milliseconds per step (median of ``--repeat``) and the ratios. No assertion: speed is
+measured here, never in tests.
+
+    python benchmarks/attention_fused.py [--batch 2 --length 512 --heads 4 --d-kv 32 --repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import meshtorch as mt
+import meshtorch.lowering.ring as ring
+from meshtorch.models.layers import LENGTH, MEMORY, causal_bias
+
+
+def einsum_attention(q, k, v, scale):
+    k, v = mt.rename(k, LENGTH, MEMORY), mt.rename(v, LENGTH, MEMORY)
+    scores = mt.einsum(q * scale, k, output_shape=["batch", "heads", LENGTH, MEMORY])
+    w = mt.softmax(scores + causal_bias(q.shape[LENGTH].size), MEMORY)
+    return mt.einsum(w, v, output_shape=["batch", LENGTH, "heads", "d_kv"])
+
+
+def fused_attention(q, k, v, scale):
+    k, v = mt.rename(k, LENGTH, MEMORY), mt.rename(v, LENGTH, MEMORY)
+    return mt.attention(q, k, v, causal=True, scale=scale)
+
+
+def ring_attention(q, k, v, scale):
+    return mt.ring_attention(q, k, v, causal=True, scale=scale)
+
+
+def step_ms(fn, shape, repeat, device, mesh="", rules=""):
+    def program():
+        q, k, v = (mt.random.normal(shape, seed=s).requires_grad_() for s in range(3))
+        scale = q.shape["d_kv"].size ** -0.5
+        times = []
+        for _ in range(repeat + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            out = fn(q, k, v, scale)
+            mt.reduce_sum(out * out).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[1:])
+
+    return mt.launch(program, mesh=mesh, rules=rules, device=device)[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--d-kv", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = f"batch:{args.batch},length:{args.length},heads:{args.heads},d_kv:{args.d_kv}"
+    einsum = step_ms(einsum_attention, shape, args.repeat, device)
+    fused = step_ms(fused_attention, shape, args.repeat, device)
+    ring_fused = step_ms(ring_attention, shape, args.repeat, device, "m:2", "length:m")
+    kernels = ring.FUSED
+    ring.FUSED = {}
+    try:
+        ring_math = step_ms(ring_attention, shape, args.repeat, device, "m:2", "length:m")
+    finally:
+        ring.FUSED = kernels
+    print(f"{device}, torch {torch.__version__}, [{shape}], forward + backward, median of {args.repeat}")
+    print(f"einsum      {einsum:8.2f} ms")
+    print(f"fused       {fused:8.2f} ms   einsum/fused {einsum / fused:.2f}x")
+    print(f"ring/math   {ring_math:8.2f} ms   (m:2, threads)")
+    print(f"ring/fused  {ring_fused:8.2f} ms   math/fused {ring_math / ring_fused:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
