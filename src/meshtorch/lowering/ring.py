@@ -149,6 +149,7 @@ FUSED = {
             "_scaled_dot_product_flash_attention_for_cpu_backward"),
     "cuda": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"),
 }
+FUSED["meta"] = FUSED["cpu"]  # the planner's trace runs the kernels a CPU step runs (they have meta kernels)
 
 
 def _op(name: str):
