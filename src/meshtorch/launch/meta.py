@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from meshtorch.comm.meta import MetaCommunicator
-from meshtorch.context import ProcessorContext, untraced, use
+from meshtorch.context import ProcessorContext, use
 from meshtorch.launch.failures import processor_error
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
@@ -36,7 +36,6 @@ def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rule
         'meta'
     """
     comm = MetaCommunicator(mesh, rank)
-    comm.unseen = untraced
     ctx = ProcessorContext(comm, rules)
     try:
         with use(ctx), torch.device("meta"):
