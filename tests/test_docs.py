@@ -1,5 +1,6 @@
-"""The documentation matches the tree: every relative link in README.md and docs/*.md resolves
-(the file exists, and a ``#anchor`` is one of its headings), and the source tree drawn in
+"""The documentation matches the tree: every relative link in README.md, docs/*.md and
+benchmarks/results/*.md resolves (the file exists, and a ``#anchor`` is one of its headings), and
+the source tree drawn in
 docs/design.md names real modules (and, for a package whose modules it lists, all of them)."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+         *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
 SRC = ROOT / "src" / "meshtorch"
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
