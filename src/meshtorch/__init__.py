@@ -33,7 +33,14 @@ def _load() -> dict:
     """
     from meshtorch import amp, data, errors, models, nn, optim, pipeline, plan, random
     from meshtorch.amp import autocast
-    from meshtorch.checkpoint import export_hf, import_hf, load, save
+    from meshtorch.checkpoint import (
+        export_consolidated,
+        export_hf,
+        import_consolidated,
+        import_hf,
+        load,
+        save,
+    )
     from meshtorch.comm import CommStats, Communicator
     from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
     from meshtorch.dtensor import from_dtensor, to_dtensor
