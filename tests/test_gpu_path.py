@@ -194,8 +194,8 @@ def test_replicator_on_cuda_equals_the_cpu():
         opt.step()
         return model.weight.detach().cpu(), model.weight.device.type
 
-    (w_cpu, d_cpu), = mt.replicator.launch(step, "cpu", num_replicas=1)
-    (w_gpu, d_gpu), = mt.replicator.launch(step, "cuda", num_replicas=1)
+    (w_cpu, d_cpu), = mt.replicator.launch_replicas(step, "cpu", num_replicas=1)
+    (w_gpu, d_gpu), = mt.replicator.launch_replicas(step, "cuda", num_replicas=1)
     assert (d_cpu, d_gpu) == ("cpu", "cuda")
     torch.testing.assert_close(w_gpu, w_cpu, rtol=1e-5, atol=1e-6)
 
