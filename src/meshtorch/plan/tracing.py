@@ -57,8 +57,8 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
-from meshtorch.plan.meta_memo import run as run_op
-from meshtorch.plan.meta_memo import tensors_in
+from meshtorch.plan.shape_memo import run as run_op
+from meshtorch.plan.shape_memo import tensors_in
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
