@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "meshtorch"
 # modules that talk to a terminal; everything else returns values or raises meshtorch errors
 FRONT_ENDS = ("cli", "__main__")
-FRONT_END_PACKAGES = ("meshtorch.recipes", "meshtorch.launch")
+FRONT_END_PACKAGES = ("meshtorch.recipes", "meshtorch.launcher")
 BACKENDS = ("meshtorch.comm.threads", "meshtorch.comm.torch", "meshtorch.comm.meta")
 
 

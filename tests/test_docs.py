@@ -123,4 +123,4 @@ def test_the_source_tree_in_design_md_names_real_modules():
                 for p in sorted((SRC / pkg).glob("*.py")) if p.name != "__init__.py" and p.name not in files]
     assert not unlisted, "docs/design.md's source tree leaves out modules of a package it lists:\n" + \
         "\n".join(unlisted)
-    assert {"lowering", "comm", "ops", "launch"} <= set(named)
+    assert {"lowering", "comm", "ops", "launcher"} <= set(named)

@@ -18,8 +18,8 @@ from meshtorch.comm import device as comm_device
 from meshtorch.comm.base import LocalCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import MeshError
-from meshtorch.launch import threads as launch_threads
-from meshtorch.launch.world import init_distributed
+from meshtorch.launcher import threads as launch_threads
+from meshtorch.launcher.world import init_distributed
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

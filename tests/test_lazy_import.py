@@ -45,10 +45,10 @@ def test_import_meshtorch_is_cheap_and_the_api_appears_on_first_use():
     assert out.splitlines() == ["False", "4 True"]
 
 
-def test_launch_is_the_function_even_after_its_package_is_imported_first():
-    # `meshtorch.launch` is a sub-package and the public function; importing the package
-    # must not leave `mt.launch` pointing at a module
-    code = ("import meshtorch.launch.cli, meshtorch as mt, torch\n"
+def test_launch_is_the_function_even_after_the_launcher_is_imported_first():
+    # `mt.launch` is the function; its package is `meshtorch.launcher`, so importing that first
+    # leaves `mt.launch` alone
+    code = ("import meshtorch.launcher.cli, meshtorch as mt, torch\n"
             "def step():\n"
             "    x = mt.from_global(torch.ones(4), [mt.Dim('batch', 4)])\n"
             "    return mt.reduce_sum(x * 3).item()\n"

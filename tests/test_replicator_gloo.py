@@ -11,7 +11,7 @@ from meshtorch.errors import ProcessorError
 pytestmark = pytest.mark.timeout(240)
 
 try:
-    from meshtorch.launch import BACKENDS
+    from meshtorch.launcher import BACKENDS
 except ImportError:  # pragma: no cover
     BACKENDS = ()
 if "torch" not in BACKENDS or not torch.distributed.is_available():

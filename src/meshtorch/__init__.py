@@ -45,7 +45,7 @@ def _load() -> dict:
     from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
     from meshtorch.dtensor import from_dtensor, to_dtensor
     from meshtorch.errors import MeshTorchError
-    from meshtorch.launch import init_distributed, launch
+    from meshtorch.launcher import init_distributed, launch
     from meshtorch.layout import Layout, LayoutRules
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice

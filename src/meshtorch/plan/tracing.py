@@ -504,8 +504,8 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     backend on CPUs). ``fn`` must build everything it uses (model, optimizer,
     data) so that their memory is seen.
     """
-    from meshtorch.launch import launch
-    from meshtorch.launch.meta import run_meta
+    from meshtorch.launcher import launch
+    from meshtorch.launcher.meta import run_meta
 
     if staging not in STAGING:
         raise PlanError(f"staging {staging!r} is not one of {STAGING}; staging_for(backend, device) "

@@ -17,9 +17,9 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.errors import MeshError
-from meshtorch.launch import gather_results
-from meshtorch.launch import launch as mesh_launch
-from meshtorch.launch.world import in_torchrun
+from meshtorch.launcher import gather_results
+from meshtorch.launcher import launch as mesh_launch
+from meshtorch.launcher.world import in_torchrun
 
 
 def default_num_replicas() -> int:
