@@ -77,3 +77,14 @@ def test_a_graph_file_missing_a_field_names_it(tmp_path):
     path.write_text(json.dumps({"nodes": [{"id": 0, "cpuLatency": 1.0}], "edges": []}))
     with pytest.raises(PlacementError, match=r"paper.json: .*'fpgaLatency'.*expected the paper's format"):
         OpGraph.from_json(path)
+
+
+def test_the_package_is_a_plain_module():
+    # no module-class trick: the lazy API is PEP 562's module __getattr__, and no name is both a
+    # sub-package and a public function (the launchers live in meshtorch.launcher)
+    import types
+
+    import meshtorch as mt
+
+    assert type(mt) is types.ModuleType
+    assert not hasattr(types.ModuleType, "launch") and callable(mt.launch)

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 
 __version__ = "0.1.0"
 
@@ -127,42 +125,29 @@ def _load() -> dict:
     return {k: v for k, v in locals().items() if not k.startswith("_")}
 
 
-class _Package(types.ModuleType):
-    """The package's module type: binds the whole public API on first use.
-
-    ``meshtorch.launch`` is both a sub-package and the function users call
-    (``mt.launch(step, mesh=...)``). Importing the sub-package makes Python set
-    the package attribute to the module; the public function must win, as it did
-    when the package imported eagerly, so that assignment is not kept.
-    """
-
-    def __getattr__(self, name: str):
-        state = self.__dict__["_state"]
-        loaded = "__all__" in self.__dict__
-        if name.startswith("__") and name != "__all__" or state["loading"] or loaded:
-            raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
-        if name != "launch" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            # a sub-module (`from meshtorch import random` inside the package): import
-            # only it, so that internal imports never pull in the whole API
-            return importlib.import_module(f"{__name__}.{name}")
-        state["loading"] = True
-        try:
-            api = _load()
-        finally:
-            state["loading"] = False
-        for key, value in api.items():
-            types.ModuleType.__setattr__(self, key, value)
-        types.ModuleType.__setattr__(self, "__all__", sorted(api))
-        return getattr(self, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "launch" and isinstance(value, types.ModuleType):
-            return
-        types.ModuleType.__setattr__(self, name, value)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(self.__all__))
+_loading = False
 
 
-_state = {"loading": False}
-sys.modules[__name__].__class__ = _Package
+def __getattr__(name: str):
+    """The public API, bound on the first use of any of its names (PEP 562)."""
+    global _loading
+    if name.startswith("__") and name != "__all__" or _loading or "__all__" in globals():
+        raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a sub-module (`from meshtorch import random` inside the package): import only it, so
+        # that internal imports never pull in the whole API
+        return importlib.import_module(f"{__name__}.{name}")
+    _loading = True
+    try:
+        api = _load()
+    finally:
+        _loading = False
+    globals().update(api)
+    globals()["__all__"] = sorted(api)
+    if name not in globals():
+        raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(globals().get("__all__") or __getattr__("__all__")))
