@@ -82,9 +82,13 @@ def test_a_graph_file_missing_a_field_names_it(tmp_path):
 def test_the_package_is_a_plain_module():
     # no module-class trick: the lazy API is PEP 562's module __getattr__, and no name is both a
     # sub-package and a public function (the launchers live in meshtorch.launcher)
+    import pkgutil
     import types
 
     import meshtorch as mt
 
     assert type(mt) is types.ModuleType
-    assert not hasattr(types.ModuleType, "launch") and callable(mt.launch)
+    submodules = {m.name for m in pkgutil.iter_modules(mt.__path__)}
+    shadowed = {n for n in submodules if callable(getattr(mt, n, None))}
+    assert not shadowed, f"sub-modules whose name is also a public function: {shadowed}"
+    assert "launcher" in submodules and callable(mt.launch)
