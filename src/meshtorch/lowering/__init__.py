@@ -2,7 +2,7 @@
 
 - :mod:`meshtorch.lowering.adapters`: the differentiable collectives (``torch.autograd.Function``\\ s).
 - :mod:`meshtorch.lowering.redistribute`: moves a local slice from one layout to another.
-- :mod:`meshtorch.lowering.plan`: turns one op on MeshTensors into adapters and a local torch op,
+- :mod:`meshtorch.lowering.lower`: turns one op on MeshTensors into adapters and a local torch op,
   through a cached plan.
 - :mod:`meshtorch.lowering.fused`: lowers several small reductions with one all_reduce per mesh axis.
 - :mod:`meshtorch.lowering.shift`: shifts a slice along a dim, receiving the halo from neighbours.

@@ -25,8 +25,8 @@ from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
+from meshtorch.lowering.lower import align, lower
 from meshtorch.lowering.output import tensor_type
-from meshtorch.lowering.plan import align, lower
 from meshtorch.shape import Shape
 
 if TYPE_CHECKING:

@@ -41,8 +41,8 @@ from meshtorch.comm.base import as_axes
 from meshtorch.context import current
 from meshtorch.errors import CommError
 from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.lower import local_result
 from meshtorch.lowering.output import tensor_type
-from meshtorch.lowering.plan import local_result
 from meshtorch.lowering.redistribute import Step
 from meshtorch.shape import Shape
 
@@ -56,7 +56,7 @@ _FUSABLE = (ca.all_reduce_sum, ca.all_reduce_extreme)
 class Fused:
     """Ops whose output all_reduces run together, at :meth:`run`.
 
-    Add ops with :meth:`lower` (as :func:`meshtorch.lowering.plan.lower`) or raw partial
+    Add ops with :meth:`lower` (as :func:`meshtorch.lowering.lower.lower`) or raw partial
     results with :meth:`partial`; :meth:`run` returns the results in the order added. Every
     processor must add the same ops in the same order (SPMD).
     """

@@ -22,7 +22,7 @@ call collectives themselves.
 
 Example:
     >>> import torch, meshtorch as mt
-    >>> from meshtorch.lowering.plan import lower
+    >>> from meshtorch.lowering.lower import lower
     >>> def f():
     ...     x = mt.from_global(torch.arange(4.0), "batch:4")
     ...     out = mt.Shape("")
@@ -322,7 +322,7 @@ def plan_of(
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.lowering.plan import plan_of
+        >>> from meshtorch.lowering.lower import plan_of
         >>> x = mt.ones("batch:4")
         >>> p = plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"})
         >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
