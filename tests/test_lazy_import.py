@@ -92,3 +92,23 @@ def test_the_package_is_a_plain_module():
     shadowed = {n for n in submodules if callable(getattr(mt, n, None))}
     assert not shadowed, f"sub-modules whose name is also a public function: {shadowed}"
     assert "launcher" in submodules and callable(mt.launch)
+
+
+def test_threads_touching_the_api_while_it_is_bound_all_get_it():
+    # thread-processors starting a script (`meshtorch launch --backend threads`) reach the lazy
+    # API together: one that comes while another binds it waits for it. An import hook holds the
+    # first thread inside the binding while the others ask.
+    code = ("import sys, threading, time, meshtorch as mt\n"
+            "binding = threading.Event()\n"
+            "class Hold:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'meshtorch.ops.einsum' and not binding.is_set():\n"
+            "            binding.set(); time.sleep(0.5)\n"
+            "sys.meta_path.insert(0, Hold())\n"
+            "got = []\n"
+            "def first(): got.append(mt.current().mesh.size)\n"
+            "def later(): binding.wait(); got.append(mt.current().mesh.size)\n"
+            "ts = [threading.Thread(target=f) for f in (first, later, later, later)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(got)")
+    assert _python(code) == "[1, 1, 1, 1]"

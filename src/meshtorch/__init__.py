@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import threading
 
 __version__ = "0.1.0"
 
@@ -125,29 +126,33 @@ def _load() -> dict:
     return {k: v for k, v in locals().items() if not k.startswith("_")}
 
 
-_loading = False
+_lock = threading.Lock()
+_loader: list[int] = []  # the thread binding the API now, if any
 
 
 def __getattr__(name: str):
-    """The public API, bound on the first use of any of its names (PEP 562)."""
-    global _loading
-    if name.startswith("__") and name != "__all__" or _loading or "__all__" in globals():
+    """The public API, bound on the first use of any of its names (PEP 562). Threads that touch
+    it at once (thread-processors starting a script) wait for the one that binds it."""
+    if name.startswith("__") and name != "__all__" or threading.get_ident() in _loader:
+        # the binding thread's own imports (`from meshtorch import random`) fall back to the sub-module
         raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    if "__all__" not in globals() and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         # a sub-module (`from meshtorch import random` inside the package): import only it, so
         # that internal imports never pull in the whole API
         return importlib.import_module(f"{__name__}.{name}")
-    _loading = True
-    try:
-        api = _load()
-    finally:
-        _loading = False
-    globals().update(api)
-    globals()["__all__"] = sorted(api)
+    with _lock:
+        if "__all__" not in globals():
+            _loader.append(threading.get_ident())
+            try:
+                api = _load()
+            finally:
+                _loader.clear()
+            globals().update(api)
+            globals()["__all__"] = sorted(api)
     if name not in globals():
         raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
     return globals()[name]
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(globals().get("__all__") or __getattr__("__all__")))
+    return sorted(set(globals()) | set(__getattr__("__all__")))

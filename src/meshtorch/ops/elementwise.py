@@ -2,7 +2,10 @@
 
 Binary ops broadcast by *name*: the output has the first operand's dims, then
 the second's dims that the first lacks. Python numbers and 0-d torch tensors
-act as scalars.
+act as scalars. The ops that are ``MeshTensor``'s Python operators (``add``,
+``multiply``, ``less``, ...) and the machinery (:func:`unary`, :func:`nary`)
+live in :mod:`meshtorch.lowering.elementwise`, below the tensor type, and are
+public here too.
 
 Example:
     >>> import torch, meshtorch as mt
