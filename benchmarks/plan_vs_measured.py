@@ -20,7 +20,7 @@ micro-batches), one row per stage: the plan traces each stage's processor alone
 (``meshtorch.plan.pipeline``), the measured side is that processor of a real run. The
 runtime pipelines only the LM, so seq2seq and MoE pipeline cells are "n/a".
 
-Writes benchmarks/results/plan_vs_measured.{json,md} and the table of docs/planner.md
+Writes benchmarks/results/plan_vs_measured.{json,md} and the table of benchmarks/results/planner-history.md
 ("Planned vs measured"); exits non-zero if a cell is out of tolerance.
 
     python benchmarks/plan_vs_measured.py [--calibrate] [--only lm:data:fp32 ...]
@@ -67,7 +67,7 @@ NOT_PIPELINED = "n/a: only the LM is pipelined (meshtorch train --pipeline-stage
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 DEVICE_FILE = os.path.join(RESULTS, "cpu_device.json")
-DOC = os.path.join(HERE, "..", "docs", "planner.md")
+DOC = os.path.join(HERE, "results", "planner-history.md")
 BEGIN, END = "<!-- plan_vs_measured table: begin -->", "<!-- plan_vs_measured table: end -->"
 NOTE = ("Measured steps: processor 0's median step, the work of both processes' steps added up, "
         "on the machine's cores; bf16 matmuls run without bf16 units on this CPU.")
@@ -197,7 +197,7 @@ def table(rows: list[dict]) -> str:
 
 
 def write_doc(text: str) -> None:
-    """Put ``text`` between the markers of docs/planner.md's "Planned vs measured"."""
+    """Put ``text`` between the markers of benchmarks/results/planner-history.md's "Planned vs measured"."""
     with open(DOC) as f:
         doc = f.read()
     head, _, rest = doc.partition(BEGIN)

@@ -105,4 +105,4 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args()
     n = args.replicas or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    mt.replicator.launch(main, args.epochs, num_replicas=n)
+    mt.replicator.launch_replicas(main, args.epochs, num_replicas=n)

@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "meshtorch"
 # modules that talk to a terminal; everything else returns values or raises meshtorch errors
 FRONT_ENDS = ("cli", "__main__")
-FRONT_END_PACKAGES = ("meshtorch.recipes", "meshtorch.launch")
+FRONT_END_PACKAGES = ("meshtorch.recipes", "meshtorch.launcher")
 BACKENDS = ("meshtorch.comm.threads", "meshtorch.comm.torch", "meshtorch.comm.meta")
 
 
@@ -174,3 +174,64 @@ def test_only_front_ends_print():
                  and node.func.id == "print"]
     assert not offenders, "print( in a library module (return the text, or print it from a CLI module):\n" + \
         "\n".join(offenders)
+
+
+# The core's levels, lowest first: a module may import its own level and the ones below, never
+# one above. The communicators sit below the processor context (which holds one), and the
+# lowering's engine below MeshTensor (whose operators lower through it; the lowering builds its
+# results through the class the tensor module registers, meshtorch.lowering.output).
+LEVELS = [
+    ("meshtorch.errors", "meshtorch.shape", "meshtorch.mesh", "meshtorch.caching"),
+    ("meshtorch.layout",),
+    ("meshtorch.comm",),
+    ("meshtorch.context",),
+    ("meshtorch.lowering",),
+    ("meshtorch.tensor",),
+]
+
+
+def _level(name: str) -> int | None:
+    for i, packages in enumerate(LEVELS):
+        if any(_in(name, p) for p in packages):
+            return i
+    return None
+
+
+def test_the_core_depends_only_downward():
+    offenders = [f"{name} (level {_level(name)}) imports {target} (level {_level(target)}, line {line})"
+                 for name in MODULES if _level(name) is not None
+                 for target, line in imports_of(name)
+                 if target != PACKAGE and (_level(target) is None or _level(target) > _level(name))]
+    assert not offenders, "an arrow pointing up in the core (move the code down, or have the " \
+        "lower level be handed what it needs):\n" + "\n".join(offenders)
+
+
+def test_the_level_check_sees_an_upward_import():
+    # the check itself: these would be arrows up
+    assert _level("meshtorch.comm.threads") < _level("meshtorch.context")
+    assert _level("meshtorch.lowering.redistribute") < _level("meshtorch.tensor")
+    assert _level("meshtorch.ops.elementwise") is None  # not core: may import every level
+
+
+def test_a_mesh_tensor_has_its_operators_whatever_was_imported_first():
+    # a fresh interpreter: nothing but the tensor module imported, no meshtorch.ops
+    import os
+    import subprocess
+    import sys
+
+    program = (
+        "import sys, torch\n"
+        "from meshtorch.tensor import from_global\n"
+        "x = from_global(torch.tensor([1.0, -2.0, 3.0]), 'a:3')\n"
+        "y = (x * x + 1 - x / 2) ** 2 // 1 % 7\n"
+        "print((y.local.tolist(), (-x).local.tolist(), abs(x).local.tolist(), (x < 0).local.tolist(),"
+        " (2 - x).local.tolist(), 'meshtorch.ops' in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    t = [1.0, -2.0, 3.0]
+    y = [((v * v + 1 - v / 2) ** 2 // 1) % 7 for v in t]
+    assert out.stdout.strip() == str((y, [-v for v in t], [abs(v) for v in t], [v < 0 for v in t],
+                                      [2 - v for v in t], False))

@@ -252,10 +252,10 @@ def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
     assert len(set(want)) > 15  # the losses move; dropout masks differ per step
 
 
-def test_export_hf_import_on_other_mesh_and_sharded(tmp_path):
+def test_export_consolidated_import_on_other_mesh_and_sharded(tmp_path):
     def export(sub, shard):
         model = make_model().reset_parameters(seed=3)
-        mt.export_hf(str(tmp_path / sub), model, max_shard_bytes=shard)
+        mt.export_consolidated(str(tmp_path / sub), model, max_shard_bytes=shard)
         return {n: v.to_global() for n, v in model.named_mesh_parameters()}
 
     want = mt.launch(export, "one", 1 << 30, mesh="b:2,m:2", rules=RULES_A)[0]
@@ -269,14 +269,25 @@ def test_export_hf_import_on_other_mesh_and_sharded(tmp_path):
 
     def load(sub):
         model = make_model()
-        mt.import_hf(str(tmp_path / sub), model)
+        mt.import_consolidated(str(tmp_path / sub), model)
         return {n: v.to_global() for n, v in model.named_mesh_parameters()}
 
     for sub in ("one", "many"):
         for got in mt.launch(load, sub, mesh="m:4", rules=RULES_B):
             assert_bitwise(got, want)
     with pytest.raises(CheckpointError, match="'2.kernel' has shape"):
-        mt.import_hf(str(tmp_path / "one"), make_model(d_ff=16))
+        mt.import_consolidated(str(tmp_path / "one"), make_model(d_ff=16))
+
+
+def test_the_old_consolidated_names_warn_and_do_the_same(tmp_path):
+    # mt.export_hf / mt.import_hf were meshtorch's names, not Hugging Face's: deprecated for a release
+    model = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3)).reset_parameters(seed=1)
+    with pytest.warns(DeprecationWarning, match="export_consolidated"):
+        assert mt.export_hf(str(tmp_path), model) == ["model.safetensors"]
+    fresh = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3)).reset_parameters(seed=2)
+    with pytest.warns(DeprecationWarning, match="import_consolidated"):
+        assert sorted(mt.import_hf(str(tmp_path), fresh)) == ["bias", "kernel"]
+    assert torch.equal(fresh.kernel, model.kernel) and torch.equal(fresh.bias, model.bias)
 
 
 LAYOUTS = [("", ""), ("m:4", RULES_B), ("b:2,m:2", RULES_A), ("x:2,y:2", "vocab:x; d_in:y; cls:x"),

@@ -178,4 +178,4 @@ def test_communicators_reject_timeouts_that_are_not_positive(timeout):
     with pytest.raises(ArgumentError, match="timeout="):  # before it looks for a process group
         TorchCommunicator("b:2", timeout=timeout)
     with pytest.raises(ArgumentError, match="timeout="):
-        mt.replicator.launch(lambda: None, num_replicas=2, timeout=timeout)
+        mt.replicator.launch_replicas(lambda: None, num_replicas=2, timeout=timeout)

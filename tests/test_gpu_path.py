@@ -21,8 +21,8 @@ from meshtorch.comm import device as comm_device
 from meshtorch.comm.base import LocalCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import MeshError
-from meshtorch.launch import threads as launch_threads
-from meshtorch.launch.world import init_distributed
+from meshtorch.launcher import threads as launch_threads
+from meshtorch.launcher.world import init_distributed
 
 CUDA = torch.cuda.is_available()
 cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -332,7 +332,7 @@ def test_replicator_on_the_device_equals_the_cpu(device):
     x = torch.arange(8.0).reshape(2, 4) / 8
     plain(x).pow(2).sum().backward()
     torch.optim.SGD(plain.parameters(), lr=0.1).step()
-    (w, dev), = mt.replicator.launch(_replicated_linear, device, num_replicas=1)
+    (w, dev), = mt.replicator.launch_replicas(_replicated_linear, device, num_replicas=1)
     assert dev == device
     torch.testing.assert_close(w, plain.weight.detach(), rtol=1e-5, atol=1e-6)
 

@@ -1,5 +1,5 @@
 """A processor's exception reaches the launching caller as its own class *and* a ProcessorError,
-on every backend; mt.replicator.launch inside a running program; the `meshtorch launch` defaults.
+on every backend; mt.replicator.launch_replicas inside a running program; the `meshtorch launch` defaults.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def key_error_on_one() -> int:
 
 
 def replica_ids() -> list[int]:
-    return mt.replicator.launch(lambda: mt.Replicator(device="cpu").replica_id)
+    return mt.replicator.launch_replicas(lambda: mt.Replicator(device="cpu").replica_id)
 
 
 def _raiser(exc: BaseException, rank: int = 1):
@@ -156,7 +156,7 @@ def test_replicator_launch_inside_running_mesh_runs_each_processor_as_a_replica(
     assert mt.launch(replica_ids, mesh="b:2,m:2") == [[0, 1, 2, 3]] * 4
 
     def twice():  # back-to-back gathers do not mix
-        return [mt.replicator.launch(lambda k=k: (k, mt.current().rank)) for k in range(3)]
+        return [mt.replicator.launch_replicas(lambda k=k: (k, mt.current().rank)) for k in range(3)]
 
     assert mt.launch(twice, mesh="replica:3") == [[[(k, r) for r in range(3)] for k in range(3)]] * 3
     assert mt.launch(replica_ids, mesh="replica:2", backend="meta") == [[0]]
@@ -164,14 +164,14 @@ def test_replicator_launch_inside_running_mesh_runs_each_processor_as_a_replica(
 
 def test_replicator_launch_inside_running_mesh_rejects_another_replica_count():
     def prog():
-        return mt.replicator.launch(lambda: 0, num_replicas=3)
+        return mt.replicator.launch_replicas(lambda: 0, num_replicas=3)
 
     with pytest.raises(MeshError, match=r"num_replicas=3\) was called where 2 processors \(mesh "
                        r"'replica:2'\) already run the program, each as one replica; leave num_replicas out"
                        ) as info:
         mt.launch(prog, mesh="replica:2")
     assert isinstance(info.value, ProcessorError)
-    same = mt.launch(lambda: mt.replicator.launch(lambda: 5, num_replicas=2), mesh="replica:2")
+    same = mt.launch(lambda: mt.replicator.launch_replicas(lambda: 5, num_replicas=2), mesh="replica:2")
     assert same == [[5, 5]] * 2
 
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from meshtorch.launch.lifeline import EXIT_PARENT_DIED
+from meshtorch.launcher.lifeline import EXIT_PARENT_DIED
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -178,7 +178,7 @@ PARENT = textwrap.dedent("""
     import os, subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", '''
     import os, sys, time
-    from meshtorch.launch.lifeline import die_with_parent
+    from meshtorch.launcher.lifeline import die_with_parent
     die_with_parent(int(sys.argv[1]), use_prctl=sys.argv[2] == "1", poll_s=float(sys.argv[3]))
     open(sys.argv[4], "w").write(str(os.getpid()))
     time.sleep(600)
@@ -197,7 +197,7 @@ def test_die_with_parent_ends_the_worker_when_its_parent_is_killed(tmp_path, use
 
 def test_die_with_parent_ends_a_worker_whose_parent_died_before_it_started():
     # the launcher's pid as the launcher saw it is no longer this process's parent
-    code = subprocess.run([sys.executable, "-c", "from meshtorch.launch.lifeline import die_with_parent; "
+    code = subprocess.run([sys.executable, "-c", "from meshtorch.launcher.lifeline import die_with_parent; "
                            "die_with_parent(1 if __import__('os').getppid() != 1 else 2); print('ran on')"],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": SRC}).returncode

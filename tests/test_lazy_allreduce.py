@@ -186,14 +186,15 @@ def test_shared_adapters_follow_the_slice_and_the_processor():
         comm = mt.current().comm
         x = mt.from_global(torch.arange(4.0).reshape(2, 2), "batch:2,d:2", requires_grad=True)
         steps = ((ca.all_gather, "m", (0,)),)   # whole along m, the gradient reduce_scattered
-        a = run_shared(x, steps)
+        a = run_shared(x.local, x.adapter_memo(), steps)
         calls = comm.stats.calls("m", "all_gather")
-        same = run_shared(x, steps) is a and comm.stats.calls("m", "all_gather") == calls
+        same = (run_shared(x.local, x.adapter_memo(), steps) is a
+                and comm.stats.calls("m", "all_gather") == calls)
         (a * 2).sum().backward()
-        again = run_shared(x, steps) is a
+        again = run_shared(x.local, x.adapter_memo(), steps) is a
         with torch.no_grad():
             x.local.add_(10.0)
-        fresh = run_shared(x, steps)
+        fresh = run_shared(x.local, x.adapter_memo(), steps)
         (fresh * 3).sum().backward()
         return same, again, fresh is not a, fresh.tolist(), x.grad.local.tolist(), id(a)
 

@@ -45,10 +45,10 @@ def test_import_meshtorch_is_cheap_and_the_api_appears_on_first_use():
     assert out.splitlines() == ["False", "4 True"]
 
 
-def test_launch_is_the_function_even_after_its_package_is_imported_first():
-    # `meshtorch.launch` is a sub-package and the public function; importing the package
-    # must not leave `mt.launch` pointing at a module
-    code = ("import meshtorch.launch.cli, meshtorch as mt, torch\n"
+def test_launch_is_the_function_even_after_the_launcher_is_imported_first():
+    # `mt.launch` is the function; its package is `meshtorch.launcher`, so importing that first
+    # leaves `mt.launch` alone
+    code = ("import meshtorch.launcher.cli, meshtorch as mt, torch\n"
             "def step():\n"
             "    x = mt.from_global(torch.ones(4), [mt.Dim('batch', 4)])\n"
             "    return mt.reduce_sum(x * 3).item()\n"
@@ -77,3 +77,38 @@ def test_a_graph_file_missing_a_field_names_it(tmp_path):
     path.write_text(json.dumps({"nodes": [{"id": 0, "cpuLatency": 1.0}], "edges": []}))
     with pytest.raises(PlacementError, match=r"paper.json: .*'fpgaLatency'.*expected the paper's format"):
         OpGraph.from_json(path)
+
+
+def test_the_package_is_a_plain_module():
+    # no module-class trick: the lazy API is PEP 562's module __getattr__, and no name is both a
+    # sub-package and a public function (the launchers live in meshtorch.launcher)
+    import pkgutil
+    import types
+
+    import meshtorch as mt
+
+    assert type(mt) is types.ModuleType
+    submodules = {m.name for m in pkgutil.iter_modules(mt.__path__)}
+    shadowed = {n for n in submodules if callable(getattr(mt, n, None))}
+    assert not shadowed, f"sub-modules whose name is also a public function: {shadowed}"
+    assert "launcher" in submodules and callable(mt.launch)
+
+
+def test_threads_touching_the_api_while_it_is_bound_all_get_it():
+    # thread-processors starting a script (`meshtorch launch --backend threads`) reach the lazy
+    # API together: one that comes while another binds it waits for it. An import hook holds the
+    # first thread inside the binding while the others ask.
+    code = ("import sys, threading, time, meshtorch as mt\n"
+            "binding = threading.Event()\n"
+            "class Hold:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'meshtorch.ops.einsum' and not binding.is_set():\n"
+            "            binding.set(); time.sleep(0.5)\n"
+            "sys.meta_path.insert(0, Hold())\n"
+            "got = []\n"
+            "def first(): got.append(mt.current().mesh.size)\n"
+            "def later(): binding.wait(); got.append(mt.current().mesh.size)\n"
+            "ts = [threading.Thread(target=f) for f in (first, later, later, later)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(got)")
+    assert _python(code) == "[1, 1, 1, 1]"

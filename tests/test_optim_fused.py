@@ -164,7 +164,7 @@ def test_adafactor_calls_do_not_grow_with_the_number_of_parameters():
 def _torch_backend_available() -> bool:
     import importlib
 
-    return "torch" in getattr(importlib.import_module("meshtorch.launch"), "BACKENDS", ())
+    return "torch" in getattr(importlib.import_module("meshtorch.launcher"), "BACKENDS", ())
 
 
 def test_adafactor_fused_on_two_gloo_processes():

@@ -17,7 +17,7 @@ import torch
 import meshtorch as mt
 from meshtorch.errors import ShapeError
 from meshtorch.layout import LayoutRules
-from meshtorch.lowering.plan import align
+from meshtorch.lowering.lower import align
 from meshtorch.mesh import Mesh
 
 
@@ -130,7 +130,7 @@ def test_cached_plans_still_check_every_call():
 
 
 def test_a_plan_is_reused_and_a_changed_key_gets_another():
-    from meshtorch.lowering.plan import plan_of
+    from meshtorch.lowering.lower import plan_of
 
     def prog():
         x = mt.from_global(torch.arange(24.0).reshape(4, 6), "a:4,c:6")

@@ -41,7 +41,7 @@ def test_forward_backward_and_running_stats_match_global_batchnorm(n, spatial, s
         bn.eval()
         return xl.grad, bn.weight.grad, bn.bias.grad, bn.state_dict(), bn(xl.detach())
 
-    out = mt.replicator.launch(prog, num_replicas=n)
+    out = mt.replicator.launch_replicas(prog, num_replicas=n)
     torch.testing.assert_close(torch.cat([o[0] for o in out]), xr.grad, rtol=1e-8, atol=1e-8)
     # each replica holds the gradient of its own share; averaging them x n gives the global one
     torch.testing.assert_close(sum(o[1] for o in out), ref.weight.grad, rtol=1e-8, atol=1e-8)

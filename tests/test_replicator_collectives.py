@@ -21,7 +21,7 @@ def test_all_reduce_broadcast_all_gather_values():
                 repl.broadcast(x, src=2).tolist(), repl.all_gather(x).tolist(),
                 repl.all_gather(x.reshape(2, 1), dim=1).tolist(), repl.reduce("sum", {"a": r, "b": [x]}))
 
-    out = mt.replicator.launch(prog, num_replicas=3)
+    out = mt.replicator.launch_replicas(prog, num_replicas=3)
     for s, mean, mx, mn, bc, ag, ag1, red in out:
         assert s == [6.0, -3.0]
         assert mean == pytest.approx([2.0, -1.0])
@@ -56,7 +56,7 @@ def test_gradients_are_those_of_the_summed_replica_losses(n, seed):
             out[name] = x.grad
         return out
 
-    res = mt.replicator.launch(prog, num_replicas=n)
+    res = mt.replicator.launch_replicas(prog, num_replicas=n)
     csum = cs.sum(0)
     arg = xs.argmax(0)
     for r in range(n):
@@ -77,7 +77,7 @@ def test_replica_skipping_a_collective_raises_not_hangs():
         return True
 
     with pytest.raises(ProcessorError) as info:
-        mt.replicator.launch(prog, num_replicas=2, timeout=3, check=True)
+        mt.replicator.launch_replicas(prog, num_replicas=2, timeout=3, check=True)
     assert isinstance(info.value.__cause__, CommError)
     assert "never joined" in str(info.value) and "test_replicator_collectives.py" in str(info.value)
 
@@ -92,7 +92,7 @@ def test_replicas_calling_different_collectives_name_both_sites():
         return True
 
     with pytest.raises(ProcessorError, match="collective mismatch") as info:
-        mt.replicator.launch(prog, num_replicas=2, timeout=20, check=True)
+        mt.replicator.launch_replicas(prog, num_replicas=2, timeout=20, check=True)
     assert str(info.value).count("test_replicator_collectives.py") >= 2
 
 
@@ -109,7 +109,7 @@ def test_gradient_sync_skipped_by_one_replica_raises():
         return "stepped"
 
     with pytest.raises(ProcessorError, match="all_reduce"):
-        mt.replicator.launch(prog, num_replicas=2, timeout=3, check=True)
+        mt.replicator.launch_replicas(prog, num_replicas=2, timeout=3, check=True)
 
 
 def test_collective_inside_context_raises():
@@ -119,7 +119,7 @@ def test_collective_inside_context_raises():
             repl.all_reduce(torch.ones(1))
 
     with pytest.raises(ProcessorError, match="inside repl.context"):
-        mt.replicator.launch(prog, num_replicas=2, timeout=10)
+        mt.replicator.launch_replicas(prog, num_replicas=2, timeout=10)
 
 
 def test_bad_arguments_name_the_fix():

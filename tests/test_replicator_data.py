@@ -95,7 +95,7 @@ def test_epoch_accuracy_over_replicas_counts_every_example_once():
             correct, loss, count = correct + c.item(), loss + l.item(), count + m.item()
         return correct / count, loss / count, count
 
-    for acc, loss, count in mt.replicator.launch(prog, num_replicas=4):
+    for acc, loss, count in mt.replicator.launch_replicas(prog, num_replicas=4):
         assert count == 37
         assert acc == pytest.approx(expect_acc, abs=1e-12)
         assert loss == pytest.approx(expect_loss, rel=1e-5)

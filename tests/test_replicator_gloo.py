@@ -11,7 +11,7 @@ from meshtorch.errors import ProcessorError
 pytestmark = pytest.mark.timeout(240)
 
 try:
-    from meshtorch.launch import BACKENDS
+    from meshtorch.launcher import BACKENDS
 except ImportError:  # pragma: no cover
     BACKENDS = ()
 if "torch" not in BACKENDS or not torch.distributed.is_available():
@@ -43,7 +43,7 @@ def _skip_a_collective():
 
 def test_two_gloo_processes_match_one_process_on_global_batch():
     # buckets go out as asynchronous torch.distributed all_reduces here (no check)
-    out = mt.replicator.launch(_both, 0.001, num_replicas=2, backend="torch", timeout=120)
+    out = mt.replicator.launch_replicas(_both, 0.001, num_replicas=2, backend="torch", timeout=120)
     check_unused([per_process[2] for per_process in out])
     for bn_index, bn in enumerate((False, True)):
         ref = reference(bn)
@@ -54,10 +54,11 @@ def test_two_gloo_processes_match_one_process_on_global_batch():
 
 
 def test_collectives_and_mismatch_on_gloo():
-    out = mt.replicator.launch(_collectives, num_replicas=2, backend="torch", timeout=60)
+    out = mt.replicator.launch_replicas(_collectives, num_replicas=2, backend="torch", timeout=60)
     # y = max(1,2) + x_1 + (1 + 2) = 7; dy/dx summed over both replicas' y:
     # replica 0: max -> 0, broadcast -> 0, gather -> 2; replica 1: 2 + 2 + 2
     assert [o[:2] for o in out] == [(7.0, 2.0), (7.0, 6.0)]
     assert all(o[2] == 0.5 and o[3] == "torch" for o in out)
     with pytest.raises(ProcessorError, match="mismatch"):
-        mt.replicator.launch(_skip_a_collective, num_replicas=2, backend="torch", timeout=60, check=True)
+        mt.replicator.launch_replicas(_skip_a_collective, num_replicas=2, backend="torch", timeout=60,
+                                      check=True)

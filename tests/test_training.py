@@ -160,7 +160,7 @@ def test_clip_actually_clips_and_norm_counts_each_element_once():
 def _torch_backend_available() -> bool:
     import importlib
 
-    return "torch" in getattr(importlib.import_module("meshtorch.launch"), "BACKENDS", ())
+    return "torch" in getattr(importlib.import_module("meshtorch.launcher"), "BACKENDS", ())
 
 
 GLOO_RUNS = [("adamw", None), ("adafactor", None), ("sgd", 0.5)]

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
+import threading
 
 __version__ = "0.1.0"
 
@@ -33,12 +32,19 @@ def _load() -> dict:
     """
     from meshtorch import amp, data, errors, models, nn, optim, pipeline, plan, random
     from meshtorch.amp import autocast
-    from meshtorch.checkpoint import export_hf, import_hf, load, save
+    from meshtorch.checkpoint import (
+        export_consolidated,
+        export_hf,
+        import_consolidated,
+        import_hf,
+        load,
+        save,
+    )
     from meshtorch.comm import CommStats, Communicator
     from meshtorch.context import ProcessorContext, comm_stats, current, reset_comm_stats
     from meshtorch.dtensor import from_dtensor, to_dtensor
     from meshtorch.errors import MeshTorchError
-    from meshtorch.launch import init_distributed, launch
+    from meshtorch.launcher import init_distributed, launch
     from meshtorch.layout import Layout, LayoutRules
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
@@ -120,42 +126,33 @@ def _load() -> dict:
     return {k: v for k, v in locals().items() if not k.startswith("_")}
 
 
-class _Package(types.ModuleType):
-    """The package's module type: binds the whole public API on first use.
-
-    ``meshtorch.launch`` is both a sub-package and the function users call
-    (``mt.launch(step, mesh=...)``). Importing the sub-package makes Python set
-    the package attribute to the module; the public function must win, as it did
-    when the package imported eagerly, so that assignment is not kept.
-    """
-
-    def __getattr__(self, name: str):
-        state = self.__dict__["_state"]
-        loaded = "__all__" in self.__dict__
-        if name.startswith("__") and name != "__all__" or state["loading"] or loaded:
-            raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
-        if name != "launch" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            # a sub-module (`from meshtorch import random` inside the package): import
-            # only it, so that internal imports never pull in the whole API
-            return importlib.import_module(f"{__name__}.{name}")
-        state["loading"] = True
-        try:
-            api = _load()
-        finally:
-            state["loading"] = False
-        for key, value in api.items():
-            types.ModuleType.__setattr__(self, key, value)
-        types.ModuleType.__setattr__(self, "__all__", sorted(api))
-        return getattr(self, name)
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "launch" and isinstance(value, types.ModuleType):
-            return
-        types.ModuleType.__setattr__(self, name, value)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(self.__all__))
+_lock = threading.Lock()
+_loader: list[int] = []  # the thread binding the API now, if any
 
 
-_state = {"loading": False}
-sys.modules[__name__].__class__ = _Package
+def __getattr__(name: str):
+    """The public API, bound on the first use of any of its names (PEP 562). Threads that touch
+    it at once (thread-processors starting a script) wait for the one that binds it."""
+    if name.startswith("__") and name != "__all__" or threading.get_ident() in _loader:
+        # the binding thread's own imports (`from meshtorch import random`) fall back to the sub-module
+        raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+    if "__all__" not in globals() and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a sub-module (`from meshtorch import random` inside the package): import only it, so
+        # that internal imports never pull in the whole API
+        return importlib.import_module(f"{__name__}.{name}")
+    with _lock:
+        if "__all__" not in globals():
+            _loader.append(threading.get_ident())
+            try:
+                api = _load()
+            finally:
+                _loader.clear()
+            globals().update(api)
+            globals()["__all__"] = sorted(api)
+    if name not in globals():
+        raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__getattr__("__all__")))

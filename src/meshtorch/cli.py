@@ -20,7 +20,7 @@ from meshtorch.errors import MeshTorchError
 
 # module that registers each sub-command, in the order `--help` lists them
 SUBCOMMANDS: dict[str, str] = {
-    "launch": "meshtorch.launch.cli",
+    "launch": "meshtorch.launcher.cli",
     "train": "meshtorch.recipes.lm.cli",
     "generate": "meshtorch.recipes.lm.cli",
     "export": "meshtorch.recipes.lm.cli",

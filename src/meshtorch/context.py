@@ -81,6 +81,10 @@ class ProcessorContext:
         """The ``torch.device`` this processor computes on, or ``None``: torch's default device."""
         return self.comm.device
 
+    def __post_init__(self) -> None:
+        # the backend's private copies stay unseen by this processor's tracer
+        self.comm.unseen = untraced
+
     def next_random_stream(self) -> int:
         """A fresh stream number; the same sequence on every processor (SPMD)."""
         self.random_calls += 1

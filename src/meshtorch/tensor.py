@@ -18,12 +18,19 @@ import torch
 from meshtorch.context import current, traced
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout
+from meshtorch.lowering import elementwise as ew
+from meshtorch.lowering.output import register
 from meshtorch.lowering.redistribute import redistribute
 from meshtorch.shape import Dim, Shape, as_shape
 
 
+@register  # the class the lowering builds its results as (meshtorch.lowering.output)
 class MeshTensor:
     """A distributed tensor with named dims.
+
+    Its Python operators (``+ - * / // % **``, unary ``-``, ``abs()``, ``< <= > >=``) are the
+    elementwise ops of :mod:`meshtorch.lowering.elementwise`, broadcasting by dim name; a Python
+    number or a 0-d torch tensor on either side acts as a scalar.
 
     Attributes:
         shape: the global named ``Shape``.
@@ -32,7 +39,7 @@ class MeshTensor:
             in ``shape`` order and whose sizes are :func:`local_shape` of the layout.
     """
 
-    # ``_adapted``: the lowering's per-tensor state (see meshtorch.lowering.redistribute.run_shared)
+    # ``_adapted``: the lowering's per-tensor state (:meth:`adapter_memo`)
     __slots__ = ("shape", "layout", "local", "name", "_adapted")
     __array_priority__ = 1000  # so numpy scalars defer to our operators
 
@@ -140,9 +147,74 @@ class MeshTensor:
     def __bool__(self) -> bool:
         raise ShapeError("a MeshTensor has no truth value; use mt.reduce_any or .item()")
 
+    def adapter_memo(self) -> dict:
+        """The store in which the uses of this tensor share their adapters' outputs
+        (:func:`~meshtorch.lowering.redistribute.run_shared`); made on first use."""
+        memo = self._adapted
+        if memo is None:
+            memo = self._adapted = {}
+        return memo
+
     # ------------------------------------------------------------ operators
-    # +, -, *, /, **, unary -, abs() and comparisons are installed by meshtorch.ops.elementwise:
-    # they need the lowering, which needs this module, so defining them here would be a cycle.
+    def __add__(self, other) -> MeshTensor:
+        return ew.add(self, other)
+
+    def __radd__(self, other) -> MeshTensor:
+        return ew.add(other, self)
+
+    def __sub__(self, other) -> MeshTensor:
+        return ew.subtract(self, other)
+
+    def __rsub__(self, other) -> MeshTensor:
+        return ew.subtract(other, self)
+
+    def __mul__(self, other) -> MeshTensor:
+        return ew.multiply(self, other)
+
+    def __rmul__(self, other) -> MeshTensor:
+        return ew.multiply(other, self)
+
+    def __truediv__(self, other) -> MeshTensor:
+        return ew.divide(self, other)
+
+    def __rtruediv__(self, other) -> MeshTensor:
+        return ew.divide(other, self)
+
+    def __pow__(self, other) -> MeshTensor:
+        return ew.pow(self, other)
+
+    def __rpow__(self, other) -> MeshTensor:
+        return ew.pow(other, self)
+
+    def __floordiv__(self, other) -> MeshTensor:
+        return ew.floordiv(self, other)
+
+    def __rfloordiv__(self, other) -> MeshTensor:
+        return ew.floordiv(other, self)
+
+    def __mod__(self, other) -> MeshTensor:
+        return ew.mod(self, other)
+
+    def __rmod__(self, other) -> MeshTensor:
+        return ew.mod(other, self)
+
+    def __neg__(self) -> MeshTensor:
+        return ew.negative(self)
+
+    def __abs__(self) -> MeshTensor:
+        return ew.abs(self)
+
+    def __lt__(self, other) -> MeshTensor:
+        return ew.less(self, other)
+
+    def __le__(self, other) -> MeshTensor:
+        return ew.less_equal(self, other)
+
+    def __gt__(self, other) -> MeshTensor:
+        return ew.greater(self, other)
+
+    def __ge__(self, other) -> MeshTensor:
+        return ew.greater_equal(self, other)
 
     __hash__ = object.__hash__
 
@@ -316,6 +388,16 @@ def ones_like(x: MeshTensor, dtype: torch.dtype | None = None, name: str | None 
     """
     x = as_mesh_tensor(x)
     return MeshTensor(torch.ones_like(x.local, dtype=dtype), x.shape, x.layout, name)
+
+
+def share_adapted(src: MeshTensor, dst: MeshTensor) -> None:
+    """``dst`` wraps the very slice of ``src`` under other dim names (a relayout that moved
+    nothing, such as attention's keys read from its queries' input under ``memory_length``): let
+    their uses share adapters (:func:`~meshtorch.lowering.redistribute.run_shared`), as uses of
+    one tensor do. The adapters act on tensor dims by position, never by name, so the same steps
+    give the same result for both."""
+    if dst.local is src.local:
+        dst._adapted = src.adapter_memo()
 
 
 def as_mesh_tensor(x) -> MeshTensor:

@@ -3,7 +3,7 @@
 ``mt.save`` / ``mt.load`` write and read a checkpoint path: one directory of
 safetensors slices plus ``index.json`` per save, behind the atomically
 replaced pointer ``latest`` (:func:`latest` names the directory ``mt.load``
-reads). ``mt.export_hf`` / ``mt.import_hf`` write and read one consolidated
+reads). ``mt.export_consolidated`` / ``mt.import_consolidated`` write and read one consolidated
 ``model.safetensors`` (sharded with an index when large).
 
 Example:
@@ -15,9 +15,9 @@ Example:
     {'note': 'hi'}
 """
 
-from meshtorch.checkpoint.hf import export_hf, import_hf
+from meshtorch.checkpoint.consolidated import export_consolidated, export_hf, import_consolidated, import_hf
 from meshtorch.checkpoint.reader import load
 from meshtorch.checkpoint.versions import latest
 from meshtorch.checkpoint.writer import save
 
-__all__ = ["save", "load", "latest", "export_hf", "import_hf"]
+__all__ = ["save", "load", "latest", "export_consolidated", "import_consolidated"]

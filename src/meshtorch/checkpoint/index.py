@@ -91,7 +91,8 @@ def check_index(index: Any, ipath: str) -> None:
     c.of(index, "(the whole index)", (dict,), "a JSON object")
     if index.get("format") != FORMAT:
         raise CheckpointError(f"{ipath} is not a meshtorch checkpoint index (format "
-                              f"{index.get('format')!r}); for Hugging Face files use mt.import_hf")
+                              f"{index.get('format')!r}); for a consolidated model.safetensors use "
+                              "mt.import_consolidated")
     version = c.get(index, "version", "'version'", (int,), "an integer")
     if version < 1:
         raise c.fail("'version'", f"must be >= 1, got {version}")

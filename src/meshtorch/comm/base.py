@@ -27,7 +27,8 @@ import traceback
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeVar
 
 import torch
 
@@ -136,6 +137,10 @@ class Communicator(ABC):
     device: torch.device | None = None
     #: whether the backend methods can be traced by ``torch.compile`` (see :func:`collective`)
     traceable: bool = False
+    #: a block a tracer of this processor does not see (a backend's private copies): the
+    #: processor context's ``untraced``, set by the context that takes this communicator (the
+    #: communicators sit below the context and never import it)
+    unseen: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def __init__(self, mesh: Mesh, rank: int, check: bool = False):
         self.mesh = mesh

@@ -11,7 +11,7 @@ The transient memory of a collective depends on the backend that will run
 it, and the plan must hold what that backend holds (``staging``):
 
 - ``"none"``: only the result. The ``threads`` backend's private copies in
-  its hub are made unseen by a tracer (``comm/threads.py``, ``_stage``).
+  its hub are made unseen by a tracer (``comm/threads.py``, ``ThreadsCommunicator._stage``).
 - ``"torch"``: the copies ``comm/torch.py`` makes around every
   ``torch.distributed`` call: a contiguous copy of an input that is not
   contiguous along the gathered/scattered dim, the output buffer a
@@ -40,8 +40,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import torch
 
@@ -67,9 +65,6 @@ class MetaCommunicator(Communicator):
         # ``sent`` as ``(axes, dst, tag, stand-in)``: a host tensor's copy, or an empty
         # meta tensor of the same shape and dtype
         self.inbox: Inbox | None = None
-        # what hides the stand-in copy of a send from a tracer (the processor context's
-        # ``untraced``, set by whoever runs the processor: this module sits below the context)
-        self.unseen: Callable[[], AbstractContextManager[Any]] = nullcontext
         self.sent: list[tuple[tuple[str, ...], int, int, torch.Tensor]] = []
         self.in_flight: list[torch.Tensor] = []
         self.staging = staging
@@ -126,7 +121,7 @@ class MetaCommunicator(Communicator):
         return self._copy(t).clone()
 
     def _send(self, t, axes, group, dst, tag):
-        with self.unseen():  # a record of the program's send, no memory of the program
+        with self.unseen():  # a record of the program's send, no memory of the program (base.unseen)
             kept = t.detach().clone() if t.device.type != "meta" else torch.empty(
                 t.shape, dtype=t.dtype, device="meta")
         self.sent.append((axes, dst, tag, kept))

@@ -32,23 +32,8 @@ from collections import defaultdict, deque
 import torch
 
 from meshtorch.comm.base import Communicator, check_timeout, compare_calls, reduce_stack, user_call_site
-from meshtorch.context import untraced
 from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
-
-
-def _stage(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of ``t`` to leave in the hub: the backend's staging buffer.
-
-    The processor's tracer (the planner's, if any) does not see it,
-    because it is no memory of the program's: the ``torch`` backend's transport
-    buffers are invisible to the dispatcher too, and the ``meta`` backend has
-    none. It lives until the *last* member of the group has read it, a moment
-    that depends on thread timing, so counting it would make a processor's
-    measured peak vary between runs (see ``docs/planner.md``).
-    """
-    with untraced():
-        return t.detach().clone()
 
 
 def _names(mesh: Mesh, ranks) -> str:
@@ -216,6 +201,19 @@ class ThreadsCommunicator(Communicator):
         self.device = device or torch.device("cpu")  # set by the launch once the processor has one
         self._seq: dict[tuple[int, ...], int] = defaultdict(int)
 
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """A private copy of ``t`` to leave in the hub: the backend's staging buffer.
+
+        The processor's tracer (the planner's, if any) does not see it,
+        because it is no memory of the program's: the ``torch`` backend's transport
+        buffers are invisible to the dispatcher too, and the ``meta`` backend has
+        none. It lives until the *last* member of the group has read it, a moment
+        that depends on thread timing, so counting it would make a processor's
+        measured peak vary between runs (see ``docs/planner.md``).
+        """
+        with self.unseen():
+            return t.detach().clone()
+
     def _meet(self, call: dict, group, value) -> list:
         """Deposit ``value`` with ``call``'s description; the group's values in group order,
         once every member's description has been compared with the others'."""
@@ -229,7 +227,7 @@ class ThreadsCommunicator(Communicator):
         On CUDA each thread-processor has its own GPU, so the others' copies are on theirs;
         all threads share each device's default stream, so a copy here is queued after the
         staging copy its owner queued before depositing it."""
-        parts = self._meet(call, group, _stage(t))
+        parts = self._meet(call, group, self._stage(t))
         return [p if p.device == t.device else p.to(t.device) for p in parts]
 
     def _all_reduce(self, t, axes, group, op, call):
@@ -239,24 +237,24 @@ class ThreadsCommunicator(Communicator):
         return torch.cat(self._meet_here(call, group, t), dim)
 
     def _reduce_scatter(self, t, axes, group, dim, op, call):
-        parts = self._meet(call, group, _stage(t))
+        parts = self._meet(call, group, self._stage(t))
         me = group.index(self.rank)
         # only this processor's chunk of each part crosses devices
         chunks = [p.chunk(len(group), dim)[me].to(t.device) for p in parts]
         return reduce_stack(chunks, op).contiguous()
 
     def _all_to_all(self, t, axes, group, split_dim, concat_dim, call):
-        parts = self._meet(call, group, _stage(t))
+        parts = self._meet(call, group, self._stage(t))
         me = group.index(self.rank)
         return torch.cat([p.chunk(len(group), split_dim)[me].to(t.device) for p in parts], concat_dim)
 
     def _permute(self, t, axes, group, sources, call):
-        parts = self._meet(call, group, _stage(t))
+        parts = self._meet(call, group, self._stage(t))
         src = sources[group.index(self.rank)]
         return torch.zeros_like(t) if src is None else parts[src].to(t.device, copy=True)
 
     def _send(self, t, axes, group, dst, tag):
-        self.hub.post((self.rank, group[dst], axes, tag), _stage(t))
+        self.hub.post((self.rank, group[dst], axes, tag), self._stage(t))
 
     def _recv(self, axes, group, src, tag):
         what = f"recv along {axes} from processor {group[src]} (tag {tag})"
@@ -265,7 +263,7 @@ class ThreadsCommunicator(Communicator):
 
     def _broadcast(self, t, axes, group, src, call):
         # only the source's tensor is read, so only the source stages a copy
-        mine = _stage(t) if group.index(self.rank) == src else None
+        mine = self._stage(t) if group.index(self.rank) == src else None
         return self._meet(call, group, mine)[src].to(t.device, copy=True)
 
     def _barrier(self, call):

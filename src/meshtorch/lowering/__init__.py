@@ -2,11 +2,18 @@
 
 - :mod:`meshtorch.lowering.adapters`: the differentiable collectives (``torch.autograd.Function``\\ s).
 - :mod:`meshtorch.lowering.redistribute`: moves a local slice from one layout to another.
-- :mod:`meshtorch.lowering.plan`: turns one op on MeshTensors into adapters and a local torch op,
+- :mod:`meshtorch.lowering.lower`: turns one op on MeshTensors into adapters and a local torch op,
   through a cached plan.
 - :mod:`meshtorch.lowering.fused`: lowers several small reductions with one all_reduce per mesh axis.
+- :mod:`meshtorch.lowering.elementwise`: elementwise ops broadcast by dim name, among them
+  ``MeshTensor``'s Python operators.
+- :mod:`meshtorch.lowering.halo`: a split dim's edges received from the neighbouring processors.
 - :mod:`meshtorch.lowering.shift`: shifts a slice along a dim, receiving the halo from neighbours.
+- :mod:`meshtorch.lowering.ring`: ring attention's loop of key and value shifts.
+- :mod:`meshtorch.lowering.scan`: prefix sums (``cumsum``) along a split dim.
+- :mod:`meshtorch.lowering.output`: the class the lowering builds its results as (``MeshTensor``,
+  registered by :mod:`meshtorch.tensor`, which sits above the lowering).
 
-The package imports none of its modules here, so the core (``meshtorch.tensor``) can use
-:func:`~meshtorch.lowering.redistribute.redistribute` without importing the op machinery.
+The package imports none of its modules here, so importing one module of the lowering does not
+import the others.
 """

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,10 +41,13 @@ from meshtorch.comm.base import as_axes
 from meshtorch.context import current
 from meshtorch.errors import CommError
 from meshtorch.lowering import adapters as ca
-from meshtorch.lowering.plan import local_result
+from meshtorch.lowering.lower import local_result
+from meshtorch.lowering.output import tensor_type
 from meshtorch.lowering.redistribute import Step
 from meshtorch.shape import Shape
-from meshtorch.tensor import MeshTensor
+
+if TYPE_CHECKING:
+    from meshtorch.tensor import MeshTensor
 
 # the steps that reduce elementwise, so tensors can share one buffer
 _FUSABLE = (ca.all_reduce_sum, ca.all_reduce_extreme)
@@ -52,7 +56,7 @@ _FUSABLE = (ca.all_reduce_sum, ca.all_reduce_extreme)
 class Fused:
     """Ops whose output all_reduces run together, at :meth:`run`.
 
-    Add ops with :meth:`lower` (as :func:`meshtorch.lowering.plan.lower`) or raw partial
+    Add ops with :meth:`lower` (as :func:`meshtorch.lowering.lower.lower`) or raw partial
     results with :meth:`partial`; :meth:`run` returns the results in the order added. Every
     processor must add the same ops in the same order (SPMD).
     """
@@ -95,7 +99,7 @@ class Fused:
         :meth:`lower`, tensors for :meth:`partial`). The object is empty afterwards."""
         tensors = run_bucketed(self._results, self._steps)
         out: list[MeshTensor | torch.Tensor] = [
-            t if w is None else MeshTensor._checked_elsewhere(t, w[0], w[1], w[2])
+            t if w is None else tensor_type()._checked_elsewhere(t, w[0], w[1], w[2])
             for t, w in zip(tensors, self._wrap)]
         self._results, self._steps, self._wrap = [], [], []
         return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch.compiler import is_compiling
@@ -39,9 +38,6 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Axes, Layout
 from meshtorch.lowering import adapters as ca
 from meshtorch.mesh import Mesh
-
-if TYPE_CHECKING:
-    from meshtorch.tensor import MeshTensor
 
 # One step of a move: an adapter, the axis (or group of axes, in mesh order) it runs over, and
 # its arguments after (tensor, comm, axes).
@@ -169,9 +165,10 @@ def sums_gradient(steps: Sequence[Step]) -> bool:
     return any(fn is ca.identity_grad_sum or fn is ca.all_gather for fn, _, _ in steps)
 
 
-def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
-    """:func:`run_steps` on the MeshTensor ``x``'s slice, shared by every use of ``x`` that runs
-    the same ``steps``: Mesh-TensorFlow's lazy all-reduce.
+def run_shared(t: torch.Tensor, memo: dict, steps: tuple[Step, ...]) -> torch.Tensor:
+    """:func:`run_steps` on a tensor ``x``'s slice ``t``, shared through ``memo`` (``x``'s store,
+    :meth:`~meshtorch.tensor.MeshTensor.adapter_memo`) by every use of ``x`` that runs the same
+    ``steps``: Mesh-TensorFlow's lazy all-reduce.
 
     Each op that varies along an axis ``x`` is replicated on (or whole along) sends back a partial
     sum of ``x``'s gradient. Run per use, every use reduces its own part; here the first use runs
@@ -203,8 +200,6 @@ def run_shared(x: MeshTensor, steps: tuple[Step, ...]) -> torch.Tensor:
         (2, [12.0, 12.0, 12.0])
     """
     comm = current().comm
-    t = x.local
-    memo = _memo(x)
     lasting = type(memo) is LastingMemo
     # under torch.compile a store that outlives the call would be a side effect Dynamo replays and
     # guards on (a recompile per step): a compiled step reduces a parameter once per use
@@ -245,22 +240,6 @@ class LastingMemo(dict):
         >>> mt.launch(f, mesh="b:2", rules="batch:b")
         [(1, [6.0, 6.0, 6.0]), (1, [6.0, 6.0, 6.0])]
     """
-
-
-def _memo(x: MeshTensor) -> dict:
-    memo = x._adapted
-    if memo is None:
-        memo = x._adapted = {}
-    return memo
-
-
-def share_adapted(src: MeshTensor, dst: MeshTensor) -> None:
-    """``dst`` wraps the very slice of ``src`` under other dim names (a relayout that moved
-    nothing, such as attention's keys read from its queries' input under ``memory_length``): let
-    their uses share adapters (:func:`run_shared`), as uses of one tensor do. The adapters act on
-    tensor dims by position, never by name, so the same steps give the same result for both."""
-    if dst.local is src.local:
-        dst._adapted = _memo(src)
 
 
 def redistribute(t: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:

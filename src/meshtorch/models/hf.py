@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.checkpoint.hf import write_consolidated
+from meshtorch.checkpoint.consolidated import write_consolidated
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, LayoutError
 from meshtorch.layout import format_axes

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from meshtorch.checkpoint.hf import weight_map
+from meshtorch.checkpoint.consolidated import weight_map
 from meshtorch.errors import CheckpointError
 
 # transformers' activation names -> ours; gelu_new / gelu_fast / gelu_pytorch_tanh are all

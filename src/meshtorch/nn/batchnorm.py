@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from meshtorch.errors import ArgumentError, ShapeError
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.lower import lower
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import MeshParameter
 from meshtorch.ops.elementwise import rsqrt

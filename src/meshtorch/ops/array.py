@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from meshtorch.context import current, untraced
 from meshtorch.errors import ArgumentError, ShapeError
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.lower import lower
 from meshtorch.lowering.scan import cumsum_slice
 from meshtorch.lowering.shift import shift_slice
 from meshtorch.shape import Dim, Shape, dim_name

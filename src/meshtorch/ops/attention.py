@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
-from meshtorch.lowering.plan import align, lower
+from meshtorch.lowering.lower import align, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
 from meshtorch.shape import Dim, dim_name

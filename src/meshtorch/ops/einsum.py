@@ -29,7 +29,7 @@ from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.plan import align, lower
+from meshtorch.lowering.lower import align, lower
 from meshtorch.meta_autocast import autocast_enabled
 from meshtorch.ops.elementwise import broadcast_shape, cast
 from meshtorch.shape import Dim, Shape, as_shape, dim_name

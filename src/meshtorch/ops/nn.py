@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from meshtorch.errors import ArgumentError, ShapeError
-from meshtorch.lowering.plan import align, lower
+from meshtorch.lowering.lower import align, lower
 from meshtorch.ops.array import check_ids, one_hot
 from meshtorch.ops.elementwise import cast, exp, not_equal, rsqrt, square, where
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum

@@ -16,7 +16,7 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.lower import lower
 from meshtorch.ops.array import slice as slice_dim
 from meshtorch.ops.reshape import rename
 from meshtorch.shape import Dim, Shape, dim_name

@@ -25,7 +25,7 @@ import torch
 
 from meshtorch.errors import MeshTorchError, ShapeError
 from meshtorch.lowering.fused import Fused
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.lower import lower
 from meshtorch.ops.elementwise import add, exp, log, nary, unary
 from meshtorch.ops.reshape import transpose
 from meshtorch.shape import Dim, Shape, as_shape, dim_name

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.plan import align, lower
-from meshtorch.lowering.redistribute import redistribute, share_adapted
+from meshtorch.lowering.lower import align, lower
+from meshtorch.lowering.redistribute import redistribute
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
-from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
+from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for, share_adapted
 
 
 def relayout(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None = None) -> MeshTensor:

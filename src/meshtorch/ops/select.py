@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from meshtorch.errors import ArgumentError, ShapeError
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.lower import lower
 from meshtorch.ops.elementwise import unary
 from meshtorch.ops.reduce import reduce_max, reduce_min
 from meshtorch.random import uniform

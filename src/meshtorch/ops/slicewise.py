@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from meshtorch.lowering.plan import lower
+from meshtorch.lowering.lower import lower
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 

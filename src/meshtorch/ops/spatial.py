@@ -26,7 +26,7 @@ import torch
 from meshtorch.errors import ShapeError
 from meshtorch.layout import piece
 from meshtorch.lowering.halo import halo_slice, window
-from meshtorch.lowering.plan import LocalView, lower
+from meshtorch.lowering.lower import LocalView, lower
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
 

@@ -232,7 +232,7 @@ def measure_op_seconds(repeats: int = 15, backend: str = "threads") -> float:
         >>> 0 < measure_op_seconds(repeats=1) < 0.01
         True
     """
-    from meshtorch.launch import launch
+    from meshtorch.launcher import launch
 
     mesh = f"b:{os.cpu_count() or 1}" if backend == "torch" else "b:1"
     runs = launch(_tiny_step_program, repeats, mesh=mesh, backend=backend, timeout=300)
@@ -267,7 +267,7 @@ def measure_link(backend: str = "torch", op_seconds: float = 0.0, repeats: int =
     ``op_seconds`` and its bytes at that bandwidth, over its collectives' hops; at least the
     latency of back-to-back all_reduces (2 hops each).
     """
-    from meshtorch.launch import launch
+    from meshtorch.launcher import launch
 
     small, big = 1, 2 ** 18
     t_small, t_big = launch(_link_program, (small, big), repeats, mesh="b:2", backend=backend, timeout=300)[0]

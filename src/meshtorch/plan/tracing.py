@@ -57,8 +57,8 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
-from meshtorch.plan.meta_memo import run as run_op
-from meshtorch.plan.meta_memo import tensors_in
+from meshtorch.plan.shape_memo import run as run_op
+from meshtorch.plan.shape_memo import tensors_in
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -509,8 +509,8 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     backend on CPUs). ``fn`` must build everything it uses (model, optimizer,
     data) so that their memory is seen.
     """
-    from meshtorch.launch import launch
-    from meshtorch.launch.meta import run_meta
+    from meshtorch.launcher import launch
+    from meshtorch.launcher.meta import run_meta
 
     if staging not in STAGING:
         raise PlanError(f"staging {staging!r} is not one of {STAGING}; staging_for(backend, device) "

@@ -2,13 +2,14 @@
 
 Example:
     >>> import meshtorch as mt
-    >>> mt.replicator.launch(lambda: mt.current().coords, num_replicas=2)
+    >>> mt.replicator.launch_replicas(lambda: mt.current().coords, num_replicas=2)
     [{'replica': 0}, {'replica': 1}]
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +17,9 @@ import torch
 
 from meshtorch.context import current
 from meshtorch.errors import MeshError
-from meshtorch.launch import gather_results
-from meshtorch.launch import launch as mesh_launch
-from meshtorch.launch.world import in_torchrun
+from meshtorch.launcher import gather_results
+from meshtorch.launcher import launch as mesh_launch
+from meshtorch.launcher.world import in_torchrun
 
 
 def default_num_replicas() -> int:
@@ -32,8 +33,9 @@ def default_num_replicas() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 1
 
 
-def launch(fn: Callable[..., Any], *args: Any, num_replicas: int | None = None, backend: str = "threads",
-           timeout: float = 300.0, check: bool = False, **kwargs: Any) -> list[Any]:
+def launch_replicas(fn: Callable[..., Any], *args: Any, num_replicas: int | None = None,
+                    backend: str = "threads", timeout: float = 300.0, check: bool = False,
+                    **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as ``num_replicas`` replicas; results in replica order.
 
     The same script works under every launcher. Called where no program is
@@ -58,10 +60,10 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int | None = None, 
 
     Example:
         >>> import meshtorch as mt
-        >>> mt.replicator.launch(lambda: mt.Replicator(device="cpu").replica_id, num_replicas=3)
+        >>> mt.replicator.launch_replicas(lambda: mt.Replicator(device="cpu").replica_id, num_replicas=3)
         [0, 1, 2]
         >>> def outer():  # already running on 2 processors: each is one replica
-        ...     return mt.replicator.launch(lambda: mt.Replicator(device="cpu").replica_id)
+        ...     return mt.replicator.launch_replicas(lambda: mt.Replicator(device="cpu").replica_id)
         >>> mt.launch(outer, mesh="replica:2")
         [[0, 1], [0, 1]]
     """
@@ -72,7 +74,7 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int | None = None, 
         if num_replicas not in (None, n):
             where = f"mesh '{ctx.mesh}'" if running else "torchrun's world"
             raise MeshError(
-                f"mt.replicator.launch(num_replicas={num_replicas}) was called where {n} processors "
+                f"mt.replicator.launch_replicas(num_replicas={num_replicas}) was called where {n} processors "
                 f"({where}) already run the program, each as one replica; leave num_replicas out, "
                 f"or start {num_replicas} processors")
         if running:
@@ -84,3 +86,11 @@ def launch(fn: Callable[..., Any], *args: Any, num_replicas: int | None = None, 
     extra = {} if backend == "threads" else {"nprocs": n}
     return mesh_launch(fn, *args, mesh=f"replica:{n}", backend=backend, timeout=timeout, check=check,
                        **extra, **kwargs)
+
+
+def launch(*args: Any, **kwargs: Any) -> list[Any]:
+    """Deprecated name of :func:`launch_replicas` (``mt.launch`` runs a program on a mesh; this
+    starts replicas)."""
+    warnings.warn("mt.replicator.launch is deprecated and will be removed in the next release: call "
+                  "mt.replicator.launch_replicas", DeprecationWarning, stacklevel=2)
+    return launch_replicas(*args, **kwargs)

@@ -1,7 +1,7 @@
 """``mt.Replicator``: TF-Replicator's API for plain ``torch.nn`` code.
 
 One replica runs on each processor of the current mesh (a 1-D ``replica``
-mesh, as :func:`meshtorch.replicator.launch` makes); each builds its own
+mesh, as :func:`meshtorch.replicator.launch_replicas` makes); each builds its own
 model, feeds it its own share of the batch and averages gradients with the
 others before every optimizer step. The same script runs on the threads
 backend (``mt.launch``), the torch backend (``meshtorch launch --backend torch`` /
@@ -22,7 +22,7 @@ Example:
     ...         return loss
     ...     per_replica = repl.run(step_fn, input_fn)
     ...     return repl.reduce("mean", per_replica) == repl.reduce("mean", per_replica)
-    >>> mt.replicator.launch(main, num_replicas=2)
+    >>> mt.replicator.launch_replicas(main, num_replicas=2)
     [tensor(True), tensor(True)]
 """
 

@@ -28,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def export_checkpoint(path: str, out: str, dtype: torch.dtype | None = None) -> list[str]:
     """Write the LM of checkpoint ``path`` (a run directory or its checkpoint/) to ``out`` as a
     Hugging Face directory; the names of the files written."""
-    from meshtorch.launch import launch
+    from meshtorch.launcher import launch
     from meshtorch.models import export_hf
 
     path = checkpoint_dir(path)

@@ -86,7 +86,7 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
                              beams: int = 0) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
     or with ``beams >= 1`` the best of a beam search of that width)."""
-    from meshtorch.launch import launch
+    from meshtorch.launcher import launch
 
     path = checkpoint_dir(path)
     tok = run_tokenizer(path)

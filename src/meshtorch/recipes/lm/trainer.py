@@ -198,7 +198,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
     if par.backend == "torch" and (world or 1) > 1:
         # join the world now (the launch below reuses it): processor 0 fits the tokenizer, the others wait
-        from meshtorch.launch import init_distributed
+        from meshtorch.launcher import init_distributed
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
     lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
@@ -220,7 +220,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def _run(cfg: TrainConfig, corpus: Corpus | None, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    from meshtorch.launch import launch
+    from meshtorch.launcher import launch
 
     t0 = time.time()
     threads = torch.get_num_threads()

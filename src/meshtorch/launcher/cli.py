@@ -29,11 +29,11 @@ from typing import Any
 from meshtorch.comm.base import check_timeout
 from meshtorch.comm.device import threads_device
 from meshtorch.errors import ArgumentError, MeshError, MeshTorchError, ProcessorError
-from meshtorch.launch.failures import RemoteTraceback
-from meshtorch.launch.lifeline import ENV_LAUNCHER_PID, die_with_launcher
-from meshtorch.launch.processes import launch_processes
-from meshtorch.launch.threads import run_threads
-from meshtorch.launch.world import (
+from meshtorch.launcher.failures import RemoteTraceback
+from meshtorch.launcher.lifeline import ENV_LAUNCHER_PID, die_with_launcher
+from meshtorch.launcher.processes import launch_processes
+from meshtorch.launcher.threads import run_threads
+from meshtorch.launcher.world import (
     DEFAULT_TIMEOUT,
     ENV_CHECK,
     ENV_DEVICE,
@@ -47,7 +47,7 @@ from meshtorch.launch.world import (
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
-_BOOTSTRAP = "from meshtorch.launch.cli import bootstrap; bootstrap()"
+_BOOTSTRAP = "from meshtorch.launcher.cli import bootstrap; bootstrap()"
 # torchrun options that only mean something when processes are started
 _MULTI_NODE = ("node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port")
 # torchrun's defaults for its static rendezvous
@@ -80,7 +80,7 @@ def bootstrap() -> None:
     join the world, then run the script as ``__main__``.
 
     Example (what torchrun runs in each worker):
-        $ python -c "from meshtorch.launch.cli import bootstrap; bootstrap()" train.py --lr 1e-3
+        $ python -c "from meshtorch.launcher.cli import bootstrap; bootstrap()" train.py --lr 1e-3
     """
     die_with_launcher()
     script, *rest = sys.argv[1:]
@@ -102,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     Example:
         >>> import argparse
-        >>> from meshtorch.launch.cli import register
+        >>> from meshtorch.launcher.cli import register
         >>> sub = argparse.ArgumentParser(prog="meshtorch").add_subparsers()
         >>> register(sub)
         >>> sub.choices["launch"].parse_args(["--mesh", "b:2", "run.py"]).backend

@@ -5,7 +5,7 @@ the whole mesh; the launch returns its result alone.
 
 Example:
     >>> import meshtorch as mt
-    >>> from meshtorch.launch.meta import run_meta
+    >>> from meshtorch.launcher.meta import run_meta
     >>> run_meta(lambda: mt.current().mesh.size, (), {}, mt.Mesh("b:64"), mt.LayoutRules(""))
     64
 """
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from meshtorch.comm.meta import MetaCommunicator
-from meshtorch.context import ProcessorContext, untraced, use
-from meshtorch.launch.failures import processor_error
+from meshtorch.context import ProcessorContext, use
+from meshtorch.launcher.failures import processor_error
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -31,12 +31,11 @@ def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rule
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.launch.meta import run_meta
+        >>> from meshtorch.launcher.meta import run_meta
         >>> run_meta(lambda: torch.ones(2).device.type, (), {}, mt.Mesh("m:4"), mt.LayoutRules(""))
         'meta'
     """
     comm = MetaCommunicator(mesh, rank)
-    comm.unseen = untraced
     ctx = ProcessorContext(comm, rules)
     try:
         with use(ctx), torch.device("meta"):

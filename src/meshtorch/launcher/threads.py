@@ -7,7 +7,7 @@ collective (see :func:`run_threads`), so no failure leaves the launch waiting.
 
 Example:
     >>> import meshtorch as mt
-    >>> from meshtorch.launch.threads import run_threads
+    >>> from meshtorch.launcher.threads import run_threads
     >>> run_threads(lambda: mt.current().rank, (), {}, mt.Mesh("m:3"), mt.LayoutRules(""), 60, False)
     [0, 1, 2]
 """
@@ -29,7 +29,7 @@ from meshtorch.comm.device import resolve_device
 from meshtorch.comm.threads import Hub, ThreadsCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import CommError
-from meshtorch.launch.failures import FAILURE_GRACE_S, is_comm_error, processor_error, root_cause
+from meshtorch.launcher.failures import FAILURE_GRACE_S, is_comm_error, processor_error, root_cause
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -51,7 +51,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
     Raises the first failure that is not another processor's abandonment, as
     an exception that is both its class and a ``ProcessorError``. The launch
     never waits on a processor in vain: once one has raised, the others get
-    :data:`~meshtorch.launch.failures.FAILURE_GRACE_S` seconds to finish (those
+    :data:`~meshtorch.launcher.failures.FAILURE_GRACE_S` seconds to finish (those
     in a collective are woken at once); once one has returned, the others get
     ``timeout`` seconds. Processors still running then are named in the error
     and left behind as daemon threads (threads cannot be killed); their hub is
@@ -59,7 +59,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.launch.threads import run_threads
+        >>> from meshtorch.launcher.threads import run_threads
         >>> run_threads(abs, (-2,), {}, mt.Mesh("b:2"), mt.LayoutRules(""), 60, False)
         [2, 2]
     """
@@ -158,7 +158,7 @@ def gather_results(comm: ThreadsCommunicator, out: Any) -> list[Any]:
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.launch.threads import gather_results
+        >>> from meshtorch.launcher.threads import gather_results
         >>> mt.launch(lambda: gather_results(mt.current().comm, mt.current().rank), mesh="m:2")
         [[0, 1], [0, 1]]
     """

@@ -11,7 +11,7 @@ orphan is re-parented), which also covers systems without ``prctl``.
 
 Example:
     >>> import os
-    >>> from meshtorch.launch.lifeline import die_with_parent
+    >>> from meshtorch.launcher.lifeline import die_with_parent
     >>> die_with_parent(os.getppid(), use_prctl=False)  # the parent is alive: returns
 """
 
@@ -65,7 +65,7 @@ def die_with_parent(parent_pid: int, *, use_prctl: bool = True, poll_s: float = 
 
     Example:
         >>> import os
-        >>> from meshtorch.launch.lifeline import die_with_parent
+        >>> from meshtorch.launcher.lifeline import die_with_parent
         >>> die_with_parent(os.getppid(), use_prctl=False)
     """
     if use_prctl:
@@ -82,7 +82,7 @@ def die_with_launcher() -> None:
     which names itself in ``MESHTORCH_LAUNCHER_PID``; nothing to do without it.
 
     Example:
-        >>> from meshtorch.launch.lifeline import die_with_launcher
+        >>> from meshtorch.launcher.lifeline import die_with_launcher
         >>> die_with_launcher()  # not started by `meshtorch launch`: nothing to watch
     """
     pid = os.environ.get(ENV_LAUNCHER_PID, "")

@@ -7,11 +7,11 @@
 - :func:`init_distributed` (``mt.init_distributed``) joins a world that
   torchrun started, for scripts run by plain ``torchrun``.
 - ``meshtorch launch [--backend threads|torch] --mesh b:2,m:2 script.py``
-  runs a script (:mod:`meshtorch.launch.cli`).
+  runs a script (:mod:`meshtorch.launcher.cli`).
 
 Whatever the backend, a processor's exception reaches the caller as one that
 is both its own class and a :class:`~meshtorch.errors.ProcessorError` naming
-the processor (:mod:`meshtorch.launch.failures`).
+the processor (:mod:`meshtorch.launcher.failures`).
 
 Example:
     >>> import meshtorch as mt
@@ -30,9 +30,9 @@ from meshtorch.comm.base import check_timeout
 from meshtorch.comm.device import parse_device, threads_device
 from meshtorch.context import current
 from meshtorch.errors import MeshError
-from meshtorch.launch import processes, threads
-from meshtorch.launch.meta import run_meta
-from meshtorch.launch.world import init_distributed
+from meshtorch.launcher import processes, threads
+from meshtorch.launcher.meta import run_meta
+from meshtorch.launcher.world import init_distributed
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -135,7 +135,7 @@ def gather_results(out: Any) -> list[Any]:
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.launch import gather_results
+        >>> from meshtorch.launcher import gather_results
         >>> mt.launch(lambda: gather_results(mt.current().coords["m"]), mesh="m:2")
         [[0, 1], [0, 1]]
         >>> gather_results("alone")

@@ -1,20 +1,22 @@
-"""Consolidated Hugging Face-style export and import: ``model.safetensors``.
+"""Consolidated export and import in meshtorch's own parameter names: ``model.safetensors``.
 
-``export_hf`` gathers each parameter whole and processor 0 writes one
+(The Hugging Face ``transformers`` format, with its names and ``config.json``, is
+:func:`meshtorch.models.export_hf` / :func:`meshtorch.models.from_hf`.)
+``export_consolidated`` gathers each parameter whole and processor 0 writes one
 ``model.safetensors`` keyed by parameter name (or, above ``max_shard_bytes``,
 ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
 with a ``weight_map``, as ``transformers`` does). The named dims are kept in
-the file's metadata. ``import_hf`` reads only each processor's slices.
+the file's metadata. ``import_consolidated`` reads only each processor's slices.
 
 Example:
     >>> import tempfile, os, meshtorch as mt
     >>> path = tempfile.mkdtemp()
     >>> model = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3))
-    >>> _ = mt.export_hf(path, model)
+    >>> _ = mt.export_consolidated(path, model)
     >>> sorted(os.listdir(path))
     ['model.safetensors']
     >>> fresh = mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 3)).reset_parameters(seed=9)
-    >>> mt.import_hf(path, fresh)
+    >>> mt.import_consolidated(path, fresh)
     ['kernel', 'bias']
     >>> bool((fresh.kernel == model.kernel).all())
     True
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 
 import safetensors.torch
@@ -47,8 +50,8 @@ def _views(model: torch.nn.Module):
     return [(n, view_of(p)) for n, p in model.named_parameters()]
 
 
-def export_hf(path: str | os.PathLike, model: torch.nn.Module, *,
-              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[str]:
+def export_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
+                        max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None) -> list[str]:
     """Write ``model`` as consolidated safetensors in directory ``path`` (every processor calls it).
 
     Returns the file names written. ``dtype`` casts on export (e.g. ``torch.bfloat16``).
@@ -80,7 +83,7 @@ def write_consolidated(path: str | os.PathLike, tensors: dict[str, torch.Tensor]
 
     Example:
         >>> import tempfile, os, torch
-        >>> from meshtorch.checkpoint.hf import write_consolidated
+        >>> from meshtorch.checkpoint.consolidated import write_consolidated
         >>> path = tempfile.mkdtemp()
         >>> write_consolidated(path, {"w": torch.ones(2)}, files={"config.json": "{}"})
         ['model.safetensors']
@@ -143,12 +146,12 @@ def weight_map(path: str) -> dict[str, str]:
     single = os.path.join(path, SINGLE)
     if os.path.isfile(single):
         return weight_map(single)
-    raise CheckpointError(f"no {SINGLE} or {HF_INDEX} in {path!r}; export one with mt.export_hf")
+    raise CheckpointError(f"no {SINGLE} or {HF_INDEX} in {path!r}; export one with mt.export_consolidated")
 
 
-def import_hf(path: str | os.PathLike, model: torch.nn.Module, *,
-              rename: Callable[[str], str] | dict[str, str] | None = None,
-              strict: bool = True) -> list[str]:
+def import_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
+                        rename: Callable[[str], str] | dict[str, str] | None = None,
+                        strict: bool = True) -> list[str]:
     """Load consolidated safetensors (a file, or a directory with ``model.safetensors``
     or a sharded index) into ``model``; each processor reads only its slices.
 
@@ -182,3 +185,19 @@ def import_hf(path: str | os.PathLike, model: torch.nn.Module, *,
             view.local.copy_(part.to(view.dtype))
             loaded.append(name)
     return loaded
+
+
+def _deprecated(old: str, new: Callable) -> Callable:
+    def alias(*args, **kwargs):
+        warnings.warn(f"mt.{old} is deprecated and will be removed in the next release: call "
+                      f"mt.{new.__name__} (meshtorch's names); the Hugging Face format is "
+                      "meshtorch.models.export_hf / from_hf", DeprecationWarning, stacklevel=2)
+        return new(*args, **kwargs)
+
+    alias.__name__ = old
+    alias.__doc__ = f"Deprecated name of :func:`{new.__name__}`."
+    return alias
+
+
+export_hf = _deprecated("export_hf", export_consolidated)
+import_hf = _deprecated("import_hf", import_consolidated)

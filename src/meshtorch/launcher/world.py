@@ -6,7 +6,7 @@ The environment says who is who when torchrun (or ``meshtorch launch
 ``MESHTORCH_RULES``, ``MESHTORCH_CHECK``, ``MESHTORCH_TIMEOUT``, ``MESHTORCH_DEVICE``.
 
 Example:
-    >>> from meshtorch.launch.world import in_torchrun
+    >>> from meshtorch.launcher.world import in_torchrun
     >>> in_torchrun()
     False
 """
@@ -40,7 +40,7 @@ def in_torchrun() -> bool:
     (or another launcher that sets ``RANK`` and ``WORLD_SIZE``).
 
     Example:
-        >>> from meshtorch.launch.world import in_torchrun
+        >>> from meshtorch.launcher.world import in_torchrun
         >>> isinstance(in_torchrun(), bool)
         True
     """
@@ -141,7 +141,7 @@ def shutdown() -> None:
     """Leave the ``torch.distributed`` world (safe to call when not in one).
 
     Example:
-        >>> from meshtorch.launch.world import shutdown
+        >>> from meshtorch.launcher.world import shutdown
         >>> shutdown()  # not in a world: nothing to leave
     """
     import torch.distributed as dist

@@ -19,10 +19,10 @@ memo off (for comparing traces).
 
 Example:
     >>> import torch
-    >>> from meshtorch.plan import meta_memo
+    >>> from meshtorch.plan import shape_memo
     >>> x = torch.empty(4, 8, device="meta")
-    >>> a = meta_memo.run(torch.ops.aten.mul.Tensor, (x, x), {})
-    >>> b = meta_memo.run(torch.ops.aten.mul.Tensor, (x, x), {})   # from memory
+    >>> a = shape_memo.run(torch.ops.aten.mul.Tensor, (x, x), {})
+    >>> b = shape_memo.run(torch.ops.aten.mul.Tensor, (x, x), {})   # from memory
     >>> b.shape, b.stride(), b.dtype, b.device.type, b.untyped_storage() is not a.untyped_storage()
     (torch.Size([4, 8]), (8, 1), torch.float32, 'meta', True)
 """

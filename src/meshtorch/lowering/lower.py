@@ -22,7 +22,7 @@ call collectives themselves.
 
 Example:
     >>> import torch, meshtorch as mt
-    >>> from meshtorch.lowering.plan import lower
+    >>> from meshtorch.lowering.lower import lower
     >>> def f():
     ...     x = mt.from_global(torch.arange(4.0), "batch:4")
     ...     out = mt.Shape("")
@@ -38,6 +38,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.compiler import is_compiling
@@ -47,9 +48,12 @@ from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.output import tensor_type
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
 from meshtorch.shape import Shape
-from meshtorch.tensor import MeshTensor, layout_for
+
+if TYPE_CHECKING:
+    from meshtorch.tensor import MeshTensor
 
 REDUCTIONS = ("sum", "max", "min")
 
@@ -275,7 +279,7 @@ def make_plan(
     :class:`ShapeError` or :class:`LayoutError` naming the tensor and dim at fault)."""
     ctx = current()
     _check_reductions(op, reduced)
-    out_layout = layout_for(out_shape, name)
+    out_layout = ctx.rules.layout(out_shape, ctx.mesh, name)
     if ctx.mesh.size == 1:
         # every slice is the whole tensor: no adapters, only the checks
         _dim_sizes(inputs, out_shape, whole)
@@ -318,7 +322,7 @@ def plan_of(
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.lowering.plan import plan_of
+        >>> from meshtorch.lowering.lower import plan_of
         >>> x = mt.ones("batch:4")
         >>> p = plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"})
         >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
@@ -380,7 +384,7 @@ def lower(
     if plan.outputs:
         result = run_steps(result, plan.outputs)
     # the adapters produce the output layout's slice of a result of the checked size
-    return MeshTensor._checked_elsewhere(result, out_shape, plan.layout, name)
+    return tensor_type()._checked_elsewhere(result, out_shape, plan.layout, name)
 
 
 def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
@@ -391,7 +395,8 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
     :mod:`meshtorch.lowering.fused` runs the output adapters of several ops together."""
     plan = plan_of(op, inputs, out_shape, reduced, whole, name)
     if plan.shared is not None:
-        result = local_fn(plan.view, *[run_shared(x, s) if shared else run_steps(x.local, s)
+        result = local_fn(plan.view, *[run_shared(x.local, x.adapter_memo(), s) if shared
+                                       else run_steps(x.local, s)
                                        for x, s, shared in zip(inputs, plan.inputs, plan.shared)])
     elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mesh_harness import meshes, rules_for
-from meshtorch.plan import meta_memo, trace
+from meshtorch.plan import shape_memo, trace
 from meshtorch.plan.pipeline import stage_traces
 from meshtorch.recipes.lm import TrainConfig, model_dims
 from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
@@ -32,7 +32,7 @@ def test_a_trace_with_the_memo_equals_one_without(data, model, optimizer, precis
     mesh = data.draw(meshes(max_procs=4))
     rules = data.draw(rules_for(mesh, sorted(set(model_dims(cfg, VOCAB)) - {"memory_length", "positions"})))
     step = training_step(cfg, VOCAB)
-    with meta_memo.enabled(False):
+    with shape_memo.enabled(False):
         plain = trace(step, mesh=mesh, rules=rules)
     first = trace(step, mesh=mesh, rules=rules)   # fills the memo (if an earlier example did not)
     again = trace(step, mesh=mesh, rules=rules)   # answered from it
@@ -43,7 +43,7 @@ def test_a_trace_with_the_memo_equals_one_without(data, model, optimizer, precis
 def test_pipeline_stage_traces_with_the_memo_equal_those_without():
     cfg = BASE.replace(layers=2, batch=8, microbatches=4, schedule="1f1b")
     step = pipelined_training_step(cfg, VOCAB)
-    with meta_memo.enabled(False):
+    with shape_memo.enabled(False):
         plain = stage_traces(step, "stage:2,b:2", "batch:b")
     memo = stage_traces(step, "stage:2,b:2", "batch:b")
     assert [fields(t) for t in memo] == [fields(t) for t in plain]
@@ -54,20 +54,20 @@ def test_the_memo_runs_what_it_must_not_answer():
     x = torch.empty(3, 4, device="meta")
     aten = torch.ops.aten
     # a view shares its input's storage; an in-place op returns its input
-    v = meta_memo.run(aten.view.default, (x, [4, 3]), {})
-    assert meta_memo.run(aten.view.default, (x, [4, 3]), {}).untyped_storage() is x.untyped_storage()
+    v = shape_memo.run(aten.view.default, (x, [4, 3]), {})
+    assert shape_memo.run(aten.view.default, (x, [4, 3]), {}).untyped_storage() is x.untyped_storage()
     assert v.untyped_storage() is x.untyped_storage()
-    y = meta_memo.run(aten.mul_.Tensor, (x, x), {})
-    assert meta_memo.run(aten.mul_.Tensor, (x, x), {}) is x and y is x
+    y = shape_memo.run(aten.mul_.Tensor, (x, x), {})
+    assert shape_memo.run(aten.mul_.Tensor, (x, x), {}) is x and y is x
     # values of host tensors matter: never answered from memory
     c = torch.tensor([2.0])
-    assert meta_memo.run(aten.add.Tensor, (c, c), {}).item() == 4.0
-    assert meta_memo.run(aten.add.Tensor, (c, torch.tensor([5.0])), {}).item() == 7.0
+    assert shape_memo.run(aten.add.Tensor, (c, c), {}).item() == 4.0
+    assert shape_memo.run(aten.add.Tensor, (c, torch.tensor([5.0])), {}).item() == 7.0
     # the same op on an int and a float scalar: different dtypes, different keys
     i = torch.empty(2, dtype=torch.int64, device="meta")
-    assert meta_memo.run(aten.mul.Scalar, (i, 2.0), {}).dtype == torch.float32
-    assert meta_memo.run(aten.mul.Scalar, (i, 2), {}).dtype == torch.int64
+    assert shape_memo.run(aten.mul.Scalar, (i, 2.0), {}).dtype == torch.float32
+    assert shape_memo.run(aten.mul.Scalar, (i, 2), {}).dtype == torch.int64
     # a non-contiguous input keeps its output strides (as the kernel gives them)
     t = x.t()
     for _ in range(2):
-        assert meta_memo.run(aten.mul.Tensor, (t, 2.0), {}).stride() == (t * 2.0).stride() == (1, 4)
+        assert shape_memo.run(aten.mul.Tensor, (t, 2.0), {}).stride() == (t * 2.0).stride() == (1, 4)

@@ -35,9 +35,9 @@ import torch
 from meshtorch.comm.base import check_timeout
 from meshtorch.context import current
 from meshtorch.errors import CommError, MeshError, MeshTorchError, ProcessorError
-from meshtorch.launch.failures import FAILURE_GRACE_S, RemoteTraceback, processor_error, root_cause
-from meshtorch.launch.lifeline import die_with_parent
-from meshtorch.launch.world import RENDEZVOUS_MIN_S, in_torchrun, init_distributed, shutdown
+from meshtorch.launcher.failures import FAILURE_GRACE_S, RemoteTraceback, processor_error, root_cause
+from meshtorch.launcher.lifeline import die_with_parent
+from meshtorch.launcher.world import RENDEZVOUS_MIN_S, in_torchrun, init_distributed, shutdown
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -50,11 +50,11 @@ def launch_processes(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Me
     Under torchrun (``nprocs`` not given) ``fn`` runs in this process as its
     rank and the results of all ranks are gathered; otherwise ``nprocs``
     (default: the mesh size) fresh processes are spawned. Each computes on
-    ``device`` (see :func:`~meshtorch.launch.world.init_distributed`).
+    ``device`` (see :func:`~meshtorch.launcher.world.init_distributed`).
 
     Example:
         >>> import meshtorch as mt
-        >>> from meshtorch.launch.processes import launch_processes
+        >>> from meshtorch.launcher.processes import launch_processes
         >>> launch_processes(abs, (-3,), {}, mt.Mesh("m:2"), mt.LayoutRules(""), 60, False)  # doctest: +SKIP
         [3, 3]
     """
@@ -85,7 +85,7 @@ def gather_results(out: Any) -> list[Any]:
     """Every rank's ``out``, in rank order, on every rank of the ``torch.distributed`` world.
 
     Example (on each of 2 processes):
-        >>> from meshtorch.launch.processes import gather_results
+        >>> from meshtorch.launcher.processes import gather_results
         >>> gather_results(current().rank)  # doctest: +SKIP
         [0, 1]
     """

@@ -9,7 +9,7 @@ formatted traceback is, in turn, that exception's cause.
 
 Example:
     >>> import meshtorch as mt
-    >>> from meshtorch.launch.failures import processor_error
+    >>> from meshtorch.launcher.failures import processor_error
     >>> err = processor_error(mt.errors.ShapeError("dim d is 3, not 4"), 1, {"m": 1})
     >>> isinstance(err, mt.errors.ShapeError), isinstance(err, mt.errors.ProcessorError)
     (True, True)
@@ -91,7 +91,7 @@ def processor_error(exc: BaseException, rank: int, coords: dict, where: str = ""
     became of the other processors.
 
     Example:
-        >>> from meshtorch.launch.failures import processor_error
+        >>> from meshtorch.launcher.failures import processor_error
         >>> err = processor_error(KeyError("w"), 0, {"b": 0})
         >>> isinstance(err, KeyError), err.args, err.coords
         (True, ('w',), {'b': 0})
@@ -131,7 +131,7 @@ def root_cause(order: Sequence[int], is_abandonment: Callable[[int], bool]) -> i
     processor's abandonment (a ``CommError`` provoked by the first failure).
 
     Example:
-        >>> from meshtorch.launch.failures import root_cause
+        >>> from meshtorch.launcher.failures import root_cause
         >>> root_cause([3, 1], lambda rank: rank == 3)
         1
     """

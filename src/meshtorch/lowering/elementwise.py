@@ -1,0 +1,180 @@
+"""The lowering of elementwise ops, and the ops that are ``MeshTensor``'s Python operators.
+
+Binary ops broadcast by *name*: the output has the first operand's dims, then the second's dims
+that the first lacks. Python numbers and 0-d torch tensors act as scalars. ``x + y``, ``x * y``,
+``-x``, ``x < y`` ... are the ops defined here, so the core type owns its operators whatever was
+imported first; :mod:`meshtorch.ops.elementwise` adds the other elementwise ops on the same
+machinery (:func:`unary`, :func:`nary`).
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> from meshtorch.lowering.elementwise import multiply
+    >>> x = mt.from_global(torch.tensor([1.0, 2.0]), "a:2")
+    >>> y = mt.from_global(torch.tensor([10.0, 20.0, 30.0]), "b:3")
+    >>> multiply(x, y).shape, (x * y).to_global()[1].tolist()
+    (Shape('a:2,b:3'), [20.0, 40.0, 60.0])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.compiler import is_compiling
+
+from meshtorch.caching import BoundedCache
+from meshtorch.errors import ShapeError
+from meshtorch.lowering.lower import align, lower
+from meshtorch.lowering.output import tensor_type
+from meshtorch.shape import Shape
+
+if TYPE_CHECKING:
+    from meshtorch.tensor import MeshTensor
+
+Scalar = (int, float, bool)
+
+
+def _is_scalar(v) -> bool:
+    return isinstance(v, Scalar) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+
+
+def unary(fn: Callable[[torch.Tensor], torch.Tensor], x: MeshTensor, op: str = "unary") -> MeshTensor:
+    """Apply an elementwise torch function to every slice; no communication."""
+    cls = tensor_type()
+    if not isinstance(x, cls):
+        raise ShapeError(f"{op} needs a MeshTensor, got {type(x).__name__}")
+    return cls(fn(x.local), x.shape, x.layout)
+
+
+def broadcast_shape(*shapes: Shape) -> Shape:
+    """The union of dims, in first-seen order; a shared name must agree in size."""
+    dims = {}
+    for s in shapes:
+        for d in s:
+            if d.name in dims and dims[d.name] != d:
+                raise ShapeError(
+                    f"cannot broadcast dim {d.name!r}: size {dims[d.name].size} vs {d.size} "
+                    f"(shapes {' and '.join(f'[{x}]' for x in shapes)})"
+                )
+            dims.setdefault(d.name, d)
+    return Shape(dims.values())
+
+
+def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
+    """Apply an elementwise torch function to operands broadcast by dim name."""
+    cls = tensor_type()
+    shapes = []
+    for x in xs:
+        if isinstance(x, cls):
+            shapes.append(x.shape)
+        elif _is_scalar(x):
+            shapes.append(None)
+        else:
+            raise ShapeError(
+                f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
+                "wrap torch tensors with mt.from_global(t, shape)"
+            )
+    key = tuple(shapes)
+    plan = None if is_compiling() else _NARY.get(key)
+    if plan is None:
+        plan = _nary_plan(key, op) if is_compiling() else _NARY.put(key, _nary_plan(key, op))
+    out, same_shapes = plan
+    tensors = [x for x in xs if isinstance(x, cls)]
+    if same_shapes:
+        first = tensors[0].layout
+        if all(x.layout is first or x.layout == first for x in tensors):
+            return cls(fn(*[x.local if isinstance(x, cls) else x for x in xs]), out, first)
+    names = out.names
+
+    def local_fn(view, *ls):
+        it = iter(ls)
+        args = [align(next(it), x.names, names) if isinstance(x, cls) else x for x in xs]
+        y = fn(*args)
+        # scalars and broadcasting may leave size-1 dims; the output slice is full-sized
+        want = tuple([view.size(n) for n in names])
+        return y if y.shape == want else y.expand(want)
+
+    return lower(op, tensors, out, local_fn)
+
+
+# The broadcast shape of each combination of operand shapes (None: a scalar), and whether every
+# operand already has it: computed once per combination, as a model repeats the same few.
+_NARY = BoundedCache(4096)
+
+
+def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:
+    present = [s for s in shapes if s is not None]
+    if not present:
+        raise ShapeError(f"{op} needs at least one MeshTensor operand")
+    out = broadcast_shape(*present)
+    return out, all(s == out for s in present)
+
+
+def binary_op(fn: Callable[..., torch.Tensor], op: str) -> Callable[..., MeshTensor]:
+    """The elementwise op ``op`` of two operands (MeshTensors or scalars) computing ``fn``."""
+    def f(x, y) -> MeshTensor:
+        return nary(fn, x, y, op=op)
+
+    f.__name__ = op
+    f.__doc__ = f"Elementwise ``{op}`` with broadcasting by dim name."
+    return f
+
+
+def unary_op(fn: Callable[[torch.Tensor], torch.Tensor], op: str, doc: str | None = None
+             ) -> Callable[[MeshTensor], MeshTensor]:
+    """The elementwise op ``op`` of one MeshTensor computing ``fn`` on its slice."""
+    def f(x: MeshTensor) -> MeshTensor:
+        return unary(fn, x, op)
+
+    f.__name__ = op
+    f.__doc__ = doc or f"Elementwise ``{op}``; no communication."
+    return f
+
+
+add = binary_op(torch.add, "add")
+subtract = binary_op(torch.sub, "subtract")
+multiply = binary_op(torch.mul, "multiply")
+divide = binary_op(torch.div, "divide")
+less = binary_op(torch.lt, "less")
+less_equal = binary_op(torch.le, "less_equal")
+greater = binary_op(torch.gt, "greater")
+greater_equal = binary_op(torch.ge, "greater_equal")
+abs = unary_op(torch.abs, "abs")  # noqa: A001 - mirrors torch.abs
+negative = unary_op(torch.neg, "negative")
+
+
+def floordiv(x, y) -> MeshTensor:
+    """``floor(x / y)`` elementwise, broadcast by dim name (Mesh-TF ``floordiv``, Python ``//``).
+    It is piecewise constant, so, as in Mesh-TF, no gradient flows through it.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.tensor([7.0, -7.0]), "a:2")
+        >>> mt.floordiv(x, 2).to_global().tolist(), (x // 2).to_global().tolist()
+        ([3.0, -4.0], [3.0, -4.0])
+    """
+    # detached: torch has no derivative for floor_divide and would fail in backward
+    return nary(lambda a, b: torch.floor_divide(_detach(a), _detach(b)), x, y, op="floordiv")
+
+
+def _detach(v):
+    return v.detach() if isinstance(v, torch.Tensor) else v
+
+
+def mod(x, y) -> MeshTensor:
+    """``x - y * floor(x / y)`` elementwise: the remainder takes the sign of ``y``, as Python's
+    ``%`` and Mesh-TF's ``mod`` (``torch.remainder``, not ``torch.fmod``).
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.tensor([7.0, -7.0]), "a:2")
+        >>> mt.mod(x, 3).to_global().tolist(), (x % -3).to_global().tolist()
+        ([1.0, 2.0], [-2.0, -1.0])
+    """
+    return nary(torch.remainder, x, y, op="mod")
+
+
+def pow(x, y) -> MeshTensor:  # noqa: A001 - mirrors torch.pow
+    """``x ** y`` elementwise; either may be a scalar."""
+    return nary(torch.pow, x, y, op="pow")
