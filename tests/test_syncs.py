@@ -283,7 +283,7 @@ def test_replicator_step_reads_nothing_when_every_parameter_has_a_gradient():
             counts.append(r.count)
         return counts
 
-    assert mt.replicator.launch(prog, num_replicas=2) == [[0, 0, 0]] * 2
+    assert mt.replicator.launch_replicas(prog, num_replicas=2) == [[0, 0, 0]] * 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
