@@ -3,7 +3,9 @@
 ``mt.save`` / ``mt.load`` write and read a checkpoint path: one directory of
 safetensors slices plus ``index.json`` per save, behind the atomically
 replaced pointer ``latest`` (:func:`latest` names the directory ``mt.load``
-reads). ``mt.export_consolidated`` / ``mt.import_consolidated`` write and read one consolidated
+reads); ``mt.save(..., background=True)`` writes the files on a thread while
+training goes on, and :func:`wait` waits for it. ``mt.export_consolidated`` /
+``mt.import_consolidated`` write and read one consolidated
 ``model.safetensors`` (sharded with an index when large).
 
 Example:
@@ -18,6 +20,6 @@ Example:
 from meshtorch.checkpoint.consolidated import export_consolidated, export_hf, import_consolidated, import_hf
 from meshtorch.checkpoint.reader import load
 from meshtorch.checkpoint.versions import latest
-from meshtorch.checkpoint.writer import save
+from meshtorch.checkpoint.writer import save, wait
 
-__all__ = ["save", "load", "latest", "export_consolidated", "import_consolidated"]
+__all__ = ["save", "wait", "load", "latest", "export_consolidated", "import_consolidated"]

@@ -84,6 +84,16 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def sha256_fd(fd: int) -> str:
+    """The sha256 of the whole file open as descriptor ``fd`` (read from its start)."""
+    h = hashlib.sha256()
+    with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def fsync_write(path: str, text: str) -> None:
     """Write ``text`` to ``path`` and flush it to the disk before returning."""
     with open(path, "w") as f:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from meshtorch.checkpoint.format import DTYPES, FORMAT, INDEX, VERSION, piece_key
-from meshtorch.checkpoint.versions import latest
+from meshtorch.checkpoint.versions import ATTEMPTS, OpenVersion, open_latest
 from meshtorch.errors import CheckpointError, MeshTorchError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
@@ -47,16 +47,40 @@ def read_index(path: str | os.PathLike) -> dict:
     """The checked ``index.json`` of the checkpoint that ``mt.load(path)`` reads.
 
     ``path`` is a checkpoint path (its ``latest`` version is read) or one version's directory.
+    A version pruned by a newer save while it is read makes it read the newer one.
     """
-    ipath = os.path.join(latest(path), INDEX)
+    for _ in range(ATTEMPTS):
+        version = open_latest(path)
+        try:
+            return read_version_index(version)
+        except FileNotFoundError:
+            if not version.pruned():
+                raise missing_index(version) from None
+        finally:
+            version.close()
+    raise CheckpointError(f"the checkpoint at {os.fspath(path)!r} got {ATTEMPTS} newer versions while its "
+                          "index was being read; read it again, or save with a larger keep=")
+
+
+def read_version_index(version: OpenVersion) -> dict:
+    """The checked ``index.json`` of the open ``version``; ``FileNotFoundError`` if it was pruned."""
+    ipath = os.path.join(version.dir, INDEX)
     try:
-        with open(ipath, encoding="utf-8") as f:
-            index = json.load(f)
+        with os.fdopen(version.open(INDEX), "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise
     except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"checkpoint index {ipath} cannot be read as JSON ({e}); the checkpoint "
                               "is corrupt — load an older one") from e
     check_index(index, ipath)
     return index
+
+
+def missing_index(version: OpenVersion) -> CheckpointError:
+    ipath = os.path.join(version.dir, INDEX)
+    return CheckpointError(f"checkpoint index {ipath} cannot be read as JSON ([Errno 2] No such file or "
+                           "directory); the checkpoint is corrupt — load an older one")
 
 
 class _Checker:

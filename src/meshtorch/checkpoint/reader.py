@@ -27,21 +27,134 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from meshtorch.checkpoint.format import DTYPES, INDEX, overlap, sha256_file, shape_from_json
-from meshtorch.checkpoint.index import read_index
+from meshtorch.checkpoint.format import DTYPES, INDEX, overlap, sha256_fd, shape_from_json
+from meshtorch.checkpoint.index import missing_index, read_version_index
 from meshtorch.checkpoint.state import from_json, restore_rng, scalar_from_json
-from meshtorch.checkpoint.versions import inside, latest
-from meshtorch.checkpoint.writer import model_tensors, param_names
+from meshtorch.checkpoint.versions import ATTEMPTS, OpenVersion, inside, latest
+from meshtorch.checkpoint.writer import from_rank0, model_tensors, param_names, processors_agree
 from meshtorch.context import current
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import CheckpointError, MeshTorchError
 from meshtorch.tensor import layout_for, local_shape
+
+# a file opened by descriptor is reopened through this path on Linux: the same file, even once deleted
+_PROC_FD = "/proc/self/fd"
+
+
+def _fd_path(fd: int, fpath: str) -> str:
+    proc = os.path.join(_PROC_FD, str(fd))
+    return proc if os.path.exists(proc) else fpath
+
+
+class _Pinned:
+    """One version of a checkpoint held open: its index and the files this processor reads."""
+
+    def __init__(self, version: OpenVersion, index: dict):
+        self.version, self.index = version, index
+        self.fds: dict[str, int] = {}
+
+    def pin(self, fname: str, tensor: str) -> int:
+        """Open ``fname``; ``FileNotFoundError`` if it vanished because its version was pruned."""
+        fpath = os.path.join(self.version.dir, fname)
+        if fname not in self.index["files"]:
+            raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, which is missing from "
+                                  f"the checkpoint {self.version.dir!r}; the checkpoint is incomplete")
+        if not inside(self.version.dir, fpath):
+            raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, a symlink to "
+                                  f"{os.path.realpath(fpath)} outside the checkpoint {self.version.dir!r}; "
+                                  "a checkpoint only reads files inside its own directory")
+        try:
+            fd = self.version.open(fname)
+        except FileNotFoundError:
+            if self.version.pruned():
+                raise
+            raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, which is missing from the "
+                                  f"checkpoint {self.version.dir!r}; the checkpoint is incomplete") from None
+        if not os.path.isfile(_fd_path(fd, fpath)):
+            os.close(fd)
+            raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, which is not a file; "
+                                  f"the checkpoint {self.version.dir!r} is incomplete")
+        self.fds[fname] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        self.version.close()
+
+
+def _needed(index: dict, model, optimizer, coords) -> dict[str, str]:
+    """The files (and a tensor each holds) whose pieces overlap this processor's slices."""
+    wanted = [(name, view.layout.slices(coords)) for name, view in model_tensors(model)]
+    if optimizer is not None:
+        for name, entry in index["tensors"].items():
+            if name.startswith("optim/"):
+                try:
+                    wanted.append((name, layout_for(shape_from_json(entry["dims"])).slices(coords)))
+                except MeshTorchError:  # the read itself names the problem
+                    continue
+    files: dict[str, str] = {}
+    for name, sl in wanted:
+        entry = index["tensors"].get(name)
+        for piece in entry["pieces"] if entry else ():
+            if overlap(piece["start"], piece["size"], [s for s, _ in sl], [n for _, n in sl]) is not None:
+                files.setdefault(piece["file"], name)
+    return files
+
+
+def _pin(path: str, model, optimizer) -> _Pinned:
+    """The version every processor reads, with each processor's files open (every processor calls it).
+
+    Processor 0 resolves the newest version; each processor opens its index
+    and files; if any found the version pruned by a newer save, all try again.
+    """
+    ok, pruned, failed = 0, 1, 2
+    for _ in range(ATTEMPTS):
+        pinned, error, state = None, None, ok
+        try:
+            mine = os.path.relpath(latest(path), path) if current().rank == 0 else ""
+        except CheckpointError as e:
+            mine, error = "", e
+        name = from_rank0(mine)
+        try:
+            if error is not None:
+                raise error
+            if not name:
+                raise CheckpointError(f"processor 0 found no checkpoint to load at {path!r}")
+            version = OpenVersion(path, os.path.normpath(os.path.join(path, name)))
+            try:
+                pinned = _Pinned(version, read_version_index(version))
+            except FileNotFoundError:
+                if not version.pruned():
+                    version.close()
+                    raise missing_index(version) from None
+                version.close()
+                raise
+            for fname, tensor in _needed(pinned.index, model, optimizer, current().coords).items():
+                pinned.pin(fname, tensor)
+        except FileNotFoundError:  # the version was pruned before it was open: all try the newer one
+            state = pruned
+        except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+            error, state = e, failed
+        if state != ok and pinned is not None:
+            pinned.close()
+        agreed = processors_agree(state)
+        if agreed == ok:
+            return pinned
+        if agreed == failed:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"loading checkpoint {path!r} failed on another processor")
+    raise CheckpointError(f"the checkpoint at {path!r} got {ATTEMPTS} newer versions while it was being "
+                          "opened (saves with a small keep= pruned each one before it was read); load "
+                          "again, or save with a larger keep=")
 
 
 class _Reader:
-    """Open files lazily, verify each file's checksum once, count the bytes read."""
+    """Read the pinned files of one version: verify each file's checksum once, count the bytes read."""
 
-    def __init__(self, path: str, index: dict, verify: bool):
-        self.path, self.index, self.verify = path, index, verify
+    def __init__(self, pinned: _Pinned, verify: bool):
+        self.pinned, self.path, self.index, self.verify = pinned, pinned.version.dir, pinned.index, verify
         self.handles: dict[str, Any] = {}
         self.bytes_read = 0
 
@@ -49,23 +162,18 @@ class _Reader:
         if fname in self.handles:
             return self.handles[fname]
         fpath = os.path.join(self.path, fname)
-        meta = self.index["files"].get(fname)
-        if meta is None or not os.path.isfile(fpath):
-            raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, which is missing from "
-                                  f"the checkpoint {self.path!r}; the checkpoint is incomplete")
-        if not inside(self.path, fpath):
-            raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, a symlink to "
-                                  f"{os.path.realpath(fpath)} outside the checkpoint {self.path!r}; a "
-                                  "checkpoint only reads files inside its own directory")
+        fd = self.pinned.fds.get(fname)
+        if fd is None:
+            fd = self.pinned.pin(fname, tensor)
         if self.verify:
-            got = sha256_file(fpath)
+            got, meta = sha256_fd(fd), self.index["files"][fname]
             if got != meta["sha256"]:
                 raise CheckpointError(
                     f"checksum mismatch in {fpath} (holding tensor {tensor!r}): sha256 {got} but "
                     f"{os.path.join(self.path, INDEX)} records {meta['sha256']}; the file is "
                     "corrupt — restore it or load an older checkpoint")
-        try:
-            handle = safe_open(fpath, framework="pt")
+        try:  # the very file verified above, even if a newer save has pruned it since
+            handle = safe_open(_fd_path(fd, fpath), framework="pt")
         except Exception as e:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read {fpath} (tensor {tensor!r}): {e}") from e
         self.handles[fname] = handle
@@ -133,6 +241,12 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     resumed run continues bitwise like the uninterrupted one (same mesh).
     ``path`` is what :func:`~meshtorch.checkpoint.save` was given (the newest
     kept version is read) or one version's directory (``path/step-000200``).
+    Reading a live run is safe: processor 0 resolves the newest version, and
+    every processor opens the files it needs from that version before reading
+    any; a newer save that prunes the version (``keep``) before then makes all
+    of them open the newer one instead, and one that prunes it afterwards
+    changes nothing (an open file stays readable). So a load never fails, nor
+    mixes two versions, because the run it reads saved meanwhile.
 
     Returns:
         ``{"step", "data", "extra", "bytes_read"}``: the saved step, data
@@ -143,19 +257,23 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             a malformed or modified index (naming the field), checksum mismatch
             of a slice file (with ``verify``) — naming the tensor and the file.
     """
-    path = latest(path)  # once: a save running meanwhile may move the pointer on
-    index = read_index(path)
-    reader = _Reader(path, index, verify)
-    coords = current().coords
-    with torch.no_grad():
-        for name, view in model_tensors(model):
-            entry = _entry(index, path, name, view.shape, view.dtype)
-            start = [s for s, _ in view.layout.slices(coords)]
-            buf = torch.empty_like(view.local, device="cpu")
-            reader.read_into(name, entry, buf, start)
-            view.local.copy_(buf)
-        if optimizer is not None:
-            _load_optimizer(optimizer, model, index, path, reader, coords)
+    pinned = _pin(os.fspath(path), model, optimizer)
+    path = pinned.version.dir
+    try:
+        index = pinned.index
+        reader = _Reader(pinned, verify)
+        coords = current().coords
+        with torch.no_grad():
+            for name, view in model_tensors(model):
+                entry = _entry(index, path, name, view.shape, view.dtype)
+                start = [s for s, _ in view.layout.slices(coords)]
+                buf = torch.empty_like(view.local, device="cpu")
+                reader.read_into(name, entry, buf, start)
+                view.local.copy_(buf)
+            if optimizer is not None:
+                _load_optimizer(optimizer, model, index, path, reader, coords)
+    finally:
+        pinned.close()
     if scheduler is not None:
         if index.get("scheduler") is None:
             raise CheckpointError(f"checkpoint {path!r} holds no scheduler state")

@@ -46,6 +46,10 @@ _TEMP = re.compile(r"^\.(tmp|trash|latest-tmp)-(.+)-(\d+)-([0-9a-f]{16})$")
 # temporary entries this process is writing right now (threads of one process share them)
 _live: set[str] = set()
 _live_lock = threading.Lock()
+# a reader whose version a newer save pruned before it was opened resolves the pointer again, this often
+ATTEMPTS = 16
+# files opened relative to a held directory descriptor: a version reused by name is never mixed in
+_DIR_FD = os.open in os.supports_dir_fd and hasattr(os, "O_DIRECTORY")
 
 
 def writer_tag(token: str) -> str:
@@ -109,6 +113,9 @@ def inside(root: str, target: str) -> bool:
 def latest(path: str | os.PathLike) -> str:
     """The directory of the checkpoint that ``mt.load(path)`` reads: the newest kept version.
 
+    A save that commits between reading the pointer and looking at the directory it names
+    (and, with ``keep=1``, prunes that directory) makes it read the pointer again.
+
     Example:
         >>> import tempfile, os, meshtorch as mt
         >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
@@ -117,23 +124,96 @@ def latest(path: str | os.PathLike) -> str:
         'step-000007'
     """
     path = os.fspath(path)
-    versions = read_pointer(path) if os.path.isdir(path) else []
-    if not versions:
-        hint = " (it is not a directory)" if os.path.exists(path) and not os.path.isdir(path) else ""
-        raise CheckpointError(f"no checkpoint at {path!r}{hint}: it has neither a {POINTER} pointer nor "
-                              f"an {INDEX}; save one with mt.save(path, model=...)")
-    if versions[0] == LEGACY:
-        return path
-    target = os.path.join(path, versions[0])
-    if not os.path.isdir(target):
-        raise CheckpointError(f"checkpoint pointer {os.path.join(path, POINTER)} names {versions[0]!r}, "
-                              f"which is not a directory in {path!r}; the checkpoint was damaged after "
-                              f"it was written — load an older one of {versions[1:]} directly")
-    if not inside(path, target):
-        raise CheckpointError(f"checkpoint directory {target} is a symlink to "
-                              f"{os.path.realpath(target)}, outside {path!r}; a checkpoint only reads "
-                              "files inside its own directory")
-    return target
+    for _ in range(ATTEMPTS):
+        versions = read_pointer(path) if os.path.isdir(path) else []
+        if not versions:
+            hint = " (it is not a directory)" if os.path.exists(path) and not os.path.isdir(path) else ""
+            raise CheckpointError(f"no checkpoint at {path!r}{hint}: it has neither a {POINTER} pointer nor "
+                                  f"an {INDEX}; save one with mt.save(path, model=...)")
+        if versions[0] == LEGACY:
+            return path
+        target = os.path.join(path, versions[0])
+        if not os.path.isdir(target):
+            if read_pointer(path)[:1] != versions[:1]:
+                continue  # a save moved the pointer on (and pruned this version) meanwhile
+            raise CheckpointError(f"checkpoint pointer {os.path.join(path, POINTER)} names {versions[0]!r}, "
+                                  f"which is not a directory in {path!r}; the checkpoint was damaged after "
+                                  f"it was written — load an older one of {versions[1:]} directly")
+        if not inside(path, target):
+            raise CheckpointError(f"checkpoint directory {target} is a symlink to "
+                                  f"{os.path.realpath(target)}, outside {path!r}; a checkpoint only reads "
+                                  "files inside its own directory")
+        return target
+    raise _moving(path)
+
+
+def _moving(path: str) -> CheckpointError:
+    return CheckpointError(f"the checkpoint at {path!r} got {ATTEMPTS} newer versions while it was being "
+                           "opened (saves with a small keep= pruned each one before it was read); load "
+                           "again, or save with a larger keep=")
+
+
+class OpenVersion:
+    """One version directory held open: what is read through it cannot change or vanish.
+
+    A version's files are never modified after its commit, only deleted when
+    ``keep`` prunes it, and a file that is open stays readable after it is
+    deleted. Files are opened relative to the directory's own descriptor
+    (where the OS can), so a version pruned and then written again under the
+    same name (saves without ``step``) is never mixed into what was opened
+    first: every byte read comes from the one directory that was resolved.
+    Opening raises ``FileNotFoundError`` when the version was pruned; then
+    :meth:`pruned` tells a pruned version from a damaged one.
+
+    Example:
+        >>> import tempfile, os, meshtorch as mt
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> _ = mt.save(path, model=mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 2)), step=1, keep=1)
+        >>> v = OpenVersion(path, latest(path))
+        >>> fd = v.open("index.json")
+        >>> _ = mt.save(path, model=mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 2)), step=2, keep=1)
+        >>> os.listdir(path), os.read(fd, 1), v.pruned()
+        (['latest', 'step-000002'], b'{', True)
+        >>> os.close(fd); v.close()
+    """
+
+    def __init__(self, root: str, directory: str):
+        self.root, self.dir = os.fspath(root), os.fspath(directory)
+        self.fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY) if _DIR_FD else None
+
+    def open(self, fname: str) -> int:
+        """A read-only descriptor of file ``fname`` of this version."""
+        if self.fd is not None:
+            return os.open(fname, os.O_RDONLY, dir_fd=self.fd)
+        return os.open(os.path.join(self.dir, fname), os.O_RDONLY | getattr(os, "O_BINARY", 0))
+
+    def pruned(self) -> bool:
+        """Whether a newer save's ``keep`` dropped this version (the pointer no longer names it)."""
+        if not os.path.isdir(self.root):
+            return True
+        try:
+            names = read_pointer(self.root)
+        except CheckpointError:
+            return False
+        name = os.path.relpath(self.dir, self.root)
+        return name not in names or not os.path.isdir(self.dir)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def open_latest(path: str | os.PathLike) -> OpenVersion:
+    """The newest version of the checkpoint at ``path``, held open (see :class:`OpenVersion`)."""
+    path = os.fspath(path)
+    for _ in range(ATTEMPTS):
+        target = latest(path)
+        try:
+            return OpenVersion(path, target)
+        except FileNotFoundError:  # pruned between the pointer and the open: the pointer moved on
+            continue
+    raise _moving(path)
 
 
 def commit(path: str, tmp: str, step: int | None, keep: int, tag: str) -> str:

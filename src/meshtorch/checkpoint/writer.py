@@ -23,6 +23,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from meshtorch.checkpoint.background import collect, start_background, wait_markers, write_marker
 from meshtorch.checkpoint.format import (
     FORMAT,
     INDEX,
@@ -107,8 +108,29 @@ def _write_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
-def _from_rank0(text: str) -> str:
-    """Processor 0's ``text`` (at most 512 bytes), on every processor."""
+def _write_slices(tmp: str, rank: int, mine: dict[str, torch.Tensor]) -> str | None:
+    """Write processor ``rank``'s slices into ``tmp`` durably; their file's sha256 (``None``: no slices)."""
+    if not mine:
+        return None
+    fpath = os.path.join(tmp, slice_file(rank))
+    _write_file(fpath, mine)
+    return sha256_file(fpath)
+
+
+def _commit_index(path: str, tmp: str, index: dict, digests: dict[int, str | None], step: int | None,
+                  keep: int, tag: str) -> str:
+    """Processor 0: record every file's sha256 in the index, write it, and commit the version."""
+    for rank in sorted(digests):
+        if digests[rank] is not None:
+            index["files"][slice_file(rank)] = {"sha256": digests[rank]}
+    index[CHECKSUM] = index_checksum(index)
+    fsync_write(os.path.join(tmp, INDEX), json.dumps(index, indent=1))
+    fsync_dir(tmp)
+    return commit(path, tmp, step, keep, tag)
+
+
+def from_rank0(text: str) -> str:
+    """Processor 0's ``text`` (at most 512 bytes), on every processor (every processor calls it)."""
     comm = current().comm
     raw = text.encode()[:512]
     t = torch.zeros(512, dtype=torch.uint8)
@@ -117,20 +139,92 @@ def _from_rank0(text: str) -> str:
     return bytes(t.tolist()).rstrip(b"\0").decode()
 
 
+def processors_agree(state: int) -> int:
+    """The largest ``state`` of all processors (every processor calls it): 0 where all are fine."""
+    comm = current().comm
+    flag = torch.tensor([float(state)])
+    return int(comm.all_reduce(flag, comm.mesh.axis_names, "max").item())
+
+
 def _token() -> str:
     """A fresh temp-file token chosen by processor 0 and broadcast to all."""
-    return _from_rank0(secrets.token_hex(8))
+    return from_rank0(secrets.token_hex(8))
 
 
 def _all_ok(ok: bool) -> bool:
-    comm = current().comm
-    flag = torch.tensor([0.0 if ok else 1.0])
-    return comm.all_reduce(flag, comm.mesh.axis_names, "max").item() == 0.0
+    return processors_agree(0 if ok else 1) == 0
+
+
+def wait() -> str | None:
+    """Wait for this processor's save in flight (``mt.save(..., background=True)``); all processors call it.
+
+    Returns the directory of the version it wrote (``None`` if no save was in flight). If it
+    failed on any processor, every processor raises :class:`~meshtorch.errors.CheckpointError`,
+    and the checkpoint path still loads the newest complete version.
+
+    Example:
+        >>> import tempfile, os, meshtorch as mt
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> mt.save(path, model=mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 2)), step=3, background=True)
+        >>> os.path.basename(mt.checkpoint.wait()), mt.checkpoint.wait()
+        ('step-000003', None)
+    """
+    job = collect(id(current()))
+    if job is None:
+        return None
+    if not _all_ok(job.error is None):
+        error = job.error
+        where = "" if error is None else f": {type(error).__name__}: {error}"
+        raise CheckpointError(f"the background save of checkpoint {job.work.path!r} failed on some "
+                              f"processor{where}; mt.load({job.work.path!r}) reads the newest complete "
+                              "checkpoint") from error
+    return latest(job.work.path)
+
+
+class _BackgroundWrite:
+    """What a processor's thread does for a background save (:mod:`~meshtorch.checkpoint.background`)."""
+
+    def __init__(self, path, tmp, rank, size, mine, index, step, keep, tag):
+        self.path, self.tmp, self.rank, self.size, self.mine = path, tmp, rank, size, mine
+        self.index, self.step, self.keep, self.tag = index, step, keep, tag
+
+    def __call__(self) -> str | None:
+        if self.rank != 0:
+            digest, error = None, None
+            try:
+                digest = _write_slices(self.tmp, self.rank, self.mine)
+            except BaseException as e:  # noqa: BLE001 - processor 0 learns of it from the marker
+                error = e
+            self.mine = {}
+            write_marker(self.tmp, self.rank, digest, error)
+            if error is not None:
+                raise error
+            return None
+        try:
+            digests: dict[int, str | None] = {}
+            error: BaseException | None = None
+            try:
+                digests[0] = _write_slices(self.tmp, 0, self.mine)
+            except BaseException as e:  # noqa: BLE001 - the others' files are awaited before cleaning up
+                error = e
+            self.mine = {}
+            for rank, marker in wait_markers(self.tmp, range(1, self.size)).items():
+                if "error" in marker and error is None:
+                    error = CheckpointError(f"processor {rank} failed to write its slices: {marker['error']}")
+                digests[rank] = marker.get("sha256")
+            if error is not None:
+                raise error
+            return _commit_index(self.path, self.tmp, self.index, digests, self.step, self.keep, self.tag)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        finally:
+            mark_live(self.tmp, False)
 
 
 def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = None,
          scheduler: Any = None, step: int | None = None, data: Any = None,
-         extra: dict | None = None, keep: int = 2) -> str:
+         extra: dict | None = None, keep: int = 2, background: bool = False) -> str | None:
     """Write a new checkpoint version under ``path`` and return its directory (every processor calls it).
 
     Each processor writes the slices it owns (a replicated region is written
@@ -155,18 +249,27 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         keep: how many versions to keep, newest first; older ones are deleted
             once this one is committed, as are temporary directories of crashed
             saves on this host.
+        background: copy the state to host memory now and write the files on
+            a background thread (see :mod:`~meshtorch.checkpoint.background`);
+            returns ``None`` at once. The files are the same bytes a
+            synchronous save writes. A save still in flight is waited for first
+            (by every save), and its failure raises at the next save or at
+            :func:`~meshtorch.checkpoint.wait`, which returns the directory.
     """
     if isinstance(keep, bool) or not isinstance(keep, numbers.Integral) or keep < 1:
         raise ArgumentError(f"mt.save(keep={keep!r}): keep is how many checkpoints to keep and must be "
                             "an integer >= 1")
     if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0):
         raise ArgumentError(f"mt.save(step={step!r}): step must be an integer >= 0 or None")
+    if not isinstance(background, bool):
+        raise ArgumentError(f"mt.save(background={background!r}) must be True or False")
     keep, step = int(keep), None if step is None else int(step)
     ctx = current()
     comm, mesh = ctx.comm, ctx.mesh
     path = os.fspath(path)
+    wait()  # at most one save in flight; an earlier background save's failure raises here
     # processor 0 writes the index and commits, so the temp directory bears its host and process id
-    tag = _from_rank0(writer_tag(secrets.token_hex(8)))
+    tag = from_rank0(writer_tag(secrets.token_hex(8)))
     tmp = temp_path(path, "tmp", tag)
     everyone = mesh.axis_names
     error: BaseException | None = None
@@ -194,26 +297,31 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         for name, view in entries:
             if all(ctx.coords[a] == 0 for a in view.layout.replicated_axes()):
                 start = [s for s, _ in view.layout.slices(ctx.coords)]
-                mine[piece_key(name, start)] = view.local.detach().contiguous().cpu()
-        if mine:
-            fpath = os.path.join(tmp, slice_file(ctx.rank))
-            _write_file(fpath, mine)
-            digest = torch.tensor([1] + list(bytes.fromhex(sha256_file(fpath))), dtype=torch.uint8)
+                local = view.local.detach().contiguous()
+                # a background save owns a host copy: the step loop goes on changing the original
+                mine[piece_key(name, start)] = local.to("cpu", copy=True) if background else local.cpu()
+        if not background:
+            sha = _write_slices(tmp, ctx.rank, mine)
+            if sha is not None:
+                digest = torch.tensor([1] + list(bytes.fromhex(sha)), dtype=torch.uint8)
     except BaseException as e:  # noqa: BLE001
         error = e
+    if background:  # every processor holds its snapshot, or none starts writing
+        if not _all_ok(error is None):
+            _discard(tmp)
+            raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
+                                  "changed") from error
+        work = _BackgroundWrite(path, tmp, ctx.rank, mesh.size, mine, index, step, keep, tag)
+        start_background(id(ctx), work)
+        return None
     ok = _all_ok(error is None)
     if ok:
         digests = comm.all_gather(digest.reshape(1, -1), everyone, 0)
         if ctx.rank == 0:
             try:
-                for rank in range(mesh.size):
-                    row = digests[rank]
-                    if row[0]:
-                        index["files"][slice_file(rank)] = {"sha256": bytes(row[1:].tolist()).hex()}
-                index[CHECKSUM] = index_checksum(index)
-                fsync_write(os.path.join(tmp, INDEX), json.dumps(index, indent=1))
-                fsync_dir(tmp)
-                commit(path, tmp, step, keep, tag)
+                got = {rank: bytes(digests[rank][1:].tolist()).hex() if digests[rank][0] else None
+                       for rank in range(mesh.size)}
+                _commit_index(path, tmp, index, got, step, keep, tag)
             except BaseException as e:  # noqa: BLE001
                 error = e
         ok = _all_ok(error is None)

@@ -43,6 +43,9 @@ HELP = {
     "out": "output directory (default: runs/<date-time>/)",
     "resume": "continue the run in this --out directory from its checkpoint, up to --steps in all",
     "keep": "checkpoints kept in --out/checkpoint/, the newest first",
+    "async_checkpoint": "--checkpoint-every's saves copy the state to host memory at the step, then write "
+                        "the files on a background thread while training goes on (the same files; the "
+                        "final save is synchronous)",
     "data": "a text file or a directory of text files (default: the Python stdlib .py files)",
     "config": "a TOML file of these options (flags override it)",
     "tensorboard": "also write the metrics as TensorBoard event files in --out/tensorboard/ "

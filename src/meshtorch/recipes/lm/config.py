@@ -240,6 +240,8 @@ class RunSection:
     eval_batches: int = 8
     checkpoint_every: int = 0
     keep: int = 2
+    # --checkpoint-every's saves write their files on a thread while the steps go on
+    async_checkpoint: bool = False
     sample_tokens: int = 160
     prompt: str = "def "
     temperature: float = 0.8

@@ -61,17 +61,18 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
 
 
 def save_run(cfg: TrainConfig, out: str, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Any,
-             step: int, saved: torch.nn.Module | None = None) -> None:
+             step: int, saved: torch.nn.Module | None = None, background: bool = False) -> None:
     """Write a new version of ``out/checkpoint`` at ``step`` (the step the run is at; ``--keep``
     versions are kept); ``saved`` (default ``model``) is the module whose parameters
-    are written, e.g. one that holds ``model``'s under the same names and more besides."""
+    are written, e.g. one that holds ``model``'s under the same names and more besides.
+    ``background``: write the files on a thread (``mt.save(..., background=True)``)."""
     from meshtorch import checkpoint
     from meshtorch.recipes.lm.guards import check_weights
 
     check_weights(model if saved is None else saved, step)  # never a checkpoint of NaN weights
     extra = {"model_config": model.cfg.to_dict(), "train_config": cfg.options(), "model": cfg.model.name}
     checkpoint.save(os.path.join(out, "checkpoint"), model=model if saved is None else saved, optimizer=opt,
-                    step=step, data=batches, extra=extra, keep=cfg.run.keep)
+                    step=step, data=batches, extra=extra, keep=cfg.run.keep, background=background)
 
 
 def earlier_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:

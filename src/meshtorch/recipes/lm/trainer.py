@@ -146,7 +146,8 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
                               "step": f"{dt * 1e3:.0f}ms", "util": f"{100 * flops / dt / peak:.1f}%"})
             board.write(rec)
         if run.checkpoint_every and step % run.checkpoint_every == 0 and step != run.steps:
-            save_run(cfg, out, model, opt, batches, step, saved=strategy.saved())
+            save_run(cfg, out, model, opt, batches, step, saved=strategy.saved(),
+                     background=run.async_checkpoint)
             saved_at = f"{out} holds the checkpoint of step {step}"
     bar.close()
     wall = time.perf_counter() - t0
