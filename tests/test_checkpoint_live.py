@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import safetensors.torch
 import torch
 
 import meshtorch as mt
@@ -286,3 +287,32 @@ def test_the_background_writer_keeps_the_process_alive_until_written(tmp_path, m
     assert not os.path.exists(os.path.join(root, POINTER))  # still writing
     gate.set()
     assert mt.checkpoint.wait() == os.path.join(root, "step-000001")
+
+
+TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "4",
+        "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--log-every", "1", "--warmup", "0",
+        "--lr-schedule", "constant", "--no-progress", "--mesh", "b:2", "--rules", "batch:b",
+        "--tokenizer", "bytes", "--checkpoint-every", "2", "--steps", "4", "--keep", "2", "--no-memory-check"]
+
+
+def test_train_async_checkpoint(tmp_path):
+    """``meshtorch train --async-checkpoint --checkpoint-every 2``: the background save of step 2 and
+    the final (synchronous) one of step 4 are both committed, and each loads with its checksums
+    verified into the run's model; the flag is recorded with the run's options."""
+    from meshtorch import cli
+    from meshtorch.recipes.lm.generate import load_lm
+    from run_harness import write_corpus
+
+    out, data = str(tmp_path / "run"), write_corpus(tmp_path, 6)
+    assert cli.main(["train", "--data", data, "--out", out, *TINY, "--async-checkpoint"]) == 0
+    ckpt = os.path.join(out, "checkpoint")
+    assert read_pointer(ckpt) == ["step-000004", "step-000002"]
+    assert sorted(os.listdir(ckpt)) == [POINTER, "step-000002", "step-000004"]
+    for version in ("step-000002", "step-000004"):
+        index = mt.checkpoint.index.read_index(os.path.join(ckpt, version))
+        assert index["step"] == int(version[-6:])
+        assert index["extra"]["train_config"]["async_checkpoint"] is True
+    model = load_lm(out)  # the newest version, every file's sha256 checked
+    stored = safetensors.torch.load_file(os.path.join(ckpt, "step-000004", "slices-00000.safetensors"))
+    for name, view in model.named_mesh_parameters():
+        assert torch.equal(view.to_global(), stored[f"model/{name}@" + ",".join("0" * len(view.shape))])
