@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "mesh_step": ([], ["--steps", "5", "--warmup", "1"]),
     "optim_fused": ([], ["--rounds", "2", "--steps", "2", "--no-plan"]),
     "init": ([], ["--repeats", "5"]),
+    "async_checkpoint": ([], ["--steps", "8", "--every", "4", "--rounds", "1"]),
     "replicator_vs_ddp": ([], ["--repeats", "2", "--steps", "10", "--warmup", "3"]),
     "pipeline": ([], ["--micro", "2", "--steps", "2", "--repeats", "1"]),
     "seqpar": ([], ["--length", "256"]),
