@@ -358,13 +358,15 @@ def test_plain_torch_module_checkpoints_replicated(tmp_path):
 
 
 def _save_on_processes(path: str) -> int:
-    for step in (1, 2, 3):
-        mt.save(path, model=make_model().reset_parameters(seed=step), step=step, keep=2)
+    for step in (1, 2, 3):  # the last in the background: processor 0's writer awaits the other process's file
+        mt.save(path, model=make_model().reset_parameters(seed=step), step=step, keep=2, background=step == 3)
+    mt.checkpoint.wait()
     return os.getpid()
 
 
 def test_processes_of_the_torch_backend_save_into_processor_0s_directory(tmp_path):
     # each process has its own id, but they all write into the one temp directory processor 0 named
+    # (synchronous saves, and a background one whose processes tell processor 0 by marker files)
     path = str(tmp_path / "ckpt")
     pids = mt.launch(_save_on_processes, path, mesh="m:2", rules=RULES_B, backend="torch")
     assert len(set(pids)) == 2

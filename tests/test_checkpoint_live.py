@@ -316,3 +316,4 @@ def test_train_async_checkpoint(tmp_path):
     stored = safetensors.torch.load_file(os.path.join(ckpt, "step-000004", "slices-00000.safetensors"))
     for name, view in model.named_mesh_parameters():
         assert torch.equal(view.to_global(), stored[f"model/{name}@" + ",".join("0" * len(view.shape))])
+
