@@ -102,3 +102,20 @@ def test_the_constant_mark_without_dynamo_is_the_one_torch_sets():
     before = set(vars(torchs))
     torch.compiler.assume_constant_result(torchs)
     assert {k: v for k, v in vars(torchs).items() if k not in before} == vars(ours)
+
+
+def test_threads_that_first_touch_the_api_together_all_get_it():
+    # `meshtorch launch --backend threads` runs a script on each processor's thread: all of them
+    # may be the first to use `mt.<name>` while another thread is still binding the API
+    code = ("import threading, meshtorch as mt\n"
+            "go, got = threading.Barrier(8), []\n"
+            "def touch():\n"
+            "    go.wait()\n"
+            "    try:\n"
+            "        got.append(mt.current is not None and mt.Shape is not None)\n"
+            "    except AttributeError as e:\n"
+            "        got.append(str(e))\n"
+            "ts = [threading.Thread(target=touch) for _ in range(8)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(got)")
+    assert _python(code) == str([True] * 8)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 import types
 
 __version__ = "0.1.0"
@@ -131,21 +132,30 @@ class _Package(types.ModuleType):
 
     def __getattr__(self, name: str):
         state = self.__dict__["_state"]
-        loaded = "__all__" in self.__dict__
-        if name.startswith("__") and name != "__all__" or state["loading"] or loaded:
-            raise AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+        missing = AttributeError(f"module 'meshtorch' has no attribute {name!r}")
+        if name.startswith("__") and name != "__all__" or "__all__" in self.__dict__:
+            raise missing
         if name != "launch" and importlib.util.find_spec(f"{__name__}.{name}") is not None:
             # a sub-module (`from meshtorch import random` inside the package): import
             # only it, so that internal imports never pull in the whole API
             return importlib.import_module(f"{__name__}.{name}")
-        state["loading"] = True
-        try:
-            api = _load()
-        finally:
-            state["loading"] = False
-        for key, value in api.items():
-            types.ModuleType.__setattr__(self, key, value)
-        types.ModuleType.__setattr__(self, "__all__", sorted(api))
+        # one thread binds the API; another that asks meanwhile (the processors of the threads
+        # backend start together) waits for it rather than being told the name is missing
+        with state["lock"]:
+            if "__all__" in self.__dict__:  # bound while this thread waited
+                if name in self.__dict__:
+                    return self.__dict__[name]
+                raise missing
+            if state["loading"]:  # asked by the binding itself, on this thread
+                raise missing
+            state["loading"] = True
+            try:
+                api = _load()
+            finally:
+                state["loading"] = False
+            for key, value in api.items():
+                types.ModuleType.__setattr__(self, key, value)
+            types.ModuleType.__setattr__(self, "__all__", sorted(api))
         return getattr(self, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -157,5 +167,5 @@ class _Package(types.ModuleType):
         return sorted(set(super().__dir__()) | set(self.__all__))
 
 
-_state = {"loading": False}
+_state = {"loading": False, "lock": threading.RLock()}
 sys.modules[__name__].__class__ = _Package
