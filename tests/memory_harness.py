@@ -79,3 +79,22 @@ def pipelined_step_peak(cfg, vocab: int) -> int:
     steps = count(1)
     return min(allocator_peak.step_peaks(lambda: prepare(cfg, vocab, pipelined=True),
                                          lambda s: s[0].run([s[1]], next(steps))))
+
+
+def measure_all(jobs: list) -> list:
+    """Each ``(function, args, rules)`` of ``jobs`` run in turn in this one world under its
+    rules: the memory tests measure every step on a mesh in one launch rather than starting
+    fresh processes for each (each measurement profiles its own allocations from its start)."""
+    from meshtorch.context import current
+    from meshtorch.layout import LayoutRules
+
+    ctx = current()
+    keep = ctx.rules
+    out = []
+    try:
+        for fn, args, rules in jobs:
+            ctx.rules = LayoutRules(rules)
+            out.append(fn(*args))
+    finally:
+        ctx.rules = keep
+    return out

@@ -154,7 +154,7 @@ def _children(pid: int) -> list[int]:
 def test_meshtorch_train_workers_stop_writing_when_the_launcher_is_killed(tmp_path):
     data = tmp_path / "corpus"
     data.mkdir()
-    for i in range(12):  # as in test_train: some files land in the held-out split
+    for i in range(12):  # as in test_lm_train_cli: some files land in the held-out split
         (data / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(30)))
     out = tmp_path / "run"
     launcher = _start([sys.executable, "-m", "meshtorch", "train", "--backend", "torch", "--mesh", "b:2",

@@ -112,3 +112,29 @@ def test_threads_touching_the_api_while_it_is_bound_all_get_it():
             "[t.start() for t in ts]; [t.join() for t in ts]\n"
             "print(got)")
     assert _python(code) == "[1, 1, 1, 1]"
+
+
+def test_a_spawned_processor_starts_without_dynamo():
+    # every mt.launch(backend="torch") processor and CLI run imports these; Dynamo (about a
+    # second of start-up each) is imported only when something compiles
+    code = ("import sys, meshtorch as mt, meshtorch.launcher.processes, meshtorch.comm.torch, "
+            "meshtorch.recipes.lm\nmt.Mesh('b:2')\nprint('torch._dynamo' in sys.modules)")
+    assert _python(code) == "False"
+
+
+def test_the_constant_mark_without_dynamo_is_the_one_torch_sets():
+    import torch
+
+    from meshtorch.comm.stats import _constant_result
+
+    def ours():
+        return 0
+
+    def torchs():
+        return 0
+
+    _constant_result(ours)
+    before = set(vars(torchs))
+    torch.compiler.assume_constant_result(torchs)
+    assert {k: v for k, v in vars(torchs).items() if k not in before} == vars(ours)
+

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import meshtorch as mt
 from mesh_harness import SIZES, meshes, rules_for
-from test_training import dense_adafactor_step, dense_loss, initial_globals, make_model, mesh_loss
+from test_optim_training import dense_adafactor_step, dense_loss, initial_globals, make_model, mesh_loss
 
 DIMS = ("p", "q", "r")
 TORCH_REDUCE = {"sum": torch.sum, "mean": torch.mean,

@@ -18,6 +18,7 @@ from memory_harness import (
     CASES,
     collective_peaks,
     collective_step,
+    measure_all,
     pipelined_step_peak,
     step_flops_and_peak,
     training_step_peak,
@@ -30,10 +31,39 @@ from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
 
 VOCAB = 64
 CFG = TrainConfig.of(batch=4, length=16, d_model=64, heads=4, d_kv=16, d_ff=256, layers=1, optimizer="adamw")
+# every gloo measurement runs for 2 processes: all of one mesh's in one launch (see `real`)
+pytestmark = pytest.mark.timeout(900)
 
 
-def test_gloo_collective_buffers_are_planned():
-    real = mt.launch(collective_peaks, mesh="b:2", backend="torch", timeout=60)
+def _gloo_jobs() -> dict[str, tuple]:
+    """Every real step the tests below measure: name -> (mesh, function, args, rules)."""
+    jobs: dict[str, tuple] = {"collectives": ("b:2", collective_peaks, (), "")}
+    for layout, (mesh, rules, rate) in LAYOUTS.items():
+        jobs[layout] = (mesh, training_step_peak, (CFG.replace(dropout=rate), VOCAB), rules)
+    for case, (model, precision, mesh, rules) in OTHERS.items():
+        jobs[case] = (mesh, training_step_peak, (_other(model, precision), VOCAB), rules)
+    jobs["pipeline"] = ("stage:2", pipelined_step_peak, (PIPELINED, VOCAB), "")
+    for model in ("lm", "seq2seq"):
+        jobs[f"recompute-{model}"] = (REMAT_MESH, step_flops_and_peak,
+                                      (_remat(model).replace(recompute=True), VOCAB), REMAT_RULES)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def real() -> dict[str, list]:
+    """name -> every processor's result of that job: one gloo launch per mesh runs all its jobs
+    (a launch starts two fresh interpreters; each measurement profiles only its own step)."""
+    jobs, out = _gloo_jobs(), {}
+    for mesh in sorted({job[0] for job in jobs.values()}):
+        names = [name for name, job in jobs.items() if job[0] == mesh]
+        ranks = mt.launch(measure_all, [jobs[name][1:] for name in names], mesh=mesh, backend="torch",
+                          timeout=120)
+        out.update({name: [r[i] for r in ranks] for i, name in enumerate(names)})
+    return out
+
+
+def test_gloo_collective_buffers_are_planned(real):
+    real = real["collectives"]
     for kind, dim in CASES:
         plan = trace(collective_step, kind, dim, mesh="b:2", staging="gloo")
         bare = trace(collective_step, kind, dim, mesh="b:2")
@@ -54,11 +84,11 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_planned_peak_is_within_5_percent_of_a_gloo_step(layout):
+def test_planned_peak_is_within_5_percent_of_a_gloo_step(layout, real):
     mesh, rules, rate = LAYOUTS[layout]
     cfg = CFG.replace(dropout=rate)
     plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
-    real = mt.launch(training_step_peak, cfg, VOCAB, mesh=mesh, rules=rules, backend="torch", timeout=120)
+    real = real[layout]
     for r in real:
         assert plan.peak_bytes == pytest.approx(r, rel=0.05), (layout, plan.peak_bytes, real)
 
@@ -72,21 +102,28 @@ OTHERS = {
 }
 
 
+def _other(model: str, precision: str) -> TrainConfig:
+    return CFG.replace(model=model, precision=precision, layers=2, encoder_layers=1, experts=4, top_k=2)
+
+
 @pytest.mark.parametrize("case", OTHERS)
-def test_seq2seq_moe_and_bf16_peaks_are_within_5_percent_of_a_gloo_step(case):
+def test_seq2seq_moe_and_bf16_peaks_are_within_5_percent_of_a_gloo_step(case, real):
     model, precision, mesh, rules = OTHERS[case]
-    cfg = CFG.replace(model=model, precision=precision, layers=2, encoder_layers=1, experts=4, top_k=2)
+    cfg = _other(model, precision)
     plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
-    real = mt.launch(training_step_peak, cfg, VOCAB, mesh=mesh, rules=rules, backend="torch", timeout=120)
+    real = real[case]
     assert plan.peak_bytes == pytest.approx(real[0], rel=0.05), (case, plan.peak_bytes, real)
 
 
-def test_pipeline_stage_peaks_are_within_5_percent_of_a_gloo_step():
-    cfg = CFG.replace(layers=2, schedule="1f1b", microbatches=2)
+PIPELINED = CFG.replace(layers=2, schedule="1f1b", microbatches=2)
+
+
+def test_pipeline_stage_peaks_are_within_5_percent_of_a_gloo_step(real):
+    cfg = PIPELINED
     mesh = "stage:2"
     plans = stage_traces(pipelined_training_step(cfg, VOCAB), mesh, "", staging="gloo")
     bare = stage_traces(pipelined_training_step(cfg, VOCAB), mesh, "")
-    real = mt.launch(pipelined_step_peak, cfg, VOCAB, mesh=mesh, backend="torch", timeout=120)
+    real = real["pipeline"]
     for stage, plan in enumerate(plans):
         rank = Mesh(mesh).rank({"stage": stage})
         assert plan.peak_bytes == pytest.approx(real[rank], rel=0.05), (stage, plan.peak_bytes, real)
@@ -106,14 +143,20 @@ def test_dropout_masks_and_their_draws_are_planned_on_threads(layout):
     assert plan.peak_bytes - without.peak_bytes >= 3 * 4 * 16 * 64 * 4 // 2
 
 
+REMAT_MESH, REMAT_RULES = "b:2", "batch:b; d_model:b"
+
+
+def _remat(model: str) -> TrainConfig:
+    return CFG.replace(model=model, layers=2, encoder_layers=1, dropout=0.1)
+
+
 @pytest.mark.parametrize("model", ["lm", "seq2seq"])
-def test_recompute_is_priced_as_a_real_recompute_step(model):
-    mesh, rules = "b:2", "batch:b; d_model:b"
-    cfg = CFG.replace(model=model, layers=2, encoder_layers=1, dropout=0.1)
+def test_recompute_is_priced_as_a_real_recompute_step(model, real):
+    mesh, rules = REMAT_MESH, REMAT_RULES
+    cfg = _remat(model)
     plain = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
     remat = trace(training_step(cfg.replace(recompute=True), VOCAB), mesh=mesh, rules=rules, staging="gloo")
-    (flops, peak), _ = mt.launch(step_flops_and_peak, cfg.replace(recompute=True), VOCAB, mesh=mesh,
-                                 rules=rules, backend="torch", timeout=120)
+    (flops, peak), _ = real[f"recompute-{model}"]
     assert remat.flops == flops
     assert remat.peak_bytes == pytest.approx(peak, rel=0.05), (remat.peak_bytes, peak)
     # what recomputation trades: each block's forward once more, for its activations

@@ -33,6 +33,18 @@ def _collectives():
     return y.item(), x.grad.item(), repl.reduce("mean", repl.replica_id), repl.comm.backend
 
 
+def _all(bucket_mb):
+    # module level so the spawned processes can unpickle it; one world runs every program that
+    # succeeds (a world starts two fresh interpreters)
+    return {"replicas": _both(bucket_mb), "collectives": _collectives()}
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """Each process's results of :func:`_all` on 2 gloo processes."""
+    return mt.replicator.launch_replicas(_all, 0.001, num_replicas=2, backend="torch", timeout=120)
+
+
 def _skip_a_collective():
     repl = mt.Replicator(device="cpu")
     if repl.replica_id == 0:
@@ -41,9 +53,9 @@ def _skip_a_collective():
         repl.broadcast(torch.ones(2))
 
 
-def test_two_gloo_processes_match_one_process_on_global_batch():
+def test_two_gloo_processes_match_one_process_on_global_batch(gloo):
     # buckets go out as asynchronous torch.distributed all_reduces here (no check)
-    out = mt.replicator.launch_replicas(_both, 0.001, num_replicas=2, backend="torch", timeout=120)
+    out = [per_process["replicas"] for per_process in gloo]
     check_unused([per_process[2] for per_process in out])
     for bn_index, bn in enumerate((False, True)):
         ref = reference(bn)
@@ -53,8 +65,8 @@ def test_two_gloo_processes_match_one_process_on_global_batch():
                 torch.testing.assert_close(state[k], ref[k], rtol=1e-9, atol=1e-9, msg=k)
 
 
-def test_collectives_and_mismatch_on_gloo():
-    out = mt.replicator.launch_replicas(_collectives, num_replicas=2, backend="torch", timeout=60)
+def test_collectives_and_mismatch_on_gloo(gloo):
+    out = [per_process["collectives"] for per_process in gloo]
     # y = max(1,2) + x_1 + (1 + 2) = 7; dy/dx summed over both replicas' y:
     # replica 0: max -> 0, broadcast -> 0, gather -> 2; replica 1: 2 + 2 + 2
     assert [o[:2] for o in out] == [(7.0, 2.0), (7.0, 6.0)]

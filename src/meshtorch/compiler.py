@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.comm.stats import begin_traced, traced_tally
+from meshtorch.comm.stats import begin_traced, note_traced, traced_tally
 from meshtorch.context import current
 
 
@@ -49,6 +49,10 @@ def compile_step(fn: Callable[..., Any], backend: str = "inductor", dynamic: boo
         >>> compile_step(mt.reduce_sum, backend="eager")(x).item()
         6.0
     """
+    # comm.stats marks these without importing Dynamo; torch's own decorator (Dynamo is
+    # imported now) keeps them marked should a torch release mark constants another way
+    for marked in (begin_traced, note_traced):
+        torch.compiler.assume_constant_result(marked)
     config = torch._dynamo.config
     n = current().mesh.size
     config.recompile_limit = max(config.recompile_limit, 2 * n)

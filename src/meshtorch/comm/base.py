@@ -100,9 +100,8 @@ def collective(method: F) -> F:
     Example:
         >>> import torch
         >>> from meshtorch.comm.base import LocalCommunicator
-        >>> torch.compile(lambda t: LocalCommunicator().all_reduce(t, ()) * 2, backend="eager")(
-        ...     torch.ones(2)).tolist()
-        [2.0, 2.0]
+        >>> torch.compile(LocalCommunicator().all_reduce, backend="eager")(torch.ones(2), ()).tolist()
+        [1.0, 1.0]
     """
     name = method.__name__
 

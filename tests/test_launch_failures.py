@@ -147,7 +147,7 @@ def test_torch_backend_error_is_both_classes_with_remote_traceback(fn, cls, mess
     assert str(err) == message
     assert type(err.__cause__) is cls
     remote = str(err.__cause__.__cause__)
-    assert f"in {fn.__name__}" in remote and "test_launch.py" in remote
+    assert f"in {fn.__name__}" in remote and "test_launch_failures.py" in remote
 
 
 def test_replicator_launch_inside_running_mesh_runs_each_processor_as_a_replica():

@@ -162,7 +162,7 @@ def test_torchrun_pipelined_run_on_the_mesh_with_its_stage_axis(text, tmp_path):
     """``torchrun --nproc-per-node 4 -m meshtorch train --pipeline-stages 2 --mesh b:2``: the mesh is
     stage:2,b:2, four processors (before, the world was joined on the mesh without its stage axis and
     the run failed with "start 2 processes"). Its losses are the threads backend's on the same mesh."""
-    from test_launcher import _run as run_in_group
+    from test_launch_cli import _run as run_in_group
 
     flags = [*TINY, "--mesh", "b:2", "--rules", "batch:b", "--tokenizer", "bytes", "--steps", "2",
              "--log-every", "1", "--sample-tokens", "0", *PIPE]
