@@ -56,6 +56,8 @@ HELP = {
     "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches)",
     "clip": "bound on the global gradient norm; 0: no clipping",
     "timeout": "seconds a collective waits for the other processors before the run fails",
+    "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
+                    "from the run's record; without it a changed model option is an error",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
     "recompute": "recompute each block's activations in backward instead of keeping them (less memory, "
                  "one more forward of FLOPs; meshtorch plan prices it)",

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, TrainingError
+from meshtorch.errors import TrainingError
 from meshtorch.recipes.lm.config import TrainConfig
 
 LOCK = ".lock"
@@ -59,10 +59,6 @@ class RunDirLock:
         self.fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
-        run = self.cfg.run
-        if run.overwrite and _same_dir(run.resume, self.out):
-            raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
-                                "continues from; drop --overwrite to continue the run, or pass another --out")
         os.makedirs(self.out, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

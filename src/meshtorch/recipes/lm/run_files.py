@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -17,7 +18,94 @@ from typing import Any
 import torch
 
 from meshtorch.errors import ArgumentError, MeshTorchError
-from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.models.config import TransformerConfig
+from meshtorch.models.hf import RUN_OPTIONS
+from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
+
+# TransformerConfig's fields that choose how the same function is computed, not which: free on resume
+# (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
+SAME_FUNCTION = (*RUN_OPTIONS, "recompute")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def allowed_changes(cfg: TrainConfig) -> set[str]:
+    """The model options ``--allow-change`` names (``"activation,eps"`` -> ``{"activation", "eps"}``);
+    a name that is not a model option is an :class:`ArgumentError`.
+
+    Example:
+        >>> sorted(allowed_changes(TrainConfig.of(allow_change="activation, rotary-base")))
+        ['activation', 'rotary_base']
+    """
+    names = {n.strip().replace("-", "_") for n in cfg.run.allow_change.split(",") if n.strip()}
+    known = {"model"} | {f.name for f in dataclasses.fields(ModelSection) if f.name != "name"}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ArgumentError(f"--allow-change {cfg.run.allow_change!r} names {unknown}, which are not model "
+                            f"options; it takes model options such as 'activation,eps': {sorted(known)}")
+    return names
+
+
+def recorded(resume: str) -> dict[str, Any]:
+    """What the checkpoint of run directory ``resume`` records about its run (``extra``: the model kind
+    ``model``, ``model_config``, ``train_config`` (every option by flag name), ``tokenizer``)."""
+    from meshtorch.checkpoint.index import read_index
+    from meshtorch.checkpoint.state import from_json
+
+    return from_json(read_index(os.path.join(resume, "checkpoint")).get("extra")) or {}
+
+
+def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(option, recorded value, value of cfg)`` for every model option in which ``cfg`` differs from the
+    run ``record`` (:func:`recorded`) describes: ``--model`` and every field of
+    :class:`~meshtorch.models.TransformerConfig` (found by ``dataclasses.fields``, so a field added
+    later is compared too), except those the run decides (:data:`RUN_DECIDES`) and those that compute
+    the same function (:data:`SAME_FUNCTION`)."""
+    changes = []
+    kind = record.get("model", "lm")
+    if kind != cfg.model.name:
+        changes.append(("model", kind, cfg.model.name))
+    if "model_config" not in record:
+        return changes
+    theirs = TransformerConfig.from_dict(record["model_config"])
+    # the fields under the run's kind: --model moe's experts are the consequence of --model, not a change
+    mine = dataclasses.replace(cfg.model, name=kind).config(vocab=theirs.vocab, length=cfg.run.length)
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in RUN_DECIDES or f.name in SAME_FUNCTION:
+            continue
+        a, b = getattr(theirs, f.name), getattr(mine, f.name)
+        if a != b:
+            changes.append((f.name, a, b))
+    return changes
+
+
+def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
+    """Raise :class:`ArgumentError` if ``cfg``'s model differs from the one the resumed run trained
+    (:func:`model_changes`) in an option that ``--allow-change`` does not name: a change that keeps the
+    shapes (``--activation``, ``--eps``, ``--rotary-base``) would load the weights into another function."""
+    allowed = allowed_changes(cfg)
+    refused = [c for c in model_changes(cfg, record) if c[0] not in allowed]
+    if not refused:
+        return
+    what = "; ".join(f"{_flag(n)} {b!r} (the run has {a!r})" for n, a, b in refused)
+    back = " ".join((_flag(n) if a else _flag("no_" + n)) if isinstance(a, bool) else f"{_flag(n)} {a}"
+                    for n, a, _ in refused)
+    names = ",".join(n for n, _, _ in refused)
+    raise ArgumentError(f"--resume {cfg.run.resume!r} trained another model than these options ask for: "
+                        f"{what}. Pass {back} to continue the run as it was, or --allow-change {names} to "
+                        "change it on purpose")
+
+
+def check_resumed_optimizer(cfg: TrainConfig, record: dict[str, Any]) -> None:
+    """Raise :class:`ArgumentError` if ``--optimizer`` is not the resumed run's: its state cannot carry
+    over. (Its hyperparameters may change: :func:`resume_run` applies the ones given.)"""
+    theirs = (record.get("train_config") or {}).get("optimizer")
+    if theirs is not None and theirs != cfg.optimizer.name:
+        raise ArgumentError(f"--optimizer {cfg.optimizer.name!r}: --resume {cfg.run.resume!r} trained with "
+                            f"--optimizer {theirs!r}, whose state cannot load into another optimizer; pass "
+                            f"--optimizer {theirs}, or start a new run with --init-from")
 
 
 def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError) -> int:
@@ -29,6 +117,10 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
     from meshtorch.checkpoint.index import read_index
 
     run = cfg.run
+    out = run.out or run.resume
+    if run.overwrite and os.path.realpath(run.resume) == os.path.realpath(out):
+        raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
+                            "continues from; drop --overwrite to continue the run, or pass another --out")
     if not os.path.isdir(os.path.join(run.resume, "checkpoint")):
         raise error(f"--resume {run.resume!r} has no checkpoint/ directory; pass the --out "
                     "directory of an earlier run")
@@ -41,6 +133,9 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
                             f"{run.resume!r}: --steps is the total number of steps the run trains to, and "
                             f"a resumed run continues from step {saved}; pass --steps {saved} or more "
                             f"(e.g. --steps {saved + run.steps} to train {run.steps} more)")
+    record = recorded(run.resume)
+    check_resumed_model(cfg, record)
+    check_resumed_optimizer(cfg, record)
     return saved
 
 
@@ -52,11 +147,21 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
 
     if not cfg.run.resume:
         return 0
+    # loading restores the saved param groups: put back the ones cfg built (--weight-decay etc. given
+    # now), so the options the checkpoint will record are the ones in effect
+    given = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     state = checkpoint.load(os.path.join(cfg.run.resume, "checkpoint"),
                             model=model if saved is None else saved, optimizer=opt, data=batches)
+    # the hyperparameters that differ (numbers: not fused= and the like, which follow the device)
+    changed = sorted({k for g, mine in zip(opt.param_groups, given) for k, v in mine.items()
+                      if k != "lr" and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)
+                      and g.get(k) != v})
+    for g, mine in zip(opt.param_groups, given):
+        g.update(mine)
     start = int(state["step"])
     if lead:
-        print(f"resumed from {cfg.run.resume} at step {start}")
+        print(f"resumed from {cfg.run.resume} at step {start}"
+              + (f"; optimizer options now as given: {', '.join(changed)}" if changed else ""))
     return start
 
 

@@ -1,0 +1,118 @@
+"""``--resume`` never trains another model than the run's, the options it records are the ones in effect,
+and ``--overwrite`` never loses what meshtorch did not write (issue 29)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from meshtorch.errors import ArgumentError
+from meshtorch.recipes.lm import TrainConfig, train
+from meshtorch.recipes.lm.run_files import recorded
+from run_harness import checkpoint_tensors, write_corpus
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, eval_batches=1,
+            sample_tokens=4, log_every=1, warmup=0, lr_schedule="constant", progress=False,
+            tokenizer="bytes", memory_check=False)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), 6)
+
+
+@pytest.fixture(scope="module")
+def run2(text, tmp_path_factory):
+    """A 2-step run (GELU, learned positions); tests copy it before they change it."""
+    out = str(tmp_path_factory.mktemp("runs") / "two")
+    train(TrainConfig.of(steps=2, out=out, data=text, **TINY))
+    return out
+
+
+def _files(out: str) -> dict[str, bytes]:
+    """Every file under ``out`` (but the lock) by its relative path: what a refused run must not touch."""
+    found = {}
+    for root, _, names in os.walk(out):
+        for n in names:
+            if n != ".lock":
+                path = os.path.join(root, n)
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, out)] = f.read()
+    return found
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"activation": "relu"}, "--activation 'relu' (the run has 'gelu')"),
+    ({"eps": 1e-6}, "--eps 1e-06 (the run has 1e-05)"),
+    ({"rotary_base": 500.0}, "--rotary-base 500.0 (the run has 10000.0)"),
+    ({"model": "moe"}, "--model 'moe' (the run has 'lm')"),
+    ({"bias": True, "gated": True}, "--bias True (the run has False); --gated True (the run has False)"),
+])
+def test_resume_refuses_a_model_change_that_keeps_the_shapes(change, needle, run2, text):
+    before = _files(run2)
+    with pytest.raises(ArgumentError) as e:
+        train(TrainConfig.of(steps=4, resume=run2, data=text, **{**TINY, **change}))
+    msg = str(e.value)
+    assert needle in msg, msg
+    names = ",".join(k for k in change)
+    assert f"--allow-change {names} to change it on purpose" in msg, msg
+    if "model" in change:  # the kind alone: its experts follow from it and are not "changes" to undo
+        assert "--experts" not in msg and "Pass --model lm to continue" in msg, msg
+    if "gated" in change:  # booleans are named as their flags
+        assert "Pass --no-bias --no-gated to continue" in msg, msg
+    assert _files(run2) == before  # refused before anything was written
+
+
+def test_allow_change_lets_the_named_field_change_and_records_it(run2, text, tmp_path):
+    out = str(tmp_path / "relu")
+    with pytest.raises(ArgumentError, match=r"--activation 'relu' \(the run has 'gelu'\)"):  # eps is not it
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, allow_change="eps",
+                             **{**TINY, "activation": "relu"}))
+    with pytest.raises(ArgumentError, match=r"--allow-change 'steps' names \['steps'\], which are not model"):
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, allow_change="steps", **TINY))
+    train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, allow_change="activation",
+                         **{**TINY, "activation": "relu"}))
+    rec = recorded(out)
+    assert rec["model_config"]["activation"] == "relu" and rec["train_config"]["activation"] == "relu"
+    # options that compute the same function are free: the attention kernel, recomputation, dropout
+    train(TrainConfig.of(steps=3, resume=run2, out=str(tmp_path / "free"), data=text,
+                         **{**TINY, "recompute": True, "attention": "gather", "dropout": 0.1}))
+
+
+def test_resume_refuses_another_optimizer(run2, text):
+    with pytest.raises(ArgumentError, match="--optimizer 'adafactor': --resume .* trained with --optimizer "
+                       "'adamw'.*pass --optimizer adamw"):
+        train(TrainConfig.of(steps=4, resume=run2, data=text, optimizer="adafactor", **TINY))
+
+
+def _decay_groups(out: str) -> list[float]:
+    from meshtorch.checkpoint.index import read_index
+
+    groups = read_index(os.path.join(out, "checkpoint"))["optimizer"]["param_groups"]
+    return [g["weight_decay"] for g in groups]
+
+
+def test_weight_decay_given_on_resume_takes_effect_and_is_recorded(run2, text, tmp_path, capsys):
+    assert _decay_groups(run2) == [0.01, 0.0]
+    runs = {}
+    for wd in (0.01, 0.5):
+        out = str(tmp_path / f"wd{wd}")
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, weight_decay=wd, **TINY))
+        runs[wd] = checkpoint_tensors(out)
+        assert _decay_groups(out) == [wd, 0.0]  # the optimizer's groups as given, not as loaded
+        assert recorded(out)["train_config"]["weight_decay"] == wd
+    assert "optimizer options now as given: weight_decay" in capsys.readouterr().out
+    # the reference: AdamW's decoupled decay of step 3 alone, lr * wd * w, on the decayed weights
+    # (the gradient part of the update is the same in both runs: same weights, batch and moments)
+    base = checkpoint_tensors(run2)
+    lr = TrainConfig().optimizer.lr
+    name = "model/embed.table@0,0"
+    want = runs[0.01][name] - lr * (0.5 - 0.01) * base[name]
+    torch.testing.assert_close(runs[0.5][name], want, rtol=0, atol=1e-6)
+    assert not torch.equal(runs[0.5][name], runs[0.01][name])
+    bias = "model/decoder.ln_f.bias@0"  # in the group without decay: the same bits either way
+    assert torch.equal(runs[0.5][bias], runs[0.01][bias])
