@@ -4,6 +4,7 @@ and ``--overwrite`` never loses what meshtorch did not write (issue 29)."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -116,3 +117,98 @@ def test_weight_decay_given_on_resume_takes_effect_and_is_recorded(run2, text, t
     assert not torch.equal(runs[0.5][name], runs[0.01][name])
     bias = "model/decoder.ln_f.bias@0"  # in the group without decay: the same bits either way
     assert torch.equal(runs[0.5][bias], runs[0.01][bias])
+
+
+def _bpe(path, size: int = 300) -> str:
+    from meshtorch.data.hf_tokenizer import train_bpe
+
+    train_bpe([f"def f{i}(x):\n    return x + {i}\n" for i in range(40)], size, str(path))
+    return str(path)
+
+
+def test_the_tokenizer_is_kept_in_the_run_and_a_moved_run_resumes_from_its_copy(text, tmp_path):
+    from meshtorch.errors import CheckpointError
+    from meshtorch.recipes.lm.generate import run_tokenizer
+    from meshtorch.recipes.lm.run_files import tokenizer_digest
+
+    mine = _bpe(tmp_path / "mine")
+    out = str(tmp_path / "run")
+    train(TrainConfig.of(steps=2, out=out, data=text, **{**TINY, "tokenizer": mine}))
+    rec = recorded(out)["tokenizer"]
+    assert rec == {"path": "tokenizer", "sha256": tokenizer_digest(mine)}  # the copy computes the same
+    assert tokenizer_digest(os.path.join(out, "tokenizer")) == rec["sha256"]
+    # move the run and lose the original: the run resumes (and samples) from its own copy
+    moved = str(tmp_path / "moved")
+    os.rename(out, moved)
+    os.rename(mine, str(tmp_path / "elsewhere"))
+    assert run_tokenizer(os.path.join(moved, "checkpoint")).path == os.path.join(moved, "tokenizer")
+    train(TrainConfig.of(steps=3, resume=moved, data=text, **{**TINY, "tokenizer": "auto"}))
+    assert recorded(moved)["tokenizer"] == rec
+    # an explicit --tokenizer must be the run's: the same one (wherever it is) is accepted, another refused
+    train(TrainConfig.of(steps=4, resume=moved, data=text,
+                         **{**TINY, "tokenizer": str(tmp_path / "elsewhere")}))
+    before = _files(moved)
+    for other in ("bytes", _bpe(tmp_path / "other", 280)):
+        with pytest.raises(ArgumentError, match=f"--tokenizer '{other}' is not the tokenizer --resume .*"
+                           r"trained with \(its own copy in .*moved/tokenizer\); drop --tokenizer"):
+            train(TrainConfig.of(steps=5, resume=moved, data=text, **{**TINY, "tokenizer": other}))
+    assert _files(moved) == before
+    # a copy changed since the checkpoint was written is named, not used
+    shutil.copy(os.path.join(tmp_path, "other", "tokenizer.json"), os.path.join(moved, "tokenizer"))
+    with pytest.raises(CheckpointError, match="is not the one --resume .* trained with .*sha256 differs"):
+        train(TrainConfig.of(steps=5, resume=moved, data=text, **{**TINY, "tokenizer": "auto"}))
+
+
+def test_a_byte_run_refuses_a_tokenizer_on_resume(run2, text):
+    with pytest.raises(ArgumentError, match=r"--tokenizer 'bpe:300' is not the tokenizer .*\(bytes\)"):
+        train(TrainConfig.of(steps=4, resume=run2, data=text, **{**TINY, "tokenizer": "bpe:300"}))
+
+
+def test_overwrite_removes_only_what_meshtorch_wrote_after_checking_the_inputs(text, tmp_path, monkeypatch):
+    from meshtorch.errors import TrainingError
+
+    out = tmp_path / "run"
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "tokenizer" / "__init__.py").write_text("# the user's package")
+    for overwrite in (False, True):  # a user's tokenizer/ is never the run's to replace
+        with pytest.raises(TrainingError, match="holds tokenizer, which meshtorch train did not write"):
+            train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=overwrite, **TINY))
+    assert (out / "tokenizer" / "__init__.py").read_text() == "# the user's package"
+    shutil.rmtree(out / "tokenizer")
+    mine = _bpe(tmp_path / "mine")
+    train(TrainConfig.of(steps=2, out=str(out), data=text, **{**TINY, "tokenizer": mine}))
+    (out / "notes.txt").write_text("mine")
+    before = _files(str(out))
+    # inputs inside what --overwrite removes, or missing, are refused before anything is removed
+    with pytest.raises(ArgumentError, match=r"--tokenizer '.*run/tokenizer' is in .*run/tokenizer, a file of "
+                       "the earlier run that --overwrite would remove"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=True,
+                             **{**TINY, "tokenizer": str(out / "tokenizer")}))
+    with pytest.raises(ArgumentError, match="--data '.*nowhere' does not exist; nothing in --out was remo"):
+        train(TrainConfig.of(steps=2, out=str(out), data=str(tmp_path / "nowhere"), overwrite=True, **TINY))
+    # a stray RANK or WORLD_SIZE never skips the earlier-run check of the threads backend
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(TrainingError, match="holds an earlier run .*pass --resume .* or --overwrite"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, **TINY))
+    assert _files(str(out)) == before
+    train(TrainConfig.of(steps=1, out=str(out), data=text, overwrite=True, **TINY))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "tokenizer").exists()  # the earlier run's; this one is on bytes
+    assert recorded(str(out))["tokenizer"] == {"path": "bytes"}
+
+
+def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, tmp_path):
+    from meshtorch.errors import TrainingError
+
+    out = str(tmp_path / "cut")
+    shutil.copytree(run2, out)
+    shutil.rmtree(os.path.join(out, "checkpoint"))  # as if stopped before it was written
+    with pytest.raises(TrainingError, match=r"holds an earlier run \(metrics.jsonl, .*\); it stopped before "
+                       "its first checkpoint: pass --overwrite to rerun it in place"):
+        train(TrainConfig.of(steps=2, out=out, data=text, **TINY))
+    with pytest.raises(Exception, match=f"--resume '{out}' has no checkpoint/ .*--overwrite"):
+        train(TrainConfig.of(steps=2, resume=out, data=text, **TINY))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert len(f.read().splitlines()) == 2  # a failed resume leaves the metrics as they were
+    train(TrainConfig.of(steps=2, out=out, data=text, overwrite=True, **TINY))

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import shutil
@@ -32,12 +33,16 @@ from typing import Any
 
 import torch
 
-from meshtorch.errors import TrainingError
+from meshtorch.errors import ArgumentError, TrainingError
 from meshtorch.recipes.lm.config import TrainConfig
 
 LOCK = ".lock"
-# what makes a directory an earlier run's (its other files are the user's and are left alone)
-RUN_FILES = ("checkpoint", "metrics.jsonl", "summary.json", "loss.png", "tokenizer")
+# the files meshtorch train writes in --out (its other files are the user's and are left alone)
+RUN_FILES = ("checkpoint", "metrics.jsonl", "summary.json", "loss.png", "tokenizer", "tensorboard")
+# the manifest of a run directory: the files above that meshtorch wrote there, which --overwrite removes
+MANIFEST = ".meshtorch-run.json"
+# a run directory from before the manifest: what marks it as a run's
+EARLIER = ("checkpoint", "metrics.jsonl")
 FIX = "Lower --lr, keep --clip on (e.g. --clip 1), or use --precision fp32, then rerun or --resume"
 
 
@@ -79,24 +84,86 @@ class RunDirLock:
             raise
         return self
 
+    def _ours(self) -> list[str]:
+        """The files of an earlier run in ``out`` that meshtorch wrote (its manifest's; before
+        manifests, the run files but ``tokenizer/`` unless the run recorded it as its own)."""
+        manifest = os.path.join(self.out, MANIFEST)
+        if os.path.exists(manifest):
+            with open(manifest) as f:
+                listed = json.load(f).get("files", [])
+            return [f for f in listed if f in RUN_FILES and os.path.lexists(os.path.join(self.out, f))]
+        if not any(os.path.exists(os.path.join(self.out, f)) for f in EARLIER):
+            return []
+        ours = [f for f in RUN_FILES if f != "tokenizer" and os.path.lexists(os.path.join(self.out, f))]
+        try:
+            from meshtorch.recipes.lm.run_files import recorded
+
+            theirs = (recorded(self.out).get("train_config") or {}).get("tokenizer") or ""
+        except Exception:  # noqa: BLE001 - no readable checkpoint: the tokenizer is not known to be ours
+            theirs = ""
+        if theirs and _same_dir(theirs, os.path.join(self.out, "tokenizer")):
+            ours.append("tokenizer")
+        return ours
+
     def _claim(self) -> None:
         run = self.cfg.run
-        found = [f for f in RUN_FILES if os.path.exists(os.path.join(self.out, f))]
-        if not found or _same_dir(run.resume, self.out):
-            return
-        if not run.overwrite:
-            raise TrainingError(f"--out {self.out!r} holds an earlier run ({', '.join(found)}); pass "
-                                f"--resume {self.out} to continue it, another --out for a new run, or "
-                                "--overwrite to replace it")
-        for f in found:
-            path = os.path.join(self.out, f)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        ours = self._ours()
+        if not _same_dir(run.resume, self.out):
+            # a file of this run's names that meshtorch did not write: the run would write over it
+            foreign = [f for f in RUN_FILES if f not in ours and os.path.lexists(os.path.join(self.out, f))]
+            if foreign:
+                raise TrainingError(f"--out {self.out!r} holds {', '.join(foreign)}, which meshtorch train "
+                                    "did not write and would write over; move them or pass another --out")
+            if ours and not run.overwrite:
+                has_checkpoint = "checkpoint" in ours
+                cont = (f"pass --resume {self.out} to continue it, another --out for a new run, or "
+                        "--overwrite to replace it") if has_checkpoint else (
+                        "it stopped before its first checkpoint: pass --overwrite to rerun it in place, "
+                        "or another --out")
+                raise TrainingError(f"--out {self.out!r} holds an earlier run ({', '.join(ours)}); {cont}")
+            if ours:
+                check_inputs(self.cfg, [os.path.join(self.out, f) for f in ours])
+                for f in ours:  # only now, every input checked
+                    path = os.path.join(self.out, f)
+                    tree = os.path.isdir(path) and not os.path.islink(path)
+                    shutil.rmtree(path) if tree else os.remove(path)
+        write_manifest(self.out)
 
     def __exit__(self, *exc: Any) -> None:
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def write_manifest(out: str) -> None:
+    """Record in ``out`` which of its files meshtorch train writes (what ``--overwrite`` may remove)."""
+    from meshtorch.data.hf_tokenizer import write_atomic
+
+    write_atomic(os.path.join(out, MANIFEST),
+                 json.dumps({"written_by": "meshtorch train", "files": list(RUN_FILES)}, indent=1).encode())
+
+
+def check_inputs(cfg: TrainConfig, removed: list[str]) -> None:
+    """Raise :class:`ArgumentError` unless every input of the run (``--data``, ``--tokenizer``,
+    ``--init-from``) exists and none lies in ``removed``, the earlier run's files that ``--overwrite``
+    is about to delete."""
+    run = cfg.run
+    inputs = {"--data": run.data, "--init-from": run.init_from}
+    if run.tokenizer != "auto" and run.tokenizer != "bytes" and not run.tokenizer.startswith("bpe:"):
+        inputs["--tokenizer"] = run.tokenizer
+    for flag, path in inputs.items():
+        if not path:
+            continue
+        if not os.path.exists(path):
+            raise ArgumentError(f"{flag} {path!r} does not exist; nothing in --out was removed")
+        real = os.path.realpath(path)
+        for gone in removed:
+            g = os.path.realpath(gone)
+            if real == g or real.startswith(g + os.sep):
+                raise ArgumentError(f"{flag} {path!r} is in {gone}, a file of the earlier run that "
+                                    "--overwrite would remove; copy it elsewhere and pass that, or pass "
+                                    "another --out; nothing was removed")
 
 
 def check_loss(loss: float, first: int, step: int, last_checkpoint: str) -> None:

@@ -11,13 +11,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, MeshTorchError
+from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
@@ -25,6 +27,7 @@ from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
 # TransformerConfig's fields that choose how the same function is computed, not which: free on resume
 # (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
 SAME_FUNCTION = (*RUN_OPTIONS, "recompute")
+TOKENIZER_DIR = "tokenizer"  # the run's own copy of its tokenizer (a fitted BPE is written there)
 
 
 def _flag(name: str) -> str:
@@ -122,8 +125,10 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
         raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
                             "continues from; drop --overwrite to continue the run, or pass another --out")
     if not os.path.isdir(os.path.join(run.resume, "checkpoint")):
-        raise error(f"--resume {run.resume!r} has no checkpoint/ directory; pass the --out "
-                    "directory of an earlier run")
+        stopped = os.path.exists(os.path.join(run.resume, "metrics.jsonl"))
+        raise error(f"--resume {run.resume!r} has no checkpoint/ directory; " + (
+            f"its run stopped before its first checkpoint: rerun it in place with --out {run.resume} "
+            "--overwrite" if stopped else "pass the --out directory of an earlier run"))
     saved = read_index(os.path.join(run.resume, "checkpoint"))["step"]
     if saved is None:
         raise error(f"the checkpoint in --resume {run.resume!r} records no step; it was not written by "
@@ -136,7 +141,88 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
     record = recorded(run.resume)
     check_resumed_model(cfg, record)
     check_resumed_optimizer(cfg, record)
+    if cfg.model.name != "seq2seq":
+        resumed_tokenizer(cfg)
     return saved
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, stamp: tuple[int, int]) -> str:
+    from meshtorch.data.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(path)
+    return hashlib.sha256(f"{tok.tok.to_str()}\0{tok.tok.id_to_token(tok.eos)}".encode()).hexdigest()
+
+
+def tokenizer_digest(path: str) -> str:
+    """The sha256 of the tokenizer in ``path`` (``"bytes"``: ``"bytes"``): of what it computes (its
+    ``tokenizer.json`` as the ``tokenizers`` library writes it, and its end-of-text token), so a copy
+    and its original have the same digest."""
+    if path == "bytes":
+        return "bytes"
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    st = os.stat(file if os.path.exists(file) else path)
+    return _digest(os.path.realpath(path), (st.st_mtime_ns, st.st_size))
+
+
+def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
+    """The run's own copy of tokenizer ``path`` (``out/tokenizer/``; ``"bytes"`` stays ``"bytes"``),
+    written there unless it is there already (or ``write`` is false: another process writes it)."""
+    if path == "bytes":
+        return path
+    own = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
+    if os.path.realpath(path) == os.path.realpath(own) or not write:
+        return own
+    from meshtorch.data.hf_tokenizer import FILE, HFTokenizer, write_atomic
+
+    tok = HFTokenizer(path)
+    os.makedirs(own, exist_ok=True)
+    write_atomic(os.path.join(own, FILE), tok.tok.to_str(pretty=True).encode())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.tok.id_to_token(tok.eos)}
+    write_atomic(os.path.join(own, "tokenizer_config.json"), json.dumps(config, indent=1).encode())
+    return own
+
+
+def tokenizer_record(cfg: TrainConfig) -> dict[str, str]:
+    """What a checkpoint records of the run's tokenizer (``cfg``'s, the run's own copy after
+    :func:`keep_tokenizer`): where it is, relative to the run directory, and its digest."""
+    spec = cfg.run.tokenizer
+    if spec == "bytes":
+        return {"path": "bytes"}
+    return {"path": TOKENIZER_DIR, "sha256": tokenizer_digest(spec)}
+
+
+def resumed_tokenizer(cfg: TrainConfig) -> str:
+    """The tokenizer ``--resume``'s run trained with: its own copy, found in the run directory (so a
+    moved run resumes) and checked against the digest its checkpoint records. An explicit
+    ``--tokenizer`` (a directory or ``bytes``) must be that tokenizer (``auto`` is); a ``bpe:N`` to
+    fit is refused on a run that trained on bytes (a resumed run fits nothing)."""
+    run, spec = cfg.run, cfg.run.tokenizer
+    rec = recorded(run.resume).get("tokenizer")
+    if rec is None:  # a checkpoint from before the run kept its tokenizer: the path it recorded
+        where = (recorded(run.resume).get("train_config") or {}).get("tokenizer") or "bytes"
+        beside = os.path.join(run.resume, TOKENIZER_DIR)
+        if where != "bytes" and not os.path.exists(where) and os.path.isdir(beside):
+            where = beside  # a BPE fitted by the run, in a run directory that was moved
+        if where != "bytes" and not os.path.exists(where):
+            raise CheckpointError(f"--resume {run.resume!r} trained with --tokenizer {where!r}, which is "
+                                  "gone; put it back there")
+    else:
+        where = "bytes" if rec["path"] == "bytes" else os.path.join(run.resume, rec["path"])
+        if where != "bytes" and not os.path.exists(where):
+            raise CheckpointError(f"--resume {run.resume!r} has lost its tokenizer: {where} is gone; put the "
+                                  "run's tokenizer/ back")
+        if where != "bytes" and tokenizer_digest(where) != rec["sha256"]:
+            raise CheckpointError(f"the tokenizer in {where} is not the one --resume {run.resume!r} trained "
+                                  f"with (its sha256 differs from the checkpoint's {rec['sha256'][:12]}...); "
+                                  "put the run's tokenizer back")
+    what = "bytes" if where == "bytes" else f"its own copy in {where}"
+    if spec == "auto" or (spec.startswith("bpe:") and where != "bytes"):
+        return where
+    if spec.startswith("bpe:") or tokenizer_digest(spec) != tokenizer_digest(where):
+        raise ArgumentError(f"--tokenizer {spec!r} is not the tokenizer --resume {run.resume!r} trained with "
+                            f"({what}); drop --tokenizer: a resumed run uses the run's tokenizer")
+    return where
 
 
 def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Any, lead: bool,
@@ -174,7 +260,8 @@ def save_run(cfg: TrainConfig, out: str, model: torch.nn.Module, opt: torch.opti
     from meshtorch.recipes.lm.guards import check_weights
 
     check_weights(model if saved is None else saved, step)  # never a checkpoint of NaN weights
-    extra = {"model_config": model.cfg.to_dict(), "train_config": cfg.options(), "model": cfg.model.name}
+    extra = {"model_config": model.cfg.to_dict(), "train_config": cfg.options(), "model": cfg.model.name,
+             "tokenizer": tokenizer_record(cfg)}
     checkpoint.save(os.path.join(out, "checkpoint"), model=model if saved is None else saved, optimizer=opt,
                     step=step, data=batches, extra=extra, keep=cfg.run.keep)
 

@@ -175,7 +175,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Check ``cfg``, fit or load the tokenizer, load the corpus, run the program on every processor;
     return processor 0's summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``,
     ``out``, ...)."""
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    # torchrun's world; the threads backend is one process, whatever the environment says
+    torchrun = cfg.parallelism.backend == "torch" and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
     cfg = with_pretrained_model(cfg)
     par, run = cfg.parallelism, cfg.run
     # the mesh (with the stage axis when pipelined) and the rules, parsed once when cfg was built:
@@ -201,7 +203,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from meshtorch.launcher import init_distributed
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
-    lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+    # processor 0 of the world joined above (not a RANK variable, which may be stray) holds --out
+    lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
+    lock = RunDirLock(cfg, out) if lead else contextlib.nullcontext()
     with lock:
         cfg = resolve_tokenizer_once(cfg, out)
         tok = tokenizer_of(cfg)
