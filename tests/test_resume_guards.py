@@ -4,6 +4,7 @@ and ``--overwrite`` never loses what meshtorch did not write (issue 29)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -186,9 +187,8 @@ def test_overwrite_removes_only_what_meshtorch_wrote_after_checking_the_inputs(t
                              **{**TINY, "tokenizer": str(out / "tokenizer")}))
     with pytest.raises(ArgumentError, match="--data '.*nowhere' does not exist; nothing in --out was remo"):
         train(TrainConfig.of(steps=2, out=str(out), data=str(tmp_path / "nowhere"), overwrite=True, **TINY))
-    # a stray RANK or WORLD_SIZE never skips the earlier-run check of the threads backend
+    # a stray RANK never skips the earlier-run check of the threads backend
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(TrainingError, match="holds an earlier run .*pass --resume .* or --overwrite"):
         train(TrainConfig.of(steps=2, out=str(out), data=text, **TINY))
     assert _files(str(out)) == before
@@ -212,3 +212,25 @@ def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, t
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert len(f.read().splitlines()) == 2  # a failed resume leaves the metrics as they were
     train(TrainConfig.of(steps=2, out=out, data=text, overwrite=True, **TINY))
+
+
+def test_config_file_tables_merge_and_an_option_set_twice_is_refused(tmp_path):
+    from meshtorch.errors import MeshTorchError
+    from meshtorch.recipes.lm.cli import _toml_options
+
+    def options(body: str) -> dict:
+        path = tmp_path / "c.toml"
+        path.write_text(body)
+        return _toml_options(str(path))
+
+    # the top level, [train] and the section tables are one set of options: nothing is dropped
+    body = 'lr = 1e9\n[train]\nsteps = 3\n[train.model]\nname = "moe"\n[optimizer]\nclip = 0.5\n'
+    assert options(body) == {"lr": 1e9, "steps": 3, "model": "moe", "clip": 0.5}
+    for body, needle in [
+        ("lr = 1.0\n[train]\nlr = 2.0\n", "'lr' is set twice, in the top level (1.0) and in [train] (2.0)"),
+        ("steps = 3\n[run]\nsteps = 4\n", "'steps' is set twice, in the top level (3) and in [run] (4)"),
+        ('model = "lm"\n[train.model]\nname = "moe"\n', "'model' is set twice, in the top level ('lm') and"),
+        ("[train]\nbogus = 1\n", "unknown option 'bogus' in [train]"),
+    ]:
+        with pytest.raises(MeshTorchError, match=re.escape(needle)):
+            options(body)

@@ -292,3 +292,16 @@ def earlier_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
         if rec["step"] <= start:
             records.append(rec)
     return records
+
+
+def start_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
+    """:func:`earlier_metrics`, also written as ``out/metrics.jsonl`` (the records after ``start``, which
+    the resumed run logs again, dropped) through a temporary file: a run that fails or is killed
+    meanwhile leaves the old file or the new one, never an empty one."""
+    from meshtorch.data.hf_tokenizer import write_atomic
+    from meshtorch.recipes.lm.report import json_text
+
+    path = os.path.join(out, "metrics.jsonl")
+    records = earlier_metrics(cfg, out, start)
+    write_atomic(path, "".join(json_text(m, path) + "\n" for m in records).encode())
+    return records

@@ -56,7 +56,7 @@ from meshtorch.recipes.lm.report import (
     report,
     step_flops,
 )
-from meshtorch.recipes.lm.run_files import check_resume, earlier_metrics, save_run
+from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
 from meshtorch.recipes.lm.steps import check_memory
 from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
@@ -113,9 +113,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     metrics_path = os.path.join(out, "metrics.jsonl")
     metrics: list[dict] = []
     if lead:
-        metrics = earlier_metrics(cfg, out, start)
-        with open(metrics_path, "w") as f:
-            f.writelines(json_text(m, metrics_path) + "\n" for m in metrics)
+        metrics = start_metrics(cfg, out, start)
         print(f"{strategy.banner()} on {processor_device()}; {run.steps} steps of "
               f"{run.batch}x{run.length} tokens")
     board = MetricsBoard(out, lead and run.tensorboard)
@@ -175,9 +173,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Check ``cfg``, fit or load the tokenizer, load the corpus, run the program on every processor;
     return processor 0's summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``,
     ``out``, ...)."""
-    # torchrun's world; the threads backend is one process, whatever the environment says
-    torchrun = cfg.parallelism.backend == "torch" and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else None
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     cfg = with_pretrained_model(cfg)
     par, run = cfg.parallelism, cfg.run
     # the mesh (with the stage axis when pipelined) and the rules, parsed once when cfg was built:
@@ -203,7 +199,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from meshtorch.launcher import init_distributed
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
-    # processor 0 of the world joined above (not a RANK variable, which may be stray) holds --out
+    # processor 0 of the world joined above holds --out; the threads backend's process always does
+    # (a stray RANK variable never skips the lock and the earlier-run check)
     lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
     lock = RunDirLock(cfg, out) if lead else contextlib.nullcontext()
     with lock:
