@@ -4,7 +4,9 @@
 - :class:`RunDirLock`: one writer per ``--out`` (an ``fcntl.flock`` on
   ``--out/.lock``, held for the run, naming the holder's pid), and no run
   silently replacing another: ``--out`` onto an earlier run needs ``--resume``
-  (to continue it) or ``--overwrite`` (to replace it).
+  (to continue it) or ``--overwrite`` (to replace it), which removes only the
+  files meshtorch wrote there (the run's manifest, :data:`MANIFEST`), and only
+  once the new run's inputs are checked (:func:`check_inputs`).
 - :func:`check_loss` and :func:`check_weights`: a non-finite loss stops the run
   at the step it is seen, and a checkpoint is never written from non-finite
   weights.
@@ -96,8 +98,6 @@ class RunDirLock:
             return []
         ours = [f for f in RUN_FILES if f != "tokenizer" and os.path.lexists(os.path.join(self.out, f))]
         try:
-            from meshtorch.recipes.lm.run_files import recorded
-
             theirs = (recorded(self.out).get("train_config") or {}).get("tokenizer") or ""
         except Exception:  # noqa: BLE001 - no readable checkpoint: the tokenizer is not known to be ours
             theirs = ""
@@ -134,6 +134,15 @@ class RunDirLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def recorded(resume: str) -> dict[str, Any]:
+    """What the checkpoint of run directory ``resume`` records about its run (``extra``: the model kind
+    ``model``, ``model_config``, ``train_config`` (every option by flag name), ``tokenizer``)."""
+    from meshtorch.checkpoint.index import read_index
+    from meshtorch.checkpoint.state import from_json
+
+    return from_json(read_index(os.path.join(resume, "checkpoint")).get("extra")) or {}
 
 
 def write_manifest(out: str) -> None:

@@ -23,6 +23,7 @@ from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
+from meshtorch.recipes.lm.guards import check_weights, recorded
 
 # TransformerConfig's fields that choose how the same function is computed, not which: free on resume
 # (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
@@ -49,15 +50,6 @@ def allowed_changes(cfg: TrainConfig) -> set[str]:
         raise ArgumentError(f"--allow-change {cfg.run.allow_change!r} names {unknown}, which are not model "
                             f"options; it takes model options such as 'activation,eps': {sorted(known)}")
     return names
-
-
-def recorded(resume: str) -> dict[str, Any]:
-    """What the checkpoint of run directory ``resume`` records about its run (``extra``: the model kind
-    ``model``, ``model_config``, ``train_config`` (every option by flag name), ``tokenizer``)."""
-    from meshtorch.checkpoint.index import read_index
-    from meshtorch.checkpoint.state import from_json
-
-    return from_json(read_index(os.path.join(resume, "checkpoint")).get("extra")) or {}
 
 
 def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -161,8 +153,8 @@ def tokenizer_digest(path: str) -> str:
     if path == "bytes":
         return "bytes"
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    st = os.stat(file if os.path.exists(file) else path)
-    return _digest(os.path.realpath(path), (st.st_mtime_ns, st.st_size))
+    st = os.stat(file) if os.path.exists(file) else None  # none: the tokenizer's own error names it
+    return _digest(os.path.realpath(path), (st.st_mtime_ns, st.st_size) if st else (0, 0))
 
 
 def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
@@ -208,6 +200,9 @@ def resumed_tokenizer(cfg: TrainConfig) -> str:
             raise CheckpointError(f"--resume {run.resume!r} trained with --tokenizer {where!r}, which is "
                                   "gone; put it back there")
     else:
+        if rec.get("path") not in ("bytes", TOKENIZER_DIR):  # never a path out of the run directory
+            raise CheckpointError(f"--resume {run.resume!r} records its tokenizer at {rec.get('path')!r}, "
+                                  f"not in its {TOKENIZER_DIR}/; it was not written by meshtorch train")
         where = "bytes" if rec["path"] == "bytes" else os.path.join(run.resume, rec["path"])
         if where != "bytes" and not os.path.exists(where):
             raise CheckpointError(f"--resume {run.resume!r} has lost its tokenizer: {where} is gone; put the "
@@ -257,7 +252,6 @@ def save_run(cfg: TrainConfig, out: str, model: torch.nn.Module, opt: torch.opti
     versions are kept); ``saved`` (default ``model``) is the module whose parameters
     are written, e.g. one that holds ``model``'s under the same names and more besides."""
     from meshtorch import checkpoint
-    from meshtorch.recipes.lm.guards import check_weights
 
     check_weights(model if saved is None else saved, step)  # never a checkpoint of NaN weights
     extra = {"model_config": model.cfg.to_dict(), "train_config": cfg.options(), "model": cfg.model.name,
