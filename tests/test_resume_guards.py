@@ -234,3 +234,26 @@ def test_config_file_tables_merge_and_an_option_set_twice_is_refused(tmp_path):
     ]:
         with pytest.raises(MeshTorchError, match=re.escape(needle)):
             options(body)
+
+
+def test_a_run_from_before_manifests_keeps_a_tokenizer_it_did_not_record(run2, text, tmp_path):
+    from meshtorch import cli
+    from meshtorch.errors import TrainingError
+    from meshtorch.recipes.lm.guards import MANIFEST
+
+    out = tmp_path / "legacy"
+    shutil.copytree(run2, out)
+    os.remove(out / MANIFEST)  # as an earlier meshtorch wrote it: no manifest
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "__init__.py").write_text("# the user's package")
+    # the run trained on bytes: its tokenizer/ is not the run's, so even --overwrite leaves it alone
+    with pytest.raises(TrainingError, match="holds tokenizer, which meshtorch train did not write"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=True, **TINY))
+    assert (out / "tokenizer" / "__init__.py").exists() and (out / "checkpoint").exists()
+    # the flag on the command line: --allow-change of a field that did not change is no error
+    argv = ["train", "--resume", str(out), "--steps", "3", "--data", text, "--allow-change", "activation"]
+    argv += [f"--{k.replace('_', '-')}" if v is True else f"--no-{k.replace('_', '-')}" if v is False
+             else f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    shutil.rmtree(out / "tokenizer")
+    assert cli.main(argv) == 0
+    assert os.path.exists(out / MANIFEST)  # the resumed run lists its files from now on
