@@ -211,7 +211,12 @@ def test_auto_tokenizer_picks(files, tmp_path, monkeypatch):
     exported = str(tmp_path / "with_tok")
     transformers.AutoModelForCausalLM.from_pretrained(files["llama"]).save_pretrained(exported)
     transformers.AutoTokenizer.from_pretrained(files["tok"]).save_pretrained(exported)
-    assert resolve_tokenizer(TrainConfig.of(init_from=exported), out).run.tokenizer == exported
+    # the model's own tokenizer, kept in the run: a copy that tokenizes alike
+    from meshtorch.recipes.lm.run_files import tokenizer_digest
+
+    kept = resolve_tokenizer(TrainConfig.of(init_from=exported), out).run.tokenizer
+    assert kept == os.path.join(os.path.abspath(out), "tokenizer")
+    assert tokenizer_digest(kept) == tokenizer_digest(exported)
     assert resolve_tokenizer(TrainConfig.of(model="seq2seq"), out).run.tokenizer == "bytes"
     fitted = resolve_tokenizer(TrainConfig.of(data=files["corpus"]), out).run.tokenizer
     assert fitted == os.path.join(os.path.abspath(out), "tokenizer")

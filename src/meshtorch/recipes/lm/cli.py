@@ -3,7 +3,8 @@
 Every option of :class:`~meshtorch.recipes.lm.config.TrainConfig` is a flag
 (``--d-model 256``) and a key of the ``--config`` TOML file (at the top level,
 under ``[train]``, or under its section: ``[model]``, ``[parallelism]``,
-``[optimizer]``, ``[run]``); flags override the file, the file overrides the defaults.
+``[optimizer]``, ``[run]``; all of them merge, and an option set in two places
+is an error); flags override the file, the file overrides the defaults.
 
 Example:
     >>> from meshtorch.recipes.lm.cli import config_from_args, register
@@ -59,6 +60,8 @@ HELP = {
     "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches)",
     "clip": "bound on the global gradient norm; 0: no clipping",
     "timeout": "seconds a collective waits for the other processors before the run fails",
+    "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
+                    "from the run's record; without it a changed model option is an error",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
     "recompute": "recompute each block's activations in backward instead of keeping them (less memory, "
                  "one more forward of FLOPs; meshtorch plan prices it)",
@@ -101,18 +104,30 @@ def _toml_options(path: str) -> dict[str, Any]:
             data = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise MeshTorchError(f"--config {path!r}: {e}") from None
-    data = data.get("train", data)
     values: dict[str, Any] = {}
-    for k, v in data.items():
-        # a [model] / [parallelism] / [optimizer] / [run] table holds that section's options
-        items = v.items() if k in SECTIONS and isinstance(v, dict) else [(k, v)]
-        for name, value in items:
+    where: dict[str, str] = {}  # option -> the table it was set in, for the error of one set twice
+
+    def take(table: dict[str, Any], place: str, section: str | None = None) -> None:
+        for name, value in table.items():
+            if section is None and place == "the top level" and name == "train" and isinstance(value, dict):
+                take(value, "[train]")  # [train] and the top level merge: one set of options
+                continue
+            if section is None and name in SECTIONS and isinstance(value, dict):
+                # a [model] / [parallelism] / [optimizer] / [run] table holds that section's options
+                take(value, f"[{name}]" if place == "the top level" else f"[train.{name}]", name)
+                continue
             key = name.replace("-", "_")
-            if k in SECTIONS and isinstance(v, dict) and key == "name":
-                key = k
+            if section is not None and key == "name":
+                key = section
             if key not in OPTIONS:
-                raise MeshTorchError(f"--config {path!r}: unknown option {name!r}; known: {sorted(OPTIONS)}")
-            values[key] = value
+                raise MeshTorchError(f"--config {path!r}: unknown option {name!r} in {place}; known: "
+                                     f"{sorted(OPTIONS)}")
+            if key in values:
+                raise MeshTorchError(f"--config {path!r}: {key!r} is set twice, in {where[key]} "
+                                     f"({values[key]!r}) and in {place} ({value!r}); keep one")
+            values[key], where[key] = value, place
+
+    take(data, "the top level")
     return values
 
 

@@ -251,6 +251,8 @@ class RunSection:
     # from Hugging Face: a model directory to fine-tune (its config.json sets the model), a tokenizer
     init_from: str | None = None
     tokenizer: str = "auto"
+    # --resume: model fields (flag names, comma-separated) that may differ from the run's record
+    allow_change: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -41,6 +41,10 @@ def run_tokenizer(path: str) -> Tokenizer:
     """The tokenizer the run of checkpoint ``path`` trained with (its ``--tokenizer``, else bytes)."""
     extra = from_json(read_index(path).get("extra")) or {}
     where = (extra.get("train_config") or {}).get("tokenizer")
+    kept = extra.get("tokenizer")  # the run's own copy, in the run directory (wherever it was moved)
+    if kept and kept.get("path") in ("bytes", "tokenizer"):  # never a path out of the run directory
+        where = kept["path"] if kept["path"] == "bytes" else os.path.join(
+            os.path.dirname(os.path.abspath(path)), kept["path"])
     if not where or where == "bytes":
         return ByteTokenizer()
     from meshtorch.data.hf_tokenizer import HFTokenizer

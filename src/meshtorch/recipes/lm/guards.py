@@ -4,7 +4,9 @@
 - :class:`RunDirLock`: one writer per ``--out`` (an ``fcntl.flock`` on
   ``--out/.lock``, held for the run, naming the holder's pid), and no run
   silently replacing another: ``--out`` onto an earlier run needs ``--resume``
-  (to continue it) or ``--overwrite`` (to replace it).
+  (to continue it) or ``--overwrite`` (to replace it), which removes only the
+  files meshtorch wrote there (the run's manifest, :data:`MANIFEST`), and only
+  once the new run's inputs are checked (:func:`check_inputs`).
 - :func:`check_loss` and :func:`check_weights`: a non-finite loss stops the run
   at the step it is seen, and a checkpoint is never written from non-finite
   weights.
@@ -25,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import shutil
@@ -36,8 +39,12 @@ from meshtorch.errors import ArgumentError, TrainingError
 from meshtorch.recipes.lm.config import TrainConfig
 
 LOCK = ".lock"
-# what makes a directory an earlier run's (its other files are the user's and are left alone)
-RUN_FILES = ("checkpoint", "metrics.jsonl", "summary.json", "loss.png", "tokenizer")
+# the files meshtorch train writes in --out (its other files are the user's and are left alone)
+RUN_FILES = ("checkpoint", "metrics.jsonl", "summary.json", "loss.png", "tokenizer", "tensorboard")
+# the manifest of a run directory: the files above that meshtorch wrote there, which --overwrite removes
+MANIFEST = ".meshtorch-run.json"
+# a run directory from before the manifest: what marks it as a run's
+EARLIER = ("checkpoint", "metrics.jsonl")
 FIX = "Lower --lr, keep --clip on (e.g. --clip 1), or use --precision fp32, then rerun or --resume"
 
 
@@ -59,10 +66,6 @@ class RunDirLock:
         self.fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
-        run = self.cfg.run
-        if run.overwrite and _same_dir(run.resume, self.out):
-            raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
-                                "continues from; drop --overwrite to continue the run, or pass another --out")
         os.makedirs(self.out, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -83,24 +86,93 @@ class RunDirLock:
             raise
         return self
 
+    def _ours(self) -> list[str]:
+        """The files of an earlier run in ``out`` that meshtorch wrote (its manifest's; before
+        manifests, the run files but ``tokenizer/`` unless the run recorded it as its own)."""
+        manifest = os.path.join(self.out, MANIFEST)
+        if os.path.exists(manifest):
+            with open(manifest) as f:
+                listed = json.load(f).get("files", [])
+            return [f for f in listed if f in RUN_FILES and os.path.lexists(os.path.join(self.out, f))]
+        if not any(os.path.exists(os.path.join(self.out, f)) for f in EARLIER):
+            return []
+        ours = [f for f in RUN_FILES if f != "tokenizer" and os.path.lexists(os.path.join(self.out, f))]
+        try:
+            theirs = (recorded(self.out).get("train_config") or {}).get("tokenizer") or ""
+        except Exception:  # noqa: BLE001 - no readable checkpoint: the tokenizer is not known to be ours
+            theirs = ""
+        if theirs and _same_dir(theirs, os.path.join(self.out, "tokenizer")):
+            ours.append("tokenizer")
+        return ours
+
     def _claim(self) -> None:
         run = self.cfg.run
-        found = [f for f in RUN_FILES if os.path.exists(os.path.join(self.out, f))]
-        if not found or _same_dir(run.resume, self.out):
-            return
-        if not run.overwrite:
-            raise TrainingError(f"--out {self.out!r} holds an earlier run ({', '.join(found)}); pass "
-                                f"--resume {self.out} to continue it, another --out for a new run, or "
-                                "--overwrite to replace it")
-        for f in found:
-            path = os.path.join(self.out, f)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        ours = self._ours()
+        if not _same_dir(run.resume, self.out):
+            # a file of this run's names that meshtorch did not write: the run would write over it
+            foreign = [f for f in RUN_FILES if f not in ours and os.path.lexists(os.path.join(self.out, f))]
+            if foreign:
+                raise TrainingError(f"--out {self.out!r} holds {', '.join(foreign)}, which meshtorch train "
+                                    "did not write and would write over; move them or pass another --out")
+            if ours and not run.overwrite:
+                has_checkpoint = "checkpoint" in ours
+                cont = (f"pass --resume {self.out} to continue it, another --out for a new run, or "
+                        "--overwrite to replace it") if has_checkpoint else (
+                        "it stopped before its first checkpoint: pass --overwrite to rerun it in place, "
+                        "or another --out")
+                raise TrainingError(f"--out {self.out!r} holds an earlier run ({', '.join(ours)}); {cont}")
+            if ours:
+                check_inputs(self.cfg, [os.path.join(self.out, f) for f in ours])
+                for f in ours:  # only now, every input checked
+                    path = os.path.join(self.out, f)
+                    tree = os.path.isdir(path) and not os.path.islink(path)
+                    shutil.rmtree(path) if tree else os.remove(path)
+        write_manifest(self.out)
 
     def __exit__(self, *exc: Any) -> None:
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def recorded(resume: str) -> dict[str, Any]:
+    """What the checkpoint of run directory ``resume`` records about its run (``extra``: the model kind
+    ``model``, ``model_config``, ``train_config`` (every option by flag name), ``tokenizer``)."""
+    from meshtorch.checkpoint.index import read_index
+    from meshtorch.checkpoint.state import from_json
+
+    return from_json(read_index(os.path.join(resume, "checkpoint")).get("extra")) or {}
+
+
+def write_manifest(out: str) -> None:
+    """Record in ``out`` which of its files meshtorch train writes (what ``--overwrite`` may remove)."""
+    from meshtorch.data.hf_tokenizer import write_atomic
+
+    write_atomic(os.path.join(out, MANIFEST),
+                 json.dumps({"written_by": "meshtorch train", "files": list(RUN_FILES)}, indent=1).encode())
+
+
+def check_inputs(cfg: TrainConfig, removed: list[str]) -> None:
+    """Raise :class:`ArgumentError` unless every input of the run (``--data``, ``--tokenizer``,
+    ``--init-from``) exists and none lies in ``removed``, the earlier run's files that ``--overwrite``
+    is about to delete."""
+    run = cfg.run
+    inputs = {"--data": run.data, "--init-from": run.init_from}
+    if run.tokenizer != "auto" and run.tokenizer != "bytes" and not run.tokenizer.startswith("bpe:"):
+        inputs["--tokenizer"] = run.tokenizer
+    for flag, path in inputs.items():
+        if not path:
+            continue
+        if not os.path.exists(path):
+            raise ArgumentError(f"{flag} {path!r} does not exist; nothing in --out was removed")
+        real = os.path.realpath(path)
+        for gone in removed:
+            g = os.path.realpath(gone)
+            if real == g or real.startswith(g + os.sep):
+                raise ArgumentError(f"{flag} {path!r} is in {gone}, a file of the earlier run that "
+                                    "--overwrite would remove; copy it elsewhere and pass that, or pass "
+                                    "another --out; nothing was removed")
 
 
 def check_loss(loss: float, first: int, step: int, last_checkpoint: str) -> None:

@@ -26,9 +26,9 @@ from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import ArgumentError
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import ModelSection, TrainConfig
+from meshtorch.recipes.lm.run_files import TOKENIZER_DIR, keep_tokenizer, resumed_tokenizer
 
 AUTO_BPE = 2048  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
-TOKENIZER_DIR = "tokenizer"  # where a fitted BPE is saved in --out
 
 
 def _hf(path: str) -> tuple:
@@ -69,35 +69,29 @@ def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
     return cfg.replace(**wanted)
 
 
-def _recorded_tokenizer(run_dir: str) -> str:
-    """The tokenizer the run in ``run_dir`` trained with (checkpoints from before the option: bytes)."""
-    from meshtorch.checkpoint.index import read_index
-    from meshtorch.checkpoint.state import from_json
-
-    extra = from_json(read_index(os.path.join(run_dir, "checkpoint")).get("extra")) or {}
-    return (extra.get("train_config") or {}).get("tokenizer") or "bytes"
-
-
 def resolve_tokenizer(cfg: TrainConfig, out: str, fit: bool = True) -> TrainConfig:
     """``cfg`` with ``--tokenizer`` made ``bytes`` or a directory: ``auto`` picks (``--init-from``'s
     own tokenizer when it has one, else bytes; without ``--init-from`` a BPE of 2048 ids when the
     tokenizers library is installed, else bytes), ``bpe:N`` is fitted to the training texts and
     saved in ``out/tokenizer/`` (with ``fit=False``, only named there: another process fitted it).
-    A resumed run keeps the tokenizer it was trained with."""
+    A resumed run keeps the tokenizer it was trained with (:func:`resumed_tokenizer`). The tokenizer
+    is part of the run: one from elsewhere is copied into ``out/tokenizer/`` (:func:`keep_tokenizer`),
+    and the run uses that copy."""
     spec, run = cfg.run.tokenizer, cfg.run
-    if spec not in ("auto",) and not spec.startswith("bpe:"):
-        if spec != "bytes" and cfg.model.name == "seq2seq":
-            raise ArgumentError(f"--tokenizer {spec!r}: --model seq2seq spells numbers in bytes; drop "
-                                "--tokenizer")
-        return cfg
+    explicit = spec != "auto" and not spec.startswith("bpe:")
+    if explicit and spec != "bytes" and cfg.model.name == "seq2seq":
+        raise ArgumentError(f"--tokenizer {spec!r}: --model seq2seq spells numbers in bytes; drop "
+                            "--tokenizer")
     if cfg.model.name == "seq2seq":
         return cfg.replace(tokenizer="bytes")
     if run.resume:
-        return cfg.replace(tokenizer=_recorded_tokenizer(run.resume))
+        return cfg.replace(tokenizer=keep_tokenizer(resumed_tokenizer(cfg), out, write=fit))
+    if explicit:
+        return cfg.replace(tokenizer=keep_tokenizer(spec, out, write=fit))
     if spec == "auto":
         if run.init_from:
             own = os.path.isfile(os.path.join(run.init_from, "tokenizer.json"))
-            return cfg.replace(tokenizer=run.init_from if own else "bytes")
+            return cfg.replace(tokenizer=keep_tokenizer(run.init_from, out, write=fit) if own else "bytes")
         try:
             import tokenizers  # noqa: F401
         except ImportError:

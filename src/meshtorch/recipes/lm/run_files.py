@@ -10,14 +10,97 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import json
 import os
 from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, MeshTorchError
-from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
+from meshtorch.models.config import TransformerConfig
+from meshtorch.models.hf import RUN_OPTIONS
+from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
+from meshtorch.recipes.lm.guards import check_weights, recorded
+
+# TransformerConfig's fields that choose how the same function is computed, not which: free on resume
+# (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
+SAME_FUNCTION = (*RUN_OPTIONS, "recompute")
+TOKENIZER_DIR = "tokenizer"  # the run's own copy of its tokenizer (a fitted BPE is written there)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def allowed_changes(cfg: TrainConfig) -> set[str]:
+    """The model options ``--allow-change`` names (``"activation,eps"`` -> ``{"activation", "eps"}``);
+    a name that is not a model option is an :class:`ArgumentError`.
+
+    Example:
+        >>> sorted(allowed_changes(TrainConfig.of(allow_change="activation, rotary-base")))
+        ['activation', 'rotary_base']
+    """
+    names = {n.strip().replace("-", "_") for n in cfg.run.allow_change.split(",") if n.strip()}
+    known = {"model"} | {f.name for f in dataclasses.fields(ModelSection) if f.name != "name"}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ArgumentError(f"--allow-change {cfg.run.allow_change!r} names {unknown}, which are not model "
+                            f"options; it takes model options such as 'activation,eps': {sorted(known)}")
+    return names
+
+
+def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(option, recorded value, value of cfg)`` for every model option in which ``cfg`` differs from the
+    run ``record`` (:func:`recorded`) describes: ``--model`` and every field of
+    :class:`~meshtorch.models.TransformerConfig` (found by ``dataclasses.fields``, so a field added
+    later is compared too), except those the run decides (:data:`RUN_DECIDES`) and those that compute
+    the same function (:data:`SAME_FUNCTION`)."""
+    changes = []
+    kind = record.get("model", "lm")
+    if kind != cfg.model.name:
+        changes.append(("model", kind, cfg.model.name))
+    if "model_config" not in record:
+        return changes
+    theirs = TransformerConfig.from_dict(record["model_config"])
+    # the fields under the run's kind: --model moe's experts are the consequence of --model, not a change
+    mine = dataclasses.replace(cfg.model, name=kind).config(vocab=theirs.vocab, length=cfg.run.length)
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in RUN_DECIDES or f.name in SAME_FUNCTION:
+            continue
+        a, b = getattr(theirs, f.name), getattr(mine, f.name)
+        if a != b:
+            changes.append((f.name, a, b))
+    return changes
+
+
+def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
+    """Raise :class:`ArgumentError` if ``cfg``'s model differs from the one the resumed run trained
+    (:func:`model_changes`) in an option that ``--allow-change`` does not name: a change that keeps the
+    shapes (``--activation``, ``--eps``, ``--rotary-base``) would load the weights into another function."""
+    allowed = allowed_changes(cfg)
+    refused = [c for c in model_changes(cfg, record) if c[0] not in allowed]
+    if not refused:
+        return
+    what = "; ".join(f"{_flag(n)} {b!r} (the run has {a!r})" for n, a, b in refused)
+    back = " ".join((_flag(n) if a else _flag("no_" + n)) if isinstance(a, bool) else f"{_flag(n)} {a}"
+                    for n, a, _ in refused)
+    names = ",".join(n for n, _, _ in refused)
+    raise ArgumentError(f"--resume {cfg.run.resume!r} trained another model than these options ask for: "
+                        f"{what}. Pass {back} to continue the run as it was, or --allow-change {names} to "
+                        "change it on purpose")
+
+
+def check_resumed_optimizer(cfg: TrainConfig, record: dict[str, Any]) -> None:
+    """Raise :class:`ArgumentError` if ``--optimizer`` is not the resumed run's: its state cannot carry
+    over. (Its hyperparameters may change: :func:`resume_run` applies the ones given.)"""
+    theirs = (record.get("train_config") or {}).get("optimizer")
+    if theirs is not None and theirs != cfg.optimizer.name:
+        raise ArgumentError(f"--optimizer {cfg.optimizer.name!r}: --resume {cfg.run.resume!r} trained with "
+                            f"--optimizer {theirs!r}, whose state cannot load into another optimizer; pass "
+                            f"--optimizer {theirs}, or start a new run with --init-from")
 
 
 def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError) -> int:
@@ -29,9 +112,15 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
     from meshtorch.checkpoint.index import read_index
 
     run = cfg.run
+    out = run.out or run.resume
+    if run.overwrite and os.path.realpath(run.resume) == os.path.realpath(out):
+        raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
+                            "continues from; drop --overwrite to continue the run, or pass another --out")
     if not os.path.isdir(os.path.join(run.resume, "checkpoint")):
-        raise error(f"--resume {run.resume!r} has no checkpoint/ directory; pass the --out "
-                    "directory of an earlier run")
+        stopped = os.path.exists(os.path.join(run.resume, "metrics.jsonl"))
+        raise error(f"--resume {run.resume!r} has no checkpoint/ directory; " + (
+            f"its run stopped before its first checkpoint: rerun it in place with --out {run.resume} "
+            "--overwrite" if stopped else "pass the --out directory of an earlier run"))
     saved = read_index(os.path.join(run.resume, "checkpoint"))["step"]
     if saved is None:
         raise error(f"the checkpoint in --resume {run.resume!r} records no step; it was not written by "
@@ -41,7 +130,94 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
                             f"{run.resume!r}: --steps is the total number of steps the run trains to, and "
                             f"a resumed run continues from step {saved}; pass --steps {saved} or more "
                             f"(e.g. --steps {saved + run.steps} to train {run.steps} more)")
+    record = recorded(run.resume)
+    check_resumed_model(cfg, record)
+    check_resumed_optimizer(cfg, record)
+    if cfg.model.name != "seq2seq":
+        resumed_tokenizer(cfg)
     return saved
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, stamp: tuple[int, int]) -> str:
+    from meshtorch.data.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(path)
+    return hashlib.sha256(f"{tok.tok.to_str()}\0{tok.tok.id_to_token(tok.eos)}".encode()).hexdigest()
+
+
+def tokenizer_digest(path: str) -> str:
+    """The sha256 of the tokenizer in ``path`` (``"bytes"``: ``"bytes"``): of what it computes (its
+    ``tokenizer.json`` as the ``tokenizers`` library writes it, and its end-of-text token), so a copy
+    and its original have the same digest."""
+    if path == "bytes":
+        return "bytes"
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    st = os.stat(file) if os.path.exists(file) else None  # none: the tokenizer's own error names it
+    return _digest(os.path.realpath(path), (st.st_mtime_ns, st.st_size) if st else (0, 0))
+
+
+def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
+    """The run's own copy of tokenizer ``path`` (``out/tokenizer/``; ``"bytes"`` stays ``"bytes"``),
+    written there unless it is there already (or ``write`` is false: another process writes it)."""
+    if path == "bytes":
+        return path
+    own = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
+    if os.path.realpath(path) == os.path.realpath(own) or not write:
+        return own
+    from meshtorch.data.hf_tokenizer import FILE, HFTokenizer, write_atomic
+
+    tok = HFTokenizer(path)
+    os.makedirs(own, exist_ok=True)
+    write_atomic(os.path.join(own, FILE), tok.tok.to_str(pretty=True).encode())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.tok.id_to_token(tok.eos)}
+    write_atomic(os.path.join(own, "tokenizer_config.json"), json.dumps(config, indent=1).encode())
+    return own
+
+
+def tokenizer_record(cfg: TrainConfig) -> dict[str, str]:
+    """What a checkpoint records of the run's tokenizer (``cfg``'s, the run's own copy after
+    :func:`keep_tokenizer`): where it is, relative to the run directory, and its digest."""
+    spec = cfg.run.tokenizer
+    if spec == "bytes":
+        return {"path": "bytes"}
+    return {"path": TOKENIZER_DIR, "sha256": tokenizer_digest(spec)}
+
+
+def resumed_tokenizer(cfg: TrainConfig) -> str:
+    """The tokenizer ``--resume``'s run trained with: its own copy, found in the run directory (so a
+    moved run resumes) and checked against the digest its checkpoint records. An explicit
+    ``--tokenizer`` (a directory or ``bytes``) must be that tokenizer (``auto`` is); a ``bpe:N`` to
+    fit is refused on a run that trained on bytes (a resumed run fits nothing)."""
+    run, spec = cfg.run, cfg.run.tokenizer
+    rec = recorded(run.resume).get("tokenizer")
+    if rec is None:  # a checkpoint from before the run kept its tokenizer: the path it recorded
+        where = (recorded(run.resume).get("train_config") or {}).get("tokenizer") or "bytes"
+        beside = os.path.join(run.resume, TOKENIZER_DIR)
+        if where != "bytes" and not os.path.exists(where) and os.path.isdir(beside):
+            where = beside  # a BPE fitted by the run, in a run directory that was moved
+        if where != "bytes" and not os.path.exists(where):
+            raise CheckpointError(f"--resume {run.resume!r} trained with --tokenizer {where!r}, which is "
+                                  "gone; put it back there")
+    else:
+        if rec.get("path") not in ("bytes", TOKENIZER_DIR):  # never a path out of the run directory
+            raise CheckpointError(f"--resume {run.resume!r} records its tokenizer at {rec.get('path')!r}, "
+                                  f"not in its {TOKENIZER_DIR}/; it was not written by meshtorch train")
+        where = "bytes" if rec["path"] == "bytes" else os.path.join(run.resume, rec["path"])
+        if where != "bytes" and not os.path.exists(where):
+            raise CheckpointError(f"--resume {run.resume!r} has lost its tokenizer: {where} is gone; put the "
+                                  "run's tokenizer/ back")
+        if where != "bytes" and tokenizer_digest(where) != rec["sha256"]:
+            raise CheckpointError(f"the tokenizer in {where} is not the one --resume {run.resume!r} trained "
+                                  f"with (its sha256 differs from the checkpoint's {rec['sha256'][:12]}...); "
+                                  "put the run's tokenizer back")
+    what = "bytes" if where == "bytes" else f"its own copy in {where}"
+    if spec == "auto" or (spec.startswith("bpe:") and where != "bytes"):
+        return where
+    if spec.startswith("bpe:") or tokenizer_digest(spec) != tokenizer_digest(where):
+        raise ArgumentError(f"--tokenizer {spec!r} is not the tokenizer --resume {run.resume!r} trained with "
+                            f"({what}); drop --tokenizer: a resumed run uses the run's tokenizer")
+    return where
 
 
 def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: Any, lead: bool,
@@ -52,11 +228,21 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
 
     if not cfg.run.resume:
         return 0
+    # loading restores the saved param groups: put back the ones cfg built (--weight-decay etc. given
+    # now), so the options the checkpoint will record are the ones in effect
+    given = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     state = checkpoint.load(os.path.join(cfg.run.resume, "checkpoint"),
                             model=model if saved is None else saved, optimizer=opt, data=batches)
+    # the hyperparameters that differ (numbers: not fused= and the like, which follow the device)
+    changed = sorted({k for g, mine in zip(opt.param_groups, given) for k, v in mine.items()
+                      if k != "lr" and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)
+                      and g.get(k) != v})
+    for g, mine in zip(opt.param_groups, given):
+        g.update(mine)
     start = int(state["step"])
     if lead:
-        print(f"resumed from {cfg.run.resume} at step {start}")
+        print(f"resumed from {cfg.run.resume} at step {start}"
+              + (f"; optimizer options now as given: {', '.join(changed)}" if changed else ""))
     return start
 
 
@@ -67,10 +253,10 @@ def save_run(cfg: TrainConfig, out: str, model: torch.nn.Module, opt: torch.opti
     are written, e.g. one that holds ``model``'s under the same names and more besides.
     ``background``: write the files on a thread (``mt.save(..., background=True)``)."""
     from meshtorch import checkpoint
-    from meshtorch.recipes.lm.guards import check_weights
 
     check_weights(model if saved is None else saved, step)  # never a checkpoint of NaN weights
-    extra = {"model_config": model.cfg.to_dict(), "train_config": cfg.options(), "model": cfg.model.name}
+    extra = {"model_config": model.cfg.to_dict(), "train_config": cfg.options(), "model": cfg.model.name,
+             "tokenizer": tokenizer_record(cfg)}
     checkpoint.save(os.path.join(out, "checkpoint"), model=model if saved is None else saved, optimizer=opt,
                     step=step, data=batches, extra=extra, keep=cfg.run.keep, background=background)
 
@@ -100,4 +286,17 @@ def earlier_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
                                  f"{line[:80]!r}; fix or delete that line to resume")
         if rec["step"] <= start:
             records.append(rec)
+    return records
+
+
+def start_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
+    """:func:`earlier_metrics`, also written as ``out/metrics.jsonl`` (the records after ``start``, which
+    the resumed run logs again, dropped) through a temporary file: a run that fails or is killed
+    meanwhile leaves the old file or the new one, never an empty one."""
+    from meshtorch.data.hf_tokenizer import write_atomic
+    from meshtorch.recipes.lm.report import json_text
+
+    path = os.path.join(out, "metrics.jsonl")
+    records = earlier_metrics(cfg, out, start)
+    write_atomic(path, "".join(json_text(m, path) + "\n" for m in records).encode())
     return records

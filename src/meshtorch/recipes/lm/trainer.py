@@ -56,7 +56,7 @@ from meshtorch.recipes.lm.report import (
     report,
     step_flops,
 )
-from meshtorch.recipes.lm.run_files import check_resume, earlier_metrics, save_run
+from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
 from meshtorch.recipes.lm.steps import check_memory
 from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
@@ -113,9 +113,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
     metrics_path = os.path.join(out, "metrics.jsonl")
     metrics: list[dict] = []
     if lead:
-        metrics = earlier_metrics(cfg, out, start)
-        with open(metrics_path, "w") as f:
-            f.writelines(json_text(m, metrics_path) + "\n" for m in metrics)
+        metrics = start_metrics(cfg, out, start)
         print(f"{strategy.banner()} on {processor_device()}; {run.steps} steps of "
               f"{run.batch}x{run.length} tokens")
     board = MetricsBoard(out, lead and run.tensorboard)
@@ -202,7 +200,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from meshtorch.launcher import init_distributed
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
-    lock = RunDirLock(cfg, out) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+    # processor 0 of the world joined above holds --out; the threads backend's process always does
+    # (a stray RANK variable never skips the lock and the earlier-run check)
+    lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
+    lock = RunDirLock(cfg, out) if lead else contextlib.nullcontext()
     with lock:
         cfg = resolve_tokenizer_once(cfg, out)
         tok = tokenizer_of(cfg)

@@ -1,0 +1,259 @@
+"""``--resume`` never trains another model than the run's, the options it records are the ones in effect,
+and ``--overwrite`` never loses what meshtorch did not write (issue 29)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+from meshtorch.errors import ArgumentError
+from meshtorch.recipes.lm import TrainConfig, train
+from meshtorch.recipes.lm.run_files import recorded
+from run_harness import checkpoint_tensors, write_corpus
+
+pytestmark = pytest.mark.timeout(300)
+
+TINY = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, eval_batches=1,
+            sample_tokens=4, log_every=1, warmup=0, lr_schedule="constant", progress=False,
+            tokenizer="bytes", memory_check=False)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), 6)
+
+
+@pytest.fixture(scope="module")
+def run2(text, tmp_path_factory):
+    """A 2-step run (GELU, learned positions); tests copy it before they change it."""
+    out = str(tmp_path_factory.mktemp("runs") / "two")
+    train(TrainConfig.of(steps=2, out=out, data=text, **TINY))
+    return out
+
+
+def _files(out: str) -> dict[str, bytes]:
+    """Every file under ``out`` (but the lock) by its relative path: what a refused run must not touch."""
+    found = {}
+    for root, _, names in os.walk(out):
+        for n in names:
+            if n != ".lock":
+                path = os.path.join(root, n)
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, out)] = f.read()
+    return found
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"activation": "relu"}, "--activation 'relu' (the run has 'gelu')"),
+    ({"eps": 1e-6}, "--eps 1e-06 (the run has 1e-05)"),
+    ({"rotary_base": 500.0}, "--rotary-base 500.0 (the run has 10000.0)"),
+    ({"model": "moe"}, "--model 'moe' (the run has 'lm')"),
+    ({"bias": True, "gated": True}, "--bias True (the run has False); --gated True (the run has False)"),
+])
+def test_resume_refuses_a_model_change_that_keeps_the_shapes(change, needle, run2, text):
+    before = _files(run2)
+    with pytest.raises(ArgumentError) as e:
+        train(TrainConfig.of(steps=4, resume=run2, data=text, **{**TINY, **change}))
+    msg = str(e.value)
+    assert needle in msg, msg
+    names = ",".join(k for k in change)
+    assert f"--allow-change {names} to change it on purpose" in msg, msg
+    if "model" in change:  # the kind alone: its experts follow from it and are not "changes" to undo
+        assert "--experts" not in msg and "Pass --model lm to continue" in msg, msg
+    if "gated" in change:  # booleans are named as their flags
+        assert "Pass --no-bias --no-gated to continue" in msg, msg
+    assert _files(run2) == before  # refused before anything was written
+
+
+def test_allow_change_lets_the_named_field_change_and_records_it(run2, text, tmp_path):
+    out = str(tmp_path / "relu")
+    with pytest.raises(ArgumentError, match=r"--activation 'relu' \(the run has 'gelu'\)"):  # eps is not it
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, allow_change="eps",
+                             **{**TINY, "activation": "relu"}))
+    with pytest.raises(ArgumentError, match=r"--allow-change 'steps' names \['steps'\], which are not model"):
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, allow_change="steps", **TINY))
+    train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, allow_change="activation",
+                         **{**TINY, "activation": "relu"}))
+    rec = recorded(out)
+    assert rec["model_config"]["activation"] == "relu" and rec["train_config"]["activation"] == "relu"
+    # options that compute the same function are free: the attention kernel, recomputation, dropout
+    train(TrainConfig.of(steps=3, resume=run2, out=str(tmp_path / "free"), data=text,
+                         **{**TINY, "recompute": True, "attention": "gather", "dropout": 0.1}))
+
+
+def test_resume_refuses_another_optimizer(run2, text):
+    with pytest.raises(ArgumentError, match="--optimizer 'adafactor': --resume .* trained with --optimizer "
+                       "'adamw'.*pass --optimizer adamw"):
+        train(TrainConfig.of(steps=4, resume=run2, data=text, optimizer="adafactor", **TINY))
+
+
+def _decay_groups(out: str) -> list[float]:
+    from meshtorch.checkpoint.index import read_index
+
+    groups = read_index(os.path.join(out, "checkpoint"))["optimizer"]["param_groups"]
+    return [g["weight_decay"] for g in groups]
+
+
+def test_weight_decay_given_on_resume_takes_effect_and_is_recorded(run2, text, tmp_path, capsys):
+    assert _decay_groups(run2) == [0.01, 0.0]
+    runs = {}
+    for wd in (0.01, 0.5):
+        out = str(tmp_path / f"wd{wd}")
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, weight_decay=wd, **TINY))
+        runs[wd] = checkpoint_tensors(out)
+        assert _decay_groups(out) == [wd, 0.0]  # the optimizer's groups as given, not as loaded
+        assert recorded(out)["train_config"]["weight_decay"] == wd
+    assert "optimizer options now as given: weight_decay" in capsys.readouterr().out
+    # the reference: AdamW's decoupled decay of step 3 alone, lr * wd * w, on the decayed weights
+    # (the gradient part of the update is the same in both runs: same weights, batch and moments)
+    base = checkpoint_tensors(run2)
+    lr = TrainConfig().optimizer.lr
+    name = "model/embed.table@0,0"
+    want = runs[0.01][name] - lr * (0.5 - 0.01) * base[name]
+    torch.testing.assert_close(runs[0.5][name], want, rtol=0, atol=1e-6)
+    assert not torch.equal(runs[0.5][name], runs[0.01][name])
+    bias = "model/decoder.ln_f.bias@0"  # in the group without decay: the same bits either way
+    assert torch.equal(runs[0.5][bias], runs[0.01][bias])
+
+
+def _bpe(path, size: int = 300) -> str:
+    from meshtorch.data.hf_tokenizer import train_bpe
+
+    train_bpe([f"def f{i}(x):\n    return x + {i}\n" for i in range(40)], size, str(path))
+    return str(path)
+
+
+def test_the_tokenizer_is_kept_in_the_run_and_a_moved_run_resumes_from_its_copy(text, tmp_path):
+    from meshtorch.errors import CheckpointError
+    from meshtorch.recipes.lm.generate import run_tokenizer
+    from meshtorch.recipes.lm.run_files import tokenizer_digest
+
+    mine = _bpe(tmp_path / "mine")
+    out = str(tmp_path / "run")
+    train(TrainConfig.of(steps=2, out=out, data=text, **{**TINY, "tokenizer": mine}))
+    rec = recorded(out)["tokenizer"]
+    assert rec == {"path": "tokenizer", "sha256": tokenizer_digest(mine)}  # the copy computes the same
+    assert tokenizer_digest(os.path.join(out, "tokenizer")) == rec["sha256"]
+    # move the run and lose the original: the run resumes (and samples) from its own copy
+    moved = str(tmp_path / "moved")
+    os.rename(out, moved)
+    os.rename(mine, str(tmp_path / "elsewhere"))
+    assert run_tokenizer(os.path.join(moved, "checkpoint")).path == os.path.join(moved, "tokenizer")
+    train(TrainConfig.of(steps=3, resume=moved, data=text, **{**TINY, "tokenizer": "auto"}))
+    assert recorded(moved)["tokenizer"] == rec
+    # an explicit --tokenizer must be the run's: the same one (wherever it is) is accepted, another refused
+    train(TrainConfig.of(steps=4, resume=moved, data=text,
+                         **{**TINY, "tokenizer": str(tmp_path / "elsewhere")}))
+    before = _files(moved)
+    for other in ("bytes", _bpe(tmp_path / "other", 280)):
+        with pytest.raises(ArgumentError, match=f"--tokenizer '{other}' is not the tokenizer --resume .*"
+                           r"trained with \(its own copy in .*moved/tokenizer\); drop --tokenizer"):
+            train(TrainConfig.of(steps=5, resume=moved, data=text, **{**TINY, "tokenizer": other}))
+    assert _files(moved) == before
+    # a copy changed since the checkpoint was written is named, not used
+    shutil.copy(os.path.join(tmp_path, "other", "tokenizer.json"), os.path.join(moved, "tokenizer"))
+    with pytest.raises(CheckpointError, match="is not the one --resume .* trained with .*sha256 differs"):
+        train(TrainConfig.of(steps=5, resume=moved, data=text, **{**TINY, "tokenizer": "auto"}))
+
+
+def test_a_byte_run_refuses_a_tokenizer_on_resume(run2, text):
+    with pytest.raises(ArgumentError, match=r"--tokenizer 'bpe:300' is not the tokenizer .*\(bytes\)"):
+        train(TrainConfig.of(steps=4, resume=run2, data=text, **{**TINY, "tokenizer": "bpe:300"}))
+
+
+def test_overwrite_removes_only_what_meshtorch_wrote_after_checking_the_inputs(text, tmp_path, monkeypatch):
+    from meshtorch.errors import TrainingError
+
+    out = tmp_path / "run"
+    (out / "tokenizer").mkdir(parents=True)
+    (out / "tokenizer" / "__init__.py").write_text("# the user's package")
+    for overwrite in (False, True):  # a user's tokenizer/ is never the run's to replace
+        with pytest.raises(TrainingError, match="holds tokenizer, which meshtorch train did not write"):
+            train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=overwrite, **TINY))
+    assert (out / "tokenizer" / "__init__.py").read_text() == "# the user's package"
+    shutil.rmtree(out / "tokenizer")
+    mine = _bpe(tmp_path / "mine")
+    train(TrainConfig.of(steps=2, out=str(out), data=text, **{**TINY, "tokenizer": mine}))
+    (out / "notes.txt").write_text("mine")
+    before = _files(str(out))
+    # inputs inside what --overwrite removes, or missing, are refused before anything is removed
+    with pytest.raises(ArgumentError, match=r"--tokenizer '.*run/tokenizer' is in .*run/tokenizer, a file of "
+                       "the earlier run that --overwrite would remove"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=True,
+                             **{**TINY, "tokenizer": str(out / "tokenizer")}))
+    with pytest.raises(ArgumentError, match="--data '.*nowhere' does not exist; nothing in --out was remo"):
+        train(TrainConfig.of(steps=2, out=str(out), data=str(tmp_path / "nowhere"), overwrite=True, **TINY))
+    # a stray RANK never skips the earlier-run check of the threads backend
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(TrainingError, match="holds an earlier run .*pass --resume .* or --overwrite"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, **TINY))
+    assert _files(str(out)) == before
+    train(TrainConfig.of(steps=1, out=str(out), data=text, overwrite=True, **TINY))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert not (out / "tokenizer").exists()  # the earlier run's; this one is on bytes
+    assert recorded(str(out))["tokenizer"] == {"path": "bytes"}
+
+
+def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, tmp_path):
+    from meshtorch.errors import TrainingError
+
+    out = str(tmp_path / "cut")
+    shutil.copytree(run2, out)
+    shutil.rmtree(os.path.join(out, "checkpoint"))  # as if stopped before it was written
+    with pytest.raises(TrainingError, match=r"holds an earlier run \(metrics.jsonl, .*\); it stopped before "
+                       "its first checkpoint: pass --overwrite to rerun it in place"):
+        train(TrainConfig.of(steps=2, out=out, data=text, **TINY))
+    with pytest.raises(Exception, match=f"--resume '{out}' has no checkpoint/ .*--overwrite"):
+        train(TrainConfig.of(steps=2, resume=out, data=text, **TINY))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert len(f.read().splitlines()) == 2  # a failed resume leaves the metrics as they were
+    train(TrainConfig.of(steps=2, out=out, data=text, overwrite=True, **TINY))
+
+
+def test_config_file_tables_merge_and_an_option_set_twice_is_refused(tmp_path):
+    from meshtorch.errors import MeshTorchError
+    from meshtorch.recipes.lm.cli import _toml_options
+
+    def options(body: str) -> dict:
+        path = tmp_path / "c.toml"
+        path.write_text(body)
+        return _toml_options(str(path))
+
+    # the top level, [train] and the section tables are one set of options: nothing is dropped
+    body = 'lr = 1e9\n[train]\nsteps = 3\n[train.model]\nname = "moe"\n[optimizer]\nclip = 0.5\n'
+    assert options(body) == {"lr": 1e9, "steps": 3, "model": "moe", "clip": 0.5}
+    for body, needle in [
+        ("lr = 1.0\n[train]\nlr = 2.0\n", "'lr' is set twice, in the top level (1.0) and in [train] (2.0)"),
+        ("steps = 3\n[run]\nsteps = 4\n", "'steps' is set twice, in the top level (3) and in [run] (4)"),
+        ('model = "lm"\n[train.model]\nname = "moe"\n', "'model' is set twice, in the top level ('lm') and"),
+        ("[train]\nbogus = 1\n", "unknown option 'bogus' in [train]"),
+    ]:
+        with pytest.raises(MeshTorchError, match=re.escape(needle)):
+            options(body)
+
+
+def test_a_run_from_before_manifests_keeps_a_tokenizer_it_did_not_record(run2, text, tmp_path):
+    from meshtorch import cli
+    from meshtorch.errors import TrainingError
+    from meshtorch.recipes.lm.guards import MANIFEST
+
+    out = tmp_path / "legacy"
+    shutil.copytree(run2, out)
+    os.remove(out / MANIFEST)  # as an earlier meshtorch wrote it: no manifest
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "__init__.py").write_text("# the user's package")
+    # the run trained on bytes: its tokenizer/ is not the run's, so even --overwrite leaves it alone
+    with pytest.raises(TrainingError, match="holds tokenizer, which meshtorch train did not write"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=True, **TINY))
+    assert (out / "tokenizer" / "__init__.py").exists() and (out / "checkpoint").exists()
+    # the flag on the command line: --allow-change of a field that did not change is no error
+    argv = ["train", "--resume", str(out), "--steps", "3", "--data", text, "--allow-change", "activation"]
+    argv += [f"--{k.replace('_', '-')}" if v is True else f"--no-{k.replace('_', '-')}" if v is False
+             else f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    shutil.rmtree(out / "tokenizer")
+    assert cli.main(argv) == 0
+    assert os.path.exists(out / MANIFEST)  # the resumed run lists its files from now on
