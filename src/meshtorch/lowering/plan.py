@@ -40,9 +40,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.compiler import is_compiling
 
-from meshtorch.caching import BoundedCache
+from meshtorch.caching import BoundedCache, compiling
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
@@ -324,9 +323,18 @@ def plan_of(
         >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
         (True, 0)
     """
+    grad = torch.is_grad_enabled()
+    if compiling():
+        # traced: the plan's Python runs in the trace; a memo would be a side effect Dynamo
+        # replays and guards on
+        return make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name)
+    return _cached_plan(op, inputs, out_shape, reduced, whole, grad, name)
+
+
+def _cached_plan(op: str, inputs: Sequence, out_shape: Shape, reduced: dict[str, str] | None,
+                 whole: Iterable[str], grad: bool, name: str | None) -> Plan:
     ctx = current()
     comm = ctx.comm
-    grad = torch.is_grad_enabled()
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
     whole = frozenset(whole) if whole else frozenset()
     key = (
@@ -339,11 +347,9 @@ def plan_of(
         comm.mesh,
         comm.rank,
     )
-    plan = None if is_compiling() else _PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name)
-        if not is_compiling():
-            _PLANS.put(key, plan)
+        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
     return plan
 
 
