@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +49,7 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
+from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
 from meshtorch.tensor import MeshTensor, layout_for
 
@@ -315,6 +318,13 @@ def plan_of(
     rules, the mesh and this processor's rank. A model runs the same few signatures every step,
     so after the first step every op is one dict lookup.
 
+    Under ``torch.compile`` the plan is resolved outside the trace: the traced code hands only
+    constants (the inputs' :attr:`~meshtorch.layout.Layout.key`, names, sizes) to a function
+    Dynamo calls rather than traces (``assume_constant_result``), and reads the plan back from
+    :data:`RESOLVED`. So Dynamo does not trace the planner's Python (the bulk of a trace), a
+    compile reuses the eager steps' plans, and the trace calls no builtin ``hash`` (untraceable
+    on torch 2.11).
+
     Example:
         >>> import meshtorch as mt
         >>> from meshtorch.lowering.plan import plan_of
@@ -325,9 +335,14 @@ def plan_of(
     """
     grad = torch.is_grad_enabled()
     if compiling():
-        # traced: the plan's Python runs in the trace; a memo would be a side effect Dynamo
-        # replays and guards on
-        return make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name)
+        # Traced: resolved outside the trace (the planner's Python is most of what Dynamo would
+        # otherwise trace per op), from constants only, and read back as an attribute of
+        # RESOLVED, which never changes once set, so its guards always hold.
+        return getattr(RESOLVED, _resolve_plan(
+            op, tuple([x.layout.key for x in inputs]),
+            tuple([x.local.requires_grad for x in inputs]) if grad else None,
+            out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
+            tuple(sorted(set(whole))), grad, name))
     return _cached_plan(op, inputs, out_shape, reduced, whole, grad, name)
 
 
@@ -351,6 +366,48 @@ def _cached_plan(op: str, inputs: Sequence, out_shape: Shape, reduced: dict[str,
     if plan is None:
         plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
     return plan
+
+
+class _Operand:
+    """What the planner reads of an operand, rebuilt from a compiled program's constants."""
+
+    __slots__ = ("layout", "shape", "local", "requires_grad")
+
+    def __init__(self, key: tuple, requires_grad: bool):
+        names, sizes, axes, split = key
+        self.layout = Layout(Shape(zip(names, sizes)), Mesh(axes), dict(split))
+        self.shape = self.layout.shape
+        self.requires_grad = requires_grad
+        self.local = self  # the plan's key reads ``x.local.requires_grad``
+
+
+#: The plans compiled programs read, one attribute each (named by :func:`_resolve_plan`); a
+#: module, so Dynamo guards each attribute it reads, never the set of them.
+RESOLVED = types.ModuleType("meshtorch.lowering.plan.RESOLVED")
+_RESOLVED_NAMES: dict[tuple, str] = {}
+_RESOLVING = threading.Lock()  # thread processors may compile at once
+
+
+@torch.compiler.assume_constant_result
+def _resolve_plan(op: str, layouts: tuple, requires_grad: tuple | None, out_names: tuple,
+                  out_sizes: tuple, reduced: tuple, whole: tuple, grad: bool,
+                  name: str | None) -> str:
+    """For :func:`plan_of` in a compiled program: Dynamo calls this (it does not trace it) with
+    the op's signature as constants; the name of the plan's attribute of :data:`RESOLVED`."""
+    ctx = current()
+    key = (op, layouts, requires_grad, out_names, out_sizes, reduced, whole, grad, name, ctx.rules,
+           ctx.comm.mesh, ctx.comm.rank)
+    attr = _RESOLVED_NAMES.get(key)
+    if attr is None:
+        inputs = [_Operand(k, r) for k, r in zip(layouts, requires_grad or (False,) * len(layouts))]
+        with torch.set_grad_enabled(grad):  # the traced program's grad mode, not the tracer's
+            plan = _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
+                                grad, name)
+        with _RESOLVING:
+            attr = _RESOLVED_NAMES.setdefault(key, f"plan{len(_RESOLVED_NAMES)}")
+            if not hasattr(RESOLVED, attr):
+                setattr(RESOLVED, attr, plan)
+    return attr
 
 
 # Every op's plan. A plan depends on nothing but its key, so entries hold across launches and
