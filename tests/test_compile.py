@@ -182,11 +182,12 @@ def test_lm_step_on_thread_processors_compiles_once_per_processor():
         assert losses == pytest.approx(eager, rel=1e-5)
 
 
-def test_plans_of_a_compiled_step_are_the_eager_plans():
+def test_plans_of_a_compiled_step_are_the_eager_plans(monkeypatch):
     """Under compile the lowering's plans resolve outside the trace, from the same cache the
     eager steps fill: compiling after an eager step plans nothing new."""
     from meshtorch.lowering import plan as lowering_plan
 
+    monkeypatch.setattr(lowering_plan, "_RESOLVED_NAMES", {})  # as if nothing compiled before
     model = DecoderLM(CFG, seed=0)
     ids, tgt = (mt.from_global(t, SHAPE) for t in batches(1)[0])
     model.loss(ids, tgt).backward()

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import threading
 import types
@@ -386,6 +387,7 @@ class _Operand:
 RESOLVED = types.ModuleType("meshtorch.lowering.plan.RESOLVED")
 _RESOLVED_NAMES: dict[tuple, str] = {}
 _RESOLVING = threading.Lock()  # thread processors may compile at once
+_SERIAL = itertools.count()  # attribute names are never reused
 
 
 @torch.compiler.assume_constant_result
@@ -404,8 +406,9 @@ def _resolve_plan(op: str, layouts: tuple, requires_grad: tuple | None, out_name
             plan = _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
                                 grad, name)
         with _RESOLVING:
-            attr = _RESOLVED_NAMES.setdefault(key, f"plan{len(_RESOLVED_NAMES)}")
-            if not hasattr(RESOLVED, attr):
+            attr = _RESOLVED_NAMES.get(key)
+            if attr is None:
+                attr = _RESOLVED_NAMES[key] = f"plan{next(_SERIAL)}"
                 setattr(RESOLVED, attr, plan)
     return attr
 
