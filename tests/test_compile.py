@@ -183,21 +183,22 @@ def test_lm_step_on_thread_processors_compiles_once_per_processor():
 
 
 def test_plans_of_a_compiled_step_are_the_eager_plans(monkeypatch):
-    """Under compile the lowering's plans resolve outside the trace, from the same cache the
-    eager steps fill: compiling after an eager step plans nothing new."""
+    """Under compile the plans (the lowering's, einsum's, elementwise broadcasting's) resolve
+    outside the trace, from the same memos the eager steps fill: compiling after an eager step
+    plans nothing new."""
     from meshtorch.lowering import plan as lowering_plan
+    from meshtorch.ops import einsum, elementwise
 
     monkeypatch.setattr(lowering_plan, "_RESOLVED_NAMES", {})  # as if nothing compiled before
     model = DecoderLM(CFG, seed=0)
     ids, tgt = (mt.from_global(t, SHAPE) for t in batches(1)[0])
     model.loss(ids, tgt).backward()
-    eager_plans = {id(p) for p in lowering_plan._PLANS.values()}
-    names = set(lowering_plan._RESOLVED_NAMES.values())
+    memos = (lowering_plan._PLANS, einsum._PLANS, elementwise._NARY)
+    eager = {id(p) for memo in memos for p in memo.values()}
     compile_step(model.loss, "eager")(ids, tgt).backward()
-    resolved = [getattr(lowering_plan.RESOLVED, n)
-                for n in set(lowering_plan._RESOLVED_NAMES.values()) - names]
-    assert len(resolved) > 10  # every op's plan, resolved outside the trace
-    assert all(id(p) in eager_plans for p in resolved)
+    resolved = [getattr(lowering_plan.RESOLVED, n) for n in lowering_plan._RESOLVED_NAMES.values()]
+    assert sum(isinstance(p, lowering_plan.Plan) for p in resolved) > 10  # every lowered op's
+    assert all(id(p) in eager for p in resolved)
 
 
 def test_one_processor_forward_is_one_graph_without_breaks():

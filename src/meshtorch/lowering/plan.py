@@ -41,6 +41,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -336,14 +337,13 @@ def plan_of(
     """
     grad = torch.is_grad_enabled()
     if compiling():
-        # Traced: resolved outside the trace (the planner's Python is most of what Dynamo would
-        # otherwise trace per op), from constants only, and read back as an attribute of
-        # RESOLVED, which never changes once set, so its guards always hold.
-        return getattr(RESOLVED, _resolve_plan(
-            op, tuple([x.layout.key for x in inputs]),
+        # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
+        # otherwise trace per op), from constants only
+        return resolved(
+            _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
             tuple([x.local.requires_grad for x in inputs]) if grad else None,
             out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
-            tuple(sorted(set(whole))), grad, name))
+            tuple(sorted(set(whole))), grad, name)
     return _cached_plan(op, inputs, out_shape, reduced, whole, grad, name)
 
 
@@ -382,8 +382,40 @@ class _Operand:
         self.local = self  # the plan's key reads ``x.local.requires_grad``
 
 
-#: The plans compiled programs read, one attribute each (named by :func:`_resolve_plan`); a
-#: module, so Dynamo guards each attribute it reads, never the set of them.
+def _plan_of_constants(op: str, layouts: tuple, requires_grad: tuple | None, out_names: tuple,
+                       out_sizes: tuple, reduced: tuple, whole: tuple, grad: bool,
+                       name: str | None) -> Plan:
+    """:func:`plan_of` from a compiled program's constants (run by :func:`resolved`)."""
+    inputs = [_Operand(k, r) for k, r in zip(layouts, requires_grad or (False,) * len(layouts))]
+    with torch.set_grad_enabled(grad):  # the traced program's grad mode, not the tracer's
+        return _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
+                            grad, name)
+
+
+def resolved(compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)`` for a compiled program, computed outside the trace and read by the
+    graph as a constant; outside ``torch.compile``, simply ``compute(*args)``.
+
+    ``args`` must be constants (strings, numbers, booleans, ``None``, tuples of them) that
+    determine the result together with this processor's rules, mesh and rank; ``compute``
+    must not change what it returns for them (memos of plans and shapes). Dynamo calls it
+    once per trace instead of tracing it, and the graph reads the result as an attribute of
+    :data:`RESOLVED`, set once and never changed, so the guards Dynamo installs on what it
+    reads always hold: no recompile. A compiled step so spends no trace on planning, and reuses
+    the plans its eager steps made.
+
+    Example (eager, it is the call; :func:`plan_of` and the einsum and elementwise plans use it):
+        >>> from meshtorch.lowering.plan import resolved
+        >>> resolved(range, 0, 6, 2)
+        range(0, 6, 2)
+    """
+    if not compiling():
+        return compute(*args)
+    return getattr(RESOLVED, _resolve(compute, args))
+
+
+#: What compiled programs read (:func:`resolved`), one attribute each; a module, so Dynamo
+#: guards each attribute it reads, never the set of them.
 RESOLVED = types.ModuleType("meshtorch.lowering.plan.RESOLVED")
 _RESOLVED_NAMES: dict[tuple, str] = {}
 _RESOLVING = threading.Lock()  # thread processors may compile at once
@@ -391,25 +423,19 @@ _SERIAL = itertools.count()  # attribute names are never reused
 
 
 @torch.compiler.assume_constant_result
-def _resolve_plan(op: str, layouts: tuple, requires_grad: tuple | None, out_names: tuple,
-                  out_sizes: tuple, reduced: tuple, whole: tuple, grad: bool,
-                  name: str | None) -> str:
-    """For :func:`plan_of` in a compiled program: Dynamo calls this (it does not trace it) with
-    the op's signature as constants; the name of the plan's attribute of :data:`RESOLVED`."""
+def _resolve(compute: Callable[..., Any], args: tuple) -> str:
+    """For :func:`resolved`: Dynamo calls this (it does not trace it) with constants; the name
+    of the attribute of :data:`RESOLVED` that holds ``compute(*args)``."""
     ctx = current()
-    key = (op, layouts, requires_grad, out_names, out_sizes, reduced, whole, grad, name, ctx.rules,
-           ctx.comm.mesh, ctx.comm.rank)
+    key = (compute, args, ctx.rules, ctx.comm.mesh, ctx.comm.rank)
     attr = _RESOLVED_NAMES.get(key)
     if attr is None:
-        inputs = [_Operand(k, r) for k, r in zip(layouts, requires_grad or (False,) * len(layouts))]
-        with torch.set_grad_enabled(grad):  # the traced program's grad mode, not the tracer's
-            plan = _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
-                                grad, name)
+        value = compute(*args)
         with _RESOLVING:
             attr = _RESOLVED_NAMES.get(key)
             if attr is None:
-                attr = _RESOLVED_NAMES[key] = f"plan{next(_SERIAL)}"
-                setattr(RESOLVED, attr, plan)
+                attr = _RESOLVED_NAMES[key] = f"value{next(_SERIAL)}"
+                setattr(RESOLVED, attr, value)
     return attr
 
 
