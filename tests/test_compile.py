@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import aot_eager
 from torch._dynamo.utils import counters
 
@@ -113,6 +115,91 @@ def gloo_program() -> tuple:
     return (eager, eager_stats, compiled, mt.comm_stats().as_dict(), graph_breaks(),
             counters["stats"]["unique_graphs"], recorder.count("_c10d_functional"),
             recorder.count("meshtorch.collective"))
+
+
+class Compiles:
+    """A ``torch.compile`` backend (``aot_eager``, the eager ATen ops) that counts the graphs
+    it is handed: Dynamo's forward graphs and AOTAutograd's backward graphs. Each compile of
+    the step adds one of each; a recompile would add more."""
+
+    def __init__(self):
+        self.forward = self.backward = 0
+
+        def fw(gm, inputs):
+            self.forward += 1
+            return make_boxed_func(gm.forward)
+
+        def bw(gm, inputs):
+            self.backward += 1
+            return make_boxed_func(gm.forward)
+
+        self.backend = aot_autograd(fw_compiler=fw, bw_compiler=bw)
+
+    def __call__(self, gm, inputs):
+        return self.backend(gm, inputs)
+
+
+def train_counted(steps: int = 5) -> tuple[list[float], list[float], list[tuple[int, int]]]:
+    """``steps`` steps of the tiny LM eager and compiled (``fullgraph=True``, :class:`Compiles`),
+    from the same weights: the losses of each and, after each compiled step, the graphs
+    compiled so far (forward, backward)."""
+    eager, _ = train(None, steps)
+    counted = Compiles()
+    model = DecoderLM(CFG, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = compile_step(model.loss, counted, fullgraph=True)
+    losses, graphs = [], []
+    for ids, tgt in batches(steps):
+        loss = loss_fn(mt.from_global(ids, SHAPE), mt.from_global(tgt, SHAPE))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        mt.optim.clip_grad_norm_(model, 1.0)
+        opt.step()
+        losses.append(loss.item())
+        graphs.append((counted.forward, counted.backward))
+    return eager, losses, graphs
+
+
+def test_lm_step_compiles_once_as_one_graph():
+    """The LM's training step (forward, loss, backward) under ``fullgraph=True`` compiles on the
+    first step and never again over five AdamW steps (clipping and the update run eagerly
+    between them), with the eager step's losses."""
+    eager, losses, graphs = train_counted()
+    assert graphs == [(1, 1)] * 5
+    assert losses == pytest.approx(eager, rel=1e-5)
+    assert graph_breaks() == {}
+
+
+def test_lm_step_on_thread_processors_compiles_once_per_processor():
+    """`meshtorch train --compile`'s default: the threads backend, the batch split over ``b:2``.
+    Each processor compiles its graph (collectives as opaque ops) on its first step, then none
+    over the next four; the losses are the eager ones on every processor."""
+    out = mt.launch(train_counted, mesh="b:2", rules="batch:b")
+    assert graph_breaks() == {}
+    assert counters["stats"]["unique_graphs"] == 2  # one per processor
+    for eager, losses, graphs in out:
+        assert graphs == [(1, 1)] * 5
+        assert losses == pytest.approx(eager, rel=1e-5)
+
+
+def test_plans_of_a_compiled_step_are_the_eager_plans(monkeypatch):
+    """Under compile the plans (the lowering's, einsum's, elementwise broadcasting's) resolve
+    outside the trace, from the same memos the eager steps fill: compiling after an eager step
+    plans nothing new."""
+    from meshtorch.lowering import elementwise
+    from meshtorch.lowering import lower as lowering_plan
+    from meshtorch.ops import einsum
+
+    monkeypatch.setattr(lowering_plan, "_RESOLVED_NAMES", {})  # as if nothing compiled before
+    model = DecoderLM(CFG, seed=0)
+    ids, tgt = (mt.from_global(t, SHAPE) for t in batches(1)[0])
+    model.loss(ids, tgt).backward()
+    memos = (lowering_plan._PLANS, einsum._PLANS, elementwise._NARY)
+    eager = {id(p) for memo in memos for p in memo.values()}
+    compile_step(model.loss, "eager")(ids, tgt).backward()
+    resolved = [getattr(lowering_plan.RESOLVED, n) for n in lowering_plan._RESOLVED_NAMES.values()]
+    assert sum(isinstance(p, lowering_plan.Plan) for p in resolved) > 10  # every lowered op's
+    assert all(id(p) in eager for p in resolved)
 
 
 def test_one_processor_forward_is_one_graph_without_breaks():

@@ -52,9 +52,16 @@ class BoundedCache(dict):
 
 
 def compiling() -> bool:
-    """Whether ``torch.compile`` (Dynamo) is tracing this call; never imports torch."""
+    """Whether ``torch.compile`` (Dynamo) is tracing this call; never imports torch.
+
+    False in a function Dynamo calls rather than traces (the lowering's plans, resolved
+    outside the trace by :func:`meshtorch.lowering.lower.plan_of`), so its memos work there."""
     torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    if torch is None:
+        return False
+    # is_dynamo_compiling: True only in traced code (torch >= 2.3); is_compiling is also True
+    # in a function Dynamo calls at trace time on some versions (2.13) and not others (2.11)
+    return getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)()
 
 
 def cache_root() -> Path:

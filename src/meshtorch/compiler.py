@@ -1,11 +1,15 @@
 """``torch.compile`` of a meshtorch step: each processor's local program as one graph.
 
-Dynamo traces the whole step on each processor: meshtorch's layouts, plans and
-adapters are Python constants of the trace, so what remains is the processor's
-torch ops and its collectives. On the ``torch`` backend (gloo, NCCL) the
-collectives are ``torch.distributed``'s functional collectives, ops of the graph;
-on the ``threads`` backend each is one opaque op (``meshtorch::collective``) that
-calls the processor's communicator. AOTAutograd compiles the backward too.
+Dynamo traces the whole step on each processor as one graph (``fullgraph``: a
+graph break is an error): meshtorch's layouts, plans and adapters are Python
+constants of the trace, so what remains is the processor's torch ops and its
+collectives. The lowering's plans are resolved outside the trace
+(:func:`meshtorch.lowering.lower.plan_of` hands Dynamo only constants), so Dynamo
+does not run the planner's Python and the eager steps' plans serve the compile.
+On the ``torch`` backend (gloo, NCCL) the collectives are ``torch.distributed``'s
+functional collectives, ops of the graph; on the ``threads`` backend each is one
+opaque op (``meshtorch::collective``) that calls the processor's communicator.
+AOTAutograd compiles the backward too.
 
 The communicator's counters (``mt.comm_stats()``) count a compiled step's
 collectives at every call, as an eager step's: a trace notes them once and
@@ -33,14 +37,18 @@ from meshtorch.comm.stats import begin_traced, note_traced, traced_tally
 from meshtorch.context import current
 
 
-def compile_step(fn: Callable[..., Any], backend: str = "inductor", dynamic: bool = False
-                 ) -> Callable[..., Any]:
-    """``fn`` (a step, or a model's ``loss``) under ``torch.compile(backend=..., dynamic=...)``,
-    counting its collectives in this processor's ``mt.comm_stats()`` at every call.
+def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: bool = False,
+                 fullgraph: bool = True) -> Callable[..., Any]:
+    """``fn`` (a step, or a model's ``loss``) under ``torch.compile(backend=..., dynamic=...,
+    fullgraph=...)``, counting its collectives in this processor's ``mt.comm_stats()`` at every
+    call.
 
-    Shapes are static by default: a batch of another shape compiles again. Under the threads
-    backend every processor compiles its own graph of the same code (its plans, its slices):
-    Dynamo's recompile limits are raised to allow one version per processor.
+    One graph by default (``fullgraph=True``): a graph break raises, naming its cause, rather
+    than silently splitting the step (pass ``fullgraph=False`` for a function that must break,
+    e.g. one that reads ``.item()``). Shapes are static by default: a batch of another shape
+    compiles again. Under the threads backend every processor compiles its own graph of the
+    same code (its plans, its slices) on its first call: Dynamo's recompile limits are raised
+    to allow one version per processor.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -62,7 +70,7 @@ def compile_step(fn: Callable[..., Any], backend: str = "inductor", dynamic: boo
         tally = begin_traced()  # a constant of the trace: the tally its collectives are noted in
         return fn(*args, **kwargs), tally
 
-    compiled = torch.compile(traced, backend=backend, dynamic=dynamic)
+    compiled = torch.compile(traced, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
     def step(*args: Any, **kwargs: Any) -> Any:
         out, tally = compiled(*args, **kwargs)

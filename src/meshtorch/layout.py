@@ -148,8 +148,9 @@ class LayoutRules:
             rules[dim] = axes
         self.rules = rules
         # the lowering's plans are keyed by the rules: hashed once, here, not on first use, which
-        # torch.compile would guard on (a recompile once eager code hashed it)
-        self._hash = hash(tuple(sorted(rules.items())))
+        # torch.compile would guard on (a recompile once eager code hashed it); rules built in a
+        # compiled program hash on use (builtin hash() is untraceable on torch 2.11)
+        self._hash = None if compiling() else hash(tuple(sorted(rules.items())))
 
     def axes_of(self, dim: str) -> Axes:
         """The axes a dim name is split over, major first (``()``: no rule)."""
@@ -221,7 +222,8 @@ class LayoutRules:
         return isinstance(other, LayoutRules) and self.rules == other.rules
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        return h if h is not None else hash(tuple(sorted(self.rules.items())))
 
     def __reduce__(self):
         return (LayoutRules, (dict(self.rules),))
@@ -244,16 +246,20 @@ class Layout:
 
     # Immutable once built. The slice sizes (checked against every new MeshTensor's slice) are
     # computed here once when every piece is the same size, else once per processor.
-    __slots__ = ("shape", "mesh", "split", "_by_axis", "even_sizes", "_at", "_hash")
+    __slots__ = ("shape", "mesh", "split", "_by_axis", "even_sizes", "_at", "key", "_hash")
 
     def __init__(self, shape: Shape, mesh: Mesh, split: Mapping[str, str | Axes]):
         self.shape = shape
         self.mesh = mesh
         self.split: dict[str, Axes] = {
             d.name: _as_axes(split[d.name]) for d in shape if d.name in split and split[d.name]}
+        #: the layout as plain constants (dim names, sizes, mesh axes, split): equal keys, equal
+        #: layouts; what a compiled program keys the lowering's plans with
+        self.key = (shape.names, shape.sizes, mesh.axes, tuple(self.split.items()))
         # every lowered op hashes its inputs' layouts (the plan's key): hashed once, here, not on
-        # first use, which torch.compile would guard on (a recompile once eager code hashed it)
-        self._hash = hash((shape, mesh, tuple(self.split.items())))
+        # first use, which torch.compile would guard on (a recompile once eager code hashed it);
+        # a layout built in a compiled program hashes on use (hash() is untraceable on torch 2.11)
+        self._hash = None if compiling() else hash(self.key)
         self._by_axis = {a: d for d, axes in self.split.items() for a in axes}
         if len(self._by_axis) != sum(map(len, self.split.values())):
             raise LayoutError(f"layout {split} splits over one axis twice")
@@ -328,7 +334,8 @@ class Layout:
         )
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        return h if h is not None else hash(self.key)
 
     def __reduce__(self):
         # string hashes differ between processes, so _hash must not travel

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from meshtorch.caching import compiling
 from meshtorch.errors import ShapeError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -119,7 +120,10 @@ class Shape:
             )
         self.names: tuple[str, ...] = tuple(self._index)
         self.sizes: tuple[int, ...] = tuple(d.size for d in self.dims)
-        self._hash = hash((self.names, self.sizes))
+        # builtin hash() of a tuple is untraceable on torch 2.11 (a graph break): a shape built in
+        # a compiled program hashes on use, which nothing there does (its plans are keyed by
+        # tuples of names and sizes, resolved outside the trace)
+        self._hash = None if compiling() else hash((self.names, self.sizes))
 
     @property
     def numel(self) -> int:
@@ -159,12 +163,12 @@ class Shape:
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Shape):
             # equal dims <=> equal names and sizes; comparing those tuples runs no Python per dim
-            return self is other or (self._hash == other._hash and self.names == other.names
-                                     and self.sizes == other.sizes)
+            return self is other or (self.names == other.names and self.sizes == other.sizes)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return self._hash
+        h = self._hash
+        return h if h is not None else hash((self.names, self.sizes))
 
     def __reduce__(self):
         # rebuilt on unpickling: string hashes differ between processes, so _hash must not travel

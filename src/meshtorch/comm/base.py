@@ -102,6 +102,10 @@ def collective(method: F) -> F:
         >>> from meshtorch.comm.base import LocalCommunicator
         >>> torch.compile(LocalCommunicator().all_reduce, backend="eager")(torch.ones(2), ()).tolist()
         [1.0, 1.0]
+
+    (The examples compile library functions, not lambdas of their own: Dynamo stores helper
+    globals in the compiled function's module, and a doctest's namespace is cleared before
+    Dynamo drops them, which printed a ``KeyError: '__builtins_dict___N'`` at exit.)
     """
     name = method.__name__
 

@@ -14,7 +14,8 @@ Example:
     >>> import torch, meshtorch as mt
     >>> import meshtorch.comm.compiled
     >>> def f():
-    ...     return torch.compile(mt.current().comm.all_reduce, backend="eager")(torch.ones(1), "b").item()
+    ...     comm = mt.current().comm
+    ...     return torch.compile(comm.all_reduce, backend="eager")(torch.ones(1), "b").item()
     >>> mt.launch(f, mesh="b:2")
     [2.0, 2.0]
 """

@@ -268,7 +268,12 @@ class TorchCommunicator(Communicator):
 
     def _all_gather(self, t, axes, group, dim, call):
         if torch.compiler.is_compiling():
-            return self._back(funcol.all_gather_tensor(self._on_dev(t), dim, self._process_group(axes)), t)
+            # gathered along dim 0, the pieces moved to ``dim`` here (a view where no data moves):
+            # torch 2.11's all_gather_tensor moves them in a function Dynamo skips, a graph break
+            out = funcol.all_gather_tensor(self._on_dev(t), 0, self._process_group(axes))
+            if dim:
+                out = out.unflatten(0, (len(group), -1)).movedim(0, dim).flatten(dim, dim + 1)
+            return self._back(out, t)
         self._check(call, group)
         pg = self._process_group(axes)
         x = self._to_dev(t.movedim(dim, 0))

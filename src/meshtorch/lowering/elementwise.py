@@ -25,7 +25,7 @@ from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.lower import align, lower
+from meshtorch.lowering.lower import align, lower, resolved
 from meshtorch.lowering.output import tensor_type
 from meshtorch.shape import Shape
 
@@ -75,11 +75,11 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
-    key = tuple(shapes)
-    plan = None if is_compiling() else _NARY.get(key)
-    if plan is None:
-        plan = _nary_plan(key, op) if is_compiling() else _NARY.put(key, _nary_plan(key, op))
-    out, same_shapes = plan
+    if is_compiling():  # planned outside the trace, from the shapes' names and sizes
+        out, same_shapes = resolved(_nary_of_constants, tuple(
+            [None if s is None else (s.names, s.sizes) for s in shapes]), op)
+    else:
+        out, same_shapes = _cached_nary(tuple(shapes), op)
     tensors = [x for x in xs if isinstance(x, cls)]
     if same_shapes:
         first = tensors[0].layout
@@ -101,6 +101,15 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
 # The broadcast shape of each combination of operand shapes (None: a scalar), and whether every
 # operand already has it: computed once per combination, as a model repeats the same few.
 _NARY = BoundedCache(4096)
+
+
+def _cached_nary(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:
+    plan = _NARY.get(shapes)
+    return _NARY.put(shapes, _nary_plan(shapes, op)) if plan is None else plan
+
+
+def _nary_of_constants(shapes: tuple, op: str) -> tuple[Shape, bool]:
+    return _cached_nary(tuple([None if s is None else Shape(zip(*s)) for s in shapes]), op)
 
 
 def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:

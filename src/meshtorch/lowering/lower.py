@@ -35,21 +35,24 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import threading
+import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.compiler import is_compiling
 
-from meshtorch.caching import BoundedCache
+from meshtorch.caching import BoundedCache, compiling
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.output import tensor_type
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
+from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
 
 if TYPE_CHECKING:
@@ -320,6 +323,13 @@ def plan_of(
     rules, the mesh and this processor's rank. A model runs the same few signatures every step,
     so after the first step every op is one dict lookup.
 
+    Under ``torch.compile`` the plan is resolved outside the trace: the traced code hands only
+    constants (the inputs' :attr:`~meshtorch.layout.Layout.key`, names, sizes) to a function
+    Dynamo calls rather than traces (``assume_constant_result``), and reads the plan back from
+    :data:`RESOLVED`. So Dynamo does not trace the planner's Python (the bulk of a trace), a
+    compile reuses the eager steps' plans, and the trace calls no builtin ``hash`` (untraceable
+    on torch 2.11).
+
     Example:
         >>> import meshtorch as mt
         >>> from meshtorch.lowering.lower import plan_of
@@ -328,9 +338,22 @@ def plan_of(
         >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
         (True, 0)
     """
+    grad = torch.is_grad_enabled()
+    if compiling():
+        # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
+        # otherwise trace per op), from constants only
+        return resolved(
+            _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
+            tuple([x.local.requires_grad for x in inputs]) if grad else None,
+            out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
+            tuple(sorted(set(whole))), grad, name)
+    return _cached_plan(op, inputs, out_shape, reduced, whole, grad, name)
+
+
+def _cached_plan(op: str, inputs: Sequence, out_shape: Shape, reduced: dict[str, str] | None,
+                 whole: Iterable[str], grad: bool, name: str | None) -> Plan:
     ctx = current()
     comm = ctx.comm
-    grad = torch.is_grad_enabled()
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
     whole = frozenset(whole) if whole else frozenset()
     key = (
@@ -343,12 +366,80 @@ def plan_of(
         comm.mesh,
         comm.rank,
     )
-    plan = None if is_compiling() else _PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
-        plan = make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name)
-        if not is_compiling():
-            _PLANS.put(key, plan)
+        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
     return plan
+
+
+class _Operand:
+    """What the planner reads of an operand, rebuilt from a compiled program's constants."""
+
+    __slots__ = ("layout", "shape", "local", "requires_grad")
+
+    def __init__(self, key: tuple, requires_grad: bool):
+        names, sizes, axes, split = key
+        self.layout = Layout(Shape(zip(names, sizes)), Mesh(axes), dict(split))
+        self.shape = self.layout.shape
+        self.requires_grad = requires_grad
+        self.local = self  # the plan's key reads ``x.local.requires_grad``
+
+
+def _plan_of_constants(op: str, layouts: tuple, requires_grad: tuple | None, out_names: tuple,
+                       out_sizes: tuple, reduced: tuple, whole: tuple, grad: bool,
+                       name: str | None) -> Plan:
+    """:func:`plan_of` from a compiled program's constants (run by :func:`resolved`)."""
+    inputs = [_Operand(k, r) for k, r in zip(layouts, requires_grad or (False,) * len(layouts))]
+    with torch.set_grad_enabled(grad):  # the traced program's grad mode, not the tracer's
+        return _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
+                            grad, name)
+
+
+def resolved(compute: Callable[..., Any], *args: Any) -> Any:
+    """``compute(*args)`` for a compiled program, computed outside the trace and read by the
+    graph as a constant; outside ``torch.compile``, simply ``compute(*args)``.
+
+    ``args`` must be constants (strings, numbers, booleans, ``None``, tuples of them) that
+    determine the result together with this processor's rules, mesh and rank; ``compute``
+    must not change what it returns for them (memos of plans and shapes). Dynamo calls it
+    once per trace instead of tracing it, and the graph reads the result as an attribute of
+    :data:`RESOLVED`, set once and never changed, so the guards Dynamo installs on what it
+    reads always hold: no recompile. A compiled step so spends no trace on planning, and reuses
+    the plans its eager steps made.
+
+    Example (eager, it is the call; :func:`plan_of` and the einsum and elementwise plans use it):
+        >>> from meshtorch.lowering.lower import resolved
+        >>> resolved(range, 0, 6, 2)
+        range(0, 6, 2)
+    """
+    if not compiling():
+        return compute(*args)
+    return getattr(RESOLVED, _resolve(compute, args))
+
+
+#: What compiled programs read (:func:`resolved`), one attribute each; a module, so Dynamo
+#: guards each attribute it reads, never the set of them.
+RESOLVED = types.ModuleType("meshtorch.lowering.lower.RESOLVED")
+_RESOLVED_NAMES: dict[tuple, str] = {}
+_RESOLVING = threading.Lock()  # thread processors may compile at once
+_SERIAL = itertools.count()  # attribute names are never reused
+
+
+@torch.compiler.assume_constant_result
+def _resolve(compute: Callable[..., Any], args: tuple) -> str:
+    """For :func:`resolved`: Dynamo calls this (it does not trace it) with constants; the name
+    of the attribute of :data:`RESOLVED` that holds ``compute(*args)``."""
+    ctx = current()
+    key = (compute, args, ctx.rules, ctx.comm.mesh, ctx.comm.rank)
+    attr = _RESOLVED_NAMES.get(key)
+    if attr is None:
+        value = compute(*args)
+        with _RESOLVING:
+            attr = _RESOLVED_NAMES.get(key)
+            if attr is None:
+                attr = _RESOLVED_NAMES[key] = f"value{next(_SERIAL)}"
+                setattr(RESOLVED, attr, value)
+    return attr
 
 
 # Every op's plan. A plan depends on nothing but its key, so entries hold across launches and

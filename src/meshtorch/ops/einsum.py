@@ -29,7 +29,7 @@ from torch.compiler import is_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.lower import align, lower
+from meshtorch.lowering.lower import align, lower, resolved
 from meshtorch.meta_autocast import autocast_enabled
 from meshtorch.ops.elementwise import broadcast_shape, cast
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
@@ -81,21 +81,61 @@ def einsum(
     else:
         xs = tuple(as_mesh_tensor(x) for x in xs)
         spec = equation
+    by_equation = not isinstance(equation, MeshTensor)
+    if is_compiling():  # planned outside the trace, from the shapes' names and sizes
+        out, local_fn, reduced = resolved(
+            _einsum_of_constants, tuple([(x.shape.names, x.shape.sizes) for x in xs]),
+            _spec_constant(spec), by_equation)
+    else:
+        out, local_fn, reduced = _einsum_plan(xs, spec, by_equation)
+    return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name)
+
+
+def _einsum_plan(xs: tuple, spec: str | Shape | tuple, by_equation: bool
+                 ) -> tuple[Shape, Callable, dict[str, str]]:
     # the plan (and the checks made when building it) depends only on the operand shapes and
     # the equation or output dims, so they are the key
     key = (tuple([x.shape for x in xs]), spec)
-    plan = None if is_compiling() else _PLANS.get(key)
+    plan = _PLANS.get(key)
     if plan is None:
-        if isinstance(equation, MeshTensor):
+        if by_equation:
+            out_dims = _parse(spec, xs)
+        else:
             out_dims = list(spec.dims if isinstance(spec, Shape) else as_shape(spec).dims
                             if isinstance(spec, str) else spec)
-        else:
-            out_dims = _parse(equation, xs)
-        plan = _broadcast_plan(xs, out_dims)
-        if not is_compiling():
-            _PLANS.put(key, plan)
-    out, local_fn, reduced = plan
-    return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name)
+        plan = _PLANS.put(key, _broadcast_plan(xs, out_dims))
+    return plan
+
+
+class _Operand:
+    """What einsum's planner reads of an operand, rebuilt from a compiled program's constants."""
+
+    __slots__ = ("shape", "names")
+
+    def __init__(self, names: tuple[str, ...], sizes: tuple[int, ...]):
+        self.shape = Shape(zip(names, sizes))
+        self.names = names
+
+
+def _spec_constant(spec: str | Shape | tuple) -> tuple:
+    """``spec`` as constants (strings, numbers, tuples), for :func:`_einsum_of_constants`."""
+    if isinstance(spec, str):
+        return ("str", spec)
+    if isinstance(spec, Shape):
+        return ("shape", spec.names, spec.sizes)
+    return ("dims", tuple([("dim", d.name, d.size) if isinstance(d, Dim) else d for d in spec]))
+
+
+def _einsum_of_constants(shapes: tuple, spec: tuple, by_equation: bool
+                         ) -> tuple[Shape, Callable, dict[str, str]]:
+    if spec[0] == "str":
+        out = spec[1]
+    elif spec[0] == "shape":
+        out = Shape(zip(spec[1], spec[2]))
+    else:
+        out = tuple([Dim(d[1], d[2]) if isinstance(d, tuple) and d[:1] == ("dim",) else d
+                     for d in spec[1]])
+    return _einsum_plan(tuple([_Operand(*s) for s in shapes]), out, by_equation)
 
 
 def _promoted(xs: tuple[MeshTensor, ...]) -> tuple[MeshTensor, ...]:
