@@ -125,7 +125,7 @@ def test_a_spawned_processor_starts_without_dynamo():
 def test_the_constant_mark_without_dynamo_is_the_one_torch_sets():
     import torch
 
-    from meshtorch.comm.stats import _constant_result
+    from meshtorch.caching import constant_result
 
     def ours():
         return 0
@@ -133,7 +133,7 @@ def test_the_constant_mark_without_dynamo_is_the_one_torch_sets():
     def torchs():
         return 0
 
-    _constant_result(ours)
+    constant_result(ours)
     before = set(vars(torchs))
     torch.compiler.assume_constant_result(torchs)
     assert {k: v for k, v in vars(torchs).items() if k not in before} == vars(ours)

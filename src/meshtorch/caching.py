@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +50,27 @@ class BoundedCache(dict):
             self.clear()
         self[key] = value
         return value
+
+
+CONSTANT_RESULTS: list[Callable] = []  # what constant_result marked, for meshtorch.compiler
+
+
+def constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing Dynamo (about a second of
+    start-up in every fresh processor): the decorator only sets this mark, which Dynamo reads
+    when it meets the call, so Dynamo calls ``fn`` at trace time and keeps its result as a
+    constant. ``meshtorch.compiler`` applies torch's own decorator to every function marked here
+    before it compiles, so a torch that marks differently still sees them
+    (``tests/test_lazy_import.py`` checks that the two marks agree).
+
+    Example:
+        >>> from meshtorch.caching import constant_result
+        >>> constant_result(lambda: 3)()
+        3
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    CONSTANT_RESULTS.append(fn)
+    return fn
 
 
 def compiling() -> bool:

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from meshtorch.comm.stats import begin_traced, note_traced, traced_tally
+from meshtorch.caching import CONSTANT_RESULTS
+from meshtorch.comm.stats import begin_traced, traced_tally
 from meshtorch.context import current
 
 
@@ -57,9 +58,9 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
         >>> compile_step(mt.reduce_sum, backend="eager")(x).item()
         6.0
     """
-    # comm.stats marks these without importing Dynamo; torch's own decorator (Dynamo is
-    # imported now) keeps them marked should a torch release mark constants another way
-    for marked in (begin_traced, note_traced):
+    # caching.constant_result marks these without importing Dynamo; torch's own decorator
+    # (Dynamo is imported now) keeps them marked should a torch release mark constants another way
+    for marked in CONSTANT_RESULTS:
         torch.compiler.assume_constant_result(marked)
     config = torch._dynamo.config
     n = current().mesh.size

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import meshtorch.comm.compiled  # noqa: F401  (registers the op compiled collectives run)
+from meshtorch.caching import constant_result
 from meshtorch.comm.base import Communicator, LocalCommunicator
 from meshtorch.comm.stats import CommStats
 from meshtorch.errors import PlanError
@@ -213,10 +214,15 @@ def processor_device() -> torch.device:
         >>> mt.launch(lambda: processor_device().type, mesh="b:2")
         ['cpu', 'cpu']
     """
+    dev = current().device
+    return dev if dev is not None else _default_device()
+
+
+@constant_result  # a constant of a compiled program (Dynamo cannot trace the call)
+def _default_device() -> torch.device:
     import torch
 
-    dev = current().device
-    return dev if dev is not None else torch.get_default_device()
+    return torch.get_default_device()
 
 
 def set_process_context(ctx: ProcessorContext) -> None:

@@ -20,6 +20,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from meshtorch.caching import constant_result
+
 
 class CommStats:
     """Calls and payload bytes per ``(kind, axes)``; one object per processor."""
@@ -125,17 +127,8 @@ _numbers = itertools.count(1)
 _open = threading.local()  # this thread's tally being traced (Dynamo traces on the caller's thread)
 
 
-def _constant_result(fn: Callable) -> Callable:
-    """``torch.compiler.assume_constant_result`` without importing Dynamo (about a second of
-    start-up in every fresh processor): the decorator only sets this mark, which Dynamo reads
-    when it meets the call. ``meshtorch.compiler`` also applies torch's own decorator before it
-    compiles, so a torch that marks differently still sees the mark (tests/test_compile.py checks
-    that the two marks agree)."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
 
-
-@_constant_result
+@constant_result
 def begin_traced() -> int:
     """Open a new tally for the collectives traced next on this thread; its number."""
     number = next(_numbers)
@@ -143,7 +136,7 @@ def begin_traced() -> int:
     return number
 
 
-@_constant_result
+@constant_result
 def note_traced(kind: str, axes: tuple[str, ...], nbytes: int) -> int:
     """Note a traced collective in this thread's open tally (none open: not counted)."""
     tally = getattr(_open, "tally", None)

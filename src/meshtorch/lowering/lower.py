@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshtorch.caching import BoundedCache, compiling
+from meshtorch.caching import BoundedCache, compiling, constant_result
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
@@ -425,7 +425,7 @@ _RESOLVING = threading.Lock()  # thread processors may compile at once
 _SERIAL = itertools.count()  # attribute names are never reused
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _resolve(compute: Callable[..., Any], args: tuple) -> str:
     """For :func:`resolved`: Dynamo calls this (it does not trace it) with constants; the name
     of the attribute of :data:`RESOLVED` that holds ``compute(*args)``."""
