@@ -8,8 +8,10 @@ One forward and backward of causal self-attention (``[batch, length, heads, d_kv
 - ``ring/math`` and ``ring/fused``: ``mt.ring_attention`` on ``m:2`` (threads) with its blocks by
   the math or by the fused kernel that returns the log-sum-exp.
 
-Prints milliseconds per step (median of ``--repeat``) and the ratios. No assertion: speed is
-measured here, never in tests.
+Prints milliseconds per step (median of ``--repeat``), the ratios, and each figure against this
+machine's FLOP and bandwidth limits (``limits.py``: the FLOPs of the dense step, counted by
+``FlopCounterMode``, at the measured matmul rate); writes ``benchmarks/results/attention_fused.{json,md}``.
+No assertion: speed is measured here, never in tests.
 
     python benchmarks/attention_fused.py [--batch 2 --length 512 --heads 4 --d-kv 32 --repeat 5]
 """
@@ -17,14 +19,19 @@ measured here, never in tests.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from limits import attach, count, figure, section  # noqa: E402  (benchmarks/ is the script's folder)
 
 import meshtorch as mt
 import meshtorch.lowering.ring as ring
 from meshtorch.models.layers import LENGTH, MEMORY, causal_bias
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def einsum_attention(q, k, v, scale):
@@ -79,11 +86,37 @@ def main() -> None:
         ring_math = step_ms(ring_attention, shape, args.repeat, device, "m:2", "length:m")
     finally:
         ring.FUSED = kernels
-    print(f"{device}, torch {torch.__version__}, [{shape}], forward + backward, median of {args.repeat}")
-    print(f"einsum      {einsum:8.2f} ms")
-    print(f"fused       {fused:8.2f} ms   einsum/fused {einsum / fused:.2f}x")
-    print(f"ring/math   {ring_math:8.2f} ms   (m:2, threads)")
-    print(f"ring/fused  {ring_fused:8.2f} ms   math/fused {ring_math / ring_fused:.2f}x")
+    header = f"{device}, torch {torch.__version__}, [{shape}], forward + backward, median of {args.repeat}"
+    lines = [header,
+             f"einsum      {einsum:8.2f} ms",
+             f"fused       {fused:8.2f} ms   einsum/fused {einsum / fused:.2f}x",
+             f"ring/math   {ring_math:8.2f} ms   (m:2, threads)",
+             f"ring/fused  {ring_fused:8.2f} ms   math/fused {ring_math / ring_fused:.2f}x"]
+    print("\n".join(lines))
+    # the limit: the fused step's own FLOPs and bytes (the attention's, not the math path's) on one
+    # processor; ring attention's two processors share the same work
+    work = dense_work(shape, device)
+    figures = [figure("einsum", einsum / 1e3, work), figure("fused", fused / 1e3, work),
+               figure("ring/math (m:2)", ring_math / 1e3, work, processors=2),
+               figure("ring/fused (m:2)", ring_fused / 1e3, work, processors=2)]
+    md = "# Fused attention\n\n" + "\n".join(f"    {line}" for line in lines) + "\n" + section(figures)
+    print(md)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "attention_fused.md").write_text(md)
+    (RESULTS / "attention_fused.json").write_text(json.dumps(attach({
+        "config": vars(args), "device": device, "torch": torch.__version__,
+        "ms": {"einsum": einsum, "fused": fused, "ring_math": ring_math, "ring_fused": ring_fused}},
+        figures), indent=1) + "\n")
+
+
+def dense_work(shape: str, device: str):
+    """The FLOPs and bytes of one fused forward and backward, counted on one processor."""
+    def program():
+        q, k, v = (mt.random.normal(shape, seed=s).requires_grad_() for s in range(3))
+        scale = q.shape["d_kv"].size ** -0.5
+        return count(lambda: mt.reduce_sum(fused_attention(q, k, v, scale) ** 2).backward())[1]
+
+    return mt.launch(program, device=device)[0]
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "replicator_vs_ddp": ([], ["--repeats", "2", "--steps", "10", "--warmup", "3"]),
     "pipeline": ([], ["--micro", "2", "--steps", "2", "--repeats", "1"]),
     "seqpar": ([], ["--length", "256"]),
+    "attention_fused": ([], ["--length", "256", "--repeat", "3"]),
     "plan_vs_measured": ([], ["--only", "lm:data:fp32", "lm:pipeline:fp32"]),
     "planner": ([], ["--no-search"]),
     "placement": ([], ["--quick", "--milp-seconds", "5", "--part", "transformer"]),

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
-_spec = importlib.util.spec_from_file_location(
-    "allocator_peak", Path(__file__).resolve().parents[1] / "benchmarks" / "allocator_peak.py")
-allocator_peak = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = allocator_peak
-_spec.loader.exec_module(allocator_peak)
+from bench_harness import load_benchmark
+
+allocator_peak = load_benchmark("allocator_peak")
 
 SIDE = (8, 4, 128)  # 16 KiB of float32
 

@@ -12,11 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_limits", Path(__file__).resolve().parents[1] / "benchmarks" / "limits.py")
-limits = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = limits  # dataclasses look their module up there
-_spec.loader.exec_module(limits)
+from bench_harness import load_benchmark
+
+limits = load_benchmark("limits")
 
 
 def _mlp_step(batch: int, d_model: int, d_ff: int, x_grad: bool) -> float:

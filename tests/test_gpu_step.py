@@ -9,25 +9,15 @@ The compiled variants are left out here (Inductor takes minutes on 2 cores); the
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_harness import load_benchmark
 from meshtorch.models import TransformerConfig
 
-_bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-_spec = importlib.util.spec_from_file_location("gpu_step_benchmark", Path(_bench) / "gpu_step.py")
-gpu_step = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = gpu_step  # dataclasses look their module up there
-_path = list(sys.path)
-try:
-    _spec.loader.exec_module(gpu_step)  # it imports its neighbour overhead.py (PlainLM)
-finally:
-    sys.path[:] = _path
+gpu_step = load_benchmark("gpu_step")  # it imports its neighbour overhead.py (PlainLM)
 
 EAGER = ["--dry-run", "--variants", "meshtorch-eager,plain-eager", "--steps", "2", "--warmup", "1"]
 

@@ -7,24 +7,14 @@ after a few optimizer steps on each side.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import meshtorch as mt
+from bench_harness import load_benchmark
 from meshtorch.models import DecoderLM, TransformerConfig
 
-_bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-_spec = importlib.util.spec_from_file_location("overhead_benchmark", Path(_bench) / "overhead.py")
-overhead = importlib.util.module_from_spec(_spec)
-sys.path.insert(0, _bench)  # the script imports its neighbour limits.py, as when run from benchmarks/
-try:
-    _spec.loader.exec_module(overhead)
-finally:
-    sys.path.remove(_bench)
+overhead = load_benchmark("overhead")
 
 
 @pytest.mark.parametrize("sdpa", [False, True])

@@ -19,30 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import sys
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshtorch as mt
+from bench_harness import load_benchmark
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.steps import build_model
 from meshtorch.recipes.lm.strategies import PlainStep
 
-_bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
-_spec = importlib.util.spec_from_file_location("overhead_benchmark", Path(_bench) / "overhead.py")
-overhead = importlib.util.module_from_spec(_spec)
-sys.path.insert(0, _bench)  # the script imports its neighbour limits.py, as when run from benchmarks/
-try:
-    _spec.loader.exec_module(overhead)
-finally:
-    sys.path.remove(_bench)
+overhead = load_benchmark("overhead")
 
 VOCAB, BATCH, LENGTH, STEPS = 24, 4, 8, 3
 CFG = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=BATCH, length=LENGTH,
