@@ -514,7 +514,8 @@ def _check_reductions(op: str, reduced: dict[str, str]) -> None:
 def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch.Tensor:
     """Permute and unsqueeze a local tensor with dims ``names`` so it broadcasts
     against dims ``target`` (a superset, any order)."""
-    perm, where = _alignment(tuple(names), tuple(target))
+    # Dynamo traces the memo's small function itself (it would bypass the lru_cache anyway, warning)
+    perm, where = (_alignment.__wrapped__ if compiling() else _alignment)(tuple(names), tuple(target))
     if perm is not None:
         t = t.permute(perm)
     if where is None:
