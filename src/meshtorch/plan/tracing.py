@@ -57,6 +57,7 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.plan.kernels import Kernel, kernel_of
 from meshtorch.plan.shape_memo import run as run_op
 from meshtorch.plan.shape_memo import tensors_in
 
@@ -98,6 +99,7 @@ class Phase:
     aten_ops: int = 0
     flops_by_dtype: dict[str, int] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
+    kernels: dict[Kernel, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,7 +109,9 @@ class Trace:
     ``parameters`` counts the global elements of every parameter registered
     while tracing (each once, whatever its layout); ``aten_ops`` the aten ops
     counted (what the host's share of a step scales with, priced by a device's
-    ``op_seconds``), ``aten_names`` their names in the order they ran.
+    ``op_seconds``), ``aten_names`` their names in the order they ran, ``kernels`` how many
+    times each :data:`~meshtorch.plan.kernels.Kernel` (an op's bytes moved, matmul shape,
+    launches, syncs) ran: what a GPU's roofline prices.
     """
 
     mesh: str
@@ -129,6 +133,7 @@ class Trace:
     aten_ops: int = 0
     phases: dict[str, Phase] = field(default_factory=dict)
     aten_names: list[str] = field(default_factory=list, repr=False)
+    kernels: dict[Kernel, float] = field(default_factory=dict, repr=False)
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -161,6 +166,7 @@ class Tracer(TorchDispatchMode):
         self.all_flops: dict[str, int] = defaultdict(int)
         self.aten_ops = 0  # aten ops run while counting: what a CPU step's dispatch costs scale with
         self.aten_names: list[str] = []  # their names, in order
+        self.kernels: dict[Kernel, int] = defaultdict(int)  # each op as a kernel: how often
         self.ops: list[TraceOp] = []
         self._pending_aten: list[str] = []
         self._pending_flops = 0
@@ -213,6 +219,7 @@ class Tracer(TorchDispatchMode):
         if self._paused:
             return out
         packet = func._overloadpacket
+        n, dtype = 0, None
         if packet in flop_registry:
             n = int(flop_registry[packet](*args, **kwargs, out_val=out))
             dtype = next((str(a.dtype).replace("torch.", "") for a in tensors_in(args)), "float32")
@@ -241,6 +248,9 @@ class Tracer(TorchDispatchMode):
         if self.counting:
             self.aten_ops += 1
             self.aten_names.append(packet.__name__)
+            if dtype is None:
+                dtype = next((str(a.dtype).replace("torch.", "") for a in tensors_in(args)), "float32")
+            self.kernels[kernel_of(func, args, kwargs, out, n, dtype)] += 1
         return out
 
     @contextmanager
@@ -267,11 +277,15 @@ class Tracer(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         """Count this block's work apart too, under ``name`` (:class:`Phase`)."""
         ops, flops, comm = self.aten_ops, dict(self.flops_by_dtype), self.comm.copy()
+        kernels = dict(self.kernels)
         try:
             yield
         finally:
             got = self.phases.setdefault(name, Phase())
             got.aten_ops += self.aten_ops - ops
+            for k, c in self.kernels.items():
+                if c != kernels.get(k, 0):
+                    got.kernels[k] = got.kernels.get(k, 0) + c - kernels.get(k, 0)
             for dt, n in self.flops_by_dtype.items():
                 got.flops_by_dtype[dt] = got.flops_by_dtype.get(dt, 0) + n - flops.get(dt, 0)
             got.comm = got.comm + (self.comm - comm)
@@ -286,6 +300,7 @@ class Tracer(TorchDispatchMode):
         self.flops_by_dtype.clear()
         self.aten_ops = 0
         self.aten_names = []
+        self.kernels.clear()
         self.flop_ops.clear()
         self._pending_flop_ops = []
         self.phases = {}
@@ -478,7 +493,7 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  param_shapes=[(*v, k in tr.grad_at_start or k in tr.grad_in_step)
                                for k, v in tr.param_shapes.items()],
                  start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases,
-                 aten_names=tr.aten_names)
+                 aten_names=tr.aten_names, kernels=dict(tr.kernels))
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:
