@@ -70,28 +70,28 @@ def _info(func) -> tuple[bool, tuple[int, ...], tuple[str, ...]]:
 
 def footprint(t: torch.Tensor) -> int:
     """Bytes of ``t``'s distinct elements (a broadcast dimension, stride 0, counts once)."""
-    n = math.prod(s for s, st in zip(t.shape, t.stride()) if st != 0) if t.dim() else 1
-    return n * t.element_size()
+    strides = t.stride()
+    if 0 not in strides:
+        return t.numel() * t.element_size()
+    return math.prod(s for s, st in zip(t.shape, strides) if st != 0) * t.element_size()
 
 
 def _unique(ts) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in ts:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
+    return list({id(t): t for t in ts}.values())
 
 
 def kernel_of(func, args: tuple, kwargs: dict, out: Any, flops: int, dtype: str) -> Kernel:
     """The :data:`Kernel` key of one aten op ``func(*args, **kwargs) -> out`` with ``flops``."""
     name = func._overloadpacket.__name__
     view, written, names = _info(func)
+    if view or name in NO_KERNEL:
+        return (name, dtype, 0, 0, (), 0, 0)
     ins = _unique(tensors_in((args, kwargs)))
     if name == "_local_scalar_dense":
         return (name, dtype, 0, 0, (), 0, int(any(t.device.type != "cpu" for t in ins)))
-    outs = [t for t in _unique(tensors_in(out)) if all(t is not i for i in ins)]
-    if view or name in NO_KERNEL or all(t.device.type == "cpu" for t in ins + outs):
+    seen = {id(t) for t in ins}
+    outs = [t for t in _unique(tensors_in(out)) if id(t) not in seen]
+    if all(t.device.type == "cpu" for t in ins + outs):
         return (name, dtype, 0, 0, (), 0, 0)
     targets = [t for i in written if i < len(args) for t in tensors_in(args[i])]
     if name in WRITE_ONLY:
