@@ -123,7 +123,7 @@ class DeviceSpec:
 # torch 2.11+cu130 (2026-11-26, ../shared/data/gpu/h100-2026-11-26.json): bf16 matmuls of
 # 4096^3 at 737 TFLOP/s and 8192^3 at 720, the 124M GPT-2 step's mm kernels (dims 768-50304)
 # at 680 on average, a device-to-device copy at 3.0 TB/s. ``achievable`` = 745/989 and the knee
-# of 24 put 4096^3 at 728 TFLOP/s, 8192^3 at 739 and [8192, 768] x [768, 3072] at 714.
+# of 24 put 4096^3 at 732 TFLOP/s, 8192^3 at 738 and [8192, 768] x [768, 3072] at 714.
 # Fused attention: FlashAttention-2 reaches 335 TFLOP/s forward at best on an H100 (Dao,
 # arXiv 2307.08691) and less at head dim 64, causal, 1k tokens; 0.25 of the peak (247) is our
 # assumption for those, not a measurement. A kernel's fixed cost (launch, ramp, tail) of ~3 us
