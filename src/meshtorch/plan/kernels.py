@@ -60,10 +60,12 @@ def _info(func) -> tuple[bool, tuple[int, ...], tuple[str, ...]]:
     got = _schema_info.get(func)
     if got is None:
         schema = func._schema
-        view = bool(getattr(func, "is_view", False))
+        view = getattr(func, "is_view", None)
+        if view is None:   # older torch: a view returns an alias of an argument it does not write
+            view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         written = tuple(i for i, a in enumerate(schema.arguments)
                         if a.alias_info is not None and a.alias_info.is_write)
-        got = (view, written, tuple(a.name for a in schema.arguments))
+        got = (bool(view), written, tuple(a.name for a in schema.arguments))
         _schema_info[func] = got
     return got
 
