@@ -204,7 +204,9 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
         bytes_per_axis.setdefault(axes_s, {})[kind] = v["bytes"]
         calls_per_axis.setdefault(axes_s, {})[kind] = v["calls"]
     comm_seconds = collectives_seconds(t.comm, mesh, spec, algorithm)
-    terms = roofline_seconds(t.kernels, t.aten_ops, spec) if spec.roofline and t.kernels else {}
+    # a compiled step's host launches its kernels (one call each) instead of dispatching aten ops
+    host_ops = sum(c for k, c in t.kernels.items() if k[5]) if t.compiled else t.aten_ops
+    terms = roofline_seconds(t.kernels, host_ops, spec) if spec.roofline and t.kernels else {}
     compute = terms["step"] if terms else compute_seconds(t.flops_by_dtype, t.aten_ops, spec)
     memory = dict(t.peak_by_kind)
     memory["total"] = t.peak_bytes
@@ -220,7 +222,8 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
 
 
 def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
-             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring", staging: str = "none") -> Estimate:
+             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring", staging: str = "none",
+             compiled: bool = False) -> Estimate:
     """Predict one processor's FLOPs, bytes per axis and kind, peak memory and step time.
 
     ``step_fn`` is an SPMD program that builds its model, optimizer and data
@@ -233,6 +236,7 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
     """
     mesh = Mesh(mesh)
     spec = get_device(device, processors=mesh.size)
-    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging)
+    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging,
+              compiled=compiled)
     return from_trace(t, mesh, spec, algorithm)
 

@@ -134,6 +134,65 @@ def matmul_efficiency(m: int, n: int, k: int, knee: float) -> float:
     return (m / (m + knee)) * (n / (n + knee)) * (k / (k + knee)) if knee else 1.0
 
 
+# one op of a traced sequence: its kernel, and the (storage serial, bytes) it reads and writes
+SequenceOp = tuple[Kernel, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
+
+
+def _fusible(k: Kernel) -> bool:
+    name = k[0]
+    return (k[5] == 1 and not k[2] and k[3] > 0 and name not in ATTENTION
+            and not name.startswith(("_foreach_", "_fused_")))
+
+
+def fuse_elementwise(sequence: list[SequenceOp]) -> dict[Kernel, int]:
+    """The kernels of a compiled step (``torch.compile``'s inductor): each maximal run of
+    consecutive memory-bound ops (no matmul, attention, tensor-list op or sync between) is one
+    ``fused`` kernel that reads what the run did not make itself and writes what is read after
+    it, is never read (a result) or was there before it (an update in place); the other ops
+    stay as they are.
+
+    Example:
+        >>> from meshtorch.plan.kernels import fuse_elementwise
+        >>> mul = ("mul", "float32", 0, 12, (), 1, 0)
+        >>> x, y, z = (1, 4), (2, 4), (3, 4)          # storages 1-3 of 4 bytes
+        >>> fuse_elementwise([(mul, (x,), (y,)), (mul, (y,), (z,)), (("sum",) + mul[1:], (z,), ((4, 4),))])
+        {('fused', 'float32', 0, 8, (), 1, 0): 1}
+    """
+    last_read: dict[int, int] = {}
+    made_at: dict[int, int] = {}
+    for i, (_, reads, writes) in enumerate(sequence):
+        for serial, _ in reads:
+            last_read[serial] = i
+        for serial, _ in writes:
+            made_at.setdefault(serial, i)
+    out: dict[Kernel, int] = {}
+    i = 0
+    while i < len(sequence):
+        key = sequence[i][0]
+        if not _fusible(key):
+            out[key] = out.get(key, 0) + 1
+            i += 1
+            continue
+        j = i
+        while j < len(sequence) and _fusible(sequence[j][0]):
+            j += 1
+        read: dict[int, int] = {}
+        written: dict[int, int] = {}
+        for _, reads, writes in sequence[i:j]:
+            for serial, b in reads:
+                if serial not in written:
+                    read[serial] = max(read.get(serial, 0), b)
+            for serial, b in writes:
+                written[serial] = max(written.get(serial, 0), b)
+        # written out: what is read after the run, never read (a result), or was there before
+        kept = sum(b for serial, b in written.items()
+                   if not i <= last_read.get(serial, -1) < j or made_at.get(serial, i) < i)
+        fused: Kernel = ("fused", key[1], 0, sum(read.values()) + kept, (), 1, 0)
+        out[fused] = out.get(fused, 0) + 1
+        i = j
+    return out
+
+
 TERMS = ("matmul", "attention", "memory", "launch", "device", "host", "sync", "step")
 
 
@@ -178,4 +237,5 @@ def roofline_seconds(kernels: dict[Kernel, float], aten_ops: float, spec) -> dic
     return out
 
 
-__all__ = ["Kernel", "footprint", "kernel_of", "matmul_efficiency", "roofline_seconds"]
+__all__ = ["Kernel", "SequenceOp", "footprint", "fuse_elementwise", "kernel_of", "matmul_efficiency",
+           "roofline_seconds"]
