@@ -72,7 +72,10 @@ def _info(func) -> tuple[bool, tuple[int, ...], tuple[str, ...]]:
 
 def footprint(t: torch.Tensor) -> int:
     """Bytes of ``t``'s distinct elements (a broadcast dimension, stride 0, counts once)."""
-    strides = t.stride()
+    try:
+        strides = t.stride()
+    except RuntimeError:   # a layout without strides (sparse, nested): its elements
+        return t.numel() * t.element_size()
     if 0 not in strides:
         return t.numel() * t.element_size()
     return math.prod(s for s, st in zip(t.shape, strides) if st != 0) * t.element_size()

@@ -264,7 +264,10 @@ class Tracer(TorchDispatchMode):
     def _io(self, key: Kernel, func, args, kwargs, out) -> SequenceOp:
         """``key`` with the (storage serial, bytes) its op reads and writes."""
         def serial(t: torch.Tensor) -> int:
-            return self.live.get(id(t.untyped_storage()), (-id(t), 0))[0]
+            try:
+                return self.live.get(id(t.untyped_storage()), (-id(t), 0))[0]
+            except RuntimeError:   # no storage (a sparse or nested layout): its own
+                return -id(t)
 
         if not key[5]:
             return key, (), ()
