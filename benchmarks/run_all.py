@@ -51,6 +51,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "attention_fused": ([], ["--length", "256", "--repeat", "3"]),
     "plan_vs_measured": ([], ["--only", "lm:data:fp32", "lm:pipeline:fp32"]),
     "planner": ([], ["--no-search"]),
+    "plan_vs_h100": ([], []),  # the shared H100 rows; without them it says so and exits 0
     "placement": ([], ["--quick", "--milp-seconds", "5", "--part", "transformer"]),
     "placement_latency": ([], ["--milp-seconds", "5", "--subgraphs", "1"]),
     "gpu_step": ([], ["--quick"]),  # without a GPU it says so and writes nothing (gpu_check.sh runs it)

@@ -65,8 +65,16 @@ class DeviceSpec:
 
     ``links`` may give a :class:`Link` per mesh axis name; other axes use ``default_link``.
     ``op_seconds`` is the host time each aten op of a step costs besides its FLOPs (Python,
-    dispatch, autograd): what a CPU step of small tensors is mostly made of. It is 0 for the
-    accelerators, whose host work runs ahead of their queues.
+    dispatch, autograd): what a CPU step of small tensors is mostly made of.
+
+    A GPU (a spec with ``launch_seconds > 0``) is priced by the roofline of
+    :mod:`meshtorch.plan.kernels` instead: each op takes max(FLOPs / its matmul rate,
+    bytes / ``achievable_bandwidth``) plus ``launch_seconds`` a kernel, the host's
+    ``op_seconds`` an aten op run ahead of the device's queue, and each host sync costs
+    ``sync_seconds``. The matmul rate is ``achievable`` of the peak, times
+    :func:`~meshtorch.plan.kernels.matmul_efficiency` at the product's shape (``matmul_knee``);
+    fused attention runs at ``attention_efficiency`` of the peak. ``copy_bandwidth`` is what a
+    device-to-device copy reaches, bytes read and written per second (0: ``memory_bandwidth``).
     """
 
     name: str
@@ -77,6 +85,26 @@ class DeviceSpec:
     achievable: float = 0.5
     links: dict[str, Link] = field(default_factory=dict)
     op_seconds: float = 0.0
+    launch_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    copy_bandwidth: float = 0.0
+    matmul_knee: float = 0.0
+    attention_efficiency: float = 0.0
+
+    @property
+    def roofline(self) -> bool:
+        """Whether steps on this device are priced op by op (:mod:`meshtorch.plan.kernels`)."""
+        return self.launch_seconds > 0
+
+    @property
+    def achievable_bandwidth(self) -> float:
+        """Bytes read and written per second that a memory-bound kernel reaches."""
+        return self.copy_bandwidth or self.memory_bandwidth
+
+    def attention_flops_per_second(self, dtype: str) -> float:
+        """FLOP/s of a fused attention kernel in ``dtype``."""
+        peak = self.peak_flops.get(dtype, self.peak_flops["float32"])
+        return peak * (self.attention_efficiency or self.achievable)
 
     def flops_per_second(self, dtype: str) -> float:
         """Achievable FLOP/s for matmuls in ``dtype`` (float32 when not listed)."""
@@ -91,6 +119,22 @@ class DeviceSpec:
         return dataclasses.replace(self, links={**self.links, **links})
 
 
+# The H100's kernel numbers (the roofline of plan/kernels.py). Measured on an H100 SXM 80GB,
+# torch 2.11+cu130 (2026-11-26, ../shared/data/gpu/h100-2026-11-26.json): bf16 matmuls of
+# 4096^3 at 737 TFLOP/s and 8192^3 at 720, the 124M GPT-2 step's mm kernels (dims 768-50304)
+# at 680 on average, a device-to-device copy at 3.0 TB/s. ``achievable`` = 745/989 and the knee
+# of 24 put 4096^3 at 732 TFLOP/s, 8192^3 at 738 and [8192, 768] x [768, 3072] at 714.
+# Fused attention: FlashAttention-2 reaches 335 TFLOP/s forward at best on an H100 (Dao,
+# arXiv 2307.08691) and less at head dim 64, causal, 1k tokens; 0.25 of the peak (247) is our
+# assumption for those, not a measurement. A kernel's fixed cost (launch, ramp, tail) of ~3 us
+# and a host sync (cudaStreamSynchronize and a 4-byte copy back) of ~15 us are typical of
+# CUDA 12 on H100s; the host's ~8 us an aten op is eager PyTorch's dispatch from Python.
+KERNEL_FIELDS = ("launch_seconds", "sync_seconds", "copy_bandwidth", "matmul_knee", "attention_efficiency")
+H100_KERNELS: dict[str, float] = {
+    "achievable": 745 / 989, "copy_bandwidth": 3.0e12, "matmul_knee": 24.0,
+    "attention_efficiency": 0.25, "launch_seconds": 3e-6, "sync_seconds": 15e-6, "op_seconds": 8e-6}
+
+
 def _spec(name, bf16, fp32, mem, hbm, bw, lat) -> DeviceSpec:
     return DeviceSpec(name, {"bfloat16": bf16, "float16": bf16, "float32": fp32}, mem, hbm,
                       Link(bw, lat))
@@ -100,7 +144,9 @@ DEVICES: dict[str, DeviceSpec] = {
     "tpu-v2": _spec("tpu-v2", 22.5e12, 22.5e12, 8 * GiB, 350e9, 62e9, 2e-6),
     "tpu-v3": _spec("tpu-v3", 61.5e12, 61.5e12, 16 * GiB, 450e9, 82e9, 2e-6),
     "a100": _spec("a100", 312e12, 19.5e12, 80 * 10 ** 9, 2.0e12, 300e9, 5e-6),
-    "h100": _spec("h100", 989e12, 67e12, 80 * 10 ** 9, 3.35e12, 450e9, 5e-6),
+    "h100": dataclasses.replace(
+        _spec("h100", 989e12, 67e12, 80 * 10 ** 9, 3.35e12, 450e9, 5e-6),
+        **H100_KERNELS),
 }
 
 
@@ -409,6 +455,7 @@ def spec_to_json(spec: DeviceSpec) -> dict[str, Any]:
     return {"name": spec.name, "peak_flops": dict(spec.peak_flops), "memory_bytes": spec.memory_bytes,
             "memory_bandwidth": spec.memory_bandwidth, "achievable": spec.achievable,
             "op_seconds": spec.op_seconds, "link": dataclasses.asdict(spec.default_link),
+            **{k: getattr(spec, k) for k in KERNEL_FIELDS},
             "links": {a: dataclasses.asdict(lk) for a, lk in spec.links.items()}}
 
 
@@ -433,7 +480,8 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
     (``float32`` required), ``memory_bytes``, ``link`` (``bandwidth`` bytes/s each way,
     ``latency`` s per hop), and optionally ``links`` per mesh axis, ``memory_bandwidth``,
     ``achievable`` (fraction of peak, default 0.5), ``op_seconds`` (host seconds per aten op,
-    default 0) and ``name``.
+    default 0), ``name``, and a GPU's kernel numbers (:data:`KERNEL_FIELDS`, default 0: a
+    ``launch_seconds`` above 0 prices the step op by op, see :class:`DeviceSpec`).
 
     Example:
         >>> import json, tempfile, os
@@ -455,7 +503,7 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
     except json.JSONDecodeError as e:
         raise PlanError(f"device file {path} is not JSON: {e}") from e
     known = {"name", "peak_flops", "memory_bytes", "memory_bandwidth", "achievable", "link", "links",
-             "op_seconds"}
+             "op_seconds", *KERNEL_FIELDS}
     if not isinstance(d, dict):
         raise PlanError(f"device file {path} must hold one JSON object, got {type(d).__name__}")
     missing, unknown = {"peak_flops", "memory_bytes", "link"} - set(d), set(d) - known
@@ -472,7 +520,8 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
                       int(d["memory_bytes"]), float(d.get("memory_bandwidth", 0.0)),
                       _link(path, "link", d["link"]), float(d.get("achievable", 0.5)),
                       {str(a): _link(path, f"links.{a}", v) for a, v in links.items()},
-                      float(d.get("op_seconds", 0.0)))
+                      float(d.get("op_seconds", 0.0)),
+                      **{k: float(d.get(k, 0.0)) for k in KERNEL_FIELDS})
 
 
 def cpu(processors: int = 1) -> DeviceSpec:

@@ -1,12 +1,14 @@
 """``mt.plan.estimate``: per-processor FLOPs, bytes, memory and step time of one layout.
 
 The step is traced on the ``meta`` backend (:mod:`meshtorch.plan.tracing`);
-the device spec turns the trace into seconds: matmul FLOPs at the device's
-achievable rate for their dtype and the host's time per aten op (``op_seconds``,
-measured on CPUs, 0 on accelerators), plus every collective by the ring (or tree)
-formulas of :mod:`meshtorch.plan.cost` over its axes' links. Compute and
-communication are added, not overlapped: an upper bound a run with overlap
-beats.
+the device spec turns the trace into seconds. On a CPU (a spec without kernel numbers):
+matmul FLOPs at the device's achievable rate for their dtype plus the host's time per
+aten op (``op_seconds``, measured). On a GPU (``launch_seconds > 0``): each op's roofline,
+max(FLOPs / its matmul rate, bytes / bandwidth) plus its launches, the host's time run
+ahead of the device, and the host syncs (:func:`meshtorch.plan.kernels.roofline_seconds`).
+Every collective is priced by the ring (or tree) formulas of :mod:`meshtorch.plan.cost`
+over its axes' links. Compute and communication are added, not overlapped: an upper
+bound a run with overlap beats.
 
 Example:
     >>> import meshtorch as mt
@@ -35,6 +37,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
+from meshtorch.plan.kernels import Kernel, roofline_seconds
 from meshtorch.plan.tracing import KINDS, Trace, trace
 
 
@@ -59,6 +62,8 @@ class Estimate:
             activations``, and their ``total``.
         fits: whether ``memory_bytes["total"]`` fits the device's memory.
         compute_seconds, comm_seconds (``{"kind@axes": s}``), step_seconds.
+        compute_terms: on a GPU, the compute's parts (``matmul``, ``attention``, ``memory``,
+            ``launch``, ``device``, ``host``, ``sync``; :func:`~meshtorch.plan.kernels.roofline_seconds`).
     """
 
     mesh: str
@@ -76,6 +81,7 @@ class Estimate:
     comm_seconds: dict[str, float]
     step_seconds: float
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    compute_terms: dict[str, float] = field(default_factory=dict)
 
     @property
     def comm_total_seconds(self) -> float:
@@ -109,6 +115,12 @@ class Estimate:
             + ("" if self.fits else "  DOES NOT FIT"),
             f"{'collective':<16}{'axes':<14}{'calls':>7}{'bytes':>14}{'ms':>10}",
         ]
+        if self.compute_terms:
+            c = self.compute_terms
+            lines.insert(3, "compute           " + "  ".join(
+                f"{k} {c[k] * 1e3:.2f}" for k in ("matmul", "attention", "memory", "launch")) +
+                f" = device {c['device'] * 1e3:.2f} ms; host {c['host'] * 1e3:.2f} ms; "
+                f"syncs {c['sync'] * 1e3:.2f} ms")
         for axes, kinds in sorted(self.bytes_per_axis.items()):
             for kind, b in sorted(kinds.items()):
                 s = self.comm_seconds.get(f"{kind}@{axes}", 0.0)
@@ -129,14 +141,18 @@ class Estimate:
             "flops": self.flops, "flops_by_dtype": self.flops_by_dtype,
             "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
             "step_seconds": self.step_seconds, "reason": self.reason(),
+            **({"compute_terms": self.compute_terms} if self.compute_terms else {}),
         }
 
     def __str__(self) -> str:
         return self.table()
 
 
-def compute_seconds(flops_by_dtype: dict[str, int], aten_ops: int, spec: DeviceSpec) -> float:
-    """Seconds of ``flops_by_dtype`` at ``spec``'s rates plus ``aten_ops`` host ops at its ``op_seconds``.
+def compute_seconds(flops_by_dtype: dict[str, int], aten_ops: int, spec: DeviceSpec,
+                    kernels: dict[Kernel, float] | None = None) -> float:
+    """Seconds of ``flops_by_dtype`` at ``spec``'s rates plus ``aten_ops`` host ops at its ``op_seconds``;
+    on a GPU spec, given the trace's ``kernels``, their roofline step instead
+    (:func:`meshtorch.plan.kernels.roofline_seconds`).
 
     Example:
         >>> from meshtorch.plan.devices import device
@@ -145,6 +161,8 @@ def compute_seconds(flops_by_dtype: dict[str, int], aten_ops: int, spec: DeviceS
         >>> compute_seconds({"float32": 10 ** 12}, 0, spec) == 10 ** 12 / spec.flops_per_second("float32")
         True
     """
+    if spec.roofline and kernels:
+        return roofline_seconds(kernels, aten_ops, spec)["step"]
     # on a CPU the host's per-op work (Python, dispatch, autograd) is most of a small step
     return sum(f / spec.flops_per_second(dt) for dt, f in flops_by_dtype.items()) + aten_ops * spec.op_seconds
 
@@ -186,7 +204,10 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
         bytes_per_axis.setdefault(axes_s, {})[kind] = v["bytes"]
         calls_per_axis.setdefault(axes_s, {})[kind] = v["calls"]
     comm_seconds = collectives_seconds(t.comm, mesh, spec, algorithm)
-    compute = compute_seconds(t.flops_by_dtype, t.aten_ops, spec)
+    # a compiled step's host launches its kernels (one call each) instead of dispatching aten ops
+    host_ops = sum(c for k, c in t.kernels.items() if k[5]) if t.compiled else t.aten_ops
+    terms = roofline_seconds(t.kernels, host_ops, spec) if spec.roofline and t.kernels else {}
+    compute = terms["step"] if terms else compute_seconds(t.flops_by_dtype, t.aten_ops, spec)
     memory = dict(t.peak_by_kind)
     memory["total"] = t.peak_bytes
     params = t.parameters
@@ -197,11 +218,12 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
         flops_by_dtype=t.flops_by_dtype, bytes_per_axis=bytes_per_axis, calls_per_axis=calls_per_axis,
         memory_bytes=memory, memory_capacity=spec.memory_bytes, fits=t.peak_bytes <= spec.memory_bytes,
         compute_seconds=compute, comm_seconds=comm_seconds,
-        step_seconds=compute + sum(comm_seconds.values()), trace=t)
+        step_seconds=compute + sum(comm_seconds.values()), trace=t, compute_terms=terms)
 
 
 def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
-             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring", staging: str = "none") -> Estimate:
+             device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring", staging: str = "none",
+             compiled: bool = False) -> Estimate:
     """Predict one processor's FLOPs, bytes per axis and kind, peak memory and step time.
 
     ``step_fn`` is an SPMD program that builds its model, optimizer and data
@@ -214,6 +236,7 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
     """
     mesh = Mesh(mesh)
     spec = get_device(device, processors=mesh.size)
-    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging)
+    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging,
+              compiled=compiled)
     return from_trace(t, mesh, spec, algorithm)
 

@@ -59,13 +59,15 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
     by_kind = {kd: lin_(t1.peak_by_kind[kd], t2.peak_by_kind[kd]) for kd in KINDS}
     flops = {dt: lin_(t1.flops_by_dtype.get(dt, 0), t2.flops_by_dtype.get(dt, 0))
              for dt in set(t1.flops_by_dtype) | set(t2.flops_by_dtype)}
+    kernels = {k: lin_(t1.kernels.get(k, 0), t2.kernels.get(k, 0)) for k in set(t1.kernels) | set(t2.kernels)}
     result = t2.result
     if isinstance(t1.result, dict) and "parameters" in t1.result:
         result = {"parameters": lin_(t1.result["parameters"], t2.result["parameters"])}
     return replace(t2, comm=comm, peak_by_kind=by_kind, peak_bytes=sum(by_kind.values()),
                    flops_by_dtype=flops, flops=sum(flops.values()),
                    parameters=lin_(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
-                   param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops), aten_names=[])
+                   param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops), aten_names=[],
+                   kernels={k: c for k, c in kernels.items() if c})
 
 
 def shallow_programs(program: Program) -> tuple[Program, Program, int] | None:

@@ -301,7 +301,7 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
                         and k.split("@")[0] not in POINT_TO_POINT))
         # the update (optimizer, clipping) runs once, after the stage's last micro-batch
         up = t.phases.get("update")
-        update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec)
+        update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec, up.kernels)
                       + _off_axis(collectives_seconds(up.comm, m, spec, algorithm), axis))
     # stage 0 sends only activations: its sends per micro-batch are one message (header + leaves)
     first = traces[0].comm

@@ -57,6 +57,7 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.plan.kernels import Kernel, SequenceOp, footprint, fuse_elementwise, kernel_of
 from meshtorch.plan.shape_memo import run as run_op
 from meshtorch.plan.shape_memo import tensors_in
 
@@ -98,6 +99,7 @@ class Phase:
     aten_ops: int = 0
     flops_by_dtype: dict[str, int] = field(default_factory=dict)
     comm: CommStats = field(default_factory=CommStats)
+    kernels: dict[Kernel, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,7 +109,10 @@ class Trace:
     ``parameters`` counts the global elements of every parameter registered
     while tracing (each once, whatever its layout); ``aten_ops`` the aten ops
     counted (what the host's share of a step scales with, priced by a device's
-    ``op_seconds``), ``aten_names`` their names in the order they ran.
+    ``op_seconds``), ``aten_names`` their names in the order they ran, ``kernels`` how many
+    times each :data:`~meshtorch.plan.kernels.Kernel` (an op's bytes moved, matmul shape,
+    launches, syncs) ran: what a GPU's roofline prices (``compiled``: the kernels of the step
+    as ``torch.compile`` runs it, whose host launches kernels rather than running aten ops).
     """
 
     mesh: str
@@ -129,6 +134,8 @@ class Trace:
     aten_ops: int = 0
     phases: dict[str, Phase] = field(default_factory=dict)
     aten_names: list[str] = field(default_factory=list, repr=False)
+    kernels: dict[Kernel, float] = field(default_factory=dict, repr=False)
+    compiled: bool = False  # kernels of the step as torch.compile runs it
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -142,8 +149,11 @@ class Tracer(TorchDispatchMode):
     """Dispatch mode recording FLOPs and storage lifetimes of one processor's ops; the
     processor's tracer (:class:`meshtorch.context.ProcessorTracer`) while it traces."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse: bool = False) -> None:
         super().__init__()
+        # with fuse, the counted ops in order with the storages they read and write (what
+        # fuse_elementwise prices a compiled step from)
+        self.sequence: list[SequenceOp] | None = [] if fuse else None
         self._paused = 0  # inside paused() blocks: ops run unseen
         self.stepping = 0  # inside measure() blocks, after their set-up
         self.flops_by_dtype: dict[str, int] = defaultdict(int)
@@ -161,6 +171,7 @@ class Tracer(TorchDispatchMode):
         self.all_flops: dict[str, int] = defaultdict(int)
         self.aten_ops = 0  # aten ops run while counting: what a CPU step's dispatch costs scale with
         self.aten_names: list[str] = []  # their names, in order
+        self.kernels: dict[Kernel, int] = defaultdict(int)  # each op as a kernel: how often
         self.ops: list[TraceOp] = []
         self._pending_aten: list[str] = []
         self._pending_flops = 0
@@ -213,6 +224,7 @@ class Tracer(TorchDispatchMode):
         if self._paused:
             return out
         packet = func._overloadpacket
+        n, dtype = 0, None
         if packet in flop_registry:
             n = int(flop_registry[packet](*args, **kwargs, out_val=out))
             dtype = next((str(a.dtype).replace("torch.", "") for a in tensors_in(args)), "float32")
@@ -241,7 +253,31 @@ class Tracer(TorchDispatchMode):
         if self.counting:
             self.aten_ops += 1
             self.aten_names.append(packet.__name__)
+            if dtype is None:
+                dtype = next((str(a.dtype).replace("torch.", "") for a in tensors_in(args)), "float32")
+            key = kernel_of(func, args, kwargs, out, n, dtype)
+            self.kernels[key] += 1
+            if self.sequence is not None:
+                self.sequence.append(self._io(key, func, args, kwargs, out))
         return out
+
+    def _io(self, key: Kernel, func, args, kwargs, out) -> SequenceOp:
+        """``key`` with the (storage serial, bytes) its op reads and writes."""
+        def serial(t: torch.Tensor) -> int:
+            try:
+                return self.live.get(id(t.untyped_storage()), (-id(t), 0))[0]
+            except RuntimeError:   # no storage (a sparse or nested layout): its own
+                return -id(t)
+
+        if not key[5]:
+            return key, (), ()
+        ins = {id(t): t for t in tensors_in((args, kwargs))}
+        mutable = [a for a in func._schema.arguments]
+        written = [t for i, a in enumerate(mutable) if a.alias_info is not None and a.alias_info.is_write
+                   and i < len(args) for t in tensors_in(args[i])]
+        written += [t for t in tensors_in(out) if id(t) not in ins]
+        return (key, tuple((serial(t), footprint(t)) for t in ins.values()),
+                tuple((serial(t), footprint(t)) for t in written))
 
     @contextmanager
     def drawing(self) -> Iterator[bool]:
@@ -267,11 +303,15 @@ class Tracer(TorchDispatchMode):
     def phase(self, name: str) -> Iterator[None]:
         """Count this block's work apart too, under ``name`` (:class:`Phase`)."""
         ops, flops, comm = self.aten_ops, dict(self.flops_by_dtype), self.comm.copy()
+        kernels = dict(self.kernels)
         try:
             yield
         finally:
             got = self.phases.setdefault(name, Phase())
             got.aten_ops += self.aten_ops - ops
+            for k, c in self.kernels.items():
+                if c != kernels.get(k, 0):
+                    got.kernels[k] = got.kernels.get(k, 0) + c - kernels.get(k, 0)
             for dt, n in self.flops_by_dtype.items():
                 got.flops_by_dtype[dt] = got.flops_by_dtype.get(dt, 0) + n - flops.get(dt, 0)
             got.comm = got.comm + (self.comm - comm)
@@ -286,6 +326,9 @@ class Tracer(TorchDispatchMode):
         self.flops_by_dtype.clear()
         self.aten_ops = 0
         self.aten_names = []
+        self.kernels.clear()
+        if self.sequence is not None:
+            self.sequence.clear()
         self.flop_ops.clear()
         self._pending_flop_ops = []
         self.phases = {}
@@ -448,9 +491,10 @@ def _on_grad(param: torch.Tensor) -> None:
 
 
 @contextmanager
-def tracing() -> Iterator[Tracer]:
-    """Trace this processor's ops and collectives for the block."""
-    tr = Tracer()
+def tracing(fuse: bool = False) -> Iterator[Tracer]:
+    """Trace this processor's ops and collectives for the block (``fuse``: also the op
+    sequence, to price the step compiled)."""
+    tr = Tracer(fuse)
     _install()
     try:
         with use_tracer(tr), current().comm.stats.watching(tr.record_collective), tr:
@@ -459,14 +503,14 @@ def tracing() -> Iterator[Tracer]:
         _uninstall()
 
 
-def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
+def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", compiled=False):
     if current().rank != rank:  # the trace is one processor's; the others only take part
         return fn(*args, **kwargs)
     comm = current().comm
     if isinstance(comm, MetaCommunicator):
         comm.staging = staging
     t0 = time.perf_counter()
-    with tracing() as tr:
+    with tracing(fuse=compiled) as tr:
         result = fn(*args, **kwargs)
     peak, by_kind = tr.peak()
     return Trace(mesh=str(mesh), rules=str(rules), backend=backend,
@@ -478,7 +522,8 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none"):
                  param_shapes=[(*v, k in tr.grad_at_start or k in tr.grad_in_step)
                                for k, v in tr.param_shapes.items()],
                  start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases,
-                 aten_names=tr.aten_names)
+                 aten_names=tr.aten_names,
+                 kernels=fuse_elementwise(tr.sequence) if compiled else dict(tr.kernels), compiled=compiled)
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:
@@ -497,7 +542,7 @@ def staging_for(backend: str = "threads", device: str = "cpu") -> str:
 
 
 def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", backend: str = "meta",
-          rank: int = 0, staging: str = "none", **kwargs: Any) -> Trace:
+          rank: int = 0, staging: str = "none", compiled: bool = False, **kwargs: Any) -> Trace:
     """Run ``fn`` as one processor of ``mesh`` under ``rules`` and return its :class:`Trace`.
 
     ``backend="meta"`` (default) runs processor ``rank`` (default 0) alone on
@@ -507,7 +552,9 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     ``staging`` is, on the meta backend, the backend whose collective buffers
     the plan holds (:func:`staging_for`; ``"gloo"`` plans a run on the torch
     backend on CPUs). ``fn`` must build everything it uses (model, optimizer,
-    data) so that their memory is seen.
+    data) so that their memory is seen. ``compiled=True`` gives the ``kernels`` of the
+    step compiled by ``torch.compile`` (:func:`meshtorch.plan.kernels.fuse_elementwise`:
+    runs of memory-bound ops fused), for a GPU's roofline; the rest of the trace is the same.
     """
     from meshtorch.launcher import launch
     from meshtorch.launcher.meta import run_meta
@@ -521,7 +568,8 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     if backend == "meta" and rank:
         r = LayoutRules(rules)
         r.check(m)
-        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank, staging), {}, m, r, rank=rank)
-    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, staging, mesh=mesh, rules=rules,
-                     backend=backend)
+        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank, staging, compiled), {}, m, r,
+                        rank=rank)
+    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, staging, compiled, mesh=mesh,
+                     rules=rules, backend=backend)
     return results[rank if backend != "meta" else 0]
