@@ -114,12 +114,14 @@ def _plan_2bw(graph: OpGraph, args: argparse.Namespace) -> int:
         raise PlacementError("--plan-2bw needs the global batch size: --batch B")
     prob = Problem(devices=args.devices, memory=parse_bytes(args.memory) if args.memory else None,
                    training=True).resolve(graph)
+    # resolve() caps devices at what one pipeline can use; 2BW also replicates it data-parallel
+    workers = args.devices if args.devices is not None else int(graph.meta.get("devices", 1))
     try:
         sizes = [int(x) for x in args.microbatch_sizes.split(",")]
     except ValueError:
         raise PlacementError(f"--microbatch-sizes takes integers like 1,2,4, got "
                              f"{args.microbatch_sizes!r}") from None
-    plan = plan_2bw(graph, devices=prob.devices, memory=prob.memory, batch=args.batch,
+    plan = plan_2bw(graph, devices=workers, memory=prob.memory, batch=args.batch,
                     microbatch_sizes=sizes, traced_size=args.traced_size,
                     recompute=args.recompute, relay=args.relay)
     if args.json:

@@ -161,17 +161,23 @@ class OpGraph:
 
     @staticmethod
     def _find_cycle(succ: list[list[int]], left: set[int]) -> list[int]:
-        # every node left after Kahn has a predecessor that is left too, so walking
-        # backwards... simpler: walk forwards inside `left` until a node repeats
-        start = min(left)
+        # every node Kahn left behind still has a predecessor that was left behind too (else its
+        # in-degree would have reached 0), so walking backwards inside `left` always meets a node
+        # twice; walking forwards need not (a node downstream of a cycle has no successor in it)
+        pred: dict[int, list[int]] = {u: [] for u in left}
+        for u in left:
+            for v in succ[u]:
+                if v in left:
+                    pred[v].append(u)
         pos: dict[int, int] = {}
         path: list[int] = []
-        u = start
+        u = min(left)
         while u not in pos:
             pos[u] = len(path)
             path.append(u)
-            u = next(v for v in succ[u] if v in left)
-        return path[pos[u] :] + [u]
+            u = pred[u][0]
+        cycle = path[pos[u] :] + [u]
+        return cycle[::-1]
 
     def validate(self) -> None:
         """Check acyclicity, finite non-negative costs and backward/forward colours."""
@@ -179,14 +185,19 @@ class OpGraph:
         for n in self.nodes:
             for attr in ("mem_bytes", "act_bytes", "weight_bytes", "comm_time", "sync_time"):
                 x = getattr(n, attr)
-                if not (math.isfinite(x) and x >= 0):
-                    raise PlacementError(f"node {n.name!r}: {attr}={x} must be finite and >= 0")
+                if not _cost(x):
+                    raise PlacementError(f"node {n.name!r}: {attr}={x!r} must be a finite number >= 0")
             for attr in ("acc_time", "cpu_time"):
                 x = getattr(n, attr)
-                if x is not None and not (math.isfinite(x) and x >= 0):
-                    raise PlacementError(f"node {n.name!r}: {attr}={x} must be >= 0 or None")
+                if x is not None and not _cost(x):
+                    raise PlacementError(f"node {n.name!r}: {attr}={x!r} must be a finite number >= 0, "
+                                         "or None (null in JSON) where the op cannot run")
             if n.acc_time is None and n.cpu_time is None:
                 raise PlacementError(f"node {n.name!r} can run neither on an accelerator nor a CPU")
+        for u, v, b in self.edges:
+            if not _cost(b):
+                raise PlacementError(f"edge {self.nodes[u].name!r} -> {self.nodes[v].name!r}: "
+                                     f"bytes={b} must be finite and >= 0")
 
     # -- summaries -----------------------------------------------------------------------
     def total(self, attr: str) -> float:
@@ -316,6 +327,11 @@ class OpGraph:
         }
 
 
+def _cost(x: Any) -> bool:
+    """A time or a size: a real number, finite, not negative (NaN fails every comparison)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
 _COLOR_IDS: dict[str, int] = {}
 
 
@@ -336,9 +352,15 @@ def _read_json(text_or_path: str | Path) -> dict[str, Any]:
     else:
         text = str(text_or_path)
     try:
-        return json.loads(text)
+        d = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlacementError(f"not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        where = "the graph" if text is text_or_path else str(text_or_path)
+        raise PlacementError(
+            f"{where} holds a JSON {type(d).__name__}, not an object: a graph file is "
+            f'{{"format": "{FORMAT}", "nodes": [...], "edges": [...]}} or {_PAPER_FIELDS}')
+    return d
 
 
 def load_split(path: str | Path, graph: OpGraph) -> list[tuple[str, list[int]]]:

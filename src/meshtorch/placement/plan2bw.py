@@ -107,8 +107,11 @@ def plan_2bw(graph: OpGraph, *, devices: int, memory: float, batch: int,
 
     best: Plan2BW | None = None
     candidates: list[dict[str, Any]] = []
-    for depth in range(1, devices + 1):
-        for width in range(1, devices // depth + 1):
+    # a stage holds at least one node and a replica at least one sample, so depths past the node
+    # count and widths past the batch are never feasible: bounding them keeps the search (and
+    # `--devices 1000000000`) to the graph's size
+    for depth in range(1, min(devices, max(len(graph.nodes), 1)) + 1):
+        for width in range(1, min(devices // depth, batch) + 1):
             for b in microbatch_sizes:
                 if batch % (width * b):
                     continue

@@ -129,6 +129,11 @@ class Problem:
                 "the latency objective is for inference (one sample's forward pass), but the "
                 "graph has backward nodes: drop --training or use --objective throughput"
             )
+        # every stage holds at least one node (and at most max_replicas copies of it), so devices
+        # past that can never be used: capping them keeps `--devices 1000000000` from sizing the
+        # algorithms' tables by the request instead of by the graph
+        usable = max(len(graph.nodes), 1) * max(1, min(self.max_replicas, devices))
+        devices, cpus = min(devices, usable), min(cpus, max(len(graph.nodes), 1))
         relay = bool(graph.meta.get("relay", False)) if self.relay is None else bool(self.relay)
         return replace(
             self, devices=devices, cpus=cpus, memory=memory, training=training, relay=relay,

@@ -85,5 +85,6 @@ def place(graph: OpGraph, problem: Problem | None = None, algorithm: str = "dp",
     if algorithm not in ALGORITHMS:
         raise PlacementError(f"unknown algorithm {algorithm!r}; choose from {sorted(ALGORITHMS)}")
     problem = problem or Problem()
+    graph.validate()  # a cycle or a NaN/negative cost is named here, whichever algorithm runs
     problem.resolve(graph)  # bad fields are reported as such, before any algorithm runs
     return ALGORITHMS[algorithm](graph, problem, **kw)

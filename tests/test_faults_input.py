@@ -1,0 +1,113 @@
+"""Bad input gets a clear meshtorch error, never a traceback, and no size runs away.
+
+Each case feeds one malformed input the way a user would (a file in ``tmp_path``, a flag to the
+``meshtorch`` CLI, called in-process) and checks the error names the input and the fix, or that a
+huge size answers as the graph's or model's real size does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshtorch import cli
+from meshtorch.errors import PlacementError
+from meshtorch.placement import OpGraph, Problem, place
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- meshtorch place --------------------------------------------------------------------------------
+
+def _graph(edges, **costs_of_b) -> dict:
+    nodes = [{"name": n, "acc_time": 1.0, "cpu_time": 2.0, "mem_bytes": 1.0} for n in "abc"]
+    nodes[1].update(costs_of_b)
+    return {"format": "meshtorch.opgraph/1", "meta": {"devices": 2}, "nodes": nodes, "edges": edges}
+
+
+def _place(tmp_path, capsys, graph, *flags) -> tuple[int, str, str]:
+    path = tmp_path / "g.json"
+    path.write_text(graph if isinstance(graph, str) else json.dumps(graph))
+    rc = cli.main(["place", str(path), *flags])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+CHAIN = [["a", "b", 1], ["b", "c", 1]]
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"a string"', "3"])
+def test_place_refuses_a_json_file_that_is_not_an_object(text, tmp_path, capsys):
+    rc, _, err = _place(tmp_path, capsys, text)
+    assert rc == 2
+    assert "g.json holds a JSON" in err and "not an object" in err and '"nodes"' in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("edges, cycle", [
+    ([["a", "b", 1], ["b", "c", 1], ["c", "a", 1]], "a -> b -> c -> a"),
+    # a node downstream of the cycle with the lowest index: the forward walk used to run out of
+    # successors there and raise StopIteration
+    ([["b", "c", 1], ["c", "b", 1], ["c", "a", 1]], "c -> b -> c"),
+])
+@pytest.mark.parametrize("algorithm, objective", [("dp", "throughput"), ("greedy", "throughput"),
+                                                  ("greedy", "latency"), ("pipedream", "throughput")])
+def test_place_names_the_cycle_of_a_cyclic_graph(edges, cycle, algorithm, objective, tmp_path, capsys):
+    rc, _, err = _place(tmp_path, capsys, _graph(edges), "--algorithm", algorithm, "--objective", objective)
+    assert rc == 2
+    assert f"the operator graph has a cycle: {cycle}" in err, err
+
+
+@pytest.mark.parametrize("objective", ["throughput", "latency"])
+@pytest.mark.parametrize("field, value", [("acc_time", float("nan")), ("acc_time", float("inf")),
+                                          ("acc_time", -1.0), ("cpu_time", float("nan")),
+                                          ("comm_time", -0.5), ("acc_time", "1.0")])
+def test_greedy_refuses_nan_inf_negative_and_non_numeric_costs(field, value, objective, tmp_path, capsys):
+    rc, out, err = _place(tmp_path, capsys, _graph(CHAIN, **{field: value}), "--algorithm", "greedy",
+                          "--objective", objective)
+    assert rc == 2 and out == ""
+    assert f"node 'b': {field}={value!r} must be a finite number >= 0" in err, err
+
+
+def test_greedy_refuses_nan_or_negative_edge_bytes(tmp_path, capsys):
+    for b in (float("nan"), -1.0):
+        rc, _, err = _place(tmp_path, capsys, _graph([["a", "b", b], ["b", "c", 1]]), "--algorithm", "greedy")
+        assert rc == 2
+        assert f"edge 'a' -> 'b': bytes={b} must be finite and >= 0" in err
+
+
+@pytest.mark.parametrize("algorithm", ["dp", "chain", "greedy", "pipedream"])
+def test_place_with_a_billion_devices_answers_as_with_one_per_node(algorithm, tmp_path, capsys):
+    # three nodes can use at most three devices: a billion must give the same placement, not a
+    # MemoryError from tables sized by the request
+    _, want, _ = _place(tmp_path, capsys, _graph(CHAIN), "--algorithm", algorithm, "--devices", "3",
+                        "--json")
+    rc, got, err = _place(tmp_path, capsys, _graph(CHAIN), "--algorithm", algorithm, "--devices",
+                          "1000000000", "--cpus", "1000000000", "--json")
+    assert rc == 0, err
+    strip = ("solve_seconds", "info")
+    assert ({k: v for k, v in json.loads(got).items() if k not in strip}
+            == {k: v for k, v in json.loads(want).items() if k not in strip})
+    assert Problem(devices=10**9, cpus=10**9).resolve(OpGraph.from_dict(_graph(CHAIN))).devices == 3
+
+
+def test_plan_2bw_with_a_billion_devices_is_bounded_by_the_graph_and_the_batch():
+    from meshtorch.placement.plan2bw import plan_2bw
+
+    g = OpGraph()
+    for name, bwd in (("f", False), ("b", True)):
+        g.add_node(name, acc_time=1.0, cpu_time=1.0, mem_bytes=1.0, backward=bwd, color="x")
+    g.add_edge("f", "b", 1.0)
+    small = plan_2bw(g, devices=4, memory=100.0, batch=4)
+    huge = plan_2bw(g, devices=10**9, memory=100.0, batch=4)
+    assert (huge.depth, huge.width, huge.throughput) == (small.depth, small.width, small.throughput)
+
+
+def test_the_library_raises_placement_errors_too(tmp_path):
+    with pytest.raises(PlacementError, match="cycle"):
+        place(OpGraph.from_dict(_graph([["a", "b", 1], ["b", "a", 1]])), Problem(objective="latency"),
+              "greedy")
+    (tmp_path / "l.json").write_text("[]")
+    with pytest.raises(PlacementError, match="l.json holds a JSON list, not an object"):
+        OpGraph.from_json(tmp_path / "l.json")
