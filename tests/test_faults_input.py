@@ -111,3 +111,38 @@ def test_the_library_raises_placement_errors_too(tmp_path):
     (tmp_path / "l.json").write_text("[]")
     with pytest.raises(PlacementError, match="l.json holds a JSON list, not an object"):
         OpGraph.from_json(tmp_path / "l.json")
+
+
+# -- meshtorch plan ---------------------------------------------------------------------------------
+
+PLAN = ["plan", "--d-model", "8", "--heads", "2", "--d-kv", "4", "--d-ff", "16", "--batch", "4",
+        "--length", "8", "--vocab", "16", "--json"]
+
+
+def _plan(capsys, *flags) -> tuple[int, dict | None, str]:
+    rc = cli.main([*PLAN, *flags])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out) if rc == 0 else None, err
+
+
+def test_plan_of_a_billion_layers_is_extrapolated_from_two_shallow_traces(capsys):
+    # parameters and FLOPs grow exactly linearly with depth: the billion-layer estimate is the
+    # one-layer estimate plus (1e9 - 1) times the step from one layer to two
+    flags = ["--mesh", "b:2", "--rules", "batch:b"]
+    one, two = (_plan(capsys, "--layers", str(n), *flags)[1] for n in (1, 2))
+    rc, deep, err = _plan(capsys, "--layers", "1000000000", *flags)
+    assert rc == 0, err
+    for key in ("parameters", "flops"):
+        assert deep[key] == pytest.approx(one[key] + (10**9 - 1) * (two[key] - one[key]), rel=1e-9), key
+    assert not deep["fits"]
+
+
+def test_plan_search_of_a_billion_layers_answers_and_pipelines_are_refused_by_name(capsys):
+    rc, res, err = _plan(capsys, "--layers", "1000000000", "--search", "--processors", "2", "--no-pipeline",
+                         "--top", "1")
+    assert rc == 0, err
+    assert res["parameters"] > 10**9
+    for flags in (["--search", "--processors", "2"], ["--pipeline-stages", "2", "--mesh", "stage:2"]):
+        rc, _, err = _plan(capsys, "--layers", "1000000000", *flags)
+        assert rc == 2
+        assert "a pipelined step of 1000000000 layers" in err and "--no-pipeline" in err, err

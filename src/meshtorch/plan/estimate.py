@@ -38,7 +38,7 @@ from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.kernels import Kernel, roofline_seconds
-from meshtorch.plan.tracing import KINDS, Trace, trace
+from meshtorch.plan.tracing import KINDS, Trace
 
 
 def _fmt_bytes(n: float) -> str:
@@ -236,7 +236,10 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
     """
     mesh = Mesh(mesh)
     spec = get_device(device, processors=mesh.size)
-    t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging,
-              compiled=compiled)
+    from meshtorch.plan.layered import whole_trace
+
+    # a program deeper than MAX_TRACED_LAYERS is extrapolated from two shallow traces
+    t = whole_trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), staging=staging,
+                    compiled=compiled)
     return from_trace(t, mesh, spec, algorithm)
 

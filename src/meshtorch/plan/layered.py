@@ -82,8 +82,49 @@ def shallow_programs(program: Program) -> tuple[Program, Program, int] | None:
             (program.layers - depths[0]) // program.period)
 
 
+#: The deepest program traced layer by layer when its whole trace is asked for (an estimate, the
+#: search's verified best). Deeper ones are extrapolated from two shallow traces, as each search
+#: candidate is: tracing costs time and memory per layer, and `meshtorch plan --layers 1000000000`
+#: must answer in seconds, not grow to tens of GB. Real models stay far below (GPT-3: 96 layers).
+MAX_TRACED_LAYERS = 256
+
+
+def check_pipelined_depth(program: Program) -> None:
+    """Refuse to price a pipeline of more than :data:`MAX_TRACED_LAYERS` layers: its stages are
+    traced layer by layer (no extrapolation yet), which for a billion layers never ends."""
+    if program.layers > MAX_TRACED_LAYERS:
+        raise PlanError(
+            f"a pipelined step of {program.layers} layers: pipelines are priced by tracing every "
+            f"stage's layers, up to {MAX_TRACED_LAYERS} layers in all; plan it unpipelined "
+            "(meshtorch plan --no-pipeline, or without --pipeline-stages: deep unpipelined steps are "
+            "extrapolated from two shallow ones) or with fewer layers")
+
+
+def whole_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str, staging: str = "none",
+                compiled: bool = False) -> Trace:
+    """``step_fn``'s meta trace: traced whole up to :data:`MAX_TRACED_LAYERS` layers, extrapolated
+    (:func:`layered_trace`) beyond.
+
+    Example:
+        >>> from meshtorch.plan.layered import MAX_TRACED_LAYERS, whole_trace
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.steps import training_step
+        >>> def lm(layers):
+        ...     return training_step(TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=layers,
+        ...                                         batch=4, length=8), vocab=16)
+        >>> deep = whole_trace(lm(10**9), "b:2", "batch:b")  # seconds, not a billion layers
+        >>> one, two = (whole_trace(lm(n), "b:2", "batch:b").parameters for n in (1, 2))
+        >>> deep.parameters == one + (10**9 - 1) * (two - one)
+        True
+    """
+    program = program_of(step_fn)
+    if program.layers > MAX_TRACED_LAYERS:
+        return layered_trace(program, mesh, rules, staging=staging, compiled=compiled)
+    return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled)
+
+
 def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
-                  staging: str = "none") -> Trace:
+                  staging: str = "none", compiled: bool = False) -> Trace:
     """``step_fn``'s meta trace, extrapolated from two shallow depths when it can be
     rebuilt with fewer layers (what the search does to each candidate).
 
@@ -98,9 +139,11 @@ def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
     """
     shallow = shallow_programs(program_of(step_fn))
     if shallow is None:
-        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging)
-    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging) for f in shallow[:2])
+        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled)
+    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled)
+              for f in shallow[:2])
     return extrapolate(t1, t2, shallow[2])
 
 
-__all__ = ["extrapolate", "layered_trace", "lin", "shallow_depths", "shallow_programs"]
+__all__ = ["MAX_TRACED_LAYERS", "check_pipelined_depth", "extrapolate", "layered_trace", "lin",
+           "shallow_depths", "shallow_programs", "whole_trace"]

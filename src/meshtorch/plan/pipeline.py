@@ -353,6 +353,9 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
     each stage's work (:func:`stage_work`) as soon as that stage is traced; when it returns True
     the rest is not traced and the result is None (a search that already knows the layout loses).
     """
+    from meshtorch.plan.layered import check_pipelined_depth
+
+    check_pipelined_depth(step_fn)
     m = Mesh(mesh)
     info = program_pipeline(step_fn)
     spec = get_device(device, processors=m.size)

@@ -61,7 +61,13 @@ from meshtorch.plan.bounds import REFERENCE_MESH, Candidate, dims_of, lower_boun
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.estimate import Estimate, from_trace
-from meshtorch.plan.layered import extrapolate, lin, shallow_programs
+from meshtorch.plan.layered import (
+    MAX_TRACED_LAYERS,
+    check_pipelined_depth,
+    extrapolate,
+    lin,
+    shallow_programs,
+)
 from meshtorch.plan.pipeline import estimate_pipeline, program_pipeline
 from meshtorch.plan.program import Program, program_of
 from meshtorch.plan.ranking import Pruned, SearchResult, rank_key
@@ -109,6 +115,10 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
     n = Mesh(mesh_list[0]).size
     spec = get_device(device, processors=n)
     program = program_of(step_fn)
+    pipelines = (pipeline and isinstance(processors, int) and meshes is None
+                 and program.pipelined(1) is not None)
+    if pipelines:
+        check_pipelined_depth(program)  # before the SPMD search: it would be lost work
     names = program.dims
     shallow = shallow_programs(program)
     quick = shallow is not None
@@ -159,15 +169,17 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
                               c[0], spec, algorithm)
             if loses(c, part.step_seconds + periods * lb[c][2]):
                 return None
-        if whole or not quick:
+        if not quick or (whole and program.layers <= MAX_TRACED_LAYERS):
             full.add(c)
             return from_trace(trace(program, mesh=c[0], rules=c[1], backend="meta", staging=staging),
                               c[0], spec, algorithm)
+        if whole:  # a verified best deeper than MAX_TRACED_LAYERS: extrapolated, never traced whole
+            full.add(c)
         t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
-        if loses(c, e1.step_seconds + periods * lb[c][2]):
+        if not whole and loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
         t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta", staging=staging)
         return from_trace(extrapolate(t1, t2, periods), c[0], spec, algorithm)
@@ -203,8 +215,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
     results = list(done.values())
     cuts = list(cut.values())
     n_space = len(space)
-    if (pipeline and isinstance(processors, int) and meshes is None
-            and program.pipelined(1) is not None):
+    if pipelines:
         family = pipeline_layouts(n, dims, program.layers, names)
         n_space += len(family)
         traced, cut_pipes = _search_pipelines(program, family, spec, algorithm, best_time(),
