@@ -146,3 +146,51 @@ def test_plan_search_of_a_billion_layers_answers_and_pipelines_are_refused_by_na
         rc, _, err = _plan(capsys, "--layers", "1000000000", *flags)
         assert rc == 2
         assert "a pipelined step of 1000000000 layers" in err and "--no-pipeline" in err, err
+
+
+# -- meshtorch train --out --------------------------------------------------------------------------
+
+TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "4",
+        "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--log-every", "2", "--warmup", "0",
+        "--no-progress", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    from run_harness import write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("corpus"), 6)
+
+
+def _train(capsys, *flags) -> tuple[int, str]:
+    rc = cli.main(["train", *flags])
+    return rc, capsys.readouterr().err
+
+
+def test_train_refuses_an_out_that_is_a_file_or_under_one(text, tmp_path, capsys):
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    rc, err = _train(capsys, "--data", text, *TINY, "--out", str(f))
+    assert rc == 2 and f"--out {str(f)!r} is a file, not a directory" in err, err
+    rc, err = _train(capsys, "--data", text, *TINY, "--out", str(f / "run"))
+    assert rc == 2 and "cannot hold a run: Not a directory" in err and "a directory you can write to" in err
+    assert f.read_text() == "mine"
+
+
+def test_train_refuses_a_read_only_out(text, tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    from meshtorch.recipes.lm import guards
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.access(ro, os.W_OK):  # root writes anywhere: make the file system say what a read-only one does
+        def read_only(path, *a, **k):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+        monkeypatch.setattr(guards.os, "makedirs", read_only)
+    rc, err = _train(capsys, "--data", text, *TINY, "--out", str(ro / "run"))
+    assert rc == 2 and f"--out {str(ro / 'run')!r} cannot hold a run" in err, err
+    assert "a directory you can write to" in err and "Traceback" not in err

@@ -52,6 +52,19 @@ def _same_dir(a: str | None, b: str | None) -> bool:
     return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
+def _open_run_dir(out: str, lock: str) -> int:
+    """Create ``out`` and open its lock file, or say why ``out`` cannot hold a run."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise TrainingError(f"--out {out!r} is a file, not a directory: pass a directory for the run "
+                            "(one that does not exist yet is created)")
+    try:
+        os.makedirs(out, exist_ok=True)
+        return os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a file on the way (NotADirectoryError), read-only (EACCES, EROFS), full
+        raise TrainingError(f"--out {out!r} cannot hold a run: {e.strerror or e} ({e.filename or out}); "
+                            "pass a directory you can write to") from None
+
+
 class RunDirLock:
     """Hold ``out`` for this run: create it, lock it against a second writer, and refuse to
     replace an earlier run there unless ``--resume`` continues it or ``--overwrite`` is given.
@@ -66,8 +79,7 @@ class RunDirLock:
         self.fd: int | None = None
 
     def __enter__(self) -> RunDirLock:
-        os.makedirs(self.out, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_run_dir(self.out, self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
