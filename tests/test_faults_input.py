@@ -194,3 +194,158 @@ def test_train_refuses_a_read_only_out(text, tmp_path, capsys, monkeypatch):
     rc, err = _train(capsys, "--data", text, *TINY, "--out", str(ro / "run"))
     assert rc == 2 and f"--out {str(ro / 'run')!r} cannot hold a run" in err, err
     assert "a directory you can write to" in err and "Traceback" not in err
+
+
+# -- --init-from and --tokenizer: a Hugging Face model directory ----------------------------------
+
+HF_RUN = ["--batch", "4", "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--log-every", "2",
+          "--warmup", "0", "--no-progress", "--steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> str:
+    """A tiny GPT-2 written as save_pretrained would (config.json + model.safetensors)."""
+    import meshtorch as mt
+    from meshtorch.models import DecoderLM, TransformerConfig, export_hf
+
+    path = str(tmp_path_factory.mktemp("hf") / "gpt2")
+    cfg = TransformerConfig(vocab=264, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=32,
+                            bias=True)
+    mt.launch(lambda: export_hf(path, DecoderLM(cfg)))
+    return path
+
+
+def _copy(hf_dir: str, tmp_path) -> str:
+    import shutil
+
+    return shutil.copytree(hf_dir, str(tmp_path / "model"))
+
+
+def test_a_good_model_directory_trains(hf_dir, text, tmp_path, capsys):
+    # the reference for every case below: the same flags and files, undamaged, run
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", hf_dir, "--out", str(tmp_path / "r"))
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("keep", [40, 0.5])
+def test_a_truncated_safetensors_file_is_named(keep, hf_dir, text, tmp_path, capsys):
+    model = _copy(hf_dir, tmp_path)
+    f = tmp_path / "model" / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--out", str(tmp_path / "r"))
+    assert rc == 2
+    assert f"{f} is not a complete safetensors file" in err and "fetch or export it again" in err, err
+    assert "Traceback" not in err and "SafetensorError" not in err
+
+
+@pytest.mark.parametrize("field, value, want", [
+    ("n_embd", "16", "a whole number > 0"), ("n_layer", 1.0, "a whole number > 0"),
+    ("n_head", True, "a whole number > 0"), ("n_inner", -32, "a whole number > 0 or null"),
+    ("layer_norm_epsilon", "1e-5", "a finite number > 0"), ("tie_word_embeddings", "yes", "true or false"),
+    ("activation_function", 3, "a string"), ("model_type", ["gpt2"], "a string"),
+])
+def test_wrong_types_in_config_json_are_named(field, value, want, hf_dir, text, tmp_path, capsys):
+    model = _copy(hf_dir, tmp_path)
+    cfile = tmp_path / "model" / "config.json"
+    config = json.loads(cfile.read_text())
+    config[field] = value
+    cfile.write_text(json.dumps(config))
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--out", str(tmp_path / "r"))
+    assert rc == 2
+    assert f"config.json: {field} is {value!r} ({type(value).__name__}), it must be {want}" in err, err
+
+
+@pytest.mark.parametrize("content, needle", [("{not json", "is not valid JSON"),
+                                             ("[1, 2]", "holds a JSON list, not an object")])
+def test_a_config_json_that_is_not_an_object_is_named(content, needle, hf_dir, text, tmp_path, capsys):
+    model = _copy(hf_dir, tmp_path)
+    (tmp_path / "model" / "config.json").write_text(content)
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--out", str(tmp_path / "r"))
+    assert rc == 2 and f"config.json {needle}" in err, err
+
+
+def test_the_llama_config_is_type_checked_too():
+    from meshtorch.errors import CheckpointError
+    from meshtorch.models.hf import _check_types
+
+    good = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "head_dim": None,
+            "rope_theta": 10000.0, "attention_bias": False}
+    _check_types(good, "config.json")
+    for field, value in (("hidden_size", "4096"), ("rope_theta", float("nan")), ("attention_bias", 0),
+                         ("rope_scaling", "linear")):
+        with pytest.raises(CheckpointError, match=f"config.json: {field} is"):
+            _check_types({**good, field: value}, "config.json")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/tmp/outside.safetensors",
+                                   "a/../../x.safetensors", "link.safetensors", 7])
+def test_shard_index_paths_stay_inside_the_model_directory(shard, hf_dir, text, tmp_path, capsys):
+    import os
+
+    model = _copy(hf_dir, tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes((tmp_path / "model" / "model.safetensors").read_bytes())
+    os.symlink(tmp_path / "outside.safetensors", tmp_path / "model" / "link.safetensors")
+    os.remove(tmp_path / "model" / "model.safetensors")
+    index = {"metadata": {}, "weight_map": {"transformer.wte.weight": shard}}
+    (tmp_path / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--out", str(tmp_path / "r"))
+    assert rc == 2
+    needle = f"weight_map puts 'transformer.wte.weight' in {shard!r}, which is not a file name inside"
+    assert needle in err, err
+
+
+def test_a_shard_index_that_is_not_an_index_is_named(hf_dir, tmp_path):
+    from meshtorch.checkpoint.consolidated import weight_map
+    from meshtorch.errors import CheckpointError
+
+    model = _copy(hf_dir, tmp_path)
+    index = tmp_path / "model" / "model.safetensors.index.json"
+    for text, needle in (("{", "is not a safetensors index"),
+                         ('{"weight_map": [1]}', '"weight_map" is a list')):
+        index.write_text(text)
+        with pytest.raises(CheckpointError, match=needle):
+            weight_map(model)
+    # a good index of files inside the directory still loads
+    index.write_text(json.dumps({"weight_map": {"transformer.wte.weight": "model.safetensors"}}))
+    assert weight_map(model) == {"transformer.wte.weight": f"{model}/model.safetensors"}
+
+
+def test_nan_weights_are_refused_at_load_by_name(hf_dir, text, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    model = _copy(hf_dir, tmp_path)
+    f = str(tmp_path / "model" / "model.safetensors")
+    tensors = load_file(f)
+    tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+    # d_ff split over two processors: only processor 0 holds the NaN, both must stop alike
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--mesh", "b:2",
+                     "--rules", "batch:b; d_ff:b", "--out", str(tmp_path / "r"))
+    assert rc == 2
+    assert "hold NaN or infinity (transformer.h.0.mlp.c_fc.weight)" in err, err
+    assert "learning rate" not in err and "loss is nan" not in err
+
+
+@pytest.mark.parametrize("content", [b"garbage{", b"[1, 2]", b'{"model": {"type": "BPE", "vocab": "x"}}',
+                                     bytes(range(256))])
+def test_a_garbage_tokenizer_json_is_named(content, text, tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes(content)
+    for given in (tok, tok / "tokenizer.json"):
+        rc, err = _train(capsys, "--data", text, *TINY, "--tokenizer", str(given),
+                         "--out", str(tmp_path / "r"))
+        assert rc == 2
+        assert f"--tokenizer {str(given)!r}: {tok / 'tokenizer.json'} is not a tokenizers file" in err, err
+        assert "Traceback" not in err
+
+
+def test_a_garbage_tokenizer_config_is_named(tmp_path):
+    from meshtorch.data.corpus import DataError
+    from meshtorch.data.hf_tokenizer import _eos_token
+
+    (tmp_path / "tokenizer_config.json").write_text("[")
+    with pytest.raises(DataError, match="tokenizer_config.json is not a tokenizer config"):
+        _eos_token(str(tmp_path))

@@ -133,16 +133,54 @@ def write_consolidated(path: str | os.PathLike, tensors: dict[str, torch.Tensor]
     return names if ctx.rank == 0 else []
 
 
+def open_safetensors(path: str):
+    """``safe_open(path)``, or a :class:`CheckpointError` naming a file that is missing, truncated
+    or not safetensors (the library's own error names no file and says "deserializing header")."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:  # safetensors' SafetensorError has no stable import path across versions
+        what = ("is missing" if isinstance(e, FileNotFoundError)
+                else f"is not a complete safetensors file ({e})")
+        raise CheckpointError(f"{path} {what}: it was cut short or damaged (an interrupted download or "
+                              "copy?); fetch or export it again") from None
+
+
+def _index_map(path: str, ipath: str) -> dict[str, str]:
+    """The ``weight_map`` of an index file, each file resolved inside ``path`` (as a checkpoint's
+    own files are: an index must not make a reader open ``../x`` or ``/etc/...``)."""
+    from meshtorch.checkpoint.versions import inside
+
+    try:
+        with open(ipath) as f:
+            wmap = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ipath} is not a safetensors index ({type(e).__name__}: {e}); it must be "
+                              'JSON with "weight_map": {tensor name: shard file name}') from None
+    if not isinstance(wmap, dict):
+        raise CheckpointError(f'{ipath}: "weight_map" is a {type(wmap).__name__}, not '
+                              "{tensor name: shard file name}")
+    out = {}
+    for key, fname in wmap.items():
+        target = os.path.join(path, fname) if isinstance(fname, str) else ""
+        if (not isinstance(fname, str) or not fname or os.path.isabs(fname)
+                or ".." in fname.replace("\\", "/").split("/") or not inside(path, target)):
+            raise CheckpointError(f"{ipath}: weight_map puts {key!r} in {fname!r}, which is not a file name "
+                                  f"inside {path!r} (no '..' or absolute paths, no symlinks out); a model "
+                                  "directory only reads its own files")
+        out[key] = target
+    return out
+
+
 def weight_map(path: str) -> dict[str, str]:
     """Tensor key -> the safetensors file holding it, for a file, a directory with
-    ``model.safetensors``, or a directory of shards with ``model.safetensors.index.json``."""
+    ``model.safetensors``, or a directory of shards with ``model.safetensors.index.json``
+    (whose shard names must lie inside the directory)."""
     if os.path.isfile(path):
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:
             return {k: path for k in f.keys()}
     ipath = os.path.join(path, HF_INDEX)
     if os.path.isfile(ipath):
-        with open(ipath) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        return _index_map(path, ipath)
     single = os.path.join(path, SINGLE)
     if os.path.isfile(single):
         return weight_map(single)
@@ -175,7 +213,7 @@ def import_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
                                           "pass rename= to map names, or strict=False")
                 continue
             if fpath not in handles:
-                handles[fpath] = safe_open(fpath, framework="pt")
+                handles[fpath] = open_safetensors(fpath)
             sl = handles[fpath].get_slice(key)
             if list(sl.get_shape()) != list(view.shape.sizes):
                 raise CheckpointError(f"parameter {name!r} has shape [{view.shape}] but {fpath} holds "

@@ -76,7 +76,11 @@ def _backend(path: str) -> Any:
         except ImportError:
             raise DataError(f"--tokenizer {path!r} needs the tokenizers library: pip install "
                             "'meshtorch[hf]'") from None
-        return Tokenizer.from_file(file)
+        try:
+            return Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception for any unreadable file
+            raise DataError(f"--tokenizer {path!r}: {file} is not a tokenizers file ({e}); pass a tokenizer "
+                            "directory (or its tokenizer.json) as save_pretrained writes it") from None
     if not os.path.isdir(path):
         raise DataError(f"--tokenizer {path!r} is neither a directory nor a {FILE} file; pass a "
                         "directory written by a tokenizer's save_pretrained")
@@ -95,8 +99,12 @@ def _eos_token(path: str) -> str | None:
     cfile = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "tokenizer_config.json")
     if not os.path.isfile(cfile):
         return None
-    with open(cfile) as f:
-        eos = json.load(f).get("eos_token")
+    try:
+        with open(cfile) as f:
+            eos = json.load(f).get("eos_token")
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        raise DataError(f"--tokenizer: {cfile} is not a tokenizer config (a JSON object; {e}); fix or "
+                        "remove it") from None
     return eos.get("content") if isinstance(eos, dict) else eos
 
 

@@ -97,14 +97,66 @@ def _hf_shapes(pieces: Mapping[str, Piece], model: DecoderLM) -> dict[str, list[
     return out
 
 
+# the type of each HF config field a DecoderLM is built from (GPT-2's and Llama's names)
+_SIZES = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions", "hidden_size", "intermediate_size",
+          "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
+_OPTIONAL_SIZES = ("n_inner", "num_key_value_heads", "head_dim")  # null: derived from the others
+_NUMBERS = ("layer_norm_epsilon", "rms_norm_eps", "rope_theta")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_by_inverse_layer_idx",
+          "scale_attn_weights", "add_cross_attention")
+_NAMES = ("model_type", "activation_function", "hidden_act")
+
+
+def _config_file(cfile: str) -> dict[str, Any]:
+    try:
+        with open(cfile) as f:
+            config = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{cfile} is not valid JSON ({e}); it must be the model's config.json as "
+                              "save_pretrained writes it") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfile} holds a JSON {type(config).__name__}, not an object; it must be "
+                              "the model's config.json as save_pretrained writes it")
+    return config
+
+
+def _check_types(config: Mapping[str, Any], where: str) -> None:
+    """Refuse a config field of the wrong type (``"hidden_size": "4096"``) by name, before it
+    meets arithmetic deep inside the model."""
+
+    def bad(field: str, want: str, example: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {field} is {config[field]!r} ({type(config[field]).__name__}), "
+                               f"it must be {want}, e.g. \"{field}\": {example}; fix the file")
+
+    def whole(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+    for field in _SIZES + _OPTIONAL_SIZES:
+        optional = field in _OPTIONAL_SIZES and config.get(field) is None
+        if field in config and not (whole(config[field]) or optional):
+            raise bad(field, "a whole number > 0" + (" or null" if field in _OPTIONAL_SIZES else ""), "64")
+    for field in _NUMBERS:
+        x = config.get(field, 1.0)
+        if not (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0):
+            raise bad(field, "a finite number > 0", "1e-05")
+    for field in _FLAGS:
+        if field in config and not isinstance(config[field], bool):
+            raise bad(field, "true or false", "true")
+    for field in _NAMES:
+        if field in config and not isinstance(config[field], str):
+            raise bad(field, "a string", '"gelu"')
+    for field in ("rope_parameters", "rope_scaling"):
+        if config.get(field) is not None and not isinstance(config[field], dict):
+            raise bad(field, "an object or null", '{"rope_type": "default", "rope_theta": 10000.0}')
+
+
 def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, TransformerConfig, Source]:
     """The architecture, our config and the weights of ``source`` (see :func:`from_hf`)."""
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         cfile = os.path.join(path, CONFIG)
         if config is None and os.path.isfile(cfile):
-            with open(cfile) as f:
-                config = json.load(f)
+            config = _config_file(cfile)
         src = Source.of(path)
     elif isinstance(source, Mapping):
         src = Source.of(source)
@@ -112,6 +164,8 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
         src = Source.of(source.state_dict())
         config = getattr(source, "config", None) if config is None else config
     hf_config = config_dict(config)
+    if hf_config is not None:
+        _check_types(hf_config, cfile if isinstance(source, (str, os.PathLike)) else "the config")
     arch = _architecture(hf_config, src)
     src.strip = arch.PREFIX
     return arch, arch.config_from_hf(hf_config, src, heads), src
@@ -187,7 +241,25 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
             sizes = dict(zip(view.shape.names, view.shape.sizes))
             region = dict(zip(view.shape.names, view.layout.slices(coords)))
             view.local.copy_(read_slice(src, pieces[name], sizes, region).to(view.dtype))
+    _check_finite(model, pieces, src)
     return model
+
+
+def _check_finite(model: DecoderLM, pieces: Mapping[str, Piece], src: Source) -> None:
+    """Refuse weights holding NaN or infinity at load, naming them: training from them fails at
+    its first step with a NaN loss that looks like the learning rate's fault. Every processor
+    checks its slices; one all_reduce makes them all raise alike."""
+    views = [(name, view.local) for name, view in model.named_mesh_parameters() if not view.local.is_meta]
+    if not views:
+        return
+    bad = torch.stack([~torch.isfinite(t).all() for _, t in views]).to(torch.float64)
+    comm = current().comm
+    bad = comm.all_reduce(bad, comm.mesh.axis_names, "sum")  # per weight: every processor names them all
+    if bad.sum().item():
+        keys = [pieces[name].key for (name, _), n in zip(views, bad.tolist()) if n]
+        here = f" ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+        raise CheckpointError(f"the weights in {src.where} hold NaN or infinity{here}; a model cannot train "
+                              "or run from them: re-export or re-download the model")
 
 
 def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype | None = None,

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from meshtorch.checkpoint.consolidated import weight_map
+from meshtorch.checkpoint.consolidated import open_safetensors, weight_map
 from meshtorch.errors import CheckpointError
 
 # transformers' activation names -> ours; gelu_new / gelu_fast / gelu_pytorch_tanh are all
@@ -120,7 +119,7 @@ class Source:
     def _slice(self, key: str):
         fpath = self.files[key]
         if fpath not in self._handles:
-            self._handles[fpath] = safe_open(fpath, framework="pt")
+            self._handles[fpath] = open_safetensors(fpath)
         return self._handles[fpath].get_slice(key)
 
 
