@@ -77,6 +77,23 @@ def test_greedy_refuses_nan_or_negative_edge_bytes(tmp_path, capsys):
         assert f"edge 'a' -> 'b': bytes={b} must be finite and >= 0" in err
 
 
+@pytest.mark.parametrize("graph, needle", [
+    ({"format": "meshtorch.opgraph/1", "nodes": [], "edges": []}, "the operator graph has no nodes"),
+    ({"maxFPGAs": 2, "nodes": [], "edges": []}, "the operator graph has no nodes"),
+    ({**_graph(CHAIN), "meta": {"devices": "x"}}, "the graph's meta devices='x' must be a number >= 0"),
+    ({**_graph(CHAIN), "meta": {"memory": "big"}}, "the graph's meta memory='big' must be a number >= 0"),
+    (_graph(CHAIN, backward="no"), "node 'b': name must be a string, backward true or false"),
+    (_graph(CHAIN, color=[1]), "color a string or null; got name='b', backward=False, color=[1]"),
+    ({**_graph(CHAIN), "nodes": 5}, "cannot read the graph (TypeError"),
+    ({**_graph(CHAIN), "edges": [["a"]]}, "cannot read the graph (ValueError"),
+])
+@pytest.mark.parametrize("flags", [["--algorithm", "dp"], ["--algorithm", "greedy"],
+                                   ["--plan-2bw", "--batch", "4"]])
+def test_place_names_malformed_fields(graph, needle, flags, tmp_path, capsys):
+    rc, _, err = _place(tmp_path, capsys, graph, *flags)
+    assert rc == 2 and needle in err, err
+
+
 @pytest.mark.parametrize("algorithm", ["dp", "chain", "greedy", "pipedream"])
 def test_place_with_a_billion_devices_answers_as_with_one_per_node(algorithm, tmp_path, capsys):
     # three nodes can use at most three devices: a billion must give the same placement, not a

@@ -70,6 +70,7 @@ def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: b
 def run(args: argparse.Namespace) -> int:
     graph = load_graph(args.model, training=args.training, input_shape=args.input_shape,
                        profile=args.profile)
+    graph.validate()  # every malformed field named before any flag or algorithm reads it
     if args.training and not graph.is_training:
         raise PlacementError(f"{args.model} has no backward nodes; it is an inference graph")
     problem = Problem(

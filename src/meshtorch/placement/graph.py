@@ -181,8 +181,20 @@ class OpGraph:
 
     def validate(self) -> None:
         """Check acyclicity, finite non-negative costs and backward/forward colours."""
+        if not self.nodes:
+            raise PlacementError("the operator graph has no nodes: there is nothing to place")
+        for key, want in (("devices", int), ("cpus", int), ("memory", (int, float))):
+            x = self.meta.get(key)
+            if x is not None and (not isinstance(x, want) or isinstance(x, bool) or x < 0):
+                raise PlacementError(f"the graph's meta {key}={x!r} must be a number >= 0 "
+                                     f"({'a whole number' if want is int else 'bytes'}), or absent")
         self.topological_order()
         for n in self.nodes:
+            if not isinstance(n.name, str) or not isinstance(n.backward, bool) or not (
+                    n.color is None or isinstance(n.color, str)):
+                raise PlacementError(f"node {n.name!r}: name must be a string, backward true or false, "
+                                     f"color a string or null; got name={n.name!r}, backward={n.backward!r}, "
+                                     f"color={n.color!r}")
             for attr in ("mem_bytes", "act_bytes", "weight_bytes", "comm_time", "sync_time"):
                 x = getattr(n, attr)
                 if not _cost(x):
