@@ -109,6 +109,20 @@ def test_place_with_a_billion_devices_answers_as_with_one_per_node(algorithm, tm
     assert Problem(devices=10**9, cpus=10**9).resolve(OpGraph.from_dict(_graph(CHAIN))).devices == 3
 
 
+def test_replicas_are_bounded_and_more_than_127_are_recorded():
+    g = OpGraph()
+    g.add_node("f", acc_time=1.0, cpu_time=1.0, mem_bytes=1.0, color="x", sync_time=0.001)
+    g.add_node("b", acc_time=2.0, cpu_time=2.0, mem_bytes=1.0, backward=True, color="x")
+    g.add_edge("f", "b", 1.0)
+    # one stage replicated 200 times: the DP's replica table was int8 and overflowed past 127
+    dp = place(g, Problem(devices=200, max_replicas=200, training=True), "dp")
+    reference = place(g, Problem(devices=200, max_replicas=200, training=True), "pipedream")
+    assert [s.replicas for s in dp.stages] == [200] and dp.max_load == pytest.approx(reference.max_load)
+    with pytest.raises(PlacementError, match=r"1000000000 usable devices \(2 nodes x up to 1000000000 "
+                                             r"replicas each\) is more than the 4096"):
+        place(g, Problem(devices=10**9, max_replicas=10**9, training=True), "dp")
+
+
 def test_plan_2bw_with_a_billion_devices_is_bounded_by_the_graph_and_the_batch():
     from meshtorch.placement.plan2bw import plan_2bw
 

@@ -85,7 +85,7 @@ class _Best:
 
     @classmethod
     def none_yet(cls, size: int) -> _Best:
-        return cls(np.full(size, INF), np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=np.int8))
+        return cls(np.full(size, INF), np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=np.int32))
 
     def improve(self, where: np.ndarray, load: np.ndarray, next_ideal: np.ndarray, replicas: int) -> None:
         self.load[where] = load
@@ -132,7 +132,7 @@ def _empty_tables(n: int, full: int, layers: list[Layer]) -> _Tables:
     for layer in layers:
         load[layer] = np.full(n, INF)
         next_ideal[layer] = np.full(n, -1, dtype=np.int64)
-        replicas[layer] = np.zeros(n, dtype=np.int8)
+        replicas[layer] = np.zeros(n, dtype=np.int32)  # int8 overflowed past 127 replicas
     return _Tables(load, next_ideal, replicas)
 
 

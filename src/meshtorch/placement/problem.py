@@ -54,6 +54,11 @@ OBJECTIVES = ("throughput", "latency")
 SCHEDULES = ("gpipe", "1f1b", "2bw")
 
 
+#: The most devices a placement plans for once capped at what the graph can use: the DP's
+#: tables grow with the square of the device count (4096 devices take ~20 s and ~2 GB).
+MAX_DEVICES = 4096
+
+
 @dataclass(frozen=True)
 class Problem:
     """What to place on: ``devices`` accelerators of ``memory`` bytes and ``cpus`` CPUs.
@@ -134,6 +139,11 @@ class Problem:
         # algorithms' tables by the request instead of by the graph
         usable = max(len(graph.nodes), 1) * max(1, min(self.max_replicas, devices))
         devices, cpus = min(devices, usable), min(cpus, max(len(graph.nodes), 1))
+        if devices > MAX_DEVICES:
+            raise PlacementError(
+                f"{devices} usable devices ({len(graph.nodes)} nodes x up to {self.max_replicas} replicas "
+                f"each) is more than the {MAX_DEVICES} a placement plans for: the algorithms' tables "
+                "grow with the device count; pass fewer --devices or --replicas")
         relay = bool(graph.meta.get("relay", False)) if self.relay is None else bool(self.relay)
         return replace(
             self, devices=devices, cpus=cpus, memory=memory, training=training, relay=relay,
