@@ -152,11 +152,12 @@ def _check_types(config: Mapping[str, Any], where: str) -> None:
 
 def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, TransformerConfig, Source]:
     """The architecture, our config and the weights of ``source`` (see :func:`from_hf`)."""
+    where = "the config"
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         cfile = os.path.join(path, CONFIG)
         if config is None and os.path.isfile(cfile):
-            config = _config_file(cfile)
+            config, where = _config_file(cfile), cfile
         src = Source.of(path)
     elif isinstance(source, Mapping):
         src = Source.of(source)
@@ -165,7 +166,7 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
         config = getattr(source, "config", None) if config is None else config
     hf_config = config_dict(config)
     if hf_config is not None:
-        _check_types(hf_config, cfile if isinstance(source, (str, os.PathLike)) else "the config")
+        _check_types(hf_config, where)
     arch = _architecture(hf_config, src)
     src.strip = arch.PREFIX
     return arch, arch.config_from_hf(hf_config, src, heads), src
