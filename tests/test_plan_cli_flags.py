@@ -156,3 +156,19 @@ def test_a_llama_3_8b_config_plans_on_8_h100s_with_fsdp(capsys, tmp_path):
     assert out["parameters"] == 2 * 128256 * 4096 + 32 * block + 4096 == 8_030_261_248
     # FSDP: each processor holds an eighth of the (fp32) parameters
     assert out["memory_bytes"]["parameters"] == pytest.approx(4 * 8_030_261_248 / 8, rel=0.01)
+
+
+@pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated"],
+                                   ["--recompute", "--rules", "batch:b; d_model:b"]])
+def test_layered_plan_equals_the_full_trace(capsys, flags):
+    """--layered (the default) extrapolates from two shallow depths: the same parameters, FLOPs, bytes
+    and memory as tracing every layer; the step time within 1%."""
+    base = ["plan", *TINY, "--layers", "4", "--vocab", "64", "--hardware", "h100", "--json", *flags]
+    plans = []
+    for flag in ("--layered", "--no-layered"):
+        assert main(base + [flag]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    layered, full = plans
+    for key in ("parameters", "flops", "bytes_per_axis", "calls_per_axis", "memory_bytes"):
+        assert layered[key] == full[key], key
+    assert layered["step_seconds"] == pytest.approx(full["step_seconds"], rel=0.01)
