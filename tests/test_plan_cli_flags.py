@@ -172,3 +172,17 @@ def test_layered_plan_equals_the_full_trace(capsys, flags):
     for key in ("parameters", "flops", "bytes_per_axis", "calls_per_axis", "memory_bytes"):
         assert layered[key] == full[key], key
     assert layered["step_seconds"] == pytest.approx(full["step_seconds"], rel=0.01)
+
+
+def test_recompute_under_bf16_recomputes_in_bf16(capsys):
+    """--recompute --precision bf16 plans (the meta backend's autocast is re-entered for the
+    recomputation, as torch.utils.checkpoint restores torch.autocast): the recomputed forward's
+    matmuls are bf16 FLOPs, the float32 ones (the optimizer, the loss) are those of the step without it."""
+    base = ["plan", *TINY, "--layers", "2", "--vocab", "64", "--precision", "bf16", "--json"]
+    by_dtype = []
+    for flags in ([], ["--recompute"]):
+        assert main(base + flags) == 0
+        by_dtype.append(json.loads(capsys.readouterr().out)["flops_by_dtype"])
+    plain, recomputed = by_dtype
+    assert recomputed.get("float32", 0) == plain.get("float32", 0)
+    assert recomputed["bfloat16"] > plain["bfloat16"]
