@@ -149,13 +149,20 @@ def test_a_llama_3_8b_config_plans_on_8_h100s_with_fsdp(capsys, tmp_path):
     path = llama_dir(tmp_path, vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                      max_position_embeddings=8192)
-    assert main(["plan", "--init-from", path, "--batch", "8", "--length", "8192", "--precision", "bf16",
-                 "--mesh", "b:8", "--rules", "batch:b; d_model:b", "--hardware", "h100", "--json"]) == 0
+    run = ["plan", "--init-from", path, "--batch", "16", "--length", "8192", "--precision", "bf16",
+           "--mesh", "b:8", "--rules", "batch:b; d_model:b", "--hardware", "h100", "--json"]
+    assert main(run) == 0
     out = json.loads(capsys.readouterr().out)
     block = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert out["parameters"] == 2 * 128256 * 4096 + 32 * block + 4096 == 8_030_261_248
-    # FSDP: each processor holds an eighth of the (fp32) parameters
+    # FSDP: each processor holds an eighth of the (fp32) parameters, and AdamW's two moments
     assert out["memory_bytes"]["parameters"] == pytest.approx(4 * 8_030_261_248 / 8, rel=0.01)
+    assert out["memory_bytes"]["optimizer"] == pytest.approx(2 * 4 * 8_030_261_248 / 8, rel=0.01)
+    # two sequences of 8192 per GPU keep more activations than an 80 GB H100 holds; recomputed, they fit
+    assert not out["fits"]
+    assert main(run + ["--recompute"]) == 0
+    recomputed = json.loads(capsys.readouterr().out)
+    assert recomputed["fits"] and recomputed["flops"] > out["flops"]
 
 
 @pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated"],
