@@ -50,7 +50,7 @@ import torch
 
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
-from meshtorch.pipeline.schedule import FORWARD, Schedule
+from meshtorch.pipeline.schedule import FORWARD, SCHEDULES, Schedule
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
 
@@ -174,6 +174,11 @@ class Executor:
         if not train:
             with torch.no_grad():
                 return self._evaluate(schedule, inputs, targets)
+        if schedule.virtual_stages > 1 or schedule.split_backward:
+            raise PipelineError(f"the executor runs one model chunk per stage and whole backwards "
+                                f"({SCHEDULES}); schedule {schedule.name!r} "
+                                f"({schedule.virtual_stages} chunks per stage, split backward: "
+                                f"{schedule.split_backward}) is for simulate() and plot.timeline() only")
         if schedule.stages != self.stages:
             raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
                                 f"{self.axis!r} has {self.stages} processors")
