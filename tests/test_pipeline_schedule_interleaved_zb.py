@@ -3,6 +3,7 @@ validity, in-flight stashes, and the simulated bubble against the published form
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 
 import meshtorch as mt
 from meshtorch.errors import PipelineError
-from meshtorch.pipeline import build_schedule, memory, simulate
+from meshtorch.pipeline import Pipeline, build_schedule, memory, simulate
 from meshtorch.pipeline.executor import Executor
 from meshtorch.pipeline.plot import timeline
+from test_pipeline import batches, make_stages, reference
 
 
 def _slots(table, kind):
@@ -139,9 +141,34 @@ def test_new_tables_refuse_what_they_cannot_do(tmp_path):
         kw = {"virtual_stages": 2} if name == "interleaved" else {}
         ex.run(build_schedule(name, 2, 2, **kw), [torch.randn(1, 2)] * 2, [torch.randn(1, 2)] * 2)
 
-    for name in ("interleaved", "zb"):  # simulated, not executed (yet)
-        with pytest.raises(PipelineError, match="simulate"):
-            mt.launch(lambda name=name: run(name), mesh="stage:2")
+    with pytest.raises(PipelineError, match="simulate"):  # simulated, not executed (yet)
+        mt.launch(lambda: run("interleaved"), mesh="stage:2")
+    with pytest.raises(PipelineError, match="not one of"):
+        mt.launch(lambda: Pipeline(torch.nn.Linear(2, 2), microbatches=2, schedule="interleaved"),
+                  mesh="stage:1")
+
+
+def _zb(stages, data, m, recompute):
+    pipe = Pipeline(lambda i: copy.deepcopy(stages[i]), microbatches=m, schedule="zb", recompute=recompute,
+                    loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+    losses = [pipe.step(x, y) for x, y in data]
+    kinds = [k for k, *_ in pipe.executor.trace]
+    return pipe.module.state_dict(), losses, kinds
+
+
+@pytest.mark.parametrize("p,m,recompute", [(2, 4, False), (3, 4, False), (3, 2, True)])
+def test_zb_trains_like_the_unsplit_model(p, m, recompute):
+    # the split backward (B: torch.autograd.grad on the stage inputs, W: on the parameters) gives the
+    # unsplit model's Adam steps on whole batches
+    stages, data = make_stages(p), batches(2, 8)
+    want, want_losses = reference(stages, data)
+    out = mt.launch(_zb, stages, data, m, recompute, mesh=f"stage:{p}")
+    table = build_schedule("zb", p, m)
+    for s, (state, _, kinds) in enumerate(out):
+        assert kinds == [k for k, _ in table.order(s)]  # the executed order is the table's
+        for k, v in want[s].items():
+            torch.testing.assert_close(state[k], v)
+    assert [float(x) for x in out[-1][1]] == pytest.approx(want_losses)
 
 
 def test_timeline_draws_chunks_and_weight_gradients(tmp_path):

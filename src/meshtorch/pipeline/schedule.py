@@ -62,8 +62,8 @@ Schedules:
   with its backward ``B + W`` (a third of the idle time). The simulator gives
   ``(p-1)(F+B-W)`` idle seconds per stage for ``W <= min(F, B)`` (the paper's).
 
-The executor runs ``gpipe``, ``1f1b`` and ``2bw`` (:data:`SCHEDULES`); the
-interleaved and zero-bubble tables (:data:`TABLES`) drive the simulator and the
+The executor runs ``gpipe``, ``1f1b``, ``2bw`` and ``zb`` (:data:`SCHEDULES`);
+the interleaved tables (:data:`TABLES`) drive only the simulator and the
 timeline so far.
 
 Slots come from unit-time list scheduling of each stage's order under the
@@ -93,8 +93,8 @@ from dataclasses import dataclass
 
 from meshtorch.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")  # the executor runs these
-TABLES = SCHEDULES + ("interleaved", "zb")  # tables the simulator and the timeline take too
+SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")  # the executor runs these
+TABLES = SCHEDULES + ("interleaved",)  # tables the simulator and the timeline take too
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 Key = tuple[int, int, str, int]  # (stage, local chunk, kind, micro-batch)
