@@ -16,6 +16,7 @@ from meshtorch.errors import PipelineError
 from meshtorch.pipeline import Pipeline, build_schedule, memory, simulate
 from meshtorch.pipeline.executor import Executor
 from meshtorch.pipeline.plot import timeline
+from meshtorch.pipeline.schedule import Action, Schedule
 from test_pipeline import batches, make_stages, reference
 
 
@@ -135,6 +136,14 @@ def test_new_tables_refuse_what_they_cannot_do(tmp_path):
         build_schedule("1f1b", 2, 2, virtual_stages=2)
     with pytest.raises(PipelineError, match="not one of"):
         build_schedule("zbv", 2, 2)
+    # a weight gradient before its input gradient; a chunk's forward before the previous chunk's
+    with pytest.raises(PipelineError, match="W0 on stage 0 in slot 1 runs before B0"):
+        Schedule("x", 1, 1, (Action(0, 0, 0, "F"), Action(1, 0, 0, "W"), Action(2, 0, 0, "B"))).validate()
+    two = [Action(0, 0, 0, "F", chunk=1), Action(1, 0, 0, "F"), Action(2, 0, 0, "B", chunk=1),
+           Action(3, 0, 0, "B")]
+    want = "F0 on stage 0 chunk 1 in slot 0 runs before F0 on stage 0 chunk 0"
+    with pytest.raises(PipelineError, match=want):
+        Schedule("x", 1, 1, tuple(two), virtual_stages=2).validate()
 
     def run(name):
         ex = Executor(torch.nn.Linear(2, 2), "stage", torch.nn.functional.mse_loss)

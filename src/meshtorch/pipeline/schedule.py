@@ -253,9 +253,9 @@ class Schedule:
         for (s, c, k, i), t in seen.items():
             for d in dependencies(s, c, k, i, p, v, split):
                 if seen[d] >= t:
-                    chunk = f" chunk {d[1]}" if v > 1 else ""
-                    raise PipelineError(f"schedule {self.name!r}: {k}{i} on stage {s} in slot {t} runs "
-                                        f"before {d[2]}{d[3]} on stage {d[0]}{chunk} (slot {seen[d]}) it "
+                    mine, theirs = (f" chunk {c}", f" chunk {d[1]}") if v > 1 else ("", "")
+                    raise PipelineError(f"schedule {self.name!r}: {k}{i} on stage {s}{mine} in slot {t} runs "
+                                        f"before {d[2]}{d[3]} on stage {d[0]}{theirs} (slot {seen[d]}) it "
                                         "needs")
         # the update of batch b rewrites the buffer of batch b's version: no action of a batch that
         # reuses that buffer (b + versions) may run before it
