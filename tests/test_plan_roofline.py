@@ -269,3 +269,17 @@ def test_the_fused_check_is_restored_after_a_meta_step():
     assert adam._device_dtype_check_for_fused is before
     with pytest.raises(RuntimeError, match="fused=True"):
         before(torch.empty(1, device="meta"))
+
+
+def test_each_stage_of_a_pipeline_planned_for_a_gpu_traces_the_fused_adamw():
+    from meshtorch.plan.pipeline import stage_traces
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import pipelined_training_step
+
+    cfg = TrainConfig.of(model="lm", d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, batch=4, length=8,
+                         optimizer="adamw", pipeline_stages=2, microbatches=2, mesh="b:1")
+    mesh = cfg.parallelism.parsed.mesh
+    fused, per_parameter = "_fused_adamw_", "addcdiv_"
+    for runs_on, update, not_run in (("cuda", fused, per_parameter), ("cpu", per_parameter, fused)):
+        for t in stage_traces(pipelined_training_step(cfg, 32), mesh, "batch:b", device=runs_on):
+            assert update in _update_ops(t) and not_run not in _update_ops(t), runs_on
