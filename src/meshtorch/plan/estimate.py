@@ -237,6 +237,6 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
     mesh = Mesh(mesh)
     spec = get_device(device, processors=mesh.size)
     t = trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), backend="meta", staging=staging,
-              compiled=compiled)
+              compiled=compiled, device=spec.device_type)
     return from_trace(t, mesh, spec, algorithm)
 

@@ -83,9 +83,10 @@ def shallow_programs(program: Program) -> tuple[Program, Program, int] | None:
 
 
 def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
-                  staging: str = "none") -> Trace:
+                  staging: str = "none", device: str = "cpu") -> Trace:
     """``step_fn``'s meta trace, extrapolated from two shallow depths when it can be
-    rebuilt with fewer layers (what the search does to each candidate).
+    rebuilt with fewer layers (what the search does to each candidate); ``device``: what the
+    meta tensors stand for (:func:`meshtorch.plan.tracing.device_type`).
 
     Example:
         >>> import meshtorch as mt
@@ -98,8 +99,9 @@ def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
     """
     shallow = shallow_programs(program_of(step_fn))
     if shallow is None:
-        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging)
-    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging) for f in shallow[:2])
+        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device)
+    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device)
+              for f in shallow[:2])
     return extrapolate(t1, t2, shallow[2])
 
 

@@ -61,16 +61,17 @@ def config_of(args: argparse.Namespace) -> tuple[TrainConfig, int]:
 
 
 def traced(step: TrainingProgram, mesh: Any, rules: Any, staging: str = "none", compiled: bool = False,
-           layered: bool = False) -> Trace:
+           layered: bool = False, device: str = "cpu") -> Trace:
     """``step``'s meta trace (``compiled``: its kernels as ``torch.compile`` fuses them); ``layered``:
     extrapolated from two shallow depths as the search does (:mod:`meshtorch.plan.layered`: exact for
-    parameters, FLOPs, bytes and kernels), so that a deep model plans in seconds."""
+    parameters, FLOPs, bytes and kernels), so that a deep model plans in seconds; ``device``: where the
+    run computes (the priced spec's ``device_type``), so that the trace picks the run's kernels."""
     shallow = shallow_programs(step) if layered else None
     if shallow is None:
         return trace(step, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging,
-                     compiled=compiled)
-    t1, t2 = (trace(p, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging, compiled=compiled)
-              for p in shallow[:2])
+                     compiled=compiled, device=device)
+    t1, t2 = (trace(p, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging, compiled=compiled,
+                    device=device) for p in shallow[:2])
     return extrapolate(t1, t2, shallow[2])
 
 
@@ -162,8 +163,10 @@ def run(args: argparse.Namespace) -> int:
         from meshtorch.plan.devices import device as get_device
 
         mesh, rules = par.parsed.mesh, par.parsed.rules
-        t = traced(training_step(cfg, vocab), mesh, rules, staging, compiled=compiled, layered=args.layered)
-        est = from_trace(t, mesh, get_device(args.hardware, processors=mesh.size), args.algorithm)
+        spec = get_device(args.hardware, processors=mesh.size)
+        t = traced(training_step(cfg, vocab), mesh, rules, staging, compiled=compiled, layered=args.layered,
+                   device=spec.device_type)
+        est = from_trace(t, mesh, spec, args.algorithm)
         ests = [est]
         out = {**est.to_json(), "compiled": compiled}
         if not args.json:
