@@ -173,7 +173,7 @@ def test_plan_search_of_a_billion_layers_answers_and_pipelines_are_refused_by_na
                          "--top", "1")
     assert rc == 0, err
     assert res["parameters"] > 10**9
-    for flags in (["--search", "--processors", "2"], ["--pipeline-stages", "2", "--mesh", "stage:2"]):
+    for flags in (["--search", "--processors", "2"], ["--pipeline-stages", "2", "--mesh", "stage:2,b:1"]):
         rc, _, err = _plan(capsys, "--layers", "1000000000", *flags)
         assert rc == 2
         assert "a pipelined step of 1000000000 layers" in err and "--no-pipeline" in err, err

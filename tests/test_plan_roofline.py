@@ -164,9 +164,13 @@ def test_the_124m_gpt2_step_on_an_h100_is_planned_within_a_quarter():
     terms = est.compute_terms
     assert min(terms[k] for k in ("matmul", "attention", "memory", "launch", "host")) > 0
     # matmuls alone (6.6 TFLOP at ~700 TFLOP/s) are a third of the step: the rest is bandwidth.
-    # (The meta trace runs the per-parameter AdamW, ~8.7 ms of it, where CUDA runs the fused
-    # one, ~1.2 ms: the plan is 31.7 ms, ~24 ms with a fused optimizer; docs/planner.md.)
+    # The update is the fused AdamW the trainer runs on CUDA (a plan for a GPU traces it): one
+    # kernel per parameter group reading parameters, gradients and moments (fp32) and writing
+    # parameters and moments, 7 x 4 B a parameter, plus the 4-byte step counters it reads.
     assert terms["matmul"] < terms["memory"]
+    adamw = {k: c for k, c in est.trace.kernels.items() if "adam" in k[0]}
+    assert {k[0] for k in adamw} == {"_fused_adamw_"}
+    assert sum(k[3] * c for k, c in adamw.items()) == 7 * 4 * est.parameters + 4 * len(est.trace.param_shapes)
     assert 0.75 <= est.step_seconds / MEASURED_124M_H100_S <= 1.25, est.table()
     # compiled: runs of memory-bound ops fused (the per-parameter AdamW's ops too, ~a fused AdamW)
     fused = mt.plan.estimate(training_step(cfg, vocab=50304), "b:1", "batch:b", device="h100", compiled=True)
@@ -208,3 +212,74 @@ def test_a_compiled_step_fuses_a_chain_of_elementwise_ops():
 # The same step with the loss (forward and backward) under torch.compile (inductor), AdamW fused and
 # eager: 20.8 ms (steps_124m[3] of the same file).
 MEASURED_124M_COMPILED_H100_S = 20.8e-3
+
+
+def _small_step():
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import training_step
+
+    cfg = TrainConfig.of(model="lm", d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, batch=2, length=8,
+                         optimizer="adamw", precision="bf16")
+    return training_step(cfg, vocab=32)
+
+
+def _update_ops(t):
+    """How often the trace ran each op of an AdamW update (by name, over its shapes)."""
+    out: dict[str, int] = {}
+    for k, c in t.kernels.items():
+        if "adam" in k[0] or k[0] in ("addcdiv_", "lerp_", "sqrt"):
+            out[k[0]] = out.get(k[0], 0) + c
+    return out
+
+
+def test_a_step_planned_for_a_gpu_traces_the_fused_adamw_the_trainer_runs_there():
+    on_gpu = mt.plan.trace(_small_step(), mesh="b:1", rules="batch:b", device="cuda")
+    on_cpu = mt.plan.trace(_small_step(), mesh="b:1", rules="batch:b", device="cpu")
+    groups = 2   # weight-decayed matrices, and the rest (norms, positions)
+    assert _update_ops(on_gpu) == {"_fused_adamw_": groups}
+    # the host's AdamW is torch's per-parameter one: an addcdiv_ (and lerp_, sqrt) per parameter
+    tensors = len(on_cpu.param_shapes)
+    assert _update_ops(on_cpu) == {"addcdiv_": tensors, "lerp_": tensors, "sqrt": tensors}
+    params = on_gpu.parameters * 4   # fp32 bytes
+    fused = [k for k in on_gpu.kernels if k[0] == "_fused_adamw_"]
+    # reads parameters, gradients, both moments and the step counters; writes parameters and moments
+    assert sum(k[3] for k in fused) == 7 * params + 4 * tensors
+    assert all(k[5] == 1 for k in fused) and on_gpu.aten_ops < on_cpu.aten_ops
+    # the same memory: the fused AdamW holds the same moments (its counters on the device, 4 B each)
+    assert on_gpu.peak_by_kind["optimizer"] == on_cpu.peak_by_kind["optimizer"]
+    # a plan priced on a GPU spec traces the GPU's step
+    est = mt.plan.estimate(_small_step(), "b:1", "batch:b", device="h100")
+    assert _update_ops(est.trace) == {"_fused_adamw_": groups}
+
+
+def test_a_torch_without_the_fused_check_plans_the_per_parameter_adamw(monkeypatch):
+    from meshtorch.recipes.lm import optimizer
+
+    monkeypatch.setattr(optimizer, "_FUSED_CHECKS", None)   # a torch whose AdamW we cannot step on meta
+    t = mt.plan.trace(_small_step(), mesh="b:1", rules="batch:b", device="cuda")
+    assert "_fused_adamw_" not in _update_ops(t) and _update_ops(t)["addcdiv_"] == len(t.param_shapes)
+    assert optimizer._fused_checks() is not None   # this torch (2.13) has it
+
+
+def test_the_fused_check_is_restored_after_a_meta_step():
+    import torch.optim.adam as adam
+
+    before = adam._device_dtype_check_for_fused
+    mt.plan.trace(_small_step(), mesh="b:1", rules="batch:b", device="cuda")
+    assert adam._device_dtype_check_for_fused is before
+    with pytest.raises(RuntimeError, match="fused=True"):
+        before(torch.empty(1, device="meta"))
+
+
+def test_each_stage_of_a_pipeline_planned_for_a_gpu_traces_the_fused_adamw():
+    from meshtorch.plan.pipeline import stage_traces
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import pipelined_training_step
+
+    cfg = TrainConfig.of(model="lm", d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, batch=4, length=8,
+                         optimizer="adamw", pipeline_stages=2, microbatches=2, mesh="b:1")
+    mesh = cfg.parallelism.parsed.mesh
+    fused, per_parameter = "_fused_adamw_", "addcdiv_"
+    for runs_on, update, not_run in (("cuda", fused, per_parameter), ("cpu", per_parameter, fused)):
+        for t in stage_traces(pipelined_training_step(cfg, 32), mesh, "batch:b", device=runs_on):
+            assert update in _update_ops(t) and not_run not in _update_ops(t), runs_on

@@ -90,7 +90,7 @@ def test_paper_parameter_counts(d_ff, heads, billions, mesh):
 
 
 ARGS = ["plan", "--layers", "1", "--d-model", "32", "--d-kv", "8", "--d-ff", "64", "--heads", "4",
-        "--batch", "8", "--length", "16", "--vocab", "64"]
+        "--batch", "8", "--length", "16", "--vocab", "64", "--no-tie-embeddings"]
 
 
 def test_cli_json_and_png(capsys, tmp_path):
@@ -115,8 +115,8 @@ def test_cli_search_and_errors(capsys):
 
 
 def test_plan_device_is_the_deprecated_name_of_hardware(capsys):
-    """``meshtorch plan --hardware`` is the hardware priced (``meshtorch train --device`` is where a run
-    computes); the old ``--device`` still prices that hardware, with a notice on stderr."""
+    """``meshtorch plan --hardware`` is the hardware priced (``--device`` is meshtorch train's: where a run
+    computes); a hardware name given to ``--device`` still prices that hardware, with a notice on stderr."""
     one = ARGS + ["--mesh", "b:2", "--rules", "batch:b", "--json"]
     assert main(one + ["--hardware", "h100"]) == 0
     out = capsys.readouterr()
@@ -124,7 +124,7 @@ def test_plan_device_is_the_deprecated_name_of_hardware(capsys):
     assert main(one + ["--device", "a100"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out)["device"] == "a100"
-    assert "meshtorch plan: --device is deprecated, pass --hardware a100" in out.err
+    assert "meshtorch plan: --device a100 is deprecated, pass --hardware a100" in out.err
 
 
 SMALL = TrainConfig.of(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, length=8, experts=4, top_k=2)

@@ -188,6 +188,14 @@ def hf_config(path: str | os.PathLike) -> tuple[str, TransformerConfig, dict[str
         >>> kind, back.d_model, fields["d_model"]
         ('gpt2', 8, 'n_embd')
     """
+    cfile = os.path.join(os.fspath(path), CONFIG)
+    if os.path.isfile(cfile):
+        config = _config_file(cfile)
+        _check_types(config, cfile)
+        if config.get("model_type") == llama.MODEL_TYPE:
+            # a Llama config.json records every size: read it alone, so that a directory holding only
+            # it plans (meshtorch plan --init-from); GPT-2's sizes come from its weights' shapes
+            return llama.MODEL_TYPE, llama.config_from_hf(config), dict(llama.CONFIG_FIELDS)
     arch, cfg, _ = _read(path, None, None)
     return arch.MODEL_TYPE, cfg, dict(arch.CONFIG_FIELDS)
 

@@ -22,12 +22,17 @@ from typing import Any
 import torch.utils.checkpoint as tuc
 
 from meshtorch.context import current
+from meshtorch.meta_autocast import MetaAutocast, active_dtype
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward."""
     ctx = current()
     start = ctx.random_calls
+    # checkpoint restores torch.autocast's state for the recomputation, but the meta backend's autocast
+    # (a planned bf16 step) is a TorchFunctionMode it does not know: re-enter it, so that the recomputed
+    # tensors have the dtypes of the first forward's
+    meta_dtype = active_dtype()
 
     @contextlib.contextmanager
     def rewind() -> Iterator[None]:
@@ -35,7 +40,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         saved = ctx.random_calls
         ctx.random_calls = start
         try:
-            yield
+            with MetaAutocast(meta_dtype) if meta_dtype is not None else contextlib.nullcontext():
+                yield
         finally:
             ctx.random_calls = saved
 

@@ -1,4 +1,5 @@
-"""Pipeline parallelism along a mesh axis (GPipe, 1F1B, PipeDream-2BW).
+"""Pipeline parallelism along a mesh axis (GPipe, 1F1B, PipeDream-2BW, ZB-H1; interleaved
+1F1B as a table for the simulator and the timeline).
 
 A schedule is data (:mod:`~meshtorch.pipeline.schedule`); the same table
 drives the executor, the simulator (:mod:`~meshtorch.pipeline.simulate`) and
@@ -11,9 +12,9 @@ Example:
 """
 
 from meshtorch.pipeline.pipeline import Pipeline, split_microbatches
-from meshtorch.pipeline.schedule import SCHEDULES, Action, Schedule
+from meshtorch.pipeline.schedule import SCHEDULES, TABLES, Action, Schedule
 from meshtorch.pipeline.schedule import build as build_schedule
 from meshtorch.pipeline.simulate import Simulation, memory, simulate
 
-__all__ = ["SCHEDULES", "Action", "Pipeline", "Schedule", "Simulation", "build_schedule", "memory",
+__all__ = ["SCHEDULES", "TABLES", "Action", "Pipeline", "Schedule", "Simulation", "build_schedule", "memory",
            "simulate", "split_microbatches"]

@@ -10,6 +10,13 @@ communicator's point-to-point ``send``/``recv`` along the pipeline axis; a
 send never waits, so a stage only ever waits for data the table says another
 stage produces earlier, and a valid table cannot deadlock.
 
+A table with weight-gradient actions (``"zb"``) splits the backward: ``B``
+computes only the input gradients (``torch.autograd.grad`` on the stage's
+inputs, keeping the graph) and sends them on; ``W``, later, computes the
+parameters' gradients (``torch.autograd.grad`` on the parameters) and
+accumulates them, as ``torch.distributed.pipelining`` does; a stage that is
+not an ``nn.Module`` gets no weight gradients.
+
 Each micro-batch's loss is divided by the number of micro-batches, so the
 accumulated gradient is that of the mean of the micro-batch losses: for a
 loss that is a mean over the micro-batch, the gradient of the whole batch.
@@ -50,7 +57,7 @@ import torch
 
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
-from meshtorch.pipeline.schedule import FORWARD, Schedule
+from meshtorch.pipeline.schedule import FORWARD, SCHEDULES, WEIGHT, Schedule
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
 
@@ -75,6 +82,18 @@ def _add(totals: list, b: int, loss: torch.Tensor) -> None:
 def _call(module: Callable, value: Any) -> Any:
     return module(*value) if isinstance(value, tuple) else module(value)
 
+
+
+def _input_gradient(outs: list, grads: list, inputs: list) -> None:
+    """The split backward's ``B``: the gradient of ``outs`` (given ``grads``) with respect to
+    the stage's floating inputs only, put in their ``.grad`` (what the executor sends back);
+    the graph is retained for the weight gradient."""
+    xs = [local(x) for x in inputs]
+    wanted = [x for x in xs if x is not None and x.requires_grad]
+    if not outs or not wanted:
+        return
+    for x, g in zip(wanted, torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)):
+        x.grad = g
 
 
 def _marked_update(on_update: Callable[[int], None], batch: int) -> None:
@@ -148,6 +167,19 @@ class Executor:
         comm.wait_sends()
         return torch.stack(totals) if last else None
 
+    def _weight_gradient(self, outs: list, grads: list) -> None:
+        """The split backward's ``W``: the gradient of ``outs`` with respect to the stage's
+        parameters (``torch.autograd.grad``, as ``torch.distributed.pipelining`` does),
+        accumulated in their ``.grad``; frees the micro-batch's graph."""
+        module = self.module
+        params = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) \
+            else []
+        if not outs or not params:
+            return
+        for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
     def _forward(self, inp: Any, target: Any, last: bool) -> Any:
         out = _call(self.module, inp)
         if not last:
@@ -174,6 +206,10 @@ class Executor:
         if not train:
             with torch.no_grad():
                 return self._evaluate(schedule, inputs, targets)
+        if schedule.virtual_stages > 1:
+            raise PipelineError(f"the executor runs one model chunk per stage ({SCHEDULES}); schedule "
+                                f"{schedule.name!r} ({schedule.virtual_stages} chunks per stage) is for "
+                                "simulate() and plot.timeline() only")
         if schedule.stages != self.stages:
             raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
                                 f"{self.axis!r} has {self.stages} processors")
@@ -188,6 +224,8 @@ class Executor:
         update = None if on_update is None else functools.partial(_marked_update, on_update)
         done = 0  # batches whose update ran
         stash: dict[int, tuple] = {}
+        split = schedule.split_backward
+        pending: dict[int, tuple[list, list]] = {}  # micro-batch -> (outputs, their gradients) for its W
         totals: list[torch.Tensor | None] = [None] * nb
         self.trace = []
         for a in schedule.for_stage(s):
@@ -210,6 +248,12 @@ class Executor:
                 if not last:
                     send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
                 stash[i] = (inp, target, rng, None if self.recompute else out)
+            elif a.kind == WEIGHT:
+                outs, grads = pending.pop(i)
+                t0 = time.perf_counter()
+                with self._errors("weight gradient", i, schedule):
+                    self._weight_gradient(outs, grads)
+                t1 = time.perf_counter()
             else:
                 inp, target, rng, out = stash.pop(i)
                 grads = None if last else recv_value(comm, self.axis, s + 1, BACKWARD_TAG)
@@ -224,13 +268,17 @@ class Executor:
                         current().random_calls = saved[1]
                     if last:
                         loss = local(out) / m
-                        loss.backward()
+                        pairs = [(loss, None)]
                         _add(totals, schedule.batch_of(i), loss.detach())
                     else:
                         pairs = [(local(o), g) for o, g in zip(leaves(out), leaves(grads))
                                  if g is not None and local(o) is not None and local(o).requires_grad]
-                        if pairs:
-                            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
+                    if split:  # B: the input gradient only; the graph stays for this micro-batch's W
+                        _input_gradient(outs, out_grads, [] if first else leaves(inp))
+                        pending[i] = (outs, out_grads)
+                    elif pairs:
+                        torch.autograd.backward(outs, out_grads)
                 t1 = time.perf_counter()
                 if not first:
                     in_grads = tuple(None if local(x) is None else local(x).grad for x in leaves(inp))

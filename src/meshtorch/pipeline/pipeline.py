@@ -10,9 +10,11 @@ processors of a stage written with MeshTensors (the layout rules, which
 never mention the pipeline axis, split its dims; its collectives already
 produce the right gradients). So the mesh ``stage:4,b:2`` is 3-D parallelism.
 
-Schedules (``schedule=``): ``"gpipe"`` and ``"1f1b"`` are synchronous: after
-a step, the parameters are those of training the unsplit model on the whole
-batch (the loss being a mean over each micro-batch, all of equal size).
+Schedules (``schedule=``): ``"gpipe"``, ``"1f1b"`` and ``"zb"`` (ZB-H1: the
+backward split into the input gradient and the deferred weight gradient) are
+synchronous: after a step, the parameters are those of training the unsplit
+model on the whole batch (the loss being a mean over each micro-batch, all of
+equal size).
 ``"2bw"`` is PipeDream-2BW (Narayanan et al., ICML 2021): each stage keeps
 two weight versions; the gradient of batch ``t``, coalesced over its ``m``
 micro-batches, is computed with the weights of one step before and applied
@@ -137,7 +139,7 @@ class Pipeline:
         placement: see ``stages``.
         axis: the mesh axis the stages lie along (its size = number of stages).
         microbatches: ``m``, micro-batches per batch.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"2bw"`` (module docstring).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"`` or ``"zb"`` (module docstring).
         loss_fn: ``loss_fn(last_stage_output, target)``: a scalar mean over the
             micro-batch (tensor or MeshTensor).
         optimizer: ``params -> torch.optim.Optimizer`` for this stage's

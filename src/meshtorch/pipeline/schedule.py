@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: a table of (slot, stage, micro-batch, kind) actions.
+"""Pipeline schedules as data: a table of (slot, stage, micro-batch, kind, chunk) actions.
 
 A schedule for ``p`` stages and ``m`` micro-batches lists, for every stage,
 one forward (``"F"``) and one backward (``"B"``) action per micro-batch, each
@@ -7,11 +7,14 @@ table drives the executor (each stage runs its actions in slot order), the
 simulator (which replaces unit slots by measured stage costs) and the PNG
 timeline.
 
-Dependencies (what any valid table respects):
+Dependencies (what any valid table respects), over model chunks ``c`` (with one
+chunk per stage, ``c`` is the stage; with ``v`` virtual stages, local chunk ``k``
+of stage ``s`` is ``c = k·p + s``):
 
-- ``F(s, i)`` after ``F(s-1, i)``: a stage needs its input activation;
-- ``B(s, i)`` after ``B(s+1, i)``: a stage needs its output gradient;
-- ``B(s, i)`` after ``F(s, i)``: backward needs the forward's stash.
+- ``F(c, i)`` after ``F(c-1, i)``: a chunk needs its input activation;
+- ``B(c, i)`` after ``B(c+1, i)``: a chunk needs its output gradient;
+- ``B(c, i)`` after ``F(c, i)``: backward needs the forward's stash;
+- ``W(c, i)`` after ``B(c, i)``: the weight gradient of a split backward.
 
 A table may cover several batches (``batches=T``): micro-batches are then
 numbered ``0 .. T·m-1`` over the whole run (batch ``i // m``), and every
@@ -40,9 +43,32 @@ Schedules:
   ``m >= p-1`` (the paper takes ``m >= p``). With ``T = 1`` the table is
   1F1B's.
 
+- ``"interleaved"`` (interleaved 1F1B, Narayanan et al., SC 2021; Megatron-LM's
+  order): each stage holds ``v = virtual_stages`` model chunks (model chunk ``c``
+  on stage ``c mod p``, so every chunk boundary is a hop between stages: ``v``
+  times the point-to-point messages). Micro-batches go through the chunks in
+  rounds of ``p`` (``m`` must be a multiple of ``p``); stage ``s`` runs
+  ``2(p-1-s) + (v-1)p`` warm-up chunk forwards, then one forward / one backward.
+  Bubble ``(p-1)/(v·m+p-1)``; stage ``s`` stashes at most
+  ``min(v·m, 2(p-1-s) + (v-1)p + 1)`` chunk activations (each ``1/v`` of the stage's).
+- ``"zb"`` (ZB-H1, Qi et al., ICLR 2024): 1F1B with the backward split into the
+  input gradient ``"B"`` (on the critical path) and the weight gradient ``"W"``
+  (needed only by the update), deferred to fill the bubble: a stage runs a
+  pending ``W`` whenever its next ``F``/``B`` is not ready, or when stage ``s``
+  already defers ``s`` of them. A stash lives from ``F`` to ``W``: at most
+  ``min(p, m)`` per stage, 1F1B's peak (stage 0's). With ``F = B = W`` in unit
+  slots a batch takes ``3m + p - 1`` slots for ``m >= p`` (``2m + 2p - 1``
+  otherwise): bubble ``(p-1)/(3m+p-1)``, against 1F1B's ``3(p-1)/(3m+3(p-1))``
+  with its backward ``B + W`` (a third of the idle time). The simulator gives
+  ``(p-1)(F+B-W)`` idle seconds per stage for ``W <= min(F, B)`` (the paper's).
+
+The executor runs ``gpipe``, ``1f1b``, ``2bw`` and ``zb`` (:data:`SCHEDULES`);
+the interleaved tables (:data:`TABLES`) drive only the simulator and the
+timeline so far.
+
 Slots come from unit-time list scheduling of each stage's order under the
 dependencies, so for uniform stages the bubble fraction of one batch is
-``(p-1)/(m+p-1)`` for all three; over ``T`` batches it stays so for the
+``(p-1)/(m+p-1)`` for these three; over ``T`` batches it stays so for the
 flushed schedules and falls to ``(p-1)/(T·m+p-1)`` for 2BW (no bubble in
 its steady state).
 
@@ -67,24 +93,55 @@ from dataclasses import dataclass
 
 from meshtorch.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
-FORWARD, BACKWARD = "F", "B"
+SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")  # the executor runs these
+TABLES = SCHEDULES + ("interleaved",)  # tables the simulator and the timeline take too
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
+
+Key = tuple[int, int, str, int]  # (stage, local chunk, kind, micro-batch)
+
+
+def dependencies(stage: int, chunk: int, kind: str, microbatch: int, stages: int, virtual_stages: int = 1,
+                 split: bool = False) -> list[Key]:
+    """The actions ``kind`` of ``microbatch`` on (``stage``, local ``chunk``) waits for:
+    the previous model chunk's forward, the next model chunk's backward, its own
+    forward (a backward) or its own backward (a weight gradient). Model chunk
+    ``c = chunk·p + stage`` follows ``c - 1`` and precedes ``c + 1``, on the processors
+    ``(c ± 1) mod p``.
+
+    Example:
+        >>> dependencies(0, 1, "F", 3, stages=2, virtual_stages=2)   # model chunk 2 after chunk 1
+        [(1, 0, 'F', 3)]
+        >>> dependencies(1, 0, "B", 3, stages=2, virtual_stages=2, split=True)
+        [(1, 0, 'F', 3), (0, 1, 'B', 3)]
+    """
+    p, c, i = stages, chunk * stages + stage, microbatch
+    if kind == FORWARD:
+        return [((c - 1) % p, (c - 1) // p, FORWARD, i)] if c > 0 else []
+    if kind == WEIGHT:
+        return [(stage, chunk, BACKWARD, i)]
+    deps = [(stage, chunk, FORWARD, i)]
+    return deps + ([((c + 1) % p, (c + 1) // p, BACKWARD, i)] if c < p * virtual_stages - 1 else [])
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: stage ``stage`` runs the forward (``"F"``) or backward
-    (``"B"``) of micro-batch ``microbatch`` in time slot ``slot``, computing with
-    weight version ``version`` (``W(version)``; relative to the table's first batch)."""
+    """One unit of work: stage (processor) ``stage`` runs the forward (``"F"``), the
+    backward (``"B"``; only the input gradient when the table also has ``"W"``
+    actions) or the weight gradient (``"W"``) of micro-batch ``microbatch`` on its
+    local model chunk ``chunk`` in time slot ``slot``, computing with weight version
+    ``version`` (``W(version)``; relative to the table's first batch). Local chunk
+    ``c`` of stage ``s`` is model chunk ``c·p + s`` (:meth:`Schedule.model_chunk`)."""
 
     slot: int
     stage: int
     microbatch: int
     kind: str
     version: int = 0
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}@s{self.stage}t{self.slot}"
+        chunk = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.kind}{self.microbatch}{chunk}@s{self.stage}t{self.slot}"
 
 
 @dataclass(frozen=True)
@@ -92,11 +149,13 @@ class Schedule:
     """The action table of ``batches`` batches: ``actions`` sorted by (slot, stage).
 
     Attributes:
-        name: ``"gpipe"``, ``"1f1b"``, ``"2bw"`` or a user's name.
-        stages: number of pipeline stages ``p``.
+        name: one of :data:`TABLES` or a user's name.
+        stages: number of pipeline stages (processors on the axis) ``p``.
         microbatches: micro-batches per batch ``m``.
         actions: the table.
         batches: batches ``T`` in the table (micro-batch ``i`` is in batch ``i // m``).
+        virtual_stages: model chunks per stage ``v`` (``p·v`` model chunks; chunk
+            ``c`` on stage ``c mod p``).
     """
 
     name: str
@@ -104,11 +163,21 @@ class Schedule:
     microbatches: int
     actions: tuple[Action, ...]
     batches: int = 1
+    virtual_stages: int = 1
 
     @property
     def weight_versions(self) -> int:
         """Weight versions a stage holds at once: 2 under 2BW (double buffering), else 1."""
         return 2 if self.name == "2bw" else 1
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into input gradient ``"B"`` and weight gradient ``"W"``."""
+        return any(a.kind == WEIGHT for a in self.actions)
+
+    def model_chunk(self, action: Action) -> int:
+        """The model chunk ``action`` computes: ``chunk·p + stage``."""
+        return action.chunk * self.stages + action.stage
 
     def batch_of(self, microbatch: int) -> int:
         """The batch micro-batch ``microbatch`` belongs to."""
@@ -116,9 +185,9 @@ class Schedule:
 
     def update_slot(self, batch: int) -> int:
         """The slot before which every stage applies the update of ``batch``: one
-        after the last backward of that batch on any stage (stage 0's)."""
+        after the last backward (or weight gradient) of that batch on any stage."""
         return 1 + max(a.slot for a in self.actions
-                       if a.kind == BACKWARD and self.batch_of(a.microbatch) == batch)
+                       if a.kind != FORWARD and self.batch_of(a.microbatch) == batch)
 
     @property
     def slots(self) -> int:
@@ -130,7 +199,7 @@ class Schedule:
         return sorted((a for a in self.actions if a.stage == stage), key=lambda a: a.slot)
 
     def order(self, stage: int) -> list[tuple[str, int]]:
-        """Stage ``stage``'s ``(kind, microbatch)`` sequence."""
+        """Stage ``stage``'s ``(kind, microbatch)`` sequence (the chunks: :meth:`for_stage`)."""
         return [(a.kind, a.microbatch) for a in self.for_stage(stage)]
 
     def bubble_fraction(self) -> float:
@@ -138,50 +207,56 @@ class Schedule:
         return 1.0 - len(self.actions) / (self.stages * self.slots)
 
     def max_in_flight(self, stage: int) -> int:
-        """Most micro-batches whose forward ran on ``stage`` and backward has not:
-        how many activation stashes the stage holds at its peak."""
+        """Most (micro-batch, chunk) activation stashes ``stage`` holds at once: a forward
+        stashes, the backward (the weight gradient when the backward is split) frees.
+        With one chunk per stage, micro-batches whose forward ran and backward has not."""
+        release = WEIGHT if self.split_backward else BACKWARD
         live = peak = 0
         for a in self.for_stage(stage):
-            live += 1 if a.kind == FORWARD else -1
+            live += 1 if a.kind == FORWARD else -1 if a.kind == release else 0
             peak = max(peak, live)
         return peak
 
     def validate(self) -> None:
         """Raise :class:`PipelineError` unless every stage runs each micro-batch's
-        forward and backward once, one action per slot, respecting the dependencies."""
-        p, m = self.stages, self.microbatches * self.batches
-        seen: dict[tuple[int, str, int], int] = {}
+        forward and backward (and weight gradient, if any) once on each of its chunks,
+        one action per slot, respecting the dependencies (:func:`dependencies`)."""
+        p, v, m = self.stages, self.virtual_stages, self.microbatches * self.batches
+        split = self.split_backward
+        kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
+        seen: dict[Key, int] = {}
         busy: set[tuple[int, int]] = set()
-        version: dict[tuple[int, int], int] = {}
+        version: dict[tuple[int, int, int], int] = {}
         for a in self.actions:
-            if a.kind not in (FORWARD, BACKWARD) or not 0 <= a.stage < p or not 0 <= a.microbatch < m:
-                raise PipelineError(f"schedule {self.name!r}: action {a} is outside {p} stages × {m} "
-                                    "micro-batches or has a kind other than 'F'/'B'")
-            if version.setdefault((a.stage, a.microbatch), a.version) != a.version:
+            if a.kind not in kinds or not 0 <= a.stage < p or not 0 <= a.microbatch < m \
+                    or not 0 <= a.chunk < v:
+                raise PipelineError(f"schedule {self.name!r}: action {a} is outside {p} stages × {v} "
+                                    f"chunks × {m} micro-batches or has a kind other than 'F'/'B'/'W'")
+            if version.setdefault((a.stage, a.chunk, a.microbatch), a.version) != a.version:
                 raise PipelineError(f"schedule {self.name!r}: {a} uses weight version {a.version} but the "
                                     f"other pass of micro-batch {a.microbatch} on stage {a.stage} uses "
-                                    f"{version[(a.stage, a.microbatch)]}; a backward needs its forward's "
-                                    "weights")
+                                    f"{version[(a.stage, a.chunk, a.microbatch)]}; a backward needs its "
+                                    "forward's weights")
             if (a.stage, a.slot) in busy:
                 raise PipelineError(f"schedule {self.name!r}: stage {a.stage} has two actions in slot "
                                     f"{a.slot}")
             busy.add((a.stage, a.slot))
-            key = (a.stage, a.kind, a.microbatch)
+            key = (a.stage, a.chunk, a.kind, a.microbatch)
             if key in seen:
                 raise PipelineError(f"schedule {self.name!r}: {a} repeats an action")
             seen[key] = a.slot
-        if len(seen) != 2 * p * m:
-            missing = [(s, k, i) for s in range(p) for k in "FB" for i in range(m) if (s, k, i) not in seen]
+        if len(seen) != len(kinds) * p * v * m:
+            missing = [(s, c, k, i) for s in range(p) for c in range(v) for k in kinds for i in range(m)
+                       if (s, c, k, i) not in seen]
             raise PipelineError(f"schedule {self.name!r}: actions missing, e.g. {missing[:3]} "
-                                "(stage, kind, micro-batch)")
-        for (s, k, i), t in seen.items():
-            deps = [(s - 1, FORWARD, i)] if k == FORWARD and s > 0 else []
-            if k == BACKWARD:
-                deps = [(s, FORWARD, i)] + ([(s + 1, BACKWARD, i)] if s < p - 1 else [])
-            for d in deps:
+                                "(stage, chunk, kind, micro-batch)")
+        for (s, c, k, i), t in seen.items():
+            for d in dependencies(s, c, k, i, p, v, split):
                 if seen[d] >= t:
-                    raise PipelineError(f"schedule {self.name!r}: {k}{i} on stage {s} in slot {t} runs "
-                                        f"before {d[1]}{d[2]} on stage {d[0]} (slot {seen[d]}) it needs")
+                    mine, theirs = (f" chunk {c}", f" chunk {d[1]}") if v > 1 else ("", "")
+                    raise PipelineError(f"schedule {self.name!r}: {k}{i} on stage {s}{mine} in slot {t} runs "
+                                        f"before {d[2]}{d[3]} on stage {d[0]}{theirs} (slot {seen[d]}) it "
+                                        "needs")
         # the update of batch b rewrites the buffer of batch b's version: no action of a batch that
         # reuses that buffer (b + versions) may run before it
         n = self.weight_versions
@@ -197,82 +272,158 @@ class Schedule:
                                     f"stages - 1 = {self.stages - 1}")
 
 
-def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1) -> list[list[tuple[str, int]]]:
-    """Each stage's ``(kind, microbatch)`` sequence for a named schedule over ``batches`` batches."""
-    p, m = stages, microbatches
-    if name not in SCHEDULES:
-        raise PipelineError(f"schedule {name!r} is not one of {SCHEDULES}")
-    if p < 1 or m < 1 or batches < 1:
-        raise PipelineError(f"a pipeline needs >= 1 stage, micro-batch and batch, got {p}, {m} and {batches}")
+Order = list[tuple[str, int, int]]  # (kind, micro-batch, local chunk)
 
-    def one_f_one_b(s: int, first: int, n: int) -> list[tuple[str, int]]:
-        warm = min(p - 1 - s, n)
-        order = [(FORWARD, first + i) for i in range(warm)]
-        for i in range(n - warm):
-            order += [(FORWARD, first + warm + i), (BACKWARD, first + i)]
-        return order + [(BACKWARD, first + i) for i in range(n - warm, n)]
 
-    orders = []
-    for s in range(p):
-        if name == "2bw":  # no flush: one 1F1B sequence over every micro-batch of the run
-            orders.append(one_f_one_b(s, 0, batches * m))
-            continue
-        order = []
-        for b in range(batches):  # flushed: batch after batch
-            if name == "gpipe":
-                order += [(FORWARD, b * m + i) for i in range(m)] + [(BACKWARD, b * m + i) for i in range(m)]
-            else:
-                order += one_f_one_b(s, b * m, m)
-        orders.append(order)
+def _one_f_one_b(p: int, s: int, first: int, n: int) -> Order:
+    warm = min(p - 1 - s, n)
+    order = [(FORWARD, first + i, 0) for i in range(warm)]
+    for i in range(n - warm):
+        order += [(FORWARD, first + warm + i, 0), (BACKWARD, first + i, 0)]
+    return order + [(BACKWARD, first + i, 0) for i in range(n - warm, n)]
+
+
+def _interleaved(p: int, v: int, s: int, first: int, m: int) -> Order:
+    """Megatron-LM's interleaved 1F1B on stage ``s`` (Narayanan et al., SC 2021): the
+    ``v·m`` (chunk, micro-batch) passes go in rounds of ``p`` micro-batches per chunk,
+    forwards chunk 0 → v-1, backwards chunk v-1 → 0; ``2(p-1-s) + (v-1)p`` warm-up
+    forwards, then one forward / one backward."""
+    n = v * m
+
+    def unit(k: int, backward: bool) -> tuple[str, int, int]:
+        c = (k // p) % v
+        return (BACKWARD if backward else FORWARD, first + (k // (p * v)) * p + k % p,
+                v - 1 - c if backward else c)
+
+    warm = min(2 * (p - 1 - s) + (v - 1) * p, n) if v > 1 else min(p - 1 - s, n)
+    order = [unit(k, False) for k in range(warm)]
+    for j in range(n - warm):
+        order += [unit(warm + j, False), unit(j, True)]
+    return order + [unit(j, True) for j in range(n - warm, n)]
+
+
+def _zb_h1(p: int, first: int, m: int) -> list[Order]:
+    """ZB-H1 (Qi et al., ICLR 2024) for all stages: 1F1B's forwards and input-gradient
+    backwards; each weight gradient ``W`` runs as soon as the stage would otherwise wait,
+    or when stage ``s`` already defers ``s`` of them (so a stage holds at most ``p``
+    micro-batches' activations, 1F1B's peak on stage 0). Unit-time list scheduling."""
+    seq = [[(k, i, 0) for k, i, _ in _one_f_one_b(p, s, first, m)] for s in range(p)]
+    done: dict[Key, int] = {}
+    pos, pending = [0] * p, [[] for _ in range(p)]
+    orders: list[Order] = [[] for _ in range(p)]
+    t = 0
+    while any(pos[s] < len(seq[s]) or pending[s] for s in range(p)):
+        now: dict[Key, int] = {}
+        for s in range(p):
+            act = None
+            ready = False
+            if pos[s] < len(seq[s]):
+                k, i, _ = seq[s][pos[s]]
+                ready = all(done.get(d, t) < t for d in dependencies(s, 0, k, i, p, 1, True))
+            if pending[s] and (len(pending[s]) > s or not ready):
+                act = (WEIGHT, pending[s].pop(0), 0)
+            elif ready:
+                act = seq[s][pos[s]]
+                pos[s] += 1
+                if act[0] == BACKWARD:
+                    pending[s].append(act[1])
+            if act is not None:
+                now[(s, 0, act[0], act[1])] = t
+                orders[s].append(act)
+        done.update(now)
+        t += 1
     return orders
 
 
-def from_orders(name: str, orders: Sequence[Sequence[tuple[str, int]]], microbatches: int,
-                batches: int = 1) -> Schedule:
-    """The table of per-stage orders: each action in the first unit slot after its
-    stage's previous action and its dependencies (unit-time list scheduling).
-    Batch ``b`` computes with weight version ``b - 1`` under ``"2bw"``, ``b`` otherwise.
+def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1,
+                 virtual_stages: int = 1) -> list[Order]:
+    """Each stage's ``(kind, microbatch, chunk)`` sequence for a named schedule over ``batches`` batches."""
+    p, m, v = stages, microbatches, virtual_stages
+    if name not in TABLES:
+        raise PipelineError(f"schedule {name!r} is not one of {TABLES}")
+    if p < 1 or m < 1 or batches < 1 or v < 1:
+        raise PipelineError(f"a pipeline needs >= 1 stage, micro-batch, batch and virtual stage, got {p}, "
+                            f"{m}, {batches} and {v}")
+    if v > 1 and name != "interleaved":
+        raise PipelineError(f"schedule {name!r} runs one model chunk per stage; virtual_stages={v} needs "
+                            "schedule='interleaved'")
+    if name == "interleaved" and m % p:
+        raise PipelineError(f"interleaved 1F1B sends micro-batches through the chunks in rounds of {p} "
+                            f"(the stages): microbatches={m} must be a multiple of stages={p}")
+    if name == "2bw":  # no flush: one 1F1B sequence over every micro-batch of the run
+        return [_one_f_one_b(p, s, 0, batches * m) for s in range(p)]
+    orders: list[Order] = [[] for _ in range(p)]
+    for b in range(batches):  # flushed: batch after batch
+        first = b * m
+        if name == "zb":
+            for s, o in enumerate(_zb_h1(p, first, m)):
+                orders[s] += o
+            continue
+        for s in range(p):
+            if name == "gpipe":
+                orders[s] += [(FORWARD, first + i, 0) for i in range(m)] + \
+                             [(BACKWARD, first + i, 0) for i in range(m)]
+            elif name == "interleaved":
+                orders[s] += _interleaved(p, v, s, first, m)
+            else:
+                orders[s] += _one_f_one_b(p, s, first, m)
+    return orders
+
+
+def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
+                batches: int = 1, virtual_stages: int = 1) -> Schedule:
+    """The table of per-stage orders of ``(kind, microbatch)`` or ``(kind, microbatch,
+    chunk)``: each action in the first unit slot after its stage's previous action and
+    its dependencies (unit-time list scheduling). Batch ``b`` computes with weight
+    version ``b - 1`` under ``"2bw"``, ``b`` otherwise.
 
     Raises:
         PipelineError: the orders deadlock (an action waits on one that cannot run first),
             or the table is invalid (:meth:`Schedule.validate`).
     """
-    p = len(orders)
+    p, v = len(orders), virtual_stages
+    rows = [[(o[0], o[1], o[2] if len(o) > 2 else 0) for o in order] for order in orders]
+    split = any(k == WEIGHT for row in rows for k, _, _ in row)
     delay = 1 if name == "2bw" else 0
-    done: dict[tuple[int, str, int], int] = {}
+    done: dict[Key, int] = {}
     pos = [0] * p
     free = [0] * p
     actions = []
-    while any(pos[s] < len(orders[s]) for s in range(p)):
+    while any(pos[s] < len(rows[s]) for s in range(p)):
         progressed = False
         for s in range(p):
-            if pos[s] >= len(orders[s]):
+            if pos[s] >= len(rows[s]):
                 continue
-            k, i = orders[s][pos[s]]
-            deps = [(s - 1, FORWARD, i)] if k == FORWARD and s > 0 else []
-            if k == BACKWARD:
-                deps = [(s, FORWARD, i)] + ([(s + 1, BACKWARD, i)] if s < p - 1 else [])
+            k, i, c = rows[s][pos[s]]
+            deps = dependencies(s, c, k, i, p, v, split)
             if any(d not in done for d in deps):
                 continue
             slot = max([free[s]] + [done[d] + 1 for d in deps])
-            done[(s, k, i)] = slot
+            done[(s, c, k, i)] = slot
             free[s] = slot + 1
-            actions.append(Action(slot, s, i, k, i // microbatches - delay))
+            actions.append(Action(slot, s, i, k, i // microbatches - delay, c))
             pos[s] += 1
             progressed = True
         if not progressed:
-            stuck = {s: orders[s][pos[s]] for s in range(p) if pos[s] < len(orders[s])}
+            stuck = {s: rows[s][pos[s]] for s in range(p) if pos[s] < len(rows[s])}
             raise PipelineError(f"schedule {name!r} deadlocks: stages wait on {stuck} (stage: next action)")
-    table = Schedule(name, p, microbatches, tuple(sorted(actions, key=lambda a: (a.slot, a.stage))), batches)
+    table = Schedule(name, p, microbatches, tuple(sorted(actions, key=lambda a: (a.slot, a.stage))), batches,
+                     v)
     table.validate()
     return table
 
 
-def build(name: str, stages: int, microbatches: int, batches: int = 1) -> Schedule:
-    """The table of schedule ``name`` (``"gpipe"``, ``"1f1b"`` or ``"2bw"``) over ``batches`` batches.
+def build(name: str, stages: int, microbatches: int, batches: int = 1, virtual_stages: int = 1) -> Schedule:
+    """The table of schedule ``name`` (one of :data:`TABLES`) over ``batches`` batches;
+    ``virtual_stages`` model chunks per stage for ``"interleaved"``.
 
     Example:
         >>> build("gpipe", 2, 2).order(0)
         [('F', 0), ('F', 1), ('B', 0), ('B', 1)]
+        >>> [str(a) for a in build("interleaved", 2, 2, virtual_stages=2).for_stage(0)][:4]
+        ['F0@s0t0', 'F1@s0t1', 'F0c1@s0t2', 'F1c1@s0t3']
+        >>> build("zb", 2, 2).order(0)
+        [('F', 0), ('F', 1), ('B', 0), ('W', 0), ('B', 1), ('W', 1)]
     """
-    return from_orders(name, stage_orders(name, stages, microbatches, batches), microbatches, batches)
+    return from_orders(name, stage_orders(name, stages, microbatches, batches, virtual_stages), microbatches,
+                       batches, virtual_stages)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshtorch.errors import PipelineError
-from meshtorch.pipeline.schedule import BACKWARD, FORWARD, Action, Schedule
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, dependencies
 
 
 @dataclass
@@ -52,7 +52,10 @@ class Simulation:
         total_time: seconds from the first action's start to the last's end.
         batches: batches in the table.
         weight_versions: weight versions each stage holds (2 under 2BW).
-        in_flight: most stashed micro-batches per stage (the activation term of :func:`memory`).
+        in_flight: most stashed micro-batches per stage (the activation term of :func:`memory`);
+            (micro-batch, chunk) stashes with virtual stages.
+        messages: point-to-point messages per batch (activations and gradients): ``2m(p·v - 1)``
+            for ``v`` chunks per stage, ``v`` times 1F1B's ``2m(p-1)`` and then some.
     """
 
     step_time: float
@@ -64,6 +67,7 @@ class Simulation:
     batches: int = 1
     weight_versions: int = 1
     in_flight: list[int] = field(default_factory=list)
+    messages: int = 0
 
 
 def _per_stage(x: float | Sequence[float], p: int, what: str) -> list[float]:
@@ -74,43 +78,57 @@ def _per_stage(x: float | Sequence[float], p: int, what: str) -> list[float]:
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float],
-             backward: float | Sequence[float] | None = None, comm: float = 0.0) -> Simulation:
+             backward: float | Sequence[float] | None = None, comm: float = 0.0,
+             weight: float | Sequence[float] | None = None) -> Simulation:
     """Replay ``schedule`` with per-stage forward/backward durations (seconds per
-    micro-batch; a number means the same for every stage; ``backward`` defaults to
-    ``forward``) and ``comm`` seconds per stage-to-stage transfer.
+    micro-batch through the whole stage, all its chunks; a number means the same for
+    every stage; ``backward`` defaults to ``forward``) and ``comm`` seconds per
+    stage-to-stage transfer. With ``v`` virtual stages each chunk's pass takes ``1/v``
+    of its stage's time, and every chunk boundary is a hop. A table with weight-gradient
+    actions (``"zb"``) needs ``weight``, the ``W`` time; ``backward`` is then ``B``'s,
+    the input gradient's.
 
     Example:
         >>> from meshtorch.pipeline import build_schedule
         >>> simulate(build_schedule("1f1b", 2, 2), forward=[1, 3], backward=[1, 3]).step_time
         14.0
+        >>> z = simulate(build_schedule("zb", 4, 8), forward=1.0, backward=1.0, weight=1.0)
+        >>> z.step_time, round(z.bubble_fraction, 4), round(3 / (3 * 8 + 3), 4)
+        (27.0, 0.1111, 0.1111)
     """
-    p = schedule.stages
+    p, v = schedule.stages, schedule.virtual_stages
+    split = schedule.split_backward
+    if split and weight is None:
+        raise PipelineError(f"schedule {schedule.name!r} splits the backward into B and W: give simulate the "
+                            "weight-gradient time weight=... (backward= is then the input gradient's)")
     f = _per_stage(forward, p, "forward")
     b = _per_stage(forward if backward is None else backward, p, "backward")
+    w = _per_stage(weight if split else 0.0, p, "weight")
+    cost = {FORWARD: f, BACKWARD: b, WEIGHT: w}
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
-    by_key: dict[tuple[int, str, int], float] = {}
+    by_key: dict[tuple[int, int, str, int], float] = {}
     free = [0.0] * p
+    messages = 0
     # the table is sorted by slot, and every dependency sits in an earlier slot
     for a in sorted(schedule.actions, key=lambda a: (a.slot, a.stage)):
-        s, i = a.stage, a.microbatch
+        s = a.stage
         ready = free[s]
-        if a.kind == FORWARD and s > 0:
-            ready = max(ready, by_key[(s - 1, FORWARD, i)] + comm)
-        if a.kind == BACKWARD:
-            ready = max(ready, by_key[(s, FORWARD, i)])
-            if s < p - 1:
-                ready = max(ready, by_key[(s + 1, BACKWARD, i)] + comm)
+        for d in dependencies(s, a.chunk, a.kind, a.microbatch, p, v, split):
+            hop = d[0] != s
+            messages += hop
+            ready = max(ready, by_key[d] + (comm if hop else 0.0))
         start[a] = ready
-        end[a] = ready + (f[s] if a.kind == FORWARD else b[s])
-        by_key[(s, a.kind, i)] = end[a]
+        end[a] = ready + cost[a.kind][s] / v
+        by_key[(s, a.chunk, a.kind, a.microbatch)] = end[a]
         free[s] = end[a]
     t = max(end.values()) - min(start.values())
     n = schedule.microbatches * schedule.batches
-    busy = [n * (f[s] + b[s]) for s in range(p)]
+    busy = [n * (f[s] + b[s] + w[s]) for s in range(p)]
     bubble = 1.0 - sum(busy) / (p * t) if t > 0 else 0.0
     return Simulation(t / schedule.batches, bubble, busy, start, end, t, schedule.batches,
-                      schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)])
+                      schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)],
+                      messages // schedule.batches)
 
 
 def step_time_bound(work: Sequence[float], microbatches: int, batches: int = 1,
@@ -154,15 +172,18 @@ def memory(schedule: Schedule, weights: float | Sequence[float], activations: fl
 
     Args:
         weights: bytes of one weight version per stage.
-        activations: bytes a stage stashes for one micro-batch's backward.
+        activations: bytes a stage stashes for one micro-batch's backward (all its chunks;
+            each of ``v`` chunks stashes ``1/v`` of it).
         inputs: bytes of one micro-batch's input to the stage (the stash under
-            recomputation).
+            recomputation; with virtual stages, to each chunk).
         optimizer: bytes of optimizer state per stage.
         recompute: activation recomputation (stash inputs only).
 
-    Returns ``versions·weights + optimizer + in_flight·activations`` per stage,
-    or ``... + in_flight·inputs + activations`` with ``recompute``, where
-    ``versions`` is 2 for ``"2bw"`` and 1 otherwise.
+    Returns ``versions·weights + optimizer + in_flight·activations/v`` per stage,
+    or ``... + in_flight·inputs + activations/v`` with ``recompute``, where
+    ``versions`` is 2 for ``"2bw"`` and 1 otherwise, ``v`` the virtual stages and
+    ``in_flight`` counts (micro-batch, chunk) stashes, freed by the weight gradient
+    under ``"zb"`` (:meth:`Schedule.max_in_flight`).
 
     Example:
         >>> from meshtorch.pipeline import build_schedule
@@ -177,7 +198,8 @@ def memory(schedule: Schedule, weights: float | Sequence[float], activations: fl
     versions = schedule.weight_versions
     out = []
     for s in range(p):
-        k = schedule.max_in_flight(s)
-        stash = k * x[s] + a[s] if recompute else k * a[s]
+        # with v chunks a stash is one chunk's: 1/v of the stage's activations, but a whole input
+        k, v = schedule.max_in_flight(s), schedule.virtual_stages
+        stash = k * x[s] + a[s] / v if recompute else k * a[s] / v
         out.append(versions * w[s] + o[s] + stash)
     return out

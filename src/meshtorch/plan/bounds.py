@@ -163,7 +163,8 @@ def stage_bounds(pipelined: Callable[[int], Program], family: list[Candidate], s
     on each stage's work between micro-batches (before its update: the FLOPs part of the work
     bound, when the update runs no FLOP op, else nothing)."""
     stages = sorted({Mesh(c[0]).axis_size(PIPELINE_AXIS) for c in family})
-    refs = {s: stage_traces(pipelined(s), f"{PIPELINE_AXIS}:{s},{REFERENCE_MESH}", "") for s in stages}
+    refs = {s: stage_traces(pipelined(s), f"{PIPELINE_AXIS}:{s},{REFERENCE_MESH}", "",
+                            device=spec.device_type) for s in stages}
     per_layout: dict[tuple[int, str, str], tuple[list[float], float, list[float]]] = {}
     out = {}
     for c in family:

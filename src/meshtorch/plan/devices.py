@@ -97,6 +97,13 @@ class DeviceSpec:
         return self.launch_seconds > 0
 
     @property
+    def device_type(self) -> str:
+        """Where a run priced on this spec computes, as torch names it: ``"cuda"`` for a device
+        priced op by op (a GPU), else ``"cpu"``; what a plan's meta trace stands for
+        (``mt.plan.trace(device=)``), so that it picks the run's kernels (a fused AdamW)."""
+        return "cuda" if self.roofline else "cpu"
+
+    @property
     def achievable_bandwidth(self) -> float:
         """Bytes read and written per second that a memory-bound kernel reaches."""
         return self.copy_bandwidth or self.memory_bandwidth

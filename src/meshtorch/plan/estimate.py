@@ -240,6 +240,6 @@ def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | 
 
     # a program deeper than MAX_TRACED_LAYERS is extrapolated from two shallow traces
     t = whole_trace(step_fn, mesh=str(mesh), rules=str(LayoutRules(rules)), staging=staging,
-                    compiled=compiled)
+                    compiled=compiled, device=spec.device_type)
     return from_trace(t, mesh, spec, algorithm)
 

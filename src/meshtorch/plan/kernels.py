@@ -12,7 +12,8 @@ device spec with kernel numbers (``launch_seconds > 0``). Per op:
   on host tensors launch nothing and move nothing (their host time still counts);
 - ``_local_scalar_dense`` (``.item()``) of a device tensor is a host sync;
 - a ``_foreach_`` or fused optimizer op launches one kernel per chunk of its tensor lists
-  (torch's ``multi_tensor_apply``: at most 48 tensors or 320 blocks of 65,536 elements).
+  (torch's ``multi_tensor_apply``: at most 48 tensors or 320 blocks of 65,536 elements); a fused
+  AdamW reads parameters, gradients and both moments and writes parameters and moments.
 
 Example:
     >>> import torch
@@ -50,6 +51,7 @@ NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new
 WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_",
                         "exponential_"})
 PICKS = frozenset({"gather", "index", "index_select", "embedding"})
+FUSED_OPTIMIZERS = frozenset({"_fused_adam_", "_fused_adamw_"})
 _LIST_TENSORS, _LIST_ELEMENTS = 48, 320 * 65536   # multi_tensor_apply's chunking
 
 _schema_info: dict[Any, tuple[bool, tuple[int, ...], tuple[str, ...]]] = {}
@@ -98,6 +100,9 @@ def kernel_of(func, args: tuple, kwargs: dict, out: Any, flops: int, dtype: str)
     outs = [t for t in _unique(tensors_in(out)) if id(t) not in seen]
     if all(t.device.type == "cpu" for t in ins + outs):
         return (name, dtype, 0, 0, (), 0, 0)
+    if name in FUSED_OPTIMIZERS and (kwargs.get("grad_scale") is None):
+        # the schema marks the gradients written: only an unscale (grad_scale) writes them
+        written = tuple(i for i in written if names[i] != "grads")
     targets = [t for i in written if i < len(args) for t in tensors_in(args[i])]
     if name in WRITE_ONLY:
         read = [t for t in ins if all(t is not w for w in targets)]

@@ -101,7 +101,7 @@ def check_pipelined_depth(program: Program) -> None:
 
 
 def whole_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str, staging: str = "none",
-                compiled: bool = False) -> Trace:
+                compiled: bool = False, device: str = "cpu") -> Trace:
     """``step_fn``'s meta trace: traced whole up to :data:`MAX_TRACED_LAYERS` layers, extrapolated
     (:func:`layered_trace`) beyond.
 
@@ -119,14 +119,16 @@ def whole_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str, sta
     """
     program = program_of(step_fn)
     if program.layers > MAX_TRACED_LAYERS:
-        return layered_trace(program, mesh, rules, staging=staging, compiled=compiled)
-    return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled)
+        return layered_trace(program, mesh, rules, staging=staging, device=device, compiled=compiled)
+    return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled,
+                 device=device)
 
 
 def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
-                  staging: str = "none", compiled: bool = False) -> Trace:
+                  staging: str = "none", device: str = "cpu", compiled: bool = False) -> Trace:
     """``step_fn``'s meta trace, extrapolated from two shallow depths when it can be
-    rebuilt with fewer layers (what the search does to each candidate).
+    rebuilt with fewer layers (what the search does to each candidate); ``device``: what the
+    meta tensors stand for (:func:`meshtorch.plan.tracing.device_type`).
 
     Example:
         >>> import meshtorch as mt
@@ -139,8 +141,10 @@ def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
     """
     shallow = shallow_programs(program_of(step_fn))
     if shallow is None:
-        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled)
-    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging, compiled=compiled)
+        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device,
+                     compiled=compiled)
+    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device,
+                    compiled=compiled)
               for f in shallow[:2])
     return extrapolate(t1, t2, shallow[2])
 

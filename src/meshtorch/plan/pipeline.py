@@ -123,27 +123,28 @@ class _Inbox:
 
 
 def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
-                 axis: str = "stage", staging: str = "none") -> list[Trace]:
+                 axis: str = "stage", staging: str = "none", device: str = "cpu") -> list[Trace]:
     """The meta trace of every stage of a pipelined step: stage ``s`` as the processor at
     coordinate ``s`` of ``axis`` (0 on the other axes).
 
     ``step_fn`` runs one step of a :class:`meshtorch.pipeline.Pipeline` along ``axis``
     (e.g. :func:`meshtorch.recipes.lm.steps.pipelined_training_step`); see the module docstring
     for how the stages' receives are answered. ``staging`` is the backend whose collective
-    buffers the peak memory holds (:func:`meshtorch.plan.tracing.staging_for`).
+    buffers the peak memory holds (:func:`meshtorch.plan.tracing.staging_for`); ``device`` what
+    the meta tensors stand for (:func:`meshtorch.plan.tracing.device_type`).
     """
-    return _trace_stages(step_fn, mesh, rules, axis, staging)[0]
+    return _trace_stages(step_fn, mesh, rules, axis, staging, device)[0]
 
 
 def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                  axis: str, staging: str = "none") -> tuple[list[Trace], int]:
+                  axis: str, staging: str = "none", device: str = "cpu") -> tuple[list[Trace], int]:
     """The stage traces, and the header bytes of one activation message of stage 0."""
-    pairs = list(_stage_by_stage(step_fn, mesh, rules, axis, staging))
+    pairs = list(_stage_by_stage(step_fn, mesh, rules, axis, staging, device))
     return [t for t, _ in pairs], pairs[-1][1]
 
 
 def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                    axis: str, staging: str = "none") -> Iterator[tuple[Trace, int]]:
+                    axis: str, staging: str = "none", device: str = "cpu") -> Iterator[tuple[Trace, int]]:
     """Each stage's trace in turn (a stage needs what the ones before it sent), with the header
     bytes of one activation message of stage 0."""
     m = Mesh(mesh)
@@ -164,7 +165,7 @@ def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutR
 
         rank = m.rank({a: s if a == axis else 0 for a in m.axis_names})
         t = trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta", rank=rank,
-                  staging=staging)
+                  staging=staging, device=device)
         sent = kept[0].sent
         if s == 0 and sent:
             header = int(_messages(sent, 1, FORWARD_TAG)[0].numel())  # a header leads each message
@@ -360,7 +361,7 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
     info = program_pipeline(step_fn)
     spec = get_device(device, processors=m.size)
     traces, header = [], 0
-    for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging):
+    for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging, spec.device_type):
         traces.append(t)
         header = h
         if give_up is not None and give_up(len(traces) - 1,

@@ -72,7 +72,7 @@ from meshtorch.plan.pipeline import estimate_pipeline, program_pipeline
 from meshtorch.plan.program import Program, program_of
 from meshtorch.plan.ranking import Pruned, SearchResult, rank_key
 from meshtorch.plan.space import meshes_for, pipeline_layouts, rules_for
-from meshtorch.plan.tracing import trace
+from meshtorch.plan.tracing import Trace, trace
 
 
 def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
@@ -123,7 +123,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
     shallow = shallow_programs(program)
     quick = shallow is not None
     fns, periods = (shallow[:2], shallow[2]) if shallow is not None else ((program,), 0)
-    refs = [trace(f, mesh=REFERENCE_MESH, rules="", backend="meta") for f in fns]
+    refs = [trace(f, mesh=REFERENCE_MESH, rules="", backend="meta", device=spec.device_type) for f in fns]
     dims = dims_of(refs[0])
     sizes = {m: len(rules_for(m, dims, names)) for m in mesh_list}
     total = sum(sizes.values())
@@ -161,27 +161,29 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
             return True
         return False
 
+    def traced(f, c: tuple[str, str]) -> Trace:
+        # the meta tensors stand for the priced device: the step picks its kernels (fused AdamW)
+        return trace(f, mesh=c[0], rules=c[1], backend="meta", staging=staging, device=spec.device_type)
+
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
         if not whole and partial is not None and c not in traced_bound:
             # the shallow step without its update is part of the step's work: if it and the
             # periods' bound already lose, the whole step does
-            part = from_trace(trace(partial, mesh=c[0], rules=c[1], backend="meta", staging=staging),
-                              c[0], spec, algorithm)
+            part = from_trace(traced(partial, c), c[0], spec, algorithm)
             if loses(c, part.step_seconds + periods * lb[c][2]):
                 return None
         if not quick or (whole and program.layers <= MAX_TRACED_LAYERS):
             full.add(c)
-            return from_trace(trace(program, mesh=c[0], rules=c[1], backend="meta", staging=staging),
-                              c[0], spec, algorithm)
+            return from_trace(traced(program, c), c[0], spec, algorithm)
         if whole:  # a verified best deeper than MAX_TRACED_LAYERS: extrapolated, never traced whole
             full.add(c)
-        t1 = trace(fns[0], mesh=c[0], rules=c[1], backend="meta", staging=staging)
+        t1 = traced(fns[0], c)
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
         if not whole and loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
-        t2 = trace(fns[1], mesh=c[0], rules=c[1], backend="meta", staging=staging)
+        t2 = traced(fns[1], c)
         return from_trace(extrapolate(t1, t2, periods), c[0], spec, algorithm)
 
     def best_time() -> float:

@@ -149,8 +149,9 @@ class Tracer(TorchDispatchMode):
     """Dispatch mode recording FLOPs and storage lifetimes of one processor's ops; the
     processor's tracer (:class:`meshtorch.context.ProcessorTracer`) while it traces."""
 
-    def __init__(self, fuse: bool = False) -> None:
+    def __init__(self, fuse: bool = False, device: str = "cpu") -> None:
         super().__init__()
+        self.device = device  # the kind of device the traced meta tensors stand for
         # with fuse, the counted ops in order with the storages they read and write (what
         # fuse_elementwise prices a compiled step from)
         self.sequence: list[SequenceOp] | None = [] if fuse else None
@@ -491,10 +492,11 @@ def _on_grad(param: torch.Tensor) -> None:
 
 
 @contextmanager
-def tracing(fuse: bool = False) -> Iterator[Tracer]:
+def tracing(fuse: bool = False, device: str = "cpu") -> Iterator[Tracer]:
     """Trace this processor's ops and collectives for the block (``fuse``: also the op
-    sequence, to price the step compiled)."""
-    tr = Tracer(fuse)
+    sequence, to price the step compiled; ``device``: what its meta tensors stand for,
+    :func:`device_type`)."""
+    tr = Tracer(fuse, device)
     _install()
     try:
         with use_tracer(tr), current().comm.stats.watching(tr.record_collective), tr:
@@ -503,14 +505,32 @@ def tracing(fuse: bool = False) -> Iterator[Tracer]:
         _uninstall()
 
 
-def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", compiled=False):
+def device_type(t: torch.Tensor) -> str:
+    """The kind of device ``t`` computes on: its own, or for a meta tensor of a trace, the
+    device the plan stands for (``trace(device=)``: ``"cuda"`` when a GPU is priced). Code
+    that picks a kernel by device (the trainer's fused AdamW) asks this, so that the plan
+    traces what the run runs.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.plan.tracing import device_type
+        >>> def step():
+        ...     return device_type(torch.empty(2, device="meta"))
+        >>> device_type(torch.empty(2)), mt.plan.trace(step, mesh="b:1", device="cuda").result
+        ('cpu', 'cuda')
+    """
+    tr = active()
+    return tr.device if t.device.type == "meta" and tr is not None else t.device.type
+
+
+def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", compiled=False, device="cpu"):
     if current().rank != rank:  # the trace is one processor's; the others only take part
         return fn(*args, **kwargs)
     comm = current().comm
     if isinstance(comm, MetaCommunicator):
         comm.staging = staging
     t0 = time.perf_counter()
-    with tracing(fuse=compiled) as tr:
+    with tracing(fuse=compiled, device=device) as tr:
         result = fn(*args, **kwargs)
     peak, by_kind = tr.peak()
     return Trace(mesh=str(mesh), rules=str(rules), backend=backend,
@@ -542,7 +562,8 @@ def staging_for(backend: str = "threads", device: str = "cpu") -> str:
 
 
 def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", backend: str = "meta",
-          rank: int = 0, staging: str = "none", compiled: bool = False, **kwargs: Any) -> Trace:
+          rank: int = 0, staging: str = "none", compiled: bool = False, device: str = "cpu",
+          **kwargs: Any) -> Trace:
     """Run ``fn`` as one processor of ``mesh`` under ``rules`` and return its :class:`Trace`.
 
     ``backend="meta"`` (default) runs processor ``rank`` (default 0) alone on
@@ -555,6 +576,8 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     data) so that their memory is seen. ``compiled=True`` gives the ``kernels`` of the
     step compiled by ``torch.compile`` (:func:`meshtorch.plan.kernels.fuse_elementwise`:
     runs of memory-bound ops fused), for a GPU's roofline; the rest of the trace is the same.
+    ``device`` (``"cpu"`` or ``"cuda"``) is the device the meta tensors stand for
+    (:func:`device_type`): where the planned run computes, so that it picks the same kernels.
     """
     from meshtorch.launcher import launch
     from meshtorch.launcher.meta import run_meta
@@ -568,8 +591,8 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     if backend == "meta" and rank:
         r = LayoutRules(rules)
         r.check(m)
-        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank, staging, compiled), {}, m, r,
-                        rank=rank)
-    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, staging, compiled, mesh=mesh,
-                     rules=rules, backend=backend)
+        return run_meta(_traced, (fn, args, kwargs, mesh, rules, backend, rank, staging, compiled, device),
+                        {}, m, r, rank=rank)
+    results = launch(_traced, fn, args, kwargs, mesh, rules, backend, rank, staging, compiled, device,
+                     mesh=mesh, rules=rules, backend=backend)
     return results[rank if backend != "meta" else 0]

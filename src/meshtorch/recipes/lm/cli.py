@@ -77,9 +77,14 @@ GROUPS = {"model": "model (the fields of meshtorch.models.TransformerConfig)",
           "parallelism": "parallelism", "optimizer": "optimizer", "run": "run"}
 
 
-def _add_flags(p: argparse.ArgumentParser) -> None:
+def add_train_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Every option of :class:`TrainConfig` as a flag of ``p`` (default ``None``: not given), and
+    ``--config``; ``meshtorch train`` and ``meshtorch plan`` both take them from here, so that the same
+    flags make the same config (:func:`config_from_args`). ``skip``: option names ``p`` defines itself."""
     groups = {s: p.add_argument_group(title) for s, title in GROUPS.items()}
     for name, (section, attr) in OPTIONS.items():
+        if name in skip:
+            continue
         f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == attr)
         flag = "--" + name.replace("_", "-")
         h = HELP.get(name, "")
@@ -186,7 +191,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a Transformer on text (defaults: the Python stdlib, ~1 min)",
                        description="Train a Transformer on text, data-, model- or pipeline-parallel on a "
                        "processor mesh. Every option is also a key of the --config TOML file.")
-    _add_flags(p)
+    add_train_flags(p)
     p.set_defaults(func=run_train)
     g = sub.add_parser("generate", help="continue a prompt with a trained checkpoint",
                        description="Continue a prompt with the LM of a meshtorch train checkpoint, "

@@ -1,17 +1,25 @@
-"""``meshtorch plan``: predict (or ``--search``) a model's layout on a mesh of devices.
+"""``meshtorch plan``: predict (or ``--search``) the layout of what ``meshtorch train`` runs.
 
-The model and its training step are those of ``meshtorch train`` (same flag
-names); the step is traced once on the meta backend, so a 512-processor mesh
-plans on a laptop. Defaults follow the Mesh-TensorFlow paper's language
-models: untied embedding and output layer, Adafactor, float32.
+``meshtorch plan`` takes every flag of ``meshtorch train`` through the same
+parser (:func:`meshtorch.recipes.lm.cli.add_train_flags`, also ``--config``
+TOML and ``--init-from DIR``) with the same defaults, and traces the trainer's
+own step (:func:`~meshtorch.recipes.lm.steps.training_step`) of the config
+those flags make: replace ``train`` by ``plan`` in a command line and the plan
+is of that run. Flags that do not change one step's work (``--steps``,
+``--out``, ``--data``, ``--lr``, logging, checkpoints, the sample) are accepted
+and change nothing. ``--init-from DIR`` reads only ``DIR/config.json`` (a Llama
+family model; the weights need not be there). The step is traced once on the
+meta backend, so a 512-processor mesh plans on a laptop.
 
 Example:
-    $ meshtorch plan --model lm --layers 6 --d-model 1024 --d-kv 256 --d-ff 262144 --heads 256 \\
-        --batch 256 --length 256 --vocab 32768 --mesh batch:16,model:32 \\
-        --rules "batch:batch; heads:model; d_ff:model; vocab:model" --hardware tpu-v2
+    $ meshtorch plan --layers 6 --d-model 1024 --d-kv 256 --d-ff 262144 --heads 256 \\
+        --batch 256 --length 256 --vocab 32768 --no-tie-embeddings --optimizer adafactor \\
+        --mesh batch:16,model:32 --rules "batch:batch; heads:model; d_ff:model; vocab:model" \\
+        --hardware tpu-v2
 
-``--hardware`` names the hardware priced (``meshtorch train --device`` is where a run computes);
-``--device``, its old name here, still works for one release and prints a deprecation notice.
+``--hardware`` names the hardware priced; ``--device`` is ``meshtorch train``'s (where the run
+computes: ``auto``, ``cpu``, ``cuda``). A hardware name given to ``--device`` (its old meaning here,
+e.g. ``--device h100``) still prices that hardware for one release, with a deprecation notice.
 """
 
 from __future__ import annotations
@@ -22,33 +30,49 @@ import sys
 from typing import Any
 
 from meshtorch.errors import PlanError
-from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path
-from meshtorch.plan.estimate import Estimate, estimate
+from meshtorch.plan.estimate import Estimate, from_trace
+from meshtorch.plan.layered import extrapolate, shallow_programs
 from meshtorch.plan.pipeline import estimate_pipeline
 from meshtorch.plan.search import search
-from meshtorch.plan.tracing import staging_for
-from meshtorch.recipes.lm.config import (
-    MODELS,
-    OPTIMIZERS,
-    PIPELINE_SCHEDULES,
-    PRECISIONS,
-    ModelSection,
-    TrainConfig,
-    check_layout,
-)
-from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
+from meshtorch.plan.tracing import Trace, staging_for, trace
+from meshtorch.recipes.lm.config import TRAIN_DEVICES, TrainConfig, check_config
+from meshtorch.recipes.lm.steps import TrainingProgram, pipelined_training_step, training_step
+
+# the options of the plan itself (not of the run planned), besides meshtorch train's
+PLAN_ONLY = ("vocab", "hardware", "calibrate", "algorithm", "search", "pipeline", "axes", "fixed_mesh",
+             "processors", "top", "json", "png", "layered")
 
 
-def config_of(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` that ``meshtorch plan``'s model options describe."""
-    return TrainConfig.of(model=args.model, batch=args.batch, length=args.length, d_model=args.d_model,
-                          heads=args.heads, d_kv=args.d_kv, d_ff=args.d_ff, layers=args.layers,
-                          encoder_layers=args.encoder_layers, experts=args.experts, top_k=args.top_k,
-                          tie_embeddings=args.tie_embeddings, optimizer=args.optimizer,
-                          precision=args.precision, mesh=args.mesh or "b:1", rules=args.rules,
-                          pipeline_stages=args.pipeline_stages, microbatches=args.microbatches,
-                          schedule=args.schedule, dropout=args.dropout, recompute=args.recompute)
+def config_of(args: argparse.Namespace) -> tuple[TrainConfig, int]:
+    """The :class:`TrainConfig` that ``meshtorch train`` would run with ``args``' flags (defaults,
+    then ``--config``, then the flags, then ``--init-from``'s config.json, as the trainer builds it)
+    and its vocabulary size (``--vocab``, else what the trainer's would be before a tokenizer is
+    fitted: :func:`~meshtorch.recipes.lm.pretrained.planned_vocab`)."""
+    from meshtorch.recipes.lm.cli import config_from_args
+    from meshtorch.recipes.lm.pretrained import planned_vocab, with_pretrained_model
+
+    cfg = with_pretrained_model(config_from_args(args))
+    vocab = planned_vocab(cfg)
+    if args.vocab is not None and cfg.run.init_from and args.vocab != vocab:
+        raise PlanError(f"--vocab {args.vocab} conflicts with --init-from {cfg.run.init_from!r}, whose "
+                        f"config.json has {vocab} ids; drop --vocab")
+    return cfg, vocab if args.vocab is None else args.vocab
+
+
+def traced(step: TrainingProgram, mesh: Any, rules: Any, staging: str = "none", compiled: bool = False,
+           layered: bool = False, device: str = "cpu") -> Trace:
+    """``step``'s meta trace (``compiled``: its kernels as ``torch.compile`` fuses them); ``layered``:
+    extrapolated from two shallow depths as the search does (:mod:`meshtorch.plan.layered`: exact for
+    parameters, FLOPs, bytes and kernels), so that a deep model plans in seconds; ``device``: where the
+    run computes (the priced spec's ``device_type``), so that the trace picks the run's kernels."""
+    shallow = shallow_programs(step) if layered else None
+    if shallow is None:
+        return trace(step, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging,
+                     compiled=compiled, device=device)
+    t1, t2 = (trace(p, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging, compiled=compiled,
+                    device=device) for p in shallow[:2])
+    return extrapolate(t1, t2, shallow[2])
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
@@ -98,34 +122,37 @@ def run(args: argparse.Namespace) -> int:
               "--hardware cpu uses it from now on", file=sys.stderr)
         if not (args.mesh or args.search):
             return 0
-    cfg = config_of(args)
-    step = training_step(cfg, args.vocab)
-    if args.pipeline_stages > 1 and args.search:
+    cfg, vocab = config_of(args)
+    par = cfg.parallelism
+    compiled = cfg.run.compile
+    # the collective buffers of the run planned: NCCL's with --backend torch --device cuda
+    staging = staging_for(par.backend, "cuda" if par.device == "cuda" else "cpu")
+    if par.pipeline_stages > 1 and args.search:
         raise PlanError("--search tries pipeline stages itself (--no-pipeline leaves them out); "
                         "--pipeline-stages N prices one pipelined layout: drop one of the two")
-    if args.pipeline_stages > 1:
+    if compiled and args.search:
+        raise PlanError("--search prices eager steps; drop --compile, then plan the layout it picks with "
+                        "--mesh, --rules and --compile")
+    if not args.search:
+        check_config(cfg, vocab)  # meshtorch train's own checks (layout, --compile with pipelines, ...)
+    if par.pipeline_stages > 1:
         if cfg.model.name != "lm":
             raise PlanError(f"--pipeline-stages plans --model lm (the model meshtorch train pipelines); "
                             f"got --model {cfg.model.name!r}")
-        layout = cfg.parallelism.parsed  # --mesh with the stage axis, parsed with the config
-        if args.rules:
-            per_stage = layout.stage_mesh
-            check_layout(cfg, args.vocab, per_stage if per_stage.axis_names else Mesh({"b": 1}))
-        # without --mesh the stages are the whole mesh (the config's placeholder b:1 is not priced)
-        mesh = layout.mesh if args.mesh else Mesh(layout.mesh.axes[:1])
-        est = estimate_pipeline(pipelined_training_step(cfg, args.vocab), mesh, layout.rules,
-                                device=args.hardware, algorithm=args.algorithm)
+        est = estimate_pipeline(pipelined_training_step(cfg, vocab), par.parsed.mesh, par.parsed.rules,
+                                device=args.hardware, algorithm=args.algorithm, staging=staging)
         ests: list[Estimate] = [est]
         out = est.to_json()
         if not args.json:
             print(est.table())
     elif args.search:
+        step = training_step(cfg, vocab)
         target: int | str = args.mesh if args.mesh and args.fixed_mesh else (
-            args.processors or (cfg.parallelism.parsed.mesh.size if args.mesh else 0))
+            args.processors or (par.parsed.mesh.size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
         res = search(step, target, device=args.hardware, algorithm=args.algorithm, pipeline=args.pipeline,
-                     staging=staging_for(args.backend), axes=args.axes)
+                     staging=staging, axes=args.axes)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
@@ -133,14 +160,15 @@ def run(args: argparse.Namespace) -> int:
                "candidates": [{**e.to_json(), "why": res.why(e)} for e in ests[: args.top]],
                "pruned": [p.to_json() for p in res.pruned_candidates]}
     else:
-        if not args.mesh:
-            raise PlanError("pass --mesh (e.g. batch:16,model:32) or --search --processors N")
-        layout = cfg.parallelism.parsed
-        check_layout(cfg, args.vocab)
-        est = estimate(step, layout.mesh, layout.rules, device=args.hardware, algorithm=args.algorithm,
-                       staging=staging_for(args.backend))
+        from meshtorch.plan.devices import device as get_device
+
+        mesh, rules = par.parsed.mesh, par.parsed.rules
+        spec = get_device(args.hardware, processors=mesh.size)
+        t = traced(training_step(cfg, vocab), mesh, rules, staging, compiled=compiled, layered=args.layered,
+                   device=spec.device_type)
+        est = from_trace(t, mesh, spec, args.algorithm)
         ests = [est]
-        out = est.to_json()
+        out = {**est.to_json(), "compiled": compiled}
         if not args.json:
             print(est.table())
     if args.png:
@@ -153,64 +181,63 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _DeprecatedDevice(argparse.Action):
-    """``meshtorch plan --device``: the old name of ``--hardware`` (``meshtorch train --device`` is where
-    a run computes, so the planner's flag got its own name); kept for one release, with a notice."""
+class _Device(argparse.Action):
+    """``meshtorch plan --device``: ``meshtorch train``'s (where the planned run computes: auto, cpu,
+    cuda); any other value is the old meaning of the flag here, the hardware to price (now
+    ``--hardware``), kept for one release with a notice."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        print(f"meshtorch plan: --device is deprecated, pass --hardware {values} (the hardware to price; "
-              "meshtorch train --device is where a run computes)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+        if values in TRAIN_DEVICES:
+            namespace.device = values
+            return
+        print(f"meshtorch plan: --device {values} is deprecated, pass --hardware {values} (the hardware to "
+              "price; --device is meshtorch train's: where the run computes, auto, cpu or cuda)",
+              file=sys.stderr)
+        namespace.hardware = values
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``meshtorch plan`` to the ``meshtorch`` command line."""
-    d = ModelSection()
-    ap = subparsers.add_parser("plan", help="predict FLOPs, bytes, memory and step time of a layout; "
-                               "--search for the fastest that fits",
-                               description="Predict (or --search) the layout of a meshtorch train model "
-                               "on a mesh of devices: FLOPs, bytes per axis, memory and step time.")
-    ap.add_argument("--model", choices=MODELS, default="lm")
-    for name, default in (("layers", 6), ("encoder-layers", d.encoder_layers), ("d-model", 1024),
-                          ("d-kv", 256), ("d-ff", 4096), ("heads", 4), ("batch", 256), ("length", 256),
-                          ("vocab", 32768), ("experts", d.experts), ("top-k", d.top_k),
-                          ("processors", 0), ("top", 10)):
-        ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=False,
-                    help="share the embedding and output layer (the paper's models do not)")
-    ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adafactor")
-    ap.add_argument("--dropout", type=float, default=0.0,
-                    help="dropout rate (its masks and draws are planned)")
-    ap.add_argument("--recompute", action="store_true",
-                    help="activation recomputation: one more forward of FLOPs, blocks' activations not kept")
-    ap.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    ap.add_argument("--mesh", default="", help="e.g. batch:16,model:32")
-    ap.add_argument("--rules", default="", help='e.g. "batch:batch; heads:model; d_ff:model; vocab:model"')
-    ap.add_argument("--hardware", default="tpu-v2",
-                    help="the hardware to price: tpu-v2, tpu-v3, a100, h100, cpu (this machine, as stored by "
-                    "--calibrate) or a JSON device file (peak_flops by dtype, memory_bytes, link, links per "
-                    "axis: docs/planner.md)")
-    ap.add_argument("--device", dest="hardware", action=_DeprecatedDevice, help=argparse.SUPPRESS)
-    ap.add_argument("--calibrate", action="store_true",
-                    help="measure this machine once and store it for --hardware cpu (alone: only that)")
-    ap.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
-    ap.add_argument("--pipeline-stages", type=int, default=1,
-                    help="plan --model lm pipelined over this many stages along a 'stage' mesh axis "
-                    "(added in front of --mesh if absent), as meshtorch train --pipeline-stages runs it")
-    ap.add_argument("--microbatches", type=int, default=4,
-                    help="micro-batches per batch with --pipeline-stages")
-    ap.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
-                    help="pipeline schedule with --pipeline-stages, and the one --search tries")
-    ap.add_argument("--backend", choices=("threads", "torch"), default="threads",
-                    help="the backend of the planned run: torch plans gloo's collective buffers too")
-    ap.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
-    ap.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
-                    help="with --search: also try pipeline stages (2, 4, ...) x the layouts of the "
-                    "processors left x micro-batch counts (--model lm)")
-    ap.add_argument("--axes", type=int, choices=(1, 2, 3), default=2,
-                    help="with --search: meshes of up to this many axes (3 adds b:x,m:y,x:z)")
-    ap.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    ap.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")
+    """Add ``meshtorch plan`` to the ``meshtorch`` command line: every flag of ``meshtorch train``
+    (the same definitions) and the planner's own (:data:`PLAN_ONLY`)."""
+    from meshtorch.recipes.lm.cli import add_train_flags
+
+    ap = subparsers.add_parser(
+        "plan", help="predict FLOPs, bytes, memory and step time of a meshtorch train run; "
+        "--search for the fastest layout that fits",
+        description="Predict (or --search) the layout of the run meshtorch train would make of the same "
+        "flags, on a mesh of devices: FLOPs, bytes per axis, memory and step time. Every flag of "
+        "meshtorch train is taken, with its defaults; the ones that do not change one step's work "
+        "(--steps, --out, --data, --lr, logging, checkpoints, the sample) change nothing here.")
+    add_train_flags(ap, skip=("device",))
+    g = ap.add_argument_group("plan (the planner's own options)")
+    g.add_argument("--device", dest="device", action=_Device, default=None,
+                   help="meshtorch train's --device (auto, cpu, cuda: where the planned run computes; cuda "
+                   "with --backend torch plans NCCL's buffers); a hardware name here is the deprecated "
+                   "spelling of --hardware")
+    g.add_argument("--vocab", type=int, default=None,
+                   help="token ids (default: what meshtorch train's tokenizer would have: --init-from's "
+                   "vocabulary, 264 for bytes, N for bpe:N, 2048 for auto)")
+    g.add_argument("--hardware", default="tpu-v2",
+                   help="the hardware to price: tpu-v2, tpu-v3, a100, h100, cpu (this machine, as stored by "
+                   "--calibrate) or a JSON device file (peak_flops by dtype, memory_bytes, link, links per "
+                   "axis: docs/planner.md)")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure this machine once and store it for --hardware cpu (alone: only that)")
+    g.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
+    g.add_argument("--layered", action=argparse.BooleanOptionalAction, default=True,
+                   help="trace two shallow copies of a deep model and extrapolate (parameters, FLOPs, bytes, "
+                   "kernels and memory as the full trace's; what --search does); --no-layered traces "
+                   "every layer")
+    g.add_argument("--processors", type=int, default=0, help="with --search: the processors to lay out")
+    g.add_argument("--top", type=int, default=10, help="with --search: candidates shown")
+    g.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --search: also try pipeline stages (2, 4, ...) x the layouts of the "
+                   "processors left x micro-batch counts (--model lm)")
+    g.add_argument("--axes", type=int, choices=(1, 2, 3), default=2,
+                   help="with --search: meshes of up to this many axes (3 adds b:x,m:y,x:z)")
+    g.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    g.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")
     ap.set_defaults(func=run)

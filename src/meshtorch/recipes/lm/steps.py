@@ -206,8 +206,9 @@ def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int]
         return None
     have, source = limit
     sharing = 1 if on_gpu else processes
+    runs_on = "cuda" if on_gpu else "cpu"
     t = trace(training_step(cfg, vocab), mesh=par.parsed.mesh, rules=par.parsed.rules,
-              staging=staging_for(par.backend, "cuda" if on_gpu else "cpu"))
+              staging=staging_for(par.backend, runs_on), device=runs_on)
     need = {**t.peak_by_kind, "total": t.peak_bytes}
     if t.peak_bytes * sharing > have:
         kinds = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in t.peak_by_kind.items())
