@@ -216,7 +216,7 @@ def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, t
 
 def test_config_file_tables_merge_and_an_option_set_twice_is_refused(tmp_path):
     from meshtorch.errors import MeshTorchError
-    from meshtorch.recipes.lm.cli import _toml_options
+    from meshtorch.recipes.lm.flags import _toml_options
 
     def options(body: str) -> dict:
         path = tmp_path / "c.toml"

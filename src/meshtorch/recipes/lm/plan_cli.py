@@ -1,7 +1,7 @@
 """``meshtorch plan``: predict (or ``--search``) the layout of what ``meshtorch train`` runs.
 
 ``meshtorch plan`` takes every flag of ``meshtorch train`` through the same
-parser (:func:`meshtorch.recipes.lm.cli.add_train_flags`, also ``--config``
+parser (:func:`meshtorch.recipes.lm.flags.add_train_flags`, also ``--config``
 TOML and ``--init-from DIR``) with the same defaults, and traces the trainer's
 own step (:func:`~meshtorch.recipes.lm.steps.training_step`) of the config
 those flags make: replace ``train`` by ``plan`` in a command line and the plan
@@ -49,7 +49,7 @@ def config_of(args: argparse.Namespace) -> tuple[TrainConfig, int]:
     then ``--config``, then the flags, then ``--init-from``'s config.json, as the trainer builds it)
     and its vocabulary size (``--vocab``, else what the trainer's would be before a tokenizer is
     fitted: :func:`~meshtorch.recipes.lm.pretrained.planned_vocab`)."""
-    from meshtorch.recipes.lm.cli import config_from_args
+    from meshtorch.recipes.lm.flags import config_from_args
     from meshtorch.recipes.lm.pretrained import planned_vocab, with_pretrained_model
 
     cfg = with_pretrained_model(config_from_args(args))
@@ -200,7 +200,7 @@ class _Device(argparse.Action):
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``meshtorch plan`` to the ``meshtorch`` command line: every flag of ``meshtorch train``
     (the same definitions) and the planner's own (:data:`PLAN_ONLY`)."""
-    from meshtorch.recipes.lm.cli import add_train_flags
+    from meshtorch.recipes.lm.flags import add_train_flags
 
     ap = subparsers.add_parser(
         "plan", help="predict FLOPs, bytes, memory and step time of a meshtorch train run; "
