@@ -32,10 +32,10 @@ from typing import Any
 from meshtorch.errors import PlanError
 from meshtorch.plan.devices import calibrate, calibration_path
 from meshtorch.plan.estimate import Estimate, from_trace
-from meshtorch.plan.layered import extrapolate, shallow_programs
+from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import estimate_pipeline
 from meshtorch.plan.search import search
-from meshtorch.plan.tracing import Trace, staging_for, trace
+from meshtorch.plan.tracing import Trace, staging_for
 from meshtorch.recipes.lm.config import TRAIN_DEVICES, TrainConfig, check_config
 from meshtorch.recipes.lm.steps import TrainingProgram, pipelined_training_step, training_step
 
@@ -66,13 +66,8 @@ def traced(step: TrainingProgram, mesh: Any, rules: Any, staging: str = "none", 
     extrapolated from two shallow depths as the search does (:mod:`meshtorch.plan.layered`: exact for
     parameters, FLOPs, bytes and kernels), so that a deep model plans in seconds; ``device``: where the
     run computes (the priced spec's ``device_type``), so that the trace picks the run's kernels."""
-    shallow = shallow_programs(step) if layered else None
-    if shallow is None:
-        return trace(step, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging,
-                     compiled=compiled, device=device)
-    t1, t2 = (trace(p, mesh=str(mesh), rules=str(rules), backend="meta", staging=staging, compiled=compiled,
-                    device=device) for p in shallow[:2])
-    return extrapolate(t1, t2, shallow[2])
+    how = layered_trace if layered else whole_trace
+    return how(step, str(mesh), str(rules), staging=staging, compiled=compiled, device=device)
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
