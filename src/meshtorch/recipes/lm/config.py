@@ -128,6 +128,8 @@ ModelSection = dataclasses.make_dataclass(
 
 
 AXIS = "stage"  # the mesh axis a pipelined run's stages lie along
+# --rules auto: meshtorch train's planner search picks the rules for --mesh when the run starts
+AUTO_RULES = "auto"
 
 
 def pipeline_mesh(mesh: Mesh | str, stages: int) -> Mesh:
@@ -196,13 +198,29 @@ class ParallelismSection:
         mesh = Mesh(self.mesh)
         if self.pipeline_stages > 1:
             mesh = pipeline_mesh(mesh, self.pipeline_stages)
-        return (self.mesh, self.rules, self.pipeline_stages), Parallelism(mesh, LayoutRules(self.rules))
+        # --rules auto has no rules yet (meshtorch train's search picks them): the mesh alone is checked
+        rules = LayoutRules("" if self.auto_rules else self.rules)
+        return (self.mesh, self.rules, self.pipeline_stages), Parallelism(mesh, rules)
+
+    @property
+    def auto_rules(self) -> bool:
+        """Whether ``--rules auto`` leaves the rules to the planner's search when the run starts
+        (:func:`meshtorch.recipes.lm.plan_cli.choose_rules`)."""
+        return self.rules.strip() == AUTO_RULES
 
     @property
     def parsed(self) -> Parallelism:
-        """The mesh (with the stage axis when pipelined) and the rules, parsed when the section was built."""
+        """The mesh (with the stage axis when pipelined) and the rules, parsed when the section was built.
+
+        ``--rules auto`` has none until :func:`~meshtorch.recipes.lm.plan_cli.choose_rules` replaces it
+        by the rules it picks; reading them before is an error, so nothing runs on rules no one chose.
+        """
         if self._parsed[0] != (self.mesh, self.rules, self.pipeline_stages):  # a field set since
             self._parsed = self._parse()
+        if self.auto_rules:
+            raise ArgumentError("--rules auto is resolved by meshtorch train when it starts (the planner's "
+                                "search picks the rules for --mesh); here pass explicit rules, or use "
+                                "meshtorch plan --search --fixed-mesh to see what it would pick")
         return self._parsed[1]
 
 
