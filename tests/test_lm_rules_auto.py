@@ -97,3 +97,42 @@ def test_rules_auto_prices_the_gpu_the_run_is_on(gpu, spec, note, monkeypatch):
     hardware, source = hardware_of_run(TrainConfig.of(device="cuda"), 2)
     assert hardware == spec and note in source
     assert hardware_of_run(TrainConfig.of(device="cpu"), 2)[0] == "cpu"
+
+
+def _train_auto(cfg, disagree):
+    """One torchrun-like process running ``meshtorch train --rules auto``; with ``disagree``, processor
+    1's search is made to pick other rules. The rules trained on and the final loss, or the error."""
+    import meshtorch.recipes.lm.trainer as trainer
+    from meshtorch.context import current
+
+    choose = trainer.choose_rules
+
+    def other_on_rank_1(c, vocab, processes):
+        c, chosen = choose(c, vocab, processes)
+        other = "" if str(c.parallelism.parsed.rules) else "batch:b"
+        return (c.replace(rules=other) if current().rank == 1 else c), chosen
+
+    if disagree:
+        trainer.choose_rules = other_on_rank_1
+    try:
+        result = trainer.train(cfg)
+    except Exception as e:
+        return str(e)
+    finally:
+        trainer.choose_rules = choose
+    return result["rules"], result["final_loss"]
+
+
+@pytest.mark.parametrize("disagree", [False, True])
+def test_rules_auto_under_torchrun_every_process_trains_on_the_same_rules(text, tmp_path, disagree):
+    import meshtorch as mt
+
+    cfg = TrainConfig.of(backend="torch", steps=2, data=text, out=str(tmp_path / "run"), tokenizer="bytes",
+                         mesh="b:2", rules="auto", d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4,
+                         length=16, eval_batches=1, sample_tokens=4, log_every=1, progress=False)
+    per_proc = mt.launch(_train_auto, cfg, disagree, mesh="b:2", backend="torch", nprocs=2)
+    if disagree:  # every process stops, naming what each picked (none waits for the others forever)
+        assert all("--rules auto picked different rules on different processes" in p for p in per_proc)
+        return
+    (rules, loss), other = per_proc
+    assert rules != "auto" and other == (rules, loss)
