@@ -13,6 +13,7 @@ import torch
 from meshtorch import cli
 from meshtorch.checkpoint.index import read_index
 from meshtorch.errors import ArgumentError
+from meshtorch.mesh import Mesh
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.generate import generate_from_checkpoint
 from meshtorch.recipes.lm.plan_cli import hardware_of_run
@@ -46,7 +47,7 @@ def test_rules_auto_trains_as_the_layout_it_picks_and_records_it(text, tmp_path,
     picked = chosen["rules"]
     # the rules picked are real rules of this mesh, printed with the runner-up and its cost
     assert picked != "auto" and summary["rules"] == picked and summary["mesh"] == chosen["mesh"] == "b:2,m:2"
-    assert f'--rules auto: picked --rules "{picked}" on --mesh b:2,m:2' in printed
+    assert f'--mesh b:2,m:2 --rules auto: picked --mesh b:2,m:2 --rules "{picked}"' in printed
     runner = chosen["runner_up"]
     assert runner["rules"] != picked and f'runner-up --rules "{runner["rules"]}"' in printed
     # the best ranks first: the runner-up costs at least as much (a traced one, or its lower bound)
@@ -67,14 +68,34 @@ def test_rules_auto_trains_as_the_layout_it_picks_and_records_it(text, tmp_path,
     assert auto[-1] < auto[0]  # it trained
 
 
+def test_mesh_auto_picks_the_mesh_of_n_processors_and_its_rules(text, tmp_path, capsys):
+    flags = ["--data", text, *TINY, "--steps", "2"]
+    out = str(tmp_path / "auto")
+    assert cli.main(["train", "--out", out, *flags, "--mesh", "auto:4", "--rules", "auto"]) == 0
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    mesh, rules = summary["mesh"], summary["rules"]
+    assert Mesh(mesh).size == 4 and summary["rules_auto"]["mesh"] == mesh
+    assert f'--mesh auto:4 --rules auto: picked --mesh {mesh} --rules "{rules}"' in capsys.readouterr().out
+    index = read_index(os.path.join(out, "checkpoint"))
+    assert (index["extra"]["train_config"]["mesh"], index["extra"]["train_config"]["rules"]) == (mesh, rules)
+    # the explicit run of what it picked trains the same
+    same = str(tmp_path / "same")
+    assert cli.main(["train", "--out", same, *flags, "--mesh", mesh, "--rules", rules]) == 0
+    assert json.load(open(os.path.join(same, "summary.json")))["final_loss"] == summary["final_loss"]
+
+
 @pytest.mark.parametrize("flags, needle", [
+    (["--mesh", "auto:4", "--rules", "batch:b"], "--mesh auto:4 is picked with its rules: pass --rules auto"),
+    (["--mesh", "auto", "--rules", "auto"], "--mesh auto needs a processor count: --mesh auto:N"),
+    (["--mesh", "auto:x", "--rules", "auto"], "auto:N takes a processor count N >= 1"),
     (["--rules", "auto", "--pipeline-stages", "2"], "--rules auto searches the layout of a plain step"),
     # the config's own error, before any search
     (["--rules", "auto", "--model", "moe", "--experts", "1", "--top-k", "2"],
      "--experts 1 must be >= --top-k 2"),
 ])
 def test_rules_auto_refuses_what_it_cannot_search_before_training(flags, needle, capsys, tmp_path):
-    assert cli.main(["train", "--out", str(tmp_path / "x"), "--mesh", "b:2,m:2", *flags]) == 2
+    mesh = [] if "--mesh" in flags else ["--mesh", "b:2,m:2"]
+    assert cli.main(["train", "--out", str(tmp_path / "x"), *mesh, *flags]) == 2
     assert needle in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x")
 
@@ -120,19 +141,21 @@ def _train_auto(cfg, disagree):
         return str(e)
     finally:
         trainer.choose_rules = choose
-    return result["rules"], result["final_loss"]
+    return result["mesh"], result["rules"], result["final_loss"]
 
 
 @pytest.mark.parametrize("disagree", [False, True])
-def test_rules_auto_under_torchrun_every_process_trains_on_the_same_rules(text, tmp_path, disagree):
+def test_auto_under_torchrun_every_process_trains_on_the_same_layout(text, tmp_path, disagree):
     import meshtorch as mt
 
     cfg = TrainConfig.of(backend="torch", steps=2, data=text, out=str(tmp_path / "run"), tokenizer="bytes",
-                         mesh="b:2", rules="auto", d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4,
-                         length=16, eval_batches=1, sample_tokens=4, log_every=1, progress=False)
+                         mesh="b:2" if disagree else "auto", rules="auto", d_model=16, heads=2, d_kv=8,
+                         d_ff=32, layers=1, batch=4, length=16, eval_batches=1, sample_tokens=4,
+                         log_every=1, progress=False)
     per_proc = mt.launch(_train_auto, cfg, disagree, mesh="b:2", backend="torch", nprocs=2)
     if disagree:  # every process stops, naming what each picked (none waits for the others forever)
         assert all("--rules auto picked different rules on different processes" in p for p in per_proc)
         return
-    (rules, loss), other = per_proc
-    assert rules != "auto" and other == (rules, loss)
+    # --mesh auto: torchrun's 2 processes; both pick the same mesh and rules and train alike
+    (mesh, rules, loss), other = per_proc
+    assert Mesh(mesh).size == 2 and rules != "auto" and other == (mesh, rules, loss)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -117,16 +118,26 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     par = cfg.parallelism
     if not par.auto_rules:
         return cfg, None
+    target: int | str = str(Mesh("" if par.auto_mesh else par.mesh))
+    if par.auto_mesh:
+        world = os.environ.get("WORLD_SIZE")
+        count = par.processors or (int(world) if world else None)
+        if count is None:
+            raise PlanError(f"--mesh {par.mesh} needs a processor count: --mesh auto:N (e.g. auto:4), or "
+                            "the processes torchrun starts")
+        target = count
     if par.pipeline_stages > 1:
         raise PlanError(f"--rules auto searches the layout of a plain step; --pipeline-stages "
                         f"{par.pipeline_stages} needs explicit --rules (meshtorch plan --search also tries "
                         "pipeline stages and prints the flags of the best)")
-    check_config(cfg.replace(rules=""), vocab)  # the config's own errors first, not the search's
+    # the config's own errors first, not the search's
+    check_config(cfg.replace(mesh=str(target) if isinstance(target, str) else "", rules=""), vocab)
     hardware, source = hardware_of_run(cfg, processes)
     on_gpu = hardware != "cpu"
     staging = staging_for(par.backend, "cuda" if on_gpu else "cpu")
-    res = search(training_step(cfg, vocab), str(Mesh(par.mesh)), device=hardware,
-                 pipeline=False, staging=staging)
+    # --mesh auto searches the meshes of its processors too, without pipeline stages (their flags
+    # come from meshtorch plan --search)
+    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging)
     ranked = res.ranking()
     best = res.best
 
@@ -136,16 +147,17 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
                     "fits": c.fits, "why": res.why(c)}
         return {"rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
 
-    chosen = {"mesh": best.mesh, "hardware": res.device, "hardware_source": source,
+    chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
+              "hardware_source": source,
               "candidates": res.space, "traced": len(res.candidates), "search_seconds": round(res.seconds, 2),
               **entry(best), "runner_up": entry(ranked[1]) if len(ranked) > 1 else None}
-    return cfg.replace(rules=best.rules), chosen
+    return cfg.replace(mesh=best.mesh, rules=best.rules), chosen
 
 
 def describe_choice(chosen: dict[str, Any]) -> str:
     """The lines ``meshtorch train --rules auto`` prints about the rules it picked and why."""
     c = chosen
-    lines = [f"--rules auto: picked --rules \"{c['rules']}\" on --mesh {c['mesh']}: planned "
+    lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\": planned "
              f"{c['step_seconds'] * 1e3:.2f} ms a step on {c['hardware']} ({c['hardware_source']}; "
              f"{c['candidates']} candidates, {c['traced']} traced, in {c['search_seconds']} s); {c['why']}"]
     if not chosen["fits"]:

@@ -37,7 +37,6 @@ from meshtorch.context import current, processor_device
 from meshtorch.data import Corpus, LMBatches
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
-from meshtorch.mesh import Mesh
 from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
@@ -190,7 +189,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # hardware of this machine's processors); every process of a torchrun world runs the same
     # deterministic search (checked below once joined)
     cfg, chosen = choose_rules(cfg, planned, int(os.environ.get("LOCAL_WORLD_SIZE", world or
-                                                                 Mesh(cfg.parallelism.mesh).size)))
+                                                                 cfg.parallelism.processors or 1)))
     par, run = cfg.parallelism, cfg.run
     # the mesh (with the stage axis when pipelined) and the rules, parsed once when cfg was built:
     # everything below takes these objects
