@@ -49,7 +49,8 @@ def test_rules_auto_trains_as_the_layout_it_picks_and_records_it(text, tmp_path,
     assert picked != "auto" and summary["rules"] == picked and summary["mesh"] == chosen["mesh"] == "b:2,m:2"
     assert f'--mesh b:2,m:2 --rules auto: picked --mesh b:2,m:2 --rules "{picked}"' in printed
     runner = chosen["runner_up"]
-    assert runner["rules"] != picked and f'runner-up --rules "{runner["rules"]}"' in printed
+    assert runner["rules"] != picked and runner["mesh"] == "b:2,m:2"
+    assert f'runner-up --mesh b:2,m:2 --rules "{runner["rules"]}"' in printed
     # the best ranks first: the runner-up costs at least as much (a traced one, or its lower bound)
     assert runner.get("step_seconds", runner.get("step_seconds_lower_bound")) >= chosen["step_seconds"]
     assert chosen["hardware"] == "cpu" and chosen["candidates"] >= chosen["traced"] >= 2

@@ -105,7 +105,9 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     generate`` read them as any others) and what to report (the rules, the runner-up and their step
     times, why). A config with explicit rules comes back as it is, with ``None``.
 
-    Only the rules of the given mesh are searched (seconds for the sizes trained here). The search is
+    Only the rules of the given mesh are searched (seconds for the sizes trained here); ``--mesh
+    auto:N`` (``auto``: torchrun's ``WORLD_SIZE`` processes) searches the one- and two-axis meshes of
+    ``N`` processors too, without pipeline stages, and ``cfg`` gets the mesh picked. The search is
     deterministic given the hardware spec, so every process of a torchrun world runs it and gets the
     same rules (the trainer checks that they agree).
 
@@ -143,9 +145,9 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
 
     def entry(c: Any) -> dict[str, Any]:
         if isinstance(c, Estimate):
-            return {"rules": c.rules, "step_seconds": c.step_seconds, "memory_bytes": c.memory_bytes["total"],
-                    "fits": c.fits, "why": res.why(c)}
-        return {"rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
+            return {"mesh": c.mesh, "rules": c.rules, "step_seconds": c.step_seconds,
+                    "memory_bytes": c.memory_bytes["total"], "fits": c.fits, "why": res.why(c)}
+        return {"mesh": c.mesh, "rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
 
     chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
               "hardware_source": source,
@@ -166,7 +168,7 @@ def describe_choice(chosen: dict[str, Any]) -> str:
     if r is not None:
         cost = (f"{r['step_seconds'] * 1e3:.2f} ms" if "step_seconds" in r
                 else f">= {r['step_seconds_lower_bound'] * 1e3:.2f} ms")
-        lines.append(f"  runner-up --rules \"{r['rules']}\": {cost}, {r['why']}")
+        lines.append(f"  runner-up --mesh {r['mesh']} --rules \"{r['rules']}\": {cost}, {r['why']}")
     return "\n".join(lines)
 
 

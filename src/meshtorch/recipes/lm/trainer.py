@@ -213,7 +213,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
         if chosen is not None:
-            agree_on_rules(str(layout.rules))
+            agree_on_rules(f"--mesh {layout.mesh} --rules '{layout.rules}'")
     # processor 0 of the world joined above holds --out; the threads backend's process always does
     # (a stray RANK variable never skips the lock and the earlier-run check)
     lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
@@ -238,7 +238,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 
 def agree_on_rules(rules: str) -> None:
-    """Raise on every process of the torch world unless all of them picked the same ``rules``
+    """Raise on every process of the torch world unless all of them picked the same ``rules`` (and mesh)
     (``--rules auto``: each process searched on its own; a different hardware spec, e.g. a CPU
     calibration measured by each process under load, could make them differ)."""
     picks: list[Any] = [None] * torch.distributed.get_world_size()
