@@ -128,6 +128,8 @@ ModelSection = dataclasses.make_dataclass(
 
 
 AXIS = "stage"  # the mesh axis a pipelined run's stages lie along
+# --rules auto (and --mesh auto[:N]): meshtorch train's planner search picks them when the run starts
+AUTO = "auto"
 
 
 def pipeline_mesh(mesh: Mesh | str, stages: int) -> Mesh:
@@ -193,14 +195,57 @@ class ParallelismSection:
         self._parsed = self._parse()  # their own syntax errors now, naming the axis or rule
 
     def _parse(self) -> tuple[tuple[str, str, int], Parallelism]:
-        mesh = Mesh(self.mesh)
+        if self.auto_mesh:
+            if not self.auto_rules:
+                raise ArgumentError(f"--mesh {self.mesh} is picked with its rules: pass --rules auto too, or "
+                                    "an explicit --mesh for these --rules")
+            count = self.mesh.strip().removeprefix(AUTO).removeprefix(":")
+            if count and not (count.isdigit() and int(count) > 0):
+                raise ArgumentError(f"--mesh {self.mesh!r}: auto:N takes a processor count N >= 1, "
+                                    "e.g. auto:4")
+        mesh = Mesh("" if self.auto_mesh else self.mesh)
         if self.pipeline_stages > 1:
             mesh = pipeline_mesh(mesh, self.pipeline_stages)
-        return (self.mesh, self.rules, self.pipeline_stages), Parallelism(mesh, LayoutRules(self.rules))
+        # --rules auto has no rules yet (meshtorch train's search picks them): the mesh alone is checked
+        rules = LayoutRules("" if self.auto_rules else self.rules)
+        return (self.mesh, self.rules, self.pipeline_stages), Parallelism(mesh, rules)
+
+    @property
+    def auto_mesh(self) -> bool:
+        """Whether ``--mesh auto`` (torchrun's processors) or ``--mesh auto:N`` (``N`` processors)
+        leaves the mesh to the planner's search, with ``--rules auto``."""
+        text = self.mesh.strip()
+        return text == AUTO or text.startswith(AUTO + ":")
+
+    @property
+    def processors(self) -> int | None:
+        """The processors of the run: the mesh's (with its stage axis), ``N`` of ``--mesh auto:N``, or
+        None for ``--mesh auto`` (the processes torchrun starts)."""
+        if self.auto_mesh:
+            count = self.mesh.strip().removeprefix(AUTO).removeprefix(":")
+            return int(count) if count else None
+        return self._current().mesh.size
+
+    @property
+    def auto_rules(self) -> bool:
+        """Whether ``--rules auto`` leaves the rules to the planner's search when the run starts
+        (:func:`meshtorch.recipes.lm.plan_cli.choose_rules`)."""
+        return self.rules.strip() == AUTO
 
     @property
     def parsed(self) -> Parallelism:
-        """The mesh (with the stage axis when pipelined) and the rules, parsed when the section was built."""
+        """The mesh (with the stage axis when pipelined) and the rules, parsed when the section was built.
+
+        ``--rules auto`` has none until :func:`~meshtorch.recipes.lm.plan_cli.choose_rules` replaces it
+        by the rules it picks; reading them before is an error, so nothing runs on rules no one chose.
+        """
+        if self.auto_rules or self.auto_mesh:
+            raise ArgumentError("--rules auto is resolved by meshtorch train when it starts (the planner's "
+                                "search picks the rules for --mesh); here pass explicit rules, or use "
+                                "meshtorch plan --search --fixed-mesh to see what it would pick")
+        return self._current()
+
+    def _current(self) -> Parallelism:
         if self._parsed[0] != (self.mesh, self.rules, self.pipeline_stages):  # a field set since
             self._parsed = self._parse()
         return self._parsed[1]

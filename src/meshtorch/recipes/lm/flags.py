@@ -27,9 +27,11 @@ from meshtorch.recipes.lm.config import CHOICES, OPTIONS, SECTIONS, TrainConfig
 
 HELP = {
     "model": "lm: decoder-only; seq2seq: encoder-decoder on a spelling task; moe: LM with experts",
-    "mesh": "processor mesh, e.g. 'b:2,m:2'",
+    "mesh": "processor mesh, e.g. 'b:2,m:2'; auto:N (auto under torchrun) with --rules auto: meshtorch "
+            "train's planner search picks a mesh of N processors",
     "rules": "layout rules, e.g. 'batch:b; heads:m; d_ff:m; vocab:m' (add 'experts:b' for moe; "
-             "'batch:b; length:m' splits sequences: ring attention)",
+             "'batch:b; length:m' splits sequences: ring attention); auto: meshtorch train's planner search "
+             "picks them for --mesh on this hardware and prints why",
     "attention": "causal self-attention: auto = ring attention when --rules split length, "
                  "ring = always, gather = never (all-gather keys and values)",
     "backend": "threads: one thread per processor; torch: one process per processor (torch.distributed)",

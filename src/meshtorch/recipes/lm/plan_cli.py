@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from meshtorch.errors import PlanError
+from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.layered import layered_trace, whole_trace
@@ -68,6 +70,102 @@ def traced(step: TrainingProgram, mesh: Any, rules: Any, staging: str = "none", 
     run computes (the priced spec's ``device_type``), so that the trace picks the run's kernels."""
     how = layered_trace if layered else whole_trace
     return how(step, str(mesh), str(rules), staging=staging, compiled=compiled, device=device)
+
+
+def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
+    """The hardware spec that prices ``cfg``'s run on this machine, and where it comes from: the CPU's
+    stored calibration (``--hardware cpu``) when the run computes on the CPU; on a GPU the built-in
+    spec of its kind (``a100``, ``h100``; another GPU is priced as an ``h100``, and the note says so).
+    ``processes``: the run's processors on this machine (``--device auto`` picks CUDA when it has a GPU
+    for each)."""
+    import torch
+
+    from meshtorch.comm.device import auto_device, parse_device
+
+    kind, _ = parse_device(cfg.parallelism.device)
+    if (auto_device(processes) if kind == "auto" else kind) != "cuda":
+        return "cpu", "this machine's stored CPU calibration, meshtorch plan --calibrate"
+    name = torch.cuda.get_device_name(0)
+    for spec in ("h100", "a100"):
+        if spec in name.lower():
+            return spec, f"the built-in {spec} spec for {name}"
+    return "h100", f"the built-in h100 spec: {name} has no spec of its own (meshtorch plan --calibrate " \
+        "on it measures one)"
+
+
+def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """``meshtorch train --rules auto``: the planner's search (:func:`meshtorch.plan.search`) over the
+    layout rules of ``--mesh`` for the trainer's own step (:func:`training_step`, over ``vocab`` ids)
+    on the hardware the run computes on (:func:`hardware_of_run`); ``cfg`` with the rules it picks
+    (real rules, not ``auto``: what the checkpoint records, so ``--resume`` and ``meshtorch
+    generate`` read them as any others) and what to report (the rules, the runner-up and their step
+    times, why). A config with explicit rules comes back as it is, with ``None``.
+
+    Only the rules of the given mesh are searched (seconds for the sizes trained here); ``--mesh
+    auto:N`` (``auto``: torchrun's ``WORLD_SIZE`` processes) searches the one- and two-axis meshes of
+    ``N`` processors too, without pipeline stages, and ``cfg`` gets the mesh picked. The search is
+    deterministic given the hardware spec, so every process of a torchrun world runs it and gets the
+    same rules (the trainer checks that they agree).
+
+    Example:
+        >>> cfg = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, batch=4, length=8,
+        ...                      mesh="b:2", rules="batch:b")
+        >>> choose_rules(cfg, 16, 2) == (cfg, None)
+        True
+    """
+    par = cfg.parallelism
+    if not par.auto_rules:
+        return cfg, None
+    target: int | str = str(Mesh("" if par.auto_mesh else par.mesh))
+    if par.auto_mesh:
+        world = os.environ.get("WORLD_SIZE")
+        count = par.processors or (int(world) if world else None)
+        if count is None:
+            raise PlanError(f"--mesh {par.mesh} needs a processor count: --mesh auto:N (e.g. auto:4), or "
+                            "the processes torchrun starts")
+        target = count
+    if par.pipeline_stages > 1:
+        raise PlanError(f"--rules auto searches the layout of a plain step; --pipeline-stages "
+                        f"{par.pipeline_stages} needs explicit --rules (meshtorch plan --search also tries "
+                        "pipeline stages and prints the flags of the best)")
+    # the config's own errors first, not the search's
+    check_config(cfg.replace(mesh=str(target) if isinstance(target, str) else "", rules=""), vocab)
+    hardware, source = hardware_of_run(cfg, processes)
+    on_gpu = hardware != "cpu"
+    staging = staging_for(par.backend, "cuda" if on_gpu else "cpu")
+    # --mesh auto searches the meshes of its processors too, without pipeline stages (their flags
+    # come from meshtorch plan --search)
+    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging)
+    ranked = res.ranking()
+    best = res.best
+
+    def entry(c: Any) -> dict[str, Any]:
+        if isinstance(c, Estimate):
+            return {"mesh": c.mesh, "rules": c.rules, "step_seconds": c.step_seconds,
+                    "memory_bytes": c.memory_bytes["total"], "fits": c.fits, "why": res.why(c)}
+        return {"mesh": c.mesh, "rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
+
+    chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
+              "hardware_source": source,
+              "candidates": res.space, "traced": len(res.candidates), "search_seconds": round(res.seconds, 2),
+              **entry(best), "runner_up": entry(ranked[1]) if len(ranked) > 1 else None}
+    return cfg.replace(mesh=best.mesh, rules=best.rules), chosen
+
+
+def describe_choice(chosen: dict[str, Any]) -> str:
+    """The lines ``meshtorch train --rules auto`` prints about the rules it picked and why."""
+    c = chosen
+    lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\": planned "
+             f"{c['step_seconds'] * 1e3:.2f} ms a step on {c['hardware']} ({c['hardware_source']}; "
+             f"{c['candidates']} candidates, {c['traced']} traced, in {c['search_seconds']} s); {c['why']}"]
+    if not chosen["fits"]:
+        lines.append("  no layout of this mesh fits the planned memory: this is the one that needs least")
+    r = chosen["runner_up"]
+    if r is not None:
+        cost = (f"{r['step_seconds'] * 1e3:.2f} ms" if "step_seconds" in r
+                else f">= {r['step_seconds_lower_bound'] * 1e3:.2f} ms")
+        lines.append(f"  runner-up --mesh {r['mesh']} --rules \"{r['rules']}\": {cost}, {r['why']}")
+    return "\n".join(lines)
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:

@@ -41,6 +41,7 @@ from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
+from meshtorch.recipes.lm.plan_cli import choose_rules, describe_choice
 from meshtorch.recipes.lm.pretrained import (
     model_vocab,
     planned_vocab,
@@ -89,8 +90,11 @@ def default_out() -> str:
     return os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]:
-    """One processor's part of a training run; processor 0 reports and writes files."""
+def program(cfg: TrainConfig, corpus: Corpus | None, out: str,
+            chosen: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One processor's part of a training run; processor 0 reports and writes files. ``chosen``: what
+    ``--rules auto``'s search picked and why (:func:`~meshtorch.recipes.lm.plan_cli.choose_rules`),
+    for summary.json."""
     lead = current().rank == 0
     run = cfg.run
     tok = tokenizer_of(cfg)
@@ -153,10 +157,13 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str) -> dict[str, Any]
         # the step the run is at: a resumed run never relabels what it holds
         save_run(cfg, out, model, opt, batches, step, saved=strategy.saved())
     result = {"steps": step, "final_loss": loss, "parameters": params, "out": out,
-              "device": str(processor_device()),
+              "device": str(processor_device()), "mesh": str(cfg.parallelism.parsed.mesh),
+              "rules": str(cfg.parallelism.parsed.rules),
               "train_s": round(wall, 2), "checkpoint": os.path.join(out, "checkpoint"), **strategy.summary()}
     if metrics and metrics[-1]["step"] == run.steps:
         result["flop_utilisation"] = metrics[-1]["flop_utilisation"]
+    if chosen is not None:
+        result["rules_auto"] = chosen
     result.update(throughput(tokens * (step - start), flops * (step - start), wall, peak))
     result.update(report(cfg, model, heldout, corpus, tok, lead))
     board.close(result)
@@ -176,6 +183,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     ``out``, ...)."""
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     cfg = with_pretrained_model(cfg)
+    # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
+    planned = planned_vocab(cfg)
+    # --rules auto: the planner's search picks the rules now, before anything reads them (on the
+    # hardware of this machine's processors); every process of a torchrun world runs the same
+    # deterministic search (checked below once joined)
+    cfg, chosen = choose_rules(cfg, planned, int(os.environ.get("LOCAL_WORLD_SIZE", world or
+                                                                 cfg.parallelism.processors or 1)))
     par, run = cfg.parallelism, cfg.run
     # the mesh (with the stage axis when pipelined) and the rules, parsed once when cfg was built:
     # everything below takes these objects
@@ -185,8 +199,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.model.name != "lm":
             raise PipelineError(f"--pipeline-stages trains --model lm; got --model {cfg.model.name!r}")
         error = PipelineError
-    # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
-    planned = planned_vocab(cfg)
     check_config(cfg, vocab=planned, world=world)
     if run.resume:
         check_resume(cfg, error)
@@ -200,10 +212,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from meshtorch.launcher import init_distributed
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
+        if chosen is not None:
+            agree_on_rules(f"--mesh {layout.mesh} --rules '{layout.rules}'")
     # processor 0 of the world joined above holds --out; the threads backend's process always does
     # (a stray RANK variable never skips the lock and the earlier-run check)
     lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
     lock = RunDirLock(cfg, out) if lead else contextlib.nullcontext()
+    if chosen is not None and lead:
+        print(describe_choice(chosen))
     with lock:
         cfg = resolve_tokenizer_once(cfg, out)
         tok = tokenizer_of(cfg)
@@ -217,16 +233,29 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                   "device": par.device}
         if par.backend != "threads":
             kwargs["backend"] = par.backend
-        result = _run(cfg, corpus, out, kwargs)
+        result = _run(cfg, corpus, out, kwargs, chosen)
     return result
 
 
-def _run(cfg: TrainConfig, corpus: Corpus | None, out: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def agree_on_rules(rules: str) -> None:
+    """Raise on every process of the torch world unless all of them picked the same ``rules`` (and mesh)
+    (``--rules auto``: each process searched on its own; a different hardware spec, e.g. a CPU
+    calibration measured by each process under load, could make them differ)."""
+    picks: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(picks, rules)
+    if len(set(picks)) > 1:
+        raise MeshTorchError(f"--rules auto picked different rules on different processes ({picks}, by "
+                             "rank); store one CPU calibration first (meshtorch plan --calibrate) or pass"
+                             " the rules of processor 0 with --rules")
+
+
+def _run(cfg: TrainConfig, corpus: Corpus | None, out: str, kwargs: dict[str, Any],
+         chosen: dict[str, Any] | None = None) -> dict[str, Any]:
     from meshtorch.launcher import launch
 
     t0 = time.time()
     threads = torch.get_num_threads()
-    result = launch(program, cfg, corpus, out, **kwargs)[0]
+    result = launch(program, cfg, corpus, out, chosen, **kwargs)[0]
     torch.set_num_threads(threads)
     result["wall_s"] = round(time.time() - t0, 1)
     return result

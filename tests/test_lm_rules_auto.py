@@ -1,0 +1,162 @@
+"""``meshtorch train --rules auto``: the planner's search picks the rules of ``--mesh`` for the trainer's
+own step, the run prints and records them (summary.json, the checkpoint) and trains as the explicit
+layout it picked does; what it cannot search is refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from meshtorch import cli
+from meshtorch.checkpoint.index import read_index
+from meshtorch.errors import ArgumentError
+from meshtorch.mesh import Mesh
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.generate import generate_from_checkpoint
+from meshtorch.recipes.lm.plan_cli import hardware_of_run
+from run_harness import write_corpus
+
+TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
+        "--batch", "8", "--length", "16", "--eval-batches", "1", "--sample-tokens", "4",
+        "--log-every", "1", "--warmup", "0", "--lr-schedule", "constant", "--lr", "0.01", "--no-progress",
+        "--tokenizer", "bytes", "--steps", "3", "--mesh", "b:2,m:2"]
+# every dim the search may split over m is split: a layout unlike "batch:b" alone
+SPLIT = "batch:b; heads:m; d_ff:m; vocab:m"
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), files=4)
+
+
+def _run(out, text, rules):
+    assert cli.main(["train", "--out", out, "--data", text, *TINY, "--rules", rules]) == 0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        losses = [json.loads(line)["loss"] for line in f]
+    with open(os.path.join(out, "summary.json")) as f:
+        return losses, json.load(f)
+
+
+def test_rules_auto_trains_as_the_layout_it_picks_and_records_it(text, tmp_path, capsys):
+    auto, summary = _run(str(tmp_path / "auto"), text, "auto")
+    printed = capsys.readouterr().out
+    chosen = summary["rules_auto"]
+    picked = chosen["rules"]
+    # the rules picked are real rules of this mesh, printed with the runner-up and its cost
+    assert picked != "auto" and summary["rules"] == picked and summary["mesh"] == chosen["mesh"] == "b:2,m:2"
+    assert f'--mesh b:2,m:2 --rules auto: picked --mesh b:2,m:2 --rules "{picked}"' in printed
+    runner = chosen["runner_up"]
+    assert runner["rules"] != picked and runner["mesh"] == "b:2,m:2"
+    assert f'runner-up --mesh b:2,m:2 --rules "{runner["rules"]}"' in printed
+    # the best ranks first: the runner-up costs at least as much (a traced one, or its lower bound)
+    assert runner.get("step_seconds", runner.get("step_seconds_lower_bound")) >= chosen["step_seconds"]
+    assert chosen["hardware"] == "cpu" and chosen["candidates"] >= chosen["traced"] >= 2
+    assert f"rules '{picked}'" in printed  # the run's banner: it trains on them
+    # the checkpoint records the rules picked, not "auto": --resume and generate read them as any others
+    index = read_index(str(tmp_path / "auto" / "checkpoint"))
+    assert index["extra"]["train_config"]["rules"] == index["rules"] == picked
+    assert generate_from_checkpoint(str(tmp_path / "auto"), "def ", 4, temperature=0.0, mesh="b:2,m:2",
+                                    rules=picked)
+    # the same losses as the explicit layout it picked (the same run), and as another layout up to
+    # float32 rounding of sums split differently
+    same, _ = _run(str(tmp_path / "same"), text, picked)
+    other, _ = _run(str(tmp_path / "other"), text, SPLIT if picked != SPLIT else "batch:b")
+    assert len(auto) == 3 and auto == same
+    assert auto == pytest.approx(other, abs=2e-4)
+    assert auto[-1] < auto[0]  # it trained
+
+
+def test_mesh_auto_picks_the_mesh_of_n_processors_and_its_rules(text, tmp_path, capsys):
+    flags = ["--data", text, *TINY, "--steps", "2"]
+    out = str(tmp_path / "auto")
+    assert cli.main(["train", "--out", out, *flags, "--mesh", "auto:4", "--rules", "auto"]) == 0
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    mesh, rules = summary["mesh"], summary["rules"]
+    assert Mesh(mesh).size == 4 and summary["rules_auto"]["mesh"] == mesh
+    assert f'--mesh auto:4 --rules auto: picked --mesh {mesh} --rules "{rules}"' in capsys.readouterr().out
+    index = read_index(os.path.join(out, "checkpoint"))
+    assert (index["extra"]["train_config"]["mesh"], index["extra"]["train_config"]["rules"]) == (mesh, rules)
+    # the explicit run of what it picked trains the same
+    same = str(tmp_path / "same")
+    assert cli.main(["train", "--out", same, *flags, "--mesh", mesh, "--rules", rules]) == 0
+    assert json.load(open(os.path.join(same, "summary.json")))["final_loss"] == summary["final_loss"]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--mesh", "auto:4", "--rules", "batch:b"], "--mesh auto:4 is picked with its rules: pass --rules auto"),
+    (["--mesh", "auto", "--rules", "auto"], "--mesh auto needs a processor count: --mesh auto:N"),
+    (["--mesh", "auto:x", "--rules", "auto"], "auto:N takes a processor count N >= 1"),
+    (["--rules", "auto", "--pipeline-stages", "2"], "--rules auto searches the layout of a plain step"),
+    # the config's own error, before any search
+    (["--rules", "auto", "--model", "moe", "--experts", "1", "--top-k", "2"],
+     "--experts 1 must be >= --top-k 2"),
+])
+def test_rules_auto_refuses_what_it_cannot_search_before_training(flags, needle, capsys, tmp_path):
+    mesh = [] if "--mesh" in flags else ["--mesh", "b:2,m:2"]
+    assert cli.main(["train", "--out", str(tmp_path / "x"), *mesh, *flags]) == 2
+    assert needle in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_rules_auto_cannot_be_read_before_it_is_resolved():
+    cfg = TrainConfig.of(mesh="b:2,m:2", rules="auto")
+    assert cfg.parallelism.auto_rules
+    with pytest.raises(ArgumentError, match="--rules auto is resolved by meshtorch train"):
+        _ = cfg.parallelism.parsed
+    assert str(cfg.replace(rules="batch:b").parallelism.parsed.rules) == "batch:b"
+
+
+@pytest.mark.parametrize("gpu, spec, note", [
+    ("NVIDIA H100 80GB HBM3", "h100", "for NVIDIA H100"),
+    ("NVIDIA A100-SXM4-80GB", "a100", "for NVIDIA A100"),
+    ("NVIDIA GeForce RTX 4090", "h100", "RTX 4090 has no spec of its own"),
+])
+def test_rules_auto_prices_the_gpu_the_run_is_on(gpu, spec, note, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    hardware, source = hardware_of_run(TrainConfig.of(device="cuda"), 2)
+    assert hardware == spec and note in source
+    assert hardware_of_run(TrainConfig.of(device="cpu"), 2)[0] == "cpu"
+
+
+def _train_auto(cfg, disagree):
+    """One torchrun-like process running ``meshtorch train --rules auto``; with ``disagree``, processor
+    1's search is made to pick other rules. The rules trained on and the final loss, or the error."""
+    import meshtorch.recipes.lm.trainer as trainer
+    from meshtorch.context import current
+
+    choose = trainer.choose_rules
+
+    def other_on_rank_1(c, vocab, processes):
+        c, chosen = choose(c, vocab, processes)
+        other = "" if str(c.parallelism.parsed.rules) else "batch:b"
+        return (c.replace(rules=other) if current().rank == 1 else c), chosen
+
+    if disagree:
+        trainer.choose_rules = other_on_rank_1
+    try:
+        result = trainer.train(cfg)
+    except Exception as e:
+        return str(e)
+    finally:
+        trainer.choose_rules = choose
+    return result["mesh"], result["rules"], result["final_loss"]
+
+
+@pytest.mark.parametrize("disagree", [False, True])
+def test_auto_under_torchrun_every_process_trains_on_the_same_layout(text, tmp_path, disagree):
+    import meshtorch as mt
+
+    cfg = TrainConfig.of(backend="torch", steps=2, data=text, out=str(tmp_path / "run"), tokenizer="bytes",
+                         mesh="b:2" if disagree else "auto", rules="auto", d_model=16, heads=2, d_kv=8,
+                         d_ff=32, layers=1, batch=4, length=16, eval_batches=1, sample_tokens=4,
+                         log_every=1, progress=False)
+    per_proc = mt.launch(_train_auto, cfg, disagree, mesh="b:2", backend="torch", nprocs=2)
+    if disagree:  # every process stops, naming what each picked (none waits for the others forever)
+        assert all("--rules auto picked different rules on different processes" in p for p in per_proc)
+        return
+    # --mesh auto: torchrun's 2 processes; both pick the same mesh and rules and train alike
+    (mesh, rules, loss), other = per_proc
+    assert Mesh(mesh).size == 2 and rules != "auto" and other == (mesh, rules, loss)
