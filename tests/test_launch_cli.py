@@ -98,8 +98,12 @@ def test_launch_threads_backend_in_process(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text(SCRIPT.format(init=False).replace("dist.get_world_size() if dist.is_initialized()",
                                                         "2 if True"))
+    main, argv, path = sys.modules["__main__"], list(sys.argv), list(sys.path)
     assert cli_main(["launch", "--backend", "threads", "--mesh", "m:2", "--rules", "d:m", str(script),
                      str(tmp_path)]) == 0
+    # this process is itself again: the processors' runpy swaps of __main__ overlap, and a script
+    # module left as __main__ would run in every child a later spawn starts
+    assert sys.modules["__main__"] is main and sys.argv == argv and sys.path == path
     recs = _records(tmp_path)
     for rec in recs:
         rec["backend"] = "torch"  # the same program, the threads communicator

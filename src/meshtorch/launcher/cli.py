@@ -18,12 +18,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import runpy
 import signal
 import socket
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 from meshtorch.comm.base import check_timeout
@@ -73,6 +75,24 @@ def _run_script(script: str, argv: list[str] | None = None) -> None:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
+
+
+@contextlib.contextmanager
+def _as_main_script(script: str, argv: list[str]) -> Iterator[None]:
+    """This process set up as ``python script argv...`` for the block (the threads backend's
+    processors all run ``script`` here), and restored after: ``sys.argv``, ``sys.path`` and
+    ``sys.modules["__main__"]``. Each thread's ``runpy.run_path(run_name="__main__")`` swaps the
+    ``__main__`` module and puts back what it found, so processors that overlap can leave a
+    script's module as ``__main__``, and a later spawn would run the script in every child."""
+    saved = sys.argv, list(sys.path), sys.modules.get("__main__")
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python script.py does
+    try:
+        yield
+    finally:
+        sys.argv, sys.path[:] = saved[0], saved[1]
+        if saved[2] is not None:
+            sys.modules["__main__"] = saved[2]
 
 
 def bootstrap() -> None:
@@ -243,10 +263,9 @@ def _cli_launch(a: argparse.Namespace) -> int:
     if not multi:
         try:
             if a.backend == "threads":
-                sys.argv = [a.script, *a.script_args]
-                sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))  # as python script.py does
                 device = threads_device(a.device, mesh.size)
-                run_threads(_run_script, (a.script,), {}, mesh, rules, a.timeout, a.check, device)
+                with _as_main_script(a.script, a.script_args):
+                    run_threads(_run_script, (a.script,), {}, mesh, rules, a.timeout, a.check, device)
             else:
                 launch_processes(_run_script, (a.script, list(a.script_args)), {}, mesh, rules,
                                  a.timeout, a.check, nprocs=n, device=a.device)
