@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from meshtorch.context import current
+from meshtorch.context import current, processor_device
 from meshtorch.errors import MeshTorchError
 from meshtorch.meta_autocast import MetaAutocast
 from meshtorch.optim.params import Params, mesh_views
@@ -40,8 +40,7 @@ def _device_type() -> str:
     ctx = current()
     if ctx.comm.backend == "meta":
         return "meta"
-    dev = ctx.device if ctx.device is not None else torch.get_default_device()
-    return dev.type
+    return processor_device().type
 
 
 def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True,
