@@ -194,7 +194,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         for c in order:
             if c in done:
                 continue
-            if lb[c][1] > spec.memory_bytes:
+            if lb[c][1] > spec.usable_memory:
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "memory")
             elif lb[c][0] * (1 + 1e-9) >= best_time():
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "time")
@@ -255,7 +255,7 @@ def _search_pipelines(program: Program, family: list[Candidate],
         mesh, rules, mb = c
         step = pipelined(mb)
         label = f"{program_pipeline(step).schedule} x{mb}"
-        if lb[c][1] > spec.memory_bytes:
+        if lb[c][1] > spec.usable_memory:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "memory", pipeline=label))
         elif lb[c][0] * (1 + 1e-9) >= best:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "time", pipeline=label))

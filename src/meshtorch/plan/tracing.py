@@ -57,6 +57,7 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.plan.allocator import block_bytes
 from meshtorch.plan.kernels import Kernel, SequenceOp, footprint, fuse_elementwise, kernel_of
 from meshtorch.plan.shape_memo import run as run_op
 from meshtorch.plan.shape_memo import tensors_in
@@ -199,6 +200,8 @@ class Tracer(TorchDispatchMode):
             return hit[0]
         self.serial += 1
         n = st.nbytes()
+        if self.device == "cuda" and st.device.type == "meta":
+            n = block_bytes(n)  # a GPU's storage is a caching-allocator block (plan/allocator.py)
         self.live[key] = (self.serial, n)
         self.events.append((self.serial, n))
         weakref.finalize(st, self._free, key)
@@ -577,7 +580,9 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     step compiled by ``torch.compile`` (:func:`meshtorch.plan.kernels.fuse_elementwise`:
     runs of memory-bound ops fused), for a GPU's roofline; the rest of the trace is the same.
     ``device`` (``"cpu"`` or ``"cuda"``) is the device the meta tensors stand for
-    (:func:`device_type`): where the planned run computes, so that it picks the same kernels.
+    (:func:`device_type`): where the planned run computes, so that it picks the same kernels;
+    for ``"cuda"`` each storage is followed as the caching allocator's block that holds it
+    (:func:`meshtorch.plan.allocator.block_bytes`), so the peak is ``max_memory_allocated``'s.
     """
     from meshtorch.launcher import launch
     from meshtorch.launcher.meta import run_meta

@@ -1,0 +1,76 @@
+"""A GPU plan's memory is the caching allocator's: each storage a block, a fragmentation margin
+and the CUDA context on top (plan/allocator.py), and a plan fits what is left of the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from meshtorch.plan.allocator import block_bytes, reserved_bytes, usable_bytes
+from meshtorch.plan.devices import device, load_spec, save_spec
+from meshtorch.plan.estimate import from_trace
+
+MiB = 2 ** 20
+
+
+@given(st.integers(1, 64 * MiB))
+@settings(max_examples=60, deadline=None)
+def test_a_block_is_the_request_rounded_as_the_allocator_cuts_segments(n):
+    b = block_bytes(n)
+    assert b % 512 == 0 and b >= n
+    if n < 10 * MiB:  # cut from a 2 MiB or 20 MiB segment, the rest split off: only 512-byte rounding
+        assert b - n < 512
+    else:  # a segment of its own, 2 MiB-rounded; its rest is split off only when over 1 MiB
+        size = -(-n // 512) * 512
+        segment = -(-size // (2 * MiB)) * (2 * MiB)
+        assert b == (size if segment - size > MiB else segment)
+        assert b - n < MiB + 512
+
+
+def _step():
+    a = mt.random.normal("batch:3", seed=1)                      # 12 B: one 512-byte block
+    b = mt.random.normal(f"batch:{11 * MiB // 4}", seed=2)       # 11 MiB: its whole 12 MiB segment
+    c = mt.random.normal(f"batch:{21 * MiB // 8}", seed=3)       # 10.5 MiB: split off a 12 MiB one
+    with mt.plan.measure():
+        return [x * 2 for x in (a, b, c)]                         # a copy of each alive at once
+
+
+def test_a_trace_for_a_gpu_holds_each_storage_as_its_block():
+    host = mt.plan.trace(_step, mesh="b:1", device="cpu")
+    gpu = mt.plan.trace(_step, mesh="b:1", device="cuda")
+    assert host.peak_bytes == 2 * (12 + 11 * MiB + 21 * MiB // 2)
+    assert gpu.peak_bytes == 2 * (512 + 12 * MiB + 21 * MiB // 2)
+
+
+def test_a_gpu_plan_fits_what_the_context_and_the_margin_leave():
+    spec = device("h100")
+    assert spec.memory_margin == 0.10 and spec.context_bytes == 2 ** 29
+    usable = spec.usable_memory
+    m, ctx = 0.10, 2 ** 29
+    assert reserved_bytes(usable, m, ctx) <= spec.memory_bytes < reserved_bytes(usable + 2, m, ctx)
+    t = mt.plan.trace(_step, mesh="b:1", device="cuda")
+    # a device as small as the step's peak plus its margin and context: fits to the byte, not one less
+    exact = reserved_bytes(t.peak_bytes, 0.10, 2 ** 29)
+    for capacity, fits in ((exact + 1, True), (exact - 2, False)):
+        small = dataclasses.replace(spec, memory_bytes=capacity)
+        est = from_trace(t, "b:1", small)
+        assert est.fits is fits and est.memory_capacity == usable_bytes(capacity, 0.10, 2 ** 29)
+    # a CPU spec has neither: its plans compare the peak with the memory itself
+    cpu = dataclasses.replace(device("a100"), memory_margin=0.0, context_bytes=0)
+    assert cpu.usable_memory == cpu.memory_bytes
+
+
+def test_a_device_file_carries_the_allocator_numbers(tmp_path):
+    spec = dataclasses.replace(device("h100"), memory_margin=0.25, context_bytes=3 * 2 ** 28)
+    save_spec(spec, tmp_path / "gpu.json")
+    back = load_spec(tmp_path / "gpu.json")
+    assert (back.memory_margin, back.context_bytes) == (0.25, 3 * 2 ** 28)
+    assert back.usable_memory == usable_bytes(spec.memory_bytes, 0.25, 3 * 2 ** 28)
+    d = json.loads((tmp_path / "gpu.json").read_text())
+    del d["memory_margin"], d["context_bytes"]   # an older file: neither, so no allowance
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_spec(tmp_path / "old.json").usable_memory == spec.memory_bytes
