@@ -135,7 +135,9 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     staging = staging_for(par.backend, "cuda" if on_gpu else "cpu")
     # --mesh auto searches the meshes of its processors too, without pipeline stages (their flags
     # come from meshtorch plan --search)
-    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging)
+    # a run that compiles is priced compiled: the layout that wins may differ from the eager step's
+    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging,
+                 compiled=cfg.run.compile)
     ranked = res.ranking()
     best = res.best
 
@@ -146,7 +148,7 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
         return {"mesh": c.mesh, "rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
 
     chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
-              "hardware_source": source,
+              "hardware_source": source, "compiled": cfg.run.compile,
               "candidates": res.space, "traced": len(res.candidates), "search_seconds": round(res.seconds, 2),
               **entry(best), "runner_up": entry(ranked[1]) if len(ranked) > 1 else None}
     return cfg.replace(mesh=best.mesh, rules=best.rules), chosen
@@ -155,8 +157,9 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
 def describe_choice(chosen: dict[str, Any]) -> str:
     """The lines ``meshtorch train --rules auto`` prints about the rules it picked and why."""
     c = chosen
+    step = "compiled step" if c.get("compiled") else "step"
     lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\": planned "
-             f"{c['step_seconds'] * 1e3:.2f} ms a step on {c['hardware']} ({c['hardware_source']}; "
+             f"{c['step_seconds'] * 1e3:.2f} ms a {step} on {c['hardware']} ({c['hardware_source']}; "
              f"{c['candidates']} candidates, {c['traced']} traced, in {c['search_seconds']} s); {c['why']}"]
     if not chosen["fits"]:
         lines.append("  no layout of this mesh fits the planned memory: this is the one that needs least")
@@ -223,9 +226,6 @@ def run(args: argparse.Namespace) -> int:
     if par.pipeline_stages > 1 and args.search:
         raise PlanError("--search tries pipeline stages itself (--no-pipeline leaves them out); "
                         "--pipeline-stages N prices one pipelined layout: drop one of the two")
-    if compiled and args.search:
-        raise PlanError("--search prices eager steps; drop --compile, then plan the layout it picks with "
-                        "--mesh, --rules and --compile")
     if not args.search:
         check_config(cfg, vocab)  # meshtorch train's own checks (layout, --compile with pipelines, ...)
     if par.pipeline_stages > 1:
@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
         res = search(step, target, device=args.hardware, algorithm=args.algorithm, pipeline=args.pipeline,
-                     staging=staging, axes=args.axes)
+                     staging=staging, axes=args.axes, compiled=compiled)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
