@@ -169,7 +169,8 @@ def test_a_llama_3_8b_config_plans_on_8_h100s_with_fsdp(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated"],
-                                   ["--recompute", "--rules", "batch:b; d_model:b"]])
+                                   ["--recompute", "--rules", "batch:b; d_model:b"],
+                                   ["--compile", "--precision", "bf16"]])
 def test_layered_plan_equals_the_full_trace(capsys, flags):
     """--layered (the default) extrapolates from two shallow depths: the same parameters, FLOPs, bytes
     and memory as tracing every layer; the step time within 1%."""

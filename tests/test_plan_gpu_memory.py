@@ -74,3 +74,47 @@ def test_a_device_file_carries_the_allocator_numbers(tmp_path):
     del d["memory_margin"], d["context_bytes"]   # an older file: neither, so no allowance
     (tmp_path / "old.json").write_text(json.dumps(d))
     assert load_spec(tmp_path / "old.json").usable_memory == spec.memory_bytes
+
+
+# A hand-made compiled step: p (a parameter, 100 B); x -> mm -> h -> gelu -> g -> mm -> o in the
+# forward; in the backward a fused pair reads g (-> dg) and h, dg (-> dh). Storages are 40 B.
+MM, ELT = ("mm", "float32", 8, 120, (1, 1, 1, 1), 1, 0), ("gelu", "float32", 0, 80, (), 1, 0)
+P, X, H, G, O, DG, DH = 1, 2, 3, 4, 5, 6, 7
+SEQ = [(MM, ((X, 40), (P, 100)), ((H, 40),)), (ELT, ((H, 40),), ((G, 40),)),
+       (MM, ((G, 40), (P, 100)), ((O, 40),)),
+       (ELT, ((G, 40),), ((DG, 40),)), (ELT, ((H, 40), (DG, 40)), ((DH, 40),))]
+BACKWARD = [False, False, False, True, True]
+EVENTS = [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (DG, 40), (G, -40), (DH, 40), (DG, -40), (H, -40)]
+AT = [3, 4, 5, 6, 8]
+KIND = {P: "parameters"}
+
+
+def test_a_compiled_step_keeps_neither_fused_temporaries_nor_what_it_can_remake():
+    from meshtorch.plan.compiled_memory import compiled_timeline, peak_of
+    from meshtorch.plan.tracing import KINDS
+
+    eager = [(float(i), s, d) for i, (s, d) in enumerate(EVENTS)]
+    assert peak_of(eager, [], KIND, KINDS)[0] == 100 + 5 * 40   # p, x, h, g, o and dg at once
+    got = compiled_timeline(SEQ, AT, BACKWARD, EVENTS, KIND)
+    # dg lives inside the backward's fused kernel; g is dropped after its forward reader (h, which
+    # remakes it, is alive in the backward anyway); dh is a result, kept
+    assert [(s, d) for _, s, d in got] == [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (G, -40),
+                                          (DH, 40), (H, -40)]
+    assert peak_of(got, [], KIND, KINDS) == (100 + 4 * 40, {"parameters": 100, "gradients": 0,
+                                                            "optimizer": 0, "activations": 160})
+
+
+def test_what_costs_more_to_keep_than_to_save_is_saved():
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    # h is not read in the backward (freed after gelu) and is twice g: remaking g would keep 80 B
+    # for 40, so g is saved as in eager; a backward reader outside a fused run reads it as it is
+    seq = [SEQ[0], SEQ[1], SEQ[2], (MM, ((G, 40),), ((DG, 40),))]
+    events = [(P, 100), (X, 40), (H, 80), (G, 40), (H, -80), (O, 40), (DG, 40), (G, -40)]
+    got = compiled_timeline(seq, [3, 4, 6, 7], [False, False, False, True], events, KIND)
+    assert [(p, s, d) for p, s, d in got] == [(float(i), s, d) for i, (s, d) in enumerate(events)]
+    # with h alive in the backward, g is remade there, into a buffer alive for the mm alone
+    events = [(P, 100), (X, 40), (H, 80), (G, 40), (O, 40), (DG, 40), (G, -40), (H, -80)]
+    got = compiled_timeline(seq, [3, 4, 5, 6], [False, False, False, True], events, KIND)
+    remade = [(p, d) for p, s, d in got if s < 0]
+    assert remade == [(4.9, 40), (5.75, -40)] and (4.75, G, -40) in got
