@@ -118,7 +118,7 @@ def fit_matmul(rates: dict[tuple[str, Shape], float]) -> tuple[dict[str, float],
         >>> knee, round(peak["bfloat16"] / 7e14, 6)
         (32.0, 1.0)
     """
-    best: tuple[float, dict[str, float], float] | None = None
+    best: tuple[float, dict[str, float], float] = (math.inf, {}, 0.0)
     dtypes = sorted({dt for dt, _ in rates})
     for knee in KNEES:
         peaks, err = {}, 0.0
@@ -128,9 +128,8 @@ def fit_matmul(rates: dict[tuple[str, Shape], float]) -> tuple[dict[str, float],
             mean = sum(logs) / len(logs)
             peaks[dt] = math.exp(mean)
             err += sum((x - mean) ** 2 for x in logs)
-        if best is None or err < best[0] - 1e-12:
+        if err < best[0] - 1e-12:
             best = (err, peaks, knee)
-    assert best is not None  # KNEES is not empty
     return best[1], best[2]
 
 
