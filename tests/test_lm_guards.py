@@ -254,6 +254,21 @@ def test_a_stated_budget_replaces_the_devices_memory(text, monkeypatch):
         check_memory(cfg.replace(memory_budget=(need - 1024) / gib), 264, processes=2)
 
 
+def test_a_compiled_run_is_checked_as_the_compiled_step_holds_memory(text, monkeypatch):
+    import meshtorch as mt
+    from meshtorch.plan import devices
+    from meshtorch.recipes.lm.steps import training_step
+
+    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, mesh="b:1",
+                         rules="batch:b", data=text, steps=2, progress=False, precision="bf16")
+    monkeypatch.setattr(devices, "available_memory", lambda: (1 << 40, "test"))
+    compiled = cfg.replace(compile=True)
+    got = check_memory(compiled, 264, processes=1)
+    want = mt.plan.trace(training_step(compiled, 264), mesh="b:1", rules="batch:b", compiled=True)
+    eager = check_memory(cfg, 264, processes=1)
+    assert got["total"] == want.peak_bytes < eager["total"]
+
+
 def test_on_gpus_one_processors_peak_must_fit_the_fullest_gpu(text, tmp_path, monkeypatch):
     from meshtorch.plan import devices
     from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION

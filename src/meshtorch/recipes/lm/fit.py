@@ -25,9 +25,10 @@ GiB = 2 ** 30
 
 
 def _traced(cfg: TrainConfig, vocab: int, runs_on: str) -> Trace:
+    # a --compile run holds what inductor keeps (plan/compiled_memory.py), less than its eager step
     par = cfg.parallelism
     return trace(training_step(cfg, vocab), mesh=par.parsed.mesh, rules=par.parsed.rules,
-                 staging=staging_for(par.backend, runs_on), device=runs_on)
+                 staging=staging_for(par.backend, runs_on), device=runs_on, compiled=cfg.run.compile)
 
 
 def processor_need(t: Trace, on_gpu: bool) -> int:
