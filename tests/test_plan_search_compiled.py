@@ -29,8 +29,6 @@ def test_the_compiled_search_equals_pricing_every_candidate_compiled():
     for e in res.candidates:  # each traced candidate is priced as its compiled trace
         assert e.step_seconds == every[e.rules].step_seconds
     # and below the eager pricing of the same layout: the search did not price eager steps
-    eager = mt.plan.search(step, "b:2", device=spec)
-    assert res.best.step_seconds < eager.best.step_seconds
     eager_of_pick = from_trace(mt.plan.trace(step, mesh="b:2", rules=res.best.rules, device="cuda"),
                                "b:2", spec)
     assert res.best.step_seconds < eager_of_pick.step_seconds
