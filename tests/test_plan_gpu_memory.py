@@ -118,3 +118,26 @@ def test_what_costs_more_to_keep_than_to_save_is_saved():
     got = compiled_timeline(seq, [3, 4, 5, 6], [False, False, False, True], events, KIND)
     remade = [(p, d) for p, s, d in got if s < 0]
     assert remade == [(4.9, 40), (5.75, -40)] and (4.75, G, -40) in got
+
+
+def test_without_autograds_task_id_nothing_is_remade(monkeypatch):
+    """torch._C._current_graph_task_id (private) says which ops ran in the backward; a torch without
+    it plans a compiled step with its fused temporaries dropped but nothing remade."""
+    import torch
+
+    from meshtorch.plan.tracing import _in_backward
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import training_step
+
+    cfg = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=1, batch=4, length=16,
+                         precision="bf16", mesh="b:1", rules="batch:b")
+
+    def peak(compiled: bool) -> int:
+        return mt.plan.trace(training_step(cfg, 512), mesh="b:1", rules="batch:b", compiled=compiled,
+                             device="cuda").peak_bytes
+
+    eager, remade = peak(False), peak(True)
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    assert not _in_backward()
+    fused_only = peak(True)
+    assert remade < fused_only < eager
