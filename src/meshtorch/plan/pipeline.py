@@ -331,7 +331,7 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         flops_by_dtype=max(ests, key=lambda e: e.flops).flops_by_dtype,
         bytes_per_axis=_most([e.bytes_per_axis for e in ests]),
         calls_per_axis=_most([e.calls_per_axis for e in ests]),
-        memory_bytes=dict(fullest.memory_bytes), memory_capacity=spec.memory_bytes,
+        memory_bytes=dict(fullest.memory_bytes), memory_capacity=spec.usable_memory,
         fits=all(e.fits for e in ests), compute_seconds=max(e.compute_seconds for e in ests),
         comm_seconds=comm_seconds, step_seconds=sim.step_time + max(update) + max(sync),
         axis=axis, stages=p, schedule=schedule, microbatches=mb, recompute=recompute,

@@ -293,6 +293,8 @@ class RunSection:
     progress: bool = True
     overwrite: bool = False
     memory_check: bool = True
+    # GiB one processor may use (0: what its device has free); what the memory check compares with
+    memory_budget: float = 0.0
     # from Hugging Face: a model directory to fine-tune (its config.json sets the model), a tokenizer
     init_from: str | None = None
     tokenizer: str = "auto"

@@ -65,7 +65,11 @@ HELP = {
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
     "recompute": "recompute each block's activations in backward instead of keeping them (less memory, "
                  "one more forward of FLOPs; meshtorch plan prices it)",
-    "memory_check": "before training, compare the planner's peak-memory prediction with the memory available",
+    "memory_check": "before training, compare the planner's peak-memory prediction with the memory available "
+                    "(on GPUs: the caching allocator's peak, its fragmentation margin and the CUDA context, "
+                    "against each GPU's free memory) and refuse a run that does not fit",
+    "memory_budget": "GiB one processor may use, for the memory check (0: what its GPU has free, or the "
+                     "host's available memory shared by its processors)",
     "init_from": "fine-tune a Hugging Face model directory (config.json + safetensors; Llama family or "
                  "GPT-2): its config sets the model, each processor reads its slices of the weights",
     "tokenizer": "bytes; bpe:N: a byte-level BPE of N ids fitted to the training data (saved in "

@@ -39,6 +39,7 @@ from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
 from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
+from meshtorch.recipes.lm.fit import check_memory
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.plan_cli import choose_rules, describe_choice
@@ -58,7 +59,6 @@ from meshtorch.recipes.lm.report import (
     step_flops,
 )
 from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
-from meshtorch.recipes.lm.steps import check_memory
 from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
