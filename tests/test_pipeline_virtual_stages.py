@@ -85,7 +85,8 @@ def test_interleaved_with_data_parallel_replicas():
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["interleaved", "zb", "1f1b"]))
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3),
+       st.sampled_from(["interleaved", "zb", "1f1b"]))
 def test_each_pair_receives_in_the_order_it_sends(p, v, rounds, name):
     # Tags keep the chunks' messages apart on gloo; NCCL ignores tags and matches a pair's messages in
     # order. So the tables must make every stage receive from a peer in the order the peer sends.
@@ -210,7 +211,7 @@ def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path
         # synchronous schedules: AdamW, warm-up, clipping over all stages (the tied table once) as unsplit
         assert losses(name) == pytest.approx(losses("plain"), abs=2e-4)
         summary = json.load(open(os.path.join(tmp_path, name, "summary.json")))
-        assert summary["schedule"] == name and summary["virtual_stages"] == (2 if name == "interleaved" else 1)
+        assert (summary["schedule"], summary["virtual_stages"]) == (name, 2 if name == "interleaved" else 1)
         got = checkpoint_tensors(str(tmp_path / name))  # gathered from the chunks: the unsplit run's
         assert sorted(got) == sorted(plain)
         for k in plain:
@@ -218,13 +219,14 @@ def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path
 
 
 @pytest.mark.parametrize("flags,match", [
-    (dict(layers=6, virtual_stages=2, schedule="interleaved"), "--layers 6 do not divide into --pipeline-stages 2 "
-     "× --virtual-stages 2 = 4 model chunks"),
+    (dict(layers=6, virtual_stages=2, schedule="interleaved"),
+     "--layers 6 do not divide into --pipeline-stages 2 × --virtual-stages 2 = 4 model chunks"),
     (dict(layers=4, virtual_stages=2, schedule="1f1b"), "--virtual-stages 2 needs --schedule interleaved"),
     (dict(layers=4, virtual_stages=2, schedule="interleaved", microbatches=3),
      "--microbatches 3 must be a multiple of 2"),
     (dict(layers=1, schedule="zb"), "--layers 1 do not divide into --pipeline-stages 2"),
-    (dict(layers=4, virtual_stages=2, pipeline_stages=1), "--virtual-stages 2 .* needs --pipeline-stages > 1"),
+    (dict(layers=4, virtual_stages=2, pipeline_stages=1),
+     "--virtual-stages 2 .* needs --pipeline-stages > 1"),
 ])
 def test_stage_flags_that_cannot_work_are_named(flags, match):
     from meshtorch.recipes.lm import TrainConfig, check_config

@@ -223,8 +223,8 @@ class Executor:
     def _check(self, schedule: Schedule) -> None:
         v = len(self.chunks)
         if schedule.virtual_stages != v:
-            raise PipelineError(f"schedule {schedule.name!r} has {schedule.virtual_stages} model chunk(s) per "
-                                f"stage but stage {self.stage} holds {v}; pass a list of "
+            raise PipelineError(f"schedule {schedule.name!r} has {schedule.virtual_stages} model chunk(s) "
+                                f"per stage but stage {self.stage} holds {v}; pass a list of "
                                 f"{schedule.virtual_stages} chunks (local chunk k = model chunk k·p + stage) "
                                 f"or build the table with virtual_stages={v}")
         if schedule.stages != self.stages:
@@ -298,7 +298,8 @@ class Executor:
         s, m, nb = self.stage, schedule.microbatches, schedule.batches
         n = self.stages * len(self.chunks)  # model chunks
         first, holds_last = s == 0, s == (n - 1) % self.stages
-        for name, seq in (("inputs", inputs if first else None), ("targets", targets if holds_last else None)):
+        given = (("inputs", inputs if first else None), ("targets", targets if holds_last else None))
+        for name, seq in given:
             if seq is not None and len(seq) != m * nb:
                 raise PipelineError(f"stage {s}: {len(seq)} micro-batch {name} for {nb} batch(es) of {m} "
                                     "micro-batches")

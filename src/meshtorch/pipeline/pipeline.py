@@ -13,9 +13,9 @@ produce the right gradients). So the mesh ``stage:4,b:2`` is 3-D parallelism.
 Schedules (``schedule=``): ``"gpipe"``, ``"1f1b"``, ``"zb"`` (ZB-H1: the
 backward split into the input gradient and the deferred weight gradient) and
 ``"interleaved"`` (interleaved 1F1B: ``virtual_stages=v`` model chunks per
-stage, chunk ``c`` on stage ``c mod p``) are synchronous: after a step, the parameters are those of training the unsplit
-model on the whole batch (the loss being a mean over each micro-batch, all of
-equal size).
+stage, chunk ``c`` on stage ``c mod p``) are synchronous: after a step, the
+parameters are those of training the unsplit model on the whole batch (the
+loss being a mean over each micro-batch, all of equal size).
 ``"2bw"`` is PipeDream-2BW (Narayanan et al., ICML 2021): each stage keeps
 two weight versions; the gradient of batch ``t``, coalesced over its ``m``
 micro-batches, is computed with the weights of one step before and applied

@@ -188,7 +188,7 @@ class ParallelismSection:
     pipeline_stages: int = 1
     microbatches: int = 4
     schedule: str = "1f1b"
-    # model chunks per stage (--schedule interleaved): chunk c of pipeline_stages·virtual_stages on stage c mod p
+    # model chunks per stage (--schedule interleaved): chunk c of p·v on stage c mod p
     virtual_stages: int = 1
     # seconds a collective waits for the other processors before the run fails
     timeout: float = 300.0
@@ -421,13 +421,14 @@ def check_stages(cfg: TrainConfig) -> None:
     micro-batches go through the chunks in rounds of ``p``.
 
     Example:
-        >>> check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved", layers=8))
+        >>> check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved",
+        ...                             layers=8))
         >>> try:
         ...     check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved",
         ...                                 layers=6))
         ... except PipelineError as e:
-        ...     print(str(e)[:62])
-        --layers 6 do not divide into --pipeline-stages 2 × --virtual
+        ...     print(str(e)[:79])
+        --layers 6 do not divide into --pipeline-stages 2 × --virtual-stages 2 = 4 model
     """
     par, layers = cfg.parallelism, cfg.model.layers
     p, v, m = par.pipeline_stages, par.virtual_stages, par.microbatches
@@ -437,16 +438,16 @@ def check_stages(cfg: TrainConfig) -> None:
                                 "--pipeline-stages > 1 (and --schedule interleaved)")
         return
     if v > 1 and par.schedule != "interleaved":
-        raise PipelineError(f"--virtual-stages {v} needs --schedule interleaved (--schedule {par.schedule} runs "
-                            "one model chunk per stage); or drop --virtual-stages")
+        raise PipelineError(f"--virtual-stages {v} needs --schedule interleaved (--schedule {par.schedule} "
+                            "runs one model chunk per stage); or drop --virtual-stages")
     if par.schedule == "interleaved" and m % p:
         raise PipelineError(f"--schedule interleaved sends micro-batches through the chunks in rounds of "
                             f"--pipeline-stages {p}: --microbatches {m} must be a multiple of {p}")
     if layers < p * v or (v > 1 and layers % (p * v)):
         want = f"a multiple of {p * v}" if v > 1 else f"at least {p}"
-        raise PipelineError(f"--layers {layers} do not divide into --pipeline-stages {p} × --virtual-stages {v} "
-                            f"= {p * v} model chunks of equal depth; use --layers {want}, or fewer stages or "
-                            "virtual stages")
+        raise PipelineError(f"--layers {layers} do not divide into --pipeline-stages {p} × --virtual-stages "
+                            f"{v} = {p * v} model chunks of equal depth; use --layers {want}, or fewer "
+                            "stages or virtual stages")
 
 
 def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:
@@ -460,8 +461,8 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         if name == "schedule":
             hint = f"; the learning-rate schedule is --lr-schedule {value}" if value in LR_SCHEDULES else ""
             raise MeshTorchError(f"--schedule {value!r} is not a pipeline schedule "
-                                 f"({', '.join(map(repr, PIPELINE_SCHEDULES))}; used with --pipeline-stages > "
-                                 f"1){hint}")
+                                 f"({', '.join(map(repr, PIPELINE_SCHEDULES))}; used with "
+                                 f"--pipeline-stages > 1){hint}")
         if name == "lr_schedule":
             raise MeshTorchError(f"--lr-schedule {value!r} is not 'cosine' or 'constant'")
         if section == "model" and name != "model":
