@@ -427,7 +427,7 @@ def check_stages(cfg: TrainConfig) -> None:
         ...     check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved",
         ...                                 layers=6))
         ... except PipelineError as e:
-        ...     print(str(e)[:79])
+        ...     print(str(e)[:80])
         --layers 6 do not divide into --pipeline-stages 2 × --virtual-stages 2 = 4 model
     """
     par, layers = cfg.parallelism, cfg.model.layers
