@@ -479,10 +479,10 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         raise MeshError(f"--mesh {par.mesh!r}{staged} has {mesh.size} processors but {world} processes "
                         f"are running; start {mesh.size} processes or pass {want}")
     check_layout(cfg, vocab)
-    check_stages(cfg)
     if cfg.run.compile and par.pipeline_stages > 1:
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
                              f"{par.pipeline_stages}) runs eagerly: drop one of them")
+    check_stages(cfg)
     if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
         raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
     cfg.model_config(vocab)
