@@ -12,10 +12,12 @@ stage produces earlier, and a valid table cannot deadlock.
 
 A table with weight-gradient actions (``"zb"``) splits the backward: ``B``
 computes only the input gradients (``torch.autograd.grad`` on the stage's
-inputs, keeping the graph) and sends them on; ``W``, later, computes the
-parameters' gradients (``torch.autograd.grad`` on the parameters) and
-accumulates them, as ``torch.distributed.pipelining`` does; a stage that is
-not an ``nn.Module`` gets no weight gradients.
+inputs, keeping the graph and the gradients flowing into the ops the
+parameters feed) and sends them on; ``W``, later, computes the parameters'
+gradients from those kept gradients and accumulates them, as
+``torch.distributed.pipelining`` does (:mod:`~meshtorch.pipeline.split_backward`:
+each part of the backward runs once); a stage that is not an ``nn.Module``
+gets no weight gradients.
 
 With virtual stages (``"interleaved"``, ``v`` model chunks per stage) the
 module is a list (or ``nn.ModuleList``) of this stage's ``v`` chunks, local
@@ -69,6 +71,7 @@ import torch
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
 from meshtorch.pipeline.schedule import FORWARD, WEIGHT, Schedule
+from meshtorch.pipeline.split_backward import Kept, input_gradient, weight_gradient
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
 
@@ -128,18 +131,6 @@ def _add(totals: list, b: int, loss: torch.Tensor) -> None:
 def _call(module: Callable, value: Any) -> Any:
     return module(*value) if isinstance(value, tuple) else module(value)
 
-
-
-def _input_gradient(outs: list, grads: list, inputs: list) -> None:
-    """The split backward's ``B``: the gradient of ``outs`` (given ``grads``) with respect to
-    the stage's floating inputs only, put in their ``.grad`` (what the executor sends back);
-    the graph is retained for the weight gradient."""
-    xs = [local(x) for x in inputs]
-    wanted = [x for x in xs if x is not None and x.requires_grad]
-    if not outs or not wanted:
-        return
-    for x, g in zip(wanted, torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)):
-        x.grad = g
 
 
 def _marked_update(on_update: Callable[[int], None], batch: int) -> None:
@@ -253,19 +244,6 @@ class Executor:
         comm.wait_sends()
         return torch.stack(totals) if holds_last else None
 
-    @staticmethod
-    def _weight_gradient(module: Any, outs: list, grads: list) -> None:
-        """The split backward's ``W``: the gradient of ``outs`` with respect to the chunk's
-        parameters (``torch.autograd.grad``, as ``torch.distributed.pipelining`` does),
-        accumulated in their ``.grad``; frees the micro-batch's graph."""
-        params = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) \
-            else []
-        if not outs or not params:
-            return
-        for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-
     def _forward(self, module: Callable, inp: Any, target: Any, last: bool) -> Any:
         out = _call(module, inp)
         if not last:
@@ -309,7 +287,7 @@ class Executor:
         split = schedule.split_backward
         # (local chunk, micro-batch) -> the forward's stash; -> (outputs, their gradients) for its W
         stash: dict[tuple[int, int], tuple] = {}
-        pending: dict[tuple[int, int], tuple[list, list]] = {}
+        pending: dict[tuple[int, int], Kept] = {}
         totals: list[torch.Tensor | None] = [None] * nb
         self.trace, self.trace_chunks = [], []
         self._here = {}
@@ -335,10 +313,9 @@ class Executor:
                     self._send(comm, out, c + 1, FORWARD_TAG)
                 stash[k, i] = (inp, target, rng, None if self.recompute else out)
             elif a.kind == WEIGHT:
-                outs, grads = pending.pop((k, i))
                 t0 = time.perf_counter()
                 with self._errors("weight gradient", i, schedule, k):
-                    self._weight_gradient(module, outs, grads)
+                    weight_gradient(pending.pop((k, i)))
                 t1 = time.perf_counter()
             else:
                 inp, target, rng, out = stash.pop((k, i))
@@ -361,8 +338,9 @@ class Executor:
                                  if g is not None and local(o) is not None and local(o).requires_grad]
                     outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
                     if split:  # B: the input gradient only; the graph stays for this micro-batch's W
-                        _input_gradient(outs, out_grads, [] if start else leaves(inp))
-                        pending[k, i] = (outs, out_grads)
+                        params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+                        pending[k, i] = input_gradient(outs, out_grads, [] if start else
+                                                       [local(x) for x in leaves(inp)], params)
                     elif pairs:
                         torch.autograd.backward(outs, out_grads)
                 t1 = time.perf_counter()
