@@ -152,23 +152,24 @@ def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRule
     return _trace_stages(step_fn, mesh, rules, axis, staging, device)[0]
 
 
-def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                  axis: str, staging: str = "none", device: str = "cpu") -> tuple[list[Trace], int]:
-    """The stage traces, and the header bytes of one activation message of stage 0."""
+def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str, axis: str,
+                  staging: str = "none", device: str = "cpu") -> tuple[list[Trace], tuple[int, int]]:
+    """The stage traces, and the header and leaf bytes of one activation message of stage 0."""
     pairs = list(_stage_by_stage(step_fn, mesh, rules, axis, staging, device))
     return [t for t, _ in pairs], pairs[-1][1]
 
 
 def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                    axis: str, staging: str = "none", device: str = "cpu") -> Iterator[tuple[Trace, int]]:
+                    axis: str, staging: str = "none",
+                    device: str = "cpu") -> Iterator[tuple[Trace, tuple[int, int]]]:
     """Each stage's trace in turn (a stage needs what the ones before it sent), with the header
-    bytes of one activation message of stage 0."""
+    and leaf bytes of one activation message of stage 0."""
     m = Mesh(mesh)
     if axis not in m.axis_names:
         raise PlanError(f"the pipeline axis {axis!r} is not an axis of the mesh '{m}'; plan a pipeline "
                         f"on a mesh like '{axis}:2,{m}'")
     sent: list = []
-    header = 0
+    message = (0, 0)
     p = m.axis_size(axis)
     for s in range(p):
         inbox = _Inbox(s, p, sent)
@@ -184,9 +185,11 @@ def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutR
         t = trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta", rank=rank,
                   staging=staging, device=device)
         sent = kept[0].sent
-        if s == 0 and sent:
-            header = int(_messages(sent, 1, FORWARD_TAG)[0].numel())  # a header leads each message
-        yield t, header
+        if s == 0 and sent:  # a header leads each message, then its leaves
+            out = list(_messages(sent, 1, FORWARD_TAG))
+            k = sum(leaf is not None for leaf in read_header(out[0])["leaves"])
+            message = (int(out[0].numel()), sum(x.numel() * x.element_size() for x in out[1:1 + k]))
+        yield t, message
 
 
 def _on_axis(key: str, axis: str) -> bool:
@@ -248,6 +251,10 @@ class PipelineEstimate(Estimate):
         chunks = f"x{self.virtual_stages} chunks" if self.virtual_stages > 1 else ""
         return f"pipeline {self.stages}{chunks}x{self.schedule}, {self.microbatches} micro-batches"
 
+    @property
+    def _stashes(self) -> str:
+        return "(micro-batch, chunk) stashes" if self.virtual_stages > 1 else "micro-batches"
+
     def reason(self) -> str:
         busiest = max(range(self.stages), key=lambda s: self.stage_seconds[s])
         fullest = max(range(self.stages), key=lambda s: self.stage_estimates[s].memory_bytes["total"])
@@ -255,7 +262,7 @@ class PipelineEstimate(Estimate):
                 f"({self.stage_seconds[busiest] * 1e3:.1f} ms), "
                 f"{_fmt_bytes(self.transfer_bytes['activations'])} per micro-batch between stages; "
                 f"stage {fullest} fullest "
-                f"({self.in_flight[fullest]} {'(micro-batch, chunk) stashes' if self.virtual_stages > 1 else 'micro-batches'} in flight)")
+                f"({self.in_flight[fullest]} {self._stashes} in flight)")
         if not self.fits:
             over = self.memory_bytes["total"] - self.memory_capacity
             return (f"does not fit: stage {fullest} needs {_fmt_bytes(self.memory_bytes['total'])} > "
@@ -313,9 +320,11 @@ def _most(dicts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
 
 def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *, schedule: str,
                       microbatches: int, axis: str = "stage", recompute: bool = False,
-                      algorithm: str = "ring", header: int = 0, virtual_stages: int = 1) -> PipelineEstimate:
+                      algorithm: str = "ring", header: int = 0, virtual_stages: int = 1,
+                      activation: int | None = None) -> PipelineEstimate:
     """Cost the stage traces of :func:`stage_traces` on ``spec`` (see the module docstring);
-    ``header``: the bytes of an activation message's header (reported apart)."""
+    ``header``: the bytes of an activation message's header (reported apart), ``activation``
+    its leaves' (by default stage 0's sends per message less the header)."""
     m = Mesh(mesh)
     p, mb, v = m.axis_size(axis), microbatches, virtual_stages
     ests = [from_trace(t, m, spec, algorithm) for t in traces]
@@ -336,8 +345,8 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
     hop = 0.0
     if p > 1 and calls:
         link = spec.link(axis)
-        hop = collective_seconds("send", nbytes / messages, 2, link.bandwidth, link.latency, calls // messages,
-                                 algorithm)
+        hop = collective_seconds("send", nbytes / messages, 2, link.bandwidth, link.latency,
+                                 calls // messages, algorithm)
     table = build_schedule(schedule, p, mb, virtual_stages=v)
     per_mb = [(w - u) / mb for w, u in zip(work, update)]
     # a send occupies its sender too (gloo's isend hands the message to the transport before it
@@ -360,8 +369,8 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
     fullest = max(ests, key=lambda e: e.memory_bytes["total"])
     comm_seconds: dict[str, float] = {}
     for e in ests:
-        for k, v in e.comm_seconds.items():
-            comm_seconds[k] = max(comm_seconds.get(k, 0.0), v)
+        for k, sec in e.comm_seconds.items():
+            comm_seconds[k] = max(comm_seconds.get(k, 0.0), sec)
     params = ests[0].parameters
     return PipelineEstimate(
         mesh=str(m), rules=traces[0].rules, device=spec.name, parameters=params,
@@ -374,8 +383,8 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         comm_seconds=comm_seconds, step_seconds=sim.step_time + max(update) + max(sync),
         axis=axis, stages=p, schedule=schedule, microbatches=mb, recompute=recompute,
         stage_estimates=ests, bubble=sim.bubble_fraction, in_flight=sim.in_flight,
-        transfer_bytes={"activations": (nbytes - header * messages) // messages if p > 1 else 0,
-                        "header": header},
+        transfer_bytes={"activations": 0 if p == 1 else activation if activation is not None
+                        else (nbytes - header * messages) // messages, "header": header},
         transfer_seconds=hop, stage_seconds=work, update_seconds=update, virtual_stages=v,
         messages=sim.messages)
 
@@ -400,16 +409,16 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
     m = Mesh(mesh)
     info = program_pipeline(step_fn)
     spec = get_device(device, processors=m.size)
-    traces, header = [], 0
+    traces, message = [], (0, 0)
     for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging, spec.device_type):
         traces.append(t)
-        header = h
+        message = h
         if give_up is not None and give_up(len(traces) - 1,
                                            stage_work(from_trace(t, m, spec, algorithm), info.axis)):
             return None
     return from_stage_traces(traces, m, spec, schedule=info.schedule, microbatches=info.microbatches,
                              axis=info.axis, recompute=info.recompute, algorithm=algorithm,
-                             header=header, virtual_stages=info.virtual_stages)
+                             header=message[0], activation=message[1], virtual_stages=info.virtual_stages)
 
 
 __all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "program_pipeline",
