@@ -248,8 +248,8 @@ class PipelineEstimate(Estimate):
 
     @property
     def label(self) -> str:
-        chunks = f"x{self.virtual_stages} chunks" if self.virtual_stages > 1 else ""
-        return f"pipeline {self.stages}{chunks}x{self.schedule}, {self.microbatches} micro-batches"
+        chunks = f" of {self.virtual_stages} chunks" if self.virtual_stages > 1 else ""
+        return f"pipeline {self.stages}x{self.schedule}{chunks}, {self.microbatches} micro-batches"
 
     @property
     def _stashes(self) -> str:
@@ -285,7 +285,7 @@ class PipelineEstimate(Estimate):
                          f"{on_axis}")
         lines.append(f"transfer          {self.transfer_bytes['activations']} B activations + "
                      f"{self.transfer_bytes['header']} B header per micro-batch and hop "
-                     f"({self.transfer_seconds * 1e3:.3f} ms)")
+                     f"({self.transfer_seconds * 1e3:.3f} ms); {self.messages} messages per batch")
         lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms; {self.reason()}")
         return "\n".join(lines)
 
