@@ -22,11 +22,12 @@ COLORS = {FORWARD: (0.30, 0.45, 0.69), BACKWARD: (0.87, 0.52, 0.32), WEIGHT: (0.
 
 
 def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None,
-             title: str | None = None) -> str:
+             title: str | None = None, xlabel: str | None = None) -> str:
     """Draw one row per stage, one box per action (forward blue, backward orange,
     weight gradient green; later chunks of a stage in darker shades), labelled with
     the micro-batch (and ``.chunk`` with virtual stages), in unit slots or, given
-    ``simulation``, in its predicted seconds; write a PNG to ``path`` and return ``path``.
+    ``simulation``, in its predicted seconds (or measured ones, put in a :class:`Simulation`'s
+    ``start``/``end``: then say so with ``xlabel``); write a PNG to ``path`` and return ``path``.
 
     Raises:
         PipelineError: matplotlib is not installed.
@@ -54,7 +55,7 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
     ax.set_yticks(range(schedule.stages))
     ax.set_yticklabels([f"stage {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
-    ax.set_xlabel("time slot" if simulation is None else "seconds (simulated)")
+    ax.set_xlabel(xlabel or ("time slot" if simulation is None else "seconds (simulated)"))
     bubble = schedule.bubble_fraction() if simulation is None else simulation.bubble_fraction
     chunks = f" × {v} chunks" if v > 1 else ""
     kinds = "blue forward, orange input gradient, green weight gradient" if schedule.split_backward \
