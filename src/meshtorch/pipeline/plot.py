@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import textwrap
+
 from meshtorch.errors import PipelineError
 from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Schedule
 from meshtorch.pipeline.simulate import Simulation
@@ -40,7 +42,8 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
     except ImportError as e:
         raise PipelineError("the pipeline timeline needs matplotlib: pip install 'meshtorch[plot]'") from e
     v = schedule.virtual_stages
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * schedule.slots), 0.6 * schedule.stages + 1.2))
+    width = max(6.0, 0.35 * schedule.slots)
+    fig, ax = plt.subplots(figsize=(width, 0.6 * schedule.stages + 1.4))
     for a in schedule.actions:
         if simulation is None:
             x0, w = float(a.slot), 1.0
@@ -60,8 +63,10 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
     chunks = f" × {v} chunks" if v > 1 else ""
     kinds = "blue forward, orange input gradient, green weight gradient" if schedule.split_backward \
         else "blue forward, orange backward"
-    ax.set_title(title or f"{schedule.name}: {schedule.stages} stages{chunks} × {schedule.microbatches} "
-                 f"micro-batches, bubble {bubble:.1%} ({kinds})", fontsize=9)
+    text = title or (f"{schedule.name}: {schedule.stages} stages{chunks} × {schedule.microbatches} "
+                     f"micro-batches, bubble {bubble:.1%} ({kinds})")
+    # about 12 characters of 9-point text per inch (with the margins): a long title wraps instead of running off the figure
+    ax.set_title("\n".join(textwrap.wrap(text, int(12 * width))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
