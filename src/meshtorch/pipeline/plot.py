@@ -65,7 +65,7 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
         else "blue forward, orange backward"
     text = title or (f"{schedule.name}: {schedule.stages} stages{chunks} × {schedule.microbatches} "
                      f"micro-batches, bubble {bubble:.1%} ({kinds})")
-    # about 12 characters of 9-point text per inch (with the margins): a long title wraps instead of running off the figure
+    # about 12 characters of 9-point text per inch (with the margins): a long title wraps
     ax.set_title("\n".join(textwrap.wrap(text, int(12 * width))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

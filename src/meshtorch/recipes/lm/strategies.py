@@ -11,10 +11,10 @@ and :class:`meshtorch.recipes.lm.steps.TrainingProgram` traces their ``run``
 layers: the mesh gets a ``stage:N`` axis in front unless it has one (so
 ``--mesh b:2 --pipeline-stages 2`` runs on ``stage:2,b:2``, four processors);
 the layout rules are the usual ones and never mention it. ``--schedule
-gpipe|1f1b|2bw|zb|interleaved`` picks the pipeline schedule (``--virtual-stages v``
-model chunks per stage for ``interleaved``) (``--lr-schedule`` the learning
-rate's), ``--microbatches`` the micro-batches per batch. Gradient clipping uses
-the norm over all stages (the tied embedding table counted once). A window runs
+gpipe|1f1b|2bw|zb|interleaved`` picks the pipeline schedule (``--lr-schedule`` the
+learning rate's; ``--virtual-stages v`` model chunks per stage for ``interleaved``),
+``--microbatches`` the micro-batches per batch. Gradient clipping uses the norm
+over all stages (the tied embedding table counted once). A window runs
 as one table, so 2BW does not flush inside it. Every processor gathers the whole
 model (and optimizer state) from the stages for ``checkpoint/``, the plain
 run's format (``meshtorch generate`` and ``--resume`` read it), the held-out
@@ -39,7 +39,6 @@ import torch
 
 from meshtorch.compiler import compile_step, graph_breaks
 from meshtorch.context import current
-from meshtorch.pipeline.executor import chunks_of
 from meshtorch.plan.program import Pipelining, Step
 from meshtorch.recipes.lm.config import AXIS, TrainConfig, pipeline_mesh  # noqa: F401 - re-exported
 from meshtorch.recipes.lm.optimizer import lr_at, optimizer_step
@@ -153,6 +152,7 @@ class _Stepper:
 def _clip(pipe: Any, max_norm: float) -> None:
     """Scale every stage's gradients so that the norm over the whole model is at most ``max_norm``."""
     from meshtorch.optim.clip import global_grad_norm
+    from meshtorch.pipeline.executor import chunks_of
     from meshtorch.pipeline.lm import named_model_parameters, owner_stage
 
     mod = pipe.module
