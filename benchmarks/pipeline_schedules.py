@@ -13,11 +13,9 @@ machine's monotonic clock, so the processes' times line up):
 - simulated bubble: :func:`meshtorch.pipeline.simulate` of the same table with
   each stage's mean measured action times, with ``comm=0`` (the stages wait
   only for each other's compute) and with ``comm`` = the measured hop: the
-  median time from a dependency's end on one stage to the start of the action
+  mean time from a dependency's end on one stage to the start of the action
   that needs it on another, where that stage had nothing else to do (the
-  message's transfer and the Python around it), and with the hop and, after
-  each action, the stage's own median gap between actions whose data was there
-  (sending the output, reading the next header); and the published formula
+  message's transfer and the Python around it); and the published formula
   for uniform stages.
 
 Writes ``benchmarks/results/pipeline_schedules.{json,md}`` and, with
@@ -75,12 +73,10 @@ def _formula(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def _waits(table, start, end, key) -> tuple[list[float], list[float]]:
+def _waits(table, start, end, key) -> list[float]:
     """Each cross-stage wait: from a dependency's end to the start of the action needing it, where
-    the action's stage was free before the dependency ended (so the gap is the message's); and each
-    gap between two actions of a stage whose next one had its data before the previous one ended
-    (the stage's own time between actions: sending the output, reading the next input's header)."""
-    hops, gaps = [], []
+    the action's stage was free before the dependency ended (so the gap is the message's)."""
+    hops = []
     for s in range(table.stages):
         prev = None
         for a in table.for_stage(s):
@@ -89,10 +85,8 @@ def _waits(table, start, end, key) -> tuple[list[float], list[float]]:
             for d in deps:
                 if prev is None or end[prev] <= end[d]:
                     hops.append(start[a] - end[d])
-            if prev is not None and all(end[d] < end[prev] for d in deps):
-                gaps.append(start[a] - end[prev])
             prev = a
-    return hops, gaps
+    return hops
 
 
 def measure(out: list[dict], schedule: str, p: int, m: int, v: int) -> tuple[dict, Simulation, dict]:
@@ -122,23 +116,15 @@ def measure(out: list[dict], schedule: str, p: int, m: int, v: int) -> tuple[dic
                 raise RuntimeError(f"stage {s} ran {k}{i}.{c} where the table has {act}")
             start[act], end[act] = t0 - t_min, t1 - t_min
             key[(s, c, k, i)] = act
-    hops, gaps = _waits(table, start, end, key)
-    hop, gap = statistics.median(hops or [0.0]), statistics.median(gaps or [0.0])
+    hop = statistics.mean(_waits(table, start, end, key) or [0.0])
     sim = simulate(table, forward=scale[0], backward=scale[1], **kw)
     sim_hop = simulate(table, forward=scale[0], backward=scale[1], comm=hop, **kw)
-    # and each action followed by the stage's own gap (v chunk passes a stage's time: v gaps)
-    kw_gap = {"weight": [w + gap for w in per_kind["W"]]} if table.split_backward else {}
-    sim_gap = simulate(table, forward=[f + v * gap for f in scale[0]],
-                       backward=[b + v * gap for b in scale[1]], comm=hop, **kw_gap)
     measured_bubble = 1 - busy / (p * span)
     shown = Simulation(span, measured_bubble, [], start, end, span)
     row = {"schedule": schedule, "virtual_stages": v, "microbatches": m, "step_ms": round(span * 1e3, 1),
            "sim_step_ms": round(sim.step_time * 1e3, 1), "sim_hop_step_ms": round(sim_hop.step_time * 1e3, 1),
-           "hop_ms": round(hop * 1e3, 2), "gap_ms": round(gap * 1e3, 2),
-           "sim_gap_step_ms": round(sim_gap.step_time * 1e3, 1), "bubble_measured": round(measured_bubble, 3),
+           "hop_ms": round(hop * 1e3, 2), "bubble_measured": round(measured_bubble, 3),
            "bubble_sim": round(sim.bubble_fraction, 3), "bubble_sim_hop": round(sim_hop.bubble_fraction, 3),
-           # the gaps are the stage's own time, not its compute: counted idle, as in the measured bubble
-           "bubble_sim_gap": round(1 - sum(sim.busy) / (p * sim_gap.total_time), 3),
            "bubble_formula": round(_formula(schedule, p, m, v), 3),
            "mean_ms": {k: [round(x * 1e3, 2) for x in vals] for k, vals in per_kind.items()},
            "messages": sim.messages}
@@ -187,14 +173,13 @@ def main() -> None:
             "repeats": args.repeats, "torch": torch.__version__, "cores": os.cpu_count(),
             "load_average": [round(x, 2) for x in os.getloadavg()], "rows": rows}
     (RESULTS / "pipeline_schedules.json").write_text(json.dumps(meta, indent=1))
-    lines = ["| schedule | m | step ms measured | simulated | + hop | + hop + gaps | hop ms | gap ms "
-             "| bubble measured | simulated | + hop | + hop + gaps | formula (uniform) |", "|---" * 13 + "|"]
+    lines = ["| schedule | m | step ms measured | simulated | simulated + hop | hop ms (mean) "
+             "| bubble measured | simulated | simulated + hop | formula (uniform) |", "|---" * 10 + "|"]
     for r in rows:
         name = r["schedule"] + (f" (v={r['virtual_stages']})" if r["virtual_stages"] > 1 else "")
         lines.append(f"| {name} | {r['microbatches']} | {r['step_ms']} | {r['sim_step_ms']} | "
-                     f"{r['sim_hop_step_ms']} | {r['sim_gap_step_ms']} | {r['hop_ms']} | {r['gap_ms']} | "
-                     f"{r['bubble_measured']:.3f} | {r['bubble_sim']:.3f} | {r['bubble_sim_hop']:.3f} | "
-                     f"{r['bubble_sim_gap']:.3f} | {r['bubble_formula']:.3f} |")
+                     f"{r['sim_hop_step_ms']} | {r['hop_ms']} | {r['bubble_measured']:.3f} | "
+                     f"{r['bubble_sim']:.3f} | {r['bubble_sim_hop']:.3f} | {r['bubble_formula']:.3f} |")
     (RESULTS / "pipeline_schedules.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -49,8 +49,11 @@ def _interleaved(chunks, data, v, m, recompute=False, replicas=1):
                     virtual_stages=v, recompute=recompute, loss_fn=torch.nn.functional.mse_loss,
                     optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
     r = mt.current().coords.get("dp", 0)
+    x0, y0 = data[0][0].chunk(replicas)[r], data[0][1].chunk(replicas)[r]
+    before = pipe.loss(x0, y0)  # the forwards only (evaluation): the first step's loss
     losses = [pipe.step(x.chunk(replicas)[r], y.chunk(replicas)[r]) for x, y in data]
     order = [(k, i, c) for (k, i, *_), c in zip(pipe.trace, pipe.executor.trace_chunks)]
+    assert before == pytest.approx(losses[0], rel=1e-12)
     return pipe.stage, [c.state_dict() for c in pipe.module], losses, order
 
 
