@@ -104,7 +104,9 @@ class _Inbox:
         with untraced():  # arriving data: made by the transport, not by the program's ops
             if kind == FORWARD_TAG and src == (self.stage - 1) % p:
                 if self.stage > 0:
-                    queue = self.forward.setdefault(tag, _messages(self.sent_before, self.stage, tag))
+                    if tag not in self.forward:  # the previous stage's messages of this chunk boundary
+                        self.forward[tag] = _messages(self.sent_before, self.stage, tag)
+                    queue = self.forward[tag]
                     got = _stand_in(queue.popleft()) if queue else None
                 else:  # model chunk k·p from chunk k·p - 1 on the last stage, which is traced later
                     if not self.echoes:
