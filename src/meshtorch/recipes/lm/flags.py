@@ -57,7 +57,12 @@ HELP = {
     "pipeline_stages": "pipeline stages along a 'stage' mesh axis (added in front of --mesh if absent)",
     "microbatches": "micro-batches per batch with --pipeline-stages > 1",
     "lr_schedule": "learning rate after the warm-up",
-    "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches)",
+    "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches; "
+                "zb: ZB-H1, the backward split into input and weight gradients; interleaved: interleaved "
+                "1F1B over --virtual-stages chunks per stage)",
+    "virtual_stages": "model chunks per pipeline stage with --schedule interleaved (chunk c of "
+                      "pipeline-stages x virtual-stages on stage c mod pipeline-stages; --layers must divide "
+                      "into them)",
     "clip": "bound on the global gradient norm; 0: no clipping",
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
