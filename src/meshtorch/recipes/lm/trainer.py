@@ -66,7 +66,7 @@ from meshtorch.recipes.lm.restarts import (
     train_restarting,
 )
 from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
-from meshtorch.recipes.lm.steps import check_memory
+from meshtorch.recipes.lm.steps import check_memory, check_model_size
 from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
@@ -204,6 +204,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cfg = with_pretrained_model(cfg)
     # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
     planned = planned_vocab(cfg)
+    # a model too large for this machine's memory fails now, before any search, trace or build runs away
+    processors = cfg.parallelism.processors or world or 1
+    check_model_size(cfg, planned, processors,
+                     int(os.environ.get("LOCAL_WORLD_SIZE", world or processors)))
     # --rules auto: the planner's search picks the rules now, before anything reads them (on the
     # hardware of this machine's processors); every process of a torchrun world runs the same
     # deterministic search (checked below once joined)
