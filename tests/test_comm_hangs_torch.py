@@ -31,10 +31,10 @@ def absent_from_the_all_reduce(stuck: int, how: str):
     return comm.all_reduce(torch.ones(1), "m").item()
 
 
-@pytest.mark.parametrize("how", ["sleep", "stop"])
-def test_a_timeout_names_the_processor_that_never_joined_and_no_mismatch(how):
+def test_a_timeout_names_the_processor_that_never_joined_and_no_mismatch():
+    # stopped (as by `kill -STOP`): a stuck computation looks the same to the others (no report, no exit)
     with pytest.raises(ProcessorError) as info:
-        mt.launch(absent_from_the_all_reduce, 2, how, mesh="m:3", backend="torch", timeout=3)
+        mt.launch(absent_from_the_all_reduce, 2, "stop", mesh="m:3", backend="torch", timeout=3)
     err, msg = info.value, str(info.value)
     assert isinstance(err, CommError) and err.rank in (0, 1)  # one of those that waited
     assert "all_reduce over axes ('m',) called at" in msg and "test_comm_hangs_torch.py" in msg
