@@ -14,8 +14,7 @@ bitwise). Each restart is a ``metrics.jsonl`` record (``{"step": S, "event": "re
 Example:
     >>> from meshtorch.recipes.lm.config import TrainConfig
     >>> from meshtorch.recipes.lm.restarts import continued
-    >>> import tempfile
-    >>> continued(TrainConfig.of(out="x"), tempfile.mkdtemp()).run.resume is None  # no checkpoint yet
+    >>>     >>> continued(TrainConfig.of(out="x"), tempfile.mkdtemp()).run.resume is None  # no checkpoint yet
     True
 """
 
@@ -26,7 +25,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -53,12 +51,11 @@ def train_restarting(cfg: TrainConfig, out: str, processors: int) -> dict[str, A
 
     n = cfg.parallelism.max_restarts
     t0 = time.time()
-    # held here for every start: a start's processor 0 finds it held by its launcher and goes on
-    with RunDirLock(cfg, out), tempfile.TemporaryDirectory(prefix="meshtorch-restarts-") as tmp:
-        options = os.path.join(tmp, "train_config.json")
-        with open(options, "w") as f:
-            json.dump(cfg.replace(out=out).options(), f)
+    # held here for every start: a start's processor 0 finds it held by its launcher and goes on; the
+    # options travel as an argument (no file to leave behind when a signal ends this process)
+    with RunDirLock(cfg, out):
         try:
+            options = json.dumps(cfg.replace(out=out).options())
             run_elastic([sys.executable, "-c", _WORKER, options], processors,
                         {ENV_LAUNCHER_PID: str(os.getpid())}, max_restarts=n, say="meshtorch train")
         except ChildFailedError as e:

@@ -267,7 +267,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def restarting_worker() -> None:
     """One worker process of ``meshtorch train --max-restarts`` (:mod:`meshtorch.recipes.lm.restarts`):
-    ``python -c`` runs it with the run's options file; a restarted start continues from ``--out``."""
+    ``python -c`` runs it with the run's options (JSON) as its argument; a restarted start continues
+    from ``--out``."""
     import json
     import sys
 
@@ -276,8 +277,7 @@ def restarting_worker() -> None:
     from meshtorch.launcher.lifeline import die_with_launcher
 
     die_with_launcher()
-    with open(sys.argv[1]) as f:
-        cfg = TrainConfig.of(**json.load(f))
+    cfg = TrainConfig.of(**json.loads(sys.argv[1]))
     if restart_count():
         cfg = continued(cfg, cfg.run.out)
     record(train)(cfg)  # an exception's message reaches the launcher through torchrun's error file
