@@ -50,7 +50,7 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "kv_heads": (0, False, " (0: one key/value head per query head)"), "rotary_base": (0, True, ""),
     "pipeline_stages": (1, False, " (1: no pipeline)"), "microbatches": (1, False, ""),
     "virtual_stages": (1, False, " (1: one model chunk per stage)"),
-    "timeout": (0, True, " seconds"),
+    "timeout": (0, True, " seconds"), "max_restarts": (0, False, " (0: a failed worker ends the run)"),
     "lr": (0, True, ""), "warmup": (0, False, " steps (0: no warm-up)"), "weight_decay": (0, False, ""),
     "clip": (0, False, " (0 turns clipping off; a negative norm would ascend the gradient)"),
     "steps": (1, False, ""), "batch": (1, False, ""), "length": (1, False, ""), "log_every": (1, False, ""),
@@ -192,6 +192,8 @@ class ParallelismSection:
     virtual_stages: int = 1
     # seconds a collective waits for the other processors before the run fails
     timeout: float = 300.0
+    # --backend torch: when a worker fails, every worker starts again from the last checkpoint, this often
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -481,6 +483,11 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         raise MeshError(f"--mesh {par.mesh!r}{staged} has {mesh.size} processors but {world} processes "
                         f"are running; start {mesh.size} processes or pass {want}")
     check_layout(cfg, vocab)
+    if par.max_restarts and par.backend != "torch":
+        raise ArgumentError(f"--max-restarts {par.max_restarts} restarts the worker processes from the last "
+                            f"checkpoint when one fails; --backend {par.backend}'s processors are threads of "
+                            "this one process, which a crash ends together: add --backend torch (or rerun "
+                            "a stopped run with --resume)")
     if cfg.run.compile and par.pipeline_stages > 1:
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
                              f"{par.pipeline_stages}) runs eagerly: drop one of them")

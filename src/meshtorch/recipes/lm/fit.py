@@ -130,4 +130,73 @@ def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int]
     return {**t.peak_by_kind, "total": t.peak_bytes, "need": need}
 
 
-__all__ = ["check_memory", "processor_need"]
+def parameters_at_least(cfg: TrainConfig, vocab: int) -> dict[str, int]:
+    """A lower bound on the parameters of ``cfg``'s model over ``vocab`` ids, by the flag that makes
+    them (counted from the sizes alone, nothing built): the embedding, and per block the query and
+    output projections and the two feed-forward matrices (keys, values, norms, biases and
+    cross-attention only add to it).
+
+    Example:
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.fit import parameters_at_least
+        >>> from meshtorch.recipes.lm.steps import build_model
+        >>> cfg = TrainConfig.of(model="moe", d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, experts=3)
+        >>> bound = parameters_at_least(cfg, vocab=16)
+        >>> bound
+        {'--d-model': 128, '--layers': 768, '--experts': 512}
+        >>> sum(bound.values()) <= build_model(cfg, vocab=16).num_parameters()
+        True
+    """
+    m = cfg.model_config(vocab)
+    block = 2 * m.d_model * m.heads * m.d_kv + 2 * m.d_model * m.d_ff
+    moe_layers = m.layers // m.moe_every if m.experts else 0
+    parts = {"--d-model": vocab * m.d_model, "--layers": m.layers * block,
+             "--encoder-layers": m.encoder_layers * block,
+             "--experts": moe_layers * max(m.experts - 1, 0) * 2 * m.d_model * m.d_ff}
+    return {k: v for k, v in parts.items() if v}
+
+
+def check_model_size(cfg: TrainConfig, vocab: int, processors: int, processes: int) -> None:
+    """Raise :class:`TrainingError` at once, before anything is built or traced, if the fp32 weights alone
+    of ``cfg``'s model (:func:`parameters_at_least`), split as finely as ``processors`` processors can,
+    cannot fit the memory of this machine's ``processes`` processors: a model of a billion layers fails
+    here in milliseconds instead of running away building it. Without a known limit nothing is checked.
+
+    Example:
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.fit import check_model_size
+        >>> try:
+        ...     check_model_size(TrainConfig.of(layers=10**12), 264, processors=2, processes=2)
+        ... except Exception as e:
+        ...     print(type(e).__name__, str(e)[-14:])
+        TrainingError lower --layers
+    """
+    par = cfg.parallelism
+    kind, _ = parse_device(par.device)
+    on_gpu = (auto_device(processes) if kind == "auto" else kind) == "cuda"
+    limit = devices.gpu_free_memory(processes) if on_gpu else devices.available_memory()
+    if limit is None:
+        return
+    have, source = limit
+    parts = parameters_at_least(cfg, vocab)
+    params = sum(parts.values())
+    per_processor = 4 * -(-params // max(processors, 1))
+    need = per_processor * (1 if on_gpu else processes)
+    if need <= have:
+        return
+    part = max(parts, key=parts.__getitem__)
+    # the sizes that make the largest part; the one furthest above its default is the one to lower
+    factors = {"--d-model": ("d_model",), "--layers": ("layers", "d_model", "d_ff", "heads", "d_kv"),
+               "--encoder-layers": ("encoder_layers", "d_model", "d_ff", "heads", "d_kv"),
+               "--experts": ("experts", "layers", "d_model", "d_ff")}[part]
+    default = TrainConfig().model
+    sizes = {f: getattr(cfg.model, f) for f in factors}
+    worst = max(sizes, key=lambda f: sizes[f] / max(getattr(default, f) or 1, 1))
+    made = ", ".join(f"--{f.replace('_', '-')} {v}" for f, v in sizes.items())
+    where = "one processor per GPU" if on_gpu else f"{processes} processor(s) on this machine"
+    raise TrainingError(f"the model has at least {params:,} parameters, mostly from {made}: their "
+                        f"fp32 weights alone need {_fmt_bytes(need)} ({where}, each holding at least "
+                        f"1/{processors} of them) but only {_fmt_bytes(have)} is available ({source}); "
+                        f"lower --{worst.replace('_', '-')}")
+
+__all__ = ["check_memory", "check_model_size", "parameters_at_least", "processor_need"]

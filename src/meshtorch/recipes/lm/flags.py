@@ -65,6 +65,9 @@ HELP = {
                       "into them)",
     "clip": "bound on the global gradient norm; 0: no clipping",
     "timeout": "seconds a collective waits for the other processors before the run fails",
+    "max_restarts": "--backend torch: when a worker fails (an exception, an exit, kill -9), stop the others "
+                    "and start them all again from the last checkpoint in --out, up to this many times "
+                    "(torchrun's elastic agent; metrics.jsonl and summary.json record each restart)",
     "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
                     "from the run's record; without it a changed model option is an error",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
