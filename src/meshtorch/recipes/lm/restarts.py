@@ -14,7 +14,8 @@ bitwise). Each restart is a ``metrics.jsonl`` record (``{"step": S, "event": "re
 Example:
     >>> from meshtorch.recipes.lm.config import TrainConfig
     >>> from meshtorch.recipes.lm.restarts import continued
-    >>>     >>> continued(TrainConfig.of(out="x"), tempfile.mkdtemp()).run.resume is None  # no checkpoint yet
+    >>> import tempfile
+    >>> continued(TrainConfig.of(out="x"), tempfile.mkdtemp()).run.resume is None  # no checkpoint yet
     True
 """
 
