@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,9 @@ from meshtorch.launcher.elastic import (
     network_environment,
     socket_interface,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from net_harness import two_namespaces  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -78,34 +80,11 @@ def test_the_rendezvous_host_is_read_from_the_endpoint_or_the_master_address():
     assert Nodes().rendezvous_host() == "127.0.0.1"  # torchrun's default
 
 
-def _sh(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2; skipped where the box
-    does not allow making them (not root, no ``ip``, no namespaces)."""
-    if not LINUX or os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 (ip netns) on Linux")
-    a, b = f"mta{os.getpid()}", f"mtb{os.getpid()}"
-    if _sh("ip", "netns", "add", a).returncode != 0:
-        pytest.skip("this box does not allow network namespaces (ip netns add failed)")
-    try:
-        steps = [("ip", "netns", "add", b),
-                 ("ip", "link", "add", f"v{a}", "type", "veth", "peer", "name", f"v{b}"),
-                 ("ip", "link", "set", f"v{a}", "netns", a), ("ip", "link", "set", f"v{b}", "netns", b),
-                 ("ip", "-n", a, "addr", "add", "10.77.0.1/24", "dev", f"v{a}"),
-                 ("ip", "-n", b, "addr", "add", "10.77.0.2/24", "dev", f"v{b}")]
-        steps += [("ip", "-n", ns, "link", "set", dev, "up") for ns in (a, b) for dev in ("lo", f"v{ns}")]
-        for step in steps:
-            done = _sh(*step)
-            if done.returncode != 0:
-                pytest.skip(f"cannot build the two hosts: {' '.join(step)}: {done.stderr.strip()}")
-        yield a, b
-    finally:
-        for ns in (a, b):
-            _sh("ip", "netns", "del", ns)  # takes its end of the veth pair with it
+    """Two network namespaces joined by a veth pair, 10.77.0.1 and 10.77.0.2 (:mod:`net_harness`)."""
+    with two_namespaces() as hosts:
+        yield hosts
 
 
 SCRIPT = textwrap.dedent("""

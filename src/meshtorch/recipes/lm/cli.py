@@ -27,6 +27,10 @@ def run_train(args: argparse.Namespace) -> int:
     from meshtorch.recipes.lm.trainer import train
 
     result = train(config_from_args(args))
+    if result.get("node_rank"):  # a node other than node 0: node 0 writes the run's files
+        print(f"node {result['node_rank']}: its processors are done in {result['wall_s']}s; node 0 wrote "
+              f"the run's files in {os.path.abspath(result['out'])}")
+        return 0
     png = "loss.png" if result.get("loss_png") else "loss.png skipped: matplotlib is not installed " \
         "(pip install 'meshtorch[plot]')"
     wrote = [f for f in ("checkpoint/", "tokenizer/", "metrics.jsonl", "summary.json", "tensorboard/")

@@ -51,6 +51,8 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "pipeline_stages": (1, False, " (1: no pipeline)"), "microbatches": (1, False, ""),
     "virtual_stages": (1, False, " (1: one model chunk per stage)"),
     "timeout": (0, True, " seconds"), "max_restarts": (0, False, " (0: a failed worker ends the run)"),
+    "nnodes": (1, False, " (1: this node alone)"), "node_rank": (0, False, " (node 0 hosts the rendezvous)"),
+    "master_port": (1, False, ""),
     "lr": (0, True, ""), "warmup": (0, False, " steps (0: no warm-up)"), "weight_decay": (0, False, ""),
     "clip": (0, False, " (0 turns clipping off; a negative norm would ascend the gradient)"),
     "steps": (1, False, ""), "batch": (1, False, ""), "length": (1, False, ""), "log_every": (1, False, ""),
@@ -58,7 +60,7 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "checkpoint_every": (0, False, " (0: a checkpoint only at the end)"), "sample_tokens": (0, False, ""),
     "temperature": (0, False, " (0: greedy)"), "keep": (1, False, " (checkpoints kept, the newest first)"),
 }
-BELOW = {"dropout": 1.0}  # options with an upper bound too, which they may not reach
+BELOW = {"dropout": 1.0, "master_port": 65536}  # options with an upper bound too, which they may not reach
 
 
 def check_fields(section: Any) -> None:
@@ -194,6 +196,12 @@ class ParallelismSection:
     timeout: float = 300.0
     # --backend torch: when a worker fails, every worker starts again from the last checkpoint, this often
     max_restarts: int = 0
+    # --backend torch across nodes (as meshtorch launch's flags): each node runs mesh size / nnodes of the
+    # processors, node 0 at --master-addr:--master-port hosts torchrun's static rendezvous
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -454,6 +462,58 @@ def check_stages(cfg: TrainConfig) -> None:
                             "stages or virtual stages")
 
 
+def check_nodes(cfg: TrainConfig) -> None:
+    """Raise :class:`ArgumentError` (:class:`MeshError` for the mesh) naming the flag unless ``--nnodes``,
+    ``--node-rank``, ``--master-addr`` and ``--master-port`` describe one node of a multi-node run: the
+    torch backend, a node rank below ``--nnodes``, a mesh the nodes share equally, node 0's address, and
+    one ``--out`` for all nodes (a shared filesystem: every processor writes its slices of the checkpoint
+    there, :mod:`meshtorch.recipes.lm.nodes`).
+
+    Example:
+        >>> check_nodes(TrainConfig.of(backend="torch", mesh="b:4", nnodes=2, node_rank=1,
+        ...                            master_addr="10.0.0.1", out="/shared/run"))
+        >>> try:
+        ...     check_nodes(TrainConfig.of(backend="torch", mesh="b:4", nnodes=2, node_rank=2,
+        ...                                master_addr="10.0.0.1", out="/shared/run"))
+        ... except ArgumentError as e:
+        ...     print(e)
+        --node-rank 2 is not a node of --nnodes 2: the nodes are numbered 0 to 1
+    """
+    par = cfg.parallelism
+    n, r = par.nnodes, par.node_rank
+    if n == 1:
+        given = [flag for flag, value in (("--node-rank", par.node_rank), ("--master-addr", par.master_addr))
+                 if value]
+        if given:
+            raise ArgumentError(f"{' and '.join(given)} place this node in a run of several nodes: pass "
+                                "--nnodes N (the number of nodes) with --backend torch, or drop "
+                                f"{'them' if len(given) > 1 else 'it'}")
+        return
+    if par.backend != "torch":
+        raise ArgumentError(f"--nnodes {n} starts processes on {n} nodes; --backend {par.backend}'s "
+                            "processors are threads of this one process: add --backend torch")
+    if r >= n:
+        raise ArgumentError(f"--node-rank {r} is not a node of --nnodes {n}: the nodes are numbered 0 to "
+                            f"{n - 1}")
+    size = par.processors
+    if size is not None and size % n:
+        raise MeshError(f"--mesh {par.mesh!r} has {size} processors, which --nnodes {n} nodes cannot share "
+                        "equally (each node runs mesh size / --nnodes of them); pass a mesh of a multiple of "
+                        f"{n} processors or another --nnodes")
+    if not par.master_addr:
+        raise ArgumentError(f"--nnodes {n} needs --master-addr: the address of node 0 (--node-rank 0 hosts "
+                            "the rendezvous), the same on every node and reachable from each, e.g. "
+                            "--master-addr 10.0.0.1")
+    if par.max_restarts:
+        raise ArgumentError(f"--max-restarts {par.max_restarts} restarts the workers of one node; across "
+                            f"--nnodes {n} the other nodes' workers would not restart with them: drop "
+                            "--max-restarts, and continue a stopped run with --resume")
+    if not (cfg.run.out or cfg.run.resume):
+        raise ArgumentError(f"--nnodes {n} needs --out: the run's directory, the same path on every node, "
+                            "on a filesystem every node mounts (processor 0 writes the run's files there "
+                            "and every processor writes its slices of the checkpoint)")
+
+
 def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:
     """Raise before training if the options cannot work together, naming the fix."""
     for name, allowed in CHOICES.items():
@@ -483,6 +543,7 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         raise MeshError(f"--mesh {par.mesh!r}{staged} has {mesh.size} processors but {world} processes "
                         f"are running; start {mesh.size} processes or pass {want}")
     check_layout(cfg, vocab)
+    check_nodes(cfg)
     if par.max_restarts and par.backend != "torch":
         raise ArgumentError(f"--max-restarts {par.max_restarts} restarts the worker processes from the last "
                             f"checkpoint when one fails; --backend {par.backend}'s processors are threads of "

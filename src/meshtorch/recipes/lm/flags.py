@@ -68,6 +68,13 @@ HELP = {
     "max_restarts": "--backend torch: when a worker fails (an exception, an exit, kill -9), stop the others "
                     "and start them all again from the last checkpoint in --out, up to this many times "
                     "(torchrun's elastic agent; metrics.jsonl and summary.json record each restart)",
+    "nnodes": "--backend torch across nodes (as meshtorch launch): the number of nodes; start meshtorch "
+              "train on each with the same options and its --node-rank; each runs mesh size / nnodes "
+              "processors, and --out must be one directory every node mounts (see docs/distributed.md)",
+    "node_rank": "this node's number among --nnodes, 0 to nnodes-1 (node 0 hosts the rendezvous, holds --out "
+                 "and writes the run's files)",
+    "master_addr": "with --nnodes > 1: node 0's address, reachable from every node (as torchrun)",
+    "master_port": "with --nnodes > 1: the port of the rendezvous on node 0 (as torchrun)",
     "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
                     "from the run's record; without it a changed model option is an error",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",

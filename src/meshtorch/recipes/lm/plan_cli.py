@@ -327,7 +327,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "flags, on a mesh of devices: FLOPs, bytes per axis, memory and step time. Every flag of "
         "meshtorch train is taken, with its defaults; the ones that do not change one step's work "
         "(--steps, --out, --data, --lr, logging, checkpoints, the sample) change nothing here.")
-    add_train_flags(ap, skip=("device",))
+    add_train_flags(ap, skip=("device", "nnodes", "node_rank", "master_addr", "master_port"))
     g = ap.add_argument_group("plan (the planner's own options)")
     g.add_argument("--device", dest="device", action=_Device, default=None,
                    help="meshtorch train's --device (auto, cpu, cuda: where the planned run computes; cuda "

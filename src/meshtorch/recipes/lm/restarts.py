@@ -14,12 +14,14 @@ bitwise). Each restart is a ``metrics.jsonl`` record (``{"step": S, "event": "re
 Example:
     >>> from meshtorch.recipes.lm.config import TrainConfig
     >>> from meshtorch.recipes.lm.restarts import continued
-    >>>     >>> continued(TrainConfig.of(out="x"), tempfile.mkdtemp()).run.resume is None  # no checkpoint yet
+    >>> import tempfile
+    >>> continued(TrainConfig.of(out="x"), tempfile.mkdtemp()).run.resume is None  # no checkpoint yet
     True
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -43,25 +45,36 @@ ENV_TEST_KILL = "MESHTORCH_TEST_KILL_AT"
 
 
 def train_restarting(cfg: TrainConfig, out: str, processors: int) -> dict[str, Any]:
-    """Run ``cfg`` (its ``--out`` is ``out``) on ``processors`` worker processes through torchrun's
-    elastic agent, restarting them up to ``--max-restarts`` times; return processor 0's summary."""
+    """Run ``cfg`` (its ``--out`` is ``out``) on ``processors`` worker processes on this node through
+    torchrun's elastic agent, restarting them up to ``--max-restarts`` times; with ``--nnodes N`` they
+    are this node's part of the mesh (:mod:`meshtorch.recipes.lm.nodes`). Return processor 0's summary
+    (on a node other than node 0: ``out``, ``node_rank`` and ``wall_s``; node 0 writes the run's files)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from meshtorch.launcher.elastic import failure_text, run_elastic
+    from meshtorch.launcher.elastic import Nodes, failure_text, run_elastic
 
-    n = cfg.parallelism.max_restarts
+    par = cfg.parallelism
+    n = par.max_restarts
+    nodes = Nodes() if par.nnodes == 1 else Nodes(
+        nnodes=str(par.nnodes), node_rank=par.node_rank, master_addr=par.master_addr,
+        master_port=str(par.master_port))
     t0 = time.time()
-    # held here for every start: a start's processor 0 finds it held by its launcher and goes on; the
-    # options travel as an argument (no file to leave behind when a signal ends this process)
-    with RunDirLock(cfg, out):
+    # held here for every start by node 0 (processor 0's): a start's processor 0 finds it held by its
+    # launcher and goes on; the options travel as an argument (no file to leave behind when a signal ends
+    # this process)
+    with RunDirLock(cfg, out) if par.node_rank == 0 else contextlib.nullcontext():
         try:
             options = json.dumps(cfg.replace(out=out).options())
             run_elastic([sys.executable, "-c", _WORKER, options], processors,
-                        {ENV_LAUNCHER_PID: str(os.getpid())}, max_restarts=n, say="meshtorch train")
+                        {ENV_LAUNCHER_PID: str(os.getpid())}, nodes, max_restarts=n, say="meshtorch train")
         except ChildFailedError as e:
-            raise TrainingError(f"the run failed {n + 1} times (--max-restarts {n}); the last time "
-                                f"{failure_text(e)}. {out} holds the newest checkpoint: fix the cause and "
-                                f"continue with --resume {out}") from None
+            times = f"failed {n + 1} times (--max-restarts {n}); the last time" if n else "failed:"
+            saved = os.path.isdir(os.path.join(out, "checkpoint"))
+            then = f"{out} holds the newest checkpoint: fix the cause and continue with --resume {out}" \
+                if saved else "no checkpoint was written: fix the cause and rerun"
+            raise TrainingError(f"the run {times} {failure_text(e)}. {then}") from None
+    if par.node_rank:
+        return {"out": out, "node_rank": par.node_rank, "wall_s": round(time.time() - t0, 1)}
     with open(os.path.join(out, "summary.json")) as f:
         result = json.load(f)
     result["wall_s"] = round(time.time() - t0, 1)

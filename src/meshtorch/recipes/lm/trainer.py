@@ -42,6 +42,7 @@ from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
 from meshtorch.recipes.lm.fit import check_memory, check_model_size
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
+from meshtorch.recipes.lm.nodes import agree_on_options, check_shared_out
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.plan_cli import choose_rules, describe_choice
 from meshtorch.recipes.lm.pretrained import (
@@ -229,16 +230,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # every processor of this machine holds its slices: all of them under threads or a spawn
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world or layout.mesh.size))
     check_memory(cfg, planned, here)
-    if par.max_restarts and world is None:
-        # this process runs torchrun's elastic agent, whose workers run the checks above again, join
-        # the world and train; it holds --out for all of their starts
-        return train_restarting(given, out, layout.mesh.size)
+    if (par.max_restarts or par.nnodes > 1) and world is None:
+        # this process runs torchrun's elastic agent, whose workers (this node's part of the mesh) run the
+        # checks above again, join the world and train; on node 0 it holds --out for all of their starts
+        return train_restarting(given, out, layout.mesh.size // par.nnodes)
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
     if par.backend == "torch" and (world or 1) > 1:
         # join the world now (the launch below reuses it): processor 0 fits the tokenizer, the others wait
         from meshtorch.launcher import init_distributed
 
         init_distributed(layout.mesh, layout.rules, timeout=par.timeout, device=par.device)
+        # every node must run the same run: a flag given otherwise on one node is named now
+        agree_on_options(given.options())
         if chosen is not None:
             agree_on_rules(f"--mesh {layout.mesh} --rules '{layout.rules}'")
     # processor 0 of the world joined above holds --out; the threads backend's process always does
@@ -249,6 +252,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if chosen is not None and lead:
         print(describe_choice(chosen))
     with lock:
+        if par.backend == "torch" and (world or 1) > 1:
+            # processors on other nodes write their slices of the checkpoint in --out (and read the
+            # tokenizer processor 0 fits there): it must be the same directory for all of them
+            check_shared_out(out)
         cfg = resolve_tokenizer_once(cfg, out)
         tok = tokenizer_of(cfg)
         vocab = model_vocab(cfg, tok)
