@@ -176,3 +176,34 @@ def test_bucket_size_must_be_positive():
     with pytest.raises(mt.errors.ArgumentError, match="bucket_mb"):
         with mt.overlap(bucket_mb=0):
             pass
+
+
+def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, monkeypatch):
+    """`meshtorch train` with FSDP rules: --reshard-after-forward with recomputed blocks (gathers
+    again in the recomputation) against --no-overlap: the same losses."""
+    import json
+    import os
+
+    from meshtorch import cli
+
+    (tmp_path / "data.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n" for j in range(60)))
+    tiny = ["--data", str(tmp_path / "data.py"), "--d-model", "16", "--heads", "2", "--d-kv", "8",
+            "--d-ff", "32", "--layers", "2", "--batch", "8", "--length", "16", "--eval-batches", "1",
+            "--sample-tokens", "4", "--warmup", "2", "--no-progress", "--mesh", "b:2", "--rules", FSDP,
+            "--lr", "0.01", "--steps", "3", "--log-every", "1", "--tokenizer", "bytes"]
+
+    def losses(name: str, *flags: str) -> list[float]:
+        out = str(tmp_path / name)
+        assert cli.main(["train", "--out", out, *tiny, *flags]) == 0
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
+
+    ends = []
+    finish = ov.Runtime.finish
+    monkeypatch.setattr(ov.Runtime, "finish", lambda self: (ends.append(self.buckets is not None),
+                                                            finish(self))[1])
+    per_use = losses("off", "--no-overlap")
+    assert not ends
+    overlapped = losses("on", "--reshard-after-forward", "--recompute")
+    assert len(per_use) == 3 and ends.count(True) == 3 * 2  # each step's backward, on each processor
+    assert overlapped == pytest.approx(per_use, rel=1e-5)

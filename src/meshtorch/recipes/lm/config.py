@@ -189,6 +189,10 @@ class ParallelismSection:
     schedule: str = "1f1b"
     # seconds a collective waits for the other processors before the run fails
     timeout: float = 300.0
+    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap)
+    overlap: bool = True
+    # free gathered parameters after their forward use and gather them again in backward
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)

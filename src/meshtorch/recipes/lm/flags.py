@@ -59,6 +59,11 @@ HELP = {
     "lr_schedule": "learning rate after the warm-up",
     "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches)",
     "clip": "bound on the global gradient norm; 0: no clipping",
+    "overlap": "run parameters' collectives grouped (a flat all_gather / reduce_scatter / all_reduce per "
+               "bucket) and asynchronously, overlapped with compute (mt.overlap; off under --compile, "
+               "which schedules its collectives itself)",
+    "reshard_after_forward": "with --overlap: free each gathered parameter (FSDP-style rules) after its "
+                             "forward use and gather it again in backward (less memory, more bytes)",
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
                     "from the run's record; without it a changed model option is an error",

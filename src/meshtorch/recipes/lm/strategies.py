@@ -70,6 +70,18 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     return amp.autocast(torch.bfloat16) if cfg.run.precision == "bf16" else contextlib.nullcontext()
 
 
+def overlapped(cfg: TrainConfig) -> Any:
+    """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
+    ``--reshard-after-forward`` say: the one place the trainer switches it. Off under ``--compile``
+    (the graph schedules its collectives) and on the meta backend (the planner traces the
+    per-use path: it does not yet price grouped, overlapped calls)."""
+    from meshtorch.lowering.overlap import overlap
+
+    par = cfg.parallelism
+    on = par.overlap and not cfg.run.compile and current().comm.backend != "meta"
+    return overlap(enabled=on, reshard_after_forward=par.reshard_after_forward)
+
+
 def _value(loss: Any) -> float:
     """A scalar loss on the host; NaN on the meta backend (a planner's trace: no values)."""
     return float("nan") if loss.local.device.type == "meta" else loss.item()
@@ -103,10 +115,11 @@ class PlainStep:
         for i, batch in enumerate(batches):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, first + i)
-            with precision_context(self.cfg):
-                loss = self.loss(*batch)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with overlapped(self.cfg):
+                with precision_context(self.cfg):
+                    loss = self.loss(*batch)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
             if self.cfg.optimizer.clip:
                 optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
             optimizer_step(self.opt)
