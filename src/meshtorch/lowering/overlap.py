@@ -62,37 +62,44 @@ from meshtorch.comm.grouped import Handle
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering import adapters as ca
 
+FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
 _on = threading.local()  # this processor's options, while inside overlap()
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # communicator -> Runtime
 
 
 @dataclass(frozen=True)
 class Options:
-    """How :func:`overlap` runs: bucket size in MB, and whether gathered parameters are freed
-    after their forward use (and gathered again for backward)."""
+    """How :func:`overlap` runs: the gradient buckets' size in MB (the first one at most 1 MB, as
+    DDP's, so that the first reduction starts early), whether gathered parameters are freed after
+    their forward use (and gathered again for backward), and the size of a grouped gather."""
 
     bucket_mb: float = 25.0
     reshard_after_forward: bool = False
+    gather_mb: float = 4.0
 
 
 @contextmanager
-def overlap(enabled: bool = True, *, bucket_mb: float = 25.0,
-            reshard_after_forward: bool = False) -> Iterator[None]:
+def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forward: bool = False,
+            gather_mb: float = 4.0) -> Iterator[None]:
     """Run parameters' gradient-summing collectives grouped and asynchronously in the block
     (see :mod:`meshtorch.lowering.overlap`); ``enabled=False`` keeps the per-use path.
 
     Enter it around forward *and* backward of a training step (``meshtorch train`` does).
+    ``bucket_mb``: gradient buckets (DDP's 25 MB); ``gather_mb``: grouped parameter gathers (about
+    a block's parameters, FSDP2's unit: what is alive at once under ``reshard_after_forward``).
 
     Example:
         >>> import meshtorch as mt
         >>> with mt.overlap(bucket_mb=4, reshard_after_forward=True):
         ...     mt.lowering.overlap.options()
-        Options(bucket_mb=4.0, reshard_after_forward=True)
+        Options(bucket_mb=4.0, reshard_after_forward=True, gather_mb=4.0)
     """
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
-        raise ArgumentError(f"bucket_mb={bucket_mb!r} must be a positive number of megabytes, e.g. 25")
+    for name, value in (("bucket_mb", bucket_mb), ("gather_mb", gather_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ArgumentError(f"{name}={value!r} must be a positive number of megabytes, e.g. {name}=25")
     prev = getattr(_on, "options", None)
-    _on.options = Options(float(bucket_mb), bool(reshard_after_forward)) if enabled else None
+    _on.options = (Options(float(bucket_mb), bool(reshard_after_forward), float(gather_mb)) if enabled
+                   else None)
     try:
         yield
     finally:
@@ -220,6 +227,7 @@ class Runtime:
         self.fetches: dict[int, Handle] = {}  # forward bucket -> its gather in flight (or done)
         self.refetches: dict[int, tuple[list[Entry], Handle]] = {}  # the same, gathered again
         self.bucket_bytes = 25 * 2**20
+        self.gather_bytes = 4 * 2**20
         self.reshard = False
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
 
@@ -228,6 +236,7 @@ class Runtime:
         if self.callback_missing and self.buckets is not None:
             self.finish()  # a backward ended, without the engine's callback to finish it
         self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
+        self.gather_bytes = max(1, int(opts.gather_mb * 2**20))
         self.reshard = opts.reshard_after_forward
         kind, axes, dim = how
         key = (id(param), steps)
@@ -346,7 +355,8 @@ class Runtime:
         for e in reversed(self.order):
             key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
             k = open_.get(key)
-            if k is None or sum(x.nbytes for x in buckets[k]) + e.nbytes > self.bucket_bytes and buckets[k]:
+            cap = min(self.bucket_bytes, FIRST_BUCKET) if k == 0 else self.bucket_bytes
+            if k is None or sum(x.nbytes for x in buckets[k]) + e.nbytes > cap and buckets[k]:
                 k = open_[key] = len(buckets)
                 buckets.append([])
             buckets[k].append(e)
@@ -418,7 +428,7 @@ class Runtime:
                 continue
             key = (as_axes(e.axes), e.leaf.dtype, e.leaf.device)
             k = open_.get(key)
-            if k is None or (sum(m[4] for m in plan[k]) + e.nbytes > self.bucket_bytes and plan[k]):
+            if k is None or (sum(m[4] for m in plan[k]) + e.nbytes > self.gather_bytes and plan[k]):
                 k = open_[key] = len(plan)
                 plan.append([])
             plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes))
