@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import meshtorch as mt
 from bench_harness import BENCHMARKS, load_benchmark
@@ -87,3 +88,22 @@ def test_a_tiny_run_compares_equal_steps_and_counts_every_collective(tmp_path):
     assert set(report["ratios"]) == set(bench.PAIRS)
     assert all(len(r["per_round"]) == 2 and r["median"] > 0 for r in report["ratios"].values())
     assert all(0 < f < 1 for f in report["flop_limit_fraction"].values())
+
+
+def test_allocator_peak_lets_an_asynchronous_call_go_at_its_wait():
+    # FSDP2 issues all-gathers with async_op=True when it prefetches: the measured call must
+    # return its work at once (gloo holds the tensors until it completes) and let go at wait()
+    allocator_peak = load_benchmark("allocator_peak")
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        out, inp = torch.zeros(4), torch.arange(4.0)
+        with allocator_peak.caller_frees():
+            work = dist.all_gather_single(out, inp, async_op=True)
+            assert isinstance(work, allocator_peak._Waited)
+            work.wait()
+            assert dist.all_gather_single(out, inp + 1) is None  # blocking calls stay blocking
+        torch.testing.assert_close(out, torch.arange(1.0, 5.0))
+    finally:
+        dist.destroy_process_group()
