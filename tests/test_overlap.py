@@ -222,3 +222,22 @@ def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, m
     overlapped = losses("on", "--reshard-after-forward", "--recompute")
     assert len(per_use) == 3 and ends.count(True) == 3 * 2  # each step's backward, on each processor
     assert overlapped == pytest.approx(per_use, rel=1e-5)
+
+
+def two_models() -> list[int]:
+    """Two LMs stepping in turn on one processor: each step's calls."""
+    models = [DecoderLM(config(), seed=s) for s in (0, 1)]
+    calls = []
+    for step in range(3):
+        for model in models:
+            before = mt.comm_stats().copy()
+            with mt.overlap():
+                model.loss(*batch(step)).backward()
+            calls.append(total((mt.comm_stats() - before).as_dict()))
+    return calls
+
+
+def test_models_stepping_in_turn_each_keep_their_gather_plan():
+    alone = total(run("on", FSDP)[0]["calls"][-1])
+    calls = mt.launch(two_models, mesh="b:2", rules=FSDP)[0]
+    assert calls[2:] == [alone] * 4 and calls[0] > alone

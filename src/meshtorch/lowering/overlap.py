@@ -63,6 +63,7 @@ from meshtorch.errors import ArgumentError
 from meshtorch.lowering import adapters as ca
 
 FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
+MAX_PLANS = 16  # models whose read order one processor keeps
 _on = threading.local()  # this processor's options, while inside overlap()
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # communicator -> Runtime
 
@@ -222,8 +223,12 @@ class Runtime:
         self.launched = 0
         self.finishing = False
         # forward: last step's gathered reads as buckets of (param ref, key, axes, dim)
+        # the plan of this step, chosen at its first gathered read among the plans of earlier steps,
+        # each kept under its first read (several models on one processor each keep theirs)
         self.plan: list[list[tuple]] = []
         self.plan_at: dict = {}  # key -> bucket index
+        self.plans: dict = {}  # first read's key -> (plan, plan_at), the newest last
+        self.chosen = False
         self.fetches: dict[int, Handle] = {}  # forward bucket -> its gather in flight (or done)
         self.refetches: dict[int, tuple[list[Entry], Handle]] = {}  # the same, gathered again
         self.bucket_bytes = 25 * 2**20
@@ -257,6 +262,9 @@ class Runtime:
     def _gathered(self, param, key, axes, dim) -> Entry:
         """The entry of a gathered parameter: from the bucket the previous step read it in
         (gathered with the bucket, the next one prefetched), or gathered alone."""
+        if not self.chosen:
+            self.plan, self.plan_at = self.plans.get(key, ([], {}))
+            self.chosen = True
         k = self.plan_at.get(key)
         if k is None:
             value = self.comm.all_gather_grouped([param.detach()], axes, [dim])[0]
@@ -432,8 +440,14 @@ class Runtime:
                 k = open_[key] = len(plan)
                 plan.append([])
             plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes))
-        self.plan = [[m[:4] for m in b] for b in plan]
-        self.plan_at = {m[1]: k for k, b in enumerate(self.plan) for m in b}
+        if plan:
+            first = plan[0][0][1]
+            self.plans.pop(first, None)
+            self.plans[first] = ([[m[:4] for m in b] for b in plan],
+                                 {m[1]: k for k, b in enumerate(plan) for m in b})
+            while len(self.plans) > MAX_PLANS:
+                del self.plans[next(iter(self.plans))]
+        self.plan, self.plan_at, self.chosen = [], {}, False
         self.fetches = {}
         self.entries, self.order = {}, []
         self.buckets, self.launched, self.finishing = None, 0, False
