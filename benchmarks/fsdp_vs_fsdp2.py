@@ -98,16 +98,26 @@ QUICK_CONFIG = dict(vocab=256, d_model=64, heads=2, d_kv=32, d_ff=128, layers=2,
 QUICK_BATCH, QUICK_LENGTH = 4, 32
 WORLD = 2
 
-VARIANTS = ("meshtorch_fsdp", "fsdp2", "fsdp2_keep", "meshtorch_dp", "ddp")
-LABELS = {"meshtorch_fsdp": "meshtorch `batch:b; d_model:b` (FSDP by rules)",
+VARIANTS = ("meshtorch_fsdp", "fsdp2", "meshtorch_fsdp_keep", "fsdp2_keep", "meshtorch_dp", "ddp",
+            "meshtorch_fsdp_per_use")
+LABELS = {"meshtorch_fsdp": "meshtorch `batch:b; d_model:b` (FSDP by rules), "
+                            "`mt.overlap(reshard_after_forward=True)`",
           "fsdp2": "PyTorch FSDP2 (`fully_shard` per block + root)",
+          "meshtorch_fsdp_keep": "meshtorch FSDP by rules, `mt.overlap()` (gathered parameters kept)",
           "fsdp2_keep": "FSDP2, `reshard_after_forward=False`",
-          "meshtorch_dp": "meshtorch `batch:b` (data parallel)",
-          "ddp": "DDP"}
-RULES = {"meshtorch_fsdp": "batch:b; d_model:b", "meshtorch_dp": "batch:b"}
+          "meshtorch_dp": "meshtorch `batch:b` (data parallel), `mt.overlap()`",
+          "ddp": "DDP",
+          "meshtorch_fsdp_per_use": "meshtorch FSDP by rules, per-use collectives "
+                                    "(`mt.overlap(enabled=False)`)"}
+RULES = {"meshtorch_fsdp": "batch:b; d_model:b", "meshtorch_fsdp_keep": "batch:b; d_model:b",
+         "meshtorch_dp": "batch:b", "meshtorch_fsdp_per_use": "batch:b; d_model:b"}
+# how each meshtorch variant runs its parameters' collectives (lowering/overlap.py); None: per use
+OVERLAP = {"meshtorch_fsdp": {"reshard_after_forward": True}, "meshtorch_fsdp_keep": {},
+           "meshtorch_dp": {}, "meshtorch_fsdp_per_use": None}
 PAIRS = {"meshtorch_fsdp/fsdp2": ("meshtorch_fsdp", "fsdp2"),
-         "meshtorch_fsdp/fsdp2_keep": ("meshtorch_fsdp", "fsdp2_keep"),
-         "meshtorch_dp/ddp": ("meshtorch_dp", "ddp")}
+         "meshtorch_fsdp_keep/fsdp2_keep": ("meshtorch_fsdp_keep", "fsdp2_keep"),
+         "meshtorch_dp/ddp": ("meshtorch_dp", "ddp"),
+         "meshtorch_fsdp/meshtorch_fsdp_per_use": ("meshtorch_fsdp", "meshtorch_fsdp_per_use")}
 LR = 1e-3
 
 
@@ -254,14 +264,15 @@ def batch(step: int, vocab: int, rows: int, length: int) -> torch.Tensor:
     return torch.randint(0, vocab, (rows, length + 1), generator=torch.Generator().manual_seed(step))
 
 
-def mesh_variant(cfg: TransformerConfig, ctx: ProcessorContext, shape: str):
-    """A meshtorch DecoderLM under ``ctx``'s rules and its step; returns (step, model)."""
+def mesh_variant(cfg: TransformerConfig, ctx: ProcessorContext, shape: str, how: dict | None = None):
+    """A meshtorch DecoderLM under ``ctx``'s rules and its step, its parameters' collectives run
+    by ``mt.overlap(**how)`` (``None``: per use); returns (step, model)."""
     with use(ctx):
         model = DecoderLM(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(data: torch.Tensor) -> float:
-        with use(ctx):
+        with use(ctx), mt.overlap(enabled=how is not None, **(how or {})):
             loss = model.loss(mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -312,7 +323,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     steps, models = {}, {}
     for name in VARIANTS:
         if name in RULES:
-            steps[name], models[name] = mesh_variant(cfg, contexts[name], shape)
+            steps[name], models[name] = mesh_variant(cfg, contexts[name], shape, OVERLAP[name])
     with use(contexts["meshtorch_fsdp"]):
         twin = BlockLM(models["meshtorch_fsdp"])  # gathers the whole weights on each process
     for name in VARIANTS:
@@ -363,7 +374,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     for name in VARIANTS:
         def setup(name=name):
             if name in RULES:
-                step, _ = mesh_variant(cfg, contexts[name], shape)
+                step, _ = mesh_variant(cfg, contexts[name], shape, OVERLAP[name])
             else:
                 step, _ = torch_variant(name, twin_template)
             step(data)  # the optimizer's state exists from the first step on

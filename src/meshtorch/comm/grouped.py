@@ -59,7 +59,7 @@ class Handle:
     def wait(self) -> list[torch.Tensor]:
         """The call's result tensors, in the order given (waits for the call first)."""
         if self._finish is not None:
-            finish, self._finish = self._finish, None
+            finish, self._finish, self._done = self._finish, None, None
             self._result = finish()
         assert self._result is not None
         return self._result

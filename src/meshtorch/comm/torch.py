@@ -351,7 +351,9 @@ class TorchCommunicator(Communicator):
             self._run(kind, axes, group, work.wait)
             return finish()
 
-        return Handle(wait, work.is_completed)
+        # the work is looked up when asked, not bound now: a bound method would keep the work,
+        # and the work its tensors, alive after the wait
+        return Handle(wait, lambda: work.is_completed())
 
     def _start_all_gather(self, flat, axes, group, call, unpack):
         if "all_gather" in self._missing:
