@@ -65,7 +65,6 @@ from meshtorch.lowering import adapters as ca
 FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
 MAX_PLANS = 16  # models whose read order one processor keeps
 _on = threading.local()  # this processor's options, while inside overlap()
-_RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # communicator -> Runtime
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
         if enabled:
             from meshtorch.context import current
 
-            rt = _RUNTIMES.get(current().comm)
+            rt = getattr(current().comm, "_overlap", None)
             if rt is not None and rt.callback_missing:
                 rt.finish()  # a backward whose last gradients never came
 
@@ -136,38 +135,49 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
     """The value an op uses for the parameter slice ``t`` adapted by ``steps``, run by this
     module (a leaf whose gradient is reduced in buckets), or ``None``: use the per-use path.
     The lowering asks this for every input whose adapters sum its gradient."""
+    if torch.compiler.is_compiling():  # first: a traced step never reads this module's state
+        return None
     opts = options()
     if (opts is None or not isinstance(t, torch.nn.Parameter) or not t.requires_grad
-            or not torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            or not torch.is_grad_enabled()):
         return None
     how = _adapter(steps)
     if how is None:
         return None
     from meshtorch.context import current  # the context sits above; read at call time
 
-    comm = current().comm
-    rt = _RUNTIMES.get(comm)
+    return runtime(current().comm).read(t, steps, how, opts)
+
+
+def runtime(comm: Communicator) -> Runtime:
+    """``comm``'s processor's :class:`Runtime` (made on first use; it lives as long as ``comm``)."""
+    rt = getattr(comm, "_overlap", None)
     if rt is None:
-        rt = _RUNTIMES[comm] = Runtime(comm)
-    return rt.read(t, steps, how, opts)
+        rt = comm._overlap = Runtime(comm)  # type: ignore[attr-defined]
+    return rt
 
 
 def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
-    """After an op ran forward on ``used`` (values from :func:`overlapped_input`): with
-    ``reshard_after_forward``, free the gathered ones and gather them again before the op's
-    backward."""
-    opts = options()
-    if opts is None or not opts.reshard_after_forward or not used:
+    """After an op ran forward on ``used`` (values from :func:`overlapped_input`): before the op's
+    backward, gather again those of them that were freed since (with ``reshard_after_forward``:
+    now, but for the last forward bucket, which backward needs first; otherwise once their
+    gradient is taken, as FSDP2 frees after backward, which a retained graph may run again)."""
+    if not used or torch.compiler.is_compiling():
         return
     entries = [e for e in (getattr(v, "_overlap_entry", None) for v in used) if e is not None and e.gathered]
     if not entries:
         return
+    rt = entries[0].runtime
     if any(e.leaf.untyped_storage().data_ptr() == result.untyped_storage().data_ptr() for e in entries):
-        return  # the result is a view of a gathered value: it must stay
-    for e in entries:
-        e.free()
+        for e in entries:
+            e.pinned = True  # the result is a view of a gathered value: it must stay
+        return
+    if rt.reshard:
+        last = len(rt.plan) - 1
+        for e in entries:
+            if e.fwd is None or e.fwd != last:
+                e.free()
     if result.requires_grad:
-        rt = entries[0].runtime
         result.register_hook(lambda g: (rt.refill(entries), g)[1])
 
 
@@ -176,7 +186,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -189,6 +199,7 @@ class Entry:
         self.bucket: int | None = None  # its backward bucket
         self.fwd: int | None = None  # its forward bucket (the previous step's reads)
         self.freed = False
+        self.pinned = False  # an op's result is a view of it: never freed
         self.nbytes = self.leaf.numel() * self.leaf.element_size()
         gen = runtime.generation
         self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, gen))
@@ -198,7 +209,7 @@ class Entry:
         return self.kind == "reduce_scatter"
 
     def free(self) -> None:
-        if not self.freed:
+        if not self.freed and not self.pinned:
             self.leaf.untyped_storage().resize_(0)
             self.freed = True
 
@@ -345,7 +356,7 @@ class Runtime:
             return
         e.grad = g if e.grad is None else e.grad + g
         self.arrived.add(e)
-        if e.gathered and self.reshard:
+        if e.gathered:
             e.free()  # its last use has run backward
         if self.buckets is None:
             self._cut_buckets()
