@@ -260,3 +260,27 @@ def twice(on: bool) -> dict:
 def test_a_retained_graph_runs_backward_again_with_the_same_gradients():
     off, on = (mt.launch(twice, on, mesh="b:2", rules=FSDP)[0] for on in (False, True))
     same(on, off, exact=False)
+
+
+def compiled_inside_overlap() -> tuple[list[float], list[float], int]:
+    """The LM's loss compiled (fullgraph) and called inside mt.overlap: the per-use path runs in
+    the graph, with the eager losses; the runtime records no read."""
+    from meshtorch.compiler import compile_step
+
+    losses = []
+    for fn in ("eager", "compiled"):
+        model = DecoderLM(config(), seed=0)
+        loss_fn = model.loss if fn == "eager" else compile_step(model.loss, "eager", fullgraph=True)
+        with mt.overlap():
+            loss = loss_fn(*batch(0))
+            if fn == "compiled":
+                rt = getattr(mt.current().comm, "_overlap", None)
+                reads = 0 if rt is None else len(rt.order)
+            loss.backward()
+        losses.append([loss.item()] + [p.grad.sum().item() for p in model.parameters()])
+    return losses[0], losses[1], reads
+
+
+def test_a_compiled_step_inside_overlap_keeps_the_per_use_path():
+    for eager, compiled, reads in mt.launch(compiled_inside_overlap, mesh="b:2", rules=DP):
+        assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6) and reads == 0
