@@ -127,11 +127,13 @@ def test_a_four_layer_step_makes_at_most_twice_fsdp2s_calls():
         same(on["grads"], off["grads"], exact=False)
 
 
-def test_small_buckets_cut_more_calls_and_keep_the_values():
-    on, small = run("on", FSDP)[0], run("on", FSDP, bucket_mb=1e-4)[0]
-    same_losses(small["losses"], on["losses"], exact=False)
-    same(small["grads"], on["grads"], exact=False)
-    assert small["calls"][-1]["reduce_scatter@b"]["calls"] > on["calls"][-1]["reduce_scatter@b"]["calls"]
+@pytest.mark.parametrize("rules,kind,option", [(FSDP, "reduce_scatter@b", "gather_mb"),
+                                               (DP, "all_reduce@b", "bucket_mb")])
+def test_small_buckets_cut_more_calls_and_keep_the_values(rules, kind, option):
+    on, small = run("on", rules)[0], run("on", rules, **{option: 1e-4})[0]
+    same_losses(small["losses"], on["losses"], exact=rules == DP)
+    same(small["grads"], on["grads"], exact=rules == DP)
+    assert small["calls"][-1][kind]["calls"] > on["calls"][-1][kind]["calls"]
 
 
 @pytest.mark.parametrize("rules", [FSDP, DP])
