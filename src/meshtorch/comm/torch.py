@@ -348,7 +348,8 @@ class TorchCommunicator(Communicator):
         work = self._run(kind, axes, group, start)
 
         def wait() -> list:
-            self._run(kind, axes, group, work.wait)
+            with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
+                self._run(kind, axes, group, work.wait)
             return finish()
 
         # the work is looked up when asked, not bound now: a bound method would keep the work,

@@ -73,12 +73,12 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 def overlapped(cfg: TrainConfig) -> Any:
     """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
     ``--reshard-after-forward`` say: the one place the trainer switches it. Off under ``--compile``
-    (the graph schedules its collectives) and on the meta backend (the planner traces the
-    per-use path: it does not yet price grouped, overlapped calls)."""
+    (the graph schedules its collectives). The planner traces this same step on the meta backend,
+    so it counts the grouped calls that run (it does not yet price their overlap)."""
     from meshtorch.lowering.overlap import overlap
 
     par = cfg.parallelism
-    on = par.overlap and not cfg.run.compile and current().comm.backend != "meta"
+    on = par.overlap and not cfg.run.compile
     return overlap(enabled=on, reshard_after_forward=par.reshard_after_forward)
 
 
