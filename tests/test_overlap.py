@@ -198,9 +198,11 @@ def test_bucket_size_must_be_positive():
             pass
 
 
-def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, monkeypatch):
-    """`meshtorch train` with FSDP rules: --reshard-after-forward with recomputed blocks (gathers
-    again in the recomputation) against --no-overlap: the same losses."""
+@pytest.mark.parametrize("flags", [["--overlap"], ["--reshard-after-forward", "--recompute"]])
+def test_meshtorch_train_overlaps_with_the_per_use_losses(tmp_path, monkeypatch, flags):
+    """`meshtorch train` with FSDP rules, --overlap, or --reshard-after-forward with recomputed
+    blocks (gathers again in the recomputation), against the default per-use path: the same
+    losses."""
     import json
     import os
 
@@ -222,9 +224,9 @@ def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, m
     finish = ov.Runtime.finish
     monkeypatch.setattr(ov.Runtime, "finish", lambda self: (ends.append(self.buckets is not None),
                                                             finish(self))[1])
-    per_use = losses("off", "--no-overlap")
+    per_use = losses("off")
     assert not ends
-    overlapped = losses("on", "--reshard-after-forward", "--recompute")
+    overlapped = losses("on", *flags)
     assert len(per_use) == 3 and ends.count(True) == 3 * 2  # each step's backward, on each processor
     assert overlapped == pytest.approx(per_use, rel=1e-5)
 

@@ -189,9 +189,11 @@ class ParallelismSection:
     schedule: str = "1f1b"
     # seconds a collective waits for the other processors before the run fails
     timeout: float = 300.0
-    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap)
-    overlap: bool = True
-    # free gathered parameters after their forward use and gather them again in backward
+    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap); off by
+    # default until the planner prices it (its memory trace does not follow freed gathered values)
+    overlap: bool = False
+    # free gathered parameters after their forward use and gather them again in backward (implies
+    # overlap)
     reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:

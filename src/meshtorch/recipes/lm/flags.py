@@ -62,8 +62,8 @@ HELP = {
     "overlap": "run parameters' collectives grouped (a flat all_gather / reduce_scatter / all_reduce per "
                "bucket) and asynchronously, overlapped with compute (mt.overlap; off under --compile, "
                "which schedules its collectives itself)",
-    "reshard_after_forward": "with --overlap: free each gathered parameter (FSDP-style rules) after its "
-                             "forward use and gather it again in backward (less memory, more bytes)",
+    "reshard_after_forward": "free each gathered parameter (FSDP-style rules) after its forward use and "
+                             "gather it again in backward (less memory, more bytes); implies --overlap",
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
                     "from the run's record; without it a changed model option is an error",

@@ -72,13 +72,13 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 def overlapped(cfg: TrainConfig) -> Any:
     """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
-    ``--reshard-after-forward`` say: the one place the trainer switches it. Off under ``--compile``
-    (the graph schedules its collectives). The planner traces this same step on the meta backend,
-    so it counts the grouped calls that run (it does not yet price their overlap)."""
+    ``--reshard-after-forward`` say: the one place the trainer switches it (off by default until
+    the planner prices it; off under ``--compile``, whose graph schedules its collectives). The
+    planner traces this same step on the meta backend, so it counts the grouped calls that run."""
     from meshtorch.lowering.overlap import overlap
 
     par = cfg.parallelism
-    on = par.overlap and not cfg.run.compile
+    on = (par.overlap or par.reshard_after_forward) and not cfg.run.compile
     return overlap(enabled=on, reshard_after_forward=par.reshard_after_forward)
 
 
