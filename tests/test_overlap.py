@@ -289,3 +289,15 @@ def compiled_inside_overlap() -> tuple[list[float], list[float], int]:
 def test_a_compiled_step_inside_overlap_keeps_the_per_use_path():
     for eager, compiled, reads in mt.launch(compiled_inside_overlap, mesh="b:2", rules=DP):
         assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6) and reads == 0
+
+
+@pytest.mark.parametrize("mesh,rules", [("b:2,m:2", "batch:b; d_model:b; heads:m; d_ff:m"),
+                                        ("b:2,m:2", "batch:(b,m); d_model:(b,m)"),
+                                        ("b:2,m:2", "batch:b; vocab:m; d_ff:m")])
+def test_two_axis_meshes_overlap_with_the_per_use_values(mesh, rules):
+    """Grouped axes (a dim over (b, m)), model splits beside FSDP or data parallel: the adapters
+    this module runs (one step: an identity or an even gather) go grouped, the others per use."""
+    off, on = run("off", rules, mesh=mesh)[0], run("reshard", rules, mesh=mesh, gather_mb=0.004)[0]
+    same_losses(on["losses"], off["losses"], exact=False)
+    same(on["grads"], off["grads"], exact=False)
+    assert total(on["calls"][-1]) < total(off["calls"][-1])
