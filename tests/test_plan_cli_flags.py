@@ -128,8 +128,11 @@ def test_compile_prices_the_compiled_step(capsys):
     compiled = json.loads(capsys.readouterr().out)
     assert (eager["compiled"], compiled["compiled"]) == (False, True)
     assert compiled["flops"] == eager["flops"] and compiled["step_seconds"] < eager["step_seconds"]
-    assert main(base + ["--compile", "--search", "--processors", "2"]) == 2
-    assert "--search prices eager steps" in capsys.readouterr().err
+    # the search prices the compiled step too: its best is the compiled plan of the layout it picks
+    assert main(base + ["--compile", "--search", "--processors", "2"]) == 0
+    best = json.loads(capsys.readouterr().out)
+    assert main(base + ["--compile", "--mesh", best["mesh"], "--rules", best["rules"]]) == 0
+    assert best["step_seconds"] == pytest.approx(json.loads(capsys.readouterr().out)["step_seconds"])
     assert main(base + ["--compile", "--pipeline-stages", "2"]) == 2  # train's own refusal
     assert "--compile compiles the plain step" in capsys.readouterr().err
 
@@ -166,7 +169,8 @@ def test_a_llama_3_8b_config_plans_on_8_h100s_with_fsdp(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated"],
-                                   ["--recompute", "--rules", "batch:b; d_model:b"]])
+                                   ["--recompute", "--rules", "batch:b; d_model:b"],
+                                   ["--compile", "--precision", "bf16"]])
 def test_layered_plan_equals_the_full_trace(capsys, flags):
     """--layered (the default) extrapolates from two shallow depths: the same parameters, FLOPs, bytes
     and memory as tracing every layer; the step time within 1%."""
