@@ -14,7 +14,8 @@ caller resumes (how long depends on the machine's load). Unchecked, a tensor
 the program drops right after a collective would be freed unseen, and
 counted alive until its block is handed out again. So while measuring
 (:func:`caller_frees`), every ``torch.distributed`` call returns, and every
-``wait()`` of an asynchronous one, only once gloo has let go of the call's
+``wait()`` of an asynchronous one (``isend``, or any call made with
+``async_op=True``), only once gloo has let go of the call's
 tensors and of their storages: each is then freed where the program drops
 it, by the program's own thread, as the planner assumes. What gloo makes
 for itself inside a call (a copy to reduce in place, say) dies with the
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -146,9 +148,16 @@ class _Waited:
 
 
 def _blocking(fn):
+    signature = inspect.signature(fn)
+
     def call(*args, **kwargs):
         tensors = _tensors(args, kwargs)
         owners = [_owners(t) for t in tensors]
+        if signature.bind_partial(*args, **kwargs).arguments.get("async_op"):
+            # called asynchronously (FSDP2's prefetch, overlapped collectives): gloo holds the
+            # tensors until the work completes, so the wait lets go of them, not the call
+            out = fn(*args, **kwargs)
+            return None if out is None else _Waited(out, tensors, owners)
         with torch.profiler.record_function(_CALL):
             out = fn(*args, **kwargs)
             _let_go(tensors, owners)

@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "init": ([], ["--repeats", "5"]),
     "async_checkpoint": ([], ["--steps", "8", "--every", "4", "--rounds", "1"]),
     "replicator_vs_ddp": ([], ["--repeats", "2", "--steps", "10", "--warmup", "3"]),
+    "fsdp_vs_fsdp2": ([], ["--quick"]),
     "pipeline": ([], ["--micro", "2", "--steps", "2", "--repeats", "1"]),
     "seqpar": ([], ["--length", "256"]),
     "attention_fused": ([], ["--length", "256", "--repeat", "3"]),

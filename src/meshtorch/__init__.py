@@ -46,6 +46,7 @@ def _load() -> dict:
     from meshtorch.errors import MeshTorchError
     from meshtorch.launcher import init_distributed, launch
     from meshtorch.layout import Layout, LayoutRules
+    from meshtorch.lowering.overlap import overlap
     from meshtorch.mesh import Mesh
     from meshtorch.ops.array import concat, cumsum, embedding, one_hot, pad, range, shift, slice
     from meshtorch.ops.attention import attention, local_attention, ring_attention

@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from meshtorch.comm import grouped as gp
+from meshtorch.comm.grouped import Handle
 from meshtorch.comm.stats import CommStats, note_traced
 from meshtorch.errors import ArgumentError, CommError
 from meshtorch.mesh import Mesh
@@ -315,6 +317,87 @@ class Communicator(ABC):
             j = i - offset
             sources.append(j % n if wrap else (j if 0 <= j < n else None))
         return self.permute(t, axis, sources)
+
+    # --------------------------------------------------- grouped collectives
+    def _grouped(self, kind: str, tensors, axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        if torch.compiler.is_compiling():
+            raise CommError(f"grouped {kind} is an eager call: a compiled step runs one collective per "
+                            "tensor (torch.compile schedules and overlaps those itself)")
+        axes = as_axes(axes)
+        for a in axes:
+            self.mesh.axis_size(a)
+        return axes, self.group(axes)
+
+    def all_gather_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int],
+                           async_op: bool = False) -> list[torch.Tensor] | Handle:
+        """Each tensor gathered along its dim of ``dims`` over the group, as *one* flat
+        all_gather (see :mod:`meshtorch.comm.grouped`); with ``async_op``, a :class:`Handle`.
+
+        Example:
+            >>> import torch, meshtorch as mt
+            >>> def f():
+            ...     comm = mt.current().comm
+            ...     a, b = torch.full((1, 2), float(comm.rank)), torch.full((2, 1), float(comm.rank))
+            ...     out = comm.all_gather_grouped([a, b], "b", dims=[0, 1])
+            ...     return [t.tolist() for t in out], comm.stats.calls()
+            >>> mt.launch(f, mesh="b:2")[1]
+            ([[[0.0, 0.0], [1.0, 1.0]], [[0.0, 1.0], [0.0, 1.0]]], 1)
+        """
+        axes, group = self._grouped("all_gather", tensors, axes)
+        if len(group) == 1:
+            return gp.done(list(tensors)) if async_op else list(tensors)
+        flat, layout = gp.pack_gather(tensors, dims, axes)
+        self._record("all_gather", axes, flat.numel() * flat.element_size())
+        n = len(group)
+        work = self._start_all_gather(flat, axes, group, self._describe("all_gather", axes, flat, dim=0),
+                                      lambda out: gp.unpack_gather(out, n, layout))
+        return work if async_op else work.wait()
+
+    def reduce_scatter_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int], op: str = "sum",
+                               async_op: bool = False) -> list[torch.Tensor] | Handle:
+        """Each tensor reduced over the group and cut along its dim of ``dims``, this
+        processor keeping its chunk, as *one* flat reduce_scatter; with ``async_op``, a
+        :class:`Handle`. Every dim must divide by the group size."""
+        if op not in REDUCE_OPS:
+            raise CommError(f"reduce_scatter op {op!r} is not one of {REDUCE_OPS}")
+        axes, group = self._grouped("reduce_scatter", tensors, axes)
+        if len(group) == 1:
+            return gp.done(list(tensors)) if async_op else list(tensors)
+        buf, layout = gp.pack_scatter(tensors, dims, axes, len(group))
+        self._record("reduce_scatter", axes, buf.numel() * buf.element_size())
+        call = self._describe("reduce_scatter", axes, buf, op=op, dim=0)
+        work = self._start_reduce_scatter(buf, axes, group, op, call,
+                                          lambda row: gp.unpack_scatter(row, layout))
+        return work if async_op else work.wait()
+
+    def all_reduce_grouped(self, tensors: list[torch.Tensor], axes, op: str = "sum",
+                           async_op: bool = False) -> list[torch.Tensor] | Handle:
+        """Each tensor reduced elementwise over the group, as *one* flat all_reduce; with
+        ``async_op``, a :class:`Handle` (see :mod:`meshtorch.comm.grouped`)."""
+        if op not in REDUCE_OPS:
+            raise CommError(f"all_reduce op {op!r} is not one of {REDUCE_OPS}")
+        axes, group = self._grouped("all_reduce", tensors, axes)
+        if len(group) == 1:
+            return gp.done(list(tensors)) if async_op else list(tensors)
+        flat, shapes = gp.pack_reduce(tensors, axes)
+        self._record("all_reduce", axes, flat.numel() * flat.element_size())
+        call = self._describe("all_reduce", axes, flat, op=op)
+        work = self._start_all_reduce(flat, axes, group, op, call, lambda out: gp.unpack_reduce(out, shapes))
+        return work if async_op else work.wait()
+
+    # A backend that runs calls asynchronously overrides these; the others run them now. Either
+    # way the result is unpacked when waited on, so every backend runs the same ops in one order.
+    def _start_all_gather(self, flat, axes, group, call, unpack) -> Handle:
+        out = self._all_gather(flat, axes, group, 0, call)
+        return Handle(lambda: unpack(out))
+
+    def _start_reduce_scatter(self, buf, axes, group, op, call, unpack) -> Handle:
+        out = self._reduce_scatter(buf, axes, group, 0, op, call)
+        return Handle(lambda: unpack(out))
+
+    def _start_all_reduce(self, flat, axes, group, op, call, unpack) -> Handle:
+        out = self._all_reduce(flat, axes, group, op, call)
+        return Handle(lambda: unpack(out))
 
     # ------------------------------------------------------ point-to-point
     def _peer(self, kind: str, axis: str, peer: int) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -65,6 +65,7 @@ from meshtorch.comm.base import (
     compare_calls,
     user_call_site,
 )
+from meshtorch.comm.grouped import Handle
 from meshtorch.errors import CommError, MeshError
 from meshtorch.mesh import Mesh
 
@@ -344,6 +345,56 @@ class TorchCommunicator(Communicator):
 
         self._run("all_to_all", axes, group, go)
         return self._blocks(out, t, n, split_dim, concat_dim)
+
+    # ---------------------------------------------------- grouped, asynchronous
+    # One flat call with async_op=True: the work runs while this processor computes (gloo on its
+    # own threads, NCCL on its own stream; Work.wait makes the current stream wait for it), and
+    # the handle unpacks the result when waited on. The buffers stay alive in the closure.
+    def _async(self, kind: str, axes, group, start: Callable[[], object], finish: Callable[[], list]
+               ) -> Handle:
+        work = self._run(kind, axes, group, start)
+
+        def wait() -> list:
+            with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
+                self._run(kind, axes, group, work.wait)
+            return finish()
+
+        # the work is looked up when asked, not bound now: a bound method would keep the work,
+        # and the work its tensors, alive after the wait
+        return Handle(wait, lambda: work.is_completed())
+
+    def _start_all_gather(self, flat, axes, group, call, unpack):
+        if "all_gather" in self._missing:
+            return super()._start_all_gather(flat, axes, group, call, unpack)
+        op = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+        if op is None:
+            return super()._start_all_gather(flat, axes, group, call, unpack)
+        self._check(call, group)
+        pg = self._process_group(axes)
+        x = self._to_dev(flat)
+        out = torch.empty(len(group) * x.numel(), dtype=x.dtype, device=x.device)
+        return self._async("all_gather", axes, group, lambda: op(out, x, group=pg, async_op=True),
+                           lambda: unpack(out.to(flat.device)))
+
+    def _start_reduce_scatter(self, buf, axes, group, op, call, unpack):
+        fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+        if "reduce_scatter" in self._missing or fn is None:
+            return super()._start_reduce_scatter(buf, axes, group, op, call, unpack)
+        self._check(call, group)
+        pg = self._process_group(axes)
+        x = self._to_dev(buf)
+        out = torch.empty((1,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        return self._async("reduce_scatter", axes, group,
+                           lambda: fn(out, x, op=_REDUCE[op], group=pg, async_op=True),
+                           lambda: unpack(out.to(buf.device)))
+
+    def _start_all_reduce(self, flat, axes, group, op, call, unpack):
+        self._check(call, group)
+        pg = self._process_group(axes)
+        x = self._to_dev(flat)  # the packed buffer is the call's own: reduced in place
+        return self._async("all_reduce", axes, group,
+                           lambda: dist.all_reduce(x, _REDUCE[op], group=pg, async_op=True),
+                           lambda: unpack(x.to(flat.device)))
 
     @staticmethod
     def _blocks(out: torch.Tensor, t: torch.Tensor, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:

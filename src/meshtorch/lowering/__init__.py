@@ -2,6 +2,8 @@
 
 - :mod:`meshtorch.lowering.adapters`: the differentiable collectives (``torch.autograd.Function``\\ s).
 - :mod:`meshtorch.lowering.redistribute`: moves a local slice from one layout to another.
+- :mod:`meshtorch.lowering.overlap`: parameters' gradient-summing collectives grouped in buckets
+  and overlapped with compute (``mt.overlap()``).
 - :mod:`meshtorch.lowering.lower`: turns one op on MeshTensors into adapters and a local torch op,
   through a cached plan.
 - :mod:`meshtorch.lowering.fused`: lowers several small reductions with one all_reduce per mesh axis.

@@ -51,6 +51,7 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.output import tensor_type
+from meshtorch.lowering.overlap import after_forward, overlapped_input
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
@@ -486,9 +487,14 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
     :mod:`meshtorch.lowering.fused` runs the output adapters of several ops together."""
     plan = plan_of(op, inputs, out_shape, reduced, whole, name)
     if plan.shared is not None:
-        result = local_fn(plan.view, *[run_shared(x.local, x.adapter_memo(), s) if shared
-                                       else run_steps(x.local, s)
-                                       for x, s, shared in zip(inputs, plan.inputs, plan.shared)])
+        # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
+        overlapped = [overlapped_input(x.local, s) if shared else None
+                      for x, s, shared in zip(inputs, plan.inputs, plan.shared)]
+        result = local_fn(plan.view, *[
+            o if o is not None else run_shared(x.local, x.adapter_memo(), s) if shared
+            else run_steps(x.local, s)
+            for x, s, shared, o in zip(inputs, plan.inputs, plan.shared, overlapped)])
+        after_forward([o for o in overlapped if o is not None], result)
     elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
     else:

@@ -202,6 +202,12 @@ class ParallelismSection:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int = 29500
+    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap); off by
+    # default until the planner prices it (its memory trace does not follow freed gathered values)
+    overlap: bool = False
+    # free gathered parameters after their forward use and gather them again in backward (implies
+    # overlap)
+    reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)

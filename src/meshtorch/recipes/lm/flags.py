@@ -64,6 +64,11 @@ HELP = {
                       "pipeline-stages x virtual-stages on stage c mod pipeline-stages; --layers must divide "
                       "into them)",
     "clip": "bound on the global gradient norm; 0: no clipping",
+    "overlap": "run parameters' collectives grouped (a flat all_gather / reduce_scatter / all_reduce per "
+               "bucket) and asynchronously, overlapped with compute (mt.overlap; off under --compile, "
+               "which schedules its collectives itself)",
+    "reshard_after_forward": "free each gathered parameter (FSDP-style rules) after its forward use and "
+                             "gather it again in backward (less memory, more bytes); implies --overlap",
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "max_restarts": "--backend torch: when a worker fails (an exception, an exit, kill -9), stop the others "
                     "and start them all again from the last checkpoint in --out, up to this many times "

@@ -71,6 +71,18 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
     return amp.autocast(torch.bfloat16) if cfg.run.precision == "bf16" else contextlib.nullcontext()
 
 
+def overlapped(cfg: TrainConfig) -> Any:
+    """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
+    ``--reshard-after-forward`` say: the one place the trainer switches it (off by default until
+    the planner prices it; off under ``--compile``, whose graph schedules its collectives). The
+    planner traces this same step on the meta backend, so it counts the grouped calls that run."""
+    from meshtorch.lowering.overlap import overlap
+
+    par = cfg.parallelism
+    on = (par.overlap or par.reshard_after_forward) and not cfg.run.compile
+    return overlap(enabled=on, reshard_after_forward=par.reshard_after_forward)
+
+
 def _value(loss: Any) -> float:
     """A scalar loss on the host; NaN on the meta backend (a planner's trace: no values)."""
     return float("nan") if loss.local.device.type == "meta" else loss.item()
@@ -104,10 +116,11 @@ class PlainStep:
         for i, batch in enumerate(batches):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, first + i)
-            with precision_context(self.cfg):
-                loss = self.loss(*batch)
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with overlapped(self.cfg):
+                with precision_context(self.cfg):
+                    loss = self.loss(*batch)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
             if self.cfg.optimizer.clip:
                 optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
             optimizer_step(self.opt)

@@ -1,0 +1,149 @@
+"""Grouped collectives: many tensors of one axis group in one flat call, and their handles.
+
+A grouped collective packs the tensors into one flat buffer, runs one collective on it and
+unpacks the result (FSDP2's flat all-gather and reduce-scatter, DDP's gradient buckets). The
+communicator counts it as the one call it is. Started with ``async_op=True`` it returns a
+:class:`Handle`; :meth:`Handle.wait` gives the unpacked tensors once the call is done (on the
+``torch`` backend the call runs while this processor computes; on CUDA, NCCL runs it on its own
+stream and ``wait`` orders the current stream after it). Backends that complete calls eagerly
+(``threads``, ``meta``) return a handle that is already done: the same code runs everywhere.
+
+Layouts of the flat buffer (``n`` group members, tensor ``i`` with dim ``d_i``):
+
+- all_gather: each member sends the concatenation of its tensors, each with ``d_i`` moved
+  first and flattened; the ``(n, total)`` result's columns of tensor ``i`` are its ``n``
+  pieces, concatenated back along ``d_i``.
+- reduce_scatter: tensor ``i`` with ``d_i`` moved first is cut into ``n`` equal rows; the
+  buffer is ``(n, total)`` with row ``j`` holding member ``j``'s chunk of every tensor.
+- all_reduce: the concatenation of the flattened tensors.
+
+Pieces must be equal (a dim the group does not divide raises :class:`~meshtorch.errors.CommError`;
+the per-tensor collectives handle uneven pieces), and the tensors must share one dtype.
+
+Example:
+    >>> import torch, meshtorch as mt
+    >>> def f():
+    ...     comm = mt.current().comm
+    ...     a, b = torch.full((1, 2), comm.rank + 1.0), torch.full((3,), comm.rank + 1.0)
+    ...     work = comm.all_reduce_grouped([a, b], "b", async_op=True)
+    ...     return [t.tolist() for t in work.wait()], mt.comm_stats().calls()
+    >>> mt.launch(f, mesh="b:2")[0]
+    ([[[3.0, 3.0]], [3.0, 3.0, 3.0]], 1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from meshtorch.errors import CommError
+
+GROUPED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class Handle:
+    """A grouped collective in flight: :meth:`wait` gives its tensors (the same list each time).
+
+    Args:
+        finish: called once, by the first :meth:`wait`; waits for the call and unpacks it.
+        done: whether the call has already completed (an eager backend).
+    """
+
+    def __init__(self, finish: Callable[[], list[torch.Tensor]], done: Callable[[], bool] | None = None):
+        self._finish: Callable[[], list[torch.Tensor]] | None = finish
+        self._done = done
+        self._result: list[torch.Tensor] | None = None
+
+    def wait(self) -> list[torch.Tensor]:
+        """The call's result tensors, in the order given (waits for the call first)."""
+        if self._finish is not None:
+            finish, self._finish, self._done = self._finish, None, None
+            self._result = finish()
+        assert self._result is not None
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` would return without waiting."""
+        return self._finish is None or self._done is None or self._done()
+
+
+def done(result: list[torch.Tensor]) -> Handle:
+    """A handle of a call that has completed with ``result``."""
+    return Handle(lambda: result)
+
+
+def _check(kind: str, tensors: Sequence[torch.Tensor], axes) -> torch.dtype:
+    if not tensors:
+        raise CommError(f"grouped {kind} over {axes} needs at least one tensor")
+    bad = [i for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise CommError(f"grouped {kind} over {axes}: item {bad[0]} is {type(tensors[bad[0]]).__name__}, "
+                        "not a torch.Tensor")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise CommError(f"grouped {kind} over {axes} packs one dtype into one buffer, got "
+                        f"{sorted(map(str, dtypes))}; group the tensors by dtype")
+    return tensors[0].dtype
+
+
+def pack_gather(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes) -> tuple[torch.Tensor, list]:
+    """The flat buffer a member sends to a grouped all_gather, and how to unpack the result."""
+    _check("all_gather", tensors, axes)
+    scalars = [i for i, t in enumerate(tensors) if not t.dim()]
+    if scalars:
+        raise CommError(f"grouped all_gather over {axes}: tensor {scalars[0]} is a scalar, with no "
+                        "dim to gather along")
+    moved = [t.detach().movedim(d % t.dim(), 0) for t, d in zip(tensors, dims)]
+    flat = torch.cat([m.reshape(-1) for m in moved])
+    return flat, [(tuple(m.shape), d % t.dim()) for t, m, d in zip(tensors, moved, dims)]
+
+
+def unpack_gather(out: torch.Tensor, n: int, layout: list) -> list[torch.Tensor]:
+    rows = out.view(n, -1)
+    result, at = [], 0
+    for shape, d in layout:
+        size = math.prod(shape)
+        piece = rows[:, at:at + size].reshape((n * shape[0],) + shape[1:])
+        result.append(piece.movedim(0, d).contiguous())
+        at += size
+    return result
+
+
+def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int
+                 ) -> tuple[torch.Tensor, list]:
+    """The ``(n, total)`` buffer a member hands a grouped reduce_scatter, and how to unpack its row."""
+    _check("reduce_scatter", tensors, axes)
+    rows, layout = [], []
+    for i, (t, d) in enumerate(zip(tensors, dims)):
+        d = d % t.dim()
+        if t.shape[d] % n:
+            raise CommError(
+                f"grouped reduce_scatter over {axes}: tensor {i} of shape {list(t.shape)} has dim {d} of "
+                f"size {t.shape[d]}, not divisible by the group size {n}; reduce uneven pieces one "
+                "tensor at a time (Communicator.reduce_scatter with sizes=)")
+        m = t.detach().movedim(d, 0)
+        rows.append(m.reshape(n, -1))
+        layout.append(((m.shape[0] // n,) + tuple(m.shape[1:]), d))
+    return torch.cat(rows, 1), layout
+
+
+def unpack_scatter(row: torch.Tensor, layout: list) -> list[torch.Tensor]:
+    flat, result, at = row.reshape(-1), [], 0
+    for shape, d in layout:
+        size = math.prod(shape)
+        result.append(flat[at:at + size].view(shape).movedim(0, d).contiguous())
+        at += size
+    return result
+
+
+def pack_reduce(tensors: Sequence[torch.Tensor], axes) -> tuple[torch.Tensor, list]:
+    """The flat buffer of a grouped all_reduce, and the tensors' shapes to unpack it."""
+    _check("all_reduce", tensors, axes)
+    return torch.cat([t.detach().reshape(-1) for t in tensors]), [tuple(t.shape) for t in tensors]
+
+
+def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    sizes = [math.prod(s) for s in shapes]
+    return [p.view(s) for p, s in zip(out.split(sizes), shapes)]

@@ -1,0 +1,478 @@
+"""Communication that overlaps: parameters' gradient-summing adapters as grouped, asynchronous
+collectives (DDP's buckets, FSDP2's flat gathers and prefetch), switched on by :func:`overlap`.
+
+Without it, a parameter read by an op through an adapter whose backward sums its gradient
+(``identity_grad_sum``: data parallel; ``all_gather`` with its ``reduce_scatter`` backward: FSDP
+by rules) runs that adapter as an autograd Function: one blocking collective per use forward and
+one per parameter backward. Inside ``with mt.overlap():`` the lowering hands such a read to this
+module instead (one clear place: :func:`overlapped_input`), for any model written in the language:
+
+- **Backward.** The op gets the gathered (or, for an identity, the aliased) value as a
+  *detached leaf*, so autograd accumulates the unreduced local gradient there. A
+  post-accumulate-grad hook puts it into a bucket: buckets are cut in reverse order of the
+  step's forward reads (the same on every processor: SPMD), per axis group, kind and dtype, up
+  to ``bucket_mb`` for all-reduces (DDP's 25 MB, the first 1 MB) and ``gather_mb`` for
+  reduce-scatters (about a block's parameters, FSDP2's unit). A full bucket, once every earlier
+  one has gone, launches one asynchronous ``all_reduce`` (data parallel) or ``reduce_scatter``
+  (FSDP) while backward goes on. A callback queued on the autograd engine waits for them at the
+  end of ``backward()`` and *adds* each result into ``p.grad``, so gradient accumulation over
+  micro-batches stays exact.
+- **Forward.** Gathers are grouped per bucket in the order the previous step read them, and the
+  next bucket is gathered asynchronously while the current one computes (prefetch).
+- **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
+  after its op ran forward and gathered again (grouped, the previous bucket prefetched) just
+  before that op's backward runs: FSDP2's ``reshard_after_forward``, less memory for more bytes.
+  Otherwise the gathered values live until backward has used them (the default).
+
+Values are those of the per-use path: the same gathers forward; backward sums the uses' local
+gradients before one reduction, as the lazy all-reduce does (bitwise the same where a parameter
+has one use or is replicated).
+
+Where it does not apply the per-use path runs: under ``torch.compile`` (a compiled graph
+schedules its collectives itself), outside grad mode, for adapters of uneven pieces or of
+several steps. ``torch.autograd.grad`` with respect to parameters cannot see gradients that
+go to a detached leaf: call it outside :func:`overlap`.
+
+Example (data parallel: three parameters' gradients in one all_reduce, the same values):
+    >>> import torch, meshtorch as mt
+    >>> def step(on):
+    ...     dense = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 3))
+    ...     x = mt.random.normal("batch:4,d:4", seed=1)
+    ...     with mt.overlap(enabled=on):
+    ...         before = mt.comm_stats().calls(kind="all_reduce")
+    ...         mt.reduce_sum(dense(x) ** 2).backward()
+    ...     calls = mt.comm_stats().calls(kind="all_reduce") - before
+    ...     return calls, [p.grad.sum().item() for p in dense.parameters()]
+    >>> off, on = mt.launch(step, False, mesh="b:2", rules="batch:b")[0], mt.launch(
+    ...     step, True, mesh="b:2", rules="batch:b")[0]
+    >>> off[0], on[0], off[1] == on[1]
+    (3, 2, True)
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from meshtorch.comm.base import Communicator, as_axes
+from meshtorch.comm.grouped import Handle
+from meshtorch.errors import ArgumentError
+from meshtorch.lowering import adapters as ca
+
+FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
+MAX_PLANS = 16  # models whose read order one processor keeps
+_on = threading.local()  # this processor's options, while inside overlap()
+
+
+@dataclass(frozen=True)
+class Options:
+    """How :func:`overlap` runs: the size in MB of the buckets of gradients to all-reduce (the
+    first one at most 1 MB, as DDP's, so that the first reduction starts early), whether gathered
+    parameters are freed after their forward use (and gathered again for backward), and the size
+    of a grouped gather, and of a bucket of gradients to reduce-scatter (about a block's
+    parameters, FSDP2's unit)."""
+
+    bucket_mb: float = 25.0
+    reshard_after_forward: bool = False
+    gather_mb: float = 4.0
+
+
+@contextmanager
+def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forward: bool = False,
+            gather_mb: float = 4.0) -> Iterator[None]:
+    """Run parameters' gradient-summing collectives grouped and asynchronously in the block
+    (see :mod:`meshtorch.lowering.overlap`); ``enabled=False`` keeps the per-use path.
+
+    Enter it around forward *and* backward of a training step (``meshtorch train`` does).
+    ``bucket_mb``: buckets of gradients to all-reduce (DDP's 25 MB); ``gather_mb``: grouped
+    parameter gathers and buckets of gradients to reduce-scatter (about a block's parameters,
+    FSDP2's unit: what is alive at once under ``reshard_after_forward``).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> with mt.overlap(bucket_mb=4, reshard_after_forward=True):
+        ...     mt.lowering.overlap.options()
+        Options(bucket_mb=4.0, reshard_after_forward=True, gather_mb=4.0)
+    """
+    for name, value in (("bucket_mb", bucket_mb), ("gather_mb", gather_mb)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ArgumentError(f"{name}={value!r} must be a positive number of megabytes, e.g. {name}=25")
+    prev = getattr(_on, "options", None)
+    _on.options = (Options(float(bucket_mb), bool(reshard_after_forward), float(gather_mb)) if enabled
+                   else None)
+    try:
+        yield
+    finally:
+        _on.options = prev
+        if enabled:
+            from meshtorch.context import current
+
+            rt = getattr(current().comm, "_overlap", None)
+            if rt is not None and rt.callback_missing:
+                rt.finish()  # a backward whose last gradients never came
+
+
+def options() -> Options | None:
+    """The options in force on this processor, or ``None`` outside :func:`overlap`."""
+    return getattr(_on, "options", None)
+
+
+# ------------------------------------------------------------------ which reads qualify
+def _adapter(steps) -> tuple[str, str | tuple[str, ...], int | None] | None:
+    """``(kind of the gradient reduction, axes, gathered dim)`` for adapters this module runs,
+    else ``None``: one step, an identity (all_reduce) or an even all_gather (reduce_scatter)."""
+    if len(steps) != 1:
+        return None
+    fn, axes, args = steps[0]
+    if fn is ca.identity_grad_sum:
+        return "all_reduce", axes, None
+    if fn is ca.all_gather and len(args) == 1:
+        return "reduce_scatter", axes, args[0]
+    return None
+
+
+def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
+    """The value an op uses for the parameter slice ``t`` adapted by ``steps``, run by this
+    module (a leaf whose gradient is reduced in buckets), or ``None``: use the per-use path.
+    The lowering asks this for every input whose adapters sum its gradient."""
+    if torch.compiler.is_compiling():  # first: a traced step never reads this module's state
+        return None
+    opts = options()
+    if (opts is None or not isinstance(t, torch.nn.Parameter) or not t.requires_grad
+            or not torch.is_grad_enabled()):
+        return None
+    how = _adapter(steps)
+    if how is None:
+        return None
+    from meshtorch.context import current  # the context sits above; read at call time
+
+    return runtime(current().comm).read(t, steps, how, opts)
+
+
+def runtime(comm: Communicator) -> Runtime:
+    """``comm``'s processor's :class:`Runtime` (made on first use; it lives as long as ``comm``)."""
+    rt = getattr(comm, "_overlap", None)
+    if rt is None:
+        rt = comm._overlap = Runtime(comm)  # type: ignore[attr-defined]
+    return rt
+
+
+def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
+    """After an op ran forward on ``used`` (values from :func:`overlapped_input`): before the op's
+    backward, gather again those of them that were freed since (with ``reshard_after_forward``:
+    now, but for the last forward bucket, which backward needs first; otherwise once their
+    gradient is taken, as FSDP2 frees after backward, which a retained graph may run again)."""
+    if not used or torch.compiler.is_compiling():
+        return
+    entries = [e for e in (getattr(v, "_overlap_entry", None) for v in used) if e is not None and e.gathered]
+    if not entries:
+        return
+    rt = entries[0].runtime
+    if any(e.leaf.untyped_storage().data_ptr() == result.untyped_storage().data_ptr() for e in entries):
+        for e in entries:
+            e.pinned = True  # the result is a view of a gathered value: it must stay
+        return
+    if rt.reshard:
+        last = len(rt.plan) - 1
+        for e in entries:
+            if e.fwd is None or e.fwd != last:
+                e.free()
+    if result.requires_grad:
+        result.register_hook(lambda g: (rt.refill(entries), g)[1])
+
+
+# ------------------------------------------------------------------ the runtime
+class Entry:
+    """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
+
+    __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
+                 "nbytes", "version", "fwd", "pinned", "__weakref__")
+
+    def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
+                 value: torch.Tensor):
+        self.runtime, self.param, self.key = runtime, param, key
+        self.kind, self.axes, self.dim = kind, axes, dim
+        self.version = param._version  # an in-place update since (an optimizer step) makes it stale
+        self.leaf = value.detach().requires_grad_(True)
+        self.leaf._overlap_entry = self
+        self.grad: torch.Tensor | None = None
+        self.bucket: int | None = None  # its backward bucket
+        self.fwd: int | None = None  # its forward bucket (the previous step's reads)
+        self.freed = False
+        self.pinned = False  # an op's result is a view of it: never freed
+        self.nbytes = self.leaf.numel() * self.leaf.element_size()
+        gen = runtime.generation
+        self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, gen))
+
+    @property
+    def gathered(self) -> bool:
+        return self.kind == "reduce_scatter"
+
+    def free(self) -> None:
+        if not self.freed and not self.pinned:
+            self.leaf.untyped_storage().resize_(0)
+            self.freed = True
+
+    def fill(self, value: torch.Tensor) -> None:
+        if self.freed:
+            data = self.leaf.data  # its own version counter: autograd's saved copy stays valid
+            data.untyped_storage().resize_(self.nbytes)
+            data.copy_(value)
+            self.freed = False
+
+
+class Runtime:
+    """One processor's grouped, overlapped parameter collectives (see the module)."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.generation = 0
+        self.entries: dict = {}  # key -> Entry of this step
+        self.order: list[Entry] = []  # this step's entries in order of first forward read
+        self.pending: list[tuple[list[Entry], Handle]] = []  # launched gradient buckets
+        self.buckets: list[list[Entry]] | None = None  # this backward's buckets
+        self.launched = 0
+        self.finishing = False
+        # forward: last step's gathered reads as buckets of (param ref, key, axes, dim)
+        # the plan of this step, chosen at its first gathered read among the plans of earlier steps,
+        # each kept under its first read (several models on one processor each keep theirs)
+        self.plan: list[list[tuple]] = []
+        self.plan_at: dict = {}  # key -> bucket index
+        self.plans: dict = {}  # first read's key -> (plan, plan_at), the newest last
+        self.chosen = False
+        self.fetches: dict[int, Handle] = {}  # forward bucket -> its gather in flight (or done)
+        self.refetches: dict[int, tuple[list[Entry], Handle]] = {}  # the same, gathered again
+        self.bucket_bytes = 25 * 2**20
+        self.gather_bytes = 4 * 2**20
+        self.reshard = False
+        self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
+
+    # -------------------------------------------------------------- forward
+    def read(self, param: torch.Tensor, steps, how, opts: Options) -> torch.Tensor:
+        if self.callback_missing and self.buckets is not None:
+            self.finish()  # a backward ended, without the engine's callback to finish it
+        self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
+        self.gather_bytes = max(1, int(opts.gather_mb * 2**20))
+        self.reshard = opts.reshard_after_forward
+        kind, axes, dim = how
+        key = (id(param), steps)
+        e = self.entries.get(key)
+        if e is None or e.param is not param or e.version != param._version:
+            if kind == "all_reduce":
+                e = Entry(self, param, key, kind, axes, None, param)
+            else:
+                e = self._gathered(param, key, axes, dim)
+            self.entries[key] = e
+            self.order.append(e)
+        elif e not in self.order:
+            self.order.append(e)
+        if e.freed:
+            self.refill([e])
+        return e.leaf
+
+    def _gathered(self, param, key, axes, dim) -> Entry:
+        """The entry of a gathered parameter: from the bucket the previous step read it in
+        (gathered with the bucket, the next one prefetched), or gathered alone."""
+        if not self.chosen:
+            self.plan, self.plan_at = self.plans.get(key, ([], {}))
+            self.chosen = True
+        k = self.plan_at.get(key)
+        if k is None:
+            value = self.comm.all_gather_grouped([param.detach()], axes, [dim])[0]
+            return Entry(self, param, key, "reduce_scatter", axes, dim, value)
+        self._fetch(k)
+        if k + 1 < len(self.plan):
+            self._fetch(k + 1)  # prefetch: runs while bucket k computes
+        members, values = self.plan[k], self.fetches[k].wait()
+        made = None
+        for (ref, mkey, maxes, mdim), value in zip(members, values):
+            p = ref()
+            if p is None or mkey in self.entries:
+                continue
+            e = Entry(self, p, mkey, "reduce_scatter", maxes, mdim, value)
+            e.fwd = k
+            if mkey == key:
+                made = e
+            else:
+                self.entries[mkey] = e  # read later in this step
+        if made is None:  # planned for another parameter object: alone
+            value = self.comm.all_gather_grouped([param.detach()], axes, [dim])[0]
+            made = Entry(self, param, key, "reduce_scatter", axes, dim, value)
+        return made
+
+    def _fetch(self, k: int) -> None:
+        if k in self.fetches:
+            return
+        members = [(ref(), axes, dim) for ref, _, axes, dim in self.plan[k]]
+        if any(p is None for p, _, _ in members):
+            self.fetches[k] = Handle(lambda: [None] * len(members))
+            return
+        self.fetches[k] = self.comm.all_gather_grouped(
+            [p.detach() for p, _, _ in members], members[0][1], [d for _, _, d in members], async_op=True)
+
+    def refill(self, entries: Sequence[Entry]) -> None:
+        """Gather freed values again (reshard after forward): grouped with the rest of their
+        forward bucket, the bucket before prefetched (backward runs the buckets in reverse)."""
+        todo = [e for e in entries if e.freed]
+        if not todo:
+            return
+        for k in sorted({e.fwd for e in todo if e.fwd is not None}, reverse=True):
+            self._refetch(k)
+            members, work = self.refetches.pop(k)
+            for e, v in zip(members, work.wait()):
+                e.fill(v)
+            if k > 0:
+                self._refetch(k - 1)
+        groups: dict = {}
+        for e in todo:
+            if e.freed:  # not in a bucket: gathered with the others of its axes and dtype
+                groups.setdefault((as_axes(e.axes), e.leaf.dtype), []).append(e)
+        for group in groups.values():
+            vals = self.comm.all_gather_grouped([e.param.detach() for e in group], group[0].axes,
+                                                [e.dim for e in group])
+            for e, v in zip(group, vals):
+                e.fill(v)
+
+    def _refetch(self, k: int) -> None:
+        """Start gathering the freed members of forward bucket ``k`` again (once)."""
+        if k in self.refetches:
+            return
+        members = [e for e in self.order if e.fwd == k and e.freed]
+        work = (self.comm.all_gather_grouped([e.param.detach() for e in members], members[0].axes,
+                                             [e.dim for e in members], async_op=True)
+                if members else Handle(lambda: []))
+        self.refetches[k] = (members, work)
+
+    # -------------------------------------------------------------- backward
+    def ready(self, e: Entry, generation: int) -> None:
+        """``e``'s leaf has its whole local gradient (autograd's post-accumulate hook)."""
+        g = e.leaf.grad
+        e.leaf.grad = None
+        if g is None:
+            return
+        if generation != self.generation or e.bucket is None and self.buckets is not None:
+            # a backward through a graph of an earlier step (retain_graph): reduce it alone
+            self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            return
+        e.grad = g if e.grad is None else e.grad + g
+        self.arrived.add(e)
+        if e.gathered:
+            e.free()  # its last use has run backward
+        if self.buckets is None:
+            self._cut_buckets()
+            self._queue_finish()
+        self._launch(flush=False)
+        if self.callback_missing and len(self.arrived) == len(self.order):
+            self.finish()
+
+    callback_missing = False
+
+    def _cut_buckets(self) -> None:
+        """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
+        gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers)."""
+        buckets: list[list[Entry]] = []
+        open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
+        for e in reversed(self.order):
+            key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+            k, size, count = open_.get(key, (None, 0, 0))
+            if e.kind == "all_reduce":
+                cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
+            else:
+                cap = self.gather_bytes
+            if k is None or size + e.nbytes > cap and size:
+                k, size, count = len(buckets), 0, count + 1
+                buckets.append([])
+            buckets[k].append(e)
+            open_[key] = (k, size + e.nbytes, count)
+            e.bucket = k
+        self.buckets, self.launched = buckets, 0
+
+    def _launch(self, flush: bool) -> None:
+        """Launch buckets in order while the next one is complete (``flush``: all, with what
+        they have); the same buckets in the same order on every processor."""
+        assert self.buckets is not None
+        while self.launched < len(self.buckets):
+            bucket = self.buckets[self.launched]
+            if not flush and any(e.grad is None for e in bucket):
+                return
+            members = [e for e in bucket if e.grad is not None]
+            if members:
+                grads = [e.grad for e in members]
+                for e in members:
+                    e.grad = None
+                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
+            self.launched += 1
+
+    def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
+        grads = [g.contiguous() for g in grads]
+        if kind == "all_reduce":
+            return self.comm.all_reduce_grouped(grads, axes, async_op=True)
+        return self.comm.reduce_scatter_grouped(grads, axes, [e.dim for e in members], async_op=True)
+
+    def _queue_finish(self) -> None:
+        engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+        queue = getattr(engine, "queue_callback", None)
+        if queue is None:  # a private API: without it, finish once every gradient has come
+            self.callback_missing = True
+            return
+        queue(self.finish)
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, add into ``p.grad``,
+        and keep this step's gathered reads as the next step's forward plan."""
+        if self.buckets is None:
+            return
+        self.finishing = True
+        try:
+            self._launch(flush=True)
+            pending, self.pending = self.pending, []
+            for members, work in pending:
+                self._add(members, work.wait())
+        finally:
+            self._end_step()
+
+    def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for e, g in zip(members, grads):
+                p = e.param
+                g = g.view(p.shape)
+                if p.grad is None:
+                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                else:
+                    p.grad.add_(g)
+
+    def _end_step(self) -> None:
+        for work in [*self.fetches.values(), *(w for _, w in self.refetches.values())]:
+            work.wait()  # prefetches nobody read: complete before their buffers go
+        self.refetches = {}
+        plan: list[list[tuple]] = []
+        open_: dict = {}
+        for e in self.order:
+            if not e.gathered:
+                continue
+            key = (as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+            k = open_.get(key)
+            if k is None or (sum(m[4] for m in plan[k]) + e.nbytes > self.gather_bytes and plan[k]):
+                k = open_[key] = len(plan)
+                plan.append([])
+            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes))
+        if plan:
+            first = plan[0][0][1]
+            self.plans.pop(first, None)
+            self.plans[first] = ([[m[:4] for m in b] for b in plan],
+                                 {m[1]: k for k, b in enumerate(plan) for m in b})
+            while len(self.plans) > MAX_PLANS:
+                del self.plans[next(iter(self.plans))]
+        self.plan, self.plan_at, self.chosen = [], {}, False
+        self.fetches = {}
+        self.entries, self.order = {}, []
+        self.buckets, self.launched, self.finishing = None, 0, False
+        self.callback_missing = False
+        self.arrived = set()
+        self.generation += 1
