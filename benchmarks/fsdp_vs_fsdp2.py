@@ -29,8 +29,9 @@ How it measures:
   the two processes' wall times. A round's *paired ratio* is the median of one
   variant's steps over the median of its peer's in that round (meshtorch FSDP /
   FSDP2, meshtorch DP / DDP): machine noise hits both alike. The stepping
-  thread's CPU time (``time.thread_time``) is reported too: on a shared machine
-  it leaves out the time other processes held the core.
+  thread's CPU time (``time.thread_time``) and its paired ratios are reported
+  too: on a shared machine it leaves out the time other processes held the core
+  (and the time a process waits for the other inside a collective).
 - **Collectives.** One extra step of each variant runs under a
   ``TorchDispatchMode`` that counts every ``c10d`` / functional-collective op
   the dispatcher runs on the stepping thread (FSDP2's ``all_gather_single`` and
@@ -366,7 +367,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                 step, _ = mesh_variant(cfg, contexts[name], shape)
             else:
                 step, _ = torch_variant(name, twin_template)
-            step(data)  # the optimizer's state exists from the first step on
+            for _ in range(2):  # the optimizer's state exists, DDP has rebuilt its buckets
+                step(data)
             return step
         peaks[name] = min(step_peaks(setup, lambda step: step(data), args.memory_steps))
 
@@ -384,7 +386,7 @@ def summarise(per_process: list[dict]) -> dict:
     """Per variant: step times (the larger of the processes' for each step), per-round medians,
     CPU times, collectives, peak memory; the paired ratios per round; the loss differences."""
     first = per_process[0]
-    out: dict = {"variants": {}, "ratios": {}}
+    out: dict = {"variants": {}}
     for name in VARIANTS:
         rounds = [[max(ts) for ts in zip(*(p["wall"][name][r] for p in per_process))]
                   for r in range(len(first["wall"][name]))]
@@ -407,12 +409,14 @@ def summarise(per_process: list[dict]) -> dict:
             "peak_bytes_per_process": [p["peaks"][name] for p in per_process],
             "peak_bytes": max(p["peaks"][name] for p in per_process),
         }
-        out["variants"][name]["_rounds"] = rounds
-    for key, (a, b) in PAIRS.items():
-        ra, rb = out["variants"][a]["_rounds"], out["variants"][b]["_rounds"]
-        per_round = [statistics.median(x) / statistics.median(y) for x, y in zip(ra, rb)]
-        out["ratios"][key] = {"median": statistics.median(per_round), "per_round": per_round,
-                              "min": min(per_round), "max": max(per_round)}
+        out["variants"][name]["_rounds"] = {"wall": rounds, "cpu": cpu_rounds}
+    for clock, table in (("wall", "ratios"), ("cpu", "cpu_ratios")):
+        out[table] = {}
+        for key, (a, b) in PAIRS.items():
+            ra, rb = out["variants"][a]["_rounds"][clock], out["variants"][b]["_rounds"][clock]
+            per_round = [statistics.median(x) / statistics.median(y) for x, y in zip(ra, rb)]
+            out[table][key] = {"median": statistics.median(per_round), "per_round": per_round,
+                               "min": min(per_round), "max": max(per_round)}
     for v in out["variants"].values():
         del v["_rounds"]
     # losses: meshtorch's are global means; the torch variants' are each process's, averaged
@@ -467,7 +471,9 @@ def markdown(report: dict, figures: list[dict]) -> str:
               "in that round; their median, range and values):", ""]
     for key, x in r.items():
         per = ", ".join(f"{q:.2f}" for q in x["per_round"])
-        lines.append(f"- **{key} = {x['median']:.3f}** (rounds {x['min']:.2f}-{x['max']:.2f}: {per})")
+        c = report["cpu_ratios"][key]
+        lines.append(f"- **{key} = {x['median']:.3f}** (rounds {x['min']:.2f}-{x['max']:.2f}: {per}); "
+                     f"in the stepping thread's CPU time {c['median']:.3f} ({c['min']:.2f}-{c['max']:.2f})")
 
     def others(diffs: dict) -> str:
         return ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if n != "meshtorch_fsdp")
@@ -504,15 +510,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=8, help="rounds, in a balanced order (ABCDE, EDCBA, ...)")
     p.add_argument("--steps", type=int, default=3, help="steps of each variant per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant first")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps of each variant first; at least 2, so that the counted step is a "
+                        "steady one (DDP rebuilds its buckets in its second step, broadcasting their order)")
     p.add_argument("--memory-steps", type=int, default=3, help="profiled steps of each variant (least peak)")
     p.add_argument("--quick", action="store_true",
                    help=f"a small LM ({QUICK_CONFIG}), batch {QUICK_BATCH} x {QUICK_LENGTH}, 2 rounds of "
-                        "2 steps, 1 warm-up: checks the benchmark in well under a minute")
+                        "2 steps: checks the benchmark in well under a minute")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the json and md results")
     a = p.parse_args(argv)
     if a.quick:
-        a.rounds, a.steps, a.warmup, a.memory_steps = min(a.rounds, 2), min(a.steps, 2), 1, 2
+        a.rounds, a.steps, a.memory_steps = min(a.rounds, 2), min(a.steps, 2), min(a.memory_steps, 2)
+    a.warmup = max(a.warmup, 2)
     a.config = QUICK_CONFIG if a.quick else CONFIG
     a.batch, a.length = (QUICK_BATCH, QUICK_LENGTH) if a.quick else (BATCH, LENGTH)
     a.command = "python benchmarks/fsdp_vs_fsdp2.py" + (" " + " ".join(argv) if argv else "")
