@@ -426,6 +426,8 @@ def summarise(per_process: list[dict]) -> dict:
     ref = losses["meshtorch_fsdp"]
     out["losses"] = losses
     out["loss_max_difference"] = {n: max(abs(a - b) for a, b in zip(losses[n], ref)) for n in VARIANTS}
+    out["loss_max_relative_difference"] = {n: max(abs(a - b) / abs(b) for a, b in zip(losses[n], ref))
+                                           for n in VARIANTS}
     out["loss_first_step_difference"] = {n: abs(losses[n][0] - ref[0]) for n in VARIANTS}
     return out
 
@@ -480,7 +482,8 @@ def markdown(report: dict, figures: list[dict]) -> str:
 
     lines += ["", f"Losses: every variant's k-th step against meshtorch FSDP's, over "
               f"{report['losses_compared']} steps: largest difference "
-              f"{others(report['loss_max_difference'])} (first step: "
+              f"{others(report['loss_max_difference'])} (relative: "
+              f"{others(report['loss_max_relative_difference'])}; first step: "
               f"{others(report['loss_first_step_difference'])}).", ""]
     for name in RULES:
         s = v[name]["comm_stats"] or {}
