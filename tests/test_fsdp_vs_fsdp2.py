@@ -101,10 +101,12 @@ def test_allocator_peak_lets_an_asynchronous_call_go_at_its_wait():
     try:
         out, inp = torch.zeros(4), torch.arange(4.0)
         with allocator_peak.caller_frees():
-            work = dist.all_gather_single(out, inp, async_op=True)
+            # looked up inside: caller_frees swaps the functions; torch < 2.13 spells it _into_tensor
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = gather(out, inp, async_op=True)
             assert isinstance(work, allocator_peak._Waited)
             work.wait()
-            assert dist.all_gather_single(out, inp + 1) is None  # blocking calls stay blocking
+            assert gather(out, inp + 1) is None  # blocking calls stay blocking
         torch.testing.assert_close(out, torch.arange(1.0, 5.0))
     finally:
         dist.destroy_process_group()
