@@ -357,8 +357,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                 wall[name][-1].append(w)
                 cpu[name][-1].append(c)
 
-    # peak memory: each variant built afresh inside the allocator's profile, one step, then measured
-    twin_template = copy.deepcopy(twin)
+    # peak memory: each variant built afresh inside the allocator's profile (so its parameters,
+    # gradients and optimizer state are seen made), two steps, then the measured ones
     peaks: dict[str, int] = {}
     data = batch(10_000, cfg.vocab, rows, length)
     for name in VARIANTS:
@@ -366,7 +366,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
             if name in RULES:
                 step, _ = mesh_variant(cfg, contexts[name], shape)
             else:
-                step, _ = torch_variant(name, twin_template)
+                step, _ = torch_variant(name, twin)
             for _ in range(2):  # the optimizer's state exists, DDP has rebuilt its buckets
                 step(data)
             return step
