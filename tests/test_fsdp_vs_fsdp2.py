@@ -89,6 +89,7 @@ def test_a_tiny_run_compares_equal_steps_and_counts_every_collective(tmp_path):
     for table in ("ratios", "cpu_ratios"):
         assert all(len(r["per_round"]) == 2 and r["median"] > 0 for r in report[table].values())
     assert all(0 < f < 1 for f in report["flop_limit_fraction"].values())
+    assert all(0 < f < 1 for f in report["flop_limit_fraction_cpu_time"].values())
 
 
 def test_allocator_peak_lets_an_asynchronous_call_go_at_its_wait():
