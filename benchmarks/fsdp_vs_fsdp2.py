@@ -29,8 +29,9 @@ How it measures:
   the two processes' wall times. A round's *paired ratio* is the median of one
   variant's steps over the median of its peer's in that round (meshtorch FSDP /
   FSDP2, meshtorch DP / DDP): machine noise hits both alike. The stepping
-  thread's CPU time (``time.thread_time``) is reported too: on a shared machine
-  it leaves out the time other processes held the core.
+  thread's CPU time (``time.thread_time``) and its paired ratios are reported
+  too: on a shared machine it leaves out the time other processes held the core
+  (and the time a process waits for the other inside a collective).
 - **Collectives.** One extra step of each variant runs under a
   ``TorchDispatchMode`` that counts every ``c10d`` / functional-collective op
   the dispatcher runs on the stepping thread (FSDP2's ``all_gather_single`` and
@@ -310,6 +311,21 @@ def torch_variant(name: str, twin: BlockLM):
     return step, net
 
 
+def matmul_rate_cpu_time(n: int = 512, repeats: int = 5) -> float:
+    """fp32 matmul FLOPs per second of this thread's CPU time (``time.thread_time``), the best of
+    ``repeats``: the FLOP rate of a core while this thread holds it, which other jobs on a shared
+    machine do not lower the way they lower a wall-clock rate."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        c = time.thread_time()
+        for _ in range(8):
+            a @ b
+        best = max(best, 8 * 2 * n ** 3 / max(time.thread_time() - c, 1e-9))
+    return best
+
+
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -367,8 +383,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
                 wall[name][-1].append(w)
                 cpu[name][-1].append(c)
 
-    # peak memory: each variant built afresh inside the allocator's profile, one step, then measured
-    twin_template = copy.deepcopy(twin)
+    # peak memory: each variant built afresh inside the allocator's profile (so its parameters,
+    # gradients and optimizer state are seen made), two steps, then the measured ones
     peaks: dict[str, int] = {}
     data = batch(10_000, cfg.vocab, rows, length)
     for name in VARIANTS:
@@ -376,14 +392,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
             if name in RULES:
                 step, _ = mesh_variant(cfg, contexts[name], shape, OVERLAP[name])
             else:
-                step, _ = torch_variant(name, twin_template)
-            step(data)  # the optimizer's state exists from the first step on
+                step, _ = torch_variant(name, twin)
+            for _ in range(2):  # the optimizer's state exists, DDP has rebuilt its buckets
+                step(data)
             return step
         peaks[name] = min(step_peaks(setup, lambda step: step(data), args.memory_steps))
 
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, {"wall": wall, "cpu": cpu, "losses": losses, "counted": counted,
-                                      "peaks": peaks})
+                                      "peaks": peaks, "matmul_rate_cpu_time": matmul_rate_cpu_time()})
     if rank == 0:
         queue.put({"per_process": gathered, "parameters": models["meshtorch_fsdp"].num_parameters()})
     dist.barrier()
@@ -395,7 +412,7 @@ def summarise(per_process: list[dict]) -> dict:
     """Per variant: step times (the larger of the processes' for each step), per-round medians,
     CPU times, collectives, peak memory; the paired ratios per round; the loss differences."""
     first = per_process[0]
-    out: dict = {"variants": {}, "ratios": {}}
+    out: dict = {"variants": {}}
     for name in VARIANTS:
         rounds = [[max(ts) for ts in zip(*(p["wall"][name][r] for p in per_process))]
                   for r in range(len(first["wall"][name]))]
@@ -418,12 +435,14 @@ def summarise(per_process: list[dict]) -> dict:
             "peak_bytes_per_process": [p["peaks"][name] for p in per_process],
             "peak_bytes": max(p["peaks"][name] for p in per_process),
         }
-        out["variants"][name]["_rounds"] = rounds
-    for key, (a, b) in PAIRS.items():
-        ra, rb = out["variants"][a]["_rounds"], out["variants"][b]["_rounds"]
-        per_round = [statistics.median(x) / statistics.median(y) for x, y in zip(ra, rb)]
-        out["ratios"][key] = {"median": statistics.median(per_round), "per_round": per_round,
-                              "min": min(per_round), "max": max(per_round)}
+        out["variants"][name]["_rounds"] = {"wall": rounds, "cpu": cpu_rounds}
+    for clock, table in (("wall", "ratios"), ("cpu", "cpu_ratios")):
+        out[table] = {}
+        for key, (a, b) in PAIRS.items():
+            ra, rb = out["variants"][a]["_rounds"][clock], out["variants"][b]["_rounds"][clock]
+            per_round = [statistics.median(x) / statistics.median(y) for x, y in zip(ra, rb)]
+            out[table][key] = {"median": statistics.median(per_round), "per_round": per_round,
+                               "min": min(per_round), "max": max(per_round)}
     for v in out["variants"].values():
         del v["_rounds"]
     # losses: meshtorch's are global means; the torch variants' are each process's, averaged
@@ -433,6 +452,9 @@ def summarise(per_process: list[dict]) -> dict:
     ref = losses["meshtorch_fsdp"]
     out["losses"] = losses
     out["loss_max_difference"] = {n: max(abs(a - b) for a, b in zip(losses[n], ref)) for n in VARIANTS}
+    out["matmul_flops_per_cpu_s"] = max(p["matmul_rate_cpu_time"] for p in per_process)
+    out["loss_max_relative_difference"] = {n: max(abs(a - b) / abs(b) for a, b in zip(losses[n], ref))
+                                           for n in VARIANTS}
     out["loss_first_step_difference"] = {n: abs(losses[n][0] - ref[0]) for n in VARIANTS}
     return out
 
@@ -465,27 +487,31 @@ def markdown(report: dict, figures: list[dict]) -> str:
              f"{report['steps']} steps per variant in a balanced order (ABCDE, EDCBA, ...) after "
              f"{report['warmup']} warm-up steps each.", "",
              "| variant | median step ms (round medians) | CPU ms | collective calls / step "
-             "| payload MB / step / process | peak MiB / process | % of FLOP limit |",
-             "|---|---|---:|---|---:|---:|---:|"]
+             "| payload MB / step / process | peak MiB / process | % of FLOP limit | in CPU time |",
+             "|---|---|---:|---|---:|---:|---:|---:|"]
     for f, x in zip(figures, v.values()):
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(x["collective_calls_by_kind"].items()))
         lo, hi = min(x["round_median_ms"]), max(x["round_median_ms"])
         lines.append(f"| {x['label']} | {x['median_step_ms']:.1f} ({lo:.0f}-{hi:.0f}) | "
                      f"{x['median_step_cpu_ms']:.1f} | {x['collective_calls']} ({kinds}) | "
                      f"{x['payload_bytes'] / mb:.1f} | {x['peak_bytes'] / mib:.1f} | "
-                     f"{100 * f['flop_fraction']:.1f} |")
+                     f"{100 * f['flop_fraction']:.1f} | "
+                     f"{100 * report['flop_limit_fraction_cpu_time'][f['figure']]:.1f} |")
     lines += ["", "Paired ratios (per round: the median of one variant's steps over its peer's "
               "in that round; their median, range and values):", ""]
     for key, x in r.items():
         per = ", ".join(f"{q:.2f}" for q in x["per_round"])
-        lines.append(f"- **{key} = {x['median']:.3f}** (rounds {x['min']:.2f}-{x['max']:.2f}: {per})")
+        c = report["cpu_ratios"][key]
+        lines.append(f"- **{key} = {x['median']:.3f}** (rounds {x['min']:.2f}-{x['max']:.2f}: {per}); "
+                     f"in the stepping thread's CPU time {c['median']:.3f} ({c['min']:.2f}-{c['max']:.2f})")
 
     def others(diffs: dict) -> str:
         return ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if n != "meshtorch_fsdp")
 
     lines += ["", f"Losses: every variant's k-th step against meshtorch FSDP's, over "
               f"{report['losses_compared']} steps: largest difference "
-              f"{others(report['loss_max_difference'])} (first step: "
+              f"{others(report['loss_max_difference'])} (relative: "
+              f"{others(report['loss_max_relative_difference'])}; first step: "
               f"{others(report['loss_first_step_difference'])}).", ""]
     for name in RULES:
         s = v[name]["comm_stats"] or {}
@@ -502,7 +528,11 @@ def markdown(report: dict, figures: list[dict]) -> str:
               "allocator's peak during a steady-state step from `torch.profiler`'s memory events "
               "(`benchmarks/allocator_peak.py`), the variant built inside the profile; the larger of the "
               "two processes. % of FLOP limit: the step's FLOPs (`torch.utils.flop_counter`, both "
-              "processes) over 2 cores' measured fp32 matmul rate, as a share of the median step time.", "",
+              "processes) over 2 cores' measured fp32 matmul rate, as a share of the median step time; "
+              "*in CPU time*: each process's half of the FLOPs over its stepping thread's median CPU time "
+              "at the matmul rate measured in CPU time "
+              f"({report['matmul_flops_per_cpu_s'] / 1e9:.1f} GFLOP/s per core), the figure a loaded "
+              "machine distorts least (it leaves out gloo's threads).", "",
               f"Machine: {report['cpus']} CPUs, **shared with other jobs**: 1-minute load average "
               f"{load['before']:.2f} before, {load['after']:.2f} after; absolute times are inflated and "
               "noisy where the load exceeds the benchmark's own 2, and the paired ratios are the figures "
@@ -515,15 +545,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=8, help="rounds, in a balanced order (ABCDE, EDCBA, ...)")
     p.add_argument("--steps", type=int, default=3, help="steps of each variant per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant first")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps of each variant first; at least 2, so that the counted step is a "
+                        "steady one (DDP rebuilds its buckets in its second step, broadcasting their order)")
     p.add_argument("--memory-steps", type=int, default=3, help="profiled steps of each variant (least peak)")
     p.add_argument("--quick", action="store_true",
                    help=f"a small LM ({QUICK_CONFIG}), batch {QUICK_BATCH} x {QUICK_LENGTH}, 2 rounds of "
-                        "2 steps, 1 warm-up: checks the benchmark in well under a minute")
+                        "2 steps: checks the benchmark in well under a minute")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the json and md results")
     a = p.parse_args(argv)
     if a.quick:
-        a.rounds, a.steps, a.warmup, a.memory_steps = min(a.rounds, 2), min(a.steps, 2), 1, 2
+        a.rounds, a.steps, a.memory_steps = min(a.rounds, 2), min(a.steps, 2), min(a.memory_steps, 2)
+    a.warmup = max(a.warmup, 2)
     a.config = QUICK_CONFIG if a.quick else CONFIG
     a.batch, a.length = (QUICK_BATCH, QUICK_LENGTH) if a.quick else (BATCH, LENGTH)
     a.command = "python benchmarks/fsdp_vs_fsdp2.py" + (" " + " ".join(argv) if argv else "")
@@ -551,12 +584,17 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(threads)
     figures = [figure(name, x["median_step_ms"] / 1e3, work, processors=WORLD)
                for name, x in summary["variants"].items()]
+    rate = summary["matmul_flops_per_cpu_s"]
     report = {"benchmark": "fsdp_vs_fsdp2", "processes": WORLD, "backend": "gloo", "config": args.config,
               "parameters": res["parameters"], "batch": args.batch, "length": args.length,
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
               "memory_steps": args.memory_steps, "quick": args.quick, **summary,
               "losses_compared": len(summary["losses"]["meshtorch_fsdp"]),
               "flop_limit_fraction": {f["figure"]: f["flop_fraction"] for f in figures},
+              # each process's half of the FLOPs over its stepping thread's CPU time at the CPU-time rate
+              "flop_limit_fraction_cpu_time": {
+                  name: work.flops / WORLD / (x["median_step_cpu_ms"] / 1e3 * rate)
+                  for name, x in summary["variants"].items()},
               "load_average_1min": {"before": load_before, "after": load_after},
               "wall_s": wall_s, "command": args.command, "torch": torch.__version__,
               "machine": platform.machine(), "cpus": os.cpu_count()}
@@ -569,7 +607,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(md)
     for f in figures:
         print(f"{f['figure']}: {100 * f['flop_fraction']:.1f}% of the FLOP limit ({f['flops'] / 1e9:.3f} "
-              f"GFLOP at {limits().flops_per_core / 1e9:.1f} GFLOP/s x {WORLD} cores)")
+              f"GFLOP at {limits().flops_per_core / 1e9:.1f} GFLOP/s x {WORLD} cores); in CPU time "
+              f"{100 * report['flop_limit_fraction_cpu_time'][f['figure']]:.1f}% (at "
+              f"{report['matmul_flops_per_cpu_s'] / 1e9:.1f} GFLOP/s per CPU second)")
     return report
 
 
