@@ -61,7 +61,9 @@ class Handle:
         if self._finish is not None:
             finish, self._finish, self._done = self._finish, None, None
             self._result = finish()
-        assert self._result is not None
+        if self._result is None:  # a handle whose call raised: its result never came
+            raise CommError("this grouped collective failed before its result came; its error was raised "
+                            "where it was waited on first")
         return self._result
 
     def is_completed(self) -> bool:

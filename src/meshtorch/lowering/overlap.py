@@ -396,7 +396,8 @@ class Runtime:
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what
         they have); the same buckets in the same order on every processor."""
-        assert self.buckets is not None
+        if self.buckets is None:  # _launch runs only after the buckets are made
+            raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug: report it)")
         while self.launched < len(self.buckets):
             bucket = self.buckets[self.launched]
             if not flush and any(e.grad is None for e in bucket):
