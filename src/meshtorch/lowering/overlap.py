@@ -397,7 +397,7 @@ class Runtime:
         """Launch buckets in order while the next one is complete (``flush``: all, with what
         they have); the same buckets in the same order on every processor."""
         if self.buckets is None:  # _launch runs only after the buckets are made
-            raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug: report it)")
+            raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug)")
         while self.launched < len(self.buckets):
             bucket = self.buckets[self.launched]
             if not flush and any(e.grad is None for e in bucket):
