@@ -86,5 +86,9 @@ def place(graph: OpGraph, problem: Problem | None = None, algorithm: str = "dp",
         raise PlacementError(f"unknown algorithm {algorithm!r}; choose from {sorted(ALGORITHMS)}")
     problem = problem or Problem()
     graph.validate()  # a cycle or a NaN/negative cost is named here, whichever algorithm runs
-    problem.resolve(graph)  # bad fields are reported as such, before any algorithm runs
+    resolved = problem.resolve(graph)  # bad fields are reported as such, before any algorithm runs
+    if resolved.interleaved and algorithm not in ("dp", "ilp"):
+        raise PlacementError(f"algorithm {algorithm!r} places one stage per device; chunks for the interleaved "
+                             "schedule are placed by 'dp' (exact unless memory binds across a device's chunks) "
+                             "or 'ilp' (exact)")
     return ALGORITHMS[algorithm](graph, problem, **kw)
