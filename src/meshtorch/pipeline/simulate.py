@@ -79,7 +79,8 @@ def _per_stage(x: float | Sequence[float], p: int, what: str, v: int = 1) -> lis
 
 
 def _chunk_costs(vals: list[float], p: int, v: int) -> list[float]:
-    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on stage ``c mod p``)."""
+    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on stage
+    ``c mod p``)."""
     return vals if len(vals) == p * v else [vals[c % p] / v for c in range(p * v)]
 
 

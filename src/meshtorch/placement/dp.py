@@ -53,6 +53,8 @@ from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, 
 INF = math.inf
 # ideals from which the DP answers cross-segment pairs through Pareto frontiers
 FRONTIER_MIN_IDEALS = 2000
+# what solve_dp says when, interleaved, its restriction (each chunk within 1/v of a device) finds nothing
+CHUNKS_OVERFLOW = "no placement fits with each chunk within 1/"
 
 # Layers of the DP: ``(a, c)``, a pipeline of exactly ``a`` accelerators and ``c`` CPUs.
 Layer = tuple[int, int]
@@ -448,8 +450,8 @@ def _infeasible(graph: OpGraph, prob: Problem, c: Contracted) -> PlacementError:
         return PlacementError(f"nodes {no_dev[:10]} (with their colocated nodes) fit on no device")
     if prob.interleaved and c.m < prob.slots:
         return PlacementError(
-            f"{prob.devices} devices x {prob.virtual_stages} virtual stages = {prob.slots} chunks, but the graph "
-            f"has only {c.m} nodes once colocated ones are merged: fewer --devices or --virtual-stages")
+            f"{prob.devices} devices x {prob.virtual_stages} virtual stages = {prob.slots} chunks, but the "
+            f"graph has only {c.m} nodes once colocated ones are merged: fewer --devices or --virtual-stages")
     if too_big:
         return PlacementError(
             f"nodes {too_big[:10]} (with their colocated nodes) need more than the "
@@ -520,7 +522,7 @@ def solve_dp(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000) 
         except PlacementError:
             raise PlacementError(
                 f"the fastest chunks that fit one at a time overflow a device's {prob.memory:.4g} bytes, and "
-                f"no placement fits with each chunk within 1/{prob.virtual_stages} of it: try fewer "
+                f"{CHUNKS_OVERFLOW}{prob.virtual_stages} of it: try fewer "
                 "--virtual-stages, more --devices or --recompute") from None
         info.update(exact=False, lower_bound=low)
     return _finish(graph, prob, stages, val, "dp", t0, info)
@@ -613,7 +615,7 @@ def _finish(graph, prob, stages, val, name, t0, info) -> Placement:
     p = evaluate(graph, prob, stages, algorithm=name)
     p.solve_seconds = time.perf_counter() - t0
     info["objective"] = val
-    p.info = info
+    p.info = {**p.info, **info}  # evaluate's (interleaved: each device's memory) and the solver's
     if abs(p.max_load - val) > 1e-6 * max(1.0, abs(val)):
         raise PlacementError(
             f"internal error: {name} predicted max load {val}, recomputation gives {p.max_load}"

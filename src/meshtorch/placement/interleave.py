@@ -14,10 +14,11 @@ every slot of the schedule waits for the slowest, so
 
 exact for equal chunks and otherwise an upper bound on the replay of the
 executor's own table (:func:`simulated_step_time`, which the tests check). The
-placer (``Problem(schedule="interleaved", virtual_stages=v)``, the DP of
-:mod:`~meshtorch.placement.dp` or the MILP) minimises ``max_c load(c)``
-under each device's memory: the sum over its chunks of their weights and of
-their stashed activations (:func:`~meshtorch.placement.problem.chunk_in_flight`).
+placer (``Problem(schedule="interleaved", virtual_stages=v)``, :func:`place_chunks`:
+the DP of :mod:`~meshtorch.placement.dp`, and the MILP when memory binds)
+minimises ``max_c load(c)`` under each device's memory: the sum over its
+chunks of their weights and of their stashed activations
+(:func:`~meshtorch.placement.problem.chunk_in_flight`).
 
 Interleaving pays when the bubble it removes, ``(p - 1) · (t₁ - t_v)`` with
 ``t_v`` the slowest chunk at ``v``, outweighs what the finer cut costs: more
@@ -49,6 +50,53 @@ from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.problem import Placement, Problem
 
 
+def place_chunks(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000,
+                 time_limit: float | None = 60.0) -> Placement:
+    """The fastest ``p·v`` chunks (``problem.schedule == "interleaved"``): the DP, which is exact
+    unless memory binds across a device's chunks; then the MILP (exact in its ``time_limit``),
+    started from the DP's feasible answer when there is one.
+
+    ``info['exact']`` is ``False`` only when neither proves its answer optimal
+    (``info['lower_bound']`` then bounds the optimum from below).
+
+    Example:
+        >>> from meshtorch.placement import OpGraph, Problem
+        >>> g = OpGraph()
+        >>> for i, (t, mem) in enumerate([(2, 4), (2, 2), (2, 4), (2, 4), (1, 0), (2, 0)]):
+        ...     _ = g.add_node(f"l{i}", acc_time=float(t), mem_bytes=float(mem))
+        >>> for i in range(5):
+        ...     g.add_edge(i, i + 1)
+        >>> prob = Problem(devices=2, memory=8.0, schedule="interleaved", virtual_stages=2, microbatches=2)
+        >>> pl = place_chunks(g, prob)  # the DP's chunks overflow a device; 4 bytes a chunk costs 5
+        >>> pl.max_load, pl.algorithm, pl.info["device_memory"], pl.info["exact"]
+        (4.0, 'dp+ilp', [8.0, 6.0], True)
+    """
+    from meshtorch.placement.dp import CHUNKS_OVERFLOW, solve_dp
+    from meshtorch.placement.milp import solve_milp
+
+    try:
+        found: Placement | None = solve_dp(graph, problem, ideal_limit=ideal_limit)
+    except PlacementError as e:
+        if CHUNKS_OVERFLOW not in str(e):
+            raise
+        found = None
+    if found is not None and found.info.get("exact", True):
+        found.info["exact"] = True
+        return found
+    low = found.info["lower_bound"] if found is not None else 0.0
+    try:
+        milp = solve_milp(graph, problem, time_limit=time_limit, warm_start=found or False)
+    except PlacementError:
+        if found is None:
+            raise
+        return found
+    proven = milp.info.get("lower_bound")
+    milp.info["exact"] = bool(milp.info.get("optimal"))
+    milp.info["lower_bound"] = max(low, proven if proven is not None else low)
+    milp.algorithm = "dp+ilp"
+    return milp
+
+
 def _shape(placement: Placement) -> tuple[int, int, int]:
     """``(p, v, m)`` of a placement: devices, chunks per device, micro-batches."""
     prob = placement.problem
@@ -75,7 +123,7 @@ def step_time(placement: Placement) -> float:
 
 
 def bubble(placement: Placement) -> float:
-    """Idle share of ``p ×`` :func:`step_time`: the devices' work is ``m`` times the sum of the chunk loads."""
+    """Idle share of ``p ×`` :func:`step_time`: the devices' work is ``m`` times the chunk loads' sum."""
     p, _, m = _shape(placement)
     total = step_time(placement)
     return 1.0 - m * sum(st.load for st in placement.stages) / (p * total) if total > 0 else 0.0
@@ -147,8 +195,8 @@ class Choice:
             return (f"v = 1 wins on {self.devices} devices with {self.microbatches} micro-batches: "
                     "more chunks per device do not pay for this graph")
         gain = f"{self.speedup:.3g}x the step rate of v = 1" if self.speedup else "v = 1 does not fit"
-        return f"v = {self.best} chunks per device wins ({gain}, {self.devices} devices, {self.microbatches} " \
-               "micro-batches)"
+        return (f"v = {self.best} chunks per device wins ({gain}, {self.devices} devices, "
+                f"{self.microbatches} micro-batches)")
 
     def table(self) -> str:
         """A text table: v, step time, bubble, slowest chunk, fullest device, or why not."""
@@ -158,7 +206,8 @@ class Choice:
                 rows.append(f"{o.virtual_stages:>3} {'-':>12} {'-':>7} {'-':>12} {'-':>12}  {o.reason}")
                 continue
             mem = max(o.placement.info.get("device_memory") or [0.0])
-            exact = "" if o.placement.info.get("exact", True) else "  (not proven optimal)"
+            exact = "" if o.placement.info.get("exact", True) else \
+                "  (not proven optimal: the MILP ran out of time)"
             rows.append(f"{o.virtual_stages:>3} {o.step_time:>12.6g} {o.bubble:>7.1%} "
                         f"{o.placement.max_load:>12.6g} {mem:>12.4g}{exact}")
         return "\n".join([*rows, self.summary()])

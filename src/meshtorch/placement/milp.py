@@ -408,7 +408,7 @@ def solve_milp(
     if start is not None and pl.max_load > start.max_load:
         return from_start(start, name, t0, res, lower, log, nvar, len(rows.lo))
     pl.solve_seconds = time.perf_counter() - t0
-    pl.info = result_info(res, pl.value, lower, unit, nvar, len(rows.lo), log, start)
+    pl.info = {**pl.info, **result_info(res, pl.value, lower, unit, nvar, len(rows.lo), log, start)}
     return pl
 
 
@@ -458,10 +458,11 @@ def from_start(start: Placement, name: str, t0: float, res, lower: float | None,
                 nvar: int, ncons: int) -> Placement:
     """The warm start returned as the MILP's answer: HiGHS found nothing better in time."""
     pl = Placement(start.graph, start.problem, start.stages, name, violations=start.violations,
-                   latency=start.latency)
+                   latency=start.latency, info=dict(start.info))
     pl.solve_seconds = time.perf_counter() - t0
     lower = None if lower is None else min(lower, start.value)
     pl.info = {
+        **({"device_memory": start.info["device_memory"]} if "device_memory" in start.info else {}),
         "optimal": lower is not None and proven_gap(start.value, lower) == 0.0,
         "status": res.message,
         "lower_bound": lower,

@@ -149,8 +149,8 @@ class Problem:
         if self.virtual_stages < 1:
             raise PlacementError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise PlacementError(f"{self.virtual_stages} virtual stages (chunks per device) need the interleaved "
-                                 f"schedule, not {self.schedule!r}: pass schedule='interleaved' "
+            raise PlacementError(f"{self.virtual_stages} virtual stages (chunks per device) need the "
+                                 f"interleaved schedule, not {self.schedule!r}: pass schedule='interleaved' "
                                  "(--schedule interleaved)")
         if self.interleaved:
             self._check_interleaved(graph, devices, cpus)
@@ -191,15 +191,16 @@ class Problem:
         if devices < 1:
             raise PlacementError("the interleaved schedule needs at least one accelerator (--devices)")
         if self.max_replicas > 1 or self.objective != "throughput":
-            raise PlacementError("the interleaved schedule places chunks for throughput, one device each: drop "
-                                 "max_replicas (--replicas) and the latency objective")
+            raise PlacementError("the interleaved schedule places chunks for throughput, one device each: "
+                                 "drop max_replicas (--replicas) and the latency objective")
         if self.microbatches is None or self.microbatches % devices:
             raise PlacementError(f"interleaved 1F1B sends micro-batches through the chunks in rounds of "
-                                 f"{devices} (the devices): give microbatches= (--microbatches) a multiple of "
-                                 f"{devices}, got {self.microbatches}")
+                                 f"{devices} (the devices): give microbatches= (--microbatches) a multiple "
+                                 f"of {devices}, got {self.microbatches}")
         if devices * v > len(graph.nodes):
-            raise PlacementError(f"{devices} devices x {v} virtual stages = {devices * v} chunks, but the graph has "
-                                 f"only {len(graph.nodes)} nodes: fewer --devices or --virtual-stages")
+            raise PlacementError(f"{devices} devices x {v} virtual stages = {devices * v} chunks, but the "
+                                 f"graph has only {len(graph.nodes)} nodes: fewer --devices or "
+                                 "--virtual-stages")
 
 
 @dataclass
