@@ -229,16 +229,21 @@ def compare_virtual_stages(graph: OpGraph, problem: Problem, max_virtual_stages:
     1F1B, ``problem.devices`` devices, ``problem.microbatches`` micro-batches) and compare
     their :func:`step_time`; ``v`` that cannot be placed (too few nodes, memory) say why.
     """
-    from meshtorch.placement.solve import place
+    from meshtorch.placement.milp import solve_milp
 
     if max_virtual_stages < 1:
         raise PlacementError(f"max_virtual_stages must be >= 1, got {max_virtual_stages}")
+    solvers = {"dp": place_chunks, "ilp": solve_milp}
+    if algorithm not in solvers:
+        raise PlacementError(f"chunks for the interleaved schedule are placed by {sorted(solvers)}, "
+                             f"not {algorithm!r}")
+    graph.validate()
     base = replace(problem, schedule="interleaved", virtual_stages=1).resolve(graph)
     options = []
     for v in range(1, max_virtual_stages + 1):
         try:
-            options.append(Option(v, place(graph, replace(problem, schedule="interleaved", virtual_stages=v),
-                                           algorithm, **kw)))
+            chunked = replace(problem, schedule="interleaved", virtual_stages=v)
+            options.append(Option(v, solvers[algorithm](graph, chunked, **kw)))
         except PlacementError as e:
             options.append(Option(v, reason=str(e)))
     return Choice(base.devices, int(base.microbatches), options)
