@@ -224,6 +224,11 @@ def _cli(tmp_path, capsys, *flags) -> tuple[int, str, str]:
 def test_cli_places_chunks_and_picks_v(tmp_path, capsys):
     rc, out, _ = _cli(tmp_path, capsys, "--devices", "2", "--microbatches", "2", "--virtual-stages", "2")
     assert rc == 0 and "step time 10" in out and "acc1" in out
+    rc, out, _ = _cli(tmp_path, capsys, "--devices", "2", "--microbatches", "2", "--virtual-stages", "2",
+                      "--json")
+    got = json.loads(out)
+    assert (got["virtual_stages"], got["step_time"], got["max_load"], len(got["stages"])) == (2, 10.0, 2.0, 4)
+    assert got["info"]["device_memory"] == [0.0, 0.0] and got["bubble"] == pytest.approx(0.2)
     rc, out, _ = _cli(tmp_path, capsys, "--devices", "2", "--microbatches", "2", "--virtual-stages", "auto",
                       "--max-virtual-stages", "5", "--json")
     got = json.loads(out)
@@ -243,3 +248,42 @@ def test_cli_places_chunks_and_picks_v(tmp_path, capsys):
 def test_cli_names_bad_virtual_stage_flags(tmp_path, capsys, flags, match):
     rc, _, err = _cli(tmp_path, capsys, "--devices", "2", *flags)
     assert rc != 0 and match in err
+
+
+def test_placed_chunks_run_interleaved_and_train_like_the_unsplit_model():
+    import copy
+
+    import torch
+    from torch import nn
+
+    import meshtorch as mt
+    from meshtorch.pipeline import Pipeline
+    from meshtorch.placement.trace import DeviceSpec, trace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(6, 6), nn.Tanh())])
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    gm = torch.fx.symbolic_trace(model)
+    # a fast link and slow compute, so that the placer cuts even this tiny model
+    g = trace(gm, x[:4], training=True, spec=DeviceSpec(link_bandwidth=1e15, acc_flops=1e6, cpu_flops=1e5))
+    p = place(g, Problem(devices=2, schedule="interleaved", virtual_stages=2, microbatches=2))
+    assert len(p.stages) == 4 and p.is_contiguous()
+
+    def run():
+        pipe = Pipeline(copy.deepcopy(gm), p, microbatches=2, schedule="interleaved", virtual_stages=2,
+                        loss_fn=nn.functional.mse_loss)
+        loss = pipe.forward_backward((x,), y)
+        # a stage's parameters are "<its chunk>.<the model's name>"
+        return loss, {n.split(".", 1)[1]: q.grad.clone() for n, q in pipe.module.named_parameters()}
+
+    ref = copy.deepcopy(model)
+    want = nn.functional.mse_loss(ref(x), y)
+    want.backward()
+    got: dict[str, torch.Tensor] = {}
+    for loss, grads in mt.launch(run, mesh="stage:2"):
+        assert loss == pytest.approx(want.item(), rel=1e-5)
+        assert not set(got) & set(grads)
+        got.update(grads)
+    assert set(got) == {n for n, _ in ref.named_parameters()}
+    for name, q in ref.named_parameters():
+        torch.testing.assert_close(got[name], q.grad, rtol=1e-5, atol=1e-6)

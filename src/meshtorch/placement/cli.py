@@ -105,7 +105,12 @@ def run(args: argparse.Namespace) -> int:
         return _auto_virtual_stages(graph, problem, args, kw)
     p = place(graph, problem, args.algorithm, **kw)
     if args.json:
-        print(json.dumps(p.to_dict()))
+        out = p.to_dict()
+        if p.problem.interleaved:
+            from meshtorch.placement.interleave import bubble, step_time
+
+            out.update(virtual_stages=p.problem.virtual_stages, step_time=step_time(p), bubble=bubble(p))
+        print(json.dumps(out))
     else:
         from meshtorch.placement.report import table
 
