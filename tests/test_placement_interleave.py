@@ -194,6 +194,8 @@ def test_compare_says_when_interleaving_pays():
     (Problem(devices=2, schedule="interleaved", virtual_stages=2, microbatches=3), "multiple of 2"),
     (Problem(devices=2, schedule="interleaved", virtual_stages=2), "multiple of 2"),
     (Problem(devices=2, schedule="interleaved", virtual_stages=5, microbatches=2), "10 chunks"),
+    (Problem(devices=100, schedule="interleaved", virtual_stages=50, microbatches=100), "more than the 4096"),
+    (Problem(devices=2, schedule="interleaved", virtual_stages=0, microbatches=2), ">= 1"),
     (Problem(devices=2, cpus=1, schedule="interleaved", virtual_stages=2, microbatches=2), "cpus"),
     (Problem(devices=2, max_replicas=2, training=True, schedule="interleaved", microbatches=2), "replicas"),
 ])

@@ -197,6 +197,10 @@ class Problem:
             raise PlacementError(f"interleaved 1F1B sends micro-batches through the chunks in rounds of "
                                  f"{devices} (the devices): give microbatches= (--microbatches) a multiple "
                                  f"of {devices}, got {self.microbatches}")
+        if devices * v > MAX_DEVICES:
+            raise PlacementError(f"{devices} devices x {v} virtual stages = {devices * v} chunks is more "
+                                 f"than the {MAX_DEVICES} a placement plans for: fewer --devices or "
+                                 "--virtual-stages")
         if devices * v > len(graph.nodes):
             raise PlacementError(f"{devices} devices x {v} virtual stages = {devices * v} chunks, but the "
                                  f"graph has only {len(graph.nodes)} nodes: fewer --devices or "
