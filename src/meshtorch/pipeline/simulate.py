@@ -70,11 +70,18 @@ class Simulation:
     messages: int = 0
 
 
-def _per_stage(x: float | Sequence[float], p: int, what: str) -> list[float]:
-    vals = [float(x)] * p if isinstance(x, (int, float)) else [float(v) for v in x]
-    if len(vals) != p or any(v < 0 for v in vals):
-        raise PipelineError(f"{what} needs one non-negative cost per stage ({p}), got {x!r}")
+def _per_stage(x: float | Sequence[float], p: int, what: str, v: int = 1) -> list[float]:
+    vals = [float(x)] * p if isinstance(x, (int, float)) else [float(c) for c in x]
+    chunks = f" or per model chunk ({p * v})" if v > 1 else ""
+    if len(vals) not in (p, p * v) or any(c < 0 for c in vals):
+        raise PipelineError(f"{what} needs one non-negative cost per stage ({p}){chunks}, got {x!r}")
     return vals
+
+
+def _chunk_costs(vals: list[float], p: int, v: int) -> list[float]:
+    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on stage
+    ``c mod p``)."""
+    return vals if len(vals) == p * v else [vals[c % p] / v for c in range(p * v)]
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float],
@@ -84,7 +91,8 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
     micro-batch through the whole stage, all its chunks; a number means the same for
     every stage; ``backward`` defaults to ``forward``) and ``comm`` seconds per
     stage-to-stage transfer. With ``v`` virtual stages each chunk's pass takes ``1/v``
-    of its stage's time, and every chunk boundary is a hop. A table with weight-gradient
+    of its stage's time, or, given ``p·v`` costs, model chunk ``c``'s own (chunks of
+    unequal cost, as the placer cuts them); every chunk boundary is a hop. A table with weight-gradient
     actions (``"zb"``) needs ``weight``, the ``W`` time; ``backward`` is then ``B``'s,
     the input gradient's.
 
@@ -101,9 +109,9 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
     if split and weight is None:
         raise PipelineError(f"schedule {schedule.name!r} splits the backward into B and W: give simulate the "
                             "weight-gradient time weight=... (backward= is then the input gradient's)")
-    f = _per_stage(forward, p, "forward")
-    b = _per_stage(forward if backward is None else backward, p, "backward")
-    w = _per_stage(weight if split else 0.0, p, "weight")
+    f = _chunk_costs(_per_stage(forward, p, "forward", v), p, v)
+    b = _chunk_costs(_per_stage(forward if backward is None else backward, p, "backward", v), p, v)
+    w = _chunk_costs(_per_stage(weight if split else 0.0, p, "weight", v), p, v)
     cost = {FORWARD: f, BACKWARD: b, WEIGHT: w}
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
@@ -119,12 +127,12 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
             messages += hop
             ready = max(ready, by_key[d] + (comm if hop else 0.0))
         start[a] = ready
-        end[a] = ready + cost[a.kind][s] / v
+        end[a] = ready + cost[a.kind][a.chunk * p + s]
         by_key[(s, a.chunk, a.kind, a.microbatch)] = end[a]
         free[s] = end[a]
     t = max(end.values()) - min(start.values())
     n = schedule.microbatches * schedule.batches
-    busy = [n * (f[s] + b[s] + w[s]) for s in range(p)]
+    busy = [n * sum(f[c] + b[c] + w[c] for c in range(s, p * v, p)) for s in range(p)]
     bubble = 1.0 - sum(busy) / (p * t) if t > 0 else 0.0
     return Simulation(t / schedule.batches, bubble, busy, start, end, t, schedule.batches,
                       schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)],

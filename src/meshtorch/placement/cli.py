@@ -3,6 +3,7 @@
 Example:
     $ meshtorch place model.json --devices 4 --memory 16GiB --algorithm dp
     $ meshtorch place mypkg.models:Net --input-shape 8,3,32,32 --devices 2 --json
+    $ meshtorch place model.json --devices 4 --microbatches 8 --virtual-stages auto --training
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     graph.validate()  # every malformed field named before any flag or algorithm reads it
     if args.training and not graph.is_training:
         raise PlacementError(f"{args.model} has no backward nodes; it is an inference graph")
+    virtual = _virtual_stages(args.virtual_stages)
+    schedule = args.schedule or ("interleaved" if virtual is not None else "1f1b")
+    if virtual is not None and schedule != "interleaved":
+        raise PlacementError(f"--virtual-stages places chunks for the interleaved schedule; drop --schedule "
+                             f"{schedule} or pass --schedule interleaved")
     problem = Problem(
         devices=args.devices,
         memory=parse_bytes(args.memory) if args.memory else None,
@@ -83,9 +89,10 @@ def run(args: argparse.Namespace) -> int:
         objective=args.objective,
         subgraphs=args.subgraphs,
         relay=args.relay,
-        schedule=args.schedule,
+        schedule=schedule,
         microbatches=args.microbatches,
         recompute=args.recompute,
+        virtual_stages=virtual if isinstance(virtual, int) else 1,
     )
     if args.plan_2bw:
         return _plan_2bw(graph, args)
@@ -94,17 +101,57 @@ def run(args: argparse.Namespace) -> int:
         kw = {"time_limit": args.time_limit, "contiguous": args.contiguous}
         if args.no_warm_start:
             kw["warm_start"] = False
+    if virtual == "auto":
+        return _auto_virtual_stages(graph, problem, args, kw)
     p = place(graph, problem, args.algorithm, **kw)
     if args.json:
-        print(json.dumps(p.to_dict()))
+        out = p.to_dict()
+        if p.problem.interleaved:
+            from meshtorch.placement.interleave import bubble, step_time
+
+            out.update(virtual_stages=p.problem.virtual_stages, step_time=step_time(p), bubble=bubble(p))
+        print(json.dumps(out))
     else:
         from meshtorch.placement.report import table
 
         print(table(p))
+        if p.problem.interleaved:
+            from meshtorch.placement.interleave import bubble, step_time
+
+            print(f"interleaved 1F1B, {p.problem.virtual_stages} chunks per device: step time "
+                  f"{step_time(p):.6g}, bubble {bubble(p):.1%}")
     if args.png:
         from meshtorch.placement.report import plot
 
         plot(p, args.png)
+    return 0
+
+
+def _virtual_stages(text: str | None) -> int | str | None:
+    """``--virtual-stages``: a count >= 1, ``auto``, or not given."""
+    if text is None or text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise PlacementError(f"--virtual-stages takes a chunk count >= 1 or 'auto', got {text!r}")
+    return v
+
+
+def _auto_virtual_stages(graph: OpGraph, problem: Problem, args: argparse.Namespace, kw: dict) -> int:
+    from meshtorch.placement.interleave import compare_virtual_stages
+
+    if args.max_virtual_stages < 1:
+        raise PlacementError(f"--max-virtual-stages must be >= 1, got {args.max_virtual_stages}")
+    choice = compare_virtual_stages(graph, problem, args.max_virtual_stages, args.algorithm, **kw)
+    if args.json:
+        print(json.dumps(choice.to_dict()))
+    else:
+        print(choice.table())
+    if choice.best is None:
+        raise PlacementError(choice.summary())
     return 0
 
 
@@ -161,9 +208,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ap.add_argument("--no-warm-start", action="store_true",
                     help="ilp: do not start from the DP's (latency: greedy's) placement")
     ap.add_argument("--contiguous", action="store_true", help="ilp: pipeline-ordered only")
-    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "2bw"], default="1f1b",
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b", "2bw", "interleaved"], default=None,
                     help="training: the pipeline schedule whose memory each stage must fit "
-                         "(2bw: a second weight version; gpipe: all micro-batches stashed)")
+                         "(2bw: a second weight version; gpipe: all micro-batches stashed; "
+                         "interleaved: --virtual-stages chunks per device); default 1f1b")
+    ap.add_argument("--virtual-stages", default=None, metavar="V|auto",
+                    help="cut the graph into devices x V contiguous chunks, chunk c on device c mod devices, "
+                         "for interleaved 1F1B (needs --microbatches, a multiple of --devices); 'auto' "
+                         "places V = 1 .. --max-virtual-stages and says which step time wins")
+    ap.add_argument("--max-virtual-stages", type=int, default=4,
+                    help="--virtual-stages auto: the largest V tried")
     ap.add_argument("--microbatches", type=int, default=None,
                     help="training: micro-batches per batch (caps 1F1B's in-flight count; "
                          "needed by gpipe)")

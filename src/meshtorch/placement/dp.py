@@ -53,6 +53,8 @@ from meshtorch.placement.problem import ACC, CPU, Placement, Problem, evaluate, 
 INF = math.inf
 # ideals from which the DP answers cross-segment pairs through Pareto frontiers
 FRONTIER_MIN_IDEALS = 2000
+# what solve_dp says when, interleaved, its restriction (each chunk within 1/v of a device) finds nothing
+CHUNKS_OVERFLOW = "no placement fits with each chunk within 1/"
 
 # Layers of the DP: ``(a, c)``, a pipeline of exactly ``a`` accelerators and ``c`` CPUs.
 Layer = tuple[int, int]
@@ -109,7 +111,7 @@ class _Runs(NamedTuple):
 
 def _layers(prob: Problem) -> list[Layer]:
     """Every ``(a, c)`` with ``1 <= a + c``, ``a <= k``, ``c <= ℓ``, by rising ``a + c``."""
-    k, ell = prob.devices, prob.cpus
+    k, ell = prob.slots, prob.cpus  # interleaved: one "device" per chunk
     return [(d - cpus, cpus) for d in range(1, k + ell + 1) for cpus in range(min(ell, d) + 1)
             if d - cpus <= k]
 
@@ -315,6 +317,8 @@ def _run_dp(ide: Ideals, prob: Problem, c: Contracted, bound: float, full: int, 
                     front.merge(alpha[r][done], tables.load[rest][done], done)
     best_load, best_layer = INF, None
     for layer in layers:
+        if prob.interleaved and layer != (prob.slots, 0):
+            continue  # the round-robin needs all p·v chunks (fewer would leave a device idle a round)
         if tables.load[layer][0] < best_load:
             best_load, best_layer = float(tables.load[layer][0]), layer
     return best_load, best_layer, tables, total_pairs
@@ -360,7 +364,8 @@ def _memory_never_binds(graph: OpGraph, prob: Problem) -> bool:
         per = sum(n.act_bytes for n in graph.nodes if not n.backward)
         if prob.recompute:
             per = graph.total("mem_bytes")
-        total += in_flight(prob, prob.devices + prob.cpus) * per
+        first = prob.slots + prob.cpus
+        total += max(in_flight(prob, after) for after in range(1, first + 1)) * per
     return total <= prob.memory
 
 
@@ -443,6 +448,10 @@ def _infeasible(graph: OpGraph, prob: Problem, c: Contracted) -> PlacementError:
     ]
     if no_dev:
         return PlacementError(f"nodes {no_dev[:10]} (with their colocated nodes) fit on no device")
+    if prob.interleaved and c.m < prob.slots:
+        return PlacementError(
+            f"{prob.devices} devices x {prob.virtual_stages} virtual stages = {prob.slots} chunks, but the "
+            f"graph has only {c.m} nodes once colocated ones are merged: fewer --devices or --virtual-stages")
     if too_big:
         return PlacementError(
             f"nodes {too_big[:10]} (with their colocated nodes) need more than the "
@@ -493,19 +502,41 @@ def solve_dp(graph: OpGraph, problem: Problem, *, ideal_limit: int = 3_000_000) 
     zero-time "pendant" nodes are first tried merged into their only neighbour;
     that solution is returned when the relaxation without their memory reaches
     the same value (``info['certificate']``), which proves it optimal.
+
+    With ``schedule="interleaved"`` the stages are the ``p·v`` chunks and the
+    DP minimises the slowest chunk's load (what the interleaved step time grows
+    with, :mod:`~meshtorch.placement.interleave`). It bounds each chunk's memory
+    on its own, a relaxation of the device sums; when its answer fits every
+    device it is optimal, else the DP is rerun with ``1/v`` of the memory per
+    chunk (feasible, not proven optimal: ``info['exact']`` is ``False`` and
+    ``info['lower_bound']`` the relaxation's value).
     """
     t0 = time.perf_counter()
     prob = problem.resolve(graph)
+    val, stages, info = _solve_dp(graph, prob, ideal_limit)
+    if prob.interleaved and evaluate(graph, prob, stages, strict=False).violations:
+        low = val
+        share = replace(prob, memory=prob.memory / prob.virtual_stages)
+        try:
+            val, stages, info = _solve_dp(graph, share, ideal_limit)
+        except PlacementError:
+            raise PlacementError(
+                f"the fastest chunks that fit one at a time overflow a device's {prob.memory:.4g} bytes, and "
+                f"{CHUNKS_OVERFLOW}{prob.virtual_stages} of it: try fewer "
+                "--virtual-stages, more --devices or --recompute") from None
+        info.update(exact=False, lower_bound=low)
+    return _finish(graph, prob, stages, val, "dp", t0, info)
+
+
+def _solve_dp(graph: OpGraph, prob: Problem, ideal_limit: int) -> tuple[float, list, dict]:
     view, inputs = memory_view(graph, prob)
     never = _memory_never_binds(view, prob)
     if not never:
         quick = _pendant_certified(view, prob, ideal_limit, inputs)
         if quick is not None:
-            val, stages, info = quick
-            return _finish(graph, prob, stages, val, "dp", t0, info)
+            return quick
     c = contract(view, pendant=never, inputs=inputs)
-    val, stages, info = _solve_contracted(view, prob, c, ideal_limit)
-    return _finish(graph, prob, stages, val, "dp", t0, info)
+    return _solve_contracted(view, prob, c, ideal_limit)
 
 
 def _solve_contracted(graph: OpGraph, prob: Problem, c: Contracted, ideal_limit: int):
@@ -584,7 +615,7 @@ def _finish(graph, prob, stages, val, name, t0, info) -> Placement:
     p = evaluate(graph, prob, stages, algorithm=name)
     p.solve_seconds = time.perf_counter() - t0
     info["objective"] = val
-    p.info = info
+    p.info = {**p.info, **info}  # evaluate's (interleaved: each device's memory) and the solver's
     if abs(p.max_load - val) > 1e-6 * max(1.0, abs(val)):
         raise PlacementError(
             f"internal error: {name} predicted max load {val}, recomputation gives {p.max_load}"

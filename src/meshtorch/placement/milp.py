@@ -17,6 +17,12 @@ pipeline-ordered one that the DP solves — so it certifies the DP. Formulation
   holds ``S - p`` micro-batches in flight;
 * contiguous: ``sum_p p·x[u, p] <= sum_p p·x[v, p]`` for each order constraint.
 
+Interleaved (``Problem.schedule == "interleaved"``, ``v`` chunks per device): the
+slots are the ``p·v`` chunks, contiguous, none empty; the memory row is one per
+device ``d``, over its slots ``d, d + p, ...``, each group counting its chunk's
+stashes (:func:`~meshtorch.placement.problem.in_flight`). Unlike the DP, which
+bounds each chunk alone, this is the device sums exactly.
+
 Data-parallel replication (``Problem.max_replicas = R > 1``, training): binary
 ``w[p, r]`` says slot ``p`` is an accelerator stage on ``r`` replicas
 (``sum_r w[p, r] <= 1 - y[p]``, ``sum r·w <= k``, a group needs an active slot);
@@ -155,6 +161,8 @@ def solve_milp(
         raise PlacementError("the MILP models stashed activations without recompute, and with "
                              "replicas only under 1F1B/2BW with unbounded micro-batches; use the "
                              "DP (--algorithm dp) for this schedule")
+    inter = prob.interleaved
+    contiguous = contiguous or inter  # chunks are contiguous by definition
     start = _warm_start(graph, prob, contiguous, warm_start)
     R = prob.max_replicas
     graph.validate()
@@ -164,7 +172,7 @@ def solve_milp(
     gid = {r: k for k, r in enumerate(roots)}
     grp = [gid[uf.find(i)] for i in range(n)]
     G = len(roots)
-    k, ell = prob.devices, prob.cpus
+    k, ell = prob.slots, prob.cpus
     S = k + ell
     acc = np.zeros(G)
     cpu = np.zeros(G)
@@ -302,7 +310,7 @@ def solve_milp(
             if cpu[g]:
                 load[xi(g, p)] = -cpu[g]
         rows.add(load, -big_cpu, np.inf)
-        if mem_bound is not None:
+        if mem_bound is not None and not inter:
             memrow = {Y + p: -big_mem}
             for g in range(G):
                 coef = mem[g] + (in_flight(prob, S - p) * act[g] if stash and not rep else 0.0)
@@ -330,6 +338,17 @@ def solve_milp(
                 rows.add({xi(g, p): 1.0, U + p: -1.0}, -np.inf, 0.0)  # x <= used
             if p + 1 < S:
                 rows.add({U + p: 1.0, U + p + 1: -1.0}, -np.inf, 0.0)  # packed at the end
+    if inter:
+        for p in range(S):  # exactly p·v chunks: none empty
+            rows.add({xi(g, p): 1.0 for g in range(G)}, 1.0, np.inf)
+        for d in range(prob.devices if mem_bound is not None else 0):
+            memrow = {}
+            for p in range(d, S, prob.devices):
+                for g in range(G):
+                    coef = mem[g] + (in_flight(prob, S - p) * act[g] if stash else 0.0)
+                    if coef:
+                        memrow[xi(g, p)] = coef
+            rows.add(memrow, -np.inf, mem_bound)
     if contiguous:
         seen = set()
         for u, v in order_constraints(graph):
@@ -389,7 +408,7 @@ def solve_milp(
     if start is not None and pl.max_load > start.max_load:
         return from_start(start, name, t0, res, lower, log, nvar, len(rows.lo))
     pl.solve_seconds = time.perf_counter() - t0
-    pl.info = result_info(res, pl.value, lower, unit, nvar, len(rows.lo), log, start)
+    pl.info = {**pl.info, **result_info(res, pl.value, lower, unit, nvar, len(rows.lo), log, start)}
     return pl
 
 
@@ -439,10 +458,11 @@ def from_start(start: Placement, name: str, t0: float, res, lower: float | None,
                 nvar: int, ncons: int) -> Placement:
     """The warm start returned as the MILP's answer: HiGHS found nothing better in time."""
     pl = Placement(start.graph, start.problem, start.stages, name, violations=start.violations,
-                   latency=start.latency)
+                   latency=start.latency, info=dict(start.info))
     pl.solve_seconds = time.perf_counter() - t0
     lower = None if lower is None else min(lower, start.value)
     pl.info = {
+        **({"device_memory": start.info["device_memory"]} if "device_memory" in start.info else {}),
         "optimal": lower is not None and proven_gap(start.value, lower) == 0.0,
         "status": res.message,
         "lower_bound": lower,

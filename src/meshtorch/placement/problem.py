@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -51,7 +52,7 @@ from meshtorch.placement.graph import OpGraph
 
 ACC, CPU = "acc", "cpu"
 OBJECTIVES = ("throughput", "latency")
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "interleaved")
 
 
 #: The most devices a placement plans for once capped at what the graph can use: the DP's
@@ -78,10 +79,17 @@ class Problem:
     ``None`` takes ``graph.meta["relay"]``: on for graphs traced from modules,
     off (the paper's definition) for the paper's JSON files.
 
-    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"2bw"``), ``microbatches`` (per
-    batch; ``None``: as many as stages, at least) and ``recompute`` say what a
-    training stage holds in memory (see the module docstring and
-    :func:`in_flight`), as :class:`~meshtorch.pipeline.Pipeline` runs it.
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"2bw"``, ``"interleaved"``),
+    ``microbatches`` (per batch; ``None``: as many as stages, at least) and
+    ``recompute`` say what a training stage holds in memory (see the module
+    docstring and :func:`in_flight`), as :class:`~meshtorch.pipeline.Pipeline`
+    runs it.
+
+    ``virtual_stages`` ``v`` (with ``schedule="interleaved"``): the graph is cut
+    into exactly ``devices · v`` contiguous chunks, chunk ``c`` on device
+    ``c mod devices`` (:mod:`~meshtorch.placement.interleave`); a placement's
+    stages are then the chunks in model order, and each device's memory is the
+    sum over its chunks.
 
     Example:
         >>> Problem(devices=4, memory=16 * 2**30).devices
@@ -100,6 +108,17 @@ class Problem:
     schedule: str = "1f1b"
     microbatches: int | None = None
     recompute: bool = False
+    virtual_stages: int = 1
+
+    @property
+    def slots(self) -> int:
+        """Pipeline stages a placement has at most: ``devices · virtual_stages`` chunks
+        (exactly that many when interleaved), else ``devices`` accelerators (resolved)."""
+        return (self.devices or 0) * self.virtual_stages
+
+    @property
+    def interleaved(self) -> bool:
+        return self.schedule == "interleaved"
 
     def resolve(self, graph: OpGraph) -> Problem:
         """Fill the ``None`` fields from ``graph.meta`` and check the values."""
@@ -127,6 +146,15 @@ class Problem:
         if self.schedule == "gpipe" and self.microbatches is None and training and self.stash:
             raise PlacementError("GPipe stashes all micro-batches of a batch: give microbatches= "
                                  "(--microbatches)")
+        if self.virtual_stages < 1:
+            raise PlacementError(f"virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise PlacementError(f"{self.virtual_stages} virtual stages (chunks per device) need the "
+                                 f"interleaved schedule, not {self.schedule!r}: pass schedule='interleaved' "
+                                 "(--schedule interleaved)")
+        if self.interleaved:
+            self._check_interleaved(graph, devices, cpus)
+            cpus = 0  # a graph file's CPUs: chunks run round-robin on the accelerators only
         if self.subgraphs < 1:
             raise PlacementError(f"subgraphs per accelerator must be >= 1, got {self.subgraphs}")
         if self.objective == "latency" and training:
@@ -138,6 +166,8 @@ class Problem:
         # past that can never be used: capping them keeps `--devices 1000000000` from sizing the
         # algorithms' tables by the request instead of by the graph
         usable = max(len(graph.nodes), 1) * max(1, min(self.max_replicas, devices))
+        if self.interleaved:  # devices are the round-robin's p: never capped (checked above)
+            usable = devices
         devices, cpus = min(devices, usable), min(cpus, max(len(graph.nodes), 1))
         if devices > MAX_DEVICES:
             raise PlacementError(
@@ -149,6 +179,32 @@ class Problem:
             self, devices=devices, cpus=cpus, memory=memory, training=training, relay=relay,
             max_replicas=min(self.max_replicas, max(devices, 1)),
         )
+
+
+    def _check_interleaved(self, graph: OpGraph, devices: int, cpus: int) -> None:
+        """What the interleaved schedule needs: micro-batches in rounds of ``devices``, one
+        accelerator per chunk, and at least ``devices · v`` nodes to cut into chunks."""
+        v = self.virtual_stages
+        if self.cpus:
+            raise PlacementError(f"the interleaved schedule runs its chunks on accelerators only; drop "
+                                 f"cpus={self.cpus} (--cpus)")
+        if devices < 1:
+            raise PlacementError("the interleaved schedule needs at least one accelerator (--devices)")
+        if self.max_replicas > 1 or self.objective != "throughput":
+            raise PlacementError("the interleaved schedule places chunks for throughput, one device each: "
+                                 "drop max_replicas (--replicas) and the latency objective")
+        if self.microbatches is None or self.microbatches % devices:
+            raise PlacementError(f"interleaved 1F1B sends micro-batches through the chunks in rounds of "
+                                 f"{devices} (the devices): give microbatches= (--microbatches) a multiple "
+                                 f"of {devices}, got {self.microbatches}")
+        if devices * v > MAX_DEVICES:
+            raise PlacementError(f"{devices} devices x {v} virtual stages = {devices * v} chunks is more "
+                                 f"than the {MAX_DEVICES} a placement plans for: fewer --devices or "
+                                 "--virtual-stages")
+        if devices * v > len(graph.nodes):
+            raise PlacementError(f"{devices} devices x {v} virtual stages = {devices * v} chunks, but the "
+                                 f"graph has only {len(graph.nodes)} nodes: fewer --devices or "
+                                 "--virtual-stages")
 
 
 @dataclass
@@ -303,11 +359,21 @@ def in_flight(prob: Problem, devices_after: int, replicas: int = 1) -> int:
     ``min(d, m)``; 2BW: ``d`` (no flush: the next batch enters while this one
     drains, so ``m`` does not cap it).
 
+    Interleaved: a stage is a chunk, ``devices_after`` counts the chunks from it
+    to the last, and the count is the chunk's own peak of stashed micro-batches
+    in the interleaved table (:func:`chunk_in_flight`).
+
     Example:
         >>> [in_flight(Problem(schedule=s, microbatches=8), 3) for s in ("gpipe", "1f1b", "2bw")]
         [8, 3, 3]
+        >>> prob = Problem(devices=2, schedule="interleaved", virtual_stages=2, microbatches=4)
+        >>> [in_flight(prob, after) for after in (4, 3, 2, 1)]
+        [4, 3, 2, 1]
     """
     m = prob.microbatches
+    if prob.interleaved:
+        counts = chunk_in_flight(prob.devices, prob.virtual_stages, m)
+        return counts[prob.slots - devices_after]
     if prob.schedule == "gpipe":
         count = m if m is not None else devices_after
     elif prob.schedule == "1f1b" and m is not None:
@@ -315,6 +381,33 @@ def in_flight(prob: Problem, devices_after: int, replicas: int = 1) -> int:
     else:
         count = devices_after
     return -(-count // replicas)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_in_flight(devices: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
+    """Most micro-batches whose activations each model chunk stashes at once under interleaved
+    1F1B (chunk ``c`` on device ``c mod devices``), read off the executor's own table.
+
+    A device's peak is at most the sum over its chunks (the chunks need not peak together),
+    so the placer's memory, which adds them, never underestimates.
+
+    Example:
+        >>> chunk_in_flight(2, 2, 4)
+        (4, 3, 2, 1)
+    """
+    from meshtorch.pipeline.schedule import BACKWARD, FORWARD
+    from meshtorch.pipeline.schedule import build as build_schedule
+
+    p, v = devices, virtual_stages
+    table = build_schedule("interleaved", p, microbatches, virtual_stages=v)
+    peak = [0] * (p * v)
+    for s in range(p):
+        live = [0] * v
+        for a in table.for_stage(s):
+            live[a.chunk] += 1 if a.kind == FORWARD else -1 if a.kind == BACKWARD else 0
+            c = a.chunk * p + s
+            peak[c] = max(peak[c], live[a.chunk])
+    return tuple(peak)
 
 
 def stage_inputs(graph: OpGraph, where: Sequence[int], stages: int) -> list[float]:
@@ -397,7 +490,11 @@ def evaluate(
         violations.append(f"nodes not placed: {missing[:10]}")
     n_acc = sum(st.devices for st in norm if st.kind == ACC)
     n_cpu = sum(1 for st in norm if st.kind == CPU)
-    if n_acc > prob.devices:
+    if prob.interleaved:
+        if n_acc != prob.slots or len(norm) != prob.slots:
+            violations.append(f"the interleaved schedule needs exactly {prob.slots} chunks on accelerators "
+                              f"({prob.devices} devices x {prob.virtual_stages}), got {len(norm)} stages")
+    elif n_acc > prob.devices:
         violations.append(f"uses {n_acc} accelerators, only {prob.devices} available")
     if n_cpu > prob.cpus:
         violations.append(f"uses {n_cpu} CPUs, only {prob.cpus} available")
@@ -447,11 +544,20 @@ def evaluate(
                 st.memory += st.in_flight * stashed[s_index] + act
             else:
                 st.memory += st.in_flight * act
-        if st.memory > prob.memory * (1 + 1e-9):
+        if not prob.interleaved and st.memory > prob.memory * (1 + 1e-9):
             violations.append(
                 f"stage with {len(nodes)} nodes needs {st.memory:.4g} bytes, "
                 f"bound is {prob.memory:.4g}"
             )
+    info: dict[str, Any] = {}
+    if prob.interleaved:  # a device holds its chunks c, c + p, c + 2p, ...
+        p = max(prob.devices, 1)
+        device_memory = [sum(st.memory for st in norm[d::p]) for d in range(p)]
+        for d, used in enumerate(device_memory):
+            if used > prob.memory * (1 + 1e-9):
+                violations.append(f"device {d} (chunks {d}, {d} + {p}, ...) needs {used:.4g} bytes, "
+                                  f"bound is {prob.memory:.4g}")
+        info["device_memory"] = device_memory
     if strict and violations:
         raise PlacementError("infeasible placement: " + "; ".join(violations))
-    return Placement(graph, prob, norm, algorithm, solve_seconds, violations)
+    return Placement(graph, prob, norm, algorithm, solve_seconds, violations, info)

@@ -31,6 +31,8 @@ def table(p: Placement) -> str:
     b = p.bottleneck if p.stages and p.latency is None else -1
     for i, s in enumerate(p.stages):
         dev = s.kind if s.replicas == 1 else f"{s.kind}x{s.replicas}"
+        if p.problem.interleaved:  # chunk i runs on device i mod p
+            dev = f"{s.kind}{i % p.problem.devices}"
         mark = "  <- bottleneck" if i == b else ""
         rows.append(
             f"{i:>5}  {dev:<6} {len(s.nodes):>6} {s.compute:>9.4g} {s.comm:>9.4g} "

@@ -29,6 +29,10 @@ def _dp(g: OpGraph, p: Problem, **kw) -> Placement:
     from meshtorch.placement.dp import solve_dp
 
     _throughput_only("dp", p)
+    if p.interleaved:
+        from meshtorch.placement.interleave import place_chunks
+
+        return place_chunks(g, p, **kw)
     return solve_dp(g, p, **kw)
 
 
@@ -86,5 +90,9 @@ def place(graph: OpGraph, problem: Problem | None = None, algorithm: str = "dp",
         raise PlacementError(f"unknown algorithm {algorithm!r}; choose from {sorted(ALGORITHMS)}")
     problem = problem or Problem()
     graph.validate()  # a cycle or a NaN/negative cost is named here, whichever algorithm runs
-    problem.resolve(graph)  # bad fields are reported as such, before any algorithm runs
+    resolved = problem.resolve(graph)  # bad fields are reported as such, before any algorithm runs
+    if resolved.interleaved and algorithm not in ("dp", "ilp"):
+        raise PlacementError(f"algorithm {algorithm!r} places one stage per device; chunks for the "
+                             "interleaved schedule are placed by 'dp' (the DP, and the MILP when memory "
+                             "binds across a device's chunks) or 'ilp' (the MILP)")
     return ALGORITHMS[algorithm](graph, problem, **kw)
