@@ -218,8 +218,9 @@ def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, m
 
     ends = []
     finish = ov.Runtime.finish
-    monkeypatch.setattr(ov.Runtime, "finish", lambda self: (ends.append(self.buckets is not None),
-                                                            finish(self))[1])
+    # the steps' own backwards, not the planner's traces of the step (meta: the memory check's)
+    monkeypatch.setattr(ov.Runtime, "finish", lambda self: (
+        ends.append(self.buckets is not None) if self.comm.backend != "meta" else None, finish(self))[1])
     per_use = losses("off", "--no-overlap")
     assert not ends
     overlapped = losses("on", "--reshard-after-forward", "--recompute")

@@ -73,13 +73,16 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 def overlapped(cfg: TrainConfig) -> Any:
     """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
     ``--reshard-after-forward`` say: the one place the trainer switches it. Off under ``--compile``
-    (the graph schedules its collectives) and on the meta backend (the planner traces the
-    per-use path: it does not yet price grouped, overlapped calls)."""
+    (the graph schedules its collectives). On the meta backend too, so that the planner traces the
+    grouped, asynchronous calls the run makes (and prices their overlap: :mod:`meshtorch.plan.timeline`)."""
     from meshtorch.lowering.overlap import overlap
 
-    par = cfg.parallelism
-    on = par.overlap and not cfg.run.compile and current().comm.backend != "meta"
-    return overlap(enabled=on, reshard_after_forward=par.reshard_after_forward)
+    return overlap(enabled=overlaps(cfg), reshard_after_forward=cfg.parallelism.reshard_after_forward)
+
+
+def overlaps(cfg: TrainConfig) -> bool:
+    """Whether ``cfg``'s plain step runs its parameters' collectives with ``mt.overlap``."""
+    return cfg.parallelism.overlap and not cfg.run.compile
 
 
 def _value(loss: Any) -> float:
