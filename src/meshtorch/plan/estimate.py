@@ -71,6 +71,8 @@ class Estimate:
         overlap_seconds: the communication that runs while the step computes (asynchronous
             collectives, :mod:`meshtorch.plan.timeline`): ``step_seconds`` is compute plus
             communication minus it.
+        reshard_after_forward: the step frees gathered parameters after forward and gathers them
+            again for backward (:func:`meshtorch.overlap`): what a search picks where memory is tight.
     """
 
     mesh: str
@@ -90,6 +92,7 @@ class Estimate:
     trace: Trace | None = field(default=None, repr=False, compare=False)
     compute_terms: dict[str, float] = field(default_factory=dict)
     overlap_seconds: float = 0.0
+    reshard_after_forward: bool = False
 
     @property
     def comm_total_seconds(self) -> float:
@@ -151,6 +154,7 @@ class Estimate:
             "flops": self.flops, "flops_by_dtype": self.flops_by_dtype,
             "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
             "step_seconds": self.step_seconds, "overlap_seconds": self.overlap_seconds,
+            **({"reshard_after_forward": True} if self.reshard_after_forward else {}),
             "reason": self.reason(),
             **({"compute_terms": self.compute_terms} if self.compute_terms else {}),
         }
@@ -227,7 +231,8 @@ def overlap_seconds(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str
         >>> [kind for kind, axes, nbytes, asynchronous in t.timeline.calls if asynchronous]
         ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
         >>> est = from_trace(t, "b:2", mt.plan.device("tpu-v2"))
-        >>> est.overlap_seconds > 0, est.overlap_seconds == overlap_seconds(t, "b:2", mt.plan.device("tpu-v2"))
+        >>> spec = mt.plan.device("tpu-v2")
+        >>> est.overlap_seconds > 0, est.overlap_seconds == overlap_seconds(t, "b:2", spec)
         (True, True)
     """
     mesh = Mesh(mesh)

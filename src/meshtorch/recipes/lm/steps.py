@@ -142,6 +142,15 @@ class TrainingProgram:
             return None
         return TrainingProgram(self.cfg, self.vocab, update=False)
 
+    def resharded(self) -> TrainingProgram | None:
+        """This step with ``--reshard-after-forward`` (less memory, more bytes), or None where that
+        changes nothing (it does not overlap, or reshards already): what a search tries where a
+        layout does not fit."""
+        par = self.cfg.parallelism
+        if self.pipeline is not None or not overlaps(self.cfg) or par.reshard_after_forward:
+            return None
+        return TrainingProgram(self.cfg.replace(reshard_after_forward=True), self.vocab, update=self.update)
+
     def pipelined(self, microbatches: int, schedule: str | None = None) -> TrainingProgram | None:
         """This step pipelined over ``microbatches`` (``schedule``: this config's unless given);
         None for the models ``meshtorch train`` does not pipeline (all but ``lm``)."""
