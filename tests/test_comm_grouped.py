@@ -8,8 +8,12 @@ processes with ``async_op=True`` handles waited on after other work.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import meshtorch as mt
 from meshtorch.comm.grouped import Handle
@@ -117,3 +121,40 @@ def test_one_processor_groups_return_inputs_uncounted():
     assert comm.all_reduce_grouped(xs, ()) == xs
     assert comm.reduce_scatter_grouped(xs, (), [0], async_op=True).wait() == xs
     assert comm.stats.calls() == before
+
+
+def drawn(shapes: list, dims: list, axes) -> bool:
+    """Grouped calls over ``axes`` of tensors of ``shapes`` (filled from the rank) give the
+    per-tensor calls' bits."""
+    comm = mt.current().comm
+    g = torch.Generator().manual_seed(comm.rank)
+    xs = [torch.randn(s, generator=g) for s in shapes]
+    def equal(got, want) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(got, want))
+
+    return (equal(comm.all_gather_grouped(xs, axes, dims),
+                  [comm.all_gather(x, axes, d) for x, d in zip(xs, dims)])
+            and equal(comm.reduce_scatter_grouped(xs, axes, dims, async_op=True).wait(),
+                      [comm.reduce_scatter(x, axes, d) for x, d in zip(xs, dims)])
+            and equal(comm.all_reduce_grouped(xs, axes), [comm.all_reduce(x, axes) for x in xs]))
+
+
+@st.composite
+def groups(draw):
+    mesh, axes, n = draw(st.sampled_from([("b:2", "b", 2), ("b:2,m:2", "m", 2), ("b:2,m:2", ("b", "m"), 4)]))
+    shapes, dims = [], []
+    for _ in range(draw(st.integers(1, 4))):
+        rank = draw(st.integers(1, 3))
+        shape = [draw(st.integers(1, 3)) for _ in range(rank)]
+        d = draw(st.integers(0, rank - 1))
+        shape[d] *= n  # reduce_scatter's dim divides by the group
+        shapes.append(tuple(shape))
+        dims.append(d)
+    return mesh, axes, shapes, dims
+
+
+@given(groups())
+@settings(max_examples=10, deadline=None)
+def test_drawn_groups_match_per_tensor_calls_bitwise(case):
+    mesh, axes, shapes, dims = case
+    assert all(mt.launch(functools.partial(drawn, shapes, dims, axes), mesh=mesh))

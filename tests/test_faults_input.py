@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given as draw
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from meshtorch import cli
 from meshtorch.errors import PlacementError
@@ -380,3 +383,43 @@ def test_a_garbage_tokenizer_config_is_named(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("[")
     with pytest.raises(DataError, match="tokenizer_config.json is not a tokenizer config"):
         _eos_token(str(tmp_path))
+
+
+# -- meshtorch train: model sizes -------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, lower", [
+    (["--model", "seq2seq", "--encoder-layers", "1000000000"], "--encoder-layers"),
+    (["--model", "seq2seq", "--encoder-layers", "1000000"], "--encoder-layers"),
+    (["--layers", "1000000000", "--no-memory-check"], "--layers"),  # a certainty, not the planner's guess
+    (["--layers", "1000000000", "--rules", "auto", "--mesh", "auto:2"], "--layers"),  # before the search
+    (["--d-ff", "1000000000"], "--d-ff"),
+    (["--model", "moe", "--experts", "1000000000"], "--experts"),
+])
+def test_a_model_too_large_for_memory_fails_at_once_naming_the_size(flags, lower, tmp_path, capsys,
+                                                                     monkeypatch):
+    from meshtorch.plan import devices
+
+    monkeypatch.setattr(devices, "available_memory", lambda: (64 << 30, "a 64 GiB test machine"))
+    rc, err = _train(capsys, *flags, "--out", str(tmp_path / "run"), "--tokenizer", "bytes")
+    assert rc == 2, err
+    assert "the model has at least" in err and "fp32 weights alone need" in err, err
+    assert "only 64.00 GiB is available (a 64 GiB test machine)" in err
+    assert err.rstrip().endswith(f"lower {lower}"), err
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+@settings(max_examples=8, deadline=None)
+@draw(model=st.sampled_from(["lm", "moe", "seq2seq"]), d_model=st.sampled_from([4, 8]),
+       heads=st.integers(1, 2), d_ff=st.sampled_from([4, 16]), layers=st.integers(1, 3),
+       experts=st.integers(1, 3), kv=st.booleans())
+def test_the_size_bound_never_exceeds_the_models_real_parameter_count(model, d_model, heads, d_ff, layers,
+                                                                      experts, kv):
+    from meshtorch.recipes.lm.config import TrainConfig
+    from meshtorch.recipes.lm.fit import parameters_at_least
+    from meshtorch.recipes.lm.steps import build_model
+
+    cfg = TrainConfig.of(model=model, d_model=d_model, heads=heads, d_kv=4, d_ff=d_ff, layers=layers,
+                         encoder_layers=layers, experts=experts, top_k=1, kv_heads=1 if kv else 0,
+                         batch=2, length=8)
+    bound = sum(parameters_at_least(cfg, vocab=16).values())
+    assert 0 < bound <= build_model(cfg, vocab=16).num_parameters()

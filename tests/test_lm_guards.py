@@ -16,8 +16,8 @@ import torch
 from meshtorch import cli
 from meshtorch.errors import ArgumentError, LayoutError, TrainingError
 from meshtorch.recipes.lm import TrainConfig, strategies, train
+from meshtorch.recipes.lm.fit import check_memory
 from meshtorch.recipes.lm.guards import RunDirLock
-from meshtorch.recipes.lm.steps import check_memory
 from run_harness import checkpoint_tensors, write_corpus
 
 pytestmark = pytest.mark.timeout(300)
@@ -196,12 +196,14 @@ def test_a_step_that_cannot_fit_fails_before_training(text, tmp_path, monkeypatc
     # feed-forward and 3 layer norms' weights and biases, 4 bytes each
     assert need["parameters"] == 4 * (264 * 16 + 16 * 16 + 4 * 16 * 2 * 8 + 2 * 16 * 32 + 3 * 2 * 16)
     assert need["total"] >= need["parameters"] + need["optimizer"]
+    assert need["need"] == need["total"]  # on the host: the peak itself, no allocator margin
     # the limit is the processors of this machine times one's predicted peak
     monkeypatch.setattr(devices, "available_memory", lambda: (2 * need["total"], "test"))
     assert check_memory(cfg, 264, processes=2) == need
     monkeypatch.setattr(devices, "available_memory", lambda: (2 * need["total"] - 1, "the test's limit"))
-    with pytest.raises(TrainingError, match=r"needs about .* \(2 processor\(s\) on this machine x .*"
-                       r"activations .*available \(the test's limit\); lower --batch"):
+    with pytest.raises(TrainingError, match=r"does not fit: it needs about .*: 2 processor\(s\) on this "
+                       r"machine x the planned peak .*activations .*available \(the test's limit\)\. To fit: "
+                       r"--recompute: .*; --batch 2: .*FSDP rules .*--no-memory-check"):
         check_memory(cfg, 264, processes=2)
     with pytest.raises(TrainingError, match="as meshtorch plan predicts"):
         train(cfg)  # the threads backend: both processors in this process
@@ -211,10 +213,65 @@ def test_a_step_that_cannot_fit_fails_before_training(text, tmp_path, monkeypatc
     assert check_memory(cfg, 264, processes=2) is None
 
 
-def test_on_gpus_one_processors_peak_must_fit_the_fullest_gpu(text, tmp_path, monkeypatch):
-    import torch
-
+def test_the_changes_the_refusal_names_are_planned(text, monkeypatch):
     from meshtorch.plan import devices
+
+    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, batch=8, length=32, mesh="b:2",
+                         data=text, steps=2, progress=False)
+    monkeypatch.setattr(devices, "available_memory", lambda: (1 << 40, "test"))
+    need = check_memory(cfg, 264, processes=1)["total"]
+    recomputed = check_memory(cfg.replace(recompute=True), 264, processes=1)["total"]
+    halved = check_memory(cfg.replace(batch=4), 264, processes=1)["total"]
+    assert recomputed < need and halved < need
+    # a limit between what --recompute needs and what the run needs: --recompute fits, half the batch
+    # (which keeps more here) is named as still too much, each with its planned need
+    limit = max(recomputed, halved - 1)
+    assert recomputed <= limit < need
+    monkeypatch.setattr(devices, "available_memory", lambda: (limit, "test"))
+    from meshtorch.plan.estimate import _fmt_bytes
+
+    with pytest.raises(TrainingError) as err:
+        check_memory(cfg, 264, processes=1)
+    msg = str(err.value)
+    assert f"--recompute: {_fmt_bytes(recomputed)} (fits)" in msg
+    assert f"--batch 4: {_fmt_bytes(halved)} ({'fits' if halved <= limit else 'still too much'})" in msg
+
+
+def test_a_stated_budget_replaces_the_devices_memory(text, monkeypatch):
+    from meshtorch.plan import devices
+
+    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, mesh="b:2",
+                         data=text, steps=2, progress=False)
+    monkeypatch.setattr(devices, "available_memory", lambda: (1 << 40, "test"))
+    need = check_memory(cfg, 264, processes=2)["total"]
+    gib = 2 ** 30
+    # per processor, whatever the host has: the budget alone is compared
+    assert check_memory(cfg.replace(memory_budget=need / gib), 264, processes=2)["total"] == need
+    with pytest.raises(TrainingError, match=r"available \(--memory-budget .* GiB a processor\)"):
+        check_memory(cfg.replace(memory_budget=(need - 1024) / gib), 264, processes=2)
+    monkeypatch.setattr(devices, "available_memory", lambda: None)
+    with pytest.raises(TrainingError, match="--memory-budget"):  # a budget is a known limit
+        check_memory(cfg.replace(memory_budget=(need - 1024) / gib), 264, processes=2)
+
+
+def test_a_compiled_run_is_checked_as_the_compiled_step_holds_memory(text, monkeypatch):
+    import meshtorch as mt
+    from meshtorch.plan import devices
+    from meshtorch.recipes.lm.steps import training_step
+
+    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, mesh="b:1",
+                         rules="batch:b", data=text, steps=2, progress=False, precision="bf16")
+    monkeypatch.setattr(devices, "available_memory", lambda: (1 << 40, "test"))
+    compiled = cfg.replace(compile=True)
+    got = check_memory(compiled, 264, processes=1)
+    want = mt.plan.trace(training_step(compiled, 264), mesh="b:1", rules="batch:b", compiled=True)
+    eager = check_memory(cfg, 264, processes=1)
+    assert got["total"] == want.peak_bytes < eager["total"]
+
+
+def test_on_gpus_one_processors_peak_must_fit_the_fullest_gpu(text, tmp_path, monkeypatch):
+    from meshtorch.plan import devices
+    from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION
 
     cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, mesh="b:2",
                          data=text, steps=2, progress=False, device="cuda")
@@ -224,15 +281,21 @@ def test_on_gpus_one_processors_peak_must_fit_the_fullest_gpu(text, tmp_path, mo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 1 << 40))
     free.update({0: 1 << 40, 1: 1 << 40})
     need = check_memory(cfg, 264, processes=2)
-    # not twice the peak, as on a shared host: each processor has its own GPU
-    free.update({0: need["total"], 1: 1 << 40})
+    # the allocator's peak: every storage a block of 512-byte multiples (far more than the host's
+    # peak for these tiny tensors), and on top its fragmentation margin and the CUDA context
+    host = check_memory(cfg.replace(device="cpu", memory_budget=1.0), 264, processes=2)
+    assert need["total"] > host["total"] and need["total"] % 512 == 0
+    assert need["need"] == int(need["total"] * (1 + FRAGMENTATION)) + CUDA_CONTEXT_BYTES
+    # not twice the need, as on a shared host: each processor has its own GPU
+    free.update({0: need["need"], 1: 1 << 40})
     assert check_memory(cfg, 264, processes=2) == need
-    free.update({1: need["total"] - 1})
-    with pytest.raises(TrainingError, match=r"one processor per GPU x .*available \(free memory of cuda:1\)"):
+    free.update({1: need["need"] - 1})
+    with pytest.raises(TrainingError, match=r"a GPU: the allocator's planned peak .* \+ 10% for its "
+                       r"fragmentation \+ 512.00 MiB of CUDA context.*available \(free memory of cuda:1\)"):
         check_memory(cfg, 264, processes=2)
     # with --device auto the GPUs are used (and checked) only when each processor has one
     monkeypatch.setattr(devices, "available_memory", lambda: (1 << 40, "test"))
-    assert check_memory(cfg.replace(device="auto"), 264, processes=3) == need
+    assert check_memory(cfg.replace(device="auto"), 264, processes=3) == host
 
 
 def test_available_memory_takes_the_least_limit(monkeypatch):

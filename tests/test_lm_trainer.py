@@ -94,7 +94,7 @@ def test_help_is_plain_text_with_choices_and_one_default(capsys):
     assert text.count("(default") == text.count("(default:")  # one spelling, never doubled
     assert "default runs/<date-time>/) (default" not in text
     for flag, choices in (("--model", "{lm,seq2seq,moe}"), ("--optimizer", "{adamw,adafactor}"),
-                          ("--precision", "{fp32,bf16}"), ("--schedule", "{gpipe,1f1b,2bw}"),
+                          ("--precision", "{fp32,bf16}"), ("--schedule", "{gpipe,1f1b,2bw,zb,interleaved}"),
                           ("--lr-schedule", "{cosine,constant}"), ("--backend", "{threads,torch}")):
         assert f"{flag} {choices}" in text, flag
 

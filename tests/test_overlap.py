@@ -127,11 +127,13 @@ def test_a_four_layer_step_makes_at_most_twice_fsdp2s_calls():
         same(on["grads"], off["grads"], exact=False)
 
 
-def test_small_buckets_cut_more_calls_and_keep_the_values():
-    on, small = run("on", FSDP)[0], run("on", FSDP, bucket_mb=1e-4)[0]
-    same_losses(small["losses"], on["losses"], exact=False)
-    same(small["grads"], on["grads"], exact=False)
-    assert small["calls"][-1]["reduce_scatter@b"]["calls"] > on["calls"][-1]["reduce_scatter@b"]["calls"]
+@pytest.mark.parametrize("rules,kind,option", [(FSDP, "reduce_scatter@b", "gather_mb"),
+                                               (DP, "all_reduce@b", "bucket_mb")])
+def test_small_buckets_cut_more_calls_and_keep_the_values(rules, kind, option):
+    on, small = run("on", rules)[0], run("on", rules, **{option: 1e-4})[0]
+    same_losses(small["losses"], on["losses"], exact=rules == DP)
+    same(small["grads"], on["grads"], exact=rules == DP)
+    assert small["calls"][-1][kind]["calls"] > on["calls"][-1][kind]["calls"]
 
 
 @pytest.mark.parametrize("rules", [FSDP, DP])
@@ -196,9 +198,11 @@ def test_bucket_size_must_be_positive():
             pass
 
 
-def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, monkeypatch):
-    """`meshtorch train` with FSDP rules: --reshard-after-forward with recomputed blocks (gathers
-    again in the recomputation) against --no-overlap: the same losses."""
+@pytest.mark.parametrize("flags", [["--overlap"], ["--reshard-after-forward", "--recompute"]])
+def test_meshtorch_train_overlaps_with_the_per_use_losses(tmp_path, monkeypatch, flags):
+    """`meshtorch train` with FSDP rules, --overlap, or --reshard-after-forward with recomputed
+    blocks (gathers again in the recomputation), against the default per-use path: the same
+    losses."""
     import json
     import os
 
@@ -218,13 +222,13 @@ def test_meshtorch_train_overlaps_by_default_with_the_per_use_losses(tmp_path, m
 
     ends = []
     finish = ov.Runtime.finish
-    # the steps' own backwards, not the planner's traces of the step (meta: the memory check's)
-    monkeypatch.setattr(ov.Runtime, "finish", lambda self: (
-        ends.append(self.buckets is not None) if self.comm.backend != "meta" else None, finish(self))[1])
-    per_use = losses("off", "--no-overlap")
+    monkeypatch.setattr(ov.Runtime, "finish", lambda self: (ends.append(
+        self.buckets is not None and self.comm.backend), finish(self))[1])
+    per_use = losses("off")
     assert not ends
-    overlapped = losses("on", "--reshard-after-forward", "--recompute")
-    assert len(per_use) == 3 and ends.count(True) == 3 * 2  # each step's backward, on each processor
+    overlapped = losses("on", *flags)
+    # each step's backward, on each processor (and the memory check's planned step, on meta)
+    assert len(per_use) == 3 and ends.count("threads") == 3 * 2
     assert overlapped == pytest.approx(per_use, rel=1e-5)
 
 
@@ -261,3 +265,39 @@ def twice(on: bool) -> dict:
 def test_a_retained_graph_runs_backward_again_with_the_same_gradients():
     off, on = (mt.launch(twice, on, mesh="b:2", rules=FSDP)[0] for on in (False, True))
     same(on, off, exact=False)
+
+
+def compiled_inside_overlap() -> tuple[list[float], list[float], int]:
+    """The LM's loss compiled (fullgraph) and called inside mt.overlap: the per-use path runs in
+    the graph, with the eager losses; the runtime records no read."""
+    from meshtorch.compiler import compile_step
+
+    losses = []
+    for fn in ("eager", "compiled"):
+        model = DecoderLM(config(), seed=0)
+        loss_fn = model.loss if fn == "eager" else compile_step(model.loss, "eager", fullgraph=True)
+        with mt.overlap():
+            loss = loss_fn(*batch(0))
+            if fn == "compiled":
+                rt = getattr(mt.current().comm, "_overlap", None)
+                reads = 0 if rt is None else len(rt.order)
+            loss.backward()
+        losses.append([loss.item()] + [p.grad.sum().item() for p in model.parameters()])
+    return losses[0], losses[1], reads
+
+
+def test_a_compiled_step_inside_overlap_keeps_the_per_use_path():
+    for eager, compiled, reads in mt.launch(compiled_inside_overlap, mesh="b:2", rules=DP):
+        assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6) and reads == 0
+
+
+@pytest.mark.parametrize("mesh,rules", [("b:2,m:2", "batch:b; d_model:b; heads:m; d_ff:m"),
+                                        ("b:2,m:2", "batch:(b,m); d_model:(b,m)"),
+                                        ("b:2,m:2", "batch:b; vocab:m; d_ff:m")])
+def test_two_axis_meshes_overlap_with_the_per_use_values(mesh, rules):
+    """Grouped axes (a dim over (b, m)), model splits beside FSDP or data parallel: the adapters
+    this module runs (one step: an identity or an even gather) go grouped, the others per use."""
+    off, on = run("off", rules, mesh=mesh)[0], run("reshard", rules, mesh=mesh, gather_mb=0.004)[0]
+    same_losses(on["losses"], off["losses"], exact=False)
+    same(on["grads"], off["grads"], exact=False)
+    assert total(on["calls"][-1]) < total(off["calls"][-1])

@@ -128,8 +128,11 @@ def test_compile_prices_the_compiled_step(capsys):
     compiled = json.loads(capsys.readouterr().out)
     assert (eager["compiled"], compiled["compiled"]) == (False, True)
     assert compiled["flops"] == eager["flops"] and compiled["step_seconds"] < eager["step_seconds"]
-    assert main(base + ["--compile", "--search", "--processors", "2"]) == 2
-    assert "--search prices eager steps" in capsys.readouterr().err
+    # the search prices the compiled step too: its best is the compiled plan of the layout it picks
+    assert main(base + ["--compile", "--search", "--processors", "2"]) == 0
+    best = json.loads(capsys.readouterr().out)
+    assert main(base + ["--compile", "--mesh", best["mesh"], "--rules", best["rules"]]) == 0
+    assert best["step_seconds"] == pytest.approx(json.loads(capsys.readouterr().out)["step_seconds"])
     assert main(base + ["--compile", "--pipeline-stages", "2"]) == 2  # train's own refusal
     assert "--compile compiles the plain step" in capsys.readouterr().err
 
@@ -166,11 +169,13 @@ def test_a_llama_3_8b_config_plans_on_8_h100s_with_fsdp(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated"],
-                                   ["--recompute", "--rules", "batch:b; d_model:b"]])
+                                   ["--recompute", "--rules", "batch:b; d_model:b"],
+                                   ["--overlap", "--recompute", "--rules", "batch:b; d_model:b"],
+                                   ["--compile", "--precision", "bf16"]])
 def test_layered_plan_equals_the_full_trace(capsys, flags):
-    """--layered (the default) extrapolates from two shallow depths: the same parameters, FLOPs and
-    bytes as tracing every layer; the memory and the step time within 1% (mt.overlap's flat buffers
-    of grouped calls are cut by megabytes, not by layers)."""
+    """--layered (the default) extrapolates from two shallow depths: the same parameters, FLOPs, bytes
+    and memory as tracing every layer (with --overlap, the memory within 1%: the flat buffers of
+    grouped calls are cut by megabytes, not by layers); the step time within 1%."""
     base = ["plan", *TINY, "--layers", "4", "--vocab", "64", "--hardware", "h100", "--json", *flags]
     plans = []
     for flag in ("--layered", "--no-layered"):
@@ -179,7 +184,8 @@ def test_layered_plan_equals_the_full_trace(capsys, flags):
     layered, full = plans
     for key in ("parameters", "flops", "bytes_per_axis", "calls_per_axis"):
         assert layered[key] == full[key], key
-    assert layered["memory_bytes"] == pytest.approx(full["memory_bytes"], rel=0.01)
+    rel = 0.01 if "--overlap" in flags else 0
+    assert layered["memory_bytes"] == pytest.approx(full["memory_bytes"], rel=rel)
     assert layered["step_seconds"] == pytest.approx(full["step_seconds"], rel=0.01)
 
 

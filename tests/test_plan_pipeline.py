@@ -108,7 +108,9 @@ def _exhaustive(cfg, n, spec):
 def test_search_equals_exhaustive_over_the_pipelined_family():
     # a slow processor (compute dominates) whose memory only the pipelined layouts fit
     spec = mt.plan.device("a100")
-    spec = dataclasses.replace(spec, peak_flops={"float32": 2e8}, memory_bytes=40 * 1024)
+    # (no CUDA context or allocator margin: memory this small is the test's, not a GPU's)
+    spec = dataclasses.replace(spec, peak_flops={"float32": 2e8}, memory_bytes=40 * 1024, memory_margin=0.0,
+                               context_bytes=0)
     every = _exhaustive(SMALL, 2, spec)
     assert len(every) == 2 + 3
     fitting = [e for e in every if e.fits]
@@ -137,7 +139,8 @@ def test_pipeline_bounds_hold_and_the_pruned_search_equals_exhaustive():
     from meshtorch.plan.bounds import REFERENCE_MESH, dims_of, pipeline_bounds
     from meshtorch.plan.space import meshes_for
 
-    spec = dataclasses.replace(mt.plan.device("a100"), peak_flops={"float32": 2e8})  # compute dominates
+    spec = dataclasses.replace(mt.plan.device("a100"), peak_flops={"float32": 2e8},  # compute dominates
+                               memory_margin=0.0, context_bytes=0)  # memory: the peak alone, as below
     step = training_step(SPLIT, 15)
     dims = dims_of(trace(step, mesh=REFERENCE_MESH))
     family = pipeline_layouts(4, dims, 2)

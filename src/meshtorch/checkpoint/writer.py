@@ -265,13 +265,12 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         raise ArgumentError(f"mt.save(background={background!r}) must be True or False")
     keep, step = int(keep), None if step is None else int(step)
     ctx = current()
-    comm, mesh = ctx.comm, ctx.mesh
+    mesh = ctx.mesh
     path = os.fspath(path)
     wait()  # at most one save in flight; an earlier background save's failure raises here
     # processor 0 writes the index and commits, so the temp directory bears its host and process id
     tag = from_rank0(writer_tag(secrets.token_hex(8)))
     tmp = temp_path(path, "tmp", tag)
-    everyone = mesh.axis_names
     error: BaseException | None = None
     digest = torch.zeros(33, dtype=torch.uint8)
     index: dict = {}
@@ -292,6 +291,22 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         _discard(tmp)
         raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
                               "changed") from error
+    try:
+        return _write_and_commit(ctx, path, tmp, tag, entries, index, step, keep, background, digest)
+    except BaseException:
+        # a collective that raised on the way (the launch abandoned, Ctrl-C): no temporary directory
+        # of this process is left behind (the synchronous path has discarded it already when it failed)
+        _discard(tmp)  # (no background writer was started: it owns the directory once started)
+        raise
+
+
+def _write_and_commit(ctx, path: str, tmp: str, tag: str, entries, index: dict, step: int | None, keep: int,
+                      background: bool, digest: torch.Tensor) -> str | None:
+    """The part of :func:`save` after the temporary directory exists: write the slices, then commit
+    (or hand the snapshot to the background writer)."""
+    comm, mesh = ctx.comm, ctx.mesh
+    everyone = mesh.axis_names
+    error: BaseException | None = None
     try:
         mine = {}
         for name, view in entries:

@@ -399,15 +399,19 @@ class Communicator(ABC):
 
         return Handle(finish, work.is_completed)
 
-    # A backend that runs calls asynchronously overrides these; the others run them now.
+    # A backend that runs calls asynchronously overrides these; the others run them now. Either
+    # way the result is unpacked when waited on, so every backend runs the same ops in one order.
     def _start_all_gather(self, flat, axes, group, call, unpack) -> Handle:
-        return gp.done(unpack(self._all_gather(flat, axes, group, 0, call)))
+        out = self._all_gather(flat, axes, group, 0, call)
+        return Handle(lambda: unpack(out))
 
     def _start_reduce_scatter(self, buf, axes, group, op, call, unpack) -> Handle:
-        return gp.done(unpack(self._reduce_scatter(buf, axes, group, 0, op, call)))
+        out = self._reduce_scatter(buf, axes, group, 0, op, call)
+        return Handle(lambda: unpack(out))
 
     def _start_all_reduce(self, flat, axes, group, op, call, unpack) -> Handle:
-        return gp.done(unpack(self._all_reduce(flat, axes, group, op, call)))
+        out = self._all_reduce(flat, axes, group, op, call)
+        return Handle(lambda: unpack(out))
 
     # ------------------------------------------------------ point-to-point
     def _peer(self, kind: str, axis: str, peer: int) -> tuple[tuple[str, ...], tuple[int, ...]]:

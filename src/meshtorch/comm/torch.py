@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from meshtorch.comm.absent import diagnose
 from meshtorch.comm.base import (
     CALL_FIELDS,
     Communicator,
@@ -202,20 +203,26 @@ class TorchCommunicator(Communicator):
         except RuntimeError as e:  # gloo/NCCL timeouts and closed peers are RuntimeErrors
             if isinstance(e, CommError):
                 raise
-            text = str(e)
+            text, site = str(e), user_call_site()
+            hint = ("Every processor of a group must make the same collective calls in the same order; "
+                    "run with check=True to compare call sites")
             if "timed out" in text.lower() or "timeout" in text.lower():
-                why = (f"did not complete within the {self.timeout:g} s timeout: some processor of "
-                       f"the group {list(group)} never joined it" if self.timeout else
-                       f"timed out: some processor of the group {list(group)} never joined it")
+                within = (f"did not complete within the {self.timeout:g} s timeout" if self.timeout
+                          else "timed out")
+                found = diagnose(kind, tuple(axes), site, list(group), self.rank, self.mesh)
+                if found is None or not found[0]:
+                    why = f"{within}: some processor of the group {list(group)} never joined it"
+                else:
+                    why = f"{within}: {found[0]}"
+                    if not found[1]:  # members simply absent: nothing was mismatched
+                        hint = ("If a processor named is only slow (a long computation between two "
+                                "collectives), pass a larger timeout")
             elif "closed" in text.lower() or "reset" in text.lower():
                 why = f"failed because a processor of the group {list(group)} exited or crashed"
             else:
                 why = "failed"
-            raise CommError(
-                f"{kind} over axes {tuple(axes)} called at {user_call_site()} {why} ({text.strip()}). "
-                "Every processor of a group must make the same collective calls in the same order; "
-                "run with check=True to compare call sites"
-            ) from e
+            raise CommError(f"{kind} over axes {tuple(axes)} called at {site} {why} ({text.strip()}). "
+                            f"{hint}") from e
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -348,7 +355,8 @@ class TorchCommunicator(Communicator):
         work = self._run(kind, axes, group, start)
 
         def wait() -> list:
-            self._run(kind, axes, group, work.wait)
+            with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
+                self._run(kind, axes, group, work.wait)
             return finish()
 
         # the work is looked up when asked, not bound now: a bound method would keep the work,

@@ -6,7 +6,9 @@ torch`` each is a process: on one node they are spawned as by
 ``mt.launch(backend="torch")`` (rendezvous through a private file, no open
 port; the first failure stops the others at once); across nodes they are
 started through ``torch.distributed.run`` (torchrun's own machinery), so
-torchrun's multi-node options work unchanged. Either way the script needs no
+torchrun's multi-node options work unchanged; so are they with ``--max-restarts N``
+(torchrun's elastic agent starts every worker again when one fails,
+:mod:`meshtorch.launcher.elastic`). Either way the script needs no
 setup code: ``mt.current()`` already has the mesh, the rules and a
 communicator when it runs, and the workers die with this launcher.
 
@@ -19,18 +21,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import runpy
-import signal
-import socket
 import sys
 import traceback
 from collections.abc import Iterator
-from typing import Any
 
 from meshtorch.comm.base import check_timeout
 from meshtorch.comm.device import threads_device
 from meshtorch.errors import ArgumentError, MeshError, MeshTorchError, ProcessorError
+from meshtorch.launcher.elastic import Nodes, check_max_restarts, run_elastic
 from meshtorch.launcher.failures import RemoteTraceback
 from meshtorch.launcher.lifeline import ENV_LAUNCHER_PID, die_with_launcher
 from meshtorch.launcher.processes import launch_processes
@@ -42,7 +43,6 @@ from meshtorch.launcher.world import (
     ENV_MESH,
     ENV_RULES,
     ENV_TIMEOUT,
-    RENDEZVOUS_MIN_S,
     init_distributed,
     shutdown,
 )
@@ -50,10 +50,6 @@ from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
 _BOOTSTRAP = "from meshtorch.launcher.cli import bootstrap; bootstrap()"
-# torchrun options that only mean something when processes are started
-_MULTI_NODE = ("node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port")
-# torchrun's defaults for its static rendezvous
-_TORCHRUN_MASTER_ADDR, _TORCHRUN_MASTER_PORT = "127.0.0.1", 29500
 
 BACKEND_HELP = (
     "threads (default, as for `meshtorch train` and mt.launch): every processor a thread of this "
@@ -146,6 +142,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--check", action="store_true", help="compare every collective across its group")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help="collective timeout, seconds (> 0)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="when a worker fails, stop the others and start them all again, up to this many "
+                        "times (torchrun's elastic agent; --backend torch); the script continues from its "
+                        "own checkpoint, and TORCHELASTIC_RESTART_COUNT says which start it is (default: 0)")
     p.add_argument("--nnodes", default="1", help="as torchrun: N or MIN:MAX (--backend torch)")
     p.add_argument("--node-rank", type=int, default=None, help="as torchrun (--backend torch)")
     p.add_argument("--rdzv-endpoint", default=None,
@@ -159,26 +159,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cli_launch)
 
 
-def _node_counts(nnodes: str) -> tuple[int, int]:
-    """``--nnodes`` as (min, max): ``"2"`` is (2, 2), ``"1:4"`` is (1, 4)."""
-    lo, sep, hi = nnodes.partition(":")
-    if not (lo.isdigit() and (hi.isdigit() if sep else True)):
-        raise ArgumentError(f"--nnodes {nnodes!r} is not N or MIN:MAX (e.g. --nnodes 2 or --nnodes 1:4)")
-    counts = (int(lo), int(hi) if sep else int(lo))
-    if counts[0] < 1 or counts[0] > counts[1]:
-        raise ArgumentError(f"--nnodes {nnodes!r}: the number of nodes must be at least 1 (and MIN <= MAX "
-                            "in MIN:MAX); pass e.g. --nnodes 1")
-    return counts
-
-
-def _multi_node(a: argparse.Namespace) -> bool:
-    """Whether the processes need torchrun's rendezvous (several nodes, or an endpoint given)."""
-    return (_node_counts(a.nnodes) != (1, 1)
-            or any(getattr(a, f) is not None for f in _MULTI_NODE))
+def _nodes(a: argparse.Namespace) -> Nodes:
+    """torchrun's node options as given to ``meshtorch launch``."""
+    return Nodes(**{f.name: getattr(a, f.name) for f in dataclasses.fields(Nodes)})
 
 
 def _processes_per_node(a: argparse.Namespace, mesh: Mesh) -> int:
-    lo, hi = _node_counts(a.nnodes)
+    lo, hi = _nodes(a).counts
     fixed = lo == hi
     n = a.nproc_per_node
     if n is not None and n < 1:
@@ -192,49 +179,6 @@ def _processes_per_node(a: argparse.Namespace, mesh: Mesh) -> int:
             f"mesh '{mesh}' has {mesh.size} processors but -n {n} x --nnodes {a.nnodes} starts "
             f"{n * lo} processors; make them equal")
     return n
-
-
-def _torchrun_argv(a: argparse.Namespace, n: int) -> list[str]:
-    argv = ["--nnodes", a.nnodes, "--nproc-per-node", str(n), "--max-restarts", "0"]
-    for flag, value in (("--node-rank", a.node_rank), ("--rdzv-endpoint", a.rdzv_endpoint),
-                        ("--rdzv-backend", a.rdzv_backend), ("--rdzv-id", a.rdzv_id),
-                        ("--master-addr", a.master_addr), ("--master-port", a.master_port)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv + ["--no-python", sys.executable, "-c", _BOOTSTRAP, a.script, *a.script_args]
-
-
-def _bind_rendezvous_store(a: argparse.Namespace) -> Any:
-    """On the node that hosts torchrun's static rendezvous (``--master-addr``/``--master-port``,
-    node rank 0), open its store listening on that address only, not on every interface as
-    torchrun would; torchrun's own store then shares this server (both are multi-tenant).
-    Returns the store (keep it alive while torchrun runs), or None where torchrun's rendezvous
-    is not static or is hosted elsewhere."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if a.rdzv_backend not in (None, "static") or a.rdzv_endpoint is not None or (a.node_rank or 0) != 0:
-        return None
-    host = a.master_addr or _TORCHRUN_MASTER_ADDR
-    try:
-        port = int(a.master_port or _TORCHRUN_MASTER_PORT)
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (ValueError, OSError) as e:
-        raise ArgumentError(f"--master-addr {host!r} --master-port {a.master_port!r}: not an address "
-                            f"this node can listen on ({e}); pass this node's address and a free port") from e
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
-        sock.listen(socket.SOMAXCONN)
-    except OSError as e:
-        sock.close()
-        raise ArgumentError(f"cannot listen on --master-addr {host!r} --master-port {port} ({e}); node rank "
-                            "0 hosts the rendezvous: pass one of its own addresses and a free port") from e
-    # the store owns the socket from here on and closes it
-    return dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=RENDEZVOUS_MIN_S),
-                         wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.detach())
 
 
 def _print_processor_traceback(e: ProcessorError) -> None:
@@ -255,12 +199,16 @@ def _cli_launch(a: argparse.Namespace) -> int:
     if not os.path.exists(a.script):
         raise MeshTorchError(f"script {a.script!r} does not exist")
     n = _processes_per_node(a, mesh)
-    multi = _multi_node(a)
-    if a.backend == "threads" and multi:
-        given = [f"--{f.replace('_', '-')}" for f in _MULTI_NODE if getattr(a, f) is not None]
-        raise MeshError(f"{', '.join(given) or '--nnodes'} starts processes on several nodes; "
+    nodes = _nodes(a)
+    restarts = check_max_restarts(a.max_restarts)
+    if a.backend == "threads" and (nodes.multi_node or restarts):
+        if restarts:
+            raise ArgumentError(f"--max-restarts {restarts} restarts the worker processes when one fails; "
+                                "the threads backend's processors are threads of this one process: add "
+                                "--backend torch")
+        raise MeshError(f"{', '.join(nodes.given) or '--nnodes'} starts processes on several nodes; "
                         "add --backend torch")
-    if not multi:
+    if not nodes.multi_node and not restarts:
         try:
             if a.backend == "threads":
                 device = threads_device(a.device, mesh.size)
@@ -273,35 +221,14 @@ def _cli_launch(a: argparse.Namespace) -> int:
             _print_processor_traceback(e)
             raise
         return 0
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
 
-    store = _bind_rendezvous_store(a)
-    # torchrun's workers inherit the environment; this process (a test, a caller of main()) must not
-    # keep it, or a later worker started here would take this process for its launcher
     env = {ENV_MESH: str(mesh), ENV_RULES: str(rules), ENV_CHECK: "1" if a.check else "0",
            ENV_TIMEOUT: str(a.timeout), ENV_LAUNCHER_PID: str(os.getpid()),
            ENV_DEVICE: a.device or "auto"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        torchrun_main(_torchrun_argv(a, n))
+        run_elastic([sys.executable, "-c", _BOOTSTRAP, a.script, *a.script_args], n, env, nodes, restarts)
     except ChildFailedError as e:
         print(e.format_msg(), file=sys.stderr)
         return 1
-    except SignalException as e:
-        # torchrun's agent has stopped the workers; die of the signal, as the one-node launch does
-        print(f"meshtorch launch: stopped by {signal.Signals(e.sigval).name}; the workers were stopped",
-              file=sys.stderr, flush=True)
-        signal.signal(e.sigval, signal.SIG_DFL)
-        signal.raise_signal(e.sigval)
-        raise
-    finally:
-        del store
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return 0

@@ -36,6 +36,8 @@ from meshtorch.mesh import Mesh
 # per communicator, the number of gather_results calls so far: the key that tells one call's
 # exchange from the next, as the fastest thread may start the next before the slowest reads
 _GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# after an interrupt (Ctrl-C), how long the launch waits for its processors to reach a collective and stop
+INTERRUPT_GRACE_S = 10.0
 
 
 def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules,
@@ -94,12 +96,19 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
         if n == 1:
             run(0)
         else:
-            for r in range(n):
-                threading.Thread(target=run, args=(r,), name=f"meshtorch-{r}", daemon=True).start()
+            threads = [threading.Thread(target=run, args=(r,), name=f"meshtorch-{r}", daemon=True)
+                       for r in range(n)]
+            for t in threads:
+                t.start()
             try:
                 running = _wait(hub, n)
             except BaseException:  # e.g. Ctrl-C: the processors stop at their next collective
                 hub.close("the launch was interrupted")
+                # and are waited for: an interpreter that exits while they are inside torch's kernels
+                # can abort ("terminate called without an active exception") instead of exiting
+                deadline = time.monotonic() + INTERRUPT_GRACE_S
+                for t in threads:
+                    t.join(max(0.0, deadline - time.monotonic()))
                 raise
         with hub.cond:  # a snapshot: processors left behind may still finish later
             failures, first = dict(errors), list(order)

@@ -123,7 +123,10 @@ def init_distributed(
         backend = backend or ("nccl" if kind == "cuda" else "gloo")
         if kind == "cuda":
             torch.cuda.set_device(local)
-        kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S))}
+        wait = datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S))
+        kw: dict[str, Any] = {"timeout": wait}
+        if store is None and rank is None:
+            store, rank = _agent_store(wait)
         if store is not None:
             kw.update(store=store, rank=rank, world_size=world)
         dist.init_process_group(backend, **kw)
@@ -135,6 +138,22 @@ def init_distributed(
     ctx = ProcessorContext(TorchCommunicator(mesh, check=check, timeout=timeout, device=here), rules)
     set_process_context(ctx)
     return ctx
+
+
+def _agent_store(timeout: datetime.timedelta) -> tuple[Any, int | None]:
+    """Under torchrun's agent, when its workers share the agent's store (``TORCHELASTIC_USE_AGENT_STORE``),
+    a client of that store under a prefix of this start (``TORCHELASTIC_RESTART_COUNT``), and this
+    process's rank; else ``(None, None)`` (``init_process_group`` reads the environment itself). A static
+    rendezvous keeps one store for every restart of the workers: without the prefix the processes of a
+    restart would read the keys of the start before (rank 0's address, now gone) and fail to connect."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None, None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout)
+    start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/meshtorch/start_{start}", client), int(os.environ["RANK"])
 
 
 def shutdown() -> None:

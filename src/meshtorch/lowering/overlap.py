@@ -11,10 +11,12 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
   *detached leaf*, so autograd accumulates the unreduced local gradient there. A
   post-accumulate-grad hook puts it into a bucket: buckets are cut in reverse order of the
   step's forward reads (the same on every processor: SPMD), per axis group, kind and dtype, up
-  to ``bucket_mb`` (DDP's 25 MB). A full bucket, once every earlier one has gone, launches one
-  asynchronous ``all_reduce`` (data parallel) or ``reduce_scatter`` (FSDP) while backward goes
-  on. A callback queued on the autograd engine waits for them at the end of ``backward()`` and
-  *adds* each result into ``p.grad``, so gradient accumulation over micro-batches stays exact.
+  to ``bucket_mb`` for all-reduces (DDP's 25 MB, the first 1 MB) and ``gather_mb`` for
+  reduce-scatters (about a block's parameters, FSDP2's unit). A full bucket, once every earlier
+  one has gone, launches one asynchronous ``all_reduce`` (data parallel) or ``reduce_scatter``
+  (FSDP) while backward goes on. A callback queued on the autograd engine waits for them at the
+  end of ``backward()`` and *adds* each result into ``p.grad``, so gradient accumulation over
+  micro-batches stays exact.
 - **Forward.** Gathers are grouped per bucket in the order the previous step read them, and the
   next bucket is gathered asynchronously while the current one computes (prefetch).
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
@@ -69,9 +71,11 @@ _on = threading.local()  # this processor's options, while inside overlap()
 
 @dataclass(frozen=True)
 class Options:
-    """How :func:`overlap` runs: the gradient buckets' size in MB (the first one at most 1 MB, as
-    DDP's, so that the first reduction starts early), whether gathered parameters are freed after
-    their forward use (and gathered again for backward), and the size of a grouped gather."""
+    """How :func:`overlap` runs: the size in MB of the buckets of gradients to all-reduce (the
+    first one at most 1 MB, as DDP's, so that the first reduction starts early), whether gathered
+    parameters are freed after their forward use (and gathered again for backward), and the size
+    of a grouped gather, and of a bucket of gradients to reduce-scatter (about a block's
+    parameters, FSDP2's unit)."""
 
     bucket_mb: float = 25.0
     reshard_after_forward: bool = False
@@ -85,8 +89,9 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
     (see :mod:`meshtorch.lowering.overlap`); ``enabled=False`` keeps the per-use path.
 
     Enter it around forward *and* backward of a training step (``meshtorch train`` does).
-    ``bucket_mb``: gradient buckets (DDP's 25 MB); ``gather_mb``: grouped parameter gathers (about
-    a block's parameters, FSDP2's unit: what is alive at once under ``reshard_after_forward``).
+    ``bucket_mb``: buckets of gradients to all-reduce (DDP's 25 MB); ``gather_mb``: grouped
+    parameter gathers and buckets of gradients to reduce-scatter (about a block's parameters,
+    FSDP2's unit: what is alive at once under ``reshard_after_forward``).
 
     Example:
         >>> import meshtorch as mt
@@ -381,17 +386,23 @@ class Runtime:
     callback_missing = False
 
     def _cut_buckets(self) -> None:
-        """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to the cap."""
+        """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
+        gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers)."""
         buckets: list[list[Entry]] = []
-        open_: dict = {}
+        open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
         for e in reversed(self.order):
             key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
-            k = open_.get(key)
-            cap = min(self.bucket_bytes, FIRST_BUCKET) if k == 0 else self.bucket_bytes
-            if k is None or sum(x.nbytes for x in buckets[k]) + e.nbytes > cap and buckets[k]:
-                k = open_[key] = len(buckets)
+            k, size, count = open_.get(key, (None, 0, 0))
+            if e.kind == "all_reduce":
+                cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
+            else:
+                cap = self.gather_bytes
+            if k is None or size + e.nbytes > cap and size:
+                k, size, count = len(buckets), 0, count + 1
                 buckets.append([])
             buckets[k].append(e)
+            open_[key] = (k, size + e.nbytes, count)
             e.bucket = k
         self.buckets, self.launched = buckets, 0
 

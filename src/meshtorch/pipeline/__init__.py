@@ -1,5 +1,5 @@
-"""Pipeline parallelism along a mesh axis (GPipe, 1F1B, PipeDream-2BW, ZB-H1; interleaved
-1F1B as a table for the simulator and the timeline).
+"""Pipeline parallelism along a mesh axis (GPipe, 1F1B, PipeDream-2BW, ZB-H1, and interleaved
+1F1B over virtual stages: several model chunks per stage).
 
 A schedule is data (:mod:`~meshtorch.pipeline.schedule`); the same table
 drives the executor, the simulator (:mod:`~meshtorch.pipeline.simulate`) and

@@ -12,10 +12,22 @@ stage produces earlier, and a valid table cannot deadlock.
 
 A table with weight-gradient actions (``"zb"``) splits the backward: ``B``
 computes only the input gradients (``torch.autograd.grad`` on the stage's
-inputs, keeping the graph) and sends them on; ``W``, later, computes the
-parameters' gradients (``torch.autograd.grad`` on the parameters) and
-accumulates them, as ``torch.distributed.pipelining`` does; a stage that is
-not an ``nn.Module`` gets no weight gradients.
+inputs, keeping the graph and the gradients flowing into the ops the
+parameters feed) and sends them on; ``W``, later, computes the parameters'
+gradients from those kept gradients and accumulates them, as
+``torch.distributed.pipelining`` does (:mod:`~meshtorch.pipeline.split_backward`:
+each part of the backward runs once); a stage that is not an ``nn.Module``
+gets no weight gradients.
+
+With virtual stages (``"interleaved"``, ``v`` model chunks per stage) the
+module is a list (or ``nn.ModuleList``) of this stage's ``v`` chunks, local
+chunk ``k`` being model chunk ``c = k·p + s``. The rules above hold per model
+chunk: chunk ``c`` takes its activation from chunk ``c-1`` (on stage
+``(c-1) mod p``), model chunk 0 takes the micro-batch, the last model chunk
+applies the loss, and gradients go back from ``c+1`` to ``c``. Messages into
+local chunk ``k`` carry their own tags, so a pair of stages that exchanges
+several chunks' activations never confuses them; with one stage (``p = 1``)
+the chunks hand values to each other in memory.
 
 Each micro-batch's loss is divided by the number of micro-batches, so the
 accumulated gradient is that of the mean of the micro-batch losses: for a
@@ -50,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,12 +70,48 @@ import torch
 
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
-from meshtorch.pipeline.schedule import FORWARD, SCHEDULES, WEIGHT, Schedule
+from meshtorch.pipeline.schedule import FORWARD, WEIGHT, Schedule
+from meshtorch.pipeline.split_backward import Kept, input_gradient, weight_gradient
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
 
 # tags keep activations (forward) and gradients (backward) of one pair of stages apart
 FORWARD_TAG, BACKWARD_TAG = 1, 2
+CHUNK_TAGS = 4  # a message into local chunk k has tag kind + 4k (tag 3 is lm.gather_whole's)
+
+
+def chunk_tag(kind: int, chunk: int) -> int:
+    """The tag of a message of ``kind`` (:data:`FORWARD_TAG`, :data:`BACKWARD_TAG`) into the
+    receiver's local chunk ``chunk``; the plain tags for chunk 0.
+
+    Example:
+        >>> chunk_tag(FORWARD_TAG, 0), chunk_tag(BACKWARD_TAG, 1)
+        (1, 6)
+    """
+    return kind + CHUNK_TAGS * chunk
+
+
+def chunks_of(module: Any) -> list:
+    """The model chunks a stage runs: the items of a list, tuple or ``nn.ModuleList``
+    (virtual stages), else ``[module]``.
+
+    Example:
+        >>> import torch
+        >>> len(chunks_of(torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 3))), len(chunks_of(abs))
+        (3, 1)
+    """
+    return list(module) if isinstance(module, (list, tuple, torch.nn.ModuleList)) else [module]
+
+
+def _detached(value: Any) -> Any:
+    """``value`` as :func:`send_value` delivers it: every leaf detached."""
+    def one(x: Any) -> Any:
+        t = local(x)
+        if t is None:
+            return x
+        return MeshTensor(t.detach(), x.shape, x.layout) if isinstance(x, MeshTensor) else t.detach()
+
+    return tuple(map(one, value)) if isinstance(value, tuple) else one(value)
 
 
 def _as_leaf(x: Any) -> Any:
@@ -84,18 +133,6 @@ def _call(module: Callable, value: Any) -> Any:
 
 
 
-def _input_gradient(outs: list, grads: list, inputs: list) -> None:
-    """The split backward's ``B``: the gradient of ``outs`` (given ``grads``) with respect to
-    the stage's floating inputs only, put in their ``.grad`` (what the executor sends back);
-    the graph is retained for the weight gradient."""
-    xs = [local(x) for x in inputs]
-    wanted = [x for x in xs if x is not None and x.requires_grad]
-    if not outs or not wanted:
-        return
-    for x, g in zip(wanted, torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)):
-        x.grad = g
-
-
 def _marked_update(on_update: Callable[[int], None], batch: int) -> None:
     """``on_update(batch)`` marked as the "update" phase: the planner prices it apart from the
     micro-batches (:func:`meshtorch.context.phase`)."""
@@ -107,38 +144,49 @@ class Executor:
 
     Args:
         module: the stage (an ``nn.Module`` or any callable of the previous
-            stage's output, a tuple being unpacked into arguments).
+            stage's output, a tuple being unpacked into arguments); with virtual
+            stages, a list or ``nn.ModuleList`` of this stage's chunks (local
+            chunk ``k`` is model chunk ``k·p + stage``).
         axis: the mesh axis along which stages lie; this processor's
             coordinate on it is its stage.
-        loss_fn: ``loss_fn(output, target)`` on the last stage, a scalar
+        loss_fn: ``loss_fn(output, target)`` on the last model chunk, a scalar
             tensor or MeshTensor (a mean over the micro-batch).
         recompute: activation recomputation (see the module docstring).
     """
 
-    def __init__(self, module: Callable, axis: str, loss_fn: Callable | None, recompute: bool = False):
+    def __init__(self, module: Callable | Sequence[Callable], axis: str, loss_fn: Callable | None,
+                 recompute: bool = False):
         ctx = current()
         if axis not in ctx.mesh.axis_names:
             raise PipelineError(f"the pipeline axis {axis!r} is not an axis of the mesh '{ctx.mesh}'; "
                                 f"add it, e.g. mesh='{axis}:2,...', or pass axis=<one of "
                                 f"{list(ctx.mesh.axis_names)}>")
         self.module = module
+        self.chunks = chunks_of(module)
+        if not self.chunks:
+            raise PipelineError("a stage needs at least one model chunk, got an empty list")
         self.axis = axis
         self.loss_fn = loss_fn
         self.recompute = recompute
         self.stage = ctx.coords[axis]
         self.stages = ctx.mesh.axis_size(axis)
-        # (kind, micro-batch, start, end, weight version) of the last run, in the order executed:
-        # the compute only, after the inputs arrived and before the outputs are sent
+        # (kind, micro-batch, start, end, weight version) of the last run, in the order executed: the
+        # compute only, after the inputs arrived and before the outputs are sent; and each one's local chunk
         self.trace: list[tuple[str, int, float, float, int]] = []
+        self.trace_chunks: list[int] = []
+        # values one chunk hands to another on this same stage (p = 1), by tag, in order
+        self._here: dict[int, deque] = {}
 
-    def _fail(self, what: str, i: int, e: Exception, schedule: Schedule) -> PipelineError:
+    def _fail(self, what: str, i: int, e: Exception, schedule: Schedule, chunk: int = 0) -> PipelineError:
         m = schedule.microbatches
         where = f"micro-batch {i % m} of batch {i // m}" if schedule.batches > 1 else f"micro-batch {i}"
+        if len(self.chunks) > 1:
+            where += f" on its chunk {chunk} (model chunk {chunk * self.stages + self.stage})"
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
                              f"{what} of {where}: {e}")
 
     @contextlib.contextmanager
-    def _errors(self, what: str, i: int, schedule: Schedule):
+    def _errors(self, what: str, i: int, schedule: Schedule, chunk: int = 0):
         """A stage's error as a :class:`PipelineError` naming the stage and micro-batch
         (communication errors pass through: they already name the failed stage)."""
         try:
@@ -146,42 +194,58 @@ class Executor:
         except CommError:
             raise
         except Exception as e:
-            raise self._fail(what, i, e, schedule) from e
+            raise self._fail(what, i, e, schedule, chunk) from e
+
+    def _send(self, comm, value: Any, chunk: int, kind: int) -> None:
+        """Send ``value`` (``kind``: forward or backward) to model chunk ``chunk``."""
+        dst, tag = chunk % self.stages, chunk_tag(kind, chunk // self.stages)
+        if dst == self.stage:
+            self._here.setdefault(tag, deque()).append(_detached(value))
+        else:
+            send_value(comm, value, self.axis, dst, tag)
+
+    def _recv(self, comm, chunk: int, mine: int, kind: int) -> Any:
+        """Receive the value of ``kind`` model chunk ``chunk`` sends to this stage's model chunk ``mine``."""
+        src, tag = chunk % self.stages, chunk_tag(kind, mine // self.stages)
+        if src == self.stage:
+            return self._here[tag].popleft()
+        return recv_value(comm, self.axis, src, tag)
+
+    def _check(self, schedule: Schedule) -> None:
+        v = len(self.chunks)
+        if schedule.virtual_stages != v:
+            raise PipelineError(f"schedule {schedule.name!r} has {schedule.virtual_stages} model chunk(s) "
+                                f"per stage but stage {self.stage} holds {v}; pass a list of "
+                                f"{schedule.virtual_stages} chunks (local chunk k = model chunk k·p + stage) "
+                                f"or build the table with virtual_stages={v}")
+        if schedule.stages != self.stages:
+            raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
+                                f"{self.axis!r} has {self.stages} processors")
 
     def _evaluate(self, schedule: Schedule, inputs, targets) -> Any:
         comm = current().comm
         s, m = self.stage, schedule.microbatches
-        first, last = s == 0, s == self.stages - 1
+        n = self.stages * len(self.chunks)
+        holds_last = s == (n - 1) % self.stages
         totals: list[torch.Tensor | None] = [None] * schedule.batches
+        self._here = {}
         for a in schedule.for_stage(s):
             if a.kind != FORWARD:
                 continue
-            i = a.microbatch
-            inp = inputs[i] if first else recv_value(comm, self.axis, s - 1, FORWARD_TAG)
-            with self._errors("forward", i, schedule):
-                out = self._forward(inp, targets[i] if last else None, last)
+            i, c = a.microbatch, schedule.model_chunk(a)
+            last = c == n - 1
+            inp = inputs[i] if c == 0 else self._recv(comm, c - 1, c, FORWARD_TAG)
+            with self._errors("forward", i, schedule, a.chunk):
+                out = self._forward(self.chunks[a.chunk], inp, targets[i] if last else None, last)
             if last:
                 _add(totals, schedule.batch_of(i), local(out).detach().reshape(()) / m)
             else:
-                send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
+                self._send(comm, out, c + 1, FORWARD_TAG)
         comm.wait_sends()
-        return torch.stack(totals) if last else None
+        return torch.stack(totals) if holds_last else None
 
-    def _weight_gradient(self, outs: list, grads: list) -> None:
-        """The split backward's ``W``: the gradient of ``outs`` with respect to the stage's
-        parameters (``torch.autograd.grad``, as ``torch.distributed.pipelining`` does),
-        accumulated in their ``.grad``; frees the micro-batch's graph."""
-        module = self.module
-        params = [p for p in module.parameters() if p.requires_grad] if isinstance(module, torch.nn.Module) \
-            else []
-        if not outs or not params:
-            return
-        for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
-
-    def _forward(self, inp: Any, target: Any, last: bool) -> Any:
-        out = _call(self.module, inp)
+    def _forward(self, module: Callable, inp: Any, target: Any, last: bool) -> Any:
+        out = _call(module, inp)
         if not last:
             return out
         if self.loss_fn is None:
@@ -191,9 +255,10 @@ class Executor:
     def run(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
             train: bool = True, on_update: Callable[[int], None] | None = None,
             bind: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """Run this stage's actions; ``inputs`` (stage 0) and ``targets`` (last stage)
-        are per micro-batch of the table (``batches × microbatches`` of them).
-        Gradients accumulate in the stage's parameters.
+        """Run this stage's actions; ``inputs`` (stage 0, which holds model chunk 0) and
+        ``targets`` (the last stage, which holds the last model chunk) are per micro-batch
+        of the table (``batches × microbatches`` of them). Gradients accumulate in the
+        chunks' parameters.
 
         Returns, on the last stage, the mean micro-batch loss of each batch (a
         detached 1-D tensor), ``None`` elsewhere. ``bind(version)`` runs before each
@@ -203,67 +268,65 @@ class Executor:
         every stage, so it may call collectives over the stages), or after the
         last action. ``train=False`` runs only the forwards, without gradients
         (evaluation)."""
+        self._check(schedule)
         if not train:
             with torch.no_grad():
                 return self._evaluate(schedule, inputs, targets)
-        if schedule.virtual_stages > 1:
-            raise PipelineError(f"the executor runs one model chunk per stage ({SCHEDULES}); schedule "
-                                f"{schedule.name!r} ({schedule.virtual_stages} chunks per stage) is for "
-                                "simulate() and plot.timeline() only")
-        if schedule.stages != self.stages:
-            raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
-                                f"{self.axis!r} has {self.stages} processors")
         comm = current().comm
         s, m, nb = self.stage, schedule.microbatches, schedule.batches
-        first, last = s == 0, s == self.stages - 1
-        for name, seq in (("inputs", inputs if first else None), ("targets", targets if last else None)):
+        n = self.stages * len(self.chunks)  # model chunks
+        first, holds_last = s == 0, s == (n - 1) % self.stages
+        given = (("inputs", inputs if first else None), ("targets", targets if holds_last else None))
+        for name, seq in given:
             if seq is not None and len(seq) != m * nb:
                 raise PipelineError(f"stage {s}: {len(seq)} micro-batch {name} for {nb} batch(es) of {m} "
                                     "micro-batches")
         updates = [schedule.update_slot(b) for b in range(nb)]
         update = None if on_update is None else functools.partial(_marked_update, on_update)
         done = 0  # batches whose update ran
-        stash: dict[int, tuple] = {}
         split = schedule.split_backward
-        pending: dict[int, tuple[list, list]] = {}  # micro-batch -> (outputs, their gradients) for its W
+        # (local chunk, micro-batch) -> the forward's stash; -> (outputs, their gradients) for its W
+        stash: dict[tuple[int, int], tuple] = {}
+        pending: dict[tuple[int, int], Kept] = {}
         totals: list[torch.Tensor | None] = [None] * nb
-        self.trace = []
+        self.trace, self.trace_chunks = [], []
+        self._here = {}
         for a in schedule.for_stage(s):
             while update is not None and done < nb and updates[done] <= a.slot:
                 update(done)
                 done += 1
             if bind is not None:
                 bind(a.version)
-            i = a.microbatch
+            i, k, c = a.microbatch, a.chunk, schedule.model_chunk(a)
+            module, start, last = self.chunks[k], c == 0, c == n - 1
             if a.kind == FORWARD:
-                inp = inputs[i] if first else recv_value(comm, self.axis, s - 1, FORWARD_TAG)
-                inp = inp if first else tuple(map(_as_leaf, inp)) if isinstance(inp, tuple) else _as_leaf(inp)
+                inp = inputs[i] if start else self._recv(comm, c - 1, c, FORWARD_TAG)
+                inp = inp if start else tuple(map(_as_leaf, inp)) if isinstance(inp, tuple) else _as_leaf(inp)
                 t0 = time.perf_counter()
                 target = targets[i] if last and targets is not None else None
                 rng = (torch.get_rng_state(), current().random_calls)
-                with self._errors("forward", i, schedule), \
+                with self._errors("forward", i, schedule, k), \
                         torch.no_grad() if self.recompute else torch.enable_grad():
-                    out = self._forward(inp, target, last)
+                    out = self._forward(module, inp, target, last)
                 t1 = time.perf_counter()
                 if not last:
-                    send_value(comm, out, self.axis, s + 1, FORWARD_TAG)
-                stash[i] = (inp, target, rng, None if self.recompute else out)
+                    self._send(comm, out, c + 1, FORWARD_TAG)
+                stash[k, i] = (inp, target, rng, None if self.recompute else out)
             elif a.kind == WEIGHT:
-                outs, grads = pending.pop(i)
                 t0 = time.perf_counter()
-                with self._errors("weight gradient", i, schedule):
-                    self._weight_gradient(outs, grads)
+                with self._errors("weight gradient", i, schedule, k):
+                    weight_gradient(pending.pop((k, i)))
                 t1 = time.perf_counter()
             else:
-                inp, target, rng, out = stash.pop(i)
-                grads = None if last else recv_value(comm, self.axis, s + 1, BACKWARD_TAG)
+                inp, target, rng, out = stash.pop((k, i))
+                grads = None if last else self._recv(comm, c + 1, c, BACKWARD_TAG)
                 t0 = time.perf_counter()
-                with self._errors("backward", i, schedule):
+                with self._errors("backward", i, schedule, k):
                     if out is None:  # recompute: the same random numbers as the first forward
                         saved = (torch.get_rng_state(), current().random_calls)
                         torch.set_rng_state(rng[0])
                         current().random_calls = rng[1]
-                        out = self._forward(inp, target, last)
+                        out = self._forward(module, inp, target, last)
                         torch.set_rng_state(saved[0])
                         current().random_calls = saved[1]
                     if last:
@@ -275,20 +338,21 @@ class Executor:
                                  if g is not None and local(o) is not None and local(o).requires_grad]
                     outs, out_grads = [o for o, _ in pairs], [g for _, g in pairs]
                     if split:  # B: the input gradient only; the graph stays for this micro-batch's W
-                        _input_gradient(outs, out_grads, [] if first else leaves(inp))
-                        pending[i] = (outs, out_grads)
+                        params = list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+                        pending[k, i] = input_gradient(outs, out_grads, [] if start else
+                                                       [local(x) for x in leaves(inp)], params)
                     elif pairs:
                         torch.autograd.backward(outs, out_grads)
                 t1 = time.perf_counter()
-                if not first:
+                if not start:
                     in_grads = tuple(None if local(x) is None else local(x).grad for x in leaves(inp))
-                    send_value(comm, in_grads if isinstance(inp, tuple) else in_grads[0], self.axis, s - 1,
-                               BACKWARD_TAG)
+                    self._send(comm, in_grads if isinstance(inp, tuple) else in_grads[0], c - 1, BACKWARD_TAG)
             self.trace.append((a.kind, i, t0, t1, a.version))
+            self.trace_chunks.append(k)
         comm.wait_sends()
         while update is not None and done < nb:
             update(done)
             done += 1
-        if not last:
+        if not holds_last:
             return None
         return torch.stack([t.reshape(()) for t in totals])

@@ -10,9 +10,14 @@ the unsplit model. Activations are MeshTensors ``[batch, length, d_model]``
 laid out by the global rules, which need not mention the pipeline axis.
 
 With tied embeddings the table lives on the first and the last stage; after
-the backward, :meth:`LMStage.sync_tied` sums its gradient over the pipeline
+the backward, :func:`sync_tied` sums its gradient over the pipeline
 axis (other stages contribute zeros), so both copies get the unsplit
 model's gradient and stay equal.
+
+With ``virtual_stages=v`` the blocks are cut into ``p·v`` model chunks (an
+:class:`LMStage` each) and stage ``s`` holds chunks ``s, s+p, ...`` (the
+interleaved schedule): stage 0 still embeds (chunk 0) and the last stage
+still ends in the output projection (chunk ``p·v - 1``).
 
 Example:
     >>> import torch, meshtorch as mt
@@ -40,6 +45,7 @@ from meshtorch.models import DecoderLM, TransformerConfig
 from meshtorch.models.layers import LENGTH, MEMORY, rotary_tables
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
+from meshtorch.pipeline.executor import chunks_of
 from meshtorch.pipeline.pipeline import OptimizerFactory, Pipeline
 from meshtorch.pipeline.transport import local, recv_value, send_value
 from meshtorch.shape import Dim
@@ -120,17 +126,41 @@ class LMStage(torch.nn.Module):
             x = self.table.attend(h) if cfg.tie_embeddings else self.head(h)
         return x
 
+    def tied_table(self) -> torch.nn.Parameter | None:
+        """The tied embedding table if this chunk holds it (the first or the last), else None."""
+        if not self.cfg.tie_embeddings:
+            return None
+        return next(self.embed.parameters()) if self.first else \
+            next(self.table.parameters()) if self.last else None
+
     def sync_tied(self, axis: str) -> None:
         """Sum the tied embedding table's gradient over ``axis`` (every stage calls it)."""
-        if not self.cfg.tie_embeddings:
-            return
-        table = next(self.embed.parameters()) if self.first else \
-            next(self.table.parameters()) if self.last else None
-        g = table.grad if table is not None and table.grad is not None else \
-            torch.zeros(self._table_slice, device=current().device)
-        total = current().comm.all_reduce(g, axis)
-        if table is not None:
-            table.grad = total
+        sync_tied(self, axis)
+
+
+def sync_tied(module: LMStage | torch.nn.ModuleList, axis: str) -> None:
+    """Sum the tied embedding table's gradient over ``axis``: every stage calls it with its
+    :class:`LMStage` or its chunks (one table on a stage, however many of its chunks hold it)."""
+    chunks = chunks_of(module)
+    if not chunks[0].cfg.tie_embeddings:
+        return
+    table = next((t for t in (c.tied_table() for c in chunks) if t is not None), None)
+    g = table.grad if table is not None and table.grad is not None else \
+        torch.zeros(chunks[0]._table_slice, device=current().device)
+    total = current().comm.all_reduce(g, axis)
+    if table is not None:
+        table.grad = total
+
+
+def named_model_parameters(module: LMStage | torch.nn.ModuleList):
+    """``(name in the unsplit DecoderLM, parameter)`` of a stage's :class:`LMStage` or chunks
+    (a parameter two chunks share, the tied table, once)."""
+    seen: set[int] = set()
+    for chunk in chunks_of(module):
+        for name, p in chunk.named_model_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
 
 
 def lm_loss(logits: MeshTensor, targets: MeshTensor) -> MeshTensor:
@@ -140,37 +170,45 @@ def lm_loss(logits: MeshTensor, targets: MeshTensor) -> MeshTensor:
 
 def lm_pipeline(cfg: TransformerConfig, *, seed: int = 0, axis: str = "stage", microbatches: int = 4,
                 schedule: str = "1f1b", optimizer: OptimizerFactory | None = None,
-                recompute: bool = False, model: DecoderLM | None = None) -> Pipeline:
+                recompute: bool = False, model: DecoderLM | None = None, virtual_stages: int = 1) -> Pipeline:
     """A :class:`Pipeline` of the decoder LM of ``cfg`` (parameters from ``seed``, or the
     stage's share of ``model``'s own parameters) with one stage per processor along
-    ``axis``; ``step(ids, targets)`` trains it."""
+    ``axis`` (``virtual_stages`` model chunks each, for ``schedule="interleaved"``);
+    ``step(ids, targets)`` trains it."""
     stages = current().mesh.axis_size(axis) if axis in current().mesh.axis_names else 0
     if stages < 1:
         raise PipelineError(f"the pipeline axis {axis!r} is not an axis of the mesh '{current().mesh}'")
+    chunks = stages * virtual_stages
+    layer_ranges(cfg.layers, chunks)  # too few layers: say so before any chunk is built
+    whole = model if model is not None else DecoderLM(cfg, seed=seed)  # one model, shared by the chunks
 
-    def build(i: int) -> LMStage:
-        return LMStage(model if model is not None else DecoderLM(cfg, seed=seed), i, stages)
+    def build(c: int) -> LMStage:
+        return LMStage(whole, c, chunks)
 
     pipe = Pipeline(build, axis=axis, microbatches=microbatches, schedule=schedule, loss_fn=lm_loss,
-                    optimizer=optimizer, recompute=recompute)
-    pipe.after_backward = lambda: pipe.module.sync_tied(axis)
+                    optimizer=optimizer, recompute=recompute, virtual_stages=virtual_stages)
+    pipe.after_backward = lambda: sync_tied(pipe.module, axis)
     return pipe
 
 
-def owner_stage(name: str, cfg: TransformerConfig, stages: int) -> int:
+def owner_stage(name: str, cfg: TransformerConfig, stages: int, virtual_stages: int = 1) -> int:
     """The stage that holds parameter ``name`` of the unsplit :class:`DecoderLM` (the
-    first one for the tied table, which the last stage holds too).
+    first one for the tied table, which the last stage holds too); with ``virtual_stages``
+    the stage of the model chunk that holds it (chunk ``c`` on stage ``c mod stages``).
 
     Example:
         >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=3)
         >>> [owner_stage(n, cfg, 2) for n in ("embed.table", "decoder.blocks.2.mlp.wi.kernel",
         ...                                   "decoder.ln_f.weight")]
         [0, 1, 1]
+        >>> owner_stage("decoder.blocks.2.mlp.wi.kernel", TransformerConfig(layers=4), 2, virtual_stages=2)
+        0
     """
     parts = name.split(".")
     if parts[:2] == ["decoder", "blocks"]:
         layer = int(parts[2])
-        return next(s for s, r in enumerate(layer_ranges(cfg.layers, stages)) if layer in r)
+        chunk = next(c for c, r in enumerate(layer_ranges(cfg.layers, stages * virtual_stages)) if layer in r)
+        return chunk % stages
     if parts[0] == "embed" or parts[:2] == ["decoder", "pos"]:
         return 0
     return stages - 1
@@ -191,7 +229,7 @@ def gather_whole(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimi
     _gather(pipe, model, optimizer, None)
     if previous is not None and pipe.schedule.name == "2bw":
         _, prev = pipe.weight_versions()
-        _gather(pipe, previous, None, {n: w for (n, _), w in zip(pipe.module.named_model_parameters(), prev,
+        _gather(pipe, previous, None, {n: w for (n, _), w in zip(named_model_parameters(pipe.module), prev,
                                                                  strict=True)})
 
 
@@ -200,7 +238,7 @@ def restore_previous(pipe: Pipeline, previous: DecoderLM) -> None:
     checkpoint that :func:`gather_whole` filled) this stage's previous 2BW weight
     version; call it after setting ``pipe.batches_trained``. A no-op for the other schedules."""
     whole = dict(previous.named_parameters())
-    pipe.set_weight_versions([whole[n].detach() for n, _ in pipe.module.named_model_parameters()])
+    pipe.set_weight_versions([whole[n].detach() for n, _ in named_model_parameters(pipe.module)])
 
 
 def _gather(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer | None,
@@ -211,7 +249,7 @@ def _gather(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer |
     me, p = pipe.stage, pipe.num_stages
     tag = 3  # apart from the executor's activation (1) and gradient (2) tags
     for name, param in model.named_parameters():
-        src = owner_stage(name, model.cfg, p)
+        src = owner_stage(name, model.cfg, p, pipe.virtual_stages)
         state = optimizer.state.get(param, {}) if optimizer is not None else {}
         if me == src and values is not None:
             with torch.no_grad():
@@ -240,5 +278,5 @@ def _gather(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer |
     comm.wait_sends()
 
 
-__all__ = ["LMStage", "gather_whole", "layer_ranges", "lm_loss", "lm_pipeline", "owner_stage",
-           "restore_previous"]
+__all__ = ["LMStage", "gather_whole", "layer_ranges", "lm_loss", "lm_pipeline", "named_model_parameters",
+           "owner_stage", "restore_previous", "sync_tied"]

@@ -10,11 +10,12 @@ processors of a stage written with MeshTensors (the layout rules, which
 never mention the pipeline axis, split its dims; its collectives already
 produce the right gradients). So the mesh ``stage:4,b:2`` is 3-D parallelism.
 
-Schedules (``schedule=``): ``"gpipe"``, ``"1f1b"`` and ``"zb"`` (ZB-H1: the
-backward split into the input gradient and the deferred weight gradient) are
-synchronous: after a step, the parameters are those of training the unsplit
-model on the whole batch (the loss being a mean over each micro-batch, all of
-equal size).
+Schedules (``schedule=``): ``"gpipe"``, ``"1f1b"``, ``"zb"`` (ZB-H1: the
+backward split into the input gradient and the deferred weight gradient) and
+``"interleaved"`` (interleaved 1F1B: ``virtual_stages=v`` model chunks per
+stage, chunk ``c`` on stage ``c mod p``) are synchronous: after a step, the
+parameters are those of training the unsplit model on the whole batch (the
+loss being a mean over each micro-batch, all of equal size).
 ``"2bw"`` is PipeDream-2BW (Narayanan et al., ICML 2021): each stage keeps
 two weight versions; the gradient of batch ``t``, coalesced over its ``m``
 micro-batches, is computed with the weights of one step before and applied
@@ -104,6 +105,7 @@ def split_microbatches(value: Any, m: int, batch_dim: str = "batch") -> list[Any
 
 
 def _stage_modules(stages, placement) -> Callable[[int], Any]:
+    """Model chunk ``i`` (stage ``i`` without virtual stages) of what :class:`Pipeline` was given."""
     if placement is not None:
         if not isinstance(stages, torch.nn.Module):
             raise PipelineError("with a placement, pass the whole module (traced or traceable by torch.fx)")
@@ -113,7 +115,7 @@ def _stage_modules(stages, placement) -> Callable[[int], Any]:
         parts = split(gm, placement)
         return lambda i: getattr(parts, f"submod_{i}")
     if callable(stages) and not isinstance(stages, (torch.nn.Module, Sequence)):
-        return stages  # a factory: build only this processor's stage
+        return stages  # a factory: build only this processor's stage (its chunks)
     if isinstance(stages, Sequence):
         return lambda i: stages[i]
     raise PipelineError("stages must be a sequence of modules (one per stage), a function of the stage "
@@ -124,6 +126,21 @@ def _num_stages(stages, placement) -> int | None:
     if placement is not None:
         return len(placement.stages)
     return len(stages) if isinstance(stages, Sequence) else None
+
+
+def stage_chunks(build: Callable[[int], Any], stage: int, stages: int, virtual_stages: int = 1) -> Any:
+    """What stage ``stage`` of ``stages`` runs: model chunk ``stage`` of ``build``, or with
+    ``virtual_stages`` v > 1 its chunks ``stage, stage + p, ..., stage + (v-1)p`` (model chunk
+    ``c`` on stage ``c mod p``) as an ``nn.ModuleList`` (a list if they are not modules).
+
+    Example:
+        >>> stage_chunks(lambda c: c, 1, 2, 3)
+        [1, 3, 5]
+    """
+    if virtual_stages == 1:
+        return build(stage)
+    chunks = [build(k * stages + stage) for k in range(virtual_stages)]
+    return torch.nn.ModuleList(chunks) if all(isinstance(c, torch.nn.Module) for c in chunks) else chunks
 
 
 class Pipeline:
@@ -139,7 +156,12 @@ class Pipeline:
         placement: see ``stages``.
         axis: the mesh axis the stages lie along (its size = number of stages).
         microbatches: ``m``, micro-batches per batch.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"`` or ``"zb"`` (module docstring).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"``, ``"zb"`` or ``"interleaved"``
+            (module docstring).
+        virtual_stages: ``v`` model chunks per stage (``"interleaved"``): ``stages``
+            then holds ``p·v`` model chunks (a sequence, or a function of the model chunk
+            index) and model chunk ``c`` runs on stage ``c mod p``; :attr:`module` is the
+            stage's ``nn.ModuleList`` of its ``v`` chunks.
         loss_fn: ``loss_fn(last_stage_output, target)``: a scalar mean over the
             micro-batch (tensor or MeshTensor).
         optimizer: ``params -> torch.optim.Optimizer`` for this stage's
@@ -156,7 +178,7 @@ class Pipeline:
                  placement: Any = None, *, axis: str = "stage", microbatches: int = 1,
                  schedule: str = "1f1b", loss_fn: Callable | None = None,
                  optimizer: OptimizerFactory | None = None, recompute: bool = False,
-                 data_axes: str | Sequence[str] = "auto", batch_dim: str = "batch"):
+                 data_axes: str | Sequence[str] = "auto", batch_dim: str = "batch", virtual_stages: int = 1):
         ctx = current()
         if schedule not in SCHEDULES:
             raise PipelineError(f"schedule {schedule!r} is not one of {SCHEDULES}")
@@ -164,15 +186,18 @@ class Pipeline:
             raise PipelineError(f"the pipeline axis {axis!r} is not an axis of the mesh '{ctx.mesh}'; "
                                 f"use a mesh like '{axis}:2,...' or pass axis=<one of "
                                 f"{list(ctx.mesh.axis_names)}>")
-        p = ctx.mesh.axis_size(axis)
+        p, v = ctx.mesh.axis_size(axis), virtual_stages
         n = _num_stages(stages, placement)
-        if n is not None and n != p:
-            raise PipelineError(f"{n} stages but axis {axis!r} has {p} processors; split the model into {p} "
-                                f"stages or use a mesh with '{axis}:{n}'")
+        if n is not None and n != p * v:
+            chunks = f" × {v} virtual stages" if v > 1 else ""
+            raise PipelineError(f"{n} stages but axis {axis!r} has {p} processors{chunks}; split the model "
+                                f"into {p * v} {'chunks' if v > 1 else 'stages'} or use a mesh with "
+                                f"'{axis}:{n // v if n % v == 0 else n}'")
         self.axis, self.stage, self.num_stages = axis, ctx.coords[axis], p
-        self.schedule: Schedule = build_schedule(schedule, p, microbatches)
+        self.schedule: Schedule = build_schedule(schedule, p, microbatches, virtual_stages=v)
+        self.virtual_stages = v
         self.microbatches, self.batch_dim = microbatches, batch_dim
-        self.module = _stage_modules(stages, placement)(self.stage)
+        self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v)
         self.executor = Executor(self.module, axis, loss_fn, recompute)
         others = tuple(a for a in ctx.mesh.axis_names if a != axis)
         self.data_axes = others if data_axes == "auto" else (data_axes,) if isinstance(data_axes, str) \
@@ -335,7 +360,7 @@ class Pipeline:
             return self.schedule
         if batches not in self._tables:
             self._tables[batches] = build_schedule(self.schedule.name, self.num_stages, self.microbatches,
-                                                   batches)
+                                                   batches, self.virtual_stages)
         return self._tables[batches]
 
     def _make_aliases(self) -> None:

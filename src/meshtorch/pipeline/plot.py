@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import textwrap
+
 from meshtorch.errors import PipelineError
 from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Schedule
 from meshtorch.pipeline.simulate import Simulation
@@ -22,11 +24,12 @@ COLORS = {FORWARD: (0.30, 0.45, 0.69), BACKWARD: (0.87, 0.52, 0.32), WEIGHT: (0.
 
 
 def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None,
-             title: str | None = None) -> str:
+             title: str | None = None, xlabel: str | None = None) -> str:
     """Draw one row per stage, one box per action (forward blue, backward orange,
     weight gradient green; later chunks of a stage in darker shades), labelled with
     the micro-batch (and ``.chunk`` with virtual stages), in unit slots or, given
-    ``simulation``, in its predicted seconds; write a PNG to ``path`` and return ``path``.
+    ``simulation``, in its predicted seconds (or measured ones, put in a :class:`Simulation`'s
+    ``start``/``end``: then say so with ``xlabel``); write a PNG to ``path`` and return ``path``.
 
     Raises:
         PipelineError: matplotlib is not installed.
@@ -39,7 +42,8 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
     except ImportError as e:
         raise PipelineError("the pipeline timeline needs matplotlib: pip install 'meshtorch[plot]'") from e
     v = schedule.virtual_stages
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * schedule.slots), 0.6 * schedule.stages + 1.2))
+    width = max(6.0, 0.35 * schedule.slots)
+    fig, ax = plt.subplots(figsize=(width, 0.6 * schedule.stages + 1.4))
     for a in schedule.actions:
         if simulation is None:
             x0, w = float(a.slot), 1.0
@@ -54,13 +58,15 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
     ax.set_yticks(range(schedule.stages))
     ax.set_yticklabels([f"stage {s}" for s in range(schedule.stages)])
     ax.invert_yaxis()
-    ax.set_xlabel("time slot" if simulation is None else "seconds (simulated)")
+    ax.set_xlabel(xlabel or ("time slot" if simulation is None else "seconds (simulated)"))
     bubble = schedule.bubble_fraction() if simulation is None else simulation.bubble_fraction
     chunks = f" × {v} chunks" if v > 1 else ""
     kinds = "blue forward, orange input gradient, green weight gradient" if schedule.split_backward \
         else "blue forward, orange backward"
-    ax.set_title(title or f"{schedule.name}: {schedule.stages} stages{chunks} × {schedule.microbatches} "
-                 f"micro-batches, bubble {bubble:.1%} ({kinds})", fontsize=9)
+    text = title or (f"{schedule.name}: {schedule.stages} stages{chunks} × {schedule.microbatches} "
+                     f"micro-batches, bubble {bubble:.1%} ({kinds})")
+    # about 12 characters of 9-point text per inch (with the margins): a long title wraps
+    ax.set_title("\n".join(textwrap.wrap(text, int(12 * width))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

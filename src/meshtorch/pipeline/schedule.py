@@ -62,9 +62,8 @@ Schedules:
   with its backward ``B + W`` (a third of the idle time). The simulator gives
   ``(p-1)(F+B-W)`` idle seconds per stage for ``W <= min(F, B)`` (the paper's).
 
-The executor runs ``gpipe``, ``1f1b``, ``2bw`` and ``zb`` (:data:`SCHEDULES`);
-the interleaved tables (:data:`TABLES`) drive only the simulator and the
-timeline so far.
+The executor runs every one of them (:data:`SCHEDULES`), the interleaved one
+with ``v`` model chunks per stage.
 
 Slots come from unit-time list scheduling of each stage's order under the
 dependencies, so for uniform stages the bubble fraction of one batch is
@@ -93,8 +92,8 @@ from dataclasses import dataclass
 
 from meshtorch.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")  # the executor runs these
-TABLES = SCHEDULES + ("interleaved",)  # tables the simulator and the timeline take too
+SCHEDULES = ("gpipe", "1f1b", "2bw", "zb", "interleaved")  # the executor runs these
+TABLES = SCHEDULES  # the tables the simulator and the timeline take: the same ones
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 Key = tuple[int, int, str, int]  # (stage, local chunk, kind, micro-batch)

@@ -46,6 +46,7 @@ import torch
 
 from meshtorch.context import processor_device
 from meshtorch.errors import PlanError
+from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION, usable_bytes
 from meshtorch.plan.cost import collective_seconds
 
 GiB = 2 ** 30
@@ -75,6 +76,11 @@ class DeviceSpec:
     :func:`~meshtorch.plan.kernels.matmul_efficiency` at the product's shape (``matmul_knee``);
     fused attention runs at ``attention_efficiency`` of the peak. ``copy_bandwidth`` is what a
     device-to-device copy reaches, bytes read and written per second (0: ``memory_bandwidth``).
+
+    A GPU's memory is held by torch's caching allocator (:mod:`meshtorch.plan.allocator`): a
+    step's allocated peak plus ``memory_margin`` of it (fragmentation) plus ``context_bytes``
+    (the CUDA context) must fit ``memory_bytes``; :attr:`usable_memory` is the most the
+    allocated peak may be. Both are 0 on a CPU, whose plans compare the peak with the memory.
     """
 
     name: str
@@ -90,6 +96,15 @@ class DeviceSpec:
     copy_bandwidth: float = 0.0
     matmul_knee: float = 0.0
     attention_efficiency: float = 0.0
+    memory_margin: float = 0.0
+    context_bytes: int = 0
+
+    @property
+    def usable_memory(self) -> int:
+        """The most a step's allocated peak may be on this device: its memory less the CUDA
+        context, over 1 + the allocator's fragmentation margin
+        (:func:`~meshtorch.plan.allocator.usable_bytes`)."""
+        return usable_bytes(self.memory_bytes, self.memory_margin, self.context_bytes)
 
     @property
     def roofline(self) -> bool:
@@ -137,6 +152,9 @@ class DeviceSpec:
 # and a host sync (cudaStreamSynchronize and a 4-byte copy back) of ~15 us are typical of
 # CUDA 12 on H100s; the host's ~8 us an aten op is eager PyTorch's dispatch from Python.
 KERNEL_FIELDS = ("launch_seconds", "sync_seconds", "copy_bandwidth", "matmul_knee", "attention_efficiency")
+# A GPU's memory as its caching allocator holds it (plan/allocator.py; assumptions stated there)
+MEMORY_FIELDS = ("memory_margin", "context_bytes")
+GPU_MEMORY: dict[str, float] = {"memory_margin": FRAGMENTATION, "context_bytes": CUDA_CONTEXT_BYTES}
 H100_KERNELS: dict[str, float] = {
     "achievable": 745 / 989, "copy_bandwidth": 3.0e12, "matmul_knee": 24.0,
     "attention_efficiency": 0.25, "launch_seconds": 3e-6, "sync_seconds": 15e-6, "op_seconds": 8e-6}
@@ -150,10 +168,11 @@ def _spec(name, bf16, fp32, mem, hbm, bw, lat) -> DeviceSpec:
 DEVICES: dict[str, DeviceSpec] = {
     "tpu-v2": _spec("tpu-v2", 22.5e12, 22.5e12, 8 * GiB, 350e9, 62e9, 2e-6),
     "tpu-v3": _spec("tpu-v3", 61.5e12, 61.5e12, 16 * GiB, 450e9, 82e9, 2e-6),
-    "a100": _spec("a100", 312e12, 19.5e12, 80 * 10 ** 9, 2.0e12, 300e9, 5e-6),
+    "a100": dataclasses.replace(_spec("a100", 312e12, 19.5e12, 80 * 10 ** 9, 2.0e12, 300e9, 5e-6),
+                                **GPU_MEMORY),
     "h100": dataclasses.replace(
         _spec("h100", 989e12, 67e12, 80 * 10 ** 9, 3.35e12, 450e9, 5e-6),
-        **H100_KERNELS),
+        **H100_KERNELS, **GPU_MEMORY),
 }
 
 
@@ -462,7 +481,7 @@ def spec_to_json(spec: DeviceSpec) -> dict[str, Any]:
     return {"name": spec.name, "peak_flops": dict(spec.peak_flops), "memory_bytes": spec.memory_bytes,
             "memory_bandwidth": spec.memory_bandwidth, "achievable": spec.achievable,
             "op_seconds": spec.op_seconds, "link": dataclasses.asdict(spec.default_link),
-            **{k: getattr(spec, k) for k in KERNEL_FIELDS},
+            **{k: getattr(spec, k) for k in (*KERNEL_FIELDS, *MEMORY_FIELDS)},
             "links": {a: dataclasses.asdict(lk) for a, lk in spec.links.items()}}
 
 
@@ -487,8 +506,9 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
     (``float32`` required), ``memory_bytes``, ``link`` (``bandwidth`` bytes/s each way,
     ``latency`` s per hop), and optionally ``links`` per mesh axis, ``memory_bandwidth``,
     ``achievable`` (fraction of peak, default 0.5), ``op_seconds`` (host seconds per aten op,
-    default 0), ``name``, and a GPU's kernel numbers (:data:`KERNEL_FIELDS`, default 0: a
-    ``launch_seconds`` above 0 prices the step op by op, see :class:`DeviceSpec`).
+    default 0), ``name``, a GPU's kernel numbers (:data:`KERNEL_FIELDS`, default 0: a
+    ``launch_seconds`` above 0 prices the step op by op, see :class:`DeviceSpec`) and its
+    allocator's ``memory_margin`` and ``context_bytes`` (default 0).
 
     Example:
         >>> import json, tempfile, os
@@ -510,7 +530,7 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
     except json.JSONDecodeError as e:
         raise PlanError(f"device file {path} is not JSON: {e}") from e
     known = {"name", "peak_flops", "memory_bytes", "memory_bandwidth", "achievable", "link", "links",
-             "op_seconds", *KERNEL_FIELDS}
+             "op_seconds", *KERNEL_FIELDS, *MEMORY_FIELDS}
     if not isinstance(d, dict):
         raise PlanError(f"device file {path} must hold one JSON object, got {type(d).__name__}")
     missing, unknown = {"peak_flops", "memory_bytes", "link"} - set(d), set(d) - known
@@ -528,7 +548,9 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
                       _link(path, "link", d["link"]), float(d.get("achievable", 0.5)),
                       {str(a): _link(path, f"links.{a}", v) for a, v in links.items()},
                       float(d.get("op_seconds", 0.0)),
-                      **{k: float(d.get(k, 0.0)) for k in KERNEL_FIELDS})
+                      **{k: float(d.get(k, 0.0)) for k in KERNEL_FIELDS},
+                      memory_margin=float(d.get("memory_margin", 0.0)),
+                      context_bytes=int(d.get("context_bytes", 0)))
 
 
 def cpu(processors: int = 1) -> DeviceSpec:

@@ -64,7 +64,9 @@ class Estimate:
         calls_per_axis: the same, counting calls.
         memory_bytes: peak bytes split into ``parameters, gradients, optimizer,
             activations``, and their ``total``.
-        fits: whether ``memory_bytes["total"]`` fits the device's memory.
+        memory_capacity: what the peak may be: the device's memory, on a GPU less its CUDA
+            context and its allocator's fragmentation margin (``DeviceSpec.usable_memory``).
+        fits: whether ``memory_bytes["total"]`` fits ``memory_capacity``.
         compute_seconds, comm_seconds (``{"kind@axes": s}``), step_seconds.
         compute_terms: on a GPU, the compute's parts (``matmul``, ``attention``, ``memory``,
             ``launch``, ``device``, ``host``, ``sync``; :func:`~meshtorch.plan.kernels.roofline_seconds`).
@@ -280,7 +282,7 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
     return Estimate(
         mesh=str(mesh), rules=t.rules, device=spec.name, parameters=params, flops=t.flops,
         flops_by_dtype=t.flops_by_dtype, bytes_per_axis=bytes_per_axis, calls_per_axis=calls_per_axis,
-        memory_bytes=memory, memory_capacity=spec.memory_bytes, fits=t.peak_bytes <= spec.memory_bytes,
+        memory_bytes=memory, memory_capacity=spec.usable_memory, fits=t.peak_bytes <= spec.usable_memory,
         compute_seconds=compute, comm_seconds=comm_seconds,
         step_seconds=compute + sum(comm_seconds.values()) - hidden, trace=t, compute_terms=terms,
         overlap_seconds=hidden)

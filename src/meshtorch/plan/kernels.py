@@ -152,6 +152,29 @@ def _fusible(k: Kernel) -> bool:
             and not name.startswith(("_foreach_", "_fused_")))
 
 
+def fusible_runs(sequence: list[SequenceOp]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` op ranges of ``sequence`` that ``torch.compile`` fuses into one kernel
+    each: the maximal runs of consecutive memory-bound ops (:func:`fuse_elementwise`).
+
+    Example:
+        >>> from meshtorch.plan.kernels import fusible_runs
+        >>> mul, mm = ("mul", "float32", 0, 12, (), 1, 0), ("mm", "float32", 8, 12, (1, 1, 1, 1), 1, 0)
+        >>> fusible_runs([(mul, (), ()), (mul, (), ()), (mm, (), ()), (mul, (), ())])
+        [(0, 2), (3, 4)]
+    """
+    runs, i = [], 0
+    while i < len(sequence):
+        if not _fusible(sequence[i][0]):
+            i += 1
+            continue
+        j = i
+        while j < len(sequence) and _fusible(sequence[j][0]):
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
 def fuse_elementwise(sequence: list[SequenceOp]) -> dict[Kernel, int]:
     """The kernels of a compiled step (``torch.compile``'s inductor): each maximal run of
     consecutive memory-bound ops (no matmul, attention, tensor-list op or sync between) is one
@@ -174,16 +197,15 @@ def fuse_elementwise(sequence: list[SequenceOp]) -> dict[Kernel, int]:
         for serial, _ in writes:
             made_at.setdefault(serial, i)
     out: dict[Kernel, int] = {}
+    runs = dict(fusible_runs(sequence))
     i = 0
     while i < len(sequence):
         key = sequence[i][0]
-        if not _fusible(key):
+        if i not in runs:
             out[key] = out.get(key, 0) + 1
             i += 1
             continue
-        j = i
-        while j < len(sequence) and _fusible(sequence[j][0]):
-            j += 1
+        j = runs[i]
         read: dict[int, int] = {}
         written: dict[int, int] = {}
         for _, reads, writes in sequence[i:j]:
@@ -245,5 +267,5 @@ def roofline_seconds(kernels: dict[Kernel, float], aten_ops: float, spec) -> dic
     return out
 
 
-__all__ = ["Kernel", "SequenceOp", "footprint", "fuse_elementwise", "kernel_of", "matmul_efficiency",
-           "roofline_seconds"]
+__all__ = ["Kernel", "SequenceOp", "footprint", "fuse_elementwise", "fusible_runs", "kernel_of",
+           "matmul_efficiency", "roofline_seconds"]

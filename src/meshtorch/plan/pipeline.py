@@ -57,7 +57,7 @@ from meshtorch.context import current, untraced
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
-from meshtorch.pipeline.executor import BACKWARD_TAG, FORWARD_TAG
+from meshtorch.pipeline.executor import BACKWARD_TAG, CHUNK_TAGS, FORWARD_TAG
 from meshtorch.pipeline.schedule import build as build_schedule
 from meshtorch.pipeline.simulate import simulate
 from meshtorch.pipeline.transport import gradient_message, read_header
@@ -78,27 +78,43 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-def _messages(sent: list, dst: int, tag: int) -> deque[torch.Tensor]:
-    return deque(t for _, d, g, t in sent if d == dst and g == tag)
+def _messages(sent: list, dst: int, tag: int | None) -> deque[torch.Tensor]:
+    """The tensors sent to ``dst`` with ``tag`` (any forward tag, of any chunk, for ``None``)."""
+    return deque(t for _, d, g, t in sent if d == dst and (g == tag if tag is not None else
+                                                           g % CHUNK_TAGS == FORWARD_TAG))
 
 
 class _Inbox:
-    """Answers the recvs of the stage ``stage`` traced alone: forward activations replay what the
-    previous stage's trace sent; gradients mirror what this stage sent on (one per activation)."""
+    """Answers the recvs of the stage ``stage`` of ``stages`` traced alone: forward activations
+    replay what the previous stage's trace sent (per tag: one per model chunk boundary); gradients,
+    and with virtual stages the activations stage 0 gets back from the last stage (traced after it),
+    mirror what this stage sent on (every chunk boundary carries the same shapes)."""
 
-    def __init__(self, stage: int, forward: deque[torch.Tensor]):
-        self.stage, self.forward = stage, forward
+    def __init__(self, stage: int, stages: int, sent_before: list):
+        self.stage, self.stages, self.sent_before = stage, stages, sent_before
+        self.forward: dict[int, deque[torch.Tensor]] = {}
         self.replies: deque[torch.Tensor] = deque()
-        self.answered = 0  # this stage's forward messages already mirrored
+        self.echoes: deque[torch.Tensor] = deque()
+        self.answered = 0  # this stage's forward messages already mirrored as gradients
+        self.echoed = 0  # ... and as activations coming round from the last stage
 
     def __call__(self, axes: tuple[str, ...], src: int, tag: int) -> torch.Tensor:
         got = None
+        p, kind = self.stages, tag % CHUNK_TAGS
         with untraced():  # arriving data: made by the transport, not by the program's ops
-            if tag == FORWARD_TAG and src == self.stage - 1 and self.forward:
-                got = _stand_in(self.forward.popleft())
-            elif tag == BACKWARD_TAG and src == self.stage + 1:
+            if kind == FORWARD_TAG and src == (self.stage - 1) % p:
+                if self.stage > 0:
+                    if tag not in self.forward:  # the previous stage's messages of this chunk boundary
+                        self.forward[tag] = _messages(self.sent_before, self.stage, tag)
+                    queue = self.forward[tag]
+                    got = _stand_in(queue.popleft()) if queue else None
+                else:  # model chunk k·p from chunk k·p - 1 on the last stage, which is traced later
+                    if not self.echoes:
+                        self.echoed = self._mirror(self.echoes, self.echoed, gradients=False)
+                    got = self.echoes.popleft() if self.echoes else None
+            elif kind == BACKWARD_TAG and src == (self.stage + 1) % p:
                 if not self.replies:
-                    self._mirror(current().comm.sent)
+                    self.answered = self._mirror(self.replies, self.answered, gradients=True)
                 if self.replies:
                     got = self.replies.popleft()
         if got is not None:
@@ -112,14 +128,16 @@ class _Inbox:
                         "that no traced stage sends: the step is not a pipeline of the meshtorch runtime "
                         "(meshtorch.pipeline.Pipeline) along this axis")
 
-    def _mirror(self, sent: list) -> None:
-        out = list(_messages(sent, self.stage + 1, FORWARD_TAG))[self.answered:]
+    def _mirror(self, into: deque, done: int, gradients: bool) -> int:
+        """Queue stand-ins of the next forward message this stage sent on: its gradient
+        (:func:`gradient_message`) or itself; returns the tensors of sent messages used so far."""
+        out = list(_messages(current().comm.sent, (self.stage + 1) % self.stages, None))[done:]
         if not out:
-            return
+            return done
         spec = read_header(out[0])
         k = sum(leaf is not None for leaf in spec["leaves"])
-        self.replies.extend(gradient_message(out[0], out[1:1 + k]))
-        self.answered += 1 + k
+        into.extend(gradient_message(out[0], out[1:1 + k]) if gradients else map(_stand_in, out[:1 + k]))
+        return done + 1 + k
 
 
 def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",
@@ -136,25 +154,27 @@ def stage_traces(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRule
     return _trace_stages(step_fn, mesh, rules, axis, staging, device)[0]
 
 
-def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                  axis: str, staging: str = "none", device: str = "cpu") -> tuple[list[Trace], int]:
-    """The stage traces, and the header bytes of one activation message of stage 0."""
+def _trace_stages(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str, axis: str,
+                  staging: str = "none", device: str = "cpu") -> tuple[list[Trace], tuple[int, int]]:
+    """The stage traces, and the header and leaf bytes of one activation message of stage 0."""
     pairs = list(_stage_by_stage(step_fn, mesh, rules, axis, staging, device))
     return [t for t, _ in pairs], pairs[-1][1]
 
 
 def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str,
-                    axis: str, staging: str = "none", device: str = "cpu") -> Iterator[tuple[Trace, int]]:
+                    axis: str, staging: str = "none",
+                    device: str = "cpu") -> Iterator[tuple[Trace, tuple[int, int]]]:
     """Each stage's trace in turn (a stage needs what the ones before it sent), with the header
-    bytes of one activation message of stage 0."""
+    and leaf bytes of one activation message of stage 0."""
     m = Mesh(mesh)
     if axis not in m.axis_names:
         raise PlanError(f"the pipeline axis {axis!r} is not an axis of the mesh '{m}'; plan a pipeline "
                         f"on a mesh like '{axis}:2,{m}'")
     sent: list = []
-    header = 0
-    for s in range(m.axis_size(axis)):
-        inbox = _Inbox(s, _messages(sent, s, FORWARD_TAG))
+    message = (0, 0)
+    p = m.axis_size(axis)
+    for s in range(p):
+        inbox = _Inbox(s, p, sent)
         kept: list = []
 
         def stage_step(inbox: _Inbox = inbox, kept: list = kept) -> Any:
@@ -167,9 +187,11 @@ def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutR
         t = trace(stage_step, mesh=str(m), rules=str(LayoutRules(rules)), backend="meta", rank=rank,
                   staging=staging, device=device)
         sent = kept[0].sent
-        if s == 0 and sent:
-            header = int(_messages(sent, 1, FORWARD_TAG)[0].numel())  # a header leads each message
-        yield t, header
+        if s == 0 and sent:  # a header leads each message, then its leaves
+            out = list(_messages(sent, 1, FORWARD_TAG))
+            k = sum(leaf is not None for leaf in read_header(out[0])["leaves"])
+            message = (int(out[0].numel()), sum(x.numel() * x.element_size() for x in out[1:1 + k]))
+        yield t, message
 
 
 def _on_axis(key: str, axis: str) -> bool:
@@ -196,12 +218,15 @@ class PipelineEstimate(Estimate):
     schedule's step plus the update's collectives over the pipeline axis.
 
     Attributes:
-        axis, stages, schedule, microbatches, recompute: the pipeline.
+        axis, stages, schedule, microbatches, recompute, virtual_stages: the pipeline.
         stage_estimates: one :class:`Estimate` per stage (its processor's trace).
         bubble: the schedule's idle share (:func:`meshtorch.pipeline.simulate`).
-        in_flight: most micro-batches whose activations a stage holds at once.
+        in_flight: most micro-batches whose activations a stage holds at once (with virtual
+            stages, (micro-batch, chunk) stashes of a chunk's activations each).
         transfer_bytes: one micro-batch's message between neighbouring stages (per processor):
             ``{"activations": bytes, "header": bytes}``.
+        messages: point-to-point messages per batch over all stages: ``2m(p·v - 1)``, ``v`` times
+            (and then some) one chunk per stage's ``2m(p - 1)``.
         transfer_seconds: link time of one such message (one hop).
         stage_seconds: each stage's work per step (compute plus its collectives off the axis).
         update_seconds: the part of it each stage spends in its update (optimizer, clipping),
@@ -220,10 +245,17 @@ class PipelineEstimate(Estimate):
     transfer_seconds: float = 0.0
     stage_seconds: list[float] = field(default_factory=list)
     update_seconds: list[float] = field(default_factory=list)
+    virtual_stages: int = 1
+    messages: int = 0
 
     @property
     def label(self) -> str:
-        return f"pipeline {self.stages}x{self.schedule}, {self.microbatches} micro-batches"
+        chunks = f" of {self.virtual_stages} chunks" if self.virtual_stages > 1 else ""
+        return f"pipeline {self.stages}x{self.schedule}{chunks}, {self.microbatches} micro-batches"
+
+    @property
+    def _stashes(self) -> str:
+        return "(micro-batch, chunk) stashes" if self.virtual_stages > 1 else "micro-batches"
 
     def reason(self) -> str:
         busiest = max(range(self.stages), key=lambda s: self.stage_seconds[s])
@@ -232,7 +264,7 @@ class PipelineEstimate(Estimate):
                 f"({self.stage_seconds[busiest] * 1e3:.1f} ms), "
                 f"{_fmt_bytes(self.transfer_bytes['activations'])} per micro-batch between stages; "
                 f"stage {fullest} fullest "
-                f"({self.in_flight[fullest]} micro-batches in flight)")
+                f"({self.in_flight[fullest]} {self._stashes} in flight)")
         if not self.fits:
             over = self.memory_bytes["total"] - self.memory_capacity
             return (f"does not fit: stage {fullest} needs {_fmt_bytes(self.memory_bytes['total'])} > "
@@ -255,7 +287,7 @@ class PipelineEstimate(Estimate):
                          f"{on_axis}")
         lines.append(f"transfer          {self.transfer_bytes['activations']} B activations + "
                      f"{self.transfer_bytes['header']} B header per micro-batch and hop "
-                     f"({self.transfer_seconds * 1e3:.3f} ms)")
+                     f"({self.transfer_seconds * 1e3:.3f} ms); {self.messages} messages per batch")
         lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms; {self.reason()}")
         return "\n".join(lines)
 
@@ -263,6 +295,7 @@ class PipelineEstimate(Estimate):
         return {**super().to_json(), "pipeline": {
             "axis": self.axis, "stages": self.stages, "schedule": self.schedule,
             "microbatches": self.microbatches, "recompute": self.recompute, "bubble": self.bubble,
+            "virtual_stages": self.virtual_stages, "messages": self.messages,
             "in_flight": self.in_flight, "transfer_bytes": self.transfer_bytes,
             "transfer_seconds": self.transfer_seconds, "stage_seconds": self.stage_seconds,
             "update_seconds": self.update_seconds,
@@ -289,11 +322,13 @@ def _most(dicts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
 
 def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *, schedule: str,
                       microbatches: int, axis: str = "stage", recompute: bool = False,
-                      algorithm: str = "ring", header: int = 0) -> PipelineEstimate:
+                      algorithm: str = "ring", header: int = 0, virtual_stages: int = 1,
+                      activation: int | None = None) -> PipelineEstimate:
     """Cost the stage traces of :func:`stage_traces` on ``spec`` (see the module docstring);
-    ``header``: the bytes of an activation message's header (reported apart)."""
+    ``header``: the bytes of an activation message's header (reported apart), ``activation``
+    its leaves' (by default stage 0's sends per message less the header)."""
     m = Mesh(mesh)
-    p, mb = m.axis_size(axis), microbatches
+    p, mb, v = m.axis_size(axis), microbatches, virtual_stages
     ests = [from_trace(t, m, spec, algorithm) for t in traces]
     work, update, sync = [], [], []
     for t, e in zip(traces, ests):
@@ -304,26 +339,40 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         up = t.phases.get("update")
         update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec, up.kernels)
                       + _off_axis(collectives_seconds(up.comm, m, spec, algorithm), axis))
-    # stage 0 sends only activations: its sends per micro-batch are one message (header + leaves)
+    # stage 0 sends, per micro-batch, the activations of its v chunks and the gradients of its chunks
+    # but model chunk 0 (v - 1): 2v - 1 messages (header + leaves) of one activation's size each
     first = traces[0].comm
     calls, nbytes = first.calls(axis, "send"), first.bytes(axis, "send")
+    messages = mb * (2 * v - 1)
     hop = 0.0
     if p > 1 and calls:
         link = spec.link(axis)
-        hop = collective_seconds("send", nbytes / mb, 2, link.bandwidth, link.latency, calls // mb, algorithm)
-    share = 0.25 if recompute else 1 / 3
-    table = build_schedule(schedule, p, mb)
+        hop = collective_seconds("send", nbytes / messages, 2, link.bandwidth, link.latency,
+                                 calls // messages, algorithm)
+    table = build_schedule(schedule, p, mb, virtual_stages=v)
     per_mb = [(w - u) / mb for w, u in zip(work, update)]
     # a send occupies its sender too (gloo's isend hands the message to the transport before it
-    # returns): each forward but the last stage's and each backward but the first's ends with one
-    sim = simulate(table, forward=[w * share + (hop if s < p - 1 else 0.0) for s, w in enumerate(per_mb)],
-                   backward=[w * (1 - share) + (hop if s > 0 else 0.0) for s, w in enumerate(per_mb)],
-                   comm=hop)
+    # returns): every chunk's forward but the last model chunk's ends with one, and every chunk's
+    # backward but model chunk 0's (simulate gives each of a stage's v chunk passes 1/v of its time)
+    sends_f = [v - (s == p - 1) for s in range(p)]
+    sends_b = [v - (s == 0) for s in range(p)]
+    # a backward multiplies twice per forward multiply: one third forward, and under ZB-H1 the
+    # backward's two thirds are the input gradient B and the weight gradient W, one third each
+    # (with recomputation a quarter each, B also running the forward again)
+    share = 0.25 if recompute else 1 / 3
+    forward = [w * share + hop * sends_f[s] for s, w in enumerate(per_mb)]
+    if table.split_backward:
+        sim = simulate(table, forward=forward, comm=hop,
+                       backward=[w * (1 - 2 * share) + hop * sends_b[s] for s, w in enumerate(per_mb)],
+                       weight=[w * share for w in per_mb])
+    else:
+        sim = simulate(table, forward=forward, comm=hop,
+                       backward=[w * (1 - share) + hop * sends_b[s] for s, w in enumerate(per_mb)])
     fullest = max(ests, key=lambda e: e.memory_bytes["total"])
     comm_seconds: dict[str, float] = {}
     for e in ests:
-        for k, v in e.comm_seconds.items():
-            comm_seconds[k] = max(comm_seconds.get(k, 0.0), v)
+        for k, sec in e.comm_seconds.items():
+            comm_seconds[k] = max(comm_seconds.get(k, 0.0), sec)
     params = ests[0].parameters
     return PipelineEstimate(
         mesh=str(m), rules=traces[0].rules, device=spec.name, parameters=params,
@@ -331,13 +380,15 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         flops_by_dtype=max(ests, key=lambda e: e.flops).flops_by_dtype,
         bytes_per_axis=_most([e.bytes_per_axis for e in ests]),
         calls_per_axis=_most([e.calls_per_axis for e in ests]),
-        memory_bytes=dict(fullest.memory_bytes), memory_capacity=spec.memory_bytes,
+        memory_bytes=dict(fullest.memory_bytes), memory_capacity=spec.usable_memory,
         fits=all(e.fits for e in ests), compute_seconds=max(e.compute_seconds for e in ests),
         comm_seconds=comm_seconds, step_seconds=sim.step_time + max(update) + max(sync),
         axis=axis, stages=p, schedule=schedule, microbatches=mb, recompute=recompute,
         stage_estimates=ests, bubble=sim.bubble_fraction, in_flight=sim.in_flight,
-        transfer_bytes={"activations": (nbytes - header * mb) // mb if p > 1 else 0, "header": header},
-        transfer_seconds=hop, stage_seconds=work, update_seconds=update)
+        transfer_bytes={"activations": 0 if p == 1 else activation if activation is not None
+                        else (nbytes - header * messages) // messages, "header": header},
+        transfer_seconds=hop, stage_seconds=work, update_seconds=update, virtual_stages=v,
+        messages=sim.messages)
 
 
 def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | str = "",
@@ -360,16 +411,16 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
     m = Mesh(mesh)
     info = program_pipeline(step_fn)
     spec = get_device(device, processors=m.size)
-    traces, header = [], 0
+    traces, message = [], (0, 0)
     for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging, spec.device_type):
         traces.append(t)
-        header = h
+        message = h
         if give_up is not None and give_up(len(traces) - 1,
                                            stage_work(from_trace(t, m, spec, algorithm), info.axis)):
             return None
     return from_stage_traces(traces, m, spec, schedule=info.schedule, microbatches=info.microbatches,
                              axis=info.axis, recompute=info.recompute, algorithm=algorithm,
-                             header=header)
+                             header=message[0], activation=message[1], virtual_stages=info.virtual_stages)
 
 
 __all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "program_pipeline",

@@ -45,12 +45,14 @@ from meshtorch.plan.tracing import measure
 @dataclass(frozen=True)
 class Pipelining:
     """How a pipelined step runs: along mesh axis ``axis``, ``schedule`` (``gpipe``, ``1f1b``,
-    ``2bw``) over ``microbatches`` micro-batches per batch, recomputing activations or not."""
+    ``2bw``, ``zb``, ``interleaved``) over ``microbatches`` micro-batches per batch, recomputing
+    activations or not, with ``virtual_stages`` model chunks per stage (``interleaved``)."""
 
     schedule: str
     microbatches: int
     axis: str = "stage"
     recompute: bool = False
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ from meshtorch.plan.tracing import Trace, trace
 def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
            device: str | DeviceSpec = "tpu-v2", *, verify: int = 3, meshes: Iterable[str] | None = None,
            algorithm: str = "ring", max_candidates: int = 100_000, pipeline: bool = True,
-           staging: str = "none", axes: int = 2) -> SearchResult:
+           staging: str = "none", axes: int = 2, compiled: bool = False) -> SearchResult:
     """Search mesh shapes and layout rules for the fastest step that fits ``device``'s memory.
 
     ``processors`` is a processor count (meshes are searched) or a mesh (only
@@ -106,6 +106,12 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
     ``staging``: the backend whose collective buffers the memory holds (see
     :func:`meshtorch.plan.estimate`). ``axes=3`` adds three-axis meshes
     (:func:`~meshtorch.plan.space.meshes_for`), worth it when the device's links differ per axis.
+
+    ``compiled``: the run compiles its step (``torch.compile``), so every candidate is priced as
+    that step (``trace(compiled=True)``: runs of memory-bound ops fused, the host launching
+    kernels), not as the eager one. The bounds stay bounds: they count FLOPs, parameters and the
+    gradients' all_reduce, which compiling does not change. The pipelined family is left out
+    (``meshtorch train`` does not compile pipelined steps).
     """
     t0 = time.perf_counter()
     if isinstance(processors, int):
@@ -115,7 +121,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
     n = Mesh(mesh_list[0]).size
     spec = get_device(device, processors=n)
     program = program_of(step_fn)
-    pipelines = (pipeline and isinstance(processors, int) and meshes is None
+    pipelines = (pipeline and not compiled and isinstance(processors, int) and meshes is None
                  and program.pipelined(1) is not None)
     if pipelines:
         check_pipelined_depth(program)  # before the SPMD search: it would be lost work
@@ -163,7 +169,8 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
 
     def traced(f, c: tuple[str, str]) -> Trace:
         # the meta tensors stand for the priced device: the step picks its kernels (fused AdamW)
-        return trace(f, mesh=c[0], rules=c[1], backend="meta", staging=staging, device=spec.device_type)
+        return trace(f, mesh=c[0], rules=c[1], backend="meta", staging=staging, device=spec.device_type,
+                     compiled=compiled)
 
     resharded = getattr(program, "resharded", lambda: None)()
     shallow_resharded = shallow_programs(resharded) if resharded is not None and quick else None
@@ -208,7 +215,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         for c in order:
             if c in done:
                 continue
-            if lb[c][1] > spec.memory_bytes:
+            if lb[c][1] > spec.usable_memory:
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "memory")
             elif lb[c][0] * (1 + 1e-9) >= best_time():
                 cut[c] = Pruned(c[0], c[1], lb[c][0], lb[c][1], "time")
@@ -269,7 +276,7 @@ def _search_pipelines(program: Program, family: list[Candidate],
         mesh, rules, mb = c
         step = pipelined(mb)
         label = f"{program_pipeline(step).schedule} x{mb}"
-        if lb[c][1] > spec.memory_bytes:
+        if lb[c][1] > spec.usable_memory:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "memory", pipeline=label))
         elif lb[c][0] * (1 + 1e-9) >= best:
             cut.append(Pruned(mesh, rules, lb[c][0], lb[c][1], "time", pipeline=label))

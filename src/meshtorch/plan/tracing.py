@@ -57,6 +57,8 @@ from meshtorch.context import current, use_tracer
 from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.plan.allocator import block_bytes
+from meshtorch.plan.compiled_memory import compiled_timeline, peak_of
 from meshtorch.plan.kernels import Kernel, SequenceOp, footprint, fuse_elementwise, kernel_of
 from meshtorch.plan.shape_memo import run as run_op
 from meshtorch.plan.shape_memo import tensors_in
@@ -67,6 +69,13 @@ KINDS = ("parameters", "gradients", "optimizer", "activations")
 _install_lock = threading.Lock()
 _installed = 0
 _undo: list[Callable[[], None]] = []
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread now (``False`` where this
+    torch has no ``_current_graph_task_id``: every op is then taken for a forward one)."""
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task is not None and graph_task() != -1
 
 
 def active() -> Tracer | None:
@@ -162,6 +171,8 @@ class Tracer(TorchDispatchMode):
         # with fuse, the counted ops in order with the storages they read and write (what
         # fuse_elementwise prices a compiled step from)
         self.sequence: list[SequenceOp] | None = [] if fuse else None
+        self.sequence_at: list[int] = []         # per op of the sequence: the events once it ran
+        self.sequence_backward: list[bool] = []  # and whether it ran in autograd's backward
         self._paused = 0  # inside paused() blocks: ops run unseen
         self.stepping = 0  # inside measure() blocks, after their set-up
         self.flops_by_dtype: dict[str, int] = defaultdict(int)
@@ -208,6 +219,8 @@ class Tracer(TorchDispatchMode):
             return hit[0]
         self.serial += 1
         n = st.nbytes()
+        if self.device == "cuda" and st.device.type == "meta":
+            n = block_bytes(n)  # a GPU's storage is a caching-allocator block (plan/allocator.py)
         self.live[key] = (self.serial, n)
         self.events.append((self.serial, n))
         weakref.finalize(st, self._free, key)
@@ -285,6 +298,8 @@ class Tracer(TorchDispatchMode):
             self.kernels[key] += 1
             if self.sequence is not None:
                 self.sequence.append(self._io(key, func, args, kwargs, out))
+                self.sequence_at.append(len(self.events))
+                self.sequence_backward.append(_in_backward())
         return out
 
     def _io(self, key: Kernel, func, args, kwargs, out) -> SequenceOp:
@@ -355,6 +370,8 @@ class Tracer(TorchDispatchMode):
         self.kernels.clear()
         if self.sequence is not None:
             self.sequence.clear()
+            self.sequence_at.clear()
+            self.sequence_backward.clear()
         self.flop_ops.clear()
         self._pending_flop_ops = []
         self.phases = {}
@@ -416,6 +433,16 @@ class Tracer(TorchDispatchMode):
         for serial, n in self.live.values():
             out[self.kind.get(serial, "activations")] += n
         return out
+
+    def compiled_peak(self) -> tuple[int, dict[str, int]]:
+        """:meth:`peak` of the step as ``torch.compile`` holds it (:mod:`meshtorch.plan.compiled_memory`:
+        fused runs' own storages never made, forward results the backward can remake from less
+        not saved); needs the op sequence (``Tracer(fuse=True)``)."""
+        if self.sequence is None:
+            raise PlanError("compiled_peak needs the op sequence: trace with compiled=True")
+        timeline = compiled_timeline(self.sequence, self.sequence_at, self.sequence_backward, self.events,
+                                     self.kind)
+        return peak_of(timeline, self.windows, self.kind, KINDS)
 
     def peak(self) -> tuple[int, dict[str, int]]:
         """Peak live bytes and their split by kind at that moment."""
@@ -587,7 +614,7 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", comp
     t0 = time.perf_counter()
     with tracing(fuse=compiled, device=device) as tr:
         result = fn(*args, **kwargs)
-    peak, by_kind = tr.peak()
+    peak, by_kind = tr.compiled_peak() if compiled else tr.peak()
     return Trace(mesh=str(mesh), rules=str(rules), backend=backend,
                  parameters=sum(tr.param_numel.values()),
                  flops=sum(tr.flops_by_dtype.values()), flops_by_dtype=dict(tr.flops_by_dtype),
@@ -634,7 +661,9 @@ def trace(fn: Callable[..., Any], *args: Any, mesh: str = "", rules: str = "", b
     step compiled by ``torch.compile`` (:func:`meshtorch.plan.kernels.fuse_elementwise`:
     runs of memory-bound ops fused), for a GPU's roofline; the rest of the trace is the same.
     ``device`` (``"cpu"`` or ``"cuda"``) is the device the meta tensors stand for
-    (:func:`device_type`): where the planned run computes, so that it picks the same kernels.
+    (:func:`device_type`): where the planned run computes, so that it picks the same kernels;
+    for ``"cuda"`` each storage is followed as the caching allocator's block that holds it
+    (:func:`meshtorch.plan.allocator.block_bytes`), so the peak is ``max_memory_allocated``'s.
     """
     from meshtorch.launcher import launch
     from meshtorch.launcher.meta import run_meta

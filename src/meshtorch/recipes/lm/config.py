@@ -32,7 +32,7 @@ MODELS = ("lm", "seq2seq", "moe")
 OPTIMIZERS = ("adamw", "adafactor")
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("cosine", "constant")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw", "zb", "interleaved")
 BACKENDS = ("threads", "torch")
 TRAIN_DEVICES = ("auto", "cpu", "cuda")
 # the flags whose values are one of a few words (argparse's choices=)
@@ -49,7 +49,8 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "capacity_factor": (0, True, ""), "aux_loss": (0, False, ""),
     "kv_heads": (0, False, " (0: one key/value head per query head)"), "rotary_base": (0, True, ""),
     "pipeline_stages": (1, False, " (1: no pipeline)"), "microbatches": (1, False, ""),
-    "timeout": (0, True, " seconds"),
+    "virtual_stages": (1, False, " (1: one model chunk per stage)"),
+    "timeout": (0, True, " seconds"), "max_restarts": (0, False, " (0: a failed worker ends the run)"),
     "lr": (0, True, ""), "warmup": (0, False, " steps (0: no warm-up)"), "weight_decay": (0, False, ""),
     "clip": (0, False, " (0 turns clipping off; a negative norm would ascend the gradient)"),
     "steps": (1, False, ""), "batch": (1, False, ""), "length": (1, False, ""), "log_every": (1, False, ""),
@@ -187,11 +188,17 @@ class ParallelismSection:
     pipeline_stages: int = 1
     microbatches: int = 4
     schedule: str = "1f1b"
+    # model chunks per stage (--schedule interleaved): chunk c of p·v on stage c mod p
+    virtual_stages: int = 1
     # seconds a collective waits for the other processors before the run fails
     timeout: float = 300.0
-    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap)
-    overlap: bool = True
-    # free gathered parameters after their forward use and gather them again in backward
+    # --backend torch: when a worker fails, every worker starts again from the last checkpoint, this often
+    max_restarts: int = 0
+    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap); off by
+    # default for now (the planner traces and prices it: plan/timeline.py, Tracer.resized)
+    overlap: bool = False
+    # free gathered parameters after their forward use and gather them again in backward (implies
+    # overlap)
     reshard_after_forward: bool = False
 
     def __post_init__(self) -> None:
@@ -297,6 +304,8 @@ class RunSection:
     progress: bool = True
     overwrite: bool = False
     memory_check: bool = True
+    # GiB one processor may use (0: what its device has free); what the memory check compares with
+    memory_budget: float = 0.0
     # from Hugging Face: a model directory to fine-tune (its config.json sets the model), a tokenizer
     init_from: str | None = None
     tokenizer: str = "auto"
@@ -415,6 +424,42 @@ def check_layout(cfg: TrainConfig, vocab: int, mesh: Mesh | str | None = None,
                               f"change the mesh, or drop the rule")
 
 
+def check_stages(cfg: TrainConfig) -> None:
+    """Raise :class:`PipelineError` naming the flag unless ``--pipeline-stages``, ``--virtual-stages``,
+    ``--schedule``, ``--microbatches`` and ``--layers`` make a pipeline: ``p·v`` model chunks of
+    ``--layers / (p·v)`` blocks each, virtual stages only under the interleaved schedule, whose
+    micro-batches go through the chunks in rounds of ``p``.
+
+    Example:
+        >>> check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved",
+        ...                             layers=8))
+        >>> try:
+        ...     check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved",
+        ...                                 layers=6))
+        ... except PipelineError as e:
+        ...     print(str(e)[:80])
+        --layers 6 do not divide into --pipeline-stages 2 × --virtual-stages 2 = 4 model
+    """
+    par, layers = cfg.parallelism, cfg.model.layers
+    p, v, m = par.pipeline_stages, par.virtual_stages, par.microbatches
+    if p == 1:
+        if v > 1:
+            raise PipelineError(f"--virtual-stages {v} splits each pipeline stage into chunks: it needs "
+                                "--pipeline-stages > 1 (and --schedule interleaved)")
+        return
+    if v > 1 and par.schedule != "interleaved":
+        raise PipelineError(f"--virtual-stages {v} needs --schedule interleaved (--schedule {par.schedule} "
+                            "runs one model chunk per stage); or drop --virtual-stages")
+    if par.schedule == "interleaved" and m % p:
+        raise PipelineError(f"--schedule interleaved sends micro-batches through the chunks in rounds of "
+                            f"--pipeline-stages {p}: --microbatches {m} must be a multiple of {p}")
+    if layers < p * v or (v > 1 and layers % (p * v)):
+        want = f"a multiple of {p * v}" if v > 1 else f"at least {p}"
+        raise PipelineError(f"--layers {layers} do not divide into --pipeline-stages {p} × --virtual-stages "
+                            f"{v} = {p * v} model chunks of equal depth; use --layers {want}, or fewer "
+                            "stages or virtual stages")
+
+
 def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:
     """Raise before training if the options cannot work together, naming the fix."""
     for name, allowed in CHOICES.items():
@@ -425,8 +470,9 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         flag = "--" + name.replace("_", "-")
         if name == "schedule":
             hint = f"; the learning-rate schedule is --lr-schedule {value}" if value in LR_SCHEDULES else ""
-            raise MeshTorchError(f"--schedule {value!r} is not a pipeline schedule ('gpipe', '1f1b', "
-                                 f"'2bw'; used with --pipeline-stages > 1){hint}")
+            raise MeshTorchError(f"--schedule {value!r} is not a pipeline schedule "
+                                 f"({', '.join(map(repr, PIPELINE_SCHEDULES))}; used with "
+                                 f"--pipeline-stages > 1){hint}")
         if name == "lr_schedule":
             raise MeshTorchError(f"--lr-schedule {value!r} is not 'cosine' or 'constant'")
         if section == "model" and name != "model":
@@ -443,9 +489,15 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         raise MeshError(f"--mesh {par.mesh!r}{staged} has {mesh.size} processors but {world} processes "
                         f"are running; start {mesh.size} processes or pass {want}")
     check_layout(cfg, vocab)
+    if par.max_restarts and par.backend != "torch":
+        raise ArgumentError(f"--max-restarts {par.max_restarts} restarts the worker processes from the last "
+                            f"checkpoint when one fails; --backend {par.backend}'s processors are threads of "
+                            "this one process, which a crash ends together: add --backend torch (or rerun "
+                            "a stopped run with --resume)")
     if cfg.run.compile and par.pipeline_stages > 1:
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
                              f"{par.pipeline_stages}) runs eagerly: drop one of them")
+    check_stages(cfg)
     if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
         raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
     cfg.model_config(vocab)

@@ -57,20 +57,32 @@ HELP = {
     "pipeline_stages": "pipeline stages along a 'stage' mesh axis (added in front of --mesh if absent)",
     "microbatches": "micro-batches per batch with --pipeline-stages > 1",
     "lr_schedule": "learning rate after the warm-up",
-    "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches)",
+    "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches; "
+                "zb: ZB-H1, the backward split into input and weight gradients; interleaved: interleaved "
+                "1F1B over --virtual-stages chunks per stage)",
+    "virtual_stages": "model chunks per pipeline stage with --schedule interleaved (chunk c of "
+                      "pipeline-stages x virtual-stages on stage c mod pipeline-stages; --layers must divide "
+                      "into them)",
     "clip": "bound on the global gradient norm; 0: no clipping",
     "overlap": "run parameters' collectives grouped (a flat all_gather / reduce_scatter / all_reduce per "
                "bucket) and asynchronously, overlapped with compute (mt.overlap; off under --compile, "
                "which schedules its collectives itself)",
-    "reshard_after_forward": "with --overlap: free each gathered parameter (FSDP-style rules) after its "
-                             "forward use and gather it again in backward (less memory, more bytes)",
+    "reshard_after_forward": "free each gathered parameter (FSDP-style rules) after its forward use and "
+                             "gather it again in backward (less memory, more bytes); implies --overlap",
     "timeout": "seconds a collective waits for the other processors before the run fails",
+    "max_restarts": "--backend torch: when a worker fails (an exception, an exit, kill -9), stop the others "
+                    "and start them all again from the last checkpoint in --out, up to this many times "
+                    "(torchrun's elastic agent; metrics.jsonl and summary.json record each restart)",
     "allow_change": "with --resume: model options (comma-separated, e.g. 'activation,eps') that may differ "
                     "from the run's record; without it a changed model option is an error",
     "overwrite": "replace an earlier run in --out (without it, --out onto an earlier run is an error)",
     "recompute": "recompute each block's activations in backward instead of keeping them (less memory, "
                  "one more forward of FLOPs; meshtorch plan prices it)",
-    "memory_check": "before training, compare the planner's peak-memory prediction with the memory available",
+    "memory_check": "before training, compare the planner's peak-memory prediction with the memory available "
+                    "(on GPUs: the caching allocator's peak, its fragmentation margin and the CUDA context, "
+                    "against each GPU's free memory) and refuse a run that does not fit",
+    "memory_budget": "GiB one processor may use, for the memory check (0: what its GPU has free, or the "
+                     "host's available memory shared by its processors)",
     "init_from": "fine-tune a Hugging Face model directory (config.json + safetensors; Llama family or "
                  "GPT-2): its config sets the model, each processor reads its slices of the weights",
     "tokenizer": "bytes; bpe:N: a byte-level BPE of N ids fitted to the training data (saved in "

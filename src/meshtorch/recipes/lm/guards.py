@@ -1,5 +1,5 @@
 """What stops a training run before it goes wrong silently (and
-:func:`meshtorch.recipes.lm.steps.check_memory`, before it runs out of memory).
+:func:`meshtorch.recipes.lm.fit.check_memory`, before it runs out of memory).
 
 - :class:`RunDirLock`: one writer per ``--out`` (an ``fcntl.flock`` on
   ``--out/.lock``, held for the run, naming the holder's pid), and no run

@@ -32,8 +32,9 @@ from typing import Any
 
 from meshtorch.errors import PlanError
 from meshtorch.mesh import Mesh
-from meshtorch.plan.devices import calibrate, calibration_path
+from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
+from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import estimate_pipeline
 from meshtorch.plan.search import search
@@ -43,8 +44,8 @@ from meshtorch.recipes.lm.steps import TrainingProgram, pipelined_training_step,
 from meshtorch.recipes.lm.strategies import overlaps
 
 # the options of the plan itself (not of the run planned), besides meshtorch train's
-PLAN_ONLY = ("vocab", "hardware", "calibrate", "algorithm", "search", "pipeline", "axes", "fixed_mesh",
-             "processors", "top", "json", "png", "layered")
+PLAN_ONLY = ("vocab", "hardware", "calibrate", "calibrate_out", "algorithm", "search", "pipeline", "axes",
+             "fixed_mesh", "processors", "top", "json", "png", "layered")
 
 
 def config_of(args: argparse.Namespace) -> tuple[TrainConfig, int]:
@@ -73,10 +74,18 @@ def traced(step: TrainingProgram, mesh: Any, rules: Any, staging: str = "none", 
     return how(step, str(mesh), str(rules), staging=staging, compiled=compiled, device=device)
 
 
+def _calibrates_gpu(args: argparse.Namespace) -> bool:
+    """Whether ``meshtorch plan --calibrate`` measures a GPU: with ``--device cuda`` (without it, the
+    host, for ``--hardware cpu``, on any machine)."""
+    return args.device == "cuda"
+
+
 def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     """The hardware spec that prices ``cfg``'s run on this machine, and where it comes from: the CPU's
-    stored calibration (``--hardware cpu``) when the run computes on the CPU; on a GPU the built-in
-    spec of its kind (``a100``, ``h100``; another GPU is priced as an ``h100``, and the note says so).
+    stored calibration (``--hardware cpu``) when the run computes on the CPU; on a GPU its own
+    measurement if ``meshtorch plan --calibrate`` stored one (:func:`gpu_calibration_path`), else the
+    built-in spec of its kind (``a100``, ``h100``; another GPU is priced as an ``h100``, and the note
+    says so).
     ``processes``: the run's processors on this machine (``--device auto`` picks CUDA when it has a GPU
     for each)."""
     import torch
@@ -87,6 +96,9 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     if (auto_device(processes) if kind == "auto" else kind) != "cuda":
         return "cpu", "this machine's stored CPU calibration, meshtorch plan --calibrate"
     name = torch.cuda.get_device_name(0)
+    calibrated = gpu_calibration_path(device_name(torch.device("cuda", 0)))
+    if calibrated.exists():
+        return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
     for spec in ("h100", "a100"):
         if spec in name.lower():
             return spec, f"the built-in {spec} spec for {name}"
@@ -136,7 +148,9 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     staging = staging_for(par.backend, "cuda" if on_gpu else "cpu")
     # --mesh auto searches the meshes of its processors too, without pipeline stages (their flags
     # come from meshtorch plan --search)
-    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging)
+    # a run that compiles is priced compiled: the layout that wins may differ from the eager step's
+    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging,
+                 compiled=cfg.run.compile)
     ranked = res.ranking()
     best = res.best
 
@@ -148,7 +162,7 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
         return {"mesh": c.mesh, "rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
 
     chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
-              "hardware_source": source,
+              "hardware_source": source, "compiled": cfg.run.compile,
               "candidates": res.space, "traced": len(res.candidates), "search_seconds": round(res.seconds, 2),
               **entry(best), "runner_up": entry(ranked[1]) if len(ranked) > 1 else None}
     # the search frees gathered parameters after forward where the layout fits only so
@@ -159,9 +173,10 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
 def describe_choice(chosen: dict[str, Any]) -> str:
     """The lines ``meshtorch train --rules auto`` prints about the rules it picked and why."""
     c = chosen
+    step = "compiled step" if c.get("compiled") else "step"
     lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\""
              + (" --reshard-after-forward" if c.get("reshard_after_forward") else "") + ": planned "
-             f"{c['step_seconds'] * 1e3:.2f} ms a step on {c['hardware']} ({c['hardware_source']}; "
+             f"{c['step_seconds'] * 1e3:.2f} ms a {step} on {c['hardware']} ({c['hardware_source']}; "
              f"{c['candidates']} candidates, {c['traced']} traced, in {c['search_seconds']} s); {c['why']}"]
     if not chosen["fits"]:
         lines.append("  no layout of this mesh fits the planned memory: this is the one that needs least")
@@ -210,7 +225,20 @@ def plot(path: str, ests: list[Estimate]) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """``meshtorch plan``: print the estimate (or the search's ranking); the exit status."""
-    if args.calibrate:
+    if args.calibrate and _calibrates_gpu(args):
+        spec = measure_gpu("cuda")
+        path = args.calibrate_out or gpu_calibration_path(spec.name)
+        save_spec(spec, path)
+        print(f"meshtorch plan: stored {spec.name}'s kernel numbers in {path}: bf16 matmuls "
+              f"{spec.peak_flops['bfloat16'] / 1e12:.0f} TFLOP/s (knee {spec.matmul_knee:g}), fused "
+              f"attention {spec.attention_efficiency:.2f} of it, copies "
+              f"{spec.copy_bandwidth / 1e12:.2f} TB/s, {spec.launch_seconds * 1e6:.1f} µs a kernel, "
+              f"{spec.op_seconds * 1e6:.1f} µs of host an op, {spec.sync_seconds * 1e6:.1f} µs a sync, "
+              f"{spec.context_bytes / 2 ** 30:.2f} GiB of CUDA context; plan with --hardware {path} "
+              "(meshtorch train --rules auto uses it on this GPU)", file=sys.stderr)
+        if not (args.mesh or args.search):
+            return 0
+    elif args.calibrate:
         machine = calibrate()
         print(f"meshtorch plan: stored this machine's calibration in {calibration_path()}: "
               f"{machine.peak_flops['float32'] / 1e9:.1f} GFLOP/s float32, "
@@ -228,9 +256,6 @@ def run(args: argparse.Namespace) -> int:
     if par.pipeline_stages > 1 and args.search:
         raise PlanError("--search tries pipeline stages itself (--no-pipeline leaves them out); "
                         "--pipeline-stages N prices one pipelined layout: drop one of the two")
-    if compiled and args.search:
-        raise PlanError("--search prices eager steps; drop --compile, then plan the layout it picks with "
-                        "--mesh, --rules and --compile")
     if not args.search:
         check_config(cfg, vocab)  # meshtorch train's own checks (layout, --compile with pipelines, ...)
     if par.pipeline_stages > 1:
@@ -250,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
         res = search(step, target, device=args.hardware, algorithm=args.algorithm, pipeline=args.pipeline,
-                     staging=staging, axes=args.axes)
+                     staging=staging, axes=args.axes, compiled=compiled)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
@@ -322,7 +347,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--calibrate) or a JSON device file (peak_flops by dtype, memory_bytes, link, links per "
                    "axis: docs/planner.md)")
     g.add_argument("--calibrate", action="store_true",
-                   help="measure this machine once and store it for --hardware cpu (alone: only that)")
+                   help="measure this machine once and store it for --hardware cpu (alone: only that); with "
+                   "--device cuda measure the GPU instead: matmul rates "
+                   "by shape and dtype, fused attention, copy bandwidth, launch, host and sync costs, "
+                   "into a device file for --hardware FILE")
+    g.add_argument("--calibrate-out", default=None,
+                   help="with --calibrate on a GPU: the device file to write (default: "
+                   "<cache>/<gpu name>.json, which meshtorch train --rules auto uses on that GPU)")
     g.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
     g.add_argument("--layered", action=argparse.BooleanOptionalAction, default=True,
                    help="trace two shallow copies of a deep model and extrapolate (parameters, FLOPs, bytes, "

@@ -31,12 +31,8 @@ from typing import Any
 
 import torch
 
-from meshtorch.comm.device import auto_device, parse_device
-from meshtorch.errors import TrainingError
-from meshtorch.plan import devices
-from meshtorch.plan.estimate import _fmt_bytes
 from meshtorch.plan.program import Pipelining, SpaceDims, measured_run
-from meshtorch.plan.tracing import measure, staging_for, trace
+from meshtorch.plan.tracing import measure
 from meshtorch.recipes.lm.config import TrainConfig
 from meshtorch.recipes.lm.optimizer import make_optimizer, optimizer_step
 from meshtorch.recipes.lm.strategies import TrainStep, overlaps, pipelining, precision_context, strategy_for
@@ -190,49 +186,3 @@ def pipelined_training_step(cfg: TrainConfig, vocab: int = 264) -> TrainingProgr
         (4, 4)
     """
     return TrainingProgram(cfg, vocab, pipelined=True)
-
-
-def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int] | None:
-    """Raise :class:`TrainingError` if ``processes`` processors of ``cfg``'s step on this machine
-    need more memory than it has available, as the planner predicts; return the prediction
-    (per processor, by kind, and ``total``), or ``None`` where nothing is checked.
-
-    On the host the processors share its memory; on GPUs (``--device cuda``, or ``auto`` with a
-    GPU per processor) each processor's peak must fit its GPU's free memory
-    (:func:`meshtorch.plan.devices.gpu_free_memory`). Nothing is checked without a known limit
-    (:func:`meshtorch.plan.devices.available_memory`),
-    with ``--no-memory-check``, or for a pipelined run (its stages hold parts of the model, which
-    the plain step's trace does not model).
-
-    Example:
-        >>> from meshtorch.recipes.lm import TrainConfig
-        >>> from meshtorch.recipes.lm.steps import check_memory
-        >>> cfg = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, batch=4, length=8)
-        >>> check_memory(cfg, vocab=16, processes=2)["parameters"] >= 4 * 752
-        True
-    """
-    if not cfg.run.memory_check or cfg.parallelism.pipeline_stages > 1:
-        return None
-    par = cfg.parallelism
-    kind, _ = parse_device(par.device)
-    on_gpu = (auto_device(processes) if kind == "auto" else kind) == "cuda"
-    # on GPUs each processor has one of its own; on the host they share its memory
-    limit = devices.gpu_free_memory(processes) if on_gpu else devices.available_memory()
-    if limit is None:
-        return None
-    have, source = limit
-    sharing = 1 if on_gpu else processes
-    runs_on = "cuda" if on_gpu else "cpu"
-    t = trace(training_step(cfg, vocab), mesh=par.parsed.mesh, rules=par.parsed.rules,
-              staging=staging_for(par.backend, runs_on), device=runs_on)
-    need = {**t.peak_by_kind, "total": t.peak_bytes}
-    if t.peak_bytes * sharing > have:
-        kinds = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in t.peak_by_kind.items())
-        where = "one processor per GPU" if on_gpu else f"{processes} processor(s) on this machine"
-        raise TrainingError(
-            f"this step needs about {_fmt_bytes(t.peak_bytes * sharing)} ({where} x "
-            f"{_fmt_bytes(t.peak_bytes)}: {kinds}, as meshtorch plan predicts) but only "
-            f"{_fmt_bytes(have)} is available ({source}); lower --batch or --length, split more dims "
-            "over the mesh (--rules), use --precision bf16, or free memory (--no-memory-check skips "
-            "this check)")
-    return need

@@ -11,9 +11,10 @@ and :class:`meshtorch.recipes.lm.steps.TrainingProgram` traces their ``run``
 layers: the mesh gets a ``stage:N`` axis in front unless it has one (so
 ``--mesh b:2 --pipeline-stages 2`` runs on ``stage:2,b:2``, four processors);
 the layout rules are the usual ones and never mention it. ``--schedule
-gpipe|1f1b|2bw`` picks the pipeline schedule (``--lr-schedule`` the learning
-rate's), ``--microbatches`` the micro-batches per batch. Gradient clipping uses
-the norm over all stages (the tied embedding table counted once). A window runs
+gpipe|1f1b|2bw|zb|interleaved`` picks the pipeline schedule (``--lr-schedule`` the
+learning rate's; ``--virtual-stages v`` model chunks per stage for ``interleaved``),
+``--microbatches`` the micro-batches per batch. Gradient clipping uses the norm
+over all stages (the tied embedding table counted once). A window runs
 as one table, so 2BW does not flush inside it. Every processor gathers the whole
 model (and optimizer state) from the stages for ``checkpoint/``, the plain
 run's format (``meshtorch generate`` and ``--resume`` read it), the held-out
@@ -72,9 +73,10 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 def overlapped(cfg: TrainConfig) -> Any:
     """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
-    ``--reshard-after-forward`` say: the one place the trainer switches it. Off under ``--compile``
-    (the graph schedules its collectives). On the meta backend too, so that the planner traces the
-    grouped, asynchronous calls the run makes (and prices their overlap: :mod:`meshtorch.plan.timeline`)."""
+    ``--reshard-after-forward`` say (the latter implies the former): the one place the trainer
+    switches it. Off under ``--compile`` (the graph schedules its collectives). On the meta
+    backend too, so that the planner traces the grouped, asynchronous calls the run makes (and
+    prices their overlap: :mod:`meshtorch.plan.timeline`)."""
     from meshtorch.lowering.overlap import overlap
 
     return overlap(enabled=overlaps(cfg), reshard_after_forward=cfg.parallelism.reshard_after_forward)
@@ -82,7 +84,8 @@ def overlapped(cfg: TrainConfig) -> Any:
 
 def overlaps(cfg: TrainConfig) -> bool:
     """Whether ``cfg``'s plain step runs its parameters' collectives with ``mt.overlap``."""
-    return cfg.parallelism.overlap and not cfg.run.compile
+    par = cfg.parallelism
+    return (par.overlap or par.reshard_after_forward) and not cfg.run.compile
 
 
 def _value(loss: Any) -> float:
@@ -149,7 +152,8 @@ def pipelining(cfg: TrainConfig) -> Pipelining:
     """How :class:`PipelinedStep` pipelines ``cfg``'s step: along ``stage``, ``--schedule``,
     ``--microbatches``, without recomputation."""
     par = cfg.parallelism
-    return Pipelining(schedule=par.schedule, microbatches=par.microbatches, axis=AXIS, recompute=False)
+    return Pipelining(schedule=par.schedule, microbatches=par.microbatches, axis=AXIS, recompute=False,
+                      virtual_stages=par.virtual_stages)
 
 
 class _Stepper:
@@ -166,10 +170,14 @@ class _Stepper:
 def _clip(pipe: Any, max_norm: float) -> None:
     """Scale every stage's gradients so that the norm over the whole model is at most ``max_norm``."""
     from meshtorch.optim.clip import global_grad_norm
+    from meshtorch.pipeline.executor import chunks_of
+    from meshtorch.pipeline.lm import named_model_parameters, owner_stage
 
     mod = pipe.module
-    # the tied table sits on the first and the last stage with equal gradients: count it once
-    params = [p for n, p in mod.named_parameters() if not (n.startswith("table.") and not mod.first)]
+    cfg = chunks_of(mod)[0].cfg
+    # the tied table sits on the first and the last stage with equal gradients: count it once (its owner's)
+    params = [p for n, p in named_model_parameters(mod)
+              if owner_stage(n, cfg, pipe.num_stages, pipe.virtual_stages) == pipe.stage]
     local = global_grad_norm(params).to(torch.float64) ** 2
     total = current().comm.all_reduce(local.reshape(1), AXIS)[0].sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -221,7 +229,7 @@ class PipelinedStep:
                            saved=_with_previous(self.model, self.previous) if resumed_previous else None)
         how = pipelining(cfg)  # what this step declares to the planner (self.pipeline) is what it builds
         pipe = lm_pipeline(self.model.cfg, model=self.model, axis=how.axis, microbatches=how.microbatches,
-                           schedule=how.schedule, recompute=how.recompute)
+                           schedule=how.schedule, recompute=how.recompute, virtual_stages=how.virtual_stages)
         pipe.optimizer, pipe.batches_trained = _Stepper(self.opt), start
         if resumed_previous:
             restore_previous(pipe, self.previous)
@@ -243,7 +251,8 @@ class PipelinedStep:
         return start
 
     def banner(self) -> str:
-        return (f"pipeline of {self.pipe.num_stages} stages ({self.pipe.schedule.name}, "
+        chunks = f" × {self.pipe.virtual_stages} chunks" if self.pipe.virtual_stages > 1 else ""
+        return (f"pipeline of {self.pipe.num_stages} stages{chunks} ({self.pipe.schedule.name}, "
                 f"{self.cfg.parallelism.microbatches} micro-batches) on mesh '{current().mesh}' "
                 f"rules '{self.cfg.parallelism.rules}'")
 
@@ -261,4 +270,5 @@ class PipelinedStep:
 
     def summary(self) -> dict[str, Any]:
         return {"schedule": self.pipe.schedule.name, "pipeline_stages": self.pipe.num_stages,
+                "virtual_stages": self.pipe.virtual_stages,
                 "microbatches": self.cfg.parallelism.microbatches}

@@ -37,8 +37,10 @@ from meshtorch.context import current, processor_device
 from meshtorch.data import Corpus, LMBatches
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
+from meshtorch.launcher.elastic import restart_count
 from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
+from meshtorch.recipes.lm.fit import check_memory, check_model_size
 from meshtorch.recipes.lm.guards import RunDirLock, check_loss
 from meshtorch.recipes.lm.optimizer import lr_at, make_optimizer
 from meshtorch.recipes.lm.plan_cli import choose_rules, describe_choice
@@ -57,8 +59,14 @@ from meshtorch.recipes.lm.report import (
     report,
     step_flops,
 )
+from meshtorch.recipes.lm.restarts import (
+    continued,
+    launcher_holds,
+    maybe_crash,
+    restart_record,
+    train_restarting,
+)
 from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
-from meshtorch.recipes.lm.steps import check_memory
 from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
@@ -116,8 +124,13 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str,
     flops = step_flops(model.cfg, tokens, run.length, params)
     metrics_path = os.path.join(out, "metrics.jsonl")
     metrics: list[dict] = []
+    restarted = restart_record(start)
     if lead:
         metrics = start_metrics(cfg, out, start)
+        if restarted:
+            metrics.append(restarted)
+            with open(metrics_path, "a") as f:
+                f.write(json_text(restarted, metrics_path) + "\n")
         print(f"{strategy.banner()} on {processor_device()}; {run.steps} steps of "
               f"{run.batch}x{run.length} tokens")
     board = MetricsBoard(out, lead and run.tensorboard)
@@ -151,6 +164,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str,
             save_run(cfg, out, model, opt, batches, step, saved=strategy.saved(),
                      background=run.async_checkpoint)
             saved_at = f"{out} holds the checkpoint of step {step}"
+        maybe_crash(step, current().rank)
     bar.close()
     wall = time.perf_counter() - t0
     if step > start or os.path.realpath(out) != os.path.realpath(run.resume or ""):
@@ -160,8 +174,12 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str,
               "device": str(processor_device()), "mesh": str(cfg.parallelism.parsed.mesh),
               "rules": str(cfg.parallelism.parsed.rules),
               "train_s": round(wall, 2), "checkpoint": os.path.join(out, "checkpoint"), **strategy.summary()}
-    if metrics and metrics[-1]["step"] == run.steps:
-        result["flop_utilisation"] = metrics[-1]["flop_utilisation"]
+    logged = [m for m in metrics if "loss" in m]
+    if logged and logged[-1]["step"] == run.steps:
+        result["flop_utilisation"] = logged[-1]["flop_utilisation"]
+    if cfg.parallelism.max_restarts or restarted:
+        result["restarts"] = restarted["restart"] if restarted else 0
+        result["restarted_at_steps"] = [m["step"] for m in metrics if m.get("event") == "restart"]
     if chosen is not None:
         result["rules_auto"] = chosen
     result.update(throughput(tokens * (step - start), flops * (step - start), wall, peak))
@@ -169,7 +187,7 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str,
     board.close(result)
     if lead:
         hl = [(step, result["heldout_loss"])]
-        result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), metrics, hl,
+        result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), logged, hl,
                                          result.get("unigram_entropy", float("nan")),
                                          "byte" if cfg.run.tokenizer == "bytes" else "token")
         with open(os.path.join(out, "summary.json"), "w") as f:
@@ -182,9 +200,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     return processor 0's summary (``final_loss``, ``heldout_loss``, ``unigram_entropy``, ``sample``,
     ``out``, ...)."""
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    given = cfg
     cfg = with_pretrained_model(cfg)
     # a tokenizer fitted to the data is known only once fitted (in --out): check with its largest size
     planned = planned_vocab(cfg)
+    # a model too large for this machine's memory fails now, before any search, trace or build runs away
+    processors = cfg.parallelism.processors or world or 1
+    check_model_size(cfg, planned, processors,
+                     int(os.environ.get("LOCAL_WORLD_SIZE", world or processors)))
     # --rules auto: the planner's search picks the rules now, before anything reads them (on the
     # hardware of this machine's processors); every process of a torchrun world runs the same
     # deterministic search (checked below once joined)
@@ -206,6 +229,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # every processor of this machine holds its slices: all of them under threads or a spawn
     here = int(os.environ.get("LOCAL_WORLD_SIZE", world or layout.mesh.size))
     check_memory(cfg, planned, here)
+    if par.max_restarts and world is None:
+        # this process runs torchrun's elastic agent, whose workers run the checks above again, join
+        # the world and train; it holds --out for all of their starts
+        return train_restarting(given, out, layout.mesh.size)
     # under torchrun every process runs this; processor 0 alone writes --out, so it alone holds it
     if par.backend == "torch" and (world or 1) > 1:
         # join the world now (the launch below reuses it): processor 0 fits the tokenizer, the others wait
@@ -217,7 +244,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # processor 0 of the world joined above holds --out; the threads backend's process always does
     # (a stray RANK variable never skips the lock and the earlier-run check)
     lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
-    lock = RunDirLock(cfg, out) if lead else contextlib.nullcontext()
+    # (a worker of --max-restarts finds --out held for it by the launcher that started it)
+    lock = RunDirLock(cfg, out) if lead and not launcher_holds(out) else contextlib.nullcontext()
     if chosen is not None and lead:
         print(describe_choice(chosen))
     with lock:
@@ -235,6 +263,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             kwargs["backend"] = par.backend
         result = _run(cfg, corpus, out, kwargs, chosen)
     return result
+
+
+def restarting_worker() -> None:
+    """One worker process of ``meshtorch train --max-restarts`` (:mod:`meshtorch.recipes.lm.restarts`):
+    ``python -c`` runs it with the run's options (JSON) as its argument; a restarted start continues
+    from ``--out``."""
+    import json
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from meshtorch.launcher.lifeline import die_with_launcher
+
+    die_with_launcher()
+    cfg = TrainConfig.of(**json.loads(sys.argv[1]))
+    if restart_count():
+        cfg = continued(cfg, cfg.run.out)
+    record(train)(cfg)  # an exception's message reaches the launcher through torchrun's error file
 
 
 def agree_on_rules(rules: str) -> None:

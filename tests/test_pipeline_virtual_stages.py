@@ -1,0 +1,238 @@
+"""Virtual stages in the executor: interleaved 1F1B with v model chunks per stage (chunk c on stage
+c mod p) trains exactly like the unsplit model, on threads and on gloo processes, with data-parallel
+replicas, for plain stages and for the MeshTensor LM; and ``meshtorch train --virtual-stages``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from meshtorch.errors import PipelineError
+from meshtorch.pipeline import Pipeline, build_schedule
+from meshtorch.pipeline.lm import lm_pipeline, named_model_parameters, owner_stage
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD
+from test_pipeline import reference
+from test_pipeline_lm import _unsplit, config, data
+
+pytestmark = pytest.mark.timeout(180)
+
+WIDTHS = [5, 7, 6, 4, 3, 6, 5, 4]  # chunk boundaries of different widths: activations of different shapes
+
+
+def make_chunks(n: int, seed: int = 0) -> list[torch.nn.Module]:
+    """``n`` float64 MLP model chunks; chunk ``c`` maps WIDTHS[c] -> WIDTHS[c + 1] (tanh between)."""
+    g = torch.Generator().manual_seed(seed)
+    widths = WIDTHS[:n] + [2]
+    chunks = []
+    for i in range(n):
+        lin = torch.nn.Linear(widths[i], widths[i + 1]).double()
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g, dtype=torch.float64) * 0.5)
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g, dtype=torch.float64) * 0.1)
+        chunks.append(torch.nn.Sequential(lin, torch.nn.Tanh()) if i < n - 1 else lin)
+    return chunks
+
+
+def make_data(steps: int, n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, WIDTHS[0], generator=g, dtype=torch.float64),
+             torch.randn(n, 2, generator=g, dtype=torch.float64)) for _ in range(steps)]
+
+
+def _interleaved(chunks, data, v, m, recompute=False, replicas=1):
+    pipe = Pipeline(lambda c: copy.deepcopy(chunks[c]), microbatches=m, schedule="interleaved",
+                    virtual_stages=v, recompute=recompute, loss_fn=torch.nn.functional.mse_loss,
+                    optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+    r = mt.current().coords.get("dp", 0)
+    x0, y0 = data[0][0].chunk(replicas)[r], data[0][1].chunk(replicas)[r]
+    before = pipe.loss(x0, y0)  # the forwards only (evaluation): the first step's loss
+    losses = [pipe.step(x.chunk(replicas)[r], y.chunk(replicas)[r]) for x, y in data]
+    order = [(k, i, c) for (k, i, *_), c in zip(pipe.trace, pipe.executor.trace_chunks)]
+    assert before == pytest.approx(losses[0], rel=1e-12)
+    return pipe.stage, [c.state_dict() for c in pipe.module], losses, order
+
+
+def _check(out, chunks, data, p, v, m):
+    want, want_losses = reference(chunks, data)
+    table = build_schedule("interleaved", p, m, virtual_stages=v)
+    for s, states, losses, order in out:
+        assert order == [(a.kind, a.microbatch, a.chunk) for a in table.for_stage(s)]  # the table's order
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        assert len(states) == v
+        for k, state in enumerate(states):  # local chunk k is model chunk k·p + s
+            for name, value in want[k * p + s].items():
+                torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=f"{s}.{k}.{name}")
+    assert not torch.allclose(want[0]["0.weight"], chunks[0][0].weight)  # the test can fail: Adam moved it
+
+
+@pytest.mark.parametrize("p,v,m,recompute", [(2, 2, 4, False), (3, 2, 3, False), (1, 3, 2, False),
+                                             (2, 3, 2, True)])
+def test_interleaved_trains_like_the_unsplit_model(p, v, m, recompute):
+    # (1, 3): one stage, its three chunks hand values to each other in memory
+    chunks, batch = make_chunks(p * v), make_data(3, 12)
+    out = mt.launch(_interleaved, chunks, batch, v, m, recompute, mesh=f"stage:{p}")
+    _check(out, chunks, batch, p, v, m)
+
+
+def test_interleaved_with_data_parallel_replicas():
+    p, v, m = 2, 2, 2
+    chunks, batch = make_chunks(p * v), make_data(3, 16)
+    out = mt.launch(_interleaved, chunks, batch, v, m, False, 2, mesh="dp:2,stage:2")
+    assert [o[0] for o in out] == [0, 1, 0, 1]
+    _check(out, chunks, batch, p, v, m)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(1, 3),
+       st.sampled_from(["interleaved", "zb", "1f1b"]))
+def test_each_pair_receives_in_the_order_it_sends(p, v, rounds, name):
+    # Tags keep the chunks' messages apart on gloo; NCCL ignores tags and matches a pair's messages in
+    # order. So the tables must make every stage receive from a peer in the order the peer sends.
+    v = v if name == "interleaved" else 1
+    t = build_schedule(name, p, rounds * p, batches=2, virtual_stages=v)
+    n = p * v
+    sent: dict[tuple[int, int], list] = {}
+    got: dict[tuple[int, int], list] = {}
+    for a in t.actions:
+        c, s = t.model_chunk(a), a.stage
+        if a.kind == FORWARD:
+            if c > 0:
+                got.setdefault(((c - 1) % p, s), []).append(("F", c, a.microbatch, a.slot))
+            if c < n - 1:
+                sent.setdefault((s, (c + 1) % p), []).append(("F", c + 1, a.microbatch, a.slot))
+        elif a.kind == BACKWARD:
+            if c < n - 1:
+                got.setdefault(((c + 1) % p, s), []).append(("B", c, a.microbatch, a.slot))
+            if c > 0:
+                sent.setdefault((s, (c - 1) % p), []).append(("B", c - 1, a.microbatch, a.slot))
+    for pair in set(sent) | set(got):
+        if pair[0] == pair[1]:
+            continue
+        order = [x[:3] for x in sorted(sent.get(pair, []), key=lambda x: x[3])]
+        assert order == [x[:3] for x in sorted(got.get(pair, []), key=lambda x: x[3])], pair
+
+
+def _lm(cfg, v, schedule, m=2):
+    pipe = lm_pipeline(cfg, microbatches=m, schedule=schedule, virtual_stages=v,
+                       optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+    losses = []
+    for seq in data():
+        ids = mt.from_global(seq[:, :-1].contiguous(), "batch:8,length:6")
+        tgt = mt.from_global(seq[:, 1:].contiguous(), "batch:8,length:6")
+        losses.append(pipe.step(ids, tgt))
+    params = {n: p.mesh_tensor.to_global() for n, p in named_model_parameters(pipe.module)}
+    owners = {n: owner_stage(n, cfg, pipe.num_stages, v) for n in params}
+    return losses, params, owners, pipe.stage
+
+
+@pytest.mark.parametrize("mesh,rules,v,schedule", [
+    ("stage:2,b:2", "batch:b", 2, "interleaved"),   # tied table on chunks 0 (stage 0) and 3 (stage 1)
+    ("stage:1", "", 4, "interleaved"),              # one stage: the first and the last chunk share it
+    ("stage:2,m:2", "heads:m; d_ff:m; vocab:m", 1, "zb"),
+])
+def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
+    cfg = config(True, layers=4)
+    (want_losses, want), = mt.launch(_unsplit, cfg)
+    out = mt.launch(_lm, cfg, v, schedule, mesh=mesh, rules=rules)
+    seen = set()
+    for losses, params, owners, stage in out:
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5, msg=name)
+            seen.add(name)
+        # each stage holds what owner_stage says (the tied table on the last stage too)
+        assert {n for n, s in owners.items() if s == stage} == {n for n in params if not (
+            n == "embed.table" and stage != 0)}
+    assert seen == set(want)
+    assert want_losses[-1] < want_losses[0]
+
+
+def _gloo(chunks, batch, lm_cfg):
+    # one spawn for both: process start-up dominates
+    return {"plain": _interleaved(chunks, batch, 2, 4), "lm": _lm(lm_cfg, 2, "interleaved")[:2]}
+
+
+def test_interleaved_on_two_gloo_processes():
+    chunks, batch = make_chunks(4), make_data(3, 8)
+    cfg = config(True, layers=4)
+    (want_losses, want), = mt.launch(_unsplit, cfg)
+    out = mt.launch(_gloo, chunks, batch, cfg, mesh="stage:2", backend="torch", timeout=120)
+    _check([o["plain"] for o in out], chunks, batch, 2, 2, 4)
+    for o in out:
+        losses, params = o["lm"]
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for name, value in params.items():
+            torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_virtual_stages_refuse_what_they_cannot_do():
+    chunks = make_chunks(4)
+
+    def build(n, **kw):
+        return Pipeline(chunks[:n], microbatches=2, loss_fn=torch.nn.functional.mse_loss, **kw)
+
+    with pytest.raises(PipelineError, match=r"3 stages but axis 'stage' has 2 processors × 2 virtual stages"):
+        mt.launch(build, 3, schedule="interleaved", virtual_stages=2, mesh="stage:2")
+    with pytest.raises(PipelineError, match="needs schedule='interleaved'"):
+        mt.launch(build, 4, schedule="1f1b", virtual_stages=2, mesh="stage:2")
+    with pytest.raises(PipelineError, match="3 layers cannot fill 4 pipeline stages"):
+        mt.launch(lambda: lm_pipeline(config(True, layers=3), schedule="interleaved", virtual_stages=2),
+                  mesh="stage:2")
+
+
+def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path, capsys):
+    import json
+    import os
+
+    from meshtorch import cli
+    from run_harness import checkpoint_tensors, write_corpus
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    tiny = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "4", "--batch", "8",
+            "--length", "16", "--eval-batches", "2", "--sample-tokens", "4", "--log-every", "1",
+            "--warmup", "2", "--steps", "3", "--no-progress", "--data", write_corpus(corpus, 4),
+            "--mesh", "b:1", "--rules", ""]
+    runs = {"plain": [], "interleaved": ["--pipeline-stages", "2", "--virtual-stages", "2", "--schedule",
+                                         "interleaved", "--microbatches", "2"],
+            "zb": ["--pipeline-stages", "2", "--schedule", "zb", "--microbatches", "2"]}
+    for name, flags in runs.items():
+        assert cli.main(["train", "--out", str(tmp_path / name), *tiny, *flags]) == 0
+    assert "pipeline of 2 stages × 2 chunks (interleaved, 2 micro-batches)" in capsys.readouterr().out
+
+    def losses(name):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            return [json.loads(line)["loss"] for line in f]
+
+    plain = checkpoint_tensors(str(tmp_path / "plain"))
+    for name in ("interleaved", "zb"):
+        # synchronous schedules: AdamW, warm-up, clipping over all stages (the tied table once) as unsplit
+        assert losses(name) == pytest.approx(losses("plain"), abs=2e-4)
+        summary = json.load(open(os.path.join(tmp_path, name, "summary.json")))
+        assert (summary["schedule"], summary["virtual_stages"]) == (name, 2 if name == "interleaved" else 1)
+        got = checkpoint_tensors(str(tmp_path / name))  # gathered from the chunks: the unsplit run's
+        assert sorted(got) == sorted(plain)
+        for k in plain:
+            torch.testing.assert_close(got[k], plain[k], rtol=1e-3, atol=2e-4, msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("flags,match", [
+    (dict(layers=6, virtual_stages=2, schedule="interleaved"),
+     "--layers 6 do not divide into --pipeline-stages 2 × --virtual-stages 2 = 4 model chunks"),
+    (dict(layers=4, virtual_stages=2, schedule="1f1b"), "--virtual-stages 2 needs --schedule interleaved"),
+    (dict(layers=4, virtual_stages=2, schedule="interleaved", microbatches=3),
+     "--microbatches 3 must be a multiple of 2"),
+    (dict(layers=1, schedule="zb"), "--layers 1 do not divide into --pipeline-stages 2"),
+    (dict(layers=4, virtual_stages=2, pipeline_stages=1),
+     "--virtual-stages 2 .* needs --pipeline-stages > 1"),
+])
+def test_stage_flags_that_cannot_work_are_named(flags, match):
+    from meshtorch.recipes.lm import TrainConfig, check_config
+
+    with pytest.raises(PipelineError, match=match):
+        check_config(TrainConfig.of(**{"pipeline_stages": 2, **flags}))

@@ -1,0 +1,143 @@
+"""A GPU plan's memory is the caching allocator's: each storage a block, a fragmentation margin
+and the CUDA context on top (plan/allocator.py), and a plan fits what is left of the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import meshtorch as mt
+from meshtorch.plan.allocator import block_bytes, reserved_bytes, usable_bytes
+from meshtorch.plan.devices import device, load_spec, save_spec
+from meshtorch.plan.estimate import from_trace
+
+MiB = 2 ** 20
+
+
+@given(st.integers(1, 64 * MiB))
+@settings(max_examples=60, deadline=None)
+def test_a_block_is_the_request_rounded_as_the_allocator_cuts_segments(n):
+    b = block_bytes(n)
+    assert b % 512 == 0 and b >= n
+    if n < 10 * MiB:  # cut from a 2 MiB or 20 MiB segment, the rest split off: only 512-byte rounding
+        assert b - n < 512
+    else:  # a segment of its own, 2 MiB-rounded; its rest is split off only when over 1 MiB
+        size = -(-n // 512) * 512
+        segment = -(-size // (2 * MiB)) * (2 * MiB)
+        assert b == (size if segment - size > MiB else segment)
+        assert b - n < MiB + 512
+
+
+def _step():
+    a = mt.random.normal("batch:3", seed=1)                      # 12 B: one 512-byte block
+    b = mt.random.normal(f"batch:{11 * MiB // 4}", seed=2)       # 11 MiB: its whole 12 MiB segment
+    c = mt.random.normal(f"batch:{21 * MiB // 8}", seed=3)       # 10.5 MiB: split off a 12 MiB one
+    with mt.plan.measure():
+        return [x * 2 for x in (a, b, c)]                         # a copy of each alive at once
+
+
+def test_a_trace_for_a_gpu_holds_each_storage_as_its_block():
+    host = mt.plan.trace(_step, mesh="b:1", device="cpu")
+    gpu = mt.plan.trace(_step, mesh="b:1", device="cuda")
+    assert host.peak_bytes == 2 * (12 + 11 * MiB + 21 * MiB // 2)
+    assert gpu.peak_bytes == 2 * (512 + 12 * MiB + 21 * MiB // 2)
+
+
+def test_a_gpu_plan_fits_what_the_context_and_the_margin_leave():
+    spec = device("h100")
+    assert spec.memory_margin == 0.10 and spec.context_bytes == 2 ** 29
+    usable = spec.usable_memory
+    m, ctx = 0.10, 2 ** 29
+    assert reserved_bytes(usable, m, ctx) <= spec.memory_bytes < reserved_bytes(usable + 2, m, ctx)
+    t = mt.plan.trace(_step, mesh="b:1", device="cuda")
+    # a device as small as the step's peak plus its margin and context: fits to the byte, not one less
+    exact = reserved_bytes(t.peak_bytes, 0.10, 2 ** 29)
+    for capacity, fits in ((exact + 1, True), (exact - 2, False)):
+        small = dataclasses.replace(spec, memory_bytes=capacity)
+        est = from_trace(t, "b:1", small)
+        assert est.fits is fits and est.memory_capacity == usable_bytes(capacity, 0.10, 2 ** 29)
+    # a CPU spec has neither: its plans compare the peak with the memory itself
+    cpu = dataclasses.replace(device("a100"), memory_margin=0.0, context_bytes=0)
+    assert cpu.usable_memory == cpu.memory_bytes
+
+
+def test_a_device_file_carries_the_allocator_numbers(tmp_path):
+    spec = dataclasses.replace(device("h100"), memory_margin=0.25, context_bytes=3 * 2 ** 28)
+    save_spec(spec, tmp_path / "gpu.json")
+    back = load_spec(tmp_path / "gpu.json")
+    assert (back.memory_margin, back.context_bytes) == (0.25, 3 * 2 ** 28)
+    assert back.usable_memory == usable_bytes(spec.memory_bytes, 0.25, 3 * 2 ** 28)
+    d = json.loads((tmp_path / "gpu.json").read_text())
+    del d["memory_margin"], d["context_bytes"]   # an older file: neither, so no allowance
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_spec(tmp_path / "old.json").usable_memory == spec.memory_bytes
+
+
+# A hand-made compiled step: p (a parameter, 100 B); x -> mm -> h -> gelu -> g -> mm -> o in the
+# forward; in the backward a fused pair reads g (-> dg) and h, dg (-> dh). Storages are 40 B.
+MM, ELT = ("mm", "float32", 8, 120, (1, 1, 1, 1), 1, 0), ("gelu", "float32", 0, 80, (), 1, 0)
+P, X, H, G, O, DG, DH = 1, 2, 3, 4, 5, 6, 7
+SEQ = [(MM, ((X, 40), (P, 100)), ((H, 40),)), (ELT, ((H, 40),), ((G, 40),)),
+       (MM, ((G, 40), (P, 100)), ((O, 40),)),
+       (ELT, ((G, 40),), ((DG, 40),)), (ELT, ((H, 40), (DG, 40)), ((DH, 40),))]
+BACKWARD = [False, False, False, True, True]
+EVENTS = [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (DG, 40), (G, -40), (DH, 40), (DG, -40), (H, -40)]
+AT = [3, 4, 5, 6, 8]
+KIND = {P: "parameters"}
+
+
+def test_a_compiled_step_keeps_neither_fused_temporaries_nor_what_it_can_remake():
+    from meshtorch.plan.compiled_memory import compiled_timeline, peak_of
+    from meshtorch.plan.tracing import KINDS
+
+    eager = [(float(i), s, d) for i, (s, d) in enumerate(EVENTS)]
+    assert peak_of(eager, [], KIND, KINDS)[0] == 100 + 5 * 40   # p, x, h, g, o and dg at once
+    got = compiled_timeline(SEQ, AT, BACKWARD, EVENTS, KIND)
+    # dg lives inside the backward's fused kernel; g is dropped after its forward reader (h, which
+    # remakes it, is alive in the backward anyway); dh is a result, kept
+    assert [(s, d) for _, s, d in got] == [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (G, -40),
+                                          (DH, 40), (H, -40)]
+    assert peak_of(got, [], KIND, KINDS) == (100 + 4 * 40, {"parameters": 100, "gradients": 0,
+                                                            "optimizer": 0, "activations": 160})
+
+
+def test_what_costs_more_to_keep_than_to_save_is_saved():
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    # h is not read in the backward (freed after gelu) and is twice g: remaking g would keep 80 B
+    # for 40, so g is saved as in eager; a backward reader outside a fused run reads it as it is
+    seq = [SEQ[0], SEQ[1], SEQ[2], (MM, ((G, 40),), ((DG, 40),))]
+    events = [(P, 100), (X, 40), (H, 80), (G, 40), (H, -80), (O, 40), (DG, 40), (G, -40)]
+    got = compiled_timeline(seq, [3, 4, 6, 7], [False, False, False, True], events, KIND)
+    assert [(p, s, d) for p, s, d in got] == [(float(i), s, d) for i, (s, d) in enumerate(events)]
+    # with h alive in the backward, g is remade there, into a buffer alive for the mm alone
+    events = [(P, 100), (X, 40), (H, 80), (G, 40), (O, 40), (DG, 40), (G, -40), (H, -80)]
+    got = compiled_timeline(seq, [3, 4, 5, 6], [False, False, False, True], events, KIND)
+    remade = [(p, d) for p, s, d in got if s < 0]
+    assert remade == [(4.9, 40), (5.75, -40)] and (4.75, G, -40) in got
+
+
+def test_without_autograds_task_id_nothing_is_remade(monkeypatch):
+    """torch._C._current_graph_task_id (private) says which ops ran in the backward; a torch without
+    it plans a compiled step with its fused temporaries dropped but nothing remade."""
+    import torch
+
+    from meshtorch.plan.tracing import _in_backward
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.steps import training_step
+
+    cfg = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=1, batch=4, length=16,
+                         precision="bf16", mesh="b:1", rules="batch:b")
+
+    def peak(compiled: bool) -> int:
+        return mt.plan.trace(training_step(cfg, 512), mesh="b:1", rules="batch:b", compiled=compiled,
+                             device="cuda").peak_bytes
+
+    eager, remade = peak(False), peak(True)
+    monkeypatch.delattr(torch._C, "_current_graph_task_id")
+    assert not _in_backward()
+    fused_only = peak(True)
+    assert remade < fused_only < eager

@@ -1,0 +1,164 @@
+"""Automatic restarts (``--max-restarts``, torchrun's elastic agent): a worker killed with SIGKILL mid-run
+ends, after the restart, in the run an uninterrupted one gives, bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from meshtorch.cli import main as cli_main
+from meshtorch.launcher.elastic import failure_text, restart_count
+from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.guards import RunDirLock
+from meshtorch.recipes.lm.restarts import ENV_TEST_KILL, continued, launcher_holds
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_harness import assert_same_bits, checkpoint_tensors, write_corpus  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "8",
+        "--length", "16", "--eval-batches", "1", "--sample-tokens", "0", "--warmup", "2", "--no-progress",
+        "--mesh", "b:2", "--rules", "batch:b", "--lr", "0.01", "--tokenizer", "bytes", "--steps", "6",
+        "--log-every", "1", "--checkpoint-every", "2", "--no-memory-check"]
+
+
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def _run(cmd, env=None, timeout=150):
+    """Run ``cmd`` in its own session (killed as a group on timeout); (exit status, stdout, stderr)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": SRC, **(env or {})}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{err[-3000:]}")
+    return p.returncode, out, err
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_worker_killed_mid_run_is_restarted_and_the_run_ends_bitwise_as_an_uninterrupted_one(tmp_path):
+    (tmp_path / "data").mkdir()
+    data = write_corpus(tmp_path / "data", 3)
+    out = str(tmp_path / "restarted")
+    # processor 1 kills itself with SIGKILL after step 3 of its first start: the checkpoint of step 2 is
+    # the newest, so the restart trains step 3 again (the data position and the random streams resume)
+    code, _, err = _run([sys.executable, "-m", "meshtorch", "train", *TINY, "--data", data, "--out", out,
+                         "--backend", "torch", "--device", "cpu", "--max-restarts", "1"],
+                        env={ENV_TEST_KILL: "1:3"}, timeout=220)
+    assert code == 0, err[-4000:]
+    assert "failed (exitcode: -9) local_rank: 1" in err  # the kill happened, seen by torchrun's agent
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert (summary["steps"], summary["restarts"], summary["restarted_at_steps"]) == (6, 1, [2])
+    records = _metrics(out)
+    assert {"step": 2, "event": "restart", "restart": 1} in records
+    # the reference: the same run, uninterrupted (threads: on this 2-processor mesh the only cross-processor
+    # arithmetic is sums of two addends, which are exact in either order, so the backends agree bitwise)
+    ref = str(tmp_path / "uninterrupted")
+    assert cli_main(["train", *TINY, "--data", data, "--out", ref]) == 0
+    assert [r["loss"] for r in records if "loss" in r] == [r["loss"] for r in _metrics(ref)]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert_same_bits(checkpoint_tensors(out), checkpoint_tensors(ref))
+
+
+def test_meshtorch_launch_restarts_every_worker_over_the_loopback(tmp_path):
+    script = tmp_path / "flaky.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, signal, sys
+        import torch
+        import meshtorch as mt
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from test_launch_processes import listening_addresses
+        from meshtorch.launcher.elastic import restart_count
+        ctx = mt.current()
+        total = ctx.comm.all_reduce(torch.ones(1), ("m",), "sum").item()
+        if restart_count() == 0 and ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(os.path.join(sys.argv[1], f"r{{ctx.rank}}.json"), "w") as f:
+            json.dump({{"restart": restart_count(), "total": total, "listening": listening_addresses()}}, f)
+    """))
+    code, _, err = _run([sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "--mesh", "m:2",
+                         "--max-restarts", "1", str(script), str(tmp_path)], timeout=150)
+    assert code == 0, err[-3000:]
+    for r in range(2):
+        rec = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert (rec["restart"], rec["total"]) == (1, 2.0)  # both were started again, and met again
+        assert rec["listening"] and all(a in LOOPBACK for a in rec["listening"]), rec["listening"]
+
+
+def test_the_threads_backend_refuses_max_restarts(tmp_path, capsys):
+    assert cli_main(["train", "--max-restarts", "2", "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert "--max-restarts 2 restarts the worker processes" in err and "add --backend torch" in err
+    assert not os.path.exists(tmp_path / "t")  # refused before anything ran
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    assert cli_main(["launch", "--mesh", "m:2", "--max-restarts", "1", str(script)]) == 2
+    assert "threads of this one process: add --backend torch" in capsys.readouterr().err
+    assert cli_main(["launch", "--backend", "torch", "--mesh", "m:2", "--max-restarts=-1", str(script)]) == 2
+    assert "--max-restarts -1 must be a whole number >= 0" in capsys.readouterr().err
+    assert cli_main(["train", "--backend", "torch", "--max-restarts", "-1"]) == 2
+    assert "--max-restarts -1 is out of range" in capsys.readouterr().err
+
+
+def test_a_restart_continues_from_the_checkpoint_in_out_only_where_there_is_one(tmp_path):
+    (tmp_path / "data").mkdir()
+    data = write_corpus(tmp_path / "data", 2)
+    out = str(tmp_path / "run")
+    cfg = TrainConfig.of(out=out, data=data, overwrite=True)
+    assert continued(cfg, out) is cfg  # nothing written yet: a restart starts as the first start did
+    assert cli_main(["train", *TINY, "--data", data, "--out", out, "--steps", "2"]) == 0
+    again = continued(cfg, out)
+    assert again.options() == {**cfg.options(), "resume": out, "overwrite": False}
+
+
+def test_only_the_launcher_that_holds_out_lets_its_workers_skip_the_lock(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    cfg = TrainConfig.of(out=out)
+    monkeypatch.setenv("MESHTORCH_LAUNCHER_PID", str(os.getppid()))
+    os.makedirs(out)
+    # the variable names our parent, but nobody holds the lock (and the lock file names nobody)
+    assert not launcher_holds(out)
+    with RunDirLock(cfg, out):  # held by this process, which is not our parent
+        assert not launcher_holds(out)
+        monkeypatch.setenv("MESHTORCH_LAUNCHER_PID", str(os.getpid()))
+        assert not launcher_holds(out)  # names the holder, but the holder is not this process's parent
+    monkeypatch.delenv("MESHTORCH_LAUNCHER_PID")
+    assert not launcher_holds(out)
+
+
+def test_restart_count_is_torchruns_and_only_under_torchrun(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert restart_count() == 0  # a stray variable outside torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert restart_count() == 2
+
+
+def test_a_failure_is_told_by_the_exception_a_worker_recorded_else_by_its_exit(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": "TrainingError: the loss is nan", "extraInfo": {
+        "py_callstack": "...", "timestamp": "1"}}}))
+    recorded = ProcessFailure(local_rank=1, pid=10, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=0, pid=11, exitcode=-9, error_file="<N/A>")
+    want = "processor 1 raised TrainingError: the loss is nan"
+    assert failure_text(ChildFailedError("w", {1: recorded})) == want
+    assert failure_text(ChildFailedError("w", {0: killed})) == "processor 0 was killed by SIGKILL"
+    assert torch.distributed.is_available()
