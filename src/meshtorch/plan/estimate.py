@@ -232,8 +232,8 @@ def overlap_seconds(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str
         >>> t = mt.plan.trace(step, mesh="b:2", rules="batch:b")
         >>> [kind for kind, axes, nbytes, asynchronous in t.timeline.calls if asynchronous]
         ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
-        >>> est = from_trace(t, "b:2", mt.plan.device("tpu-v2"))
         >>> spec = mt.plan.device("tpu-v2")
+        >>> est = from_trace(t, "b:2", spec)
         >>> est.overlap_seconds > 0, est.overlap_seconds == overlap_seconds(t, "b:2", spec)
         (True, True)
     """
