@@ -139,14 +139,14 @@ def run_step(cfg: TrainConfig, pipelined: bool, mark: bool = False) -> tuple[lis
     return rec.aten_names, counted, type(step).__name__
 
 
-@pytest.mark.parametrize("model, optimizer, mesh, rules, backend", [
-    ("lm", "adamw", "b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", "threads"),
-    ("seq2seq", "adamw", "b:2,m:2", "batch:b; heads:m; d_ff:m", "threads"),
-    ("moe", "adafactor", "b:2", "batch:b; experts:b; d_model:b", "torch"),
+@pytest.mark.parametrize("model, optimizer, mesh, rules, backend, overlap", [
+    ("lm", "adamw", "b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", "threads", False),
+    ("seq2seq", "adamw", "b:2,m:2", "batch:b; heads:m; d_ff:m", "threads", True),
+    ("moe", "adafactor", "b:2", "batch:b; experts:b; d_model:b", "torch", True),
 ])
 def test_the_planned_step_runs_the_ops_and_collectives_of_the_trainers_step(
-        collectives_as_markers, model, optimizer, mesh, rules, backend):
-    cfg = TINY.replace(model=model, optimizer=optimizer, clip=1.0)
+        collectives_as_markers, model, optimizer, mesh, rules, backend, overlap):
+    cfg = TINY.replace(model=model, optimizer=optimizer, clip=1.0, overlap=overlap)
     names, comm, kind = mt.launch(run_step, cfg, False, backend == "torch", mesh=mesh, rules=rules,
                                   backend=backend, timeout=120)[0]
     planned = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules)
@@ -176,6 +176,8 @@ def test_the_strategies_and_the_lm_program_implement_the_planners_protocols():
     assert isinstance(piped, Program) and (piped.pipeline.microbatches, piped.pipeline.axis) == (4, "stage")
     assert training_step(TINY.replace(model="moe"), VOCAB).pipelined(2) is None  # train pipelines the LM only
     assert program.with_layers(3).layers == 3 and program.without_update().pipeline is None
+    # a step that overlaps has no cheaper part (its gathers are grouped by the step before)
+    assert training_step(TINY.replace(overlap=True), VOCAB).without_update() is None
     t = trace(program, mesh="b:2", rules="batch:b")
     assert t.aten_ops == len(t.aten_names) > 100 and "mm" in t.aten_names
 

@@ -351,7 +351,7 @@ class Communicator(ABC):
         n = len(group)
         work = self._start_all_gather(flat, axes, group, self._describe("all_gather", axes, flat, dim=0),
                                       lambda out: gp.unpack_gather(out, n, layout))
-        return work if async_op else work.wait()
+        return self._issued(work) if async_op else work.wait()
 
     def reduce_scatter_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int], op: str = "sum",
                                async_op: bool = False) -> list[torch.Tensor] | Handle:
@@ -368,7 +368,7 @@ class Communicator(ABC):
         call = self._describe("reduce_scatter", axes, buf, op=op, dim=0)
         work = self._start_reduce_scatter(buf, axes, group, op, call,
                                           lambda row: gp.unpack_scatter(row, layout))
-        return work if async_op else work.wait()
+        return self._issued(work) if async_op else work.wait()
 
     def all_reduce_grouped(self, tensors: list[torch.Tensor], axes, op: str = "sum",
                            async_op: bool = False) -> list[torch.Tensor] | Handle:
@@ -383,7 +383,21 @@ class Communicator(ABC):
         self._record("all_reduce", axes, flat.numel() * flat.element_size())
         call = self._describe("all_reduce", axes, flat, op=op)
         work = self._start_all_reduce(flat, axes, group, op, call, lambda out: gp.unpack_reduce(out, shapes))
-        return work if async_op else work.wait()
+        return self._issued(work) if async_op else work.wait()
+
+    def _issued(self, work: Handle) -> Handle:
+        """An asynchronous call's handle, whose wait the stats' watchers are told of (the
+        planner prices the compute run until then as overlapping the call)."""
+        waited = self.stats.started()
+        if waited is None:
+            return work
+
+        def finish() -> list[torch.Tensor]:
+            out = work.wait()
+            waited()
+            return out
+
+        return Handle(finish, work.is_completed)
 
     # A backend that runs calls asynchronously overrides these; the others run them now. Either
     # way the result is unpacked when waited on, so every backend runs the same ops in one order.

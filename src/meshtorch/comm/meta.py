@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from meshtorch.comm.base import Communicator
+from meshtorch.comm.grouped import Handle
 from meshtorch.errors import CommError
 from meshtorch.mesh import Mesh
 
@@ -88,6 +89,11 @@ class MetaCommunicator(Communicator):
 
     def _all_reduce(self, t, axes, group, op, call):
         return self._copy(t).clone()
+
+    def _start_all_reduce(self, flat, axes, group, op, call, unpack):
+        if self._staging == "none":  # the threads backend reduces into a new tensor
+            return super()._start_all_reduce(flat, axes, group, op, call, unpack)
+        return Handle(lambda: unpack(flat))  # comm/torch.py reduces the packed buffer in place
 
     def _all_gather(self, t, axes, group, dim, call):
         x = self._copy(t, dim)

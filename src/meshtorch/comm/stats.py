@@ -30,6 +30,7 @@ class CommStats:
         self._calls: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
         self._bytes: dict[tuple[str, tuple[str, ...]], int] = defaultdict(int)
         self._watchers: list[Callable[[str, tuple[str, ...], int], None]] = []
+        self._async_watchers: list[Callable[[], Callable[[], None]]] = []
 
     def record(self, kind: str, axes: tuple[str, ...], nbytes: int) -> None:
         self._calls[(kind, axes)] += 1
@@ -37,9 +38,36 @@ class CommStats:
         for watcher in self._watchers:
             watcher(kind, axes, nbytes)
 
+    def started(self) -> Callable[[], None] | None:
+        """The call just recorded runs asynchronously: tell the watchers that follow waits (the
+        planner's, which prices the compute run until the wait as overlapping the call); what to
+        call once it has been waited for, or ``None`` when nobody follows.
+
+        Example:
+            >>> s, seen = CommStats(), []
+            >>> with s.watching(lambda *call: seen.append(call), waits=lambda: lambda: seen.append("waited")):
+            ...     s.record("all_reduce", ("b",), 8)
+            ...     waited = s.started()
+            ...     waited()
+            >>> seen
+            [('all_reduce', ('b',), 8), 'waited']
+        """
+        if not self._async_watchers:
+            return None
+        told = [w() for w in self._async_watchers]
+
+        def waited() -> None:
+            for tell in told:
+                tell()
+
+        return waited
+
     @contextmanager
-    def watching(self, watcher: Callable[[str, tuple[str, ...], int], None]) -> Iterator[None]:
-        """Also tell ``watcher(kind, axes, nbytes)`` of every call recorded in the block.
+    def watching(self, watcher: Callable[[str, tuple[str, ...], int], None],
+                 waits: Callable[[], Callable[[], None]] | None = None) -> Iterator[None]:
+        """Also tell ``watcher(kind, axes, nbytes)`` of every call recorded in the block (and, with
+        ``waits``, of every asynchronous one: :meth:`started` calls ``waits()``, and the function it
+        returns when the call is waited for).
 
         Example:
             >>> s, seen = CommStats(), []
@@ -49,10 +77,14 @@ class CommStats:
             [('all_gather', ('m',), 32)]
         """
         self._watchers.append(watcher)
+        if waits is not None:
+            self._async_watchers.append(waits)
         try:
             yield
         finally:
             self._watchers.remove(watcher)
+            if waits is not None:
+                self._async_watchers.remove(waits)
 
     def reset(self) -> None:
         self._calls.clear()

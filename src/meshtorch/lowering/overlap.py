@@ -173,7 +173,8 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
     if not entries:
         return
     rt = entries[0].runtime
-    if any(e.leaf.untyped_storage().data_ptr() == result.untyped_storage().data_ptr() for e in entries):
+    # the same storage object (data pointers are all 0 on the meta device, which the planner traces)
+    if any(e.leaf.untyped_storage() is result.untyped_storage() for e in entries):
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
@@ -217,6 +218,7 @@ class Entry:
         if not self.freed and not self.pinned:
             self.leaf.untyped_storage().resize_(0)
             self.freed = True
+            _resized(self.leaf)
 
     def fill(self, value: torch.Tensor) -> None:
         if self.freed:
@@ -224,6 +226,17 @@ class Entry:
             data.untyped_storage().resize_(self.nbytes)
             data.copy_(value)
             self.freed = False
+            _resized(self.leaf)
+
+
+def _resized(t: torch.Tensor) -> None:
+    """Tell this processor's tracer that ``t``'s storage changed size (``resize_`` is no aten op: a
+    tracer that follows memory, the planner's, would not see it)."""
+    from meshtorch.context import current
+
+    resized = getattr(current().tracer, "resized", None)
+    if resized is not None:
+        resized(t)
 
 
 class Runtime:

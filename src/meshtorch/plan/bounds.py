@@ -87,7 +87,8 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec,
     split over an axis, each such parameter's gradient whose dims do not use
     that axis is a sum over it: at least an all_reduce's bandwidth term,
     2(n-1)/n bytes over the link (the bandwidth-optimal bound, below the
-    tree's 2 log n).
+    tree's 2 log n). The step takes at least the larger of the two (a step
+    that overlaps its collectives with compute, :func:`meshtorch.overlap`, no more).
 
     Example:
         >>> import meshtorch as mt
@@ -118,7 +119,8 @@ def lower_bounds(ref: Trace, mesh: str | Mesh, rules: str, spec: DeviceSpec,
         summed = sum(b / split(frozenset(dims)) for dims, b, grad in ref.param_shapes
                      if grad and not any(set(r.get(d, ())) & set(data) for d in dims))
         bandwidth = min(spec.link(a).bandwidth for a in data)
-        seconds += 2 * (k - 1) / k * summed / bandwidth
+        # the larger, not the sum: a step that overlaps (mt.overlap) reduces during backward
+        seconds = max(seconds, 2 * (k - 1) / k * summed / bandwidth)
     return seconds, held * params
 
 

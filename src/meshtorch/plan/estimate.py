@@ -7,8 +7,10 @@ aten op (``op_seconds``, measured). On a GPU (``launch_seconds > 0``): each op's
 max(FLOPs / its matmul rate, bytes / bandwidth) plus its launches, the host's time run
 ahead of the device, and the host syncs (:func:`meshtorch.plan.kernels.roofline_seconds`).
 Every collective is priced by the ring (or tree) formulas of :mod:`meshtorch.plan.cost`
-over its axes' links. Compute and communication are added, not overlapped: an upper
-bound a run with overlap beats.
+over its axes' links. Compute and communication add up, except where the step runs a
+collective asynchronously (:func:`meshtorch.overlap`: prefetched gathers, gradient buckets): there
+a window costs the larger of its compute and its communication (:mod:`meshtorch.plan.timeline`),
+and ``overlap_seconds`` is the communication hidden behind compute.
 
 Example:
     >>> import meshtorch as mt
@@ -38,6 +40,8 @@ from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
 from meshtorch.plan.kernels import Kernel, roofline_seconds
+from meshtorch.plan.layered import lin
+from meshtorch.plan.timeline import simulate
 from meshtorch.plan.tracing import KINDS, Trace
 
 
@@ -66,6 +70,11 @@ class Estimate:
         compute_seconds, comm_seconds (``{"kind@axes": s}``), step_seconds.
         compute_terms: on a GPU, the compute's parts (``matmul``, ``attention``, ``memory``,
             ``launch``, ``device``, ``host``, ``sync``; :func:`~meshtorch.plan.kernels.roofline_seconds`).
+        overlap_seconds: the communication that runs while the step computes (asynchronous
+            collectives, :mod:`meshtorch.plan.timeline`): ``step_seconds`` is compute plus
+            communication minus it.
+        reshard_after_forward: the step frees gathered parameters after forward and gathers them
+            again for backward (:func:`meshtorch.overlap`): what a search picks where memory is tight.
     """
 
     mesh: str
@@ -84,6 +93,8 @@ class Estimate:
     step_seconds: float
     trace: Trace | None = field(default=None, repr=False, compare=False)
     compute_terms: dict[str, float] = field(default_factory=dict)
+    overlap_seconds: float = 0.0
+    reshard_after_forward: bool = False
 
     @property
     def comm_total_seconds(self) -> float:
@@ -128,9 +139,11 @@ class Estimate:
                 s = self.comm_seconds.get(f"{kind}@{axes}", 0.0)
                 lines.append(f"{kind:<16}{axes:<14}{self.calls_per_axis[axes][kind]:>7}{b:>14}"
                              f"{s * 1e3:>10.2f}")
+        hidden = (f" - {self.overlap_seconds * 1e3:.2f} overlapped with compute"
+                  if self.overlap_seconds else "")
         lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms "
                      f"(compute {self.compute_seconds * 1e3:.2f} + communication "
-                     f"{self.comm_total_seconds * 1e3:.2f}); {self.reason()}")
+                     f"{self.comm_total_seconds * 1e3:.2f}{hidden}); {self.reason()}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
@@ -142,7 +155,9 @@ class Estimate:
             "bytes_per_axis": self.bytes_per_axis, "calls_per_axis": self.calls_per_axis,
             "flops": self.flops, "flops_by_dtype": self.flops_by_dtype,
             "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
-            "step_seconds": self.step_seconds, "reason": self.reason(),
+            "step_seconds": self.step_seconds, "overlap_seconds": self.overlap_seconds,
+            **({"reshard_after_forward": True} if self.reshard_after_forward else {}),
+            "reason": self.reason(),
             **({"compute_terms": self.compute_terms} if self.compute_terms else {}),
         }
 
@@ -188,12 +203,60 @@ def collectives_seconds(comm: CommStats, mesh: Mesh | str, spec: DeviceSpec,
     out: dict[str, float] = {}
     for key, v in comm.as_dict().items():
         kind, axes_s = key.split("@")
-        axes = axes_s.split(",")
-        n = math.prod(mesh.axis_size(a) for a in axes)
-        links = [spec.link(a) for a in axes]
-        bw, lat = min(lk.bandwidth for lk in links), max(lk.latency for lk in links)
-        out[key] = collective_seconds(kind, v["bytes"], n, bw, lat, v["calls"], algorithm)
+        out[key] = _call_seconds(kind, axes_s.split(","), v["bytes"], mesh, spec, algorithm, v["calls"])
     return out
+
+
+def _call_seconds(kind: str, axes, nbytes: float, mesh: Mesh, spec: DeviceSpec, algorithm: str,
+                  calls: int = 1) -> float:
+    """Seconds of ``calls`` calls of ``kind`` over ``axes`` moving ``nbytes``: the slowest link's."""
+    n = math.prod(mesh.axis_size(a) for a in axes)
+    links = [spec.link(a) for a in axes]
+    bw, lat = min(lk.bandwidth for lk in links), max(lk.latency for lk in links)
+    return collective_seconds(kind, nbytes, n, bw, lat, calls, algorithm)
+
+
+def overlap_seconds(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "ring") -> float:
+    """The communication of ``t`` that runs while it computes: compute plus communication minus
+    the step's time on :func:`meshtorch.plan.timeline.simulate`'s two clocks (0 where no call is
+    asynchronous); for an extrapolated trace, extrapolated from its two shallow ones.
+
+    Example (data parallel under mt.overlap: gradients' all_reduces run during backward):
+        >>> import meshtorch as mt
+        >>> from meshtorch.plan.estimate import from_trace, overlap_seconds
+        >>> def step():
+        ...     a = mt.nn.Dense(mt.Dim("d_model", 64), mt.Dim("d_ff", 256))
+        ...     b = mt.nn.Dense(mt.Dim("d_ff", 256), mt.Dim("d_model", 64))
+        ...     with mt.plan.measure(), mt.overlap(bucket_mb=0.01):  # a bucket per parameter
+        ...         mt.reduce_sum(b(a(mt.random.normal("batch:32,d_model:64", seed=1))) ** 2).backward()
+        >>> t = mt.plan.trace(step, mesh="b:2", rules="batch:b")
+        >>> [kind for kind, axes, nbytes, asynchronous in t.timeline.calls if asynchronous]
+        ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
+        >>> spec = mt.plan.device("tpu-v2")
+        >>> est = from_trace(t, "b:2", spec)
+        >>> est.overlap_seconds > 0, est.overlap_seconds == overlap_seconds(t, "b:2", spec)
+        (True, True)
+    """
+    mesh = Mesh(mesh)
+    if t.shallow is not None:
+        t1, t2, periods = t.shallow
+        return lin(*(overlap_seconds(s, mesh, spec, algorithm) for s in (t1, t2)), periods)
+    if t.timeline is None or t.end is None:
+        return 0.0
+    terms = roofline_seconds(t.kernels, t.aten_ops, spec) if spec.roofline and t.kernels else {}
+    total = terms["step"] if terms else compute_seconds(t.flops_by_dtype, t.aten_ops, spec)
+
+    def compute(ops: int, flops: dict[str, int], kernels: dict) -> float:
+        if terms:
+            return roofline_seconds(kernels, ops, spec)["step"] if kernels or ops else 0.0
+        return compute_seconds(flops, ops, spec)
+
+    def comm(kind: str, axes: tuple[str, ...], nbytes: int) -> float:
+        return _call_seconds(kind, axes, nbytes, mesh, spec, algorithm)
+
+    step = simulate(t.timeline.order(t.end, compute, comm, total))
+    summed = total + sum(collectives_seconds(t.comm, mesh, spec, algorithm).values())
+    return max(0.0, summed - step)
 
 
 def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "ring") -> Estimate:
@@ -215,12 +278,14 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
     params = t.parameters
     if isinstance(t.result, dict) and "parameters" in t.result:
         params = int(t.result["parameters"])
+    hidden = overlap_seconds(t, mesh, spec, algorithm)
     return Estimate(
         mesh=str(mesh), rules=t.rules, device=spec.name, parameters=params, flops=t.flops,
         flops_by_dtype=t.flops_by_dtype, bytes_per_axis=bytes_per_axis, calls_per_axis=calls_per_axis,
         memory_bytes=memory, memory_capacity=spec.usable_memory, fits=t.peak_bytes <= spec.usable_memory,
         compute_seconds=compute, comm_seconds=comm_seconds,
-        step_seconds=compute + sum(comm_seconds.values()), trace=t, compute_terms=terms)
+        step_seconds=compute + sum(comm_seconds.values()) - hidden, trace=t, compute_terms=terms,
+        overlap_seconds=hidden)
 
 
 def estimate(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutRules | str = "",

@@ -67,7 +67,14 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
                    flops_by_dtype=flops, flops=sum(flops.values()),
                    parameters=lin_(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
                    param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops), aten_names=[],
-                   kernels={k: c for k, c in kernels.items() if c})
+                   kernels={k: c for k, c in kernels.items() if c}, timeline=None, end=None,
+                   # where collectives overlap compute, what that hides is extrapolated too
+                   shallow=(_lean(t1), _lean(t2), periods) if t1.timeline or t2.timeline else None)
+
+
+def _lean(t: Trace) -> Trace:
+    """``t`` without its op lists (kept only to price its overlap)."""
+    return replace(t, ops=[], flop_ops=[], aten_names=[], param_shapes=[])
 
 
 def shallow_programs(program: Program) -> tuple[Program, Program, int] | None:

@@ -183,6 +183,8 @@ def _what(c: Estimate | Pruned) -> str:
     rules = c.rules or "(replicated)"
     if isinstance(c, PipelineEstimate):
         return f"{rules} [{c.schedule} x{c.microbatches}]"
+    if isinstance(c, Estimate) and c.reshard_after_forward:
+        return f"{rules} [reshard after forward]"
     return f"{rules} [{c.pipeline}]" if isinstance(c, Pruned) and c.pipeline else rules
 
 

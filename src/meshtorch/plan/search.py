@@ -172,25 +172,39 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         return trace(f, mesh=c[0], rules=c[1], backend="meta", staging=staging, device=spec.device_type,
                      compiled=compiled)
 
+    resharded = getattr(program, "resharded", lambda: None)()
+    shallow_resharded = shallow_programs(resharded) if resharded is not None and quick else None
+
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
-        if not whole and partial is not None and c not in traced_bound:
+        e = price(program, fns, c, whole)
+        if e is not None and not e.fits and resharded is not None:
+            # memory is tight: free gathered parameters after forward, gather them again for backward
+            again = price(resharded, shallow_resharded[:2] if shallow_resharded else (resharded,), c, whole,
+                          bound=False)
+            if again is not None and again.memory_bytes["total"] < e.memory_bytes["total"]:
+                return replace(again, reshard_after_forward=True)
+        return e
+
+    def price(prog: Program, depths, c: tuple[str, str], whole: bool, bound: bool = True) -> Estimate | None:
+        """``prog`` priced for ``c`` (its shallow ``depths`` extrapolated), or None if it loses."""
+        if not whole and bound and partial is not None and c not in traced_bound:
             # the shallow step without its update is part of the step's work: if it and the
             # periods' bound already lose, the whole step does
             part = from_trace(traced(partial, c), c[0], spec, algorithm)
             if loses(c, part.step_seconds + periods * lb[c][2]):
                 return None
-        if not quick or (whole and program.layers <= MAX_TRACED_LAYERS):
+        if not quick or (whole and prog.layers <= MAX_TRACED_LAYERS):
             full.add(c)
-            return from_trace(traced(program, c), c[0], spec, algorithm)
+            return from_trace(traced(prog, c), c[0], spec, algorithm)
         if whole:  # a verified best deeper than MAX_TRACED_LAYERS: extrapolated, never traced whole
             full.add(c)
-        t1 = traced(fns[0], c)
+        t1 = traced(depths[0], c)
         e1 = from_trace(t1, c[0], spec, algorithm)
         # the bound per period is one too (it sums per-op and per-parameter bounds), so the
         # shallow step plus it may already lose: skip the deeper trace
-        if not whole and loses(c, e1.step_seconds + periods * lb[c][2]):
+        if not whole and bound and loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
-        t2 = traced(fns[1], c)
+        t2 = traced(depths[1], c)
         return from_trace(extrapolate(t1, t2, periods), c[0], spec, algorithm)
 
     def best_time() -> float:

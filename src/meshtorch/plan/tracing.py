@@ -62,6 +62,7 @@ from meshtorch.plan.compiled_memory import compiled_timeline, peak_of
 from meshtorch.plan.kernels import Kernel, SequenceOp, footprint, fuse_elementwise, kernel_of
 from meshtorch.plan.shape_memo import run as run_op
 from meshtorch.plan.shape_memo import tensors_in
+from meshtorch.plan.timeline import Mark, Timeline
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -145,6 +146,12 @@ class Trace:
     aten_names: list[str] = field(default_factory=list, repr=False)
     kernels: dict[Kernel, float] = field(default_factory=dict, repr=False)
     compiled: bool = False  # kernels of the step as torch.compile runs it
+    # the step's collectives in order with the compute between them, where any of them was
+    # asynchronous (mt.overlap): what the planner prices as overlapped (meshtorch.plan.timeline)
+    timeline: Timeline | None = field(default=None, repr=False)
+    end: Mark | None = field(default=None, repr=False)  # the compute counted at the end
+    # an extrapolated trace's two shallow traces and the periods added (meshtorch.plan.layered)
+    shallow: tuple[Trace, Trace, float] | None = field(default=None, repr=False)
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -199,6 +206,8 @@ class Tracer(TorchDispatchMode):
         self.phases: dict[str, Phase] = {}
         self.grad_in_step: set[int] = set()  # parameters given a gradient inside a measured block
         self.start_by_kind: dict[str, int] = {}
+        self.timeline = Timeline()
+        self._epoch = 0  # a wait of a call issued before start_counting is not this step's
 
     # -------------------------------------------------------------- storages
     def track(self, t: torch.Tensor) -> int:
@@ -221,6 +230,22 @@ class Tracer(TorchDispatchMode):
         serial, n = self.live.pop(key)
         self.names.pop(key, None)
         self.events.append((serial, -n))
+
+    def resized(self, t: torch.Tensor) -> None:
+        """``t``'s storage changed size in place (``UntypedStorage.resize_``, which no dispatch
+        mode sees: :mod:`meshtorch.lowering.overlap` frees a gathered parameter after forward and
+        fills it again for backward): its old bytes die, its new ones are born, of the same kind."""
+        st = t.untyped_storage()
+        hit = self.live.get(id(st))
+        if hit is None or hit[1] == st.nbytes():
+            return
+        serial, old = hit
+        self.events.append((serial, -old))
+        self.serial += 1
+        self.live[id(st)] = (self.serial, st.nbytes())
+        if serial in self.kind:
+            self.kind[self.serial] = self.kind[serial]
+        self.events.append((self.serial, st.nbytes()))
 
     def mark(self, t: torch.Tensor | None, kind: str) -> None:
         if t is None or not isinstance(t, torch.Tensor):
@@ -350,6 +375,8 @@ class Tracer(TorchDispatchMode):
         self.flop_ops.clear()
         self._pending_flop_ops = []
         self.phases = {}
+        self.timeline = Timeline()
+        self._epoch += 1
 
     @property
     def counting(self) -> bool:
@@ -359,7 +386,28 @@ class Tracer(TorchDispatchMode):
         self.all_comm.record(kind, axes, nbytes)
         if self.counting:
             self.comm.record(kind, axes, nbytes)
+            self.timeline.events.append((len(self.timeline.calls), False, self.counted()))
+            self.timeline.calls.append([kind, axes, int(nbytes), False])
         self._pending_comm.append((kind, axes, int(nbytes)))
+
+    def started(self) -> Callable[[], None]:
+        """The call just recorded runs asynchronously (:meth:`meshtorch.comm.stats.CommStats.started`);
+        what its wait calls, to put the wait on the timeline."""
+        tl = self.timeline
+        if not (self.counting and tl.events and tl.events[-1][0] == len(tl.calls) - 1):
+            return lambda: None
+        call, epoch = len(tl.calls) - 1, self._epoch
+        tl.calls[call][3] = True
+
+        def waited() -> None:
+            if self._epoch == epoch and self.counting:
+                tl.events.append((call, True, self.counted()))
+
+        return waited
+
+    def counted(self) -> Mark:
+        """The compute counted so far (a :data:`~meshtorch.plan.timeline.Mark`)."""
+        return self.aten_ops, dict(self.flops_by_dtype), dict(self.kernels)
 
     def record_mesh_tensor(self, local: torch.Tensor, shape, layout) -> None:
         if isinstance(local, torch.Tensor):
@@ -456,6 +504,13 @@ def measure() -> Iterator[None]:
         tr.stepping -= 1
         tr.inside -= 1
         tr.windows.append((start, len(tr.events)))
+        # gradients assigned, not accumulated (mt.overlap adds a reduced bucket into p.grad):
+        # kinds are read when the peak is, so their storage counts as gradients all along
+        for ref in tr.params:
+            p = ref()
+            if p is not None and p.grad is not None:
+                tr.mark(p.grad, "gradients")
+                tr.grad_in_step.add(id(p))
 
 
 # ------------------------------------------------------------------ global hooks
@@ -526,7 +581,7 @@ def tracing(fuse: bool = False, device: str = "cpu") -> Iterator[Tracer]:
     tr = Tracer(fuse, device)
     _install()
     try:
-        with use_tracer(tr), current().comm.stats.watching(tr.record_collective), tr:
+        with use_tracer(tr), current().comm.stats.watching(tr.record_collective, waits=tr.started), tr:
             yield tr
     finally:
         _uninstall()
@@ -570,7 +625,9 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", comp
                                for k, v in tr.param_shapes.items()],
                  start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases,
                  aten_names=tr.aten_names,
-                 kernels=fuse_elementwise(tr.sequence) if compiled else dict(tr.kernels), compiled=compiled)
+                 kernels=fuse_elementwise(tr.sequence) if compiled else dict(tr.kernels), compiled=compiled,
+                 timeline=tr.timeline if tr.timeline.asynchronous and not compiled else None,
+                 end=tr.counted())
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:

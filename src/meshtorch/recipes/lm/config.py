@@ -203,7 +203,7 @@ class ParallelismSection:
     master_addr: str | None = None
     master_port: int = 29500
     # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap); off by
-    # default until the planner prices it (its memory trace does not follow freed gathered values)
+    # default for now (the planner traces and prices it: plan/timeline.py, Tracer.resized)
     overlap: bool = False
     # free gathered parameters after their forward use and gather them again in backward (implies
     # overlap)

@@ -41,6 +41,7 @@ from meshtorch.plan.search import search
 from meshtorch.plan.tracing import Trace, staging_for
 from meshtorch.recipes.lm.config import TRAIN_DEVICES, TrainConfig, check_config
 from meshtorch.recipes.lm.steps import TrainingProgram, pipelined_training_step, training_step
+from meshtorch.recipes.lm.strategies import overlaps
 
 # the options of the plan itself (not of the run planned), besides meshtorch train's
 PLAN_ONLY = ("vocab", "hardware", "calibrate", "calibrate_out", "algorithm", "search", "pipeline", "axes",
@@ -156,21 +157,25 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     def entry(c: Any) -> dict[str, Any]:
         if isinstance(c, Estimate):
             return {"mesh": c.mesh, "rules": c.rules, "step_seconds": c.step_seconds,
-                    "memory_bytes": c.memory_bytes["total"], "fits": c.fits, "why": res.why(c)}
+                    "memory_bytes": c.memory_bytes["total"], "fits": c.fits, "why": res.why(c),
+                    **({"reshard_after_forward": True} if c.reshard_after_forward else {})}
         return {"mesh": c.mesh, "rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
 
     chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
               "hardware_source": source, "compiled": cfg.run.compile,
               "candidates": res.space, "traced": len(res.candidates), "search_seconds": round(res.seconds, 2),
               **entry(best), "runner_up": entry(ranked[1]) if len(ranked) > 1 else None}
-    return cfg.replace(mesh=best.mesh, rules=best.rules), chosen
+    # the search frees gathered parameters after forward where the layout fits only so
+    reshard = par.reshard_after_forward or best.reshard_after_forward
+    return cfg.replace(mesh=best.mesh, rules=best.rules, reshard_after_forward=reshard), chosen
 
 
 def describe_choice(chosen: dict[str, Any]) -> str:
     """The lines ``meshtorch train --rules auto`` prints about the rules it picked and why."""
     c = chosen
     step = "compiled step" if c.get("compiled") else "step"
-    lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\": planned "
+    lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\""
+             + (" --reshard-after-forward" if c.get("reshard_after_forward") else "") + ": planned "
              f"{c['step_seconds'] * 1e3:.2f} ms a {step} on {c['hardware']} ({c['hardware_source']}; "
              f"{c['candidates']} candidates, {c['traced']} traced, in {c['search_seconds']} s); {c['why']}"]
     if not chosen["fits"]:
@@ -286,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
                    device=spec.device_type)
         est = from_trace(t, mesh, spec, args.algorithm)
         ests = [est]
-        out = {**est.to_json(), "compiled": compiled}
+        out = {**est.to_json(), "compiled": compiled, "overlap": overlaps(cfg),
+               "reshard_after_forward": overlaps(cfg) and par.reshard_after_forward}
         if not args.json:
             print(est.table())
     if args.png:

@@ -35,7 +35,7 @@ from meshtorch.plan.program import Pipelining, SpaceDims, measured_run
 from meshtorch.plan.tracing import measure
 from meshtorch.recipes.lm.config import TrainConfig
 from meshtorch.recipes.lm.optimizer import make_optimizer, optimizer_step
-from meshtorch.recipes.lm.strategies import TrainStep, pipelining, precision_context, strategy_for
+from meshtorch.recipes.lm.strategies import TrainStep, overlaps, pipelining, precision_context, strategy_for
 
 
 def build_model(cfg: TrainConfig, vocab: int) -> torch.nn.Module:
@@ -67,14 +67,18 @@ def prepare(cfg: TrainConfig, vocab: int = 264, pipelined: bool = False) -> tupl
     ``pipelined``, else a :class:`~meshtorch.recipes.lm.strategies.PlainStep`) and a synthetic
     batch, after the warm-up that leaves what every step but the first holds: the plain step's
     optimizer state, made by an ``optimizer.step()`` on zero gradients (no step's work, so that a
-    trace stays cheap); the pipelined step runs one whole step (it also makes 2BW's second
-    weight version). A synthetic step resumes nothing (``--resume`` is dropped)."""
+    trace stays cheap); a plain step that overlaps (``--overlap``) and the pipelined step run one
+    whole step (the plan of grouped gathers that :func:`meshtorch.overlap` takes from the step
+    before; 2BW's second weight version). A synthetic step resumes nothing (``--resume`` is dropped)."""
     cfg = cfg.replace(resume=None)
     model = build_model(cfg, vocab)
     step = strategy_for(cfg, model, make_optimizer(cfg, model), pipelined=pipelined)
     step.resume(None, lead=False)
     batch = synthetic_batch(cfg, vocab)
-    if step.pipeline is None:
+    if step.pipeline is None and overlaps(cfg):
+        # the run's first step: mt.overlap groups a step's gathers as the step before read them
+        step.run([batch], 0)
+    elif step.pipeline is None:
         with torch.no_grad():
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -113,7 +117,8 @@ class TrainingProgram:
     def __init__(self, cfg: TrainConfig, vocab: int, *, update: bool = True, pipelined: bool = False) -> None:
         # --compile runs the same ops and collectives (a meta trace of the compiled step counts the
         # eager one's, and compiling it on meta costs ~15 s even for a tiny model): trace it eagerly
-        cfg = cfg.replace(compile=False)
+        # a compiled run does not overlap (strategies.overlapped): neither does its eager trace
+        cfg = cfg.replace(compile=False, overlap=cfg.parallelism.overlap and not cfg.run.compile)
         self.cfg, self.vocab, self.update = cfg, vocab, update
         self.layers = cfg.model.layers
         self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
@@ -126,10 +131,21 @@ class TrainingProgram:
 
     def without_update(self) -> TrainingProgram | None:
         """This step's forward and backward alone (no optimizer, no warm-up): a part of the
-        step's work, so its cost bounds the whole step's from below (the search prunes with it)."""
-        if self.pipeline is not None:
+        step's work, so its cost bounds the whole step's from below (the search prunes with it).
+        None for a step that overlaps (``--overlap``): without the step before it, its gathers
+        would not be grouped, and it could cost more than the whole step."""
+        if self.pipeline is not None or overlaps(self.cfg):
             return None
         return TrainingProgram(self.cfg, self.vocab, update=False)
+
+    def resharded(self) -> TrainingProgram | None:
+        """This step with ``--reshard-after-forward`` (less memory, more bytes), or None where that
+        changes nothing (it does not overlap, or reshards already): what a search tries where a
+        layout does not fit."""
+        par = self.cfg.parallelism
+        if self.pipeline is not None or not overlaps(self.cfg) or par.reshard_after_forward:
+            return None
+        return TrainingProgram(self.cfg.replace(reshard_after_forward=True), self.vocab, update=self.update)
 
     def pipelined(self, microbatches: int, schedule: str | None = None) -> TrainingProgram | None:
         """This step pipelined over ``microbatches`` (``schedule``: this config's unless given);

@@ -73,14 +73,19 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 def overlapped(cfg: TrainConfig) -> Any:
     """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
-    ``--reshard-after-forward`` say: the one place the trainer switches it (off by default until
-    the planner prices it; off under ``--compile``, whose graph schedules its collectives). The
-    planner traces this same step on the meta backend, so it counts the grouped calls that run."""
+    ``--reshard-after-forward`` say (the latter implies the former): the one place the trainer
+    switches it. Off under ``--compile`` (the graph schedules its collectives). On the meta
+    backend too, so that the planner traces the grouped, asynchronous calls the run makes (and
+    prices their overlap: :mod:`meshtorch.plan.timeline`)."""
     from meshtorch.lowering.overlap import overlap
 
+    return overlap(enabled=overlaps(cfg), reshard_after_forward=cfg.parallelism.reshard_after_forward)
+
+
+def overlaps(cfg: TrainConfig) -> bool:
+    """Whether ``cfg``'s plain step runs its parameters' collectives with ``mt.overlap``."""
     par = cfg.parallelism
-    on = (par.overlap or par.reshard_after_forward) and not cfg.run.compile
-    return overlap(enabled=on, reshard_after_forward=par.reshard_after_forward)
+    return (par.overlap or par.reshard_after_forward) and not cfg.run.compile
 
 
 def _value(loss: Any) -> float:

@@ -1,0 +1,192 @@
+"""The planner prices the step ``meshtorch train`` runs under mt.overlap: its grouped calls
+counted as the run counts them, asynchronous ones overlapped with the compute issued until their
+wait, and reshard_after_forward's memory and bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import meshtorch as mt
+from meshtorch.plan import measure, trace
+from meshtorch.plan.devices import DeviceSpec, Link
+from meshtorch.plan.estimate import from_trace
+from meshtorch.plan.layered import layered_trace
+from meshtorch.plan.program import SpaceDims
+from meshtorch.plan.timeline import simulate
+from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm.steps import training_step
+
+FSDP = "batch:b; d_model:b"
+# issue 27's LM (vocab 2048, d_model 256, 4 heads, d_ff 1024, 4 layers, tied) on a smaller batch,
+# at which FSDP by rules gathers the blocks' weights too (not only their d_model vectors)
+LM = TrainConfig.of(d_model=256, heads=4, d_kv=64, d_ff=1024, layers=4, batch=4, length=64)
+VOCAB = 2048
+
+
+def test_planned_calls_bytes_and_memory_are_what_the_run_has():
+    plans = {}
+    for overlap, reshard in ((False, False), (True, False), (True, True)):
+        cfg = LM.replace(overlap=overlap, reshard_after_forward=reshard)
+        planned = trace(training_step(cfg, VOCAB), mesh="b:2", rules=FSDP)
+        # the communicator's own counts around the trainer's step on the threads backend
+        real = trace(training_step(cfg, VOCAB), mesh="b:2", rules=FSDP, backend="threads")
+        assert planned.comm.as_dict() == real.result["comm"], (overlap, reshard)
+        assert planned.peak_bytes == real.peak_bytes, (overlap, reshard)
+        assert (planned.timeline is not None) == overlap  # the asynchronous calls are on its timeline
+        plans[overlap, reshard] = planned
+    per_use, keep, reshard = plans.values()
+    # grouped: 45 per-use gathers and 44 reduce_scatters become a few of each, the same bytes
+    assert per_use.comm.calls() == 93 and keep.comm.calls() <= 20
+    assert keep.comm.bytes() == per_use.comm.bytes()
+    # resharded: the blocks' weights gathered again for backward, not kept alive from forward
+    assert reshard.comm.bytes("b", "all_gather") > keep.comm.bytes("b", "all_gather")
+    assert reshard.peak_bytes < keep.peak_bytes
+
+
+SMALL = LM.replace(layers=2, length=16)  # its d_model vectors alone are gathered
+
+
+def resharded_step(reshard: bool) -> dict:
+    """Two steps of a small LM under mt.overlap with gathers of ~1 KB (several buckets of its
+    gathered d_model vectors), the second measured."""
+    from meshtorch.models import DecoderLM
+    from meshtorch.recipes.lm.steps import synthetic_batch
+
+    model = DecoderLM(SMALL.model_config(VOCAB), seed=0)
+    batch = synthetic_batch(SMALL, VOCAB)
+    with mt.overlap(reshard_after_forward=reshard, gather_mb=0.001):
+        model.loss(*batch).backward()
+    before = mt.comm_stats().copy()
+    with measure(), mt.overlap(reshard_after_forward=reshard, gather_mb=0.001):
+        model.loss(*batch).backward()
+    return (mt.comm_stats() - before).as_dict()
+
+
+def test_reshard_after_forward_is_planned_with_its_regathers_and_lower_peak():
+    keep, reshard = (trace(resharded_step, r, mesh="b:2", rules=FSDP) for r in (False, True))
+    real_keep, real_reshard = (trace(resharded_step, r, mesh="b:2", rules=FSDP, backend="threads")
+                               for r in (False, True))
+    for plan, real in ((keep, real_keep), (reshard, real_reshard)):
+        assert plan.comm.as_dict() == real.result
+        assert plan.peak_bytes == real.peak_bytes  # real storages, freed and filled again
+    # resharding gathers again in backward what it freed after forward: more calls and bytes ...
+    assert reshard.comm.calls("b", "all_gather") > keep.comm.calls("b", "all_gather")
+    assert reshard.comm.bytes("b", "all_gather") > keep.comm.bytes("b", "all_gather")
+    # ... for a lower peak: the gathered values are not alive from forward to backward
+    assert reshard.peak_bytes < keep.peak_bytes
+
+
+RATE = 1e9  # FLOP/s (float32, achievable); no per-op host time: only the matmuls compute
+N = 64  # the matmul is 2·64³ FLOPs = 524.288 µs; the all_reduced tensor 64·64·4 = 16384 bytes
+COMPUTE = 2 * N ** 3 / RATE
+
+
+def hand_spec(comm_per_compute: float) -> DeviceSpec:
+    """A spec where an all_reduce over 2 of the N x N float32 tensor takes ``comm_per_compute`` times
+    a matmul: the ring moves 2·(1/2)·16384 bytes, no latency."""
+    link = Link(bandwidth=4 * N * N / (comm_per_compute * COMPUTE), latency=0.0)
+    return DeviceSpec(name="hand", peak_flops={"float32": 2 * RATE}, memory_bytes=2 ** 30,
+                      memory_bandwidth=1e9, default_link=link, achievable=0.5)
+
+
+def window(asynchronous: bool, matmuls: int = 1, calls: int = 1) -> None:
+    """``calls`` all_reduces issued, then ``matmuls`` matmuls, then the waits."""
+    comm = mt.current().comm
+    x = mt.random.normal(f"i:{N},j:{N}", seed=1).local
+    with measure():
+        works = [comm.all_reduce_grouped([x], "b", async_op=True) if asynchronous
+                 else comm.all_reduce_grouped([x], "b") for _ in range(calls)]
+        for _ in range(matmuls):
+            torch.mm(x, x)
+        for w in works:
+            if asynchronous:
+                w.wait()
+
+
+@pytest.mark.parametrize("asynchronous, matmuls, calls, ratio, step", [
+    (True, 1, 1, 2.0, 2.0),   # comm twice the window's compute: the window costs the comm
+    (False, 1, 1, 2.0, 3.0),  # the same call blocking: they add
+    (True, 4, 1, 2.0, 4.0),   # compute twice the comm: the window costs the compute
+    (True, 1, 2, 2.0, 4.0),   # two calls share the link: 2 + 2 behind 1 of compute
+    (True, 1, 1, 0.5, 1.0),
+])
+def test_a_window_costs_the_larger_of_its_compute_and_its_communication(asynchronous, matmuls, calls,
+                                                                        ratio, step):
+    t = trace(window, asynchronous, matmuls, calls, mesh="b:2")
+    est = from_trace(t, "b:2", hand_spec(ratio))
+    assert est.compute_seconds == pytest.approx(matmuls * COMPUTE)
+    assert est.comm_total_seconds == pytest.approx(calls * ratio * COMPUTE)
+    assert est.step_seconds == pytest.approx(step * COMPUTE)
+    assert est.overlap_seconds == pytest.approx((matmuls + calls * ratio - step) * COMPUTE, abs=1e-12)
+
+
+def test_simulate_waits_only_for_what_is_left_of_a_call():
+    # 1 s of compute, a 3 s call issued, 1 s, a blocking 1 s call (queued behind it on the link:
+    # done at 5), 1 s, the wait (done already)
+    order = [("compute", 1.0), ("issue", 0, 3.0, True), ("compute", 1.0), ("issue", 1, 1.0, False),
+             ("compute", 1.0), ("wait", 0)]
+    assert simulate(order) == 6.0
+    assert simulate([("compute", 1.0), ("issue", 0, 3.0, True)]) == 4.0  # never waited: ends the step
+
+
+def test_the_lm_step_overlaps_and_a_deep_one_extrapolates_it():
+    spec = mt.plan.device("a100", processors=2)
+    on, off = (from_trace(trace(training_step(LM.replace(overlap=o), VOCAB), mesh="b:2", rules="batch:b"),
+                          "b:2", spec) for o in (True, False))
+    assert on.overlap_seconds > 0 and off.overlap_seconds == 0
+    assert on.step_seconds == pytest.approx(on.compute_seconds + on.comm_total_seconds - on.overlap_seconds)
+    assert on.step_seconds < off.step_seconds
+    # a deeper step from two shallow ones: what overlaps grows by layer too
+    six = training_step(LM.replace(layers=6), VOCAB)
+    deep = from_trace(layered_trace(six, "b:2", "batch:b"), "b:2", spec)
+    whole = from_trace(trace(six, mesh="b:2", rules="batch:b"), "b:2", spec)
+    assert deep.overlap_seconds == pytest.approx(whole.overlap_seconds, rel=0.1)
+    assert deep.step_seconds == pytest.approx(whole.step_seconds, rel=0.01)
+
+
+def test_a_compiled_run_is_planned_without_overlap():
+    t = trace(training_step(LM.replace(compile=True, layers=1), VOCAB), mesh="b:2", rules="batch:b")
+    assert t.timeline is None
+
+
+class ReshardingStep:
+    """:func:`resharded_step` as a program whose layouts split the batch and d_model (or not), and
+    that offers its resharded form to a search (as ``meshtorch plan``'s training step does)."""
+
+    layers, period, pipeline = 0, 1, None
+    # one axis: the batch and d_model on it or not (FSDP by rules: both)
+    dims = SpaceDims(batch="batch", model=("d_model",), experts="-", hidden="-", sequence="-")
+
+    def __init__(self, reshard: bool = False):
+        self.reshard = reshard
+
+    def __call__(self) -> dict:
+        return resharded_step(self.reshard)
+
+    def with_layers(self, n: int) -> ReshardingStep:
+        return self
+
+    def without_update(self) -> None:
+        return None
+
+    def pipelined(self, microbatches: int) -> None:
+        return None
+
+    def resharded(self) -> ReshardingStep | None:
+        return None if self.reshard else ReshardingStep(True)
+
+
+def test_the_search_reshards_after_forward_where_memory_is_tight():
+    mesh, spec = "b:2", mt.plan.device("a100", processors=2)
+    keep = trace(ReshardingStep(), mesh=mesh, rules=FSDP, device=spec.device_type).peak_bytes
+    spec = dataclasses.replace(spec, memory_bytes=keep - 1, memory_margin=0.0, context_bytes=0)
+    res = mt.plan.search(ReshardingStep(), mesh, device=spec, pipeline=False)
+    assert res.best.fits and res.best.reshard_after_forward and res.best.rules == FSDP
+    assert res.best.memory_bytes["total"] < keep
+    assert "[reshard after forward]" in res.table()
+    # with room for the gathered values, nothing is resharded
+    roomy = mt.plan.search(ReshardingStep(), mesh, device=mt.plan.device("a100", processors=2))
+    assert not any(e.reshard_after_forward for e in roomy.candidates)
