@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "replicator_vs_ddp": ([], ["--repeats", "2", "--steps", "10", "--warmup", "3"]),
     "fsdp_vs_fsdp2": ([], ["--quick"]),
     "pipeline": ([], ["--micro", "2", "--steps", "2", "--repeats", "1"]),
+    "pipeline_schedules": ([], ["--micro", "4", "--repeats", "1"]),
     "seqpar": ([], ["--length", "256"]),
     "attention_fused": ([], ["--length", "256", "--repeat", "3"]),
     "plan_vs_measured": ([], ["--only", "lm:data:fp32", "lm:pipeline:fp32"]),
@@ -55,6 +56,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "plan_vs_h100": ([], []),  # the shared H100 rows; without them it says so and exits 0
     "placement": ([], ["--quick", "--milp-seconds", "5", "--part", "transformer"]),
     "placement_latency": ([], ["--milp-seconds", "5", "--subgraphs", "1"]),
+    # the paper's graphs from ../shared (Inception-v3's row takes minutes); without them it says so
+    "placement_interleave": ([], ["--microbatches", "8", "--max-v", "2"]),
     "gpu_step": ([], ["--quick"]),  # without a GPU it says so and writes nothing (gpu_check.sh runs it)
 }
 

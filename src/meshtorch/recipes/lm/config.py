@@ -520,6 +520,22 @@ def check_nodes(cfg: TrainConfig) -> None:
                             "and every processor writes its slices of the checkpoint)")
 
 
+def check_model_flags(cfg: TrainConfig) -> None:
+    """Refuse model flags that contradict each other, in the flags' words (before anything builds the
+    model's config, whose own error would name its fields instead).
+
+    Example:
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> try:
+        ...     check_model_flags(TrainConfig.of(model="moe", experts=1, top_k=2))
+        ... except Exception as e:
+        ...     print(e)
+        --experts 1 must be >= --top-k 2
+    """
+    if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
+        raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
+
+
 def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:
     """Raise before training if the options cannot work together, naming the fix."""
     for name, allowed in CHOICES.items():
@@ -559,6 +575,5 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
                              f"{par.pipeline_stages}) runs eagerly: drop one of them")
     check_stages(cfg)
-    if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
-        raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
+    check_model_flags(cfg)
     cfg.model_config(vocab)

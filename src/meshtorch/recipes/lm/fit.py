@@ -18,7 +18,7 @@ from meshtorch.plan import devices
 from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION, reserved_bytes
 from meshtorch.plan.estimate import _fmt_bytes
 from meshtorch.plan.tracing import KINDS, Trace, staging_for, trace
-from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.config import TrainConfig, check_model_flags
 from meshtorch.recipes.lm.steps import training_step
 
 GiB = 2 ** 30
@@ -171,6 +171,7 @@ def check_model_size(cfg: TrainConfig, vocab: int, processors: int, processes: i
         ...     print(type(e).__name__, str(e)[-14:])
         TrainingError lower --layers
     """
+    check_model_flags(cfg)
     par = cfg.parallelism
     kind, _ = parse_device(par.device)
     on_gpu = (auto_device(processes) if kind == "auto" else kind) == "cuda"
