@@ -202,9 +202,9 @@ class ParallelismSection:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int = 29500
-    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap); off by
-    # default for now (the planner traces and prices it: plan/timeline.py, Tracer.resized)
-    overlap: bool = False
+    # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap), as the planner
+    # traces and prices it (plan/timeline.py); --no-overlap runs one blocking collective per use
+    overlap: bool = True
     # free gathered parameters after their forward use and gather them again in backward (implies
     # overlap)
     reshard_after_forward: bool = False
