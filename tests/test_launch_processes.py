@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -102,6 +103,22 @@ def test_torchrun_rendezvous_listens_only_on_the_master_addr(tmp_path):
     for r in range(2):
         addrs = json.loads((tmp_path / f"r{r}.json").read_text())
         assert addrs and all(_is_loopback(a) for a in addrs), f"listening on {addrs}"
+
+
+def sends_then_returns_before_it_is_received(n: int):
+    comm = mt.current().comm
+    if comm.rank == 0:
+        comm.send(torch.arange(float(n)), "s", dst=1)
+        return None  # never waits for the send: leaving the world must
+    time.sleep(1.0)  # processor 0 has returned and is leaving the world by now
+    return comm.recv("s", src=0).sum().item()
+
+
+def test_recv_on_gloo_still_gets_what_a_processor_sent_before_it_returned():
+    """Leaving the world waits for the sends still in flight; before, the peer's recv failed with
+    "Connection closed by peer" (and gloo could abort the sender at exit)."""
+    assert mt.launch(sends_then_returns_before_it_is_received, 1000, mesh="s:2", backend="torch",
+                     timeout=60) == [None, 1000 * 999 / 2]
 
 
 def exits_in_collective(how: str):

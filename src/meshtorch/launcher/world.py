@@ -23,7 +23,7 @@ import torch
 from meshtorch.comm.base import check_timeout
 from meshtorch.comm.device import auto_device, parse_device
 from meshtorch.context import ProcessorContext, set_process_context
-from meshtorch.errors import ArgumentError, MeshError
+from meshtorch.errors import ArgumentError, CommError, MeshError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -138,7 +138,10 @@ def init_distributed(
 
 
 def shutdown() -> None:
-    """Leave the ``torch.distributed`` world (safe to call when not in one).
+    """Leave the ``torch.distributed`` world (safe to call when not in one), once every
+    point-to-point send of this process has been delivered: gloo aborts the interpreter
+    ("terminate called without an active exception") when its process group is destroyed
+    under a send still in flight. A send that fails now is its receiver's error to report.
 
     Example:
         >>> from meshtorch.launcher.world import shutdown
@@ -147,4 +150,10 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        from meshtorch.comm.torch import wait_all_sends
+
+        try:
+            wait_all_sends()
+        except CommError:
+            pass
         dist.destroy_process_group()
