@@ -162,14 +162,22 @@ class _Inherited:
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
-        return _adopt, (dict(os.environ), DupFd(1), DupFd(2))
+        return _adopt, (dict(os.environ), *(DupFd(fd) if _is_open(fd) else None for fd in (1, 2)))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # a launcher started with its output closed: the processor keeps the server's
+        return False
+    return True
 
 
 def _adopt(env: dict[str, str], out, err) -> bool:
     os.environ.clear()
     os.environ.update(env)
     for fd, dup in ((1, out), (2, err)):
-        src = dup.detach()
+        src = dup.detach() if dup is not None else fd
         if src != fd:
             os.dup2(src, fd)
             os.close(src)
