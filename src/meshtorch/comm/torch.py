@@ -183,7 +183,10 @@ class TorchCommunicator(Communicator):
             # axes of size 1 make different axes sets with the same members: one group serves both
             made = self._by_members.get(members)
             if made is None:
-                made = self._by_members[members] = dist.new_group(list(members), **kw)
+                # gloo connects the members now: a processor that already left (exited, crashed)
+                # is a CommError here, as in any collective, not the root of the failure
+                made = self._by_members[members] = self._run(
+                    "new_group", key, members, lambda m=members: dist.new_group(list(m), **kw))
             if members == mine:
                 pg = made
         self._groups[key] = pg

@@ -126,7 +126,13 @@ def init_distributed(
         kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S))}
         if store is not None:
             kw.update(store=store, rank=rank, world_size=world)
-        dist.init_process_group(backend, **kw)
+        try:
+            dist.init_process_group(backend, **kw)
+        except RuntimeError as e:  # gloo: "Connection closed by peer" when a peer left while connecting
+            if "closed" in str(e).lower() or "reset" in str(e).lower():
+                raise CommError(f"joining the world of {world} processes failed because a processor "
+                                f"exited or crashed while it was connecting ({str(e).strip()})") from e
+            raise
         # gloo aborts the interpreter ("terminate called without an active exception") if its
         # group is still alive at exit; whoever creates the group tears it down
         atexit.register(shutdown)
