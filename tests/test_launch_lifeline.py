@@ -134,21 +134,27 @@ def test_meshtorch_launch_through_torchrun_workers_die_with_the_launcher(script,
     _kill_and_expect_workers_gone(launcher, _worker_pids(tmp_path, 2, launcher), sig)
 
 
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` and that run meshtorch workers (not multiprocessing's tracker)."""
-    out = []
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every process: pid -> (parent pid, command line)."""
+    out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     ppid = int(f.read().rpartition(")")[2].split()[1])
                 with open(f"/proc/{entry}/cmdline") as f:
-                    cmd = f.read()
+                    out[int(entry)] = ppid, f.read()
             except (FileNotFoundError, ProcessLookupError, ValueError):
                 continue
-            if ppid == pid and "spawn_main" in cmd:
-                out.append(int(entry))
     return out
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the meshtorch workers that ``pid`` started: forked by its fork server (a child
+    of ``pid`` itself), or spawned by ``pid`` (not multiprocessing's resource tracker)."""
+    procs = _processes()
+    servers = {p for p, (ppid, cmd) in procs.items() if ppid == pid and "forkserver" in cmd}
+    return [p for p, (ppid, cmd) in procs.items() if ppid in servers or ppid == pid and "spawn_main" in cmd]
 
 
 def test_meshtorch_train_workers_stop_writing_when_the_launcher_is_killed(tmp_path):

@@ -8,12 +8,14 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -37,10 +39,10 @@ def _address(hex_addr: str) -> str:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
-def listening_addresses() -> list[str]:
-    """The addresses on which this processor and its launcher (the parent) listen for TCP."""
+def listening_addresses(launcher: int | None = None) -> list[str]:
+    """The addresses on which this processor, its parent and its ``launcher`` listen for TCP."""
     inodes = set()
-    for pid in (os.getpid(), os.getppid()):
+    for pid in {os.getpid(), os.getppid(), launcher or os.getppid()}:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
@@ -64,14 +66,14 @@ def _is_loopback(addr: str) -> bool:
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
-def _sockets_and_interfaces() -> tuple[list[str], str | None, str | None]:
-    return (listening_addresses(), os.environ.get("GLOO_SOCKET_IFNAME"),
+def _sockets_and_interfaces(launcher: int) -> tuple[list[str], str | None, str | None]:
+    return (listening_addresses(launcher), os.environ.get("GLOO_SOCKET_IFNAME"),
             os.environ.get("NCCL_SOCKET_IFNAME"))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_local_launch_listens_on_loopback_only():
-    per_processor = mt.launch(_sockets_and_interfaces, mesh="m:2", backend="torch")
+    per_processor = mt.launch(_sockets_and_interfaces, os.getpid(), mesh="m:2", backend="torch")
     for addrs, gloo_if, nccl_if in per_processor:
         assert addrs, "gloo listens for its peers, so some socket must be found"
         assert all(_is_loopback(a) for a in addrs), f"listening on {addrs}: reachable from the network"
@@ -102,6 +104,70 @@ def test_torchrun_rendezvous_listens_only_on_the_master_addr(tmp_path):
     for r in range(2):
         addrs = json.loads((tmp_path / f"r{r}.json").read_text())
         assert addrs and all(_is_loopback(a) for a in addrs), f"listening on {addrs}"
+
+
+def _what_a_processor_inherited(tag: str) -> tuple[int, str | None]:
+    rank = mt.current().rank
+    print(f"{tag} out {rank}", flush=True)
+    print(f"{tag} err {rank}", file=sys.stderr, flush=True)
+    return os.getppid(), os.environ.get("MESHTORCH_TEST_MARK")
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="spawns instead")
+def test_processors_fork_from_one_server_with_the_launchs_environment_and_streams(tmp_path, monkeypatch):
+    """Every launch forks its processors from the same fork server (torch imported once), yet a
+    processor sees the environment and writes to the standard output and error that the launcher
+    has at the launch, not those of the launch that started the server."""
+    monkeypatch.delenv("MESHTORCH_TEST_MARK", raising=False)
+    first = mt.launch(_what_a_processor_inherited, "first", mesh="m:2", backend="torch")
+    monkeypatch.setenv("MESHTORCH_TEST_MARK", "set after the server started")
+    out, err = tmp_path / "out", tmp_path / "err"
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(out, "w") as o, open(err, "w") as e:
+            os.dup2(o.fileno(), 1)
+            os.dup2(e.fileno(), 2)
+            second = mt.launch(_what_a_processor_inherited, "second", mesh="m:2", backend="torch")
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+    server = first[0][0]
+    assert server != os.getpid() and [p for p, _ in first + second] == [server] * 4
+    assert [m for _, m in first] == [None, None]
+    assert [m for _, m in second] == ["set after the server started"] * 2
+    assert sorted(out.read_text().split("\n")) == ["", "second out 0", "second out 1"]
+    assert sorted(line for line in err.read_text().split("\n") if line.startswith("second")) == \
+        ["second err 0", "second err 1"]
+
+
+def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():
+    """What the fork server imports before forking processors (a forked process keeps only the
+    forking thread, so a Python thread started there would be lost with any lock it held; CUDA
+    initialised there would be unusable in the processors)."""
+    code = ("import threading, torch, meshtorch.launcher.preload; "
+            "print(threading.active_count(), torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["1", "False"]
+
+
+def sends_then_returns_before_it_is_received(n: int):
+    comm = mt.current().comm
+    if comm.rank == 0:
+        comm.send(torch.arange(float(n)), "s", dst=1)
+        return None  # never waits for the send: leaving the world must
+    time.sleep(1.0)  # processor 0 has returned and is leaving the world by now
+    return comm.recv("s", src=0).sum().item()
+
+
+def test_recv_on_gloo_still_gets_what_a_processor_sent_before_it_returned():
+    """Leaving the world waits for the sends still in flight; before, the peer's recv failed with
+    "Connection closed by peer" (and gloo could abort the sender at exit)."""
+    assert mt.launch(sends_then_returns_before_it_is_received, 1000, mesh="s:2", backend="torch",
+                     timeout=60) == [None, 1000 * 999 / 2]
 
 
 def exits_in_collective(how: str):

@@ -89,6 +89,25 @@ def _digest(call: dict) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
+# the communicators of this process with point-to-point sends that may still be in flight, by
+# id (held, with the tensors they send, until delivered): leaving the world waits for them first
+# (launcher/world.shutdown), since destroying a gloo process group under a send it still runs
+# aborts the interpreter
+_sending: dict[int, TorchCommunicator] = {}
+
+
+def wait_all_sends() -> None:
+    """Wait until every point-to-point send of every torch communicator of this process has
+    been delivered (a program may end with sends it never waited for).
+
+    Example:
+        >>> from meshtorch.comm.torch import wait_all_sends
+        >>> wait_all_sends()  # nothing sent: returns at once
+    """
+    for comm in list(_sending.values()):
+        comm.wait_sends()
+
+
 class TorchCommunicator(Communicator):
     """This process's communicator over an initialised ``torch.distributed`` world.
 
@@ -166,7 +185,10 @@ class TorchCommunicator(Communicator):
             # axes of size 1 make different axes sets with the same members: one group serves both
             made = self._by_members.get(members)
             if made is None:
-                made = self._by_members[members] = dist.new_group(list(members), **kw)
+                # gloo connects the members now: a processor that already left (exited, crashed)
+                # is a CommError here, as in any collective, not the root of the failure
+                made = self._by_members[members] = self._run(
+                    "new_group", key, members, lambda m=members: dist.new_group(list(m), **kw))
             if members == mine:
                 pg = made
         self._groups[key] = pg
@@ -458,6 +480,7 @@ class TorchCommunicator(Communicator):
         head[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
         # keep completed sends out of the list, and the in-flight tensors alive until delivered
         self._sends = [w for w in self._sends if not w[0].is_completed()]
+        _sending[id(self)] = self
         for buf, tg in ((head, 2 * tag), (x, 2 * tag + 1)):
             work = self._run("send", axes, group, lambda b=buf, g=tg: dist.isend(
                 b, group=pg, group_dst=dst, tag=g))
@@ -475,6 +498,7 @@ class TorchCommunicator(Communicator):
 
     def wait_sends(self) -> None:
         sends, self._sends = self._sends, []
+        _sending.pop(id(self), None)
         for work, _, axes, group in sends:
             self._run("send", axes, group, work.wait)
 

@@ -1,10 +1,22 @@
 """``mt.launch(fn, backend="torch")``: one process per processor over ``torch.distributed``.
 
-Outside torchrun, fresh processes are spawned (``fn`` and its arguments are
+Outside torchrun, fresh processes are started (``fn`` and its arguments are
 pickled into them), results come back in rank order, and the first failure
 is re-raised after the other processes are terminated rather than left
 waiting. Under torchrun ``fn`` runs in this process as its rank and the
 results of all ranks are gathered.
+
+The processes are forked from a fork server (``multiprocessing``'s
+``"forkserver"`` start method, where the system has one; ``"spawn"`` elsewhere):
+a fresh, single-threaded interpreter started on the first launch, which has
+imported torch and meshtorch once (:mod:`meshtorch.launcher.preload`), so a
+processor starts in milliseconds rather than re-importing them (about a second
+of CPU each). As with ``"spawn"``, a processor inherits no thread, lock or GPU
+state of the launcher, sees the launcher's ``sys.path``, working directory and
+main module, and gets the launcher's environment and standard output and error
+as they are at the launch (not as they were when the fork server started).
+Environment variables that torch reads only while it is imported come from the
+first launch's environment.
 
 Example:
     >>> import meshtorch as mt
@@ -36,7 +48,7 @@ from meshtorch.comm.base import check_timeout
 from meshtorch.context import current
 from meshtorch.errors import CommError, MeshError, MeshTorchError, ProcessorError
 from meshtorch.launcher.failures import FAILURE_GRACE_S, RemoteTraceback, processor_error, root_cause
-from meshtorch.launcher.lifeline import die_with_parent
+from meshtorch.launcher.lifeline import EXIT_PARENT_DIED, die_with_parent
 from meshtorch.launcher.world import RENDEZVOUS_MIN_S, in_torchrun, init_distributed, shutdown
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
@@ -115,9 +127,93 @@ def _loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, parent_pid: int) -> None:
-    """Body of one spawned processor: join the world, run, report to the parent."""
-    die_with_parent(parent_pid)
+# the fork server imports this before it forks any processor (the start method where the system has one)
+PRELOAD = ["meshtorch.launcher.preload"]
+
+
+def _start_context() -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing`` context that starts processors: ``"forkserver"`` where the system
+    has it (its server imports :data:`PRELOAD` once), else ``"spawn"``.
+
+    Example:
+        >>> from meshtorch.launcher.processes import _start_context
+        >>> _start_context().get_start_method() in ("forkserver", "spawn")
+        True
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    # keep whatever this program asked its fork server to preload (the list is global, and
+    # only read when the server starts)
+    server = getattr(forkserver, "_forkserver", None)
+    theirs = list(getattr(server, "_preload_modules", None) or [])
+    ctx.set_forkserver_preload(theirs + [m for m in PRELOAD if m not in theirs])
+    return ctx
+
+
+class _Inherited:
+    """What a forked processor takes from its launcher at the launch, as a spawned one would:
+    the environment and the standard output and error (the fork server has the ones of the
+    first launch). The two descriptors travel through ``multiprocessing``'s own fd passing.
+    In the processor it unpickles to ``True``: "forked by the fork server"."""
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _adopt, (dict(os.environ), *(DupFd(fd) if _is_open(fd) else None for fd in (1, 2)))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:  # a launcher started with its output closed: the processor keeps the server's
+        return False
+    return True
+
+
+def _adopt(env: dict[str, str], out, err) -> bool:
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, dup in ((1, out), (2, err)):
+        src = dup.detach() if dup is not None else fd
+        if src != fd:
+            os.dup2(src, fd)
+            os.close(src)
+    return True
+
+
+def _leave_fork_server(launcher_pid: int) -> int:
+    """In a processor forked by the fork server: the pid it must die with (the server, whose
+    child it is), after letting go of the server's liveness pipe. The server exits when the
+    last holder of that pipe's write end is gone; had every processor kept a copy, a launcher
+    killed by SIGKILL would leave the server, and the processors, alive."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+    parent = os.getppid()
+    # the server outlives the launcher only until it sees the pipe close: if the launcher is
+    # already gone, so is this run
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        os._exit(EXIT_PARENT_DIED)
+    except PermissionError:
+        pass
+    return parent
+
+
+def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, launcher_pid: int,
+           forked: bool = False) -> None:
+    """Body of one processor: join the world, run, report to the launcher. ``forked``: started
+    by the fork server (an :class:`_Inherited` in the launcher), else spawned."""
+    die_with_parent(_leave_fork_server(launcher_pid) if forked else launcher_pid)
     try:
         import torch.distributed as dist
 
@@ -180,13 +276,12 @@ def _stop_signals_raise():
 
 
 def _spawn(payload: bytes, mesh: Mesh, nprocs: int, timeout: float) -> list[Any]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
+    forked = _Inherited() if ctx.get_start_method() == "forkserver" else False
     q = ctx.Queue()
     # the rendezvous is a file in a directory only this user can read: no port open to anyone
     rendezvous = tempfile.mkdtemp(prefix="meshtorch-rendezvous-")
-    procs = [ctx.Process(target=_child, args=(r, nprocs, rendezvous, payload, q, os.getpid()),
+    procs = [ctx.Process(target=_child, args=(r, nprocs, rendezvous, payload, q, os.getpid(), forked),
                          name=f"meshtorch-{r}", daemon=True) for r in range(nprocs)]
     results: dict[int, Any] = {}
     errors: dict[int, tuple] = {}

@@ -23,7 +23,7 @@ import torch
 from meshtorch.comm.base import check_timeout
 from meshtorch.comm.device import auto_device, parse_device
 from meshtorch.context import ProcessorContext, set_process_context
-from meshtorch.errors import ArgumentError, MeshError
+from meshtorch.errors import ArgumentError, CommError, MeshError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -129,7 +129,13 @@ def init_distributed(
             store, rank = _agent_store(wait)
         if store is not None:
             kw.update(store=store, rank=rank, world_size=world)
-        dist.init_process_group(backend, **kw)
+        try:
+            dist.init_process_group(backend, **kw)
+        except RuntimeError as e:  # gloo: "Connection closed by peer" when a peer left while connecting
+            if "closed" in str(e).lower() or "reset" in str(e).lower():
+                raise CommError(f"joining the world of {world} processes failed because a processor "
+                                f"exited or crashed while it was connecting ({str(e).strip()})") from e
+            raise
         # gloo aborts the interpreter ("terminate called without an active exception") if its
         # group is still alive at exit; whoever creates the group tears it down
         atexit.register(shutdown)
@@ -157,7 +163,10 @@ def _agent_store(timeout: datetime.timedelta) -> tuple[Any, int | None]:
 
 
 def shutdown() -> None:
-    """Leave the ``torch.distributed`` world (safe to call when not in one).
+    """Leave the ``torch.distributed`` world (safe to call when not in one), once every
+    point-to-point send of this process has been delivered: gloo aborts the interpreter
+    ("terminate called without an active exception") when its process group is destroyed
+    under a send still in flight. A send that fails now is its receiver's error to report.
 
     Example:
         >>> from meshtorch.launcher.world import shutdown
@@ -166,4 +175,10 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        from meshtorch.comm.torch import wait_all_sends
+
+        try:
+            wait_all_sends()
+        except CommError:
+            pass
         dist.destroy_process_group()

@@ -203,8 +203,9 @@ class ParallelismSection:
     master_addr: str | None = None
     master_port: int = 29500
     # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap), as the planner
-    # traces and prices it (plan/timeline.py); --no-overlap runs one blocking collective per use
-    overlap: bool = True
+    # traces and prices it (plan/timeline.py); opt-in until the whole suite passes with it on (turned on,
+    # ~8 tests failed and a threads-backend trace segfaulted once: see the closing note of this round)
+    overlap: bool = False
     # free gathered parameters after their forward use and gather them again in backward (implies
     # overlap)
     reshard_after_forward: bool = False
