@@ -103,13 +103,15 @@ def refuse(kind: str):
     comm = mt.current().comm
     if kind == "uneven":
         comm.reduce_scatter_grouped([torch.ones(3)], "b", [0])
+    elif kind == "release":
+        comm.all_reduce_grouped((torch.ones(2),), "b", release=True)
     else:
         comm.all_reduce_grouped([torch.ones(2), torch.ones(2, dtype=torch.float64)], "b")
 
 
 @pytest.mark.parametrize("kind,words", [("uneven", "not divisible by the group size 2"),
-                                        ("dtypes", "one dtype")])
-def test_uneven_pieces_and_mixed_dtypes_are_refused(kind, words):
+                                        ("dtypes", "one dtype"), ("release", "pass a list")])
+def test_uneven_pieces_mixed_dtypes_and_a_tuple_to_release_are_refused(kind, words):
     with pytest.raises(CommError, match=words):
         mt.launch(refuse, kind, mesh="b:2")
 
@@ -132,11 +134,21 @@ def drawn(shapes: list, dims: list, axes) -> bool:
     def equal(got, want) -> bool:
         return all(torch.equal(a, b) for a, b in zip(got, want))
 
+    def one_buffer(got) -> bool:
+        """Contiguous views of one flat result that is exactly their bytes (keeping them all
+        costs nothing more than separate tensors)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in got}
+        return (all(t.is_contiguous() for t in got) and len(storages) == 1
+                and sum(storages.values()) == sum(t.numel() * t.element_size() for t in got))
+
+    given = list(xs)  # released: emptied once packed
+    scattered = comm.reduce_scatter_grouped(given, axes, dims, async_op=True, release=True).wait()
+    reduced = comm.all_reduce_grouped(list(xs), axes)
     return (equal(comm.all_gather_grouped(xs, axes, dims),
                   [comm.all_gather(x, axes, d) for x, d in zip(xs, dims)])
-            and equal(comm.reduce_scatter_grouped(xs, axes, dims, async_op=True).wait(),
-                      [comm.reduce_scatter(x, axes, d) for x, d in zip(xs, dims)])
-            and equal(comm.all_reduce_grouped(xs, axes), [comm.all_reduce(x, axes) for x in xs]))
+            and equal(scattered, [comm.reduce_scatter(x, axes, d) for x, d in zip(xs, dims)])
+            and equal(reduced, [comm.all_reduce(x, axes) for x in xs])
+            and given == [] and one_buffer(scattered) and one_buffer(reduced))
 
 
 @st.composite

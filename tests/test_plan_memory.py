@@ -155,10 +155,9 @@ def test_pipeline_stage_peaks_are_within_5_percent_of_a_gloo_step(real):
 @pytest.mark.parametrize("layout", ["model+dropout", "fsdp+dropout"])
 def test_dropout_masks_and_their_draws_are_planned_on_threads(layout):
     mesh, rules, rate = LAYOUTS[layout]
-    # per-use collectives: the peak is in backward, where the masks live (under mt.overlap a
-    # reduce-scattered bucket's flat result stays alive with the gradients, and the peak moves
-    # to the optimizer step)
-    base = CFG.replace(overlap=False)
+    # the peak is in backward, where the masks live: also under mt.overlap, whose gradients hold
+    # only their slices' bytes (a reduce-scattered bucket's flat result is the gradients)
+    base = CFG.replace(overlap=True)
     cfg = base.replace(dropout=rate)
     plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules)
     real = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, backend="threads")
@@ -172,8 +171,9 @@ REMAT_MESH, REMAT_RULES = "b:2", "batch:b; d_model:b"
 
 
 def _remat(model: str) -> TrainConfig:
-    # per-use collectives: under mt.overlap this small model's peak is the optimizer step's (the
-    # gradients' flat buffers), which recomputation does not change
+    # per-use collectives: under mt.overlap this small model's peak is its forward's grouped
+    # gather (all blocks' weights in one, at the default gather_mb: the flat input, the result and
+    # its unpacked copies), which recomputation does not change
     return CFG.replace(model=model, layers=2, encoder_layers=1, dropout=0.1, overlap=False)
 
 

@@ -319,7 +319,11 @@ class Communicator(ABC):
         return self.permute(t, axis, sources)
 
     # --------------------------------------------------- grouped collectives
-    def _grouped(self, kind: str, tensors, axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    def _grouped(self, kind: str, tensors, axes, release: bool = False
+                 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        if release and not isinstance(tensors, list):
+            raise CommError(f"grouped {kind} with release=True empties the list of tensors once packed: "
+                            f"pass a list, not a {type(tensors).__name__}")
         if torch.compiler.is_compiling():
             raise CommError(f"grouped {kind} is an eager call: a compiled step runs one collective per "
                             "tensor (torch.compile schedules and overlaps those itself)")
@@ -354,16 +358,22 @@ class Communicator(ABC):
         return self._issued(work) if async_op else work.wait()
 
     def reduce_scatter_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int], op: str = "sum",
-                               async_op: bool = False) -> list[torch.Tensor] | Handle:
+                               async_op: bool = False, release: bool = False) -> list[torch.Tensor] | Handle:
         """Each tensor reduced over the group and cut along its dim of ``dims``, this
         processor keeping its chunk, as *one* flat reduce_scatter; with ``async_op``, a
-        :class:`Handle`. Every dim must divide by the group size."""
+        :class:`Handle`. Every dim must divide by the group size. The chunks are views of the
+        call's one flat result (see :mod:`meshtorch.comm.grouped`). With ``release``, the list
+        ``tensors`` is emptied once packed, before the call runs: tensors held nowhere else
+        (a bucket of gradients) are freed rather than kept beside their packed copy."""
         if op not in REDUCE_OPS:
             raise CommError(f"reduce_scatter op {op!r} is not one of {REDUCE_OPS}")
-        axes, group = self._grouped("reduce_scatter", tensors, axes)
+        axes, group = self._grouped("reduce_scatter", tensors, axes, release)
         if len(group) == 1:
-            return gp.done(list(tensors)) if async_op else list(tensors)
+            out = list(tensors)
+            _release(tensors, release)
+            return gp.done(out) if async_op else out
         buf, layout = gp.pack_scatter(tensors, dims, axes, len(group))
+        _release(tensors, release)
         self._record("reduce_scatter", axes, buf.numel() * buf.element_size())
         call = self._describe("reduce_scatter", axes, buf, op=op, dim=0)
         work = self._start_reduce_scatter(buf, axes, group, op, call,
@@ -371,15 +381,19 @@ class Communicator(ABC):
         return self._issued(work) if async_op else work.wait()
 
     def all_reduce_grouped(self, tensors: list[torch.Tensor], axes, op: str = "sum",
-                           async_op: bool = False) -> list[torch.Tensor] | Handle:
+                           async_op: bool = False, release: bool = False) -> list[torch.Tensor] | Handle:
         """Each tensor reduced elementwise over the group, as *one* flat all_reduce; with
-        ``async_op``, a :class:`Handle` (see :mod:`meshtorch.comm.grouped`)."""
+        ``async_op``, a :class:`Handle` (see :mod:`meshtorch.comm.grouped`: the results are views
+        of one flat buffer). ``release``: as :meth:`reduce_scatter_grouped`'s."""
         if op not in REDUCE_OPS:
             raise CommError(f"all_reduce op {op!r} is not one of {REDUCE_OPS}")
-        axes, group = self._grouped("all_reduce", tensors, axes)
+        axes, group = self._grouped("all_reduce", tensors, axes, release)
         if len(group) == 1:
-            return gp.done(list(tensors)) if async_op else list(tensors)
+            out = list(tensors)
+            _release(tensors, release)
+            return gp.done(out) if async_op else out
         flat, shapes = gp.pack_reduce(tensors, axes)
+        _release(tensors, release)
         self._record("all_reduce", axes, flat.numel() * flat.element_size())
         call = self._describe("all_reduce", axes, flat, op=op)
         work = self._start_all_reduce(flat, axes, group, op, call, lambda out: gp.unpack_reduce(out, shapes))
@@ -537,6 +551,12 @@ def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     size = list(t.shape)
     size[dim] = short
     return torch.cat([t, t.new_zeros(size)], dim)
+
+
+def _release(tensors: list[torch.Tensor], release: bool) -> None:
+    """Empty the caller's list of a grouped call's inputs, once packed (``release=True``)."""
+    if release:
+        tensors.clear()
 
 
 def reduce_stack(parts: list[torch.Tensor], op: str) -> torch.Tensor:

@@ -13,9 +13,15 @@ Layouts of the flat buffer (``n`` group members, tensor ``i`` with dim ``d_i``):
 - all_gather: each member sends the concatenation of its tensors, each with ``d_i`` moved
   first and flattened; the ``(n, total)`` result's columns of tensor ``i`` are its ``n``
   pieces, concatenated back along ``d_i``.
-- reduce_scatter: tensor ``i`` with ``d_i`` moved first is cut into ``n`` equal rows; the
-  buffer is ``(n, total)`` with row ``j`` holding member ``j``'s chunk of every tensor.
+- reduce_scatter: tensor ``i`` is cut along ``d_i`` into ``n`` equal chunks; the buffer is
+  ``(n, total)`` with row ``j`` holding member ``j``'s chunk of every tensor, each chunk
+  flattened in its own (contiguous) layout.
 - all_reduce: the concatenation of the flattened tensors.
+
+The tensors a reduce_scatter or all_reduce gives back are contiguous *views* of the call's one
+flat result, which is exactly their bytes: kept together they cost nothing more than separate
+tensors (DDP's ``gradient_as_bucket_view``, FSDP2's reduce output), and the buffer dies with the
+last of them. Keeping only some of them keeps the whole buffer: copy those (``clone``) instead.
 
 Pieces must be equal (a dim the group does not divide raises :class:`~meshtorch.errors.CommError`;
 the per-tensor collectives handle uneven pieces), and the tensors must share one dtype.
@@ -115,27 +121,34 @@ def unpack_gather(out: torch.Tensor, n: int, layout: list) -> list[torch.Tensor]
 
 def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int
                  ) -> tuple[torch.Tensor, list]:
-    """The ``(n, total)`` buffer a member hands a grouped reduce_scatter, and how to unpack its row."""
+    """The ``(n, total)`` buffer a member hands a grouped reduce_scatter, and how to unpack its row:
+    row ``j`` is member ``j``'s chunk of each tensor, in that chunk's own layout."""
     _check("reduce_scatter", tensors, axes)
-    rows, layout = [], []
+    rows, shapes = [], []
     for i, (t, d) in enumerate(zip(tensors, dims)):
+        if not t.dim():
+            raise CommError(f"grouped reduce_scatter over {axes}: tensor {i} is a scalar, with no dim "
+                            "to scatter along")
         d = d % t.dim()
         if t.shape[d] % n:
             raise CommError(
                 f"grouped reduce_scatter over {axes}: tensor {i} of shape {list(t.shape)} has dim {d} of "
                 f"size {t.shape[d]}, not divisible by the group size {n}; reduce uneven pieces one "
                 "tensor at a time (Communicator.reduce_scatter with sizes=)")
-        m = t.detach().movedim(d, 0)
-        rows.append(m.reshape(n, -1))
-        layout.append(((m.shape[0] // n,) + tuple(m.shape[1:]), d))
-    return torch.cat(rows, 1), layout
+        # the n chunks along d as a leading dim, each keeping its dims in order: unpacked, a
+        # chunk is a contiguous view of the row (no copy, and no row kept alive for a copy)
+        chunks = t.detach().unflatten(d, (n, t.shape[d] // n)).movedim(d, 0)
+        rows.append(chunks.reshape(n, -1))
+        shapes.append(tuple(chunks.shape[1:]))
+    return torch.cat(rows, 1), shapes
 
 
-def unpack_scatter(row: torch.Tensor, layout: list) -> list[torch.Tensor]:
+def unpack_scatter(row: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """This member's chunks: contiguous views of its reduced ``row`` (see the module)."""
     flat, result, at = row.reshape(-1), [], 0
-    for shape, d in layout:
+    for shape in shapes:
         size = math.prod(shape)
-        result.append(flat[at:at + size].view(shape).movedim(0, d).contiguous())
+        result.append(flat[at:at + size].view(shape))
         at += size
     return result
 
@@ -147,5 +160,6 @@ def pack_reduce(tensors: Sequence[torch.Tensor], axes) -> tuple[torch.Tensor, li
 
 
 def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """The reduced tensors: contiguous views of the flat ``out`` (see the module)."""
     sizes = [math.prod(s) for s in shapes]
     return [p.view(s) for p, s in zip(out.split(sizes), shapes)]

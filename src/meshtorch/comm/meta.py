@@ -95,6 +95,19 @@ class MetaCommunicator(Communicator):
             return super()._start_all_reduce(flat, axes, group, op, call, unpack)
         return Handle(lambda: unpack(flat))  # comm/torch.py reduces the packed buffer in place
 
+    # comm/torch.py's asynchronous work holds its packed input until waited on (the threads
+    # backend completes at once and lets go of it)
+    def _start_all_gather(self, flat, axes, group, call, unpack):
+        return self._held(flat, super()._start_all_gather(flat, axes, group, call, unpack))
+
+    def _start_reduce_scatter(self, buf, axes, group, op, call, unpack):
+        return self._held(buf, super()._start_reduce_scatter(buf, axes, group, op, call, unpack))
+
+    def _held(self, packed: torch.Tensor, work: Handle) -> Handle:
+        if self._staging == "none":
+            return work
+        return Handle(lambda: (packed, work.wait())[1])
+
     def _all_gather(self, t, axes, group, dim, call):
         x = self._copy(t, dim)
         out = torch.empty((len(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)

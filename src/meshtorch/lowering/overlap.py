@@ -16,7 +16,10 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
   one has gone, launches one asynchronous ``all_reduce`` (data parallel) or ``reduce_scatter``
   (FSDP) while backward goes on. A callback queued on the autograd engine waits for them at the
   end of ``backward()`` and *adds* each result into ``p.grad``, so gradient accumulation over
-  micro-batches stays exact.
+  micro-batches stays exact. A ``p.grad`` that was ``None`` becomes a view of its bucket's flat
+  result, which holds exactly the bucket's gradients (DDP's ``gradient_as_bucket_view``): the
+  gradients cost their slices' bytes, and ``zero_grad(set_to_none=True)`` frees the bucket.
+  Clone a gradient to keep it past that.
 - **Forward.** Gathers are grouped per bucket in the order the previous step read them, and the
   next bucket is gathered asynchronously while the current one computes (prefetch).
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
@@ -373,6 +376,7 @@ class Runtime:
             self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
             return
         e.grad = g if e.grad is None else e.grad + g
+        del g  # held by the entry (or the bucket it launches) alone: released once packed
         self.arrived.add(e)
         if e.gathered:
             e.free()  # its last use has run backward
@@ -424,10 +428,13 @@ class Runtime:
             self.launched += 1
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
-        grads = [g.contiguous() for g in grads]
+        """Launch one bucket's reduction; ``grads`` (held nowhere else) is emptied once packed, so
+        the unreduced gradients are freed before the call runs, not kept beside their packed copy."""
+        grads[:] = [g.contiguous() for g in grads]
         if kind == "all_reduce":
-            return self.comm.all_reduce_grouped(grads, axes, async_op=True)
-        return self.comm.reduce_scatter_grouped(grads, axes, [e.dim for e in members], async_op=True)
+            return self.comm.all_reduce_grouped(grads, axes, async_op=True, release=True)
+        return self.comm.reduce_scatter_grouped(grads, axes, [e.dim for e in members], async_op=True,
+                                                release=True)
 
     def _queue_finish(self) -> None:
         engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
@@ -452,12 +459,20 @@ class Runtime:
             self._end_step()
 
     def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
+        """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat
+        result (:mod:`meshtorch.comm.grouped`): where every member's ``p.grad`` is ``None`` (the
+        step's first backward) the views become the gradients, and the flat result is exactly
+        their bytes (DDP's ``gradient_as_bucket_view``, FSDP2's reduce output; no copy); otherwise
+        (accumulation, a parameter twice in the bucket) those added into drop their views and
+        the others take copies, so that no flat result lives on for part of its bytes."""
+        params = [e.param for e in members]
+        adopt = (len({id(p) for p in params}) == len(params)
+                 and all(p.grad is None and g.dtype == p.dtype for p, g in zip(params, grads)))
         with torch.no_grad():
-            for e, g in zip(members, grads):
-                p = e.param
+            for p, g in zip(params, grads):
                 g = g.view(p.shape)
                 if p.grad is None:
-                    p.grad = g if g.dtype == p.dtype else g.to(p.dtype)
+                    p.grad = g if adopt else g.to(p.dtype, copy=True)
                 else:
                     p.grad.add_(g)
 
