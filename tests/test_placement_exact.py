@@ -323,6 +323,23 @@ def test_milp_replicates_a_stage_by_hand():
     assert solve_milp(g, Problem(devices=2)).max_load == 16.0
 
 
+def test_milp_survives_highs_presolve_solve_error():
+    """Found by test_replication_dp_milp_and_brute_force_agree: HiGHS's presolve ends in
+    "Solve error" (status 4) on this feasible contiguous model; the MILP retries without it."""
+    g = OpGraph()
+    g.add_node("f0", acc_time=1.0, cpu_time=2.0, mem_bytes=1.0, act_bytes=1.0, color="c0")
+    g.add_node("f1", acc_time=1.0, cpu_time=1.0, mem_bytes=3.0, sync_time=3.0, color="c1")
+    g.add_node("b0", acc_time=0.0, cpu_time=0.0, sync_time=3.0, backward=True, color="c0")
+    g.add_node("b1", acc_time=1.0, cpu_time=2.0, sync_time=3.0, backward=True, color="c1")
+    g.add_edge("f0", "b0")
+    g.add_edge("f1", "b1")
+    prob = Problem(devices=2, cpus=1, memory=3.0, stash=True, max_replicas=2)
+    p = solve_milp(g, prob, contiguous=True, time_limit=None)
+    check_placement(p, g)
+    assert p.max_load == pytest.approx(brute_force(g, prob, contiguous=True), abs=1e-6)
+    assert p.max_load == pytest.approx(place(g, prob, "dp").max_load, abs=1e-6)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_memory_frontier_matches_brute_force(data):

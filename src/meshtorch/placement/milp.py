@@ -385,6 +385,11 @@ def solve_milp(
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
     res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
+    if res.status == 4 and res.x is None:
+        # HiGHS's presolve (scipy 1.17) can end in "Solve error" on feasible models
+        # (replicated stages with stashes); the same model solves without it
+        options["presolve"] = False
+        res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
     name = "ilp-contiguous" if contiguous else "ilp"
     lower = getattr(res, "mip_dual_bound", None)
     lower = float(lower) * unit if lower is not None and np.isfinite(lower) else None
