@@ -227,6 +227,47 @@ def test_chain_solver_is_exact_on_chains(data):
     assert place(graph, prob, "dp").max_load == pytest.approx(ch.max_load, abs=1e-9)
 
 
+def test_milp_relays_through_a_cpu_in_the_middle():
+    """Relayed transfers make the slot order matter: the MILP may not fix the CPUs first.
+
+    p (comm 1) feeds q and the CPU-only h. With relaying, [p | h | q] costs 1 + 1 on each
+    accelerator (each pays one border) and nothing on the CPU, whose load is its CPU time;
+    with the CPU first, p and q share a stage (3) or one sits between h and the other and
+    pays the border twice (3). Cold start: the contiguous DP would find [p | h | q] itself.
+    """
+    g = OpGraph()
+    g.add_node("p", acc_time=1.0, cpu_time=None, comm_time=1.0)
+    g.add_node("q", acc_time=1.0, cpu_time=None)
+    g.add_node("h", acc_time=None, cpu_time=0.0)
+    g.add_edge("p", "q")
+    g.add_edge("p", "h")
+    prob = Problem(devices=2, cpus=1, relay=True)
+    p = solve_milp(g, prob, time_limit=None, warm_start=False)
+    check_placement(p, g)
+    assert p.max_load == 2.0 == brute_force(g, prob, contiguous=False)
+    assert [s.kind for s in p.stages] == ["acc", "cpu", "acc"]
+    assert evaluate(g, prob, [("cpu", [2]), ("acc", [0]), ("acc", [1])]).max_load == 3.0
+
+
+def test_milp_relay_cpu_in_the_middle_found_by_hypothesis():
+    """The example hypothesis found for test_dp_matches_brute_force_and_milp (MILP 3.0,
+    brute force 2.0): colours tie f2 <-> f3 both ways, so the DP's contiguous start is no help."""
+    g = OpGraph()
+    for i, (acc, cpu) in enumerate([(None, 0.0), (None, 0.0), (1.0, 3.0), (1.0, 3.0)]):
+        g.add_node(f"f{i}", acc_time=acc, cpu_time=cpu, color=f"c{i}")
+    for i in range(4):
+        g.add_node(f"b{i}", acc_time=0.0, cpu_time=0.0, comm_time=float(i == 3), backward=True,
+                   color=f"c{i}")
+    for u, v in [(0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3), (5, 4), (6, 4), (6, 5),
+                 (7, 4), (7, 5), (7, 6), (0, 4), (1, 5), (2, 6), (3, 7)]:
+        g.add_edge(u, v)
+    prob = Problem(devices=2, cpus=1, memory=3.0, stash=False, relay=True)
+    p = solve_milp(g, prob, time_limit=None)
+    check_placement(p, g)
+    assert p.max_load == pytest.approx(brute_force(g, prob, contiguous=False), abs=1e-6)
+    assert p.max_load == pytest.approx(2.0, abs=1e-6)
+
+
 @settings(max_examples=15, deadline=None)
 @given(st.data())
 def test_replicated_stages_beat_or_match_plain(data):
@@ -280,6 +321,23 @@ def test_milp_replicates_a_stage_by_hand():
         assert [(s.kind, s.replicas) for s in p.stages] == [("acc", 2)]
         assert p.max_load == pytest.approx(16.0 / 2 + 2 * 1 / 2 * 1.0)  # 9.0
     assert solve_milp(g, Problem(devices=2)).max_load == 16.0
+
+
+def test_milp_survives_highs_presolve_solve_error():
+    """Found by test_replication_dp_milp_and_brute_force_agree: HiGHS's presolve ends in
+    "Solve error" (status 4) on this feasible contiguous model; the MILP retries without it."""
+    g = OpGraph()
+    g.add_node("f0", acc_time=1.0, cpu_time=2.0, mem_bytes=1.0, act_bytes=1.0, color="c0")
+    g.add_node("f1", acc_time=1.0, cpu_time=1.0, mem_bytes=3.0, sync_time=3.0, color="c1")
+    g.add_node("b0", acc_time=0.0, cpu_time=0.0, sync_time=3.0, backward=True, color="c0")
+    g.add_node("b1", acc_time=1.0, cpu_time=2.0, sync_time=3.0, backward=True, color="c1")
+    g.add_edge("f0", "b0")
+    g.add_edge("f1", "b1")
+    prob = Problem(devices=2, cpus=1, memory=3.0, stash=True, max_replicas=2)
+    p = solve_milp(g, prob, contiguous=True, time_limit=None)
+    check_placement(p, g)
+    assert p.max_load == pytest.approx(brute_force(g, prob, contiguous=True), abs=1e-6)
+    assert p.max_load == pytest.approx(place(g, prob, "dp").max_load, abs=1e-6)
 
 
 @settings(max_examples=40, deadline=None)

@@ -5,7 +5,8 @@ pipeline-ordered one that the DP solves — so it certifies the DP. Formulation
 (after contracting colour classes only, so it shares nothing else with the DP):
 
 * ``x[g, p]`` binary: group ``g`` on slot ``p``; slots ``0..k+ℓ-1`` in pipeline
-  order; ``y[p]`` binary: slot ``p`` is a CPU (``sum y = ℓ``);
+  order; ``y[p]`` binary: slot ``p`` is a CPU (``sum y = ℓ``; fixed to the first ``ℓ``
+  slots only in the general problem without ``relay``, where the order changes no load);
 * ``z[u, p] >= |x[v, p] - x[u, p]|`` for every consumer ``v`` of producer ``u``:
   ``u``'s output crosses the border of slot ``p`` (paid once per producer);
   with ``Problem.relay``, ``z[u, p]`` is instead the crossing of the border after
@@ -252,8 +253,12 @@ def solve_milp(
                 rows.add({xi(g, p): 1.0, C + p: -1.0,
                           **{wi(p, r): -1.0 for r in range(1, R + 1)}}, -np.inf, 0.0)
         rows.add({wi(p, r): float(r) for p in range(S) for r in range(1, R + 1)}, -np.inf, k)
-    if not contiguous:
-        # slots are interchangeable: fix which ones are CPUs
+    if not contiguous and not prob.relay:
+        # Without relaying, where a slot sits changes no load, and moving the CPUs to the
+        # front only lowers the accelerators' in-flight micro-batches: fix them there.
+        # With relaying it would be wrong: a slot between a producer and its consumers
+        # pays the value twice, and a CPU slot (load: its CPU time only) relays for free,
+        # so the best pipeline may have a CPU in the middle; y stays free then.
         for p in range(S):
             lb[Y + p] = ub[Y + p] = 1.0 if p < ell else 0.0
     for g in range(G):
@@ -380,6 +385,11 @@ def solve_milp(
     if time_limit is not None:
         options["time_limit"] = float(time_limit)
     res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
+    if res.status == 4 and res.x is None:
+        # HiGHS's presolve (scipy 1.17) can end in "Solve error" on feasible models
+        # (replicated stages with stashes); the same model solves without it
+        options["presolve"] = False
+        res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
     name = "ilp-contiguous" if contiguous else "ilp"
     lower = getattr(res, "mip_dual_bound", None)
     lower = float(lower) * unit if lower is not None and np.isfinite(lower) else None
