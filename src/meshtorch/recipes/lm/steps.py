@@ -118,7 +118,10 @@ class TrainingProgram:
         # --compile runs the same ops and collectives (a meta trace of the compiled step counts the
         # eager one's, and compiling it on meta costs ~15 s even for a tiny model): trace it eagerly
         # a compiled run does not overlap (strategies.overlapped): neither does its eager trace
-        cfg = cfg.replace(compile=False, overlap=cfg.parallelism.overlap and not cfg.run.compile)
+        if cfg.run.compile:
+            par = cfg.parallelism
+            eager = {k: False for k in ("overlap", "reshard_after_forward") if getattr(par, k)}
+            cfg = cfg.replace(compile=False, **eager)  # (a run that does not compile keeps its parsed cfg)
         self.cfg, self.vocab, self.update = cfg, vocab, update
         self.layers = cfg.model.layers
         self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
