@@ -395,3 +395,30 @@ def test_overlapped_gradients_hold_exactly_their_slices_bytes_on_gloo():
     off = mt.launch(gradient_memory, False, 2, mesh="b:2", rules=FSDP)
     for a, b in zip(on, off):
         check_gradient_memory(a, b, 2)
+
+
+def storage_kept(mode: str) -> tuple[list[bool], dict]:
+    """Two steps of the LM; whether each local parameter slice still holds its bytes after each
+    backward (looked at before anything reads them: a freed one would crash the reader), and the
+    last step's global gradients."""
+    model = DecoderLM(config(), seed=0)
+    for step in range(2):  # the second step gathers in the first one's buckets
+        model.zero_grad(set_to_none=True)
+        with mt.overlap(enabled=mode != "off", reshard_after_forward=mode == "reshard"):
+            model.loss(*batch(step)).backward()
+        kept = [p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters()]
+        if not all(kept):
+            return kept, {}
+    return kept, {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["on", "reshard"])
+def test_a_gather_over_an_axis_of_size_one_leaves_the_parameter_alone(mode):
+    """FSDP by rules over an axis of size 1 (``b:1``, as the planner's layouts and the property
+    tests draw): the grouped gather of a group of one returns the parameter itself, which must not
+    be freed after backward (it was: the next read of the parameter crashed)."""
+    mesh, rules = "b:1,m:2", FSDP
+    off = mt.launch(functools.partial(storage_kept, "off"), mesh=mesh, rules=rules)[0]
+    kept, grads = mt.launch(functools.partial(storage_kept, mode), mesh=mesh, rules=rules)[0]
+    assert all(kept)
+    same(grads, off[1], exact=False)

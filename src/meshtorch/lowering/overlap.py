@@ -54,6 +54,7 @@ Example (data parallel: three parameters' gradients in one all_reduce, the same 
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -154,7 +155,13 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
         return None
     from meshtorch.context import current  # the context sits above; read at call time
 
-    return runtime(current().comm).read(t, steps, how, opts)
+    comm = current().comm
+    if math.prod(comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1:
+        # a group of one (a rule splitting a dim over an axis of size 1): its collectives return
+        # their input, so a "gathered" value would be the parameter itself, which this module
+        # frees after backward; nothing moves, so the per-use path costs nothing
+        return None
+    return runtime(comm).read(t, steps, how, opts)
 
 
 def runtime(comm: Communicator) -> Runtime:
@@ -208,7 +215,9 @@ class Entry:
         self.bucket: int | None = None  # its backward bucket
         self.fwd: int | None = None  # its forward bucket (the previous step's reads)
         self.freed = False
-        self.pinned = False  # an op's result is a view of it: never freed
+        # never freed: an op's result is a view of it, or it is the parameter's own storage (freeing
+        # that would free the parameter; a group of one, which read() never gets, would give it)
+        self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
         self.nbytes = self.leaf.numel() * self.leaf.element_size()
         gen = runtime.generation
         self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, gen))

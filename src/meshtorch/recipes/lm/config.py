@@ -353,6 +353,12 @@ def _per_section(options: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return per_section
 
 
+def _changes(section: Any, values: dict[str, Any]) -> bool:
+    """Whether setting ``values`` changes ``section`` (a value of another type is a change: its
+    section's checks see it)."""
+    return any(type(v) is not type(old := getattr(section, k)) or v != old for k, v in values.items())
+
+
 @dataclass
 class TrainConfig:
     """Every option of ``meshtorch train``, in sections as torchtitan's JobConfig.
@@ -379,9 +385,10 @@ class TrainConfig:
 
     def replace(self, **options: Any) -> TrainConfig:
         """A copy with ``options`` (flag names) set."""
-        # a section without a change is kept as it is (its parsed mesh and rules with it)
-        return TrainConfig(**{s: dataclasses.replace(getattr(self, s), **kw) if kw else getattr(self, s)
-                              for s, kw in _per_section(options).items()})
+        # a section without a change (no option, or each one's value as it is) is kept as it is: its
+        # parsed mesh and rules with it
+        return TrainConfig(**{s: dataclasses.replace(getattr(self, s), **kw) if _changes(getattr(self, s), kw)
+                              else getattr(self, s) for s, kw in _per_section(options).items()})
 
     def options(self) -> dict[str, Any]:
         """Every option by its flag name (what a checkpoint records and ``--config`` reads)."""
