@@ -287,15 +287,15 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             os.mkdir(tmp)
     except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
         error = e
-    if not _all_ok(error is None):
-        _discard(tmp)
-        raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
-                              "changed") from error
     try:
+        if not _all_ok(error is None):
+            raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
+                                  "changed") from error
         return _write_and_commit(ctx, path, tmp, tag, entries, index, step, keep, background, digest)
     except BaseException:
-        # a collective that raised on the way (the launch abandoned, Ctrl-C): no temporary directory
-        # of this process is left behind (the synchronous path has discarded it already when it failed)
+        # a failure, or a collective that raised on the way (the launch abandoned, Ctrl-C: also the
+        # check above, which a processor's interrupt can abandon right after the directory was made):
+        # no temporary directory of this process is left behind
         _discard(tmp)  # (no background writer was started: it owns the directory once started)
         raise
 
