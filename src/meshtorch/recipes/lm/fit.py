@@ -31,6 +31,19 @@ def _traced(cfg: TrainConfig, vocab: int, runs_on: str) -> Trace:
                  staging=staging_for(par.backend, runs_on), device=runs_on, compiled=cfg.run.compile)
 
 
+def _on_gpu(cfg: TrainConfig, processes: int) -> bool:
+    """Whether ``processes`` processors of ``cfg``'s run compute on GPUs (``--device cuda``, or
+    ``auto`` with a GPU per processor)."""
+    kind, _ = parse_device(cfg.parallelism.device)
+    return (auto_device(processes) if kind == "auto" else kind) == "cuda"
+
+
+def _machine_memory(on_gpu: bool, processes: int) -> tuple[int, str] | None:
+    """The memory this machine has for the run, and where that number comes from: the fullest GPU's
+    free memory (one per processor), or the host's available memory (shared); ``None``: unknown."""
+    return devices.gpu_free_memory(processes) if on_gpu else devices.available_memory()
+
+
 def processor_need(t: Trace, on_gpu: bool) -> int:
     """Bytes one processor of a run needs for the step traced in ``t``: on a GPU the allocator's
     peak with its fragmentation margin and the CUDA context
@@ -96,8 +109,7 @@ def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int]
     """
     if not cfg.run.memory_check or cfg.parallelism.pipeline_stages > 1:
         return None
-    kind, _ = parse_device(cfg.parallelism.device)
-    on_gpu = (auto_device(processes) if kind == "auto" else kind) == "cuda"
+    on_gpu = _on_gpu(cfg, processes)
     runs_on = "cuda" if on_gpu else "cpu"
     budget = cfg.run.memory_budget
     if budget > 0:
@@ -105,7 +117,7 @@ def check_memory(cfg: TrainConfig, vocab: int, processes: int) -> dict[str, int]
         sharing = 1
     else:
         # on GPUs each processor has one of its own; on the host they share its memory
-        limit = devices.gpu_free_memory(processes) if on_gpu else devices.available_memory()
+        limit = _machine_memory(on_gpu, processes)
         sharing = 1 if on_gpu else processes
     if limit is None:
         return None
@@ -172,10 +184,8 @@ def check_model_size(cfg: TrainConfig, vocab: int, processors: int, processes: i
         TrainingError lower --layers
     """
     check_model_flags(cfg)
-    par = cfg.parallelism
-    kind, _ = parse_device(par.device)
-    on_gpu = (auto_device(processes) if kind == "auto" else kind) == "cuda"
-    limit = devices.gpu_free_memory(processes) if on_gpu else devices.available_memory()
+    on_gpu = _on_gpu(cfg, processes)
+    limit = _machine_memory(on_gpu, processes)
     if limit is None:
         return
     have, source = limit
