@@ -349,7 +349,7 @@ class Communicator(ABC):
         """
         axes, group = self._grouped("all_gather", tensors, axes)
         if len(group) == 1:
-            return gp.done(list(tensors)) if async_op else list(tensors)
+            return _alone(tensors, async_op)
         flat, layout = gp.pack_gather(tensors, dims, axes)
         self._record("all_gather", axes, flat.numel() * flat.element_size())
         n = len(group)
@@ -369,9 +369,7 @@ class Communicator(ABC):
             raise CommError(f"reduce_scatter op {op!r} is not one of {REDUCE_OPS}")
         axes, group = self._grouped("reduce_scatter", tensors, axes, release)
         if len(group) == 1:
-            out = list(tensors)
-            _release(tensors, release)
-            return gp.done(out) if async_op else out
+            return _alone(tensors, async_op, release)
         buf, layout = gp.pack_scatter(tensors, dims, axes, len(group))
         _release(tensors, release)
         self._record("reduce_scatter", axes, buf.numel() * buf.element_size())
@@ -389,9 +387,7 @@ class Communicator(ABC):
             raise CommError(f"all_reduce op {op!r} is not one of {REDUCE_OPS}")
         axes, group = self._grouped("all_reduce", tensors, axes, release)
         if len(group) == 1:
-            out = list(tensors)
-            _release(tensors, release)
-            return gp.done(out) if async_op else out
+            return _alone(tensors, async_op, release)
         flat, shapes = gp.pack_reduce(tensors, axes)
         _release(tensors, release)
         self._record("all_reduce", axes, flat.numel() * flat.element_size())
@@ -551,6 +547,14 @@ def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     size = list(t.shape)
     size[dim] = short
     return torch.cat([t, t.new_zeros(size)], dim)
+
+
+def _alone(tensors: list[torch.Tensor], async_op: bool, release: bool = False) -> list[torch.Tensor] | Handle:
+    """A grouped collective over a group of one: the tensors are their own result (``release``
+    empties the caller's list, as the call would once packed)."""
+    out = list(tensors)
+    _release(tensors, release)
+    return gp.done(out) if async_op else out
 
 
 def _release(tensors: list[torch.Tensor], release: bool) -> None:
