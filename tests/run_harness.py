@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -30,3 +33,18 @@ def assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def run_in_session(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 150):
+    """Run ``cmd`` in its own session with this environment plus ``env`` (unbuffered), killed as a
+    group on timeout (the test fails, with the end of its stderr); (exit status, stdout, stderr)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{err[-3000:]}")
+    return p.returncode, out, err

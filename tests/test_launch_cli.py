@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -17,6 +15,9 @@ import pytest
 import torch
 
 from meshtorch.cli import main as cli_main
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_harness import run_in_session  # noqa: E402
 
 pytestmark = pytest.mark.timeout(200)
 
@@ -41,16 +42,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(cmd, timeout=150):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{err[-3000:]}")
-    return p.returncode, out, err
+    return run_in_session(cmd, timeout=timeout)
 
 
 def _records(d):

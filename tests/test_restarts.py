@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -20,7 +18,7 @@ from meshtorch.recipes.lm.guards import RunDirLock
 from meshtorch.recipes.lm.restarts import ENV_TEST_KILL, continued, launcher_holds
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_harness import assert_same_bits, checkpoint_tensors, write_corpus  # noqa: E402
+from run_harness import assert_same_bits, checkpoint_tensors, run_in_session, write_corpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -34,17 +32,8 @@ LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 
 
 def _run(cmd, env=None, timeout=150):
-    """Run ``cmd`` in its own session (killed as a group on timeout); (exit status, stdout, stderr)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": SRC, **(env or {})}
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{cmd} did not finish in {timeout} s:\n{err[-3000:]}")
-    return p.returncode, out, err
+    """Run ``cmd`` on this checkout's package, in its own session; (exit status, stdout, stderr)."""
+    return run_in_session(cmd, {"PYTHONPATH": SRC, **(env or {})}, timeout)
 
 
 def _metrics(out):
