@@ -108,8 +108,11 @@ def test_torchrun_rendezvous_listens_only_on_the_master_addr(tmp_path):
 
 def _what_a_processor_inherited(tag: str) -> tuple[int, str | None]:
     rank = mt.current().rank
-    print(f"{tag} out {rank}", flush=True)
-    print(f"{tag} err {rank}", file=sys.stderr, flush=True)
+    # one write per line: print() writes the text and its newline separately when Python runs
+    # unbuffered (PYTHONUNBUFFERED, as CI sets it), so two processors' lines could interleave
+    for stream, kind in ((sys.stdout, "out"), (sys.stderr, "err")):
+        stream.write(f"{tag} {kind} {rank}\n")
+        stream.flush()
     return os.getppid(), os.environ.get("MESHTORCH_TEST_MARK")
 
 
