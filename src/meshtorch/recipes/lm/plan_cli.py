@@ -226,6 +226,8 @@ def plot(path: str, ests: list[Estimate]) -> bool:
 def run(args: argparse.Namespace) -> int:
     """``meshtorch plan``: print the estimate (or the search's ranking); the exit status."""
     if args.calibrate and _calibrates_gpu(args):
+        import torch
+
         spec = measure_gpu("cuda")
         path = args.calibrate_out or gpu_calibration_path(spec.name)
         save_spec(spec, path)
@@ -234,7 +236,10 @@ def run(args: argparse.Namespace) -> int:
               f"attention {spec.attention_efficiency:.2f} of it, copies "
               f"{spec.copy_bandwidth / 1e12:.2f} TB/s, {spec.launch_seconds * 1e6:.1f} µs a kernel, "
               f"{spec.op_seconds * 1e6:.1f} µs of host an op, {spec.sync_seconds * 1e6:.1f} µs a sync, "
-              f"{spec.context_bytes / 2 ** 30:.2f} GiB of CUDA context; plan with --hardware {path} "
+              f"{spec.context_bytes / 2 ** 30:.2f} GiB of CUDA context, links "
+              f"{spec.default_link.bandwidth / 1e9:.0f} GB/s and {spec.default_link.latency * 1e6:.1f} µs "
+              f"a hop ({'an all_reduce over its GPUs' if torch.cuda.device_count() > 1 else 'built in'}); "
+              f"plan with --hardware {path} "
               "(meshtorch train --rules auto uses it on this GPU)", file=sys.stderr)
         if not (args.mesh or args.search):
             return 0
