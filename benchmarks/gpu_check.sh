@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The one-GPU check, in under 5 minutes on one H100: the CUDA tests, then benchmarks/gpu_step.py --quick
-# (meshtorch eager and compiled vs plain PyTorch with SDPA and fused AdamW, at 124M and ~1.3B).
+# The one-GPU check, in under 5 minutes on one H100: the CUDA tests; `meshtorch plan --calibrate --device cuda`
+# (this GPU's kernel numbers, to $RESULTS/gpu-calibration.json); benchmarks/gpu_step.py --quick (meshtorch
+# eager and compiled vs plain PyTorch with SDPA and fused AdamW, at 124M and ~1.3B); then planned vs
+# measured (benchmarks/plan_vs_gpu_step.py: every variant gpu_step measured, planned on the built-in spec
+# of the GPU's kind and on the calibrated file, to $RESULTS/plan_vs_gpu_step.md).
 #
 #   bash benchmarks/gpu_check.sh            # from anywhere; uses python3 (or $PYTHON)
 #
@@ -8,10 +11,13 @@
 # checkout (PYTHONPATH), nothing is installed. Without pytest the tests are skipped and said so.
 # GPU_CHECK_RESULTS (default benchmarks/results) is where the benchmark writes gpu_step.{json,md}.
 # GPU_CHECK_SECONDS (default 290) is the whole check's wall-clock budget: the tests get at most 120 s,
-# the benchmark the rest. The benchmark starts no variant in its last 75 s (--budget-s) and is
-# stopped at the budget; it writes benchmarks/results/gpu_step.{json,md} after every variant, so a
-# stopped run keeps what it measured (the variant it was in is marked "running" there).
-# Without a GPU it runs the CPU side instead: the same tests (CUDA ones skip) and gpu_step.py --dry-run.
+# the calibration at most 60 s, the comparison the last 30 s, the benchmark the rest. The benchmark
+# starts no variant in its last 75 s (--budget-s) and is stopped at its share; it writes
+# $RESULTS/gpu_step.{json,md} after every variant, so a stopped run keeps what it measured (the
+# variant it was in is marked "running" there) and the comparison plans what it did measure.
+# Without a GPU it runs the CPU side instead: the same tests (CUDA ones skip), the calibration's code on
+# the CPU at tiny sizes (measure_gpu("cpu", quick=True) standing in for the GPU), gpu_step.py --dry-run
+# and the comparison of its rows, all into a temporary directory.
 # Exit status: 0 all passed; 1 a test or a benchmark variant failed (or losses differ); 3 the benchmark
 # was stopped at the time budget; 2 the setup is broken (torch or meshtorch does not import).
 set -u
@@ -48,8 +54,27 @@ else
 fi
 echo "== tests took $((SECONDS - start)) s"
 
-# ---- the benchmark
-left=$((BUDGET - (SECONDS - start)))
+# ---- the calibration: meshtorch plan --calibrate --device cuda (on the CPU, its code at tiny sizes)
+[ "$gpu" = "1" ] || RESULTS=$(mktemp -d)   # the dry run leaves benchmarks/results alone
+mkdir -p "$RESULTS"
+CALIBRATION="$RESULTS/gpu-calibration.json"
+t0=$SECONDS
+if [ "$gpu" = "1" ]; then
+    echo "== calibration: meshtorch plan --calibrate --device cuda --calibrate-out $CALIBRATION"
+    timeout -k 5 60 "$PY" -m meshtorch plan --calibrate --device cuda --calibrate-out "$CALIBRATION"
+    rc=$?
+else
+    echo "== calibration: no GPU, so measure_gpu('cpu', quick=True) stands in (to $CALIBRATION)"
+    timeout -k 5 60 "$PY" -c "import sys; from meshtorch.plan.devices import save_spec
+from meshtorch.plan.gpu_calibration import measure_gpu
+save_spec(measure_gpu('cpu', quick=True), sys.argv[1])" "$CALIBRATION"
+    rc=$?
+fi
+[ $rc -ne 0 ] && { echo "gpu_check: the calibration failed (exit $rc)"; status=1; }
+echo "== calibration took $((SECONDS - t0)) s"
+
+# ---- the benchmark (the last 30 s of the budget are the comparison's)
+left=$((BUDGET - (SECONDS - start) - 30))
 if [ "$gpu" = "1" ]; then
     [ $left -lt 60 ] && { echo "gpu_check: only $left s left for the benchmark; not started"; exit 3; }
     echo "== benchmark: gpu_step.py --quick (${left} s left; no variant starts after $((left - 75)) s)"
@@ -58,7 +83,7 @@ if [ "$gpu" = "1" ]; then
 else
     echo "== benchmark: no GPU, so gpu_step.py --dry-run (the tiny model on the CPU, eager variants)"
     timeout -k 10 "$((left > 60 ? left : 60))" "$PY" benchmarks/gpu_step.py --dry-run \
-        --variants meshtorch-eager,plain-eager
+        --variants meshtorch-eager,plain-eager --out "$RESULTS"
     rc=$?
 fi
 if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
@@ -68,6 +93,20 @@ if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
 elif [ $rc -ne 0 ]; then
     echo "gpu_check: the benchmark reports a failure (exit $rc): see its table above"
     status=1
+fi
+
+# ---- planned vs measured: what gpu_step measured, planned on the built-in spec and on the calibration
+if [ -f "$RESULTS/gpu_step.json" ]; then
+    kind=$("$PY" -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''
+print('a100' if 'a100' in n else 'h100')")
+    hardware=(--hardware "$kind")
+    [ -f "$CALIBRATION" ] && hardware+=(--hardware "$CALIBRATION")
+    echo "== planned vs measured: plan_vs_gpu_step.py ${hardware[*]}"
+    timeout -k 5 60 "$PY" benchmarks/plan_vs_gpu_step.py --results "$RESULTS" "${hardware[@]}"
+    rc=$?
+    [ $rc -ne 0 ] && { echo "gpu_check: the comparison failed (exit $rc)"; status=1; }
+else
+    echo "== planned vs measured: skipped (no $RESULTS/gpu_step.json)"
 fi
 echo "== gpu_check: $((SECONDS - start)) s in all, exit $status"
 exit $status

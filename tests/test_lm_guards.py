@@ -334,3 +334,44 @@ def test_a_crashed_pipelined_run_keeps_the_metrics_of_the_steps_it_ran(text, tmp
     records = _records(out)
     assert [r["step"] for r in records] == [1, 2]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+
+
+def test_train_on_gpus_that_cannot_hold_the_step_is_refused_naming_the_term_and_the_fixes(
+        text, tmp_path, monkeypatch, capsys):
+    # `meshtorch train --device cuda` on two GPUs, the CPU standing in: torch.cuda answers as two
+    # 80 GB GPUs whose free memory is what the planned step needs, less a byte on the second
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 10 ** 9))
+    free = {0: 1 << 40, 1: 1 << 40}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (free[i], 80 * 10 ** 9))
+    from meshtorch.recipes.lm.cli import config_from_args
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text, "--out", str(out), "--device", "cuda", "--tokenizer", "bytes",
+            "--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "2", "--batch", "8",
+            "--length", "32", "--mesh", "b:2", "--rules", "batch:b", "--steps", "2", "--no-progress"]
+    cfg = config_from_args(cli.build_parser("train").parse_args(argv))   # what the command line makes
+    planned = check_memory(cfg, 264, processes=2)
+    largest = max(("activations", "optimizer", "parameters", "gradients"), key=planned.__getitem__)
+    free[1] = planned["need"] - 1
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0 and not out.exists()   # refused before anything ran or was written
+    from meshtorch.plan.estimate import _fmt_bytes
+
+    # the need and its largest term first, the GPU that lacks it, then the planned changes: --recompute
+    # and half the batch with their needs, FSDP rules, a larger mesh axis
+    assert f"it needs about {_fmt_bytes(planned['need'])} a GPU: the allocator's planned peak " \
+           f"{_fmt_bytes(planned['total'])} ({largest} {_fmt_bytes(planned[largest])}," in err
+    assert f"but {_fmt_bytes(free[1])} is available (free memory of cuda:1)" in err
+    recomputed = check_memory(cfg.replace(recompute=True), 264, processes=2)["need"]
+    halved = check_memory(cfg.replace(batch=4), 264, processes=2)["need"]
+    assert f"--recompute: {_fmt_bytes(recomputed)} (fits)" in err
+    assert f"--batch 4: {_fmt_bytes(halved)} ({'fits' if halved <= free[1] else 'still too much'})" in err
+    assert "FSDP rules (e.g. --rules 'batch:b; d_model:b')" in err and "a larger --mesh axis" in err
+    assert "--no-memory-check" in err

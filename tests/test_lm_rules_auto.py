@@ -85,6 +85,47 @@ def test_mesh_auto_picks_the_mesh_of_n_processors_and_its_rules(text, tmp_path, 
     assert json.load(open(os.path.join(same, "summary.json")))["final_loss"] == summary["final_loss"]
 
 
+def test_mesh_auto_picks_a_pipeline_where_only_a_pipeline_fits_and_trains_on_it(text, tmp_path, capsys,
+                                                                                  monkeypatch):
+    # a device (a slow processor of 100 KiB) on which this LM's plain layouts over 2 processors need
+    # 155 KiB and its 2-stage pipelines 71 KiB: `--mesh auto:2 --rules auto` picks a pipeline split
+    import dataclasses
+
+    import meshtorch as mt
+    from meshtorch.plan.devices import save_spec
+    from meshtorch.recipes.lm import plan_cli
+
+    spec = dataclasses.replace(mt.plan.device("a100"), name="tiny", peak_flops={"float32": 2e8},
+                               memory_bytes=100 * 1024, memory_margin=0.0, context_bytes=0)
+    save_spec(spec, tmp_path / "tiny.json")
+    monkeypatch.setattr(plan_cli, "hardware_of_run", lambda cfg, n: (str(tmp_path / "tiny.json"), "test"))
+    model = ["--d-model", "8", "--heads", "1", "--d-kv", "4", "--d-ff", "15", "--layers", "2", "--batch",
+             "8", "--length", "8", "--optimizer", "adamw", "--tokenizer", "bytes", "--steps", "2",
+             "--eval-batches", "1", "--sample-tokens", "4", "--warmup", "0", "--lr-schedule", "constant",
+             "--no-progress", "--data", text]
+    out = str(tmp_path / "auto")
+    assert cli.main(["train", "--out", out, *model, "--mesh", "auto:2", "--rules", "auto"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    chosen = summary["rules_auto"]
+    # the runner-up, traced or pruned by its bound, is a layout without stages that does not fit
+    assert chosen["pipeline_stages"] == 2 and chosen["fits"] and chosen["why"].startswith("fits memory")
+    runner = chosen["runner_up"]
+    assert "pipeline_stages" not in runner and not runner.get("fits", False)
+    flags = ["--pipeline-stages", "2", "--schedule", chosen["schedule"], "--microbatches",
+             str(chosen["microbatches"])]
+    assert f'--mesh auto:2 --rules auto: picked --mesh {chosen["mesh"]} --rules "{chosen["rules"]}" ' \
+           f'{" ".join(flags)}: planned' in printed
+    # it trained pipelined, and the checkpoint records the split, as an explicit run of those flags
+    config = read_index(os.path.join(out, "checkpoint"))["extra"]["train_config"]
+    assert (config["pipeline_stages"], config["schedule"], config["microbatches"]) == (
+        2, chosen["schedule"], chosen["microbatches"])
+    same = str(tmp_path / "same")
+    assert cli.main(["train", "--out", same, *model, "--mesh", chosen["mesh"], "--rules", chosen["rules"],
+                     *flags]) == 0
+    assert json.load(open(os.path.join(same, "summary.json")))["final_loss"] == summary["final_loss"]
+
+
 @pytest.mark.parametrize("flags, needle", [
     (["--mesh", "auto:4", "--rules", "batch:b"], "--mesh auto:4 is picked with its rules: pass --rules auto"),
     (["--mesh", "auto", "--rules", "auto"], "--mesh auto needs a processor count: --mesh auto:N"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +143,20 @@ def test_without_autograds_task_id_nothing_is_remade(monkeypatch):
     assert not _in_backward()
     fused_only = peak(True)
     assert remade < fused_only < eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the shared H100 rows are checked in "
+                    "test_plan_roofline.py)")
+def test_the_planned_peak_is_the_allocators_on_this_gpu_cuda():
+    # the 124M GPT-2 step of benchmarks/gpu_step.py (bf16, 8 x 1024 tokens), eager, as meshtorch train runs
+    # it on one GPU: torch.cuda.max_memory_allocated over 3 steps from the built model, against the plan
+    from bench_harness import load_benchmark
+    from meshtorch.recipes.lm.steps import training_step
+
+    gpu_step = load_benchmark("gpu_step")
+    size = gpu_step.SIZES["124m"]
+    cfg = gpu_step.train_config(size, "bf16", False, "cuda", lr=3e-4)
+    data = gpu_step.batches(size["vocab"], size["batch"], size["length"], 3)
+    measured = gpu_step.run_meshtorch(cfg, size["vocab"], data, torch.device("cuda"))["peak_bytes"]
+    planned = mt.plan.trace(training_step(cfg, size["vocab"]), mesh="b:1", rules="batch:b", device="cuda")
+    assert planned.peak_bytes == pytest.approx(measured, rel=0.1)

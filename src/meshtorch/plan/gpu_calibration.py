@@ -41,10 +41,12 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from meshtorch.plan.devices import DEVICES, DeviceSpec
+from meshtorch.plan.cost import collective_seconds
+from meshtorch.plan.devices import DEVICES, DeviceSpec, Link
 from meshtorch.plan.kernels import matmul_efficiency
 
 Shape = tuple[int, int, int]  # (m, n, k) of an [m, k] @ [k, n] product
@@ -63,45 +65,165 @@ QUICK_ATTENTION = (1, 2, 32, 16)
 KNEES = (0.0, *(2.0 ** (i / 2) for i in range(0, 21)))   # 1 .. 1024 by factors of sqrt(2)
 
 
-def _timer(device: torch.device) -> Callable[[], float]:
-    """A clock that first waits for the device's queue (on a GPU) to drain."""
-    if device.type == "cuda":
-        def now() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-        return now
-    return time.perf_counter
+class Clock(Protocol):
+    """How the calibration reads time on the device it measures.
+
+    ``mark()``/``since(mark)``: seconds of device work between the two calls (``since`` waits for
+    the work queued before it); ``host()``: the host's clock; ``drain()``: wait for every queued
+    kernel; ``ahead(seconds)``: queue device work lasting at least ``seconds`` first, so that the
+    host queues what follows before the device reaches it and the device runs it back to back (on
+    a CPU, with no queue, nothing). :class:`CudaClock` (CUDA events) and :class:`HostClock`
+    (``time.perf_counter``) are the real ones; a test passes a simulated device's.
+    """
+
+    def mark(self) -> Any: ...
+    def since(self, mark: Any) -> float: ...
+    def host(self) -> float: ...
+    def drain(self) -> None: ...
+    def ahead(self, seconds: float) -> None: ...
 
 
-def best_seconds(fn: Callable[[], object], device: torch.device, window: float) -> float:
-    """Least seconds of one ``fn()``: after a warm-up call, the best of three ``window``-second runs
-    (other work on the machine only slows a run down)."""
-    now = _timer(device)
+class HostClock:
+    """The CPU's clock: device time is host time, and there is no queue to drain or run ahead of.
+
+    Example:
+        >>> from meshtorch.plan.gpu_calibration import HostClock
+        >>> c = HostClock()
+        >>> m = c.mark(); c.since(m) >= 0
+        True
+    """
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def since(self, mark: float) -> float:
+        return time.perf_counter() - mark
+
+    def host(self) -> float:
+        return time.perf_counter()
+
+    def drain(self) -> None:
+        pass
+
+    def ahead(self, seconds: float) -> None:
+        pass
+
+
+class CudaClock:
+    """A GPU's clock: ``torch.cuda.Event(enable_timing=True)`` recorded on the device's current
+    stream (``elapsed_time`` is in milliseconds), so that what is timed is the kernels' time on the
+    device, not the host's dispatch; ``ahead`` queues 4096² bfloat16 products (about 0.2 ms each
+    on an H100)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._busy: tuple[torch.Tensor, float] | None = None
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def mark(self) -> torch.cuda.Event:
+        return self._event()
+
+    def since(self, mark: torch.cuda.Event) -> float:
+        end = self._event()
+        end.synchronize()
+        return mark.elapsed_time(end) / 1e3
+
+    def host(self) -> float:
+        return time.perf_counter()
+
+    def drain(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def ahead(self, seconds: float) -> None:
+        if self._busy is None:
+            a = torch.randn(4096, 4096, device=self.device).to(torch.bfloat16)
+            a @ a
+            self.drain()
+            m = self.mark()
+            for _ in range(5):
+                a @ a
+            self._busy = (a, max(self.since(m) / 5, 1e-6))
+        a, each = self._busy
+        for _ in range(math.ceil(seconds / each) + 1):
+            a @ a
+
+
+def clock_for(device: str | torch.device) -> Clock:
+    """The clock that times ``device``: :class:`CudaClock` on a GPU, else :class:`HostClock`."""
+    device = torch.device(device)
+    return CudaClock(device) if device.type == "cuda" else HostClock()
+
+
+MAX_REPS = 1000
+
+
+def best_seconds(fn: Callable[[], object], clock: Clock, window: float) -> float:
+    """Least device seconds of one ``fn()`` run back to back: after a warm-up call, the best of
+    three batches of about ``window`` seconds, each queued behind ``clock.ahead`` work long enough
+    that the host's dispatch of the batch is hidden (other work on the machine only slows a
+    batch down)."""
     fn()
+    clock.drain()
+    h0 = clock.host()
+    m = clock.mark()
+    fn()
+    host_one = clock.host() - h0
+    one = clock.since(m)
+    reps = max(1, min(MAX_REPS, math.ceil(window / max(one, 1e-9))))
     best = math.inf
     for _ in range(3):
-        t0, reps = now(), 0
-        while True:
+        clock.ahead(1.5 * reps * host_one)
+        m = clock.mark()
+        for _ in range(reps):
             fn()
-            reps += 1
-            elapsed = now() - t0
-            if elapsed >= window:
-                break
-        best = min(best, elapsed / reps)
+        best = min(best, clock.since(m) / reps)
     return best
 
 
-def matmul_rates(device: torch.device, shapes: dict[str, tuple[Shape, ...]],
-                 window: float) -> dict[tuple[str, Shape], float]:
-    """FLOP/s of ``[m, k] @ [k, n]`` per dtype and shape on ``device``."""
+def work_seconds(seconds: float, launch: float, nbytes: float, bandwidth: float) -> float | None:
+    """The part of a kernel's measured ``seconds`` that its FLOPs take, as the roofline prices a
+    kernel (max(FLOPs / rate, bytes / bandwidth) + launch): ``seconds`` less the launch; ``None``
+    where that says nothing of the rate (the launch is most of it, or the bytes could take it all).
+
+    Example:
+        >>> from meshtorch.plan.gpu_calibration import work_seconds
+        >>> work_seconds(10.0, 2.0, 1e3, 1e3), work_seconds(2.2, 2.0, 0, 1e3)
+        (8.0, None)
+        >>> work_seconds(10.0, 2.0, 1e4, 1e3)   # its 10 kB at 1 kB/s could take it all
+    """
+    work = seconds - launch
+    if work <= 0.25 * seconds or work <= 1.25 * nbytes / bandwidth:
+        return None
+    return work
+
+
+def matmul_rates(device: torch.device, shapes: dict[str, tuple[Shape, ...]], window: float,
+                 clock: Clock | None = None, launch: float = 0.0,
+                 bandwidth: float = math.inf) -> dict[tuple[str, Shape], float]:
+    """FLOP/s of ``[m, k] @ [k, n]`` per dtype and shape on ``device``: its FLOPs over its
+    device time less a kernel's ``launch`` (the roofline adds that apart); a shape whose time says
+    nothing of the rate (:func:`work_seconds`: launch-bound, or its bytes at ``bandwidth`` could
+    take it all) is left out, unless every shape of its dtype is, then they count whole."""
+    clock = clock or clock_for(device)
     out = {}
     for dtype_name, group in shapes.items():
         dtype = getattr(torch, dtype_name)
+        whole = {}
         for m, n, k in group:
             a = torch.randn(m, k, device=device).to(dtype)
             b = torch.randn(k, n, device=device).to(dtype)
-            seconds = best_seconds(lambda a=a, b=b: a @ b, device, window)
-            out[(dtype_name, (m, n, k))] = 2 * m * n * k / seconds
+            seconds = best_seconds(lambda a=a, b=b: a @ b, clock, window)
+            flops = 2 * m * n * k
+            whole[(dtype_name, (m, n, k))] = flops / seconds
+            work = work_seconds(seconds, launch, (m * k + k * n + m * n) * a.element_size(), bandwidth)
+            if work is not None:
+                out[(dtype_name, (m, n, k))] = flops / work
+        if not any(dt == dtype_name for dt, _ in out):
+            out.update(whole)
     return out
 
 
@@ -133,16 +255,29 @@ def fit_matmul(rates: dict[tuple[str, Shape], float]) -> tuple[dict[str, float],
     return best[1], best[2]
 
 
+def attention_flops(shape: tuple[int, int, int, int]) -> int:
+    """FLOPs of fused attention's forward and backward at ``shape`` (batch, heads, length, head
+    dim) without a mask, as ``torch.utils.flop_counter`` counts the fused kernels: forward two
+    products of 2·b·h·s²·d, backward five (the scores remade)."""
+    b, h, s, d = shape
+    return (4 + 10) * b * h * s * s * d
+
+
 def attention_rate(device: torch.device, shape: tuple[int, int, int, int], window: float,
-                   dtype: torch.dtype = torch.bfloat16) -> float:
+                   dtype: torch.dtype = torch.bfloat16, clock: Clock | None = None,
+                   launch: float = 0.0) -> float:
     """FLOP/s of causal fused attention's forward and backward at ``shape`` (batch, heads,
-    length, head dim), its FLOPs as the planner counts them (``torch.utils.flop_counter``),
-    halved for the mask as :func:`~meshtorch.plan.kernels.roofline_seconds` halves them."""
+    length, head dim), its FLOPs as the planner counts them (``torch.utils.flop_counter``; the
+    formula of :func:`attention_flops` where the counter does not know the kernel this device
+    ran), halved for the mask as :func:`~meshtorch.plan.kernels.roofline_seconds` halves them,
+    over its device time less two launches (the forward and backward kernels the roofline
+    prices)."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     from torch.utils.flop_counter import FlopCounterMode
 
     import meshtorch.ops.attention  # noqa: F401  (teaches the flop counter the CPU's fused kernels)
 
+    clock = clock or clock_for(device)
     q, k, v = (torch.randn(*shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     dy = torch.randn(*shape, device=device, dtype=dtype)
 
@@ -151,72 +286,118 @@ def attention_rate(device: torch.device, shape: tuple[int, int, int, int], windo
 
     with FlopCounterMode(display=False) as counter:
         step()
-    return 0.5 * counter.get_total_flops() / best_seconds(step, device, window)
+    flops = counter.get_total_flops() or attention_flops(shape)
+    seconds = best_seconds(step, clock, window)
+    work = seconds - 2 * launch
+    return 0.5 * flops / (work if work > 0.25 * seconds else seconds)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int, window: float) -> float:
-    """Bytes read and written per second by a device-to-device copy of ``nbytes``."""
+def copy_bandwidth(device: torch.device, nbytes: int, window: float, clock: Clock | None = None,
+                   launch: float = 0.0) -> float:
+    """Bytes read and written per second by a device-to-device copy of ``nbytes`` (its device
+    time less a kernel's ``launch``)."""
+    clock = clock or clock_for(device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), device, window)
+    seconds = best_seconds(lambda: dst.copy_(src), clock, window)
+    work = seconds - launch
+    return 2 * nbytes / (work if work > 0.25 * seconds else seconds)
 
 
-def host_seconds(device: torch.device, ops: int) -> tuple[float, float]:
+def host_seconds(device: torch.device, ops: int, clock: Clock | None = None) -> tuple[float, float]:
     """Seconds of the host for one tiny op (dispatched from Python, the queue never drained) and
-    for a host sync beyond it (``.item()``: wait for the queue, copy 4 bytes back)."""
+    for a host sync beyond the aten ops it runs (``.item()``: one more aten op,
+    ``_local_scalar_dense``, that waits for the queue and copies 4 bytes back; the planner prices
+    it as an op of the host and a sync)."""
+    clock = clock or clock_for(device)
     x = torch.zeros(1, device=device)
-    now = _timer(device)
 
     def queued() -> float:
-        t0 = time.perf_counter()
+        t0 = clock.host()
         for _ in range(ops):
             x.add_(1)
-        return (time.perf_counter() - t0) / ops
+        return (clock.host() - t0) / ops
 
     def synced() -> float:
-        t0 = time.perf_counter()
+        t0 = clock.host()
         for _ in range(ops):
             x.add_(1).item()
-        return (time.perf_counter() - t0) / ops
+        return (clock.host() - t0) / ops
 
-    now()
+    clock.drain()
     op = min(queued() for _ in range(3))
-    now()
+    clock.drain()
     sync = min(synced() for _ in range(3))
-    return op, max(0.0, sync - op)
+    return op, max(0.0, sync - 2 * op)
 
 
-def launch_seconds(device: torch.device, kernels: int, op_seconds: float, window: float) -> float:
-    """A kernel's fixed device time: ``kernels`` tiny ones queued behind matmuls long enough that
-    the host queues them all first, so the device runs them back to back; their time beyond the
-    matmuls', each. (On a CPU, with no queue, it is a tiny op's whole time.)"""
-    # on a GPU a few long bf16 products (~0.2 ms each on an H100): the host queues them in
-    # microseconds and is then far ahead of the device
-    n, dtype = (4096, torch.bfloat16) if device.type == "cuda" else (32, torch.float32)
-    a = torch.randn(n, n, device=device).to(dtype)
+def launch_seconds(device: torch.device, window: float, clock: Clock | None = None) -> float:
+    """A kernel's fixed device time: a one-element ``add_`` run back to back (queued behind
+    :meth:`Clock.ahead` work so that the host's dispatch is hidden), whose 8 bytes take no time.
+    (On a CPU, with no queue, it is a tiny op's whole time.)"""
+    clock = clock or clock_for(device)
     x = torch.zeros(1, device=device)
-    now = _timer(device)
-    one = best_seconds(lambda: a @ a, device, window)
-    reps = max(1, math.ceil(2 * kernels * op_seconds / max(one, 1e-9)))   # twice the host's queuing time
+    return best_seconds(lambda: x.add_(1), clock, window)
 
-    def busy() -> None:
-        for _ in range(reps):
-            a @ a
 
-    def busy_then_tiny() -> None:
-        busy()
-        for _ in range(kernels):
-            x.add_(1)
+def _collective_program(sizes: tuple[int, ...], repeats: int) -> list[float]:
+    """One processor's least seconds of an all_reduce over the mesh axis ``b`` of each of ``sizes``
+    float32 elements on its device, wall time over ``repeats`` calls (waited for at the end:
+    NCCL runs them on a stream of its own)."""
+    from meshtorch.context import current, processor_device
 
-    best = math.inf
-    for _ in range(3):
-        t0 = now()
-        busy()
-        t_busy = now() - t0
-        t0 = now()
-        busy_then_tiny()
-        best = min(best, max(0.0, now() - t0 - t_busy) / kernels)
-    return best
+    comm, dev = current().comm, processor_device()
+    clock = clock_for(dev)
+    out = []
+    for n in sizes:
+        x = torch.ones(n, device=dev)
+        for _ in range(3):
+            comm.all_reduce(x, ("b",))
+        best = math.inf
+        for _ in range(3):
+            clock.drain()
+            t0 = clock.host()
+            for _ in range(repeats):
+                comm.all_reduce(x, ("b",))
+            clock.drain()
+            best = min(best, (clock.host() - t0) / repeats)
+        out.append(best)
+    return out
+
+
+def fit_link(n: int, small: tuple[float, float], big: tuple[float, float]) -> Link:
+    """The link whose ring all_reduce over ``n`` processors (:func:`~meshtorch.plan.cost.
+    collective_seconds`, as the planner prices one) takes the measured ``(bytes, seconds)`` of a
+    ``small`` and a ``big`` payload: the bandwidth from their difference, the latency per hop from
+    the small one.
+
+    Example:
+        >>> from meshtorch.plan.gpu_calibration import fit_link
+        >>> # 2 processors: a ring all_reduce sends the payload once and takes 2 hops
+        >>> fit_link(2, (4, 4 / 1e11 + 2 * 5e-6), (2 ** 28, 2 ** 28 / 1e11 + 2 * 5e-6))
+        Link(bandwidth=100000000000.0, latency=5e-06)
+    """
+    per_byte = collective_seconds("all_reduce", 1.0, n, 1.0, 0.0)
+    hops = collective_seconds("all_reduce", 0.0, n, 1.0, 1.0)
+    (b0, t0), (b1, t1) = small, big
+    bandwidth = per_byte * (b1 - b0) / max(t1 - t0, 1e-12)
+    latency = max(0.0, t0 - per_byte * b0 / bandwidth) / hops
+    return Link(float(f"{bandwidth:.6g}"), float(f"{latency:.6g}"))
+
+
+def measure_collectives(device_type: str, processors: int, quick: bool = False) -> Link:
+    """The link between this machine's ``processors`` devices of ``device_type``, as a ring
+    all_reduce over all of them meets it (NCCL between GPUs, gloo between CPU processes): one
+    process per device (``mt.launch(backend="torch")``), a 4-byte and a 256 MiB payload (1 MiB
+    ``quick``), the slowest processor's least time, fitted by :func:`fit_link`."""
+    from meshtorch.launcher import launch
+
+    small, big = 1, (2 ** 18 if quick else 2 ** 26)
+    runs = launch(_collective_program, (small, big), 5 if quick else 20, mesh=f"b:{processors}",
+                  backend="torch", device=device_type, timeout=300)
+    t_small = max(r[0] for r in runs)
+    t_big = max(r[1] for r in runs)
+    return fit_link(processors, (4 * small, t_small), (4 * big, t_big))
 
 
 def context_bytes(device: torch.device) -> int:
@@ -253,28 +434,42 @@ def _nearest_builtin(name: str) -> DeviceSpec:
     return DEVICES["h100"]
 
 
-def measure_gpu(device: str | torch.device = "cuda", quick: bool = False) -> DeviceSpec:
+def measure_gpu(device: str | torch.device = "cuda", quick: bool = False, clock: Clock | None = None,
+                processors: int | None = None) -> DeviceSpec:
     """The roofline's numbers of ``device``, measured now (see the module's notes); ``quick``:
-    tiny sizes and short windows (the CPU test; a GPU's full measurement takes about a minute)."""
+    tiny sizes and short windows (the CPU test; a GPU's full measurement takes about a minute).
+    ``clock``: what times it (default :func:`clock_for` the device); ``processors``: how many
+    devices of its kind the collective is measured over (default: every local GPU on a GPU, 1 on a
+    CPU; 1 measures none and keeps the built-in spec's link).
+
+    The host is measured first, then a kernel's launch, then the bandwidth (both less a launch),
+    so that the matmul rates and attention are their FLOPs' time alone, as the roofline adds the
+    three apart."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
+    clock = clock or clock_for(dev)
     window = 0.002 if quick else 0.1
-    rates = matmul_rates(dev, QUICK_SHAPES if quick else SHAPES, window)
+    op, sync = host_seconds(dev, 50 if quick else 2000, clock)
+    launch = launch_seconds(dev, window, clock)
+    bandwidth = copy_bandwidth(dev, 2 ** 20 if quick else 2 ** 30, window, clock, launch)
+    rates = matmul_rates(dev, QUICK_SHAPES if quick else SHAPES, window, clock, launch, bandwidth)
     peaks, knee = fit_matmul(rates)
     peaks.setdefault("float16", peaks["bfloat16"])  # the same tensor-core rate (H100, A100)
-    attention = attention_rate(dev, QUICK_ATTENTION if quick else ATTENTION, window)
-    op, sync = host_seconds(dev, 50 if quick else 2000)
-    launch = launch_seconds(dev, 20 if quick else 2000, op, window)
-    bandwidth = copy_bandwidth(dev, 2 ** 20 if quick else 2 ** 30, window)
+    attention = attention_rate(dev, QUICK_ATTENTION if quick else ATTENTION, window, clock=clock,
+                               launch=launch)
     name = device_name(dev)
     like = _nearest_builtin(name)
+    if processors is None:
+        processors = torch.cuda.device_count() if dev.type == "cuda" else 1
+    link = measure_collectives(dev.type, processors, quick) if processors > 1 else like.default_link
     return dataclasses.replace(
         like, name=name, peak_flops=peaks, achievable=1.0, memory_bytes=_memory(dev),
         memory_bandwidth=bandwidth, copy_bandwidth=bandwidth, matmul_knee=knee,
         attention_efficiency=attention / peaks["bfloat16"],
         launch_seconds=max(launch, 1e-9),  # above 0: the spec is priced op by op
-        sync_seconds=sync, op_seconds=op, context_bytes=context_bytes(dev))
+        sync_seconds=sync, op_seconds=op, context_bytes=context_bytes(dev),
+        default_link=link, links={})
 
 
 def gpu_calibration_path(name: str) -> Path:
@@ -286,5 +481,7 @@ def gpu_calibration_path(name: str) -> Path:
     return cache_root() / f"{name}.json"
 
 
-__all__ = ["attention_rate", "copy_bandwidth", "fit_matmul", "gpu_calibration_path", "host_seconds",
-           "launch_seconds", "matmul_rates", "measure_gpu"]
+__all__ = ["Clock", "CudaClock", "HostClock", "attention_flops", "attention_rate", "best_seconds",
+           "clock_for", "copy_bandwidth", "fit_link", "fit_matmul", "gpu_calibration_path", "host_seconds",
+           "launch_seconds",
+           "matmul_rates", "measure_collectives", "measure_gpu", "work_seconds"]

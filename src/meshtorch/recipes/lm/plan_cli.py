@@ -36,7 +36,7 @@ from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
 from meshtorch.plan.layered import layered_trace, whole_trace
-from meshtorch.plan.pipeline import estimate_pipeline
+from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
 from meshtorch.plan.tracing import Trace, staging_for
 from meshtorch.recipes.lm.config import TRAIN_DEVICES, TrainConfig, check_config
@@ -116,7 +116,10 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
 
     Only the rules of the given mesh are searched (seconds for the sizes trained here); ``--mesh
     auto:N`` (``auto``: torchrun's ``WORLD_SIZE`` processes) searches the one- and two-axis meshes of
-    ``N`` processors too, without pipeline stages, and ``cfg`` gets the mesh picked. The search is
+    ``N`` processors too and, for ``--model lm`` without ``--compile`` (which pipelines refuse), their
+    pipeline splits (stages, schedule, micro-batches: the search's pipelined family), and ``cfg``
+    gets the mesh picked and, where a pipeline wins, its ``--pipeline-stages``, ``--schedule``,
+    ``--microbatches`` and ``--virtual-stages``. The search is
     deterministic given the hardware spec, so every process of a torchrun world runs it and gets the
     same rules (the trainer checks that they agree).
 
@@ -146,10 +149,11 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     hardware, source = hardware_of_run(cfg, processes)
     on_gpu = hardware != "cpu"
     staging = staging_for(par.backend, "cuda" if on_gpu else "cpu")
-    # --mesh auto searches the meshes of its processors too, without pipeline stages (their flags
-    # come from meshtorch plan --search)
-    # a run that compiles is priced compiled: the layout that wins may differ from the eager step's
-    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=False, staging=staging,
+    # --mesh auto searches the meshes of its processors too, and their pipeline splits where the
+    # trainer can pipeline the run (the LM, eager); a run that compiles is priced compiled: the
+    # layout that wins may differ from the eager step's
+    pipelined = par.auto_mesh and cfg.model.name == "lm" and not cfg.run.compile
+    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=pipelined, staging=staging,
                  compiled=cfg.run.compile)
     ranked = res.ranking()
     best = res.best
@@ -158,7 +162,8 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
         if isinstance(c, Estimate):
             return {"mesh": c.mesh, "rules": c.rules, "step_seconds": c.step_seconds,
                     "memory_bytes": c.memory_bytes["total"], "fits": c.fits, "why": res.why(c),
-                    **({"reshard_after_forward": True} if c.reshard_after_forward else {})}
+                    **({"reshard_after_forward": True} if c.reshard_after_forward else {}),
+                    **(pipeline_flags(c) if isinstance(c, PipelineEstimate) else {})}
         return {"mesh": c.mesh, "rules": c.rules, "step_seconds_lower_bound": c.seconds, "why": res.why(c)}
 
     chosen = {"asked": f"--mesh {par.mesh} --rules auto", "mesh": best.mesh, "hardware": res.device,
@@ -167,7 +172,15 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
               **entry(best), "runner_up": entry(ranked[1]) if len(ranked) > 1 else None}
     # the search frees gathered parameters after forward where the layout fits only so
     reshard = par.reshard_after_forward or best.reshard_after_forward
-    return cfg.replace(mesh=best.mesh, rules=best.rules, reshard_after_forward=reshard), chosen
+    piped = pipeline_flags(best) if isinstance(best, PipelineEstimate) else {}
+    return cfg.replace(mesh=best.mesh, rules=best.rules, reshard_after_forward=reshard, **piped), chosen
+
+
+def pipeline_flags(est: PipelineEstimate) -> dict[str, Any]:
+    """The ``meshtorch train`` options of a pipelined layout the search priced (``est.mesh`` has
+    its ``stage`` axis, which ``--pipeline-stages`` of the same size keeps)."""
+    return {"pipeline_stages": est.stages, "schedule": est.schedule, "microbatches": est.microbatches,
+            "virtual_stages": est.virtual_stages}
 
 
 def describe_choice(chosen: dict[str, Any]) -> str:
@@ -175,7 +188,8 @@ def describe_choice(chosen: dict[str, Any]) -> str:
     c = chosen
     step = "compiled step" if c.get("compiled") else "step"
     lines = [f"{c['asked']}: picked --mesh {c['mesh']} --rules \"{c['rules']}\""
-             + (" --reshard-after-forward" if c.get("reshard_after_forward") else "") + ": planned "
+             + (" --reshard-after-forward" if c.get("reshard_after_forward") else "") + _piped(c)
+             + ": planned "
              f"{c['step_seconds'] * 1e3:.2f} ms a {step} on {c['hardware']} ({c['hardware_source']}; "
              f"{c['candidates']} candidates, {c['traced']} traced, in {c['search_seconds']} s); {c['why']}"]
     if not chosen["fits"]:
@@ -184,8 +198,18 @@ def describe_choice(chosen: dict[str, Any]) -> str:
     if r is not None:
         cost = (f"{r['step_seconds'] * 1e3:.2f} ms" if "step_seconds" in r
                 else f">= {r['step_seconds_lower_bound'] * 1e3:.2f} ms")
-        lines.append(f"  runner-up --mesh {r['mesh']} --rules \"{r['rules']}\": {cost}, {r['why']}")
+        lines.append(f"  runner-up --mesh {r['mesh']} --rules \"{r['rules']}\"{_piped(r)}: {cost}, "
+                     f"{r['why']}")
     return "\n".join(lines)
+
+
+def _piped(c: dict[str, Any]) -> str:
+    """The pipeline flags of a chosen layout's entry, as a command line takes them ("" unpipelined)."""
+    if c.get("pipeline_stages", 1) <= 1:
+        return ""
+    chunks = f" --virtual-stages {c['virtual_stages']}" if c.get("virtual_stages", 1) > 1 else ""
+    return (f" --pipeline-stages {c['pipeline_stages']} --schedule {c['schedule']} "
+            f"--microbatches {c['microbatches']}{chunks}")
 
 
 def plot(path: str, ests: list[Estimate]) -> bool:
@@ -226,6 +250,8 @@ def plot(path: str, ests: list[Estimate]) -> bool:
 def run(args: argparse.Namespace) -> int:
     """``meshtorch plan``: print the estimate (or the search's ranking); the exit status."""
     if args.calibrate and _calibrates_gpu(args):
+        import torch
+
         spec = measure_gpu("cuda")
         path = args.calibrate_out or gpu_calibration_path(spec.name)
         save_spec(spec, path)
@@ -234,7 +260,10 @@ def run(args: argparse.Namespace) -> int:
               f"attention {spec.attention_efficiency:.2f} of it, copies "
               f"{spec.copy_bandwidth / 1e12:.2f} TB/s, {spec.launch_seconds * 1e6:.1f} µs a kernel, "
               f"{spec.op_seconds * 1e6:.1f} µs of host an op, {spec.sync_seconds * 1e6:.1f} µs a sync, "
-              f"{spec.context_bytes / 2 ** 30:.2f} GiB of CUDA context; plan with --hardware {path} "
+              f"{spec.context_bytes / 2 ** 30:.2f} GiB of CUDA context, links "
+              f"{spec.default_link.bandwidth / 1e9:.0f} GB/s and {spec.default_link.latency * 1e6:.1f} µs "
+              f"a hop ({'an all_reduce over its GPUs' if torch.cuda.device_count() > 1 else 'built in'}); "
+              f"plan with --hardware {path} "
               "(meshtorch train --rules auto uses it on this GPU)", file=sys.stderr)
         if not (args.mesh or args.search):
             return 0

@@ -243,7 +243,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         # every node must run the same run: a flag given otherwise on one node is named now
         agree_on_options(given.options())
         if chosen is not None:
-            agree_on_rules(f"--mesh {layout.mesh} --rules '{layout.rules}'")
+            # a pipeline split the search picked is part of the layout (its stage axis is in the mesh)
+            split = (f" --schedule {par.schedule} --microbatches {par.microbatches} --virtual-stages "
+                     f"{par.virtual_stages}" if par.pipeline_stages > 1 else "")
+            agree_on_rules(f"--mesh {layout.mesh} --rules '{layout.rules}'{split}")
     # processor 0 of the world joined above holds --out; the threads backend's process always does
     # (a stray RANK variable never skips the lock and the earlier-run check)
     lead = par.backend != "torch" or (world or 1) == 1 or torch.distributed.get_rank() == 0
