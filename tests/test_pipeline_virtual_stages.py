@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import meshtorch as mt
 from meshtorch.errors import PipelineError
 from meshtorch.pipeline import Pipeline, build_schedule
+from meshtorch.pipeline.executor import chunks_of
 from meshtorch.pipeline.lm import lm_pipeline, named_model_parameters, owner_stage
 from meshtorch.pipeline.schedule import BACKWARD, FORWARD
 from test_pipeline import reference
@@ -44,8 +45,8 @@ def make_data(steps: int, n: int, seed: int = 1):
              torch.randn(n, 2, generator=g, dtype=torch.float64)) for _ in range(steps)]
 
 
-def _interleaved(chunks, data, v, m, recompute=False, replicas=1):
-    pipe = Pipeline(lambda c: copy.deepcopy(chunks[c]), microbatches=m, schedule="interleaved",
+def _interleaved(chunks, data, v, m, recompute=False, replicas=1, schedule="interleaved"):
+    pipe = Pipeline(lambda c: copy.deepcopy(chunks[c]), microbatches=m, schedule=schedule,
                     virtual_stages=v, recompute=recompute, loss_fn=torch.nn.functional.mse_loss,
                     optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
     r = mt.current().coords.get("dp", 0)
@@ -54,12 +55,12 @@ def _interleaved(chunks, data, v, m, recompute=False, replicas=1):
     losses = [pipe.step(x.chunk(replicas)[r], y.chunk(replicas)[r]) for x, y in data]
     order = [(k, i, c) for (k, i, *_), c in zip(pipe.trace, pipe.executor.trace_chunks)]
     assert before == pytest.approx(losses[0], rel=1e-12)
-    return pipe.stage, [c.state_dict() for c in pipe.module], losses, order
+    return pipe.stage, [c.state_dict() for c in chunks_of(pipe.module)], losses, order
 
 
-def _check(out, chunks, data, p, v, m):
+def _check(out, chunks, data, p, v, m, schedule="interleaved"):
     want, want_losses = reference(chunks, data)
-    table = build_schedule("interleaved", p, m, virtual_stages=v)
+    table = build_schedule(schedule, p, m, virtual_stages=v)
     for s, states, losses, order in out:
         assert order == [(a.kind, a.microbatch, a.chunk) for a in table.for_stage(s)]  # the table's order
         assert losses == pytest.approx(want_losses, rel=1e-12)
@@ -79,12 +80,15 @@ def test_interleaved_trains_like_the_unsplit_model(p, v, m, recompute):
     _check(out, chunks, batch, p, v, m)
 
 
-def test_interleaved_with_data_parallel_replicas():
-    p, v, m = 2, 2, 2
+@pytest.mark.parametrize("schedule,v", [("interleaved", 2), ("zb", 1)])
+def test_synchronous_schedules_with_data_parallel_replicas(schedule, v):
+    # plain torch.nn chunks replicated over dp: each replica's weight gradients (W under zb) are
+    # averaged over dp before the update, as the unsplit model's gradient of the whole batch
+    p, m = 2, 2
     chunks, batch = make_chunks(p * v), make_data(3, 16)
-    out = mt.launch(_interleaved, chunks, batch, v, m, False, 2, mesh="dp:2,stage:2")
+    out = mt.launch(_interleaved, chunks, batch, v, m, False, 2, schedule, mesh="dp:2,stage:2")
     assert [o[0] for o in out] == [0, 1, 0, 1]
-    _check(out, chunks, batch, p, v, m)
+    _check(out, chunks, batch, p, v, m, schedule)
 
 
 @settings(max_examples=25, deadline=None)
@@ -134,6 +138,9 @@ def _lm(cfg, v, schedule, m=2):
     ("stage:2,b:2", "batch:b", 2, "interleaved"),   # tied table on chunks 0 (stage 0) and 3 (stage 1)
     ("stage:1", "", 4, "interleaved"),              # one stage: the first and the last chunk share it
     ("stage:2,m:2", "heads:m; d_ff:m; vocab:m", 1, "zb"),
+    # 3-D: each schedule composed with a data axis and a model axis at once
+    ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 2, "interleaved"),
+    ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 1, "zb"),
 ])
 def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
     cfg = config(True, layers=4)
@@ -152,22 +159,46 @@ def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
     assert want_losses[-1] < want_losses[0]
 
 
-def _gloo(chunks, batch, lm_cfg):
-    # one spawn for both: process start-up dominates
-    return {"plain": _interleaved(chunks, batch, 2, 4), "lm": _lm(lm_cfg, 2, "interleaved")[:2]}
+def _gloo(chunks, stages, batch, lm_cfg):
+    # one spawn for all: process start-up dominates
+    return {"plain": _interleaved(chunks, batch, 2, 4), "lm": _lm(lm_cfg, 2, "interleaved")[:2],
+            "plain_zb": _interleaved(stages, batch, 1, 4, schedule="zb"), "lm_zb": _lm(lm_cfg, 1, "zb")[:2]}
 
 
-def test_interleaved_on_two_gloo_processes():
-    chunks, batch = make_chunks(4), make_data(3, 8)
-    cfg = config(True, layers=4)
-    (want_losses, want), = mt.launch(_unsplit, cfg)
-    out = mt.launch(_gloo, chunks, batch, cfg, mesh="stage:2", backend="torch", timeout=120)
-    _check([o["plain"] for o in out], chunks, batch, 2, 2, 4)
-    for o in out:
-        losses, params = o["lm"]
+def _assert_lm(out, want_losses, want):
+    seen = set()
+    for losses, params in out:
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for name, value in params.items():
             torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5, msg=name)
+            seen.add(name)
+    assert seen == set(want)
+
+
+def test_interleaved_and_zb_on_two_gloo_processes():
+    chunks, stages, batch = make_chunks(4), make_chunks(2), make_data(3, 8)
+    cfg = config(True, layers=4)
+    (want_losses, want), = mt.launch(_unsplit, cfg)
+    out = mt.launch(_gloo, chunks, stages, batch, cfg, mesh="stage:2", backend="torch", timeout=120)
+    _check([o["plain"] for o in out], chunks, batch, 2, 2, 4)
+    _check([o["plain_zb"] for o in out], stages, batch, 2, 1, 4, "zb")
+    for name in ("lm", "lm_zb"):
+        _assert_lm([o[name] for o in out], want_losses, want)
+
+
+def _gloo_3d(lm_cfg):
+    return {"interleaved": _lm(lm_cfg, 2, "interleaved")[:2], "zb": _lm(lm_cfg, 1, "zb")[:2]}
+
+
+def test_interleaved_and_zb_on_gloo_processes_with_data_and_model_axes():
+    # 8 processes: each stage data-parallel over b and its heads, d_ff and vocab split over m; the
+    # collectives over b and m run on gloo subgroups between the stages' point-to-point messages
+    cfg = config(True, layers=4)
+    (want_losses, want), = mt.launch(_unsplit, cfg)
+    out = mt.launch(_gloo_3d, cfg, mesh="stage:2,b:2,m:2", rules="batch:b; heads:m; d_ff:m; vocab:m",
+                    backend="torch", timeout=180)
+    for name in ("interleaved", "zb"):
+        _assert_lm([o[name] for o in out], want_losses, want)
 
 
 def test_virtual_stages_refuse_what_they_cannot_do():
