@@ -179,6 +179,36 @@ def test_zb_trains_like_the_unsplit_model(p, m, recompute):
     assert [float(x) for x in out[-1][1]] == pytest.approx(want_losses)
 
 
+@pytest.mark.parametrize("name,v", [("interleaved", 2), ("zb", 1), ("1f1b", 1)])
+def test_one_table_drives_the_simulator_and_the_timeline(tmp_path, monkeypatch, name, v):
+    # (the executor runs the table's order: test_zb_trains_like_the_unsplit_model and
+    # test_pipeline_virtual_stages.py check the executed order against for_stage)
+    from matplotlib.axes import Axes
+
+    from meshtorch.pipeline.plot import COLORS
+
+    t = build_schedule(name, 2, 4, virtual_stages=v)
+    # the simulator replays the table: with unit costs (a chunk's pass 1/v of its stage's) and no hop
+    # time each action starts in its slot
+    unit = simulate(t, forward=float(v), backward=float(v), weight=1.0 if t.split_backward else None)
+    assert all(unit.start[a] == a.slot and unit.end[a] == a.slot + 1 for a in t.actions)
+    sim = simulate(t, forward=1.0, backward=2.0, weight=0.5 if t.split_backward else None, comm=0.1)
+    boxes, draw = [], Axes.broken_barh
+
+    def record(ax, xranges, yrange, **kw):
+        boxes.append((xranges[0], yrange[0] + 0.4, kw["facecolors"]))
+        return draw(ax, xranges, yrange, **kw)
+
+    monkeypatch.setattr(Axes, "broken_barh", record)
+    timeline(t, str(tmp_path / "t.png"), simulation=sim)
+    # one box per action of the table, where the simulation puts it, coloured by its kind
+    assert len(boxes) == len(t.actions)
+    for (x, stage, color), a in zip(boxes, t.actions):
+        assert (x[0], x[1], stage) == pytest.approx((sim.start[a], sim.end[a] - sim.start[a], a.stage))
+        shade = 1.0 - 0.45 * a.chunk / max(1, v - 1)
+        assert color == pytest.approx(tuple(c * shade for c in COLORS[a.kind]))
+
+
 def test_timeline_draws_chunks_and_weight_gradients(tmp_path):
     for name, kw, sim_kw in (("interleaved", {"virtual_stages": 2}, {}), ("zb", {}, {"weight": 1.0})):
         t = build_schedule(name, 2, 4, **kw)

@@ -84,3 +84,24 @@ def test_interleaved_and_zb_plan_shorter_steps_than_1f1b_on_h100s():
     assert inter.memory_bytes["total"] > one.memory_bytes["total"]
     assert zb.stage_estimates[3].memory_bytes["total"] > one.stage_estimates[3].memory_bytes["total"]
     assert mt.plan.device("h100").name == one.device
+
+
+def test_meshtorch_plan_takes_virtual_stages_and_the_schedules(capsys):
+    # `meshtorch plan` with meshtorch train's flags: the plan of the interleaved run has v times the hops
+    # and the table's stashes, the plan of ZB-H1 the table's split backward; a flag train refuses, plan too
+    from meshtorch.cli import main
+
+    tiny = ["--layers", "4", "--d-model", "16", "--d-kv", "8", "--d-ff", "32", "--heads", "2", "--batch", "8",
+            "--length", "8", "--vocab", "16", "--mesh", "b:1", "--rules", "", "--pipeline-stages", "2",
+            "--microbatches", "4", "--json"]
+    got = {}
+    for schedule, v in (("interleaved", 2), ("zb", 1)):
+        assert main(["plan", *tiny, "--schedule", schedule, "--virtual-stages", str(v)]) == 0
+        got[schedule] = json.loads(capsys.readouterr().out)["pipeline"]
+        table = build_schedule(schedule, 2, 4, virtual_stages=v)
+        assert (got[schedule]["schedule"], got[schedule]["virtual_stages"]) == (schedule, v)
+        assert got[schedule]["in_flight"] == [table.max_in_flight(s) for s in range(2)]
+    # 2m(pv - 1) point-to-point messages a batch: 24 interleaved (v = 2) against 1F1B's and ZB-H1's 8
+    assert (got["interleaved"]["messages"], got["zb"]["messages"]) == (24, 8)
+    assert main(["plan", *tiny, "--schedule", "zb", "--virtual-stages", "2"]) != 0
+    assert "--virtual-stages 2 needs --schedule interleaved" in capsys.readouterr().err
