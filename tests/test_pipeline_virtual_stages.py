@@ -16,7 +16,7 @@ from meshtorch.errors import PipelineError
 from meshtorch.pipeline import Pipeline, build_schedule
 from meshtorch.pipeline.executor import chunks_of
 from meshtorch.pipeline.lm import lm_pipeline, named_model_parameters, owner_stage
-from meshtorch.pipeline.schedule import BACKWARD, FORWARD
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD, model_chunk_of
 from test_pipeline import reference
 from test_pipeline_lm import _unsplit, config, data
 
@@ -65,8 +65,8 @@ def _check(out, chunks, data, p, v, m, schedule="interleaved"):
         assert order == [(a.kind, a.microbatch, a.chunk) for a in table.for_stage(s)]  # the table's order
         assert losses == pytest.approx(want_losses, rel=1e-12)
         assert len(states) == v
-        for k, state in enumerate(states):  # local chunk k is model chunk k·p + s
-            for name, value in want[k * p + s].items():
+        for k, state in enumerate(states):  # local chunk k is model chunk k·p + s (the V's: s, 2p-1-s)
+            for name, value in want[model_chunk_of(s, k, p, table.placement)].items():
                 torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=f"{s}.{k}.{name}")
     assert not torch.allclose(want[0]["0.weight"], chunks[0][0].weight)  # the test can fail: Adam moved it
 

@@ -27,7 +27,10 @@ chunk: chunk ``c`` takes its activation from chunk ``c-1`` (on stage
 applies the loss, and gradients go back from ``c+1`` to ``c``. Messages into
 local chunk ``k`` carry their own tags, so a pair of stages that exchanges
 several chunks' activations never confuses them; with one stage (``p = 1``)
-the chunks hand values to each other in memory.
+the chunks hand values to each other in memory. ZB-V (``"zbv"``) places its two
+chunks per stage in a V (:func:`~meshtorch.pipeline.schedule.where`: chunk ``c``
+and ``2p-1-c`` on stage ``c``): the last stage hands chunk ``p-1``'s values to
+chunk ``p`` in memory, and stage 0 holds both the first and the last chunk.
 
 Each micro-batch's loss is divided by the number of micro-batches, so the
 accumulated gradient is that of the mean of the micro-batch losses: for a
@@ -70,7 +73,7 @@ import torch
 
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
-from meshtorch.pipeline.schedule import FORWARD, WEIGHT, Schedule
+from meshtorch.pipeline.schedule import FORWARD, WEIGHT, Schedule, model_chunk_of, where
 from meshtorch.pipeline.split_backward import Kept, input_gradient, weight_gradient
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
@@ -174,14 +177,15 @@ class Executor:
         # compute only, after the inputs arrived and before the outputs are sent; and each one's local chunk
         self.trace: list[tuple[str, int, float, float, int]] = []
         self.trace_chunks: list[int] = []
-        # values one chunk hands to another on this same stage (p = 1), by tag, in order
+        # values one chunk hands to another on this same stage (p = 1, or the V's turn), by tag, in order
         self._here: dict[int, deque] = {}
+        self._where: Callable[[int], tuple[int, int]] = functools.partial(where, stages=self.stages)
 
     def _fail(self, what: str, i: int, e: Exception, schedule: Schedule, chunk: int = 0) -> PipelineError:
         m = schedule.microbatches
         where = f"micro-batch {i % m} of batch {i // m}" if schedule.batches > 1 else f"micro-batch {i}"
         if len(self.chunks) > 1:
-            where += f" on its chunk {chunk} (model chunk {chunk * self.stages + self.stage})"
+            where += f" on its chunk {chunk} (model chunk {model_chunk_of(self.stage, chunk, self.stages, schedule.placement)})"
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
                              f"{what} of {where}: {e}")
 
@@ -198,7 +202,8 @@ class Executor:
 
     def _send(self, comm, value: Any, chunk: int, kind: int) -> None:
         """Send ``value`` (``kind``: forward or backward) to model chunk ``chunk``."""
-        dst, tag = chunk % self.stages, chunk_tag(kind, chunk // self.stages)
+        dst, local_chunk = self._where(chunk)
+        tag = chunk_tag(kind, local_chunk)
         if dst == self.stage:
             self._here.setdefault(tag, deque()).append(_detached(value))
         else:
@@ -206,7 +211,7 @@ class Executor:
 
     def _recv(self, comm, chunk: int, mine: int, kind: int) -> Any:
         """Receive the value of ``kind`` model chunk ``chunk`` sends to this stage's model chunk ``mine``."""
-        src, tag = chunk % self.stages, chunk_tag(kind, mine // self.stages)
+        src, tag = self._where(chunk)[0], chunk_tag(kind, self._where(mine)[1])
         if src == self.stage:
             return self._here[tag].popleft()
         return recv_value(comm, self.axis, src, tag)
@@ -221,12 +226,13 @@ class Executor:
         if schedule.stages != self.stages:
             raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
                                 f"{self.axis!r} has {self.stages} processors")
+        self._where = schedule.where  # model chunk -> (stage, local chunk): the table's placement
 
     def _evaluate(self, schedule: Schedule, inputs, targets) -> Any:
         comm = current().comm
         s, m = self.stage, schedule.microbatches
         n = self.stages * len(self.chunks)
-        holds_last = s == (n - 1) % self.stages
+        holds_last = s == schedule.where(n - 1)[0]
         totals: list[torch.Tensor | None] = [None] * schedule.batches
         self._here = {}
         for a in schedule.for_stage(s):
@@ -275,7 +281,7 @@ class Executor:
         comm = current().comm
         s, m, nb = self.stage, schedule.microbatches, schedule.batches
         n = self.stages * len(self.chunks)  # model chunks
-        first, holds_last = s == 0, s == (n - 1) % self.stages
+        first, holds_last = s == schedule.where(0)[0], s == schedule.where(n - 1)[0]
         given = (("inputs", inputs if first else None), ("targets", targets if holds_last else None))
         for name, seq in given:
             if seq is not None and len(seq) != m * nb:

@@ -78,10 +78,11 @@ def _per_stage(x: float | Sequence[float], p: int, what: str, v: int = 1) -> lis
     return vals
 
 
-def _chunk_costs(vals: list[float], p: int, v: int) -> list[float]:
-    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on stage
-    ``c mod p``)."""
-    return vals if len(vals) == p * v else [vals[c % p] / v for c in range(p * v)]
+def _chunk_costs(vals: list[float], schedule: Schedule) -> list[float]:
+    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on the
+    stage :meth:`Schedule.where` says: ``c mod p``, or the V's)."""
+    p, v = schedule.stages, schedule.virtual_stages
+    return vals if len(vals) == p * v else [vals[schedule.where(c)[0]] / v for c in range(p * v)]
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float],
@@ -109,9 +110,9 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
     if split and weight is None:
         raise PipelineError(f"schedule {schedule.name!r} splits the backward into B and W: give simulate the "
                             "weight-gradient time weight=... (backward= is then the input gradient's)")
-    f = _chunk_costs(_per_stage(forward, p, "forward", v), p, v)
-    b = _chunk_costs(_per_stage(forward if backward is None else backward, p, "backward", v), p, v)
-    w = _chunk_costs(_per_stage(weight if split else 0.0, p, "weight", v), p, v)
+    f = _chunk_costs(_per_stage(forward, p, "forward", v), schedule)
+    b = _chunk_costs(_per_stage(forward if backward is None else backward, p, "backward", v), schedule)
+    w = _chunk_costs(_per_stage(weight if split else 0.0, p, "weight", v), schedule)
     cost = {FORWARD: f, BACKWARD: b, WEIGHT: w}
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
@@ -122,17 +123,19 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
     for a in sorted(schedule.actions, key=lambda a: (a.slot, a.stage)):
         s = a.stage
         ready = free[s]
-        for d in dependencies(s, a.chunk, a.kind, a.microbatch, p, v, split):
+        for d in dependencies(s, a.chunk, a.kind, a.microbatch, p, v, split, schedule.placement):
             hop = d[0] != s
             messages += hop
             ready = max(ready, by_key[d] + (comm if hop else 0.0))
         start[a] = ready
-        end[a] = ready + cost[a.kind][a.chunk * p + s]
+        end[a] = ready + cost[a.kind][schedule.model_chunk(a)]
         by_key[(s, a.chunk, a.kind, a.microbatch)] = end[a]
         free[s] = end[a]
     t = max(end.values()) - min(start.values())
     n = schedule.microbatches * schedule.batches
-    busy = [n * sum(f[c] + b[c] + w[c] for c in range(s, p * v, p)) for s in range(p)]
+    busy = [0.0] * p
+    for c in range(p * v):
+        busy[schedule.where(c)[0]] += n * (f[c] + b[c] + w[c])
     bubble = 1.0 - sum(busy) / (p * t) if t > 0 else 0.0
     return Simulation(t / schedule.batches, bubble, busy, start, end, t, schedule.batches,
                       schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)],
