@@ -476,7 +476,9 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
                 batches: int = 1, virtual_stages: int = 1, placement: str | None = None) -> Schedule:
     """The table of per-stage orders of ``(kind, microbatch)`` or ``(kind, microbatch,
     chunk)``: each action in the first unit slot after its stage's previous action and
-    its dependencies (unit-time list scheduling). Batch ``b`` computes with weight
+    its dependencies (unit-time list scheduling), and an action of batch ``b`` after the
+    update that makes its weights (of batch ``b - 1``, ``b - 2`` under 2BW: after every
+    backward and weight gradient of that batch, on any stage). Batch ``b`` computes with weight
     version ``b - 1`` under ``"2bw"``, ``b`` otherwise. ``placement`` (:func:`where`):
     ``"v"`` for the names in :data:`V_SHAPED`, ``"loop"`` otherwise, by default.
 
@@ -489,6 +491,13 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
     rows = [[(o[0], o[1], o[2] if len(o) > 2 else 0) for o in order] for order in orders]
     split = any(k == WEIGHT for row in rows for k, _, _ in row)
     delay = 1 if name == "2bw" else 0
+    versions = 2 if name == "2bw" else 1
+    # per batch: its backwards and weight gradients still to place, and the last slot of those placed
+    left = [0] * batches
+    for row in rows:
+        for k, i, _ in row:
+            left[i // microbatches] += k != FORWARD
+    last = [-1] * batches
     done: dict[Key, int] = {}
     pos = [0] * p
     free = [0] * p
@@ -500,11 +509,15 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
                 continue
             k, i, c = rows[s][pos[s]]
             deps = dependencies(s, c, k, i, p, v, split, placement)
-            if any(d not in done for d in deps):
+            b = i // microbatches - versions  # the batch whose update makes this action's weights
+            if any(d not in done for d in deps) or (b >= 0 and left[b]):
                 continue
-            slot = max([free[s]] + [done[d] + 1 for d in deps])
+            slot = max([free[s], last[b] + 1 if b >= 0 else 0] + [done[d] + 1 for d in deps])
             done[(s, c, k, i)] = slot
             free[s] = slot + 1
+            if k != FORWARD:
+                left[i // microbatches] -= 1
+                last[i // microbatches] = max(last[i // microbatches], slot)
             actions.append(Action(slot, s, i, k, i // microbatches - delay, c))
             pos[s] += 1
             progressed = True
