@@ -71,16 +71,39 @@ def _check(out, chunks, data, p, v, m, schedule="interleaved"):
     assert not torch.allclose(want[0]["0.weight"], chunks[0][0].weight)  # the test can fail: Adam moved it
 
 
-@pytest.mark.parametrize("p,v,m,recompute", [(2, 2, 4, False), (3, 2, 3, False), (1, 3, 2, False),
-                                             (2, 3, 2, True)])
-def test_interleaved_trains_like_the_unsplit_model(p, v, m, recompute):
-    # (1, 3): one stage, its three chunks hand values to each other in memory
+@pytest.mark.parametrize("schedule,p,v,m,recompute", [
+    ("interleaved", 2, 2, 4, False), ("interleaved", 3, 2, 3, False), ("interleaved", 1, 3, 2, False),
+    ("interleaved", 2, 3, 2, True),
+    # ZB-V: chunk c and 2p-1-c on stage c; fewer micro-batches than the 2p - 1 that fill the V, too
+    ("zbv", 2, 2, 4, False), ("zbv", 3, 2, 6, False), ("zbv", 3, 2, 2, False), ("zbv", 1, 2, 2, False),
+    ("zbv", 2, 2, 3, True),
+])
+def test_chunked_schedules_train_like_the_unsplit_model(schedule, p, v, m, recompute):
+    # one stage: its chunks hand values to each other in memory (and under ZB-V, the last stage its two)
     chunks, batch = make_chunks(p * v), make_data(3, 12)
-    out = mt.launch(_interleaved, chunks, batch, v, m, recompute, mesh=f"stage:{p}")
-    _check(out, chunks, batch, p, v, m)
+    out = mt.launch(_interleaved, chunks, batch, v, m, recompute, 1, schedule, mesh=f"stage:{p}")
+    _check(out, chunks, batch, p, v, m, schedule)
 
 
-@pytest.mark.parametrize("schedule,v", [("interleaved", 2), ("zb", 1)])
+def _zbv_in_one_table(chunks, data, m):
+    pipe = Pipeline(lambda c: copy.deepcopy(chunks[c]), microbatches=m, schedule="zbv", virtual_stages=2,
+                    loss_fn=torch.nn.functional.mse_loss, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+    losses = pipe.train(data)  # one table of every batch: each flushed, its update at the table's slot
+    return pipe.stage, [c.state_dict() for c in pipe.module], losses, None
+
+
+def test_zbv_trains_several_batches_in_one_table():
+    chunks, batch = make_chunks(6), make_data(3, 12)
+    out = mt.launch(_zbv_in_one_table, chunks, batch, 3, mesh="stage:3")
+    want, want_losses = reference(chunks, batch)
+    for s, states, losses, _ in out:
+        assert losses == pytest.approx(want_losses, rel=1e-12)
+        for k, state in enumerate(states):
+            for name, value in want[model_chunk_of(s, k, 3, "v")].items():
+                torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-12, msg=f"{s}.{k}.{name}")
+
+
+@pytest.mark.parametrize("schedule,v", [("interleaved", 2), ("zb", 1), ("zbv", 2)])
 def test_synchronous_schedules_with_data_parallel_replicas(schedule, v):
     # plain torch.nn chunks replicated over dp: each replica's weight gradients (W under zb) are
     # averaged over dp before the update, as the unsplit model's gradient of the whole batch
@@ -96,7 +119,8 @@ def test_synchronous_schedules_with_data_parallel_replicas(schedule, v):
        st.sampled_from(["interleaved", "zb", "1f1b"]))
 def test_each_pair_receives_in_the_order_it_sends(p, v, rounds, name):
     # Tags keep the chunks' messages apart on gloo; NCCL ignores tags and matches a pair's messages in
-    # order. So the tables must make every stage receive from a peer in the order the peer sends.
+    # order. These tables make every stage need a peer's messages in the order the peer sends them
+    # (ZB-V's do not: the executor takes them in the sender's order, test_untagged_messages_...)
     v = v if name == "interleaved" else 1
     t = build_schedule(name, p, rounds * p, batches=2, virtual_stages=v)
     n = p * v
@@ -106,19 +130,36 @@ def test_each_pair_receives_in_the_order_it_sends(p, v, rounds, name):
         c, s = t.model_chunk(a), a.stage
         if a.kind == FORWARD:
             if c > 0:
-                got.setdefault(((c - 1) % p, s), []).append(("F", c, a.microbatch, a.slot))
+                got.setdefault((t.where(c - 1)[0], s), []).append(("F", c, a.microbatch, a.slot))
             if c < n - 1:
-                sent.setdefault((s, (c + 1) % p), []).append(("F", c + 1, a.microbatch, a.slot))
+                sent.setdefault((s, t.where(c + 1)[0]), []).append(("F", c + 1, a.microbatch, a.slot))
         elif a.kind == BACKWARD:
             if c < n - 1:
-                got.setdefault(((c + 1) % p, s), []).append(("B", c, a.microbatch, a.slot))
+                got.setdefault((t.where(c + 1)[0], s), []).append(("B", c, a.microbatch, a.slot))
             if c > 0:
-                sent.setdefault((s, (c - 1) % p), []).append(("B", c - 1, a.microbatch, a.slot))
+                sent.setdefault((s, t.where(c - 1)[0]), []).append(("B", c - 1, a.microbatch, a.slot))
     for pair in set(sent) | set(got):
         if pair[0] == pair[1]:
             continue
         order = [x[:3] for x in sorted(sent.get(pair, []), key=lambda x: x[3])]
         assert order == [x[:3] for x in sorted(got.get(pair, []), key=lambda x: x[3])], pair
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [("zbv", 2, 2, 4), ("zbv", 3, 2, 6), ("interleaved", 2, 2, 4),
+                                             ("zb", 3, 1, 4)])
+def test_untagged_messages_arrive_in_the_senders_order(monkeypatch, schedule, p, v, m):
+    # NCCL ignores tags: with every message's tag 0 each pair's messages match only in the order sent.
+    # Under ZB-V stage 1 needs stage 0's gradient for chunk 2 before its activation for chunk 1 of a later
+    # micro-batch, sent before it; the executor takes them in the sender's order and keeps the early one.
+    from meshtorch.pipeline import executor
+
+    send, recv = executor.send_value, executor.recv_value
+    monkeypatch.setattr(executor, "send_value", lambda comm, value, axis, dst, _: send(comm, value, axis, dst,
+                                                                                       0))
+    monkeypatch.setattr(executor, "recv_value", lambda comm, axis, src, _: recv(comm, axis, src, 0))
+    chunks, batch = make_chunks(p * v), make_data(2, 12)
+    out = mt.launch(_interleaved, chunks, batch, v, m, False, 1, schedule, mesh=f"stage:{p}")
+    _check(out, chunks, batch, p, v, m, schedule)
 
 
 def _lm(cfg, v, schedule, m=2):
@@ -162,7 +203,8 @@ def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
 def _gloo(chunks, stages, batch, lm_cfg):
     # one spawn for all: process start-up dominates
     return {"plain": _interleaved(chunks, batch, 2, 4), "lm": _lm(lm_cfg, 2, "interleaved")[:2],
-            "plain_zb": _interleaved(stages, batch, 1, 4, schedule="zb"), "lm_zb": _lm(lm_cfg, 1, "zb")[:2]}
+            "plain_zb": _interleaved(stages, batch, 1, 4, schedule="zb"), "lm_zb": _lm(lm_cfg, 1, "zb")[:2],
+            "plain_zbv": _interleaved(chunks, batch, 2, 4, schedule="zbv")}
 
 
 def _assert_lm(out, want_losses, want):
@@ -175,13 +217,14 @@ def _assert_lm(out, want_losses, want):
     assert seen == set(want)
 
 
-def test_interleaved_and_zb_on_two_gloo_processes():
+def test_interleaved_zb_and_zbv_on_two_gloo_processes():
     chunks, stages, batch = make_chunks(4), make_chunks(2), make_data(3, 8)
     cfg = config(True, layers=4)
     (want_losses, want), = mt.launch(_unsplit, cfg)
     out = mt.launch(_gloo, chunks, stages, batch, cfg, mesh="stage:2", backend="torch", timeout=120)
     _check([o["plain"] for o in out], chunks, batch, 2, 2, 4)
     _check([o["plain_zb"] for o in out], stages, batch, 2, 1, 4, "zb")
+    _check([o["plain_zbv"] for o in out], chunks, batch, 2, 2, 4, "zbv")
     for name in ("lm", "lm_zb"):
         _assert_lm([o[name] for o in out], want_losses, want)
 

@@ -73,7 +73,7 @@ import torch
 
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
-from meshtorch.pipeline.schedule import FORWARD, WEIGHT, Schedule, model_chunk_of, where
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Schedule, model_chunk_of, where
 from meshtorch.pipeline.split_backward import Kept, input_gradient, weight_gradient
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
@@ -179,13 +179,18 @@ class Executor:
         self.trace_chunks: list[int] = []
         # values one chunk hands to another on this same stage (p = 1, or the V's turn), by tag, in order
         self._here: dict[int, deque] = {}
+        # per other stage, the (kind, model chunk, micro-batch) of the messages it will send this stage, in
+        # its order; and those received before they were needed
+        self._inbox: dict[int, deque] = {}
+        self._arrived: dict[tuple[int, int, int], Any] = {}
         self._where: Callable[[int], tuple[int, int]] = functools.partial(where, stages=self.stages)
 
     def _fail(self, what: str, i: int, e: Exception, schedule: Schedule, chunk: int = 0) -> PipelineError:
         m = schedule.microbatches
         where = f"micro-batch {i % m} of batch {i // m}" if schedule.batches > 1 else f"micro-batch {i}"
         if len(self.chunks) > 1:
-            where += f" on its chunk {chunk} (model chunk {model_chunk_of(self.stage, chunk, self.stages, schedule.placement)})"
+            c = model_chunk_of(self.stage, chunk, self.stages, schedule.placement)
+            where += f" on its chunk {chunk} (model chunk {c})"
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
                              f"{what} of {where}: {e}")
 
@@ -209,12 +214,40 @@ class Executor:
         else:
             send_value(comm, value, self.axis, dst, tag)
 
-    def _recv(self, comm, chunk: int, mine: int, kind: int) -> Any:
-        """Receive the value of ``kind`` model chunk ``chunk`` sends to this stage's model chunk ``mine``."""
-        src, tag = self._where(chunk)[0], chunk_tag(kind, self._where(mine)[1])
+    def _recv(self, comm, chunk: int, mine: int, kind: int, microbatch: int) -> Any:
+        """Receive the value of ``kind`` model chunk ``chunk`` sends to this stage's model chunk ``mine``
+        for ``microbatch``. From another stage the messages are taken in the order that stage sends
+        them (:meth:`_expect`), those that come before this one kept until asked for: NCCL ignores
+        tags and matches a pair's messages in order, and under ZB-V a stage receives a peer's
+        activations and gradients in another order than the peer sends them."""
+        src = self._where(chunk)[0]
         if src == self.stage:
-            return self._here[tag].popleft()
-        return recv_value(comm, self.axis, src, tag)
+            return self._here[chunk_tag(kind, self._where(mine)[1])].popleft()
+        key = (kind, mine, microbatch)
+        while key not in self._arrived:
+            if not self._inbox.get(src):
+                raise PipelineError(f"stage {self.stage} waits for a message from stage {src} that the "
+                                    "schedule table never sends it: the table and the executor disagree")
+            k, c, i = self._inbox[src].popleft()
+            self._arrived[k, c, i] = recv_value(comm, self.axis, src, chunk_tag(k, self._where(c)[1]))
+        return self._arrived.pop(key)
+
+    def _expect(self, schedule: Schedule, train: bool) -> None:
+        """For each other stage, the messages it sends this stage, in the order it sends them: a
+        forward of model chunk ``c`` sends its output to chunk ``c+1``, a backward (``train``) its
+        input gradient to ``c-1``, right after running (actions in slot order)."""
+        n, s = schedule.stages * schedule.virtual_stages, self.stage
+        self._inbox, self._arrived = {}, {}
+        for a in schedule.actions:
+            c = schedule.model_chunk(a)
+            if a.kind == FORWARD and c < n - 1:
+                kind, to = FORWARD_TAG, c + 1
+            elif a.kind == BACKWARD and train and c > 0:
+                kind, to = BACKWARD_TAG, c - 1
+            else:
+                continue
+            if a.stage != s and self._where(to)[0] == s:
+                self._inbox.setdefault(a.stage, deque()).append((kind, to, a.microbatch))
 
     def _check(self, schedule: Schedule) -> None:
         v = len(self.chunks)
@@ -235,12 +268,13 @@ class Executor:
         holds_last = s == schedule.where(n - 1)[0]
         totals: list[torch.Tensor | None] = [None] * schedule.batches
         self._here = {}
+        self._expect(schedule, train=False)
         for a in schedule.for_stage(s):
             if a.kind != FORWARD:
                 continue
             i, c = a.microbatch, schedule.model_chunk(a)
             last = c == n - 1
-            inp = inputs[i] if c == 0 else self._recv(comm, c - 1, c, FORWARD_TAG)
+            inp = inputs[i] if c == 0 else self._recv(comm, c - 1, c, FORWARD_TAG, i)
             with self._errors("forward", i, schedule, a.chunk):
                 out = self._forward(self.chunks[a.chunk], inp, targets[i] if last else None, last)
             if last:
@@ -297,6 +331,7 @@ class Executor:
         totals: list[torch.Tensor | None] = [None] * nb
         self.trace, self.trace_chunks = [], []
         self._here = {}
+        self._expect(schedule, train=True)
         for a in schedule.for_stage(s):
             while update is not None and done < nb and updates[done] <= a.slot:
                 update(done)
@@ -306,7 +341,7 @@ class Executor:
             i, k, c = a.microbatch, a.chunk, schedule.model_chunk(a)
             module, start, last = self.chunks[k], c == 0, c == n - 1
             if a.kind == FORWARD:
-                inp = inputs[i] if start else self._recv(comm, c - 1, c, FORWARD_TAG)
+                inp = inputs[i] if start else self._recv(comm, c - 1, c, FORWARD_TAG, i)
                 inp = inp if start else tuple(map(_as_leaf, inp)) if isinstance(inp, tuple) else _as_leaf(inp)
                 t0 = time.perf_counter()
                 target = targets[i] if last and targets is not None else None
@@ -325,7 +360,7 @@ class Executor:
                 t1 = time.perf_counter()
             else:
                 inp, target, rng, out = stash.pop((k, i))
-                grads = None if last else self._recv(comm, c + 1, c, BACKWARD_TAG)
+                grads = None if last else self._recv(comm, c + 1, c, BACKWARD_TAG, i)
                 t0 = time.perf_counter()
                 with self._errors("backward", i, schedule, k):
                     if out is None:  # recompute: the same random numbers as the first forward

@@ -199,7 +199,8 @@ class Pipeline:
         self.schedule: Schedule = build_schedule(schedule, p, microbatches, virtual_stages=v)
         self.virtual_stages = v
         self.microbatches, self.batch_dim = microbatches, batch_dim
-        self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v, self.schedule.placement)
+        self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v,
+                                   self.schedule.placement)
         # the stage holding the last model chunk: it applies the loss (stage 0 under ZB-V's V)
         self.last_stage = self.schedule.where(p * v - 1)[0]
         self.executor = Executor(self.module, axis, loss_fn, recompute)

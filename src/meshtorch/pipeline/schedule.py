@@ -397,11 +397,13 @@ def _zb_v(p: int, first: int, m: int) -> list[Order]:
         order: Order = []
         cnt = {(FORWARD, 0): 0, (FORWARD, 1): 0, (BACKWARD, 0): 0, (BACKWARD, 1): 0}
 
-        def add(kind: str, chunk: int) -> None:  # the next micro-batch's pass of kind on chunk
+        def add(kind: str, chunk: int, order: Order = order, cnt: dict = cnt) -> None:
+            """The next micro-batch's pass of ``kind`` on local ``chunk``."""
             order.append((kind, cnt[kind, chunk], chunk))
             cnt[kind, chunk] += 1
 
-        def backward(chunk: int) -> None:  # B, then at once its W
+        def backward(chunk: int, order: Order = order, cnt: dict = cnt) -> None:
+            """The next micro-batch's B on ``chunk``, then at once its W."""
             i = cnt[BACKWARD, chunk]
             order.extend([(BACKWARD, i, chunk), (WEIGHT, i, chunk)])
             cnt[BACKWARD, chunk] += 1
@@ -476,9 +478,9 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
                 batches: int = 1, virtual_stages: int = 1, placement: str | None = None) -> Schedule:
     """The table of per-stage orders of ``(kind, microbatch)`` or ``(kind, microbatch,
     chunk)``: each action in the first unit slot after its stage's previous action and
-    its dependencies (unit-time list scheduling), and an action of batch ``b`` after the
-    update that makes its weights (of batch ``b - 1``, ``b - 2`` under 2BW: after every
-    backward and weight gradient of that batch, on any stage). Batch ``b`` computes with weight
+    its dependencies (unit-time list scheduling), and, for the flushed schedules, an action of
+    batch ``b`` after the update of batch ``b - 1`` (after every backward and weight gradient of
+    that batch, on any stage). Batch ``b`` computes with weight
     version ``b - 1`` under ``"2bw"``, ``b`` otherwise. ``placement`` (:func:`where`):
     ``"v"`` for the names in :data:`V_SHAPED`, ``"loop"`` otherwise, by default.
 
@@ -491,7 +493,9 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
     rows = [[(o[0], o[1], o[2] if len(o) > 2 else 0) for o in order] for order in orders]
     split = any(k == WEIGHT for row in rows for k, _, _ in row)
     delay = 1 if name == "2bw" else 0
-    versions = 2 if name == "2bw" else 1
+    # the flushed tables wait here for the update of the batch before; 2BW's order keeps batch b+2
+    # after batch b's update by itself when m >= p - 1, and validate() says what it needs otherwise
+    flushed = name != "2bw"
     # per batch: its backwards and weight gradients still to place, and the last slot of those placed
     left = [0] * batches
     for row in rows:
@@ -509,7 +513,7 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
                 continue
             k, i, c = rows[s][pos[s]]
             deps = dependencies(s, c, k, i, p, v, split, placement)
-            b = i // microbatches - versions  # the batch whose update makes this action's weights
+            b = i // microbatches - 1 if flushed else -1  # the batch whose update it waits for
             if any(d not in done for d in deps) or (b >= 0 and left[b]):
                 continue
             slot = max([free[s], last[b] + 1 if b >= 0 else 0] + [done[d] + 1 for d in deps])

@@ -119,10 +119,16 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
     by_key: dict[tuple[int, int, str, int], float] = {}
     free = [0.0] * p
     messages = 0
-    # the table is sorted by slot, and every dependency sits in an earlier slot
+    # batch b's update, on every stage at once (it may use collectives over the stages), after its
+    # last backward or weight gradient anywhere: batch b + versions computes with the weights it makes
+    versions, m = schedule.weight_versions, schedule.microbatches
+    drained = [0.0] * schedule.batches
+    # the table is sorted by slot, and every dependency (and batch b's update) sits in an earlier slot
     for a in sorted(schedule.actions, key=lambda a: (a.slot, a.stage)):
         s = a.stage
         ready = free[s]
+        if a.microbatch // m >= versions:
+            ready = max(ready, drained[a.microbatch // m - versions])
         for d in dependencies(s, a.chunk, a.kind, a.microbatch, p, v, split, schedule.placement):
             hop = d[0] != s
             messages += hop
@@ -131,6 +137,8 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
         end[a] = ready + cost[a.kind][schedule.model_chunk(a)]
         by_key[(s, a.chunk, a.kind, a.microbatch)] = end[a]
         free[s] = end[a]
+        if a.kind != FORWARD:
+            drained[a.microbatch // m] = max(drained[a.microbatch // m], end[a])
     t = max(end.values()) - min(start.values())
     n = schedule.microbatches * schedule.batches
     busy = [0.0] * p
