@@ -171,8 +171,8 @@ def _lm(cfg, v, schedule, m=2):
         tgt = mt.from_global(seq[:, 1:].contiguous(), "batch:8,length:6")
         losses.append(pipe.step(ids, tgt))
     params = {n: p.mesh_tensor.to_global() for n, p in named_model_parameters(pipe.module)}
-    owners = {n: owner_stage(n, cfg, pipe.num_stages, v) for n in params}
-    return losses, params, owners, pipe.stage
+    owners = {n: owner_stage(n, cfg, pipe.num_stages, v, pipe.schedule.placement) for n in params}
+    return losses, params, owners, pipe.stage, pipe.last_stage
 
 
 @pytest.mark.parametrize("mesh,rules,v,schedule", [
@@ -182,14 +182,18 @@ def _lm(cfg, v, schedule, m=2):
     # 3-D: each schedule composed with a data axis and a model axis at once
     ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 2, "interleaved"),
     ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 1, "zb"),
+    # ZB-V: stage 0 holds chunks 0 and 3, so the embedding and the tied output table; stage 1 chunks 1, 2
+    ("stage:2", "", 2, "zbv"),
+    ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 2, "zbv"),
 ])
 def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
     cfg = config(True, layers=4)
     (want_losses, want), = mt.launch(_unsplit, cfg)
     out = mt.launch(_lm, cfg, v, schedule, mesh=mesh, rules=rules)
     seen = set()
-    for losses, params, owners, stage in out:
+    for losses, params, owners, stage, last in out:
         assert losses == pytest.approx(want_losses, rel=1e-5)
+        assert last == (0 if schedule == "zbv" else mt.Mesh(mesh).axis_size("stage") - 1)  # the loss's stage
         for name, value in params.items():
             torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5, msg=name)
             seen.add(name)
@@ -230,17 +234,18 @@ def test_interleaved_zb_and_zbv_on_two_gloo_processes():
 
 
 def _gloo_3d(lm_cfg):
-    return {"interleaved": _lm(lm_cfg, 2, "interleaved")[:2], "zb": _lm(lm_cfg, 1, "zb")[:2]}
+    return {"interleaved": _lm(lm_cfg, 2, "interleaved")[:2], "zb": _lm(lm_cfg, 1, "zb")[:2],
+            "zbv": _lm(lm_cfg, 2, "zbv")[:2]}
 
 
-def test_interleaved_and_zb_on_gloo_processes_with_data_and_model_axes():
+def test_interleaved_zb_and_zbv_on_gloo_processes_with_data_and_model_axes():
     # 8 processes: each stage data-parallel over b and its heads, d_ff and vocab split over m; the
     # collectives over b and m run on gloo subgroups between the stages' point-to-point messages
     cfg = config(True, layers=4)
     (want_losses, want), = mt.launch(_unsplit, cfg)
     out = mt.launch(_gloo_3d, cfg, mesh="stage:2,b:2,m:2", rules="batch:b; heads:m; d_ff:m; vocab:m",
                     backend="torch", timeout=180)
-    for name in ("interleaved", "zb"):
+    for name in ("interleaved", "zb", "zbv"):
         _assert_lm([o[name] for o in out], want_losses, want)
 
 
@@ -259,7 +264,7 @@ def test_virtual_stages_refuse_what_they_cannot_do():
                   mesh="stage:2")
 
 
-def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path, capsys):
+def test_meshtorch_train_interleaved_zb_and_zbv_reach_the_unsplit_runs_loss(tmp_path, capsys):
     import json
     import os
 
@@ -274,7 +279,9 @@ def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path
             "--mesh", "b:1", "--rules", ""]
     runs = {"plain": [], "interleaved": ["--pipeline-stages", "2", "--virtual-stages", "2", "--schedule",
                                          "interleaved", "--microbatches", "2"],
-            "zb": ["--pipeline-stages", "2", "--schedule", "zb", "--microbatches", "2"]}
+            "zb": ["--pipeline-stages", "2", "--schedule", "zb", "--microbatches", "2"],
+            "zbv": ["--pipeline-stages", "2", "--virtual-stages", "2", "--schedule", "zbv", "--microbatches",
+                    "2"]}
     for name, flags in runs.items():
         assert cli.main(["train", "--out", str(tmp_path / name), *tiny, *flags]) == 0
     assert "pipeline of 2 stages × 2 chunks (interleaved, 2 micro-batches)" in capsys.readouterr().out
@@ -284,11 +291,11 @@ def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path
             return [json.loads(line)["loss"] for line in f]
 
     plain = checkpoint_tensors(str(tmp_path / "plain"))
-    for name in ("interleaved", "zb"):
+    for name in ("interleaved", "zb", "zbv"):
         # synchronous schedules: AdamW, warm-up, clipping over all stages (the tied table once) as unsplit
         assert losses(name) == pytest.approx(losses("plain"), abs=2e-4)
         summary = json.load(open(os.path.join(tmp_path, name, "summary.json")))
-        assert (summary["schedule"], summary["virtual_stages"]) == (name, 2 if name == "interleaved" else 1)
+        assert (summary["schedule"], summary["virtual_stages"]) == (name, 1 if name == "zb" else 2)
         got = checkpoint_tensors(str(tmp_path / name))  # gathered from the chunks: the unsplit run's
         assert sorted(got) == sorted(plain)
         for k in plain:
@@ -304,6 +311,7 @@ def test_meshtorch_train_interleaved_and_zb_reach_the_unsplit_runs_loss(tmp_path
     (dict(layers=1, schedule="zb"), "--layers 1 do not divide into --pipeline-stages 2"),
     (dict(layers=4, virtual_stages=2, pipeline_stages=1),
      "--virtual-stages 2 .* needs --pipeline-stages > 1"),
+    (dict(layers=4, schedule="zbv"), "--schedule zbv places 2 model chunks on each stage .* got 1"),
 ])
 def test_stage_flags_that_cannot_work_are_named(flags, match):
     from meshtorch.recipes.lm import TrainConfig, check_config

@@ -105,3 +105,6 @@ def test_meshtorch_plan_takes_virtual_stages_and_the_schedules(capsys):
     assert (got["interleaved"]["messages"], got["zb"]["messages"]) == (24, 8)
     assert main(["plan", *tiny, "--schedule", "zb", "--virtual-stages", "2"]) != 0
     assert "--virtual-stages 2 needs --schedule interleaved" in capsys.readouterr().err
+    # ZB-V trains (meshtorch train --schedule zbv) but is not priced yet: the plan says so
+    assert main(["plan", *tiny, "--schedule", "zbv", "--virtual-stages", "2"]) != 0
+    assert "the planner does not price schedule 'zbv' yet" in capsys.readouterr().err

@@ -58,6 +58,7 @@ from meshtorch.errors import PlanError
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 from meshtorch.pipeline.executor import BACKWARD_TAG, CHUNK_TAGS, FORWARD_TAG
+from meshtorch.pipeline.schedule import V_SHAPED
 from meshtorch.pipeline.schedule import build as build_schedule
 from meshtorch.pipeline.simulate import simulate
 from meshtorch.pipeline.transport import gradient_message, read_header
@@ -410,6 +411,13 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
     check_pipelined_depth(step_fn)
     m = Mesh(mesh)
     info = program_pipeline(step_fn)
+    if info.schedule in V_SHAPED:
+        # the stage-by-stage trace answers a stage's receives from the stages traced before it and
+        # mirrors what it sends on; under the V a stage also takes activations from the stage after it
+        raise PlanError(f"the planner does not price schedule {info.schedule!r} yet (ZB-V's V placement: "
+                        "stage s takes activations from stage s+1 too, which the stage-by-stage trace does "
+                        "not answer); plan --schedule zb or interleaved, or simulate ZB-V with "
+                        "meshtorch.pipeline.simulate")
     spec = get_device(device, processors=m.size)
     traces, message = [], (0, 0)
     for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging, spec.device_type):
