@@ -86,6 +86,33 @@ def test_interleaved_and_zb_plan_shorter_steps_than_1f1b_on_h100s():
     assert mt.plan.device("h100").name == one.device
 
 
+@pytest.mark.parametrize("schedule,v", [("zb", 1), ("interleaved", 2)])
+def test_the_searchs_pipeline_bounds_hold_for_the_new_schedules(schedule, v):
+    # meshtorch plan --search prunes pipelined layouts whose bound exceeds the best step found: the
+    # bound must stay below the planned step, which 1F1B's (every stage before the busiest one passed
+    # whole, forward and back) does not for ZB-H1 (x1.24 here) or interleaved 1F1B (x1.15)
+    import dataclasses
+
+    from meshtorch.pipeline.simulate import step_time_bound
+    from meshtorch.plan import trace
+    from meshtorch.plan.bounds import REFERENCE_MESH, dims_of, pipeline_bounds, stage_bounds
+    from meshtorch.plan.space import pipeline_layouts
+    from meshtorch.recipes.lm.steps import training_step
+    from test_plan_pipeline import SMALL
+
+    spec = dataclasses.replace(mt.plan.device("a100"), peak_flops={"float32": 2e8}, memory_margin=0.0,
+                               context_bytes=0)  # compute dominates
+    step = training_step(SMALL.replace(schedule=schedule, virtual_stages=v, layers=4), 15)
+    family = pipeline_layouts(2, dims_of(trace(step, mesh=REFERENCE_MESH)), 4)[:2]  # stage:2, m = 2, 4
+    bounds, works = pipeline_bounds(step.pipelined, family, spec), stage_bounds(step.pipelined, family, spec)
+    planned = {c: estimate_pipeline(step.pipelined(c[2]), c[0], c[1], spec).step_seconds for c in family}
+    for c in family:
+        assert 0.9 * planned[c] <= bounds[c][0] <= planned[c] * (1 + 1e-9), c
+    c = family[0]
+    work, _, lead = works[c]
+    assert step_time_bound(work, c[2], spread=lead) > 1.1 * planned[c]  # the share = 1 bound
+
+
 def test_meshtorch_plan_takes_virtual_stages_and_the_schedules(capsys):
     # `meshtorch plan` with meshtorch train's flags: the plan of the interleaved run has v times the hops
     # and the table's stashes, the plan of ZB-H1 the table's split backward; a flag train refuses, plan too

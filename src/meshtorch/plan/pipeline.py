@@ -171,6 +171,14 @@ def _stage_by_stage(step_fn: Callable[[], Any], mesh: Mesh | str, rules: LayoutR
     if axis not in m.axis_names:
         raise PlanError(f"the pipeline axis {axis!r} is not an axis of the mesh '{m}'; plan a pipeline "
                         f"on a mesh like '{axis}:2,{m}'")
+    schedule = getattr(getattr(step_fn, "pipeline", None), "schedule", None)
+    if schedule in V_SHAPED:
+        # the stage-by-stage trace answers a stage's receives from the stages traced before it and
+        # mirrors what it sends on; under the V a stage also takes activations from the stage after it
+        raise PlanError(f"the planner does not price schedule {schedule!r} yet (ZB-V's V placement: "
+                        "stage s takes activations from stage s+1 too, which the stage-by-stage trace does "
+                        "not answer); plan --schedule zb or interleaved, or simulate ZB-V with "
+                        "meshtorch.pipeline.simulate")
     sent: list = []
     message = (0, 0)
     p = m.axis_size(axis)
@@ -411,13 +419,6 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
     check_pipelined_depth(step_fn)
     m = Mesh(mesh)
     info = program_pipeline(step_fn)
-    if info.schedule in V_SHAPED:
-        # the stage-by-stage trace answers a stage's receives from the stages traced before it and
-        # mirrors what it sends on; under the V a stage also takes activations from the stage after it
-        raise PlanError(f"the planner does not price schedule {info.schedule!r} yet (ZB-V's V placement: "
-                        "stage s takes activations from stage s+1 too, which the stage-by-stage trace does "
-                        "not answer); plan --schedule zb or interleaved, or simulate ZB-V with "
-                        "meshtorch.pipeline.simulate")
     spec = get_device(device, processors=m.size)
     traces, message = [], (0, 0)
     for t, h in _stage_by_stage(step_fn, m, rules, info.axis, staging, spec.device_type):
