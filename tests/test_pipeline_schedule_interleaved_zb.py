@@ -1,5 +1,6 @@
-"""Interleaved 1F1B (virtual stages) and ZB-H1 (split backward) as schedule tables:
-validity, in-flight stashes, and the simulated bubble against the published formulas."""
+"""Interleaved 1F1B (virtual stages), ZB-H1 (split backward) and ZB-V (both, in a V) as schedule
+tables: validity, in-flight stashes, the simulated bubble against the published formulas, one table
+driving the simulator and the timeline, and the search's step-time bound for these tables."""
 
 from __future__ import annotations
 

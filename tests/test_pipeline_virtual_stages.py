@@ -1,6 +1,8 @@
 """Virtual stages in the executor: interleaved 1F1B with v model chunks per stage (chunk c on stage
-c mod p) trains exactly like the unsplit model, on threads and on gloo processes, with data-parallel
-replicas, for plain stages and for the MeshTensor LM; and ``meshtorch train --virtual-stages``."""
+c mod p), ZB-V (chunks c and 2p-1-c on stage c) and ZB-H1 train exactly like the unsplit model, on
+threads and on gloo processes, with data-parallel replicas, for plain stages and for the MeshTensor
+LM, also on a mesh with a data and a model axis; untagged messages (NCCL's matching) arrive right;
+and ``meshtorch train --virtual-stages``."""
 
 from __future__ import annotations
 
@@ -183,7 +185,6 @@ def _lm(cfg, v, schedule, m=2):
     ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 2, "interleaved"),
     ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 1, "zb"),
     # ZB-V: stage 0 holds chunks 0 and 3, so the embedding and the tied output table; stage 1 chunks 1, 2
-    ("stage:2", "", 2, "zbv"),
     ("stage:2,b:2,m:2", "batch:b; heads:m; d_ff:m; vocab:m", 2, "zbv"),
 ])
 def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
@@ -204,10 +205,10 @@ def test_lm_chunks_train_like_the_unsplit_lm(mesh, rules, v, schedule):
     assert want_losses[-1] < want_losses[0]
 
 
-def _gloo(chunks, stages, batch, lm_cfg):
-    # one spawn for all: process start-up dominates
-    return {"plain": _interleaved(chunks, batch, 2, 4), "lm": _lm(lm_cfg, 2, "interleaved")[:2],
-            "plain_zb": _interleaved(stages, batch, 1, 4, schedule="zb"), "lm_zb": _lm(lm_cfg, 1, "zb")[:2],
+def _gloo(chunks, stages, batch):
+    # one spawn for all: process start-up dominates (the LM on gloo: the 8-process test below)
+    return {"plain": _interleaved(chunks, batch, 2, 4),
+            "plain_zb": _interleaved(stages, batch, 1, 4, schedule="zb"),
             "plain_zbv": _interleaved(chunks, batch, 2, 4, schedule="zbv")}
 
 
@@ -223,14 +224,10 @@ def _assert_lm(out, want_losses, want):
 
 def test_interleaved_zb_and_zbv_on_two_gloo_processes():
     chunks, stages, batch = make_chunks(4), make_chunks(2), make_data(3, 8)
-    cfg = config(True, layers=4)
-    (want_losses, want), = mt.launch(_unsplit, cfg)
-    out = mt.launch(_gloo, chunks, stages, batch, cfg, mesh="stage:2", backend="torch", timeout=120)
+    out = mt.launch(_gloo, chunks, stages, batch, mesh="stage:2", backend="torch", timeout=120)
     _check([o["plain"] for o in out], chunks, batch, 2, 2, 4)
     _check([o["plain_zb"] for o in out], stages, batch, 2, 1, 4, "zb")
     _check([o["plain_zbv"] for o in out], chunks, batch, 2, 2, 4, "zbv")
-    for name in ("lm", "lm_zb"):
-        _assert_lm([o[name] for o in out], want_losses, want)
 
 
 def _gloo_3d(lm_cfg):
