@@ -13,7 +13,8 @@ produce the right gradients). So the mesh ``stage:4,b:2`` is 3-D parallelism.
 Schedules (``schedule=``): ``"gpipe"``, ``"1f1b"``, ``"zb"`` (ZB-H1: the
 backward split into the input gradient and the deferred weight gradient) and
 ``"interleaved"`` (interleaved 1F1B: ``virtual_stages=v`` model chunks per
-stage, chunk ``c`` on stage ``c mod p``) are synchronous: after a step, the
+stage, chunk ``c`` on stage ``c mod p``) and ``"zbv"`` (ZB-V: ``virtual_stages=2``,
+chunks ``s`` and ``2p-1-s`` on stage ``s``, the split backward) are synchronous: after a step, the
 parameters are those of training the unsplit model on the whole batch (the
 loss being a mean over each micro-batch, all of equal size).
 ``"2bw"`` is PipeDream-2BW (Narayanan et al., ICML 2021): each stage keeps
@@ -158,12 +159,13 @@ class Pipeline:
         placement: see ``stages``.
         axis: the mesh axis the stages lie along (its size = number of stages).
         microbatches: ``m``, micro-batches per batch.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"``, ``"zb"`` or ``"interleaved"``
-            (module docstring).
-        virtual_stages: ``v`` model chunks per stage (``"interleaved"``): ``stages``
-            then holds ``p·v`` model chunks (a sequence, or a function of the model chunk
-            index) and model chunk ``c`` runs on stage ``c mod p``; :attr:`module` is the
-            stage's ``nn.ModuleList`` of its ``v`` chunks.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"``, ``"zb"``, ``"interleaved"`` or
+            ``"zbv"`` (module docstring).
+        virtual_stages: ``v`` model chunks per stage (``"interleaved"``; 2 for ``"zbv"``):
+            ``stages`` then holds ``p·v`` model chunks (a sequence, or a function of the model
+            chunk index) and model chunk ``c`` runs on stage ``c mod p`` (under ``"zbv"``: chunks
+            ``s`` and ``2p-1-s`` on stage ``s``); :attr:`module` is the stage's ``nn.ModuleList``
+            of its ``v`` chunks, and :attr:`last_stage` the stage that applies the loss.
         loss_fn: ``loss_fn(last_stage_output, target)``: a scalar mean over the
             micro-batch (tensor or MeshTensor).
         optimizer: ``params -> torch.optim.Optimizer`` for this stage's
