@@ -51,6 +51,11 @@ Schedules:
   ``2(p-1-s) + (v-1)p`` warm-up chunk forwards, then one forward / one backward.
   Bubble ``(p-1)/(v·m+p-1)``; stage ``s`` stashes at most
   ``min(v·m, 2(p-1-s) + (v-1)p + 1)`` chunk activations (each ``1/v`` of the stage's).
+- ``"zbv"`` (ZB-V, Qi et al., §6): the split backward over 2 chunks per stage in a V
+  (model chunk ``c`` and ``2p-1-c`` on stage ``c``: :func:`where`), in the order of
+  ``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble``. At most ``2·min(p, m)``
+  half-stage stashes per stage (1F1B's peak); with ``F = B = W`` a batch takes ``6m + p - 1``
+  chunk slots for ``m >= 2p - 1``: idle ``(p-1)`` chunk passes per stage, half ZB-H1's.
 - ``"zb"`` (ZB-H1, Qi et al., ICLR 2024): 1F1B with the backward split into the
   input gradient ``"B"`` (on the critical path) and the weight gradient ``"W"``
   (needed only by the update), deferred to fill the bubble: a stage runs a
@@ -545,6 +550,8 @@ def build(name: str, stages: int, microbatches: int, batches: int = 1, virtual_s
         ['F0@s0t0', 'F1@s0t1', 'F0c1@s0t2', 'F1c1@s0t3']
         >>> build("zb", 2, 2).order(0)
         [('F', 0), ('F', 1), ('B', 0), ('W', 0), ('B', 1), ('W', 1)]
+        >>> [str(a) for a in build("zbv", 2, 1, virtual_stages=2).for_stage(0)]  # model chunks 0 and 3
+        ['F0@s0t0', 'F0c1@s0t3', 'B0c1@s0t4', 'W0c1@s0t5', 'B0@s0t8', 'W0@s0t9']
     """
     return from_orders(name, stage_orders(name, stages, microbatches, batches, virtual_stages), microbatches,
                        batches, virtual_stages)
