@@ -51,11 +51,6 @@ Schedules:
   ``2(p-1-s) + (v-1)p`` warm-up chunk forwards, then one forward / one backward.
   Bubble ``(p-1)/(v·m+p-1)``; stage ``s`` stashes at most
   ``min(v·m, 2(p-1-s) + (v-1)p + 1)`` chunk activations (each ``1/v`` of the stage's).
-- ``"zbv"`` (ZB-V, Qi et al., §6): the split backward over 2 chunks per stage in a V
-  (model chunk ``c`` and ``2p-1-c`` on stage ``c``: :func:`where`), in the order of
-  ``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble``. At most ``2·min(p, m)``
-  half-stage stashes per stage (1F1B's peak); with ``F = B = W`` a batch takes ``6m + p - 1``
-  chunk slots for ``m >= 2p - 1``: idle ``(p-1)`` chunk passes per stage, half ZB-H1's.
 - ``"zb"`` (ZB-H1, Qi et al., ICLR 2024): 1F1B with the backward split into the
   input gradient ``"B"`` (on the critical path) and the weight gradient ``"W"``
   (needed only by the update), deferred to fill the bubble: a stage runs a
@@ -66,9 +61,14 @@ Schedules:
   otherwise): bubble ``(p-1)/(3m+p-1)``, against 1F1B's ``3(p-1)/(3m+3(p-1))``
   with its backward ``B + W`` (a third of the idle time). The simulator gives
   ``(p-1)(F+B-W)`` idle seconds per stage for ``W <= min(F, B)`` (the paper's).
+- ``"zbv"`` (ZB-V, Qi et al., §6): the split backward over 2 chunks per stage in a V
+  (model chunk ``c`` and ``2p-1-c`` on stage ``c``: :func:`where`), in the order of
+  ``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble``. At most ``2·min(p, m)``
+  half-stage stashes per stage (1F1B's peak); with ``F = B = W`` a batch takes ``6m + p - 1``
+  chunk slots for ``m >= 2p - 1``: idle ``(p-1)`` chunk passes per stage, half ZB-H1's.
 
 The executor runs every one of them (:data:`SCHEDULES`), the interleaved one
-with ``v`` model chunks per stage.
+with ``v`` model chunks per stage, ZB-V with its two.
 
 Slots come from unit-time list scheduling of each stage's order under the
 dependencies, so for uniform stages the bubble fraction of one batch is
