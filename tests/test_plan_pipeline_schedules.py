@@ -1,6 +1,7 @@
-"""The planner prices ZB-H1 and interleaved 1F1B (virtual stages) from each stage's traced run of that
-schedule: its bytes, calls and peak against a real run on the threads backend, its step against the
-simulated table, and on H100s both beat 1F1B on a 4-stage, 8-micro-batch, 32-layer model."""
+"""The planner prices ZB-H1, interleaved 1F1B (virtual stages) and ZB-V from each stage's traced run
+of that schedule: its bytes, calls and peak against a real run on the threads backend, its step against
+the simulated table, and on H100s ZB-H1 and interleaving beat 1F1B on a 4-stage, 8-micro-batch,
+32-layer model; meshtorch plan takes their flags, and the search's bound holds for them."""
 
 from __future__ import annotations
 
@@ -45,6 +46,28 @@ def test_stage_bytes_calls_and_peak_equal_a_real_run_of_the_schedule(schedule, v
     table = build_schedule(schedule, 2, m, virtual_stages=v)
     assert est.in_flight == [table.max_in_flight(s) for s in range(2)]
     assert est.in_flight == ([2, 2] if schedule == "zb" else [min(v * m, 2 + (v - 1) * 2 + 1), 3])
+
+
+def test_zb_v_stages_equal_a_real_run_on_three_stages():
+    # under the V, stage s takes activations from stage s + 1 too (traced after it) and sends
+    # gradients to it: each stage's traced bytes, calls and peak against a real threads run
+    from meshtorch.plan import trace
+
+    mesh, m = "stage:3", 3
+    step = pipelined_training_step(TINY.replace(layers=6, batch=12, schedule="zbv", virtual_stages=2,
+                                                microbatches=m), VOCAB)
+    est = estimate_pipeline(step, mesh, "", device="a100")
+    for s, e in enumerate(est.stage_estimates):
+        real = trace(step, mesh=mesh, rules="", backend="threads", rank=s)
+        assert e.trace.comm.as_dict() == real.result["comm"], s
+        assert e.trace.peak_bytes == real.peak_bytes, s
+    # per micro-batch (a header and a slice each): stage 0 sends chunk 0's activation and chunk 5's
+    # gradient; stage 1 both ways for chunks 1 and 4; stage 2 (the turn) hands chunk 2's output to
+    # chunk 3 in memory and sends chunk 3's activation and chunk 2's gradient
+    sends = [e.trace.comm.calls("stage", "send") for e in est.stage_estimates]
+    assert sends == [2 * m * k for k in (2, 4, 2)]
+    table = build_schedule("zbv", 3, m, virtual_stages=2)
+    assert est.messages == 4 * m * 2 and est.in_flight == [table.max_in_flight(s) for s in range(3)]
 
 
 def test_zb_step_is_the_simulated_split_backward():
@@ -132,6 +155,9 @@ def test_meshtorch_plan_takes_virtual_stages_and_the_schedules(capsys):
     assert (got["interleaved"]["messages"], got["zb"]["messages"]) == (24, 8)
     assert main(["plan", *tiny, "--schedule", "zb", "--virtual-stages", "2"]) != 0
     assert "--virtual-stages 2 needs --schedule interleaved" in capsys.readouterr().err
-    # ZB-V trains (meshtorch train --schedule zbv) but is not priced yet: the plan says so
-    assert main(["plan", *tiny, "--schedule", "zbv", "--virtual-stages", "2"]) != 0
-    assert "the planner does not price schedule 'zbv' yet" in capsys.readouterr().err
+    # ZB-V: a boundary inside a stage (the V's turn) is no hop: 4m(p - 1) = 16
+    assert main(["plan", *tiny, "--schedule", "zbv", "--virtual-stages", "2"]) == 0
+    zbv = json.loads(capsys.readouterr().out)["pipeline"]
+    assert (zbv["schedule"], zbv["virtual_stages"], zbv["messages"]) == ("zbv", 2, 16)
+    table = build_schedule("zbv", 2, 4, virtual_stages=2)
+    assert zbv["in_flight"] == [table.max_in_flight(s) for s in range(2)]
