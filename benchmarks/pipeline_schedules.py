@@ -1,4 +1,4 @@
-"""Pipeline schedules on gloo: 1F1B, interleaved 1F1B and ZB-H1, the measured bubble next to the simulated.
+"""Pipeline schedules on gloo: 1F1B, interleaved 1F1B, ZB-H1, ZB-V, the measured bubble next to the simulated.
 
 The decoder LM (split into chunks by layers, :mod:`meshtorch.pipeline.lm`) trains
 on ``p`` gloo processes (``backend="torch"``, mesh ``stage:p``), one batch per
@@ -11,18 +11,20 @@ machine's monotonic clock, so the processes' times line up):
   and ``span`` the time from the first action's start to the last one's end on
   any stage (the optimizer update after it is left out of both);
 - simulated bubble: :func:`meshtorch.pipeline.simulate` of the same table with
-  each stage's mean measured action times, with ``comm=0`` (the stages wait
+  each model chunk's mean measured action times, with ``comm=0`` (the stages wait
   only for each other's compute) and with ``comm`` = the measured hop: the
   mean time from a dependency's end on one stage to the start of the action
   that needs it on another, where that stage had nothing else to do (the
   message's transfer and the Python around it); and the published formula
   for uniform stages.
 
-Writes ``benchmarks/results/pipeline_schedules.{json,md}`` and, with
+Writes ``benchmarks/results/<--results>.{json,md}`` and, with
 ``--timelines DIR``, the unit-slot timelines of the tables and the measured
-timeline of the interleaved run (PNG, :func:`meshtorch.pipeline.plot.timeline`).
+timeline of each run at the first ``--micro`` (PNG, :func:`meshtorch.pipeline.plot.timeline`).
+``--schedules`` picks the schedules (``name`` or ``name:v``).
 
     python benchmarks/pipeline_schedules.py [--stages 2 --micro 4 8 --repeats 3 --timelines docs/images]
+    python benchmarks/pipeline_schedules.py --schedules 1f1b zb zbv:2 --results pipeline_schedules_zbv
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from meshtorch.pipeline.plot import timeline
 from meshtorch.pipeline.schedule import dependencies
 
 RESULTS = Path(__file__).parent / "results"
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zb", 1))
+SCHEDULES = ("1f1b", "interleaved:2", "zb")  # the default --schedules
 
 
 def run(cfg: TransformerConfig, schedule: str, v: int, m: int, batch: int, length: int, repeats: int) -> dict:
@@ -65,11 +67,14 @@ def run(cfg: TransformerConfig, schedule: str, v: int, m: int, batch: int, lengt
 
 
 def _formula(schedule: str, p: int, m: int, v: int) -> float:
-    """The bubble for uniform stages (unit F = B = W for ZB-H1, whose formula needs m >= p)."""
+    """The bubble for uniform stages (unit F = B = W for ZB-H1, whose formula needs m >= p, and for
+    ZB-V, which needs m >= 2p - 1)."""
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if schedule == "zb":
         return (p - 1) / (3 * m + p - 1) if m >= p else float("nan")
+    if schedule == "zbv":
+        return (p - 1) / (6 * m + p - 1) if m >= 2 * p - 1 else float("nan")
     return (p - 1) / (m + p - 1)
 
 
@@ -81,7 +86,8 @@ def _waits(table, start, end, key) -> list[float]:
         prev = None
         for a in table.for_stage(s):
             deps = [key[d] for d in dependencies(s, a.chunk, a.kind, a.microbatch, table.stages,
-                                                 table.virtual_stages, table.split_backward) if d[0] != s]
+                                                 table.virtual_stages, table.split_backward, table.placement)
+                    if d[0] != s]
             for d in deps:
                 if prev is None or end[prev] <= end[d]:
                     hops.append(start[a] - end[d])
@@ -104,9 +110,16 @@ def measure(out: list[dict], schedule: str, p: int, m: int, v: int) -> tuple[dic
     busy = sum(t1 - t0 for tr in rows.values() for _, _, t0, t1, *_ in tr)
     per_kind = {k: [statistics.mean(t1 - t0 for kk, _, t0, t1, *_ in rows[s] if kk == k) if any(
         kk == k for kk, *_ in rows[s]) else 0.0 for s in range(p)] for k in "FBW"}
-    # a chunk pass is 1/v of the stage's work per micro-batch: simulate() takes the stage's
-    scale = [x * v for x in per_kind["F"]], [x * v for x in per_kind["B"]]
-    kw = {"weight": per_kind["W"]} if table.split_backward else {}
+    # simulate() takes each model chunk's own mean times: the LM's chunks differ (the first embeds, the
+    # last projects onto the vocabulary and takes the loss), and under ZB-V both sit on stage 0
+    per_chunk = {k: [0.0] * (p * v) for k in "FBW"}
+    for c in range(p * v):
+        s, local = table.where(c)
+        for k in "FBW":
+            times = [t1 - t0 for kk, _, t0, t1, _, cc in rows[s] if kk == k and cc == local]
+            per_chunk[k][c] = statistics.mean(times) if times else 0.0
+    scale = per_chunk["F"], per_chunk["B"]
+    kw = {"weight": per_chunk["W"]} if table.split_backward else {}
     # the measured timeline as a Simulation of the table: each action's measured start and end
     t_min = min(a[2] for tr in rows.values() for a in tr)
     start, end, key = {}, {}, {}
@@ -141,13 +154,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--timelines", default=None, help="write the PNG timelines into this directory")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), help="name or name:v each")
+    ap.add_argument("--results", default="pipeline_schedules", help="file name in benchmarks/results")
     args = ap.parse_args()
+    schedules = [(n, int(v or 1)) for n, _, v in (s.partition(":") for s in args.schedules)]
     p = args.stages
     cfg = TransformerConfig(vocab=256, d_model=args.d_model, heads=4, d_kv=args.d_model // 4,
                             d_ff=4 * args.d_model, layers=args.layers, max_length=args.length)
     rows = []
     for m in args.micro:
-        for schedule, v in SCHEDULES:
+        for schedule, v in schedules:
             out = mt.launch(run, cfg, schedule, v, m, args.batch, args.length, args.repeats,
                             mesh=f"stage:{p}", backend="torch", timeout=600)
             row, sim, shown = measure(out, schedule, p, m, v)
@@ -172,7 +188,7 @@ def main() -> None:
                       "length": args.length}, "mesh": f"stage:{p}", "backend": "torch (gloo)",
             "repeats": args.repeats, "torch": torch.__version__, "cores": os.cpu_count(),
             "load_average": [round(x, 2) for x in os.getloadavg()], "rows": rows}
-    (RESULTS / "pipeline_schedules.json").write_text(json.dumps(meta, indent=1))
+    (RESULTS / f"{args.results}.json").write_text(json.dumps(meta, indent=1))
     lines = ["| schedule | m | step ms measured | simulated | simulated + hop | hop ms (mean) "
              "| bubble measured | simulated | simulated + hop | formula (uniform) |", "|---" * 10 + "|"]
     for r in rows:
@@ -180,7 +196,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['microbatches']} | {r['step_ms']} | {r['sim_step_ms']} | "
                      f"{r['sim_hop_step_ms']} | {r['hop_ms']} | {r['bubble_measured']:.3f} | "
                      f"{r['bubble_sim']:.3f} | {r['bubble_sim_hop']:.3f} | {r['bubble_formula']:.3f} |")
-    (RESULTS / "pipeline_schedules.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.results}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -94,8 +94,9 @@ def test_help_is_plain_text_with_choices_and_one_default(capsys):
     assert text.count("(default") == text.count("(default:")  # one spelling, never doubled
     assert "default runs/<date-time>/) (default" not in text
     for flag, choices in (("--model", "{lm,seq2seq,moe}"), ("--optimizer", "{adamw,adafactor}"),
-                          ("--precision", "{fp32,bf16}"), ("--schedule", "{gpipe,1f1b,2bw,zb,interleaved}"),
-                          ("--lr-schedule", "{cosine,constant}"), ("--backend", "{threads,torch}")):
+                          ("--precision", "{fp32,bf16}"), ("--lr-schedule", "{cosine,constant}"),
+                          ("--schedule", "{gpipe,1f1b,2bw,zb,interleaved,zbv}"),
+                          ("--backend", "{threads,torch}")):
         assert f"{flag} {choices}" in text, flag
 
 

@@ -1,5 +1,6 @@
-"""Interleaved 1F1B (virtual stages) and ZB-H1 (split backward) as schedule tables:
-validity, in-flight stashes, and the simulated bubble against the published formulas."""
+"""Interleaved 1F1B (virtual stages), ZB-H1 (split backward) and ZB-V (both, in a V) as schedule
+tables: validity, in-flight stashes, the simulated bubble against the published formulas, one table
+driving the simulator and the timeline, and the search's step-time bound for these tables."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from meshtorch.pipeline import Pipeline, build_schedule, memory, simulate
 from meshtorch.pipeline.executor import Executor
 from meshtorch.pipeline.plot import timeline
 from meshtorch.pipeline.schedule import Action, Schedule
+from meshtorch.pipeline.simulate import chain_share, step_time_bound
 from test_pipeline import batches, make_stages, reference
 
 
@@ -127,6 +129,77 @@ def test_zb_h1_by_hand():
     assert memory(build_schedule("1f1b", 3, 3), weights=100, activations=10) == [130.0, 120.0, 110.0]
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 14), st.integers(1, 2), st.floats(0.1, 3.0))
+def test_zb_v_table_memory_and_bubble(p, m, batches, c):
+    t = build_schedule("zbv", p, m, batches=batches, virtual_stages=2)
+    t.validate()
+    assert (t.placement, t.split_backward, len(t.actions)) == ("v", True, 6 * p * m * batches)
+    # the V: model chunk c < p on stage c, chunk c >= p on stage 2p-1-c; every (micro-batch, chunk)
+    # runs F, B, W in order, its forward after the previous model chunk's, its B after the next one's
+    f, b, w = _slots(t, "F"), _slots(t, "B"), _slots(t, "W")
+    assert [t.where(k) for k in range(2 * p)] == [(k, 0) for k in range(p)] + \
+        [(p - 1 - k, 1) for k in range(p)]
+    for (s, k, i), slot in f.items():
+        assert slot < b[(s, k, i)] < w[(s, k, i)]
+        mc = t.model_chunk(Action(0, s, i, "F", chunk=k))
+        if mc > 0:
+            assert f[(*t.where(mc - 1), i)] < slot
+        if mc < 2 * p - 1:
+            assert b[(*t.where(mc + 1), i)] < b[(s, k, i)]
+    # 1F1B's memory: at most 2·min(p, m) half-stage stashes on a stage, 1F1B's stage-0 peak
+    assert max(t.max_in_flight(s) for s in range(p)) == 2 * min(p, m)
+    assert max(memory(t, weights=100, activations=10)) == memory(build_schedule("1f1b", p, m), 100, 10)[0]
+    # each stage's chunk passes take c (its stage's F, B and W 2c): a batch takes 6m + p - 1 chunk slots for
+    # m >= 2p - 1, idle (p-1)·c per stage: half of ZB-H1's (p-1)·2c, a sixth of 1F1B's 3(p-1)·2c
+    sim = simulate(t, forward=2 * c, backward=2 * c, weight=2 * c)
+    zb = simulate(build_schedule("zb", p, m), forward=2 * c, backward=2 * c, weight=2 * c)
+    if m >= 2 * p - 1:
+        assert t.slots == batches * (6 * m + p - 1)
+        assert sim.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1))
+        assert sim.step_time - 6 * m * c == pytest.approx((zb.step_time - 6 * m * c) / 2)
+    assert sim.bubble_fraction <= zb.bubble_fraction + 1e-12
+    # chunk p-1 hands its output to chunk p on the same stage: 4m(p-1) messages, not 2m(2p-1)
+    assert sim.messages == 4 * m * (p - 1)
+
+
+def test_zb_v_by_hand():
+    t = build_schedule("zbv", 2, 3, virtual_stages=2)
+    # F1.0: the forward of micro-batch 1 on local chunk 0 (model chunk s); .1 is model chunk 3 - s
+    rows = [" ".join(f"{a.kind}{a.microbatch}.{a.chunk}" for a in t.for_stage(s)) for s in range(2)]
+    # torch.distributed.pipelining's ScheduleZBVZeroBubble order: stage 0 runs 2p - 1 = 3 forwards of model
+    # chunk 0, then F, B, W on model chunk 3 (the loss) as each micro-batch comes back up the V
+    assert rows == [
+        "F0.0 F1.0 F2.0 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0.0 W0.0 F2.1 B2.1 W2.1 B1.0 W1.0 B2.0 W2.0",
+        "F0.0 F0.1 F1.0 F1.1 B0.1 W0.1 F2.0 B0.0 W0.0 F2.1 B1.1 W1.1 B1.0 B2.1 B2.0 W1.0 W2.1 W2.0"]
+    assert t.slots == 19 and t.update_slot(0) == 19
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["zb", "interleaved", "zbv"]), st.integers(1, 5), st.integers(1, 3), st.integers(1, 3),
+       st.lists(st.tuples(st.floats(0.1, 3), st.floats(0.1, 3)), min_size=5, max_size=5), st.floats(0, 1),
+       st.integers(1, 2))
+def test_step_time_bound_with_the_schedules_share_is_below_the_simulation(name, p, v, rounds, costs, comm, n):
+    # the planner's search prunes with step_time_bound: for these tables only with chain_share, which
+    # for the split backward takes F, B and W a third each of the stage's work, as the planner's replay
+    v = {"zb": 1, "zbv": 2}.get(name, v)
+    m = rounds * p
+    f, b = [c[0] for c in costs[:p]], [c[1] for c in costs[:p]]
+    split = name != "interleaved"
+    kw = {"backward": f, "weight": f} if split else {"backward": b}
+    sim = simulate(build_schedule(name, p, m, batches=n, virtual_stages=v), forward=f, comm=comm, **kw)
+    work = [m * (f[s] + (2 * f[s] if split else b[s])) for s in range(p)]
+    assert step_time_bound(work, m, n, share=chain_share(name, v)) <= sim.step_time * (1 + 1e-9)
+
+
+def test_without_the_share_the_bound_overshoots_the_new_schedules():
+    # unit F = B = W on 2 stages, 2 micro-batches: ZB-H1 takes 7 slots; the 1F1B bound says 6 + 6/2 = 9
+    sim = simulate(build_schedule("zb", 2, 2), forward=1.0, backward=1.0, weight=1.0)
+    assert sim.step_time == 7.0
+    assert step_time_bound([6.0, 6.0], 2) == 9.0 > sim.step_time
+    assert step_time_bound([6.0, 6.0], 2, share=chain_share("zb")) == 7.0  # tight here
+
+
 def test_new_tables_refuse_what_they_cannot_do(tmp_path):
     with pytest.raises(PipelineError, match="weight=..."):
         simulate(build_schedule("zb", 2, 2), forward=1.0)
@@ -135,7 +208,11 @@ def test_new_tables_refuse_what_they_cannot_do(tmp_path):
     with pytest.raises(PipelineError, match="needs schedule='interleaved'"):
         build_schedule("1f1b", 2, 2, virtual_stages=2)
     with pytest.raises(PipelineError, match="not one of"):
+        build_schedule("zbh2", 2, 2)
+    with pytest.raises(PipelineError, match="'zbv' places exactly 2 model chunks .* virtual_stages=2, got 1"):
         build_schedule("zbv", 2, 2)
+    with pytest.raises(PipelineError, match="placement 'v' with 3 chunk"):
+        Schedule("x", 1, 1, (), virtual_stages=3, placement="v").validate()
     # a weight gradient before its input gradient; a chunk's forward before the previous chunk's
     with pytest.raises(PipelineError, match="W0 on stage 0 in slot 1 runs before B0"):
         Schedule("x", 1, 1, (Action(0, 0, 0, "F"), Action(1, 0, 0, "W"), Action(2, 0, 0, "B"))).validate()
@@ -153,7 +230,7 @@ def test_new_tables_refuse_what_they_cannot_do(tmp_path):
     with pytest.raises(PipelineError, match="2 model chunk.* per stage but stage [01] holds 1"):
         mt.launch(lambda: run("interleaved"), mesh="stage:2")
     with pytest.raises(PipelineError, match="not one of"):
-        mt.launch(lambda: Pipeline(torch.nn.Linear(2, 2), microbatches=2, schedule="zbv"), mesh="stage:1")
+        mt.launch(lambda: Pipeline(torch.nn.Linear(2, 2), microbatches=2, schedule="zbh2"), mesh="stage:1")
 
 
 def _zb(stages, data, m, recompute):
@@ -177,6 +254,38 @@ def test_zb_trains_like_the_unsplit_model(p, m, recompute):
         for k, v in want[s].items():
             torch.testing.assert_close(state[k], v)
     assert [float(x) for x in out[-1][1]] == pytest.approx(want_losses)
+
+
+@pytest.mark.parametrize("name,v", [("interleaved", 2), ("zb", 1), ("1f1b", 1), ("zbv", 2)])
+def test_one_table_drives_the_simulator_and_the_timeline(tmp_path, monkeypatch, name, v):
+    # (the executor runs the table's order: test_zb_trains_like_the_unsplit_model and
+    # test_pipeline_virtual_stages.py check the executed order against for_stage)
+    from matplotlib.axes import Axes
+
+    from meshtorch.pipeline.plot import COLORS
+
+    for p, m, n in ((2, 4, 1), (3, 3, 2), (4, 8, 2)):
+        # the simulator replays the table: with unit costs (a chunk's pass 1/v of its stage's) and no hop
+        # time each action starts in its slot, each batch after the update of the one before
+        t = build_schedule(name, p, m, batches=n, virtual_stages=v)
+        unit = simulate(t, forward=float(v), backward=float(v), weight=float(v) if t.split_backward else None)
+        assert all(unit.start[a] == a.slot and unit.end[a] == a.slot + 1 for a in t.actions)
+    t = build_schedule(name, 2, 4, virtual_stages=v)
+    sim = simulate(t, forward=1.0, backward=2.0, weight=0.5 if t.split_backward else None, comm=0.1)
+    boxes, draw = [], Axes.broken_barh
+
+    def record(ax, xranges, yrange, **kw):
+        boxes.append((xranges[0], yrange[0] + 0.4, kw["facecolors"]))
+        return draw(ax, xranges, yrange, **kw)
+
+    monkeypatch.setattr(Axes, "broken_barh", record)
+    timeline(t, str(tmp_path / "t.png"), simulation=sim)
+    # one box per action of the table, where the simulation puts it, coloured by its kind
+    assert len(boxes) == len(t.actions)
+    for (x, stage, color), a in zip(boxes, t.actions):
+        assert (x[0], x[1], stage) == pytest.approx((sim.start[a], sim.end[a] - sim.start[a], a.stage))
+        shade = 1.0 - 0.45 * a.chunk / max(1, v - 1)
+        assert color == pytest.approx(tuple(c * shade for c in COLORS[a.kind]))
 
 
 def test_timeline_draws_chunks_and_weight_gradients(tmp_path):

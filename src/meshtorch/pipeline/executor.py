@@ -27,7 +27,10 @@ chunk: chunk ``c`` takes its activation from chunk ``c-1`` (on stage
 applies the loss, and gradients go back from ``c+1`` to ``c``. Messages into
 local chunk ``k`` carry their own tags, so a pair of stages that exchanges
 several chunks' activations never confuses them; with one stage (``p = 1``)
-the chunks hand values to each other in memory.
+the chunks hand values to each other in memory. ZB-V (``"zbv"``) places its two
+chunks per stage in a V (:func:`~meshtorch.pipeline.schedule.where`: chunk ``c``
+and ``2p-1-c`` on stage ``c``): the last stage hands chunk ``p-1``'s values to
+chunk ``p`` in memory, and stage 0 holds both the first and the last chunk.
 
 Each micro-batch's loss is divided by the number of micro-batches, so the
 accumulated gradient is that of the mean of the micro-batch losses: for a
@@ -70,7 +73,7 @@ import torch
 
 from meshtorch.context import current, phase
 from meshtorch.errors import CommError, PipelineError
-from meshtorch.pipeline.schedule import FORWARD, WEIGHT, Schedule
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Schedule, model_chunk_of, where
 from meshtorch.pipeline.split_backward import Kept, input_gradient, weight_gradient
 from meshtorch.pipeline.transport import leaves, local, recv_value, send_value
 from meshtorch.tensor import MeshTensor
@@ -174,14 +177,20 @@ class Executor:
         # compute only, after the inputs arrived and before the outputs are sent; and each one's local chunk
         self.trace: list[tuple[str, int, float, float, int]] = []
         self.trace_chunks: list[int] = []
-        # values one chunk hands to another on this same stage (p = 1), by tag, in order
+        # values one chunk hands to another on this same stage (p = 1, or the V's turn), by tag, in order
         self._here: dict[int, deque] = {}
+        # per other stage, the (kind, model chunk, micro-batch) of the messages it will send this stage, in
+        # its order; and those received before they were needed
+        self._inbox: dict[int, deque] = {}
+        self._arrived: dict[tuple[int, int, int], Any] = {}
+        self._where: Callable[[int], tuple[int, int]] = functools.partial(where, stages=self.stages)
 
     def _fail(self, what: str, i: int, e: Exception, schedule: Schedule, chunk: int = 0) -> PipelineError:
         m = schedule.microbatches
         where = f"micro-batch {i % m} of batch {i // m}" if schedule.batches > 1 else f"micro-batch {i}"
         if len(self.chunks) > 1:
-            where += f" on its chunk {chunk} (model chunk {chunk * self.stages + self.stage})"
+            c = model_chunk_of(self.stage, chunk, self.stages, schedule.placement)
+            where += f" on its chunk {chunk} (model chunk {c})"
         return PipelineError(f"stage {self.stage} of axis {self.axis!r} raised {type(e).__name__} in the "
                              f"{what} of {where}: {e}")
 
@@ -198,18 +207,47 @@ class Executor:
 
     def _send(self, comm, value: Any, chunk: int, kind: int) -> None:
         """Send ``value`` (``kind``: forward or backward) to model chunk ``chunk``."""
-        dst, tag = chunk % self.stages, chunk_tag(kind, chunk // self.stages)
+        dst, local_chunk = self._where(chunk)
+        tag = chunk_tag(kind, local_chunk)
         if dst == self.stage:
             self._here.setdefault(tag, deque()).append(_detached(value))
         else:
             send_value(comm, value, self.axis, dst, tag)
 
-    def _recv(self, comm, chunk: int, mine: int, kind: int) -> Any:
-        """Receive the value of ``kind`` model chunk ``chunk`` sends to this stage's model chunk ``mine``."""
-        src, tag = chunk % self.stages, chunk_tag(kind, mine // self.stages)
+    def _recv(self, comm, chunk: int, mine: int, kind: int, microbatch: int) -> Any:
+        """Receive the value of ``kind`` model chunk ``chunk`` sends to this stage's model chunk ``mine``
+        for ``microbatch``. From another stage the messages are taken in the order that stage sends
+        them (:meth:`_expect`), those that come before this one kept until asked for: NCCL ignores
+        tags and matches a pair's messages in order, and under ZB-V a stage receives a peer's
+        activations and gradients in another order than the peer sends them."""
+        src = self._where(chunk)[0]
         if src == self.stage:
-            return self._here[tag].popleft()
-        return recv_value(comm, self.axis, src, tag)
+            return self._here[chunk_tag(kind, self._where(mine)[1])].popleft()
+        key = (kind, mine, microbatch)
+        while key not in self._arrived:
+            if not self._inbox.get(src):
+                raise PipelineError(f"stage {self.stage} waits for a message from stage {src} that the "
+                                    "schedule table never sends it: the table and the executor disagree")
+            k, c, i = self._inbox[src].popleft()
+            self._arrived[k, c, i] = recv_value(comm, self.axis, src, chunk_tag(k, self._where(c)[1]))
+        return self._arrived.pop(key)
+
+    def _expect(self, schedule: Schedule, train: bool) -> None:
+        """For each other stage, the messages it sends this stage, in the order it sends them: a
+        forward of model chunk ``c`` sends its output to chunk ``c+1``, a backward (``train``) its
+        input gradient to ``c-1``, right after running (actions in slot order)."""
+        n, s = schedule.stages * schedule.virtual_stages, self.stage
+        self._inbox, self._arrived = {}, {}
+        for a in schedule.actions:
+            c = schedule.model_chunk(a)
+            if a.kind == FORWARD and c < n - 1:
+                kind, to = FORWARD_TAG, c + 1
+            elif a.kind == BACKWARD and train and c > 0:
+                kind, to = BACKWARD_TAG, c - 1
+            else:
+                continue
+            if a.stage != s and self._where(to)[0] == s:
+                self._inbox.setdefault(a.stage, deque()).append((kind, to, a.microbatch))
 
     def _check(self, schedule: Schedule) -> None:
         v = len(self.chunks)
@@ -221,20 +259,22 @@ class Executor:
         if schedule.stages != self.stages:
             raise PipelineError(f"schedule {schedule.name!r} has {schedule.stages} stages but axis "
                                 f"{self.axis!r} has {self.stages} processors")
+        self._where = schedule.where  # model chunk -> (stage, local chunk): the table's placement
 
     def _evaluate(self, schedule: Schedule, inputs, targets) -> Any:
         comm = current().comm
         s, m = self.stage, schedule.microbatches
         n = self.stages * len(self.chunks)
-        holds_last = s == (n - 1) % self.stages
+        holds_last = s == schedule.where(n - 1)[0]
         totals: list[torch.Tensor | None] = [None] * schedule.batches
         self._here = {}
+        self._expect(schedule, train=False)
         for a in schedule.for_stage(s):
             if a.kind != FORWARD:
                 continue
             i, c = a.microbatch, schedule.model_chunk(a)
             last = c == n - 1
-            inp = inputs[i] if c == 0 else self._recv(comm, c - 1, c, FORWARD_TAG)
+            inp = inputs[i] if c == 0 else self._recv(comm, c - 1, c, FORWARD_TAG, i)
             with self._errors("forward", i, schedule, a.chunk):
                 out = self._forward(self.chunks[a.chunk], inp, targets[i] if last else None, last)
             if last:
@@ -275,7 +315,7 @@ class Executor:
         comm = current().comm
         s, m, nb = self.stage, schedule.microbatches, schedule.batches
         n = self.stages * len(self.chunks)  # model chunks
-        first, holds_last = s == 0, s == (n - 1) % self.stages
+        first, holds_last = s == schedule.where(0)[0], s == schedule.where(n - 1)[0]
         given = (("inputs", inputs if first else None), ("targets", targets if holds_last else None))
         for name, seq in given:
             if seq is not None and len(seq) != m * nb:
@@ -291,6 +331,7 @@ class Executor:
         totals: list[torch.Tensor | None] = [None] * nb
         self.trace, self.trace_chunks = [], []
         self._here = {}
+        self._expect(schedule, train=True)
         for a in schedule.for_stage(s):
             while update is not None and done < nb and updates[done] <= a.slot:
                 update(done)
@@ -300,7 +341,7 @@ class Executor:
             i, k, c = a.microbatch, a.chunk, schedule.model_chunk(a)
             module, start, last = self.chunks[k], c == 0, c == n - 1
             if a.kind == FORWARD:
-                inp = inputs[i] if start else self._recv(comm, c - 1, c, FORWARD_TAG)
+                inp = inputs[i] if start else self._recv(comm, c - 1, c, FORWARD_TAG, i)
                 inp = inp if start else tuple(map(_as_leaf, inp)) if isinstance(inp, tuple) else _as_leaf(inp)
                 t0 = time.perf_counter()
                 target = targets[i] if last and targets is not None else None
@@ -319,7 +360,7 @@ class Executor:
                 t1 = time.perf_counter()
             else:
                 inp, target, rng, out = stash.pop((k, i))
-                grads = None if last else self._recv(comm, c + 1, c, BACKWARD_TAG)
+                grads = None if last else self._recv(comm, c + 1, c, BACKWARD_TAG, i)
                 t0 = time.perf_counter()
                 with self._errors("backward", i, schedule, k):
                     if out is None:  # recompute: the same random numbers as the first forward

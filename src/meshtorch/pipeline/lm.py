@@ -17,7 +17,10 @@ model's gradient and stay equal.
 With ``virtual_stages=v`` the blocks are cut into ``p·v`` model chunks (an
 :class:`LMStage` each) and stage ``s`` holds chunks ``s, s+p, ...`` (the
 interleaved schedule): stage 0 still embeds (chunk 0) and the last stage
-still ends in the output projection (chunk ``p·v - 1``).
+still ends in the output projection (chunk ``p·v - 1``). Under ZB-V
+(``schedule="zbv"``, ``virtual_stages=2``) stage ``s`` holds chunks ``s`` and
+``2p-1-s``: stage 0 embeds and ends in the output projection, so with tied
+embeddings both uses of the table are on stage 0.
 
 Example:
     >>> import torch, meshtorch as mt
@@ -47,6 +50,7 @@ from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.pipeline.executor import chunks_of
 from meshtorch.pipeline.pipeline import OptimizerFactory, Pipeline
+from meshtorch.pipeline.schedule import where
 from meshtorch.pipeline.transport import local, recv_value, send_value
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, from_global
@@ -191,10 +195,12 @@ def lm_pipeline(cfg: TransformerConfig, *, seed: int = 0, axis: str = "stage", m
     return pipe
 
 
-def owner_stage(name: str, cfg: TransformerConfig, stages: int, virtual_stages: int = 1) -> int:
+def owner_stage(name: str, cfg: TransformerConfig, stages: int, virtual_stages: int = 1,
+                placement: str = "loop") -> int:
     """The stage that holds parameter ``name`` of the unsplit :class:`DecoderLM` (the
     first one for the tied table, which the last stage holds too); with ``virtual_stages``
-    the stage of the model chunk that holds it (chunk ``c`` on stage ``c mod stages``).
+    the stage of the model chunk that holds it (chunk ``c`` on stage ``c mod stages``, or
+    where ``placement="v"``, ZB-V's, puts it: :func:`meshtorch.pipeline.schedule.where`).
 
     Example:
         >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=3)
@@ -203,15 +209,19 @@ def owner_stage(name: str, cfg: TransformerConfig, stages: int, virtual_stages: 
         [0, 1, 1]
         >>> owner_stage("decoder.blocks.2.mlp.wi.kernel", TransformerConfig(layers=4), 2, virtual_stages=2)
         0
+        >>> owner_stage("decoder.ln_f.weight", TransformerConfig(layers=4), 2, 2, placement="v")  # chunk 3
+        0
     """
+    chunks = stages * virtual_stages
     parts = name.split(".")
     if parts[:2] == ["decoder", "blocks"]:
         layer = int(parts[2])
-        chunk = next(c for c, r in enumerate(layer_ranges(cfg.layers, stages * virtual_stages)) if layer in r)
-        return chunk % stages
-    if parts[0] == "embed" or parts[:2] == ["decoder", "pos"]:
-        return 0
-    return stages - 1
+        chunk = next(c for c, r in enumerate(layer_ranges(cfg.layers, chunks)) if layer in r)
+    elif parts[0] == "embed" or parts[:2] == ["decoder", "pos"]:
+        chunk = 0
+    else:  # the final norm and the output layer: the last chunk
+        chunk = chunks - 1
+    return where(chunk, stages, placement)[0]
 
 
 def gather_whole(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer | None = None,
@@ -249,7 +259,7 @@ def _gather(pipe: Pipeline, model: DecoderLM, optimizer: torch.optim.Optimizer |
     me, p = pipe.stage, pipe.num_stages
     tag = 3  # apart from the executor's activation (1) and gradient (2) tags
     for name, param in model.named_parameters():
-        src = owner_stage(name, model.cfg, p, pipe.virtual_stages)
+        src = owner_stage(name, model.cfg, p, pipe.virtual_stages, pipe.schedule.placement)
         state = optimizer.state.get(param, {}) if optimizer is not None else {}
         if me == src and values is not None:
             with torch.no_grad():

@@ -13,7 +13,8 @@ produce the right gradients). So the mesh ``stage:4,b:2`` is 3-D parallelism.
 Schedules (``schedule=``): ``"gpipe"``, ``"1f1b"``, ``"zb"`` (ZB-H1: the
 backward split into the input gradient and the deferred weight gradient) and
 ``"interleaved"`` (interleaved 1F1B: ``virtual_stages=v`` model chunks per
-stage, chunk ``c`` on stage ``c mod p``) are synchronous: after a step, the
+stage, chunk ``c`` on stage ``c mod p``) and ``"zbv"`` (ZB-V: ``virtual_stages=2``,
+chunks ``s`` and ``2p-1-s`` on stage ``s``, the split backward) are synchronous: after a step, the
 parameters are those of training the unsplit model on the whole batch (the
 loss being a mean over each micro-batch, all of equal size).
 ``"2bw"`` is PipeDream-2BW (Narayanan et al., ICML 2021): each stage keeps
@@ -60,7 +61,7 @@ from meshtorch.context import current
 from meshtorch.errors import PipelineError
 from meshtorch.nn.parameter import MeshParameter
 from meshtorch.pipeline.executor import Executor
-from meshtorch.pipeline.schedule import SCHEDULES, Schedule
+from meshtorch.pipeline.schedule import LOOP, SCHEDULES, Schedule, model_chunk_of
 from meshtorch.pipeline.schedule import build as build_schedule
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, layout_for
@@ -128,18 +129,20 @@ def _num_stages(stages, placement) -> int | None:
     return len(stages) if isinstance(stages, Sequence) else None
 
 
-def stage_chunks(build: Callable[[int], Any], stage: int, stages: int, virtual_stages: int = 1) -> Any:
+def stage_chunks(build: Callable[[int], Any], stage: int, stages: int, virtual_stages: int = 1,
+                 placement: str = LOOP) -> Any:
     """What stage ``stage`` of ``stages`` runs: model chunk ``stage`` of ``build``, or with
     ``virtual_stages`` v > 1 its chunks ``stage, stage + p, ..., stage + (v-1)p`` (model chunk
-    ``c`` on stage ``c mod p``) as an ``nn.ModuleList`` (a list if they are not modules).
+    ``c`` on stage ``c mod p``; under ``placement="v"``, ZB-V's, chunks ``stage`` and
+    ``2p-1-stage``) as an ``nn.ModuleList`` (a list if they are not modules).
 
     Example:
-        >>> stage_chunks(lambda c: c, 1, 2, 3)
-        [1, 3, 5]
+        >>> stage_chunks(lambda c: c, 1, 2, 3), stage_chunks(lambda c: c, 0, 2, 2, "v")
+        ([1, 3, 5], [0, 3])
     """
     if virtual_stages == 1:
         return build(stage)
-    chunks = [build(k * stages + stage) for k in range(virtual_stages)]
+    chunks = [build(model_chunk_of(stage, k, stages, placement)) for k in range(virtual_stages)]
     return torch.nn.ModuleList(chunks) if all(isinstance(c, torch.nn.Module) for c in chunks) else chunks
 
 
@@ -156,12 +159,13 @@ class Pipeline:
         placement: see ``stages``.
         axis: the mesh axis the stages lie along (its size = number of stages).
         microbatches: ``m``, micro-batches per batch.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"``, ``"zb"`` or ``"interleaved"``
-            (module docstring).
-        virtual_stages: ``v`` model chunks per stage (``"interleaved"``): ``stages``
-            then holds ``p·v`` model chunks (a sequence, or a function of the model chunk
-            index) and model chunk ``c`` runs on stage ``c mod p``; :attr:`module` is the
-            stage's ``nn.ModuleList`` of its ``v`` chunks.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"2bw"``, ``"zb"``, ``"interleaved"`` or
+            ``"zbv"`` (module docstring).
+        virtual_stages: ``v`` model chunks per stage (``"interleaved"``; 2 for ``"zbv"``):
+            ``stages`` then holds ``p·v`` model chunks (a sequence, or a function of the model
+            chunk index) and model chunk ``c`` runs on stage ``c mod p`` (under ``"zbv"``: chunks
+            ``s`` and ``2p-1-s`` on stage ``s``); :attr:`module` is the stage's ``nn.ModuleList``
+            of its ``v`` chunks, and :attr:`last_stage` the stage that applies the loss.
         loss_fn: ``loss_fn(last_stage_output, target)``: a scalar mean over the
             micro-batch (tensor or MeshTensor).
         optimizer: ``params -> torch.optim.Optimizer`` for this stage's
@@ -197,7 +201,10 @@ class Pipeline:
         self.schedule: Schedule = build_schedule(schedule, p, microbatches, virtual_stages=v)
         self.virtual_stages = v
         self.microbatches, self.batch_dim = microbatches, batch_dim
-        self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v)
+        self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v,
+                                   self.schedule.placement)
+        # the stage holding the last model chunk: it applies the loss (stage 0 under ZB-V's V)
+        self.last_stage = self.schedule.where(p * v - 1)[0]
         self.executor = Executor(self.module, axis, loss_fn, recompute)
         others = tuple(a for a in ctx.mesh.axis_names if a != axis)
         self.data_axes = others if data_axes == "auto" else (data_axes,) if isinstance(data_axes, str) \
@@ -250,7 +257,7 @@ class Pipeline:
 
     def _split(self, inputs: Any, targets: Any) -> tuple[list | None, list | None]:
         m = self.microbatches
-        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        first, last = self.stage == 0, self.stage == self.last_stage
         return (split_microbatches(inputs, m, self.batch_dim) if first else None,
                 split_microbatches(targets, m, self.batch_dim) if last else None)
 
@@ -260,7 +267,7 @@ class Pipeline:
         n = batches if totals is None else totals.numel()
         loss = (torch.zeros(n, dtype=torch.float64, device=current().device) if totals is None
                 else totals.to(torch.float64).reshape(n))
-        loss = comm.broadcast(loss, self.axis, src=self.num_stages - 1)
+        loss = comm.broadcast(loss, self.axis, src=self.last_stage)
         # replicas of plain stages saw different data; a MeshTensor loss is the same on all (a no-op)
         axes = tuple(a for a in self.data_axes if current().mesh.axis_size(a) > 1)
         if axes:
@@ -319,7 +326,7 @@ class Pipeline:
         table = self._table(len(batches))
         cols = [self._split(x, y) for x, y in batches]
         inputs = [v for c in cols for v in c[0]] if self.stage == 0 else None
-        targets = [v for c in cols for v in c[1]] if self.stage == self.num_stages - 1 else None
+        targets = [v for c in cols for v in c[1]] if self.stage == self.last_stage else None
         two_bw = self.schedule.name == "2bw"
         if two_bw:
             self._make_aliases()

@@ -61,9 +61,14 @@ Schedules:
   otherwise): bubble ``(p-1)/(3m+p-1)``, against 1F1B's ``3(p-1)/(3m+3(p-1))``
   with its backward ``B + W`` (a third of the idle time). The simulator gives
   ``(p-1)(F+B-W)`` idle seconds per stage for ``W <= min(F, B)`` (the paper's).
+- ``"zbv"`` (ZB-V, Qi et al., §6): the split backward over 2 chunks per stage in a V
+  (model chunk ``c`` and ``2p-1-c`` on stage ``c``: :func:`where`), in the order of
+  ``torch.distributed.pipelining``'s ``ScheduleZBVZeroBubble``. At most ``2·min(p, m)``
+  half-stage stashes per stage (1F1B's peak); with ``F = B = W`` a batch takes ``6m + p - 1``
+  chunk slots for ``m >= 2p - 1``: idle ``(p-1)`` chunk passes per stage, half ZB-H1's.
 
 The executor runs every one of them (:data:`SCHEDULES`), the interleaved one
-with ``v`` model chunks per stage.
+with ``v`` model chunks per stage, ZB-V with its two.
 
 Slots come from unit-time list scheduling of each stage's order under the
 dependencies, so for uniform stages the bubble fraction of one batch is
@@ -92,34 +97,73 @@ from dataclasses import dataclass
 
 from meshtorch.errors import PipelineError
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "zb", "interleaved")  # the executor runs these
+SCHEDULES = ("gpipe", "1f1b", "2bw", "zb", "interleaved", "zbv")  # the executor runs these
 TABLES = SCHEDULES  # the tables the simulator and the timeline take: the same ones
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 Key = tuple[int, int, str, int]  # (stage, local chunk, kind, micro-batch)
 
 
+LOOP, V_SHAPE = "loop", "v"  # how model chunks sit on the stages (see where())
+V_SHAPED = ("zbv",)  # the schedules whose tables use the V placement
+
+
+def where(c: int, stages: int, placement: str = LOOP) -> tuple[int, int]:
+    """(stage, local chunk) of model chunk ``c``. ``"loop"`` (interleaved 1F1B, and one chunk
+    per stage): chunk ``c`` on stage ``c mod p``, local chunk ``c // p``. ``"v"`` (ZB-V, two
+    chunks per stage): chunk ``c < p`` on stage ``c`` (local chunk 0), chunk ``c >= p`` on stage
+    ``2p-1-c`` (local chunk 1), so the model goes down the stages and back up, and the first and
+    the last chunk are both on stage 0.
+
+    Example:
+        >>> [where(c, 3) for c in range(6)]
+        [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+        >>> [where(c, 3, "v") for c in range(6)]
+        [(0, 0), (1, 0), (2, 0), (2, 1), (1, 1), (0, 1)]
+    """
+    if placement == V_SHAPE:
+        return (c, 0) if c < stages else (2 * stages - 1 - c, 1)
+    return c % stages, c // stages
+
+
+def model_chunk_of(stage: int, chunk: int, stages: int, placement: str = LOOP) -> int:
+    """The model chunk that local ``chunk`` of ``stage`` is (the inverse of :func:`where`).
+
+    Example:
+        >>> model_chunk_of(1, 1, 3), model_chunk_of(1, 1, 3, "v")
+        (4, 4)
+        >>> model_chunk_of(0, 1, 3), model_chunk_of(0, 1, 3, "v")
+        (3, 5)
+    """
+    if placement == V_SHAPE:
+        return stage if chunk == 0 else 2 * stages - 1 - stage
+    return chunk * stages + stage
+
+
 def dependencies(stage: int, chunk: int, kind: str, microbatch: int, stages: int, virtual_stages: int = 1,
-                 split: bool = False) -> list[Key]:
+                 split: bool = False, placement: str = LOOP) -> list[Key]:
     """The actions ``kind`` of ``microbatch`` on (``stage``, local ``chunk``) waits for:
     the previous model chunk's forward, the next model chunk's backward, its own
     forward (a backward) or its own backward (a weight gradient). Model chunk
-    ``c = chunk·p + stage`` follows ``c - 1`` and precedes ``c + 1``, on the processors
-    ``(c ± 1) mod p``.
+    ``c`` (:func:`model_chunk_of`; ``chunk·p + stage`` under the loop placement)
+    follows ``c - 1`` and precedes ``c + 1``, on the processors :func:`where` puts them
+    (``(c ± 1) mod p`` under the loop placement).
 
     Example:
         >>> dependencies(0, 1, "F", 3, stages=2, virtual_stages=2)   # model chunk 2 after chunk 1
         [(1, 0, 'F', 3)]
         >>> dependencies(1, 0, "B", 3, stages=2, virtual_stages=2, split=True)
         [(1, 0, 'F', 3), (0, 1, 'B', 3)]
+        >>> dependencies(1, 1, "F", 3, stages=2, virtual_stages=2, placement="v")  # chunk 2 after 1
+        [(1, 0, 'F', 3)]
     """
-    p, c, i = stages, chunk * stages + stage, microbatch
+    p, c, i = stages, model_chunk_of(stage, chunk, stages, placement), microbatch
     if kind == FORWARD:
-        return [((c - 1) % p, (c - 1) // p, FORWARD, i)] if c > 0 else []
+        return [(*where(c - 1, p, placement), FORWARD, i)] if c > 0 else []
     if kind == WEIGHT:
         return [(stage, chunk, BACKWARD, i)]
     deps = [(stage, chunk, FORWARD, i)]
-    return deps + ([((c + 1) % p, (c + 1) // p, BACKWARD, i)] if c < p * virtual_stages - 1 else [])
+    return deps + ([(*where(c + 1, p, placement), BACKWARD, i)] if c < p * virtual_stages - 1 else [])
 
 
 @dataclass(frozen=True, order=True)
@@ -154,7 +198,8 @@ class Schedule:
         actions: the table.
         batches: batches ``T`` in the table (micro-batch ``i`` is in batch ``i // m``).
         virtual_stages: model chunks per stage ``v`` (``p·v`` model chunks; chunk
-            ``c`` on stage ``c mod p``).
+            ``c`` on stage ``c mod p``, or as ``placement`` says).
+        placement: ``"loop"`` or ``"v"`` (ZB-V's V shape): where model chunks sit (:func:`where`).
     """
 
     name: str
@@ -163,6 +208,7 @@ class Schedule:
     actions: tuple[Action, ...]
     batches: int = 1
     virtual_stages: int = 1
+    placement: str = LOOP
 
     @property
     def weight_versions(self) -> int:
@@ -175,8 +221,12 @@ class Schedule:
         return any(a.kind == WEIGHT for a in self.actions)
 
     def model_chunk(self, action: Action) -> int:
-        """The model chunk ``action`` computes: ``chunk·p + stage``."""
-        return action.chunk * self.stages + action.stage
+        """The model chunk ``action`` computes: ``chunk·p + stage`` (:func:`model_chunk_of`)."""
+        return model_chunk_of(action.stage, action.chunk, self.stages, self.placement)
+
+    def where(self, chunk: int) -> tuple[int, int]:
+        """(stage, local chunk) of model chunk ``chunk`` (:func:`where`)."""
+        return where(chunk, self.stages, self.placement)
 
     def batch_of(self, microbatch: int) -> int:
         """The batch micro-batch ``microbatch`` belongs to."""
@@ -222,6 +272,9 @@ class Schedule:
         one action per slot, respecting the dependencies (:func:`dependencies`)."""
         p, v, m = self.stages, self.virtual_stages, self.microbatches * self.batches
         split = self.split_backward
+        if self.placement not in (LOOP, V_SHAPE) or (self.placement == V_SHAPE and v != 2):
+            raise PipelineError(f"schedule {self.name!r}: placement {self.placement!r} with {v} chunk(s) per "
+                                f"stage; the placements are {LOOP!r} (any chunks) and {V_SHAPE!r} (2 chunks)")
         kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
         seen: dict[Key, int] = {}
         busy: set[tuple[int, int]] = set()
@@ -250,7 +303,7 @@ class Schedule:
             raise PipelineError(f"schedule {self.name!r}: actions missing, e.g. {missing[:3]} "
                                 "(stage, chunk, kind, micro-batch)")
         for (s, c, k, i), t in seen.items():
-            for d in dependencies(s, c, k, i, p, v, split):
+            for d in dependencies(s, c, k, i, p, v, split, self.placement):
                 if seen[d] >= t:
                     mine, theirs = (f" chunk {c}", f" chunk {d[1]}") if v > 1 else ("", "")
                     raise PipelineError(f"schedule {self.name!r}: {k}{i} on stage {s}{mine} in slot {t} runs "
@@ -334,6 +387,60 @@ def _zb_h1(p: int, first: int, m: int) -> list[Order]:
     return orders
 
 
+def _zb_v(p: int, first: int, m: int) -> list[Order]:
+    """ZB-V (Qi et al., ICLR 2024, §6) for all stages, two chunks each in the V placement
+    (:func:`where`): the per-stage order of ``torch.distributed.pipelining``'s
+    ``ScheduleZBVZeroBubble``. Stage ``s`` runs ``2(p-s)-1`` forwards of its first chunk, then
+    ``s`` pairs of forwards (second chunk, first chunk), then ``p-s`` rounds of F, B, W on its
+    second chunk; in the steady state F, B, W on the first chunk then on the second; it drains
+    the input gradients first and the weight gradients last. The order is built for
+    ``max(m, 2p-1)`` micro-batches (what fills the V) and the extra ones are dropped: a sub-order
+    of a valid order is valid, the actions of one micro-batch depending only on each other."""
+    n = max(2 * p - 1, m)
+    orders: list[Order] = []
+    for s in range(p):
+        order: Order = []
+        cnt = {(FORWARD, 0): 0, (FORWARD, 1): 0, (BACKWARD, 0): 0, (BACKWARD, 1): 0}
+
+        def add(kind: str, chunk: int, order: Order = order, cnt: dict = cnt) -> None:
+            """The next micro-batch's pass of ``kind`` on local ``chunk``."""
+            order.append((kind, cnt[kind, chunk], chunk))
+            cnt[kind, chunk] += 1
+
+        def backward(chunk: int, order: Order = order, cnt: dict = cnt) -> None:
+            """The next micro-batch's B on ``chunk``, then at once its W."""
+            i = cnt[BACKWARD, chunk]
+            order.extend([(BACKWARD, i, chunk), (WEIGHT, i, chunk)])
+            cnt[BACKWARD, chunk] += 1
+
+        for _ in range(2 * (p - s) - 1):
+            add(FORWARD, 0)
+        for _ in range(s):
+            add(FORWARD, 1)
+            add(FORWARD, 0)
+        for _ in range(p - s):
+            add(FORWARD, 1)
+            backward(1)
+        while cnt[FORWARD, 1] < cnt[FORWARD, 0] or cnt[FORWARD, 0] < n:
+            if cnt[FORWARD, 0] < n:
+                add(FORWARD, 0)
+            backward(0)
+            add(FORWARD, 1)
+            backward(1)
+        w0, w1 = cnt[BACKWARD, 0], cnt[BACKWARD, 1]  # the weight gradients still to run
+        for _ in range(s):
+            add(BACKWARD, 0)
+            add(BACKWARD, 1)
+        for _ in range(p - s):
+            add(BACKWARD, 0)
+            order.append((WEIGHT, w0, 0))
+            w0 += 1
+        order += [(WEIGHT, i, 1) for i in range(w1, cnt[BACKWARD, 1])]
+        order += [(WEIGHT, i, 0) for i in range(w0, cnt[BACKWARD, 0])]
+        orders.append([(k, first + i, c) for k, i, c in order if i < m])
+    return orders
+
+
 def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1,
                  virtual_stages: int = 1) -> list[Order]:
     """Each stage's ``(kind, microbatch, chunk)`` sequence for a named schedule over ``batches`` batches."""
@@ -343,9 +450,12 @@ def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1,
     if p < 1 or m < 1 or batches < 1 or v < 1:
         raise PipelineError(f"a pipeline needs >= 1 stage, micro-batch, batch and virtual stage, got {p}, "
                             f"{m}, {batches} and {v}")
-    if v > 1 and name != "interleaved":
+    if name in V_SHAPED and v != 2:
+        raise PipelineError(f"schedule {name!r} places exactly 2 model chunks on each stage (a V: chunk c "
+                            f"and 2p-1-c on stage c): it needs virtual_stages=2, got {v}")
+    if v > 1 and name not in ("interleaved", *V_SHAPED):
         raise PipelineError(f"schedule {name!r} runs one model chunk per stage; virtual_stages={v} needs "
-                            "schedule='interleaved'")
+                            "schedule='interleaved' (any v) or 'zbv' (v = 2)")
     if name == "interleaved" and m % p:
         raise PipelineError(f"interleaved 1F1B sends micro-batches through the chunks in rounds of {p} "
                             f"(the stages): microbatches={m} must be a multiple of stages={p}")
@@ -354,8 +464,8 @@ def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1,
     orders: list[Order] = [[] for _ in range(p)]
     for b in range(batches):  # flushed: batch after batch
         first = b * m
-        if name == "zb":
-            for s, o in enumerate(_zb_h1(p, first, m)):
+        if name in ("zb", "zbv"):
+            for s, o in enumerate(_zb_h1(p, first, m) if name == "zb" else _zb_v(p, first, m)):
                 orders[s] += o
             continue
         for s in range(p):
@@ -370,20 +480,33 @@ def stage_orders(name: str, stages: int, microbatches: int, batches: int = 1,
 
 
 def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
-                batches: int = 1, virtual_stages: int = 1) -> Schedule:
+                batches: int = 1, virtual_stages: int = 1, placement: str | None = None) -> Schedule:
     """The table of per-stage orders of ``(kind, microbatch)`` or ``(kind, microbatch,
     chunk)``: each action in the first unit slot after its stage's previous action and
-    its dependencies (unit-time list scheduling). Batch ``b`` computes with weight
-    version ``b - 1`` under ``"2bw"``, ``b`` otherwise.
+    its dependencies (unit-time list scheduling), and, for the flushed schedules, an action of
+    batch ``b`` after the update of batch ``b - 1`` (after every backward and weight gradient of
+    that batch, on any stage). Batch ``b`` computes with weight
+    version ``b - 1`` under ``"2bw"``, ``b`` otherwise. ``placement`` (:func:`where`):
+    ``"v"`` for the names in :data:`V_SHAPED`, ``"loop"`` otherwise, by default.
 
     Raises:
         PipelineError: the orders deadlock (an action waits on one that cannot run first),
             or the table is invalid (:meth:`Schedule.validate`).
     """
     p, v = len(orders), virtual_stages
+    placement = placement or (V_SHAPE if name in V_SHAPED else LOOP)
     rows = [[(o[0], o[1], o[2] if len(o) > 2 else 0) for o in order] for order in orders]
     split = any(k == WEIGHT for row in rows for k, _, _ in row)
     delay = 1 if name == "2bw" else 0
+    # the flushed tables wait here for the update of the batch before; 2BW's order keeps batch b+2
+    # after batch b's update by itself when m >= p - 1, and validate() says what it needs otherwise
+    flushed = name != "2bw"
+    # per batch: its backwards and weight gradients still to place, and the last slot of those placed
+    left = [0] * batches
+    for row in rows:
+        for k, i, _ in row:
+            left[i // microbatches] += k != FORWARD
+    last = [-1] * batches
     done: dict[Key, int] = {}
     pos = [0] * p
     free = [0] * p
@@ -394,12 +517,16 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
             if pos[s] >= len(rows[s]):
                 continue
             k, i, c = rows[s][pos[s]]
-            deps = dependencies(s, c, k, i, p, v, split)
-            if any(d not in done for d in deps):
+            deps = dependencies(s, c, k, i, p, v, split, placement)
+            b = i // microbatches - 1 if flushed else -1  # the batch whose update it waits for
+            if any(d not in done for d in deps) or (b >= 0 and left[b]):
                 continue
-            slot = max([free[s]] + [done[d] + 1 for d in deps])
+            slot = max([free[s], last[b] + 1 if b >= 0 else 0] + [done[d] + 1 for d in deps])
             done[(s, c, k, i)] = slot
             free[s] = slot + 1
+            if k != FORWARD:
+                left[i // microbatches] -= 1
+                last[i // microbatches] = max(last[i // microbatches], slot)
             actions.append(Action(slot, s, i, k, i // microbatches - delay, c))
             pos[s] += 1
             progressed = True
@@ -407,7 +534,7 @@ def from_orders(name: str, orders: Sequence[Sequence[tuple]], microbatches: int,
             stuck = {s: rows[s][pos[s]] for s in range(p) if pos[s] < len(rows[s])}
             raise PipelineError(f"schedule {name!r} deadlocks: stages wait on {stuck} (stage: next action)")
     table = Schedule(name, p, microbatches, tuple(sorted(actions, key=lambda a: (a.slot, a.stage))), batches,
-                     v)
+                     v, placement)
     table.validate()
     return table
 
@@ -423,6 +550,8 @@ def build(name: str, stages: int, microbatches: int, batches: int = 1, virtual_s
         ['F0@s0t0', 'F1@s0t1', 'F0c1@s0t2', 'F1c1@s0t3']
         >>> build("zb", 2, 2).order(0)
         [('F', 0), ('F', 1), ('B', 0), ('W', 0), ('B', 1), ('W', 1)]
+        >>> [str(a) for a in build("zbv", 2, 1, virtual_stages=2).for_stage(0)]  # model chunks 0 and 3
+        ['F0@s0t0', 'F0c1@s0t3', 'B0c1@s0t4', 'W0c1@s0t5', 'B0@s0t8', 'W0@s0t9']
     """
     return from_orders(name, stage_orders(name, stages, microbatches, batches, virtual_stages), microbatches,
                        batches, virtual_stages)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshtorch.errors import PipelineError
-from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, dependencies
+from meshtorch.pipeline.schedule import BACKWARD, FORWARD, V_SHAPED, WEIGHT, Action, Schedule, dependencies
 
 
 @dataclass
@@ -78,10 +78,11 @@ def _per_stage(x: float | Sequence[float], p: int, what: str, v: int = 1) -> lis
     return vals
 
 
-def _chunk_costs(vals: list[float], p: int, v: int) -> list[float]:
-    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on stage
-    ``c mod p``)."""
-    return vals if len(vals) == p * v else [vals[c % p] / v for c in range(p * v)]
+def _chunk_costs(vals: list[float], schedule: Schedule) -> list[float]:
+    """Seconds per model chunk: given per chunk, or ``1/v`` of its stage's (chunk ``c`` on the
+    stage :meth:`Schedule.where` says: ``c mod p``, or the V's)."""
+    p, v = schedule.stages, schedule.virtual_stages
+    return vals if len(vals) == p * v else [vals[schedule.where(c)[0]] / v for c in range(p * v)]
 
 
 def simulate(schedule: Schedule, forward: float | Sequence[float],
@@ -109,51 +110,85 @@ def simulate(schedule: Schedule, forward: float | Sequence[float],
     if split and weight is None:
         raise PipelineError(f"schedule {schedule.name!r} splits the backward into B and W: give simulate the "
                             "weight-gradient time weight=... (backward= is then the input gradient's)")
-    f = _chunk_costs(_per_stage(forward, p, "forward", v), p, v)
-    b = _chunk_costs(_per_stage(forward if backward is None else backward, p, "backward", v), p, v)
-    w = _chunk_costs(_per_stage(weight if split else 0.0, p, "weight", v), p, v)
+    f = _chunk_costs(_per_stage(forward, p, "forward", v), schedule)
+    b = _chunk_costs(_per_stage(forward if backward is None else backward, p, "backward", v), schedule)
+    w = _chunk_costs(_per_stage(weight if split else 0.0, p, "weight", v), schedule)
     cost = {FORWARD: f, BACKWARD: b, WEIGHT: w}
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     by_key: dict[tuple[int, int, str, int], float] = {}
     free = [0.0] * p
     messages = 0
-    # the table is sorted by slot, and every dependency sits in an earlier slot
+    # batch b's update, on every stage at once (it may use collectives over the stages), after its
+    # last backward or weight gradient anywhere: batch b + versions computes with the weights it makes
+    versions, m = schedule.weight_versions, schedule.microbatches
+    drained = [0.0] * schedule.batches
+    # the table is sorted by slot, and every dependency (and batch b's update) sits in an earlier slot
     for a in sorted(schedule.actions, key=lambda a: (a.slot, a.stage)):
         s = a.stage
         ready = free[s]
-        for d in dependencies(s, a.chunk, a.kind, a.microbatch, p, v, split):
+        if a.microbatch // m >= versions:
+            ready = max(ready, drained[a.microbatch // m - versions])
+        for d in dependencies(s, a.chunk, a.kind, a.microbatch, p, v, split, schedule.placement):
             hop = d[0] != s
             messages += hop
             ready = max(ready, by_key[d] + (comm if hop else 0.0))
         start[a] = ready
-        end[a] = ready + cost[a.kind][a.chunk * p + s]
+        end[a] = ready + cost[a.kind][schedule.model_chunk(a)]
         by_key[(s, a.chunk, a.kind, a.microbatch)] = end[a]
         free[s] = end[a]
+        if a.kind != FORWARD:
+            drained[a.microbatch // m] = max(drained[a.microbatch // m], end[a])
     t = max(end.values()) - min(start.values())
     n = schedule.microbatches * schedule.batches
-    busy = [n * sum(f[c] + b[c] + w[c] for c in range(s, p * v, p)) for s in range(p)]
+    busy = [0.0] * p
+    for c in range(p * v):
+        busy[schedule.where(c)[0]] += n * (f[c] + b[c] + w[c])
     bubble = 1.0 - sum(busy) / (p * t) if t > 0 else 0.0
     return Simulation(t / schedule.batches, bubble, busy, start, end, t, schedule.batches,
                       schedule.weight_versions, [schedule.max_in_flight(s) for s in range(p)],
                       messages // schedule.batches)
 
 
+def chain_share(schedule: str, virtual_stages: int = 1) -> float:
+    """The share of a stage's work per micro-batch that :func:`step_time_bound` may count as
+    passing the stages before stage ``k`` ahead of its first action and after its last one.
+
+    GPipe, 1F1B, 2BW: 1 (micro-batch 0's forward and the last one's backward pass the whole
+    stages). Interleaved 1F1B: ``1/v`` (one chunk's forward and backward of each stage). ZB-H1:
+    ``1/3``, the forward only, as the planner's replay splits a stage's work (F, B and W a third
+    each): the weight gradients may run after a stage's last input gradient, so nothing is
+    certain to follow it. ZB-V: ``1/6``, the forward of the first chunk (half the stage's).
+
+    Example:
+        >>> chain_share("1f1b"), chain_share("interleaved", 4), chain_share("zb"), chain_share("zbv", 2)
+        (1.0, 0.25, 0.3333333333333333, 0.16666666666666666)
+    """
+    if schedule == "zb":
+        return 1 / 3
+    if schedule in V_SHAPED:
+        return 1 / 6
+    return 1.0 / virtual_stages
+
+
 def step_time_bound(work: Sequence[float], microbatches: int, batches: int = 1,
-                    spread: Sequence[float] | None = None) -> float:
-    """A lower bound on :func:`simulate`'s ``step_time`` for any schedule of ``len(work)`` stages
+                    spread: Sequence[float] | None = None, share: float = 1.0) -> float:
+    """A lower bound on :func:`simulate`'s ``step_time`` for a schedule of ``len(work)`` stages
     whose stage ``s`` does ``work[s]`` seconds per batch (forward and backward of its
-    ``microbatches`` micro-batches, split between them in any way; any ``comm``).
+    ``microbatches`` micro-batches, split between them in any way; any ``comm``): any GPipe,
+    1F1B or 2BW table with ``share=1``, another's with ``share=chain_share(name, v)``.
 
     Stage ``k`` cannot start before the first micro-batch's forward has passed the stages
     before it, and after its last backward that micro-batch's backward still has to pass them:
-    ``T · step_time >= T · work[k] + sum(work[:k]) / microbatches`` for ``T`` batches. With even
-    stages that is the flushed schedules' bubble, ``(p-1)/m`` of a stage's work.
+    ``T · step_time >= T · work[k] + share · sum(work[:k]) / microbatches`` for ``T`` batches.
+    With even stages and ``share = 1`` that is the flushed schedules' bubble, ``(p-1)/m`` of a
+    stage's work. Without ``share`` the bound does not hold for interleaved 1F1B, ZB-H1 or ZB-V
+    (their first actions wait for only a chunk's forward, their last may be weight gradients).
 
     ``spread``: when part of a stage's work runs once after its micro-batches (a pipeline's
     update, which the planner adds after the replay), a lower bound per stage on the rest,
     the part spread over the micro-batches; only that part delays the stages after it, so
-    the bound is ``max_k work[k] + sum(spread[:k]) / microbatches``. By default all of it.
+    the bound is ``max_k work[k] + share · sum(spread[:k]) / microbatches``. By default all of it.
 
     Example:
         >>> from meshtorch.pipeline import build_schedule
@@ -168,7 +203,7 @@ def step_time_bound(work: Sequence[float], microbatches: int, batches: int = 1,
                             f"and {batches}")
     out, before = 0.0, 0.0
     for w, lead in zip(work, work if spread is None else spread):
-        out = max(out, w + before / (microbatches * batches))
+        out = max(out, w + share * before / (microbatches * batches))
         before += lead
     return out
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
-from meshtorch.pipeline.simulate import step_time_bound
+from meshtorch.pipeline.simulate import chain_share, step_time_bound
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.pipeline import stage_traces
 from meshtorch.plan.program import TRANSFORMER_DIMS, Program, SpaceDims
@@ -155,7 +155,10 @@ def pipeline_bounds(pipelined: Callable[[int], Program], family: list[Candidate]
         (True, True)
     """
     bounds = stage_bounds(pipelined, family, spec, names)
-    return {c: (step_time_bound(work, c[2], spread=lead), mem) for c, (work, mem, lead) in bounds.items()}
+    info = pipelined(family[0][2]).pipeline if family else None
+    share = chain_share(info.schedule, info.virtual_stages) if info is not None else 1.0
+    return {c: (step_time_bound(work, c[2], spread=lead, share=share), mem)
+            for c, (work, mem, lead) in bounds.items()}
 
 
 def stage_bounds(pipelined: Callable[[int], Program], family: list[Candidate], spec: DeviceSpec,

@@ -78,17 +78,19 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return t.clone()
 
 
-def _messages(sent: list, dst: int, tag: int | None) -> deque[torch.Tensor]:
-    """The tensors sent to ``dst`` with ``tag`` (any forward tag, of any chunk, for ``None``)."""
-    return deque(t for _, d, g, t in sent if d == dst and (g == tag if tag is not None else
-                                                           g % CHUNK_TAGS == FORWARD_TAG))
+def _messages(sent: list, dst: int | None, tag: int | None) -> deque[torch.Tensor]:
+    """The tensors sent to ``dst`` (any stage for ``None``) with ``tag`` (any forward tag, of any
+    chunk, for ``None``)."""
+    return deque(t for _, d, g, t in sent if (dst is None or d == dst) and (
+        g == tag if tag is not None else g % CHUNK_TAGS == FORWARD_TAG))
 
 
 class _Inbox:
     """Answers the recvs of the stage ``stage`` of ``stages`` traced alone: forward activations
-    replay what the previous stage's trace sent (per tag: one per model chunk boundary); gradients,
-    and with virtual stages the activations stage 0 gets back from the last stage (traced after it),
-    mirror what this stage sent on (every chunk boundary carries the same shapes)."""
+    from the previous stage replay what its trace sent (per tag: one per model chunk boundary);
+    gradients, and activations from a stage traced later (interleaving's wrap-around from the last
+    stage into stage 0, ZB-V's way back up the V from stage ``s+1``), mirror what this stage sent on
+    (every chunk boundary carries the same shapes)."""
 
     def __init__(self, stage: int, stages: int, sent_before: list):
         self.stage, self.stages, self.sent_before = stage, stages, sent_before
@@ -100,19 +102,19 @@ class _Inbox:
 
     def __call__(self, axes: tuple[str, ...], src: int, tag: int) -> torch.Tensor:
         got = None
-        p, kind = self.stages, tag % CHUNK_TAGS
+        kind = tag % CHUNK_TAGS
         with untraced():  # arriving data: made by the transport, not by the program's ops
-            if kind == FORWARD_TAG and src == (self.stage - 1) % p:
-                if self.stage > 0:
+            if kind == FORWARD_TAG:
+                if src < self.stage:  # the stage traced just before this one
                     if tag not in self.forward:  # the previous stage's messages of this chunk boundary
                         self.forward[tag] = _messages(self.sent_before, self.stage, tag)
                     queue = self.forward[tag]
                     got = _stand_in(queue.popleft()) if queue else None
-                else:  # model chunk k·p from chunk k·p - 1 on the last stage, which is traced later
+                else:  # from a stage traced later: interleaving's wrap-around into stage 0, the V's way up
                     if not self.echoes:
                         self.echoed = self._mirror(self.echoes, self.echoed, gradients=False)
                     got = self.echoes.popleft() if self.echoes else None
-            elif kind == BACKWARD_TAG and src == (self.stage + 1) % p:
+            elif kind == BACKWARD_TAG:
                 if not self.replies:
                     self.answered = self._mirror(self.replies, self.answered, gradients=True)
                 if self.replies:
@@ -131,7 +133,7 @@ class _Inbox:
     def _mirror(self, into: deque, done: int, gradients: bool) -> int:
         """Queue stand-ins of the next forward message this stage sent on: its gradient
         (:func:`gradient_message`) or itself; returns the tensors of sent messages used so far."""
-        out = list(_messages(current().comm.sent, (self.stage + 1) % self.stages, None))[done:]
+        out = list(_messages(current().comm.sent, None, None))[done:]
         if not out:
             return done
         spec = read_header(out[0])
@@ -339,23 +341,28 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         up = t.phases.get("update")
         update.append(0.0 if up is None else compute_seconds(up.flops_by_dtype, up.aten_ops, spec, up.kernels)
                       + _off_axis(collectives_seconds(up.comm, m, spec, algorithm), axis))
-    # stage 0 sends, per micro-batch, the activations of its v chunks and the gradients of its chunks
-    # but model chunk 0 (v - 1): 2v - 1 messages (header + leaves) of one activation's size each
+    table = build_schedule(schedule, p, mb, virtual_stages=v)
+    # a send occupies its sender too (gloo's isend hands the message to the transport before it
+    # returns): a chunk's forward ends with one unless the next model chunk is on the same stage (or
+    # there is none), its backward unless the previous one is (simulate gives each of a stage's v
+    # chunk passes 1/v of its time). Interleaved: v per stage but the last stage's forwards and stage
+    # 0's backwards; ZB-V: one each way but at the V's turn (stage p-1) and its ends (stage 0).
+    n = p * v
+    sends_f, sends_b = [0] * p, [0] * p
+    for c in range(n):
+        s = table.where(c)[0]
+        sends_f[s] += c < n - 1 and table.where(c + 1)[0] != s
+        sends_b[s] += c > 0 and table.where(c - 1)[0] != s
+    # stage 0's messages per micro-batch (header + leaves each, of one activation's size)
     first = traces[0].comm
     calls, nbytes = first.calls(axis, "send"), first.bytes(axis, "send")
-    messages = mb * (2 * v - 1)
+    messages = mb * (sends_f[0] + sends_b[0])
     hop = 0.0
     if p > 1 and calls:
         link = spec.link(axis)
         hop = collective_seconds("send", nbytes / messages, 2, link.bandwidth, link.latency,
                                  calls // messages, algorithm)
-    table = build_schedule(schedule, p, mb, virtual_stages=v)
     per_mb = [(w - u) / mb for w, u in zip(work, update)]
-    # a send occupies its sender too (gloo's isend hands the message to the transport before it
-    # returns): every chunk's forward but the last model chunk's ends with one, and every chunk's
-    # backward but model chunk 0's (simulate gives each of a stage's v chunk passes 1/v of its time)
-    sends_f = [v - (s == p - 1) for s in range(p)]
-    sends_b = [v - (s == 0) for s in range(p)]
     # a backward multiplies twice per forward multiply: one third forward, and under ZB-H1 the
     # backward's two thirds are the input gradient B and the weight gradient W, one third each
     # (with recomputation a quarter each, B also running the forward again)

@@ -56,7 +56,7 @@ from typing import Any
 
 from meshtorch.errors import PlanError
 from meshtorch.mesh import Mesh
-from meshtorch.pipeline.simulate import step_time_bound
+from meshtorch.pipeline.simulate import chain_share, step_time_bound
 from meshtorch.plan.bounds import REFERENCE_MESH, Candidate, dims_of, lower_bounds, stage_bounds
 from meshtorch.plan.devices import DeviceSpec
 from meshtorch.plan.devices import device as get_device
@@ -269,7 +269,11 @@ def _search_pipelines(program: Program, family: list[Candidate],
         return piped
 
     works = stage_bounds(pipelined, family, spec, program.dims)
-    lb = {c: (step_time_bound(works[c][0], c[2], spread=works[c][2]), works[c][1]) for c in family}
+    # how much of the stages before a stage its first action waits for: the schedule's
+    info = program_pipeline(pipelined(family[0][2])) if family else None
+    share = chain_share(info.schedule, info.virtual_stages) if info is not None else 1.0
+    lb = {c: (step_time_bound(works[c][0], c[2], spread=works[c][2], share=share), works[c][1])
+          for c in family}
     traced: list[Estimate] = []
     cut: list[Pruned] = []
     for c in sorted(family, key=lambda c: lb[c][0]):
@@ -289,12 +293,12 @@ def _search_pipelines(program: Program, family: list[Candidate],
             def give_up(stage: int, w: float, work: list[float] = work, mb: int = mb,
                         limit: float = best, lead: list[float] = lead) -> bool:
                 work[stage] = max(work[stage], w)
-                return step_time_bound(work, mb, spread=lead) >= limit * (1 + 1e-9)
+                return step_time_bound(work, mb, spread=lead, share=share) >= limit * (1 + 1e-9)
 
             e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging, give_up=give_up)
             if e is None:
-                cut.append(Pruned(mesh, rules, step_time_bound(work, mb, spread=lead), lb[c][1], "time",
-                                  pipeline=label))
+                cut.append(Pruned(mesh, rules, step_time_bound(work, mb, spread=lead, share=share), lb[c][1],
+                                  "time", pipeline=label))
                 continue
             traced.append(e)
             if e.fits:

@@ -32,7 +32,7 @@ MODELS = ("lm", "seq2seq", "moe")
 OPTIMIZERS = ("adamw", "adafactor")
 PRECISIONS = ("fp32", "bf16")
 LR_SCHEDULES = ("cosine", "constant")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw", "zb", "interleaved")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "2bw", "zb", "interleaved", "zbv")
 BACKENDS = ("threads", "torch")
 TRAIN_DEVICES = ("auto", "cpu", "cuda")
 # the flags whose values are one of a few words (argparse's choices=)
@@ -444,7 +444,7 @@ def check_stages(cfg: TrainConfig) -> None:
     """Raise :class:`PipelineError` naming the flag unless ``--pipeline-stages``, ``--virtual-stages``,
     ``--schedule``, ``--microbatches`` and ``--layers`` make a pipeline: ``p·v`` model chunks of
     ``--layers / (p·v)`` blocks each, virtual stages only under the interleaved schedule, whose
-    micro-batches go through the chunks in rounds of ``p``.
+    micro-batches go through the chunks in rounds of ``p``, and ZB-V's (two per stage).
 
     Example:
         >>> check_stages(TrainConfig.of(pipeline_stages=2, virtual_stages=2, schedule="interleaved",
@@ -463,9 +463,12 @@ def check_stages(cfg: TrainConfig) -> None:
             raise PipelineError(f"--virtual-stages {v} splits each pipeline stage into chunks: it needs "
                                 "--pipeline-stages > 1 (and --schedule interleaved)")
         return
-    if v > 1 and par.schedule != "interleaved":
-        raise PipelineError(f"--virtual-stages {v} needs --schedule interleaved (--schedule {par.schedule} "
-                            "runs one model chunk per stage); or drop --virtual-stages")
+    if par.schedule == "zbv" and v != 2:
+        raise PipelineError(f"--schedule zbv places 2 model chunks on each stage (a V): it needs "
+                            f"--virtual-stages 2, got {v}")
+    if v > 1 and par.schedule not in ("interleaved", "zbv"):
+        raise PipelineError(f"--virtual-stages {v} needs --schedule interleaved (or zbv, with 2) (--schedule "
+                            f"{par.schedule} runs one model chunk per stage); or drop --virtual-stages")
     if par.schedule == "interleaved" and m % p:
         raise PipelineError(f"--schedule interleaved sends micro-batches through the chunks in rounds of "
                             f"--pipeline-stages {p}: --microbatches {m} must be a multiple of {p}")

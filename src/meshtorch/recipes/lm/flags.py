@@ -59,10 +59,12 @@ HELP = {
     "lr_schedule": "learning rate after the warm-up",
     "schedule": "pipeline schedule with --pipeline-stages > 1 (2bw: PipeDream-2BW, no flush between batches; "
                 "zb: ZB-H1, the backward split into input and weight gradients; interleaved: interleaved "
-                "1F1B over --virtual-stages chunks per stage)",
+                "1F1B over --virtual-stages chunks per stage; zbv: ZB-V, the split backward over "
+                "--virtual-stages 2 chunks per stage in a V, chunks s and 2 x pipeline-stages - 1 - s on "
+                "stage s)",
     "virtual_stages": "model chunks per pipeline stage with --schedule interleaved (chunk c of "
                       "pipeline-stages x virtual-stages on stage c mod pipeline-stages; --layers must divide "
-                      "into them)",
+                      "into them) or 2 with --schedule zbv",
     "clip": "bound on the global gradient norm; 0: no clipping",
     "overlap": "run parameters' collectives grouped (a flat all_gather / reduce_scatter / all_reduce per "
                "bucket) and asynchronously, overlapped with compute (mt.overlap; off under --compile, "

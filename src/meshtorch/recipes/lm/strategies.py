@@ -11,8 +11,8 @@ and :class:`meshtorch.recipes.lm.steps.TrainingProgram` traces their ``run``
 layers: the mesh gets a ``stage:N`` axis in front unless it has one (so
 ``--mesh b:2 --pipeline-stages 2`` runs on ``stage:2,b:2``, four processors);
 the layout rules are the usual ones and never mention it. ``--schedule
-gpipe|1f1b|2bw|zb|interleaved`` picks the pipeline schedule (``--lr-schedule`` the
-learning rate's; ``--virtual-stages v`` model chunks per stage for ``interleaved``),
+gpipe|1f1b|2bw|zb|interleaved|zbv`` picks the pipeline schedule (``--lr-schedule`` the
+learning rate's; ``--virtual-stages v`` model chunks per stage for ``interleaved``, 2 for ``zbv``),
 ``--microbatches`` the micro-batches per batch. Gradient clipping uses the norm
 over all stages (the tied embedding table counted once). A window runs
 as one table, so 2BW does not flush inside it. Every processor gathers the whole
