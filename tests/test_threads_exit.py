@@ -10,10 +10,12 @@ an active exception"): Python ended the thread with ``pthread_exit`` inside that
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 
 import pytest
@@ -108,6 +110,12 @@ def test_a_launch_returns_after_its_processor_threads_have_ended(gil_held):
     assert _alive(tids) == []
 
 
+def _env() -> dict[str, str]:
+    """This checkout's package, and this file importable (its processor functions)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.path.dirname(os.path.abspath(__file__))]),
+            "OMP_NUM_THREADS": "1"}
+
+
 def test_a_program_that_exits_right_after_a_failed_launch_exits_instead_of_aborting():
     script = textwrap.dedent("""
         import sys
@@ -118,8 +126,44 @@ def test_a_program_that_exits_right_after_a_failed_launch_exits_instead_of_abort
         except mt.errors.ProcessorError:
             sys.exit(3)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.path.dirname(os.path.abspath(__file__))]),
-           "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=100)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(),
+                       timeout=100)
     assert p.returncode == 3, p.stderr[-3000:]  # not -6 (SIGABRT)
     assert "terminate called" not in p.stderr
+
+
+def _loops_forward_and_backward(started: str) -> None:
+    x = torch.randn(4, 16, requires_grad=True)
+    if mt.current().rank == 0:
+        open(started, "w").close()
+    while True:  # until Ctrl-C abandons the collective of a backward
+        _loss(x).backward()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="POSIX signals")
+def test_ctrl_c_in_the_middle_of_backward_exits_by_its_keyboard_interrupt_instead_of_aborting(tmp_path):
+    started = tmp_path / "started"
+    # as in a terminal: a shell may start this in the background with SIGINT ignored
+    script = textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import meshtorch as mt
+        from test_threads_exit import _loops_forward_and_backward
+        mt.launch(_loops_forward_and_backward, {str(started)!r}, mesh="m:2")
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.2)  # a few steps in
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == -signal.SIGINT, err[-3000:]  # not -6 (SIGABRT)
+    assert "terminate called" not in err and "KeyboardInterrupt" in err
