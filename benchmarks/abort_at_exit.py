@@ -21,7 +21,7 @@ work in torch's thread-local autograd queue (freed when the system thread ends, 
 ``Thread.join``); on gloo, a process group's worker thread (``ProcessGroupGloo::runLoop``) finishing
 an ``AsyncAllgatherWork`` of a group that lived on into the exit. Before the fixes (``launcher/threads``
 waits for its threads' system threads; ``launcher/world.shutdown`` destroys every group): 13 of 26,
-14 of 15 and 2 of 30 runs aborted; after: 0 of 32, 0 of 15 and 0 of 25.
+14 of 15 and 2 of 30 runs aborted; after: 0 of 32, 0 of 15 and 0 of 55.
 """
 
 from __future__ import annotations
