@@ -173,6 +173,35 @@ def test_recv_on_gloo_still_gets_what_a_processor_sent_before_it_returned():
                      timeout=60) == [None, 1000 * 999 / 2]
 
 
+def leaves_the_world_after_collectives():
+    """What of this processor's gloo groups outlives leaving the world; then a collective."""
+    import gc
+    import weakref
+
+    from meshtorch.launcher.world import shutdown
+
+    comm = mt.current().comm
+    groups = [weakref.ref(comm.process_group(axes)) for axes in ("b", "m", ("b", "m"))]
+    comm.all_gather(torch.ones(4), ("b", "m"), dim=0)
+    shutdown()
+    gc.collect()
+    alive = sum(g() is not None for g in groups)
+    try:
+        comm.all_reduce(torch.ones(1), "b")
+    except CommError as e:
+        return alive, str(e)
+    return alive, "no error"
+
+
+def test_leaving_the_world_destroys_every_process_group_of_the_communicator():
+    """Groups that lived on into the interpreter's exit aborted it now and then ("terminate called
+    without an active exception"): a gloo worker thread freed a finished collective's tensors there."""
+    for alive, err in mt.launch(leaves_the_world_after_collectives, mesh="b:2,m:2", backend="torch",
+                                timeout=60):
+        assert alive == 0
+        assert "after this process left the torch.distributed world" in err
+
+
 def exits_in_collective(how: str):
     """Processor 1 leaves while processor 0 waits for it in an all_reduce."""
     comm = mt.current().comm

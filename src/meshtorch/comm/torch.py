@@ -49,6 +49,7 @@ import datetime
 import hashlib
 import itertools
 import os
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,34 @@ def _digest(call: dict) -> int:
 # (launcher/world.shutdown), since destroying a gloo process group under a send it still runs
 # aborts the interpreter
 _sending: dict[int, TorchCommunicator] = {}
+
+
+# every torch communicator of this process, for leave_groups
+_communicators: weakref.WeakSet = weakref.WeakSet()
+
+
+def leave_groups() -> None:
+    """Let go of every process group this process's torch communicators hold, after
+    ``dist.destroy_process_group()`` (see :func:`meshtorch.launcher.world.shutdown`).
+
+    The last reference to a gloo group destroys it: its worker threads are joined, with the
+    GIL released, so whatever work they still hold is freed now. A group that lived on into
+    the interpreter's exit had its worker free a finished collective's tensors then, taking the
+    GIL, and Python ended that thread with ``pthread_exit`` inside a C++ destructor: the process
+    aborted, "terminate called without an active exception" (seen in gdb on a torchrun run's
+    core: ``~AsyncAllgatherWork`` in ``ProcessGroupGloo::runLoop``). A communicator used after
+    this raises ``CommError``.
+
+    Example:
+        >>> from meshtorch.comm.torch import leave_groups
+        >>> leave_groups()  # no torch communicator: nothing to let go of
+    """
+    for comm in list(_communicators):
+        comm._left = True
+        comm._groups.clear()
+        comm._by_members.clear()
+        comm._sends = []
+        comm._device_mesh = None
 
 
 def wait_all_sends() -> None:
@@ -157,6 +186,8 @@ class TorchCommunicator(Communicator):
         self._missing: set[str] = set()
         self._sends: list[tuple] = []  # (work, tensor, axes, group) of point-to-point sends in flight
         self._device_mesh: DeviceMesh | None = None
+        self._left = False  # leave_groups() let go of the groups: the world was left
+        _communicators.add(self)
         if len(mesh.axis_names) <= EAGER_AXES:
             names = mesh.axis_names
             for k in range(1, len(names) + 1):
@@ -175,6 +206,9 @@ class TorchCommunicator(Communicator):
         pg = self._groups.get(key)
         if pg is not None:
             return pg
+        if self._left:
+            raise CommError(f"a collective over axes {key} after this process left the torch.distributed "
+                            "world (meshtorch.launcher.world.shutdown); collectives belong before it")
         mine = self.mesh.group(self.rank, key)
         # our own groups, even for the whole world: they carry the collective timeout,
         # while the default group keeps the longer one it needed for the rendezvous

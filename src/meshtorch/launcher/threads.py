@@ -38,6 +38,10 @@ from meshtorch.mesh import Mesh
 _GATHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # after an interrupt (Ctrl-C), how long the launch waits for its processors to reach a collective and stop
 INTERRUPT_GRACE_S = 10.0
+# how long the launch waits for the system threads of processors that have finished to end (see _until_ended)
+THREAD_END_S = 5.0
+# where Linux lists this process's system threads, by id (Thread.native_id)
+_TASKS = "/proc/self/task"
 
 
 def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules,
@@ -98,18 +102,17 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
         else:
             threads = [threading.Thread(target=run, args=(r,), name=f"meshtorch-{r}", daemon=True)
                        for r in range(n)]
-            for t in threads:
-                t.start()
             try:
+                for t in threads:
+                    t.start()
                 running = _wait(hub, n)
             except BaseException:  # e.g. Ctrl-C: the processors stop at their next collective
                 hub.close("the launch was interrupted")
                 # and are waited for: an interpreter that exits while they are inside torch's kernels
                 # can abort ("terminate called without an active exception") instead of exiting
-                deadline = time.monotonic() + INTERRUPT_GRACE_S
-                for t in threads:
-                    t.join(max(0.0, deadline - time.monotonic()))
+                _stop(threads, time.monotonic() + INTERRUPT_GRACE_S)
                 raise
+            _stop([t for r, t in enumerate(threads) if r not in running], time.monotonic() + THREAD_END_S)
         with hub.cond:  # a snapshot: processors left behind may still finish later
             failures, first = dict(errors), list(order)
             note = _abandon(hub, running) if running else ""
@@ -141,6 +144,45 @@ def _wait(hub: Hub, n: int) -> list[int]:
                 return sorted(set(range(n)) - hub.finished)
             hub.finishes.wait(None if deadline == math.inf else deadline - now)
     return []
+
+
+def _stop(threads: list[threading.Thread], deadline: float) -> None:
+    """Wait until ``deadline`` for ``threads`` (processors that finished, or were told to stop) to
+    end, system threads included (:func:`_until_ended`). A second Ctrl-C meanwhile does not cut the
+    wait short: the process would abort instead of exiting; the wait is bounded."""
+    while True:
+        try:
+            for t in threads:
+                if t.ident is not None:  # started
+                    t.join(max(0.0, deadline - time.monotonic()))
+            _until_ended([t for t in threads if t.ident is not None and not t.is_alive()], deadline)
+            return
+        except KeyboardInterrupt:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _until_ended(threads: list[threading.Thread], deadline: float) -> None:
+    """Wait until ``deadline`` for the system threads of ``threads`` (joined) to end.
+
+    ``Thread.join`` returns once a thread's Python code is done, before its system thread has
+    run the destructors of its C++ thread-local state. After a ``backward()`` that raised (its
+    collective abandoned because another processor failed, or on Ctrl-C), torch's autograd
+    engine still holds the rest of that backward's work in such a thread-local queue, and
+    freeing its tensors takes the GIL. If the interpreter has begun to exit by then, Python
+    ends the thread with ``pthread_exit`` inside that C++ destructor and the whole process
+    aborts: "terminate called without an active exception" (pytorch/pytorch#38228). So the
+    launch returns only after those threads have ended. Linux lists its threads in
+    ``/proc/self/task``; elsewhere this does not wait.
+    """
+    if not os.path.isdir(_TASKS):
+        return
+    pause = 0.0005
+    for t in threads:
+        task = os.path.join(_TASKS, str(t.native_id))
+        while os.path.exists(task) and time.monotonic() < deadline:
+            time.sleep(pause)  # the GIL is released: the ending thread may need it
+            pause = min(2 * pause, 0.01)
 
 
 def _abandon(hub: Hub, running: list[int]) -> str:

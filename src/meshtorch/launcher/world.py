@@ -167,6 +167,8 @@ def shutdown() -> None:
     point-to-point send of this process has been delivered: gloo aborts the interpreter
     ("terminate called without an active exception") when its process group is destroyed
     under a send still in flight. A send that fails now is its receiver's error to report.
+    Every process group is destroyed here, its threads joined, none left to the interpreter's
+    exit (:func:`~meshtorch.comm.torch.leave_groups`).
 
     Example:
         >>> from meshtorch.launcher.world import shutdown
@@ -175,10 +177,13 @@ def shutdown() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from meshtorch.comm.torch import wait_all_sends
+        from meshtorch.comm.torch import leave_groups, wait_all_sends
 
         try:
             wait_all_sends()
         except CommError:
             pass
         dist.destroy_process_group()
+        # and the groups die now, not in the interpreter's exit, where a gloo worker thread that
+        # frees a finished collective's tensors aborts the process (see leave_groups)
+        leave_groups()
