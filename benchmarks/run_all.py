@@ -35,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 
 # modules the benchmarks (and tests) import, not benchmarks themselves
 MODULES = {"limits", "run_all", "allocator_peak"}
+# loops that count rare failures (minutes, no speed figure): run by hand, never by run_all
+REPRODUCTIONS = {"abort_at_exit"}
 
 # name -> (arguments of a full run, arguments of a --quick run)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
