@@ -35,8 +35,11 @@ HERE = Path(__file__).resolve().parent
 
 # modules the benchmarks (and tests) import, not benchmarks themselves
 MODULES = {"limits", "run_all", "allocator_peak"}
-# loops that count rare failures (minutes, no speed figure): run by hand, never by run_all
-REPRODUCTIONS = {"abort_at_exit"}
+# scripts in benchmarks/ that run_all leaves to others, and why
+BY_HAND = {
+    "abort_at_exit": "a loop counting rare aborts (minutes, no speed figure): run by hand",
+    "plan_vs_gpu_step": "reads gpu_step.py's GPU measurements: gpu_check.sh runs it after them",
+}
 
 # name -> (arguments of a full run, arguments of a --quick run)
 BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {

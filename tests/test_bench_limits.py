@@ -84,4 +84,4 @@ def test_run_all_table_names_each_benchmark_its_figures_and_failures(monkeypatch
     assert "| tp_mlp: step | 1 | 2.00 | 0.001 | 0.0 | 1.00 | 2.00 | 50.0 | 0.0 |" in page
     assert "| planner | failed (exit 1) |" in page and "Traceback: boom" in page
     assert set(run_all.BENCHMARKS) == {p.stem for p in (Path(__file__).resolve().parents[1] / "benchmarks")
-                                       .glob("*.py")} - run_all.MODULES - run_all.REPRODUCTIONS
+                                       .glob("*.py")} - run_all.MODULES - set(run_all.BY_HAND)
