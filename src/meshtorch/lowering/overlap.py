@@ -172,11 +172,16 @@ def runtime(comm: Communicator) -> Runtime:
     return rt
 
 
-def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
-    """After an op ran forward on ``used`` (values from :func:`overlapped_input`): before the op's
-    backward, gather again those of them that were freed since (with ``reshard_after_forward``:
-    now, but for the last forward bucket, which backward needs first; otherwise once their
-    gradient is taken, as FSDP2 frees after backward, which a retained graph may run again)."""
+def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
+                  args: Sequence[torch.Tensor] = ()) -> None:
+    """After an op ran forward on ``used`` (values from :func:`overlapped_input`; ``args``: all
+    the op's local inputs): free the gathered values that the op's backward does not read (an
+    autocast's bf16 copy, an embedding's rows: autograd keeps the copy, not the fp32 gathered
+    value), once the step has read them for the last time in forward; with
+    ``reshard_after_forward``, free the others too but for the last forward bucket, which
+    backward needs first. Before the op's backward, gather again those it reads that were freed
+    since (otherwise they stay until their gradient is taken, as FSDP2 frees after backward,
+    which a retained graph may run again)."""
     if not used or torch.compiler.is_compiling():
         return
     entries = [e for e in (getattr(v, "_overlap_entry", None) for v in used) if e is not None and e.gathered]
@@ -188,13 +193,102 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
-    if rt.reshard:
-        last = len(rt.plan) - 1
-        for e in entries:
-            if e.fwd is None or e.fwd != last:
-                e.free()
-    if result.requires_grad:
-        result.register_hook(lambda g: (rt.refill(entries), g)[1])
+    unread = unread_by_backward(result, [e.leaf for e in entries], args)
+    kept = []
+    counting = rt.buckets is None  # no gradient yet: forward (a recomputed forward runs in backward)
+    for e, skip in zip(entries, unread):
+        e.reads += counting
+        if not skip:
+            e.needed = True
+            kept.append(e)
+    last = len(rt.plan) - 1
+    for e, skip in zip(entries, unread):
+        if rt.reshard and (skip or e.fwd is None or e.fwd != last):
+            e.free()
+        elif skip and not e.needed and e.reads >= rt.uses.get(e.key, 1):
+            # nothing reads it again this step (as the step before read it; in the first step,
+            # assumed): an earlier op's backward that reads it keeps it (``needed``)
+            e.free()
+    if kept and result.requires_grad:
+        result.register_hook(lambda g: (rt.refill(kept), g)[1])
+
+
+# Autograd nodes whose result is new storage and whose backward reads no value of the input
+# (a cast, a copy, a sum, a row lookup: those two save only the integer indices)
+_COPIES = frozenset({"ToCopyBackward0", "CloneBackward0", "AddBackward0", "SubBackward0", "NegBackward0",
+                     "IndexBackward0", "EmbeddingBackward0"})
+_MAX_NODES = 256  # an op's own autograd graph is a few nodes; past this, assume it reads everything
+_saves: dict[type, bool] = {}
+
+
+def _saves_tensors(node: object) -> bool:
+    """Whether autograd nodes of ``node``'s kind keep tensors for backward (``_raw_saved_*``)."""
+    kind = type(node)
+    saves = _saves.get(kind)
+    if saves is None:
+        saves = _saves[kind] = any(a.startswith("_raw_saved_") for a in dir(kind))
+    return saves
+
+
+def unread_by_backward(result: torch.Tensor, leaves: Sequence[torch.Tensor],
+                       args: Sequence[torch.Tensor] = ()) -> list[bool]:
+    """For each leaf an op read to compute ``result``, whether the op's backward leaves the
+    leaf's storage unread: every path from the leaf up through the op's autograd graph (that
+    between ``result`` and the op's inputs ``args``) reaches a cast or copy (:data:`_COPIES`)
+    before any node that keeps tensors, passing only nodes that keep none (views, which share
+    the leaf's storage). Unknown kinds count as reading it: a freed storage that backward reads
+    would fail, a kept one costs only memory.
+
+    Example (an autocast's cast keeps its bf16 copy; a matmul keeps its fp32 operand):
+        >>> import torch
+        >>> from meshtorch.lowering.overlap import unread_by_backward
+        >>> w = torch.ones(3, 2, requires_grad=True)
+        >>> x = torch.ones(4, 3)
+        >>> unread_by_backward(x.bfloat16() @ w.t().bfloat16().t(), [w]), unread_by_backward(x @ w, [w])
+        ([True], [False])
+    """
+    stop = {a.grad_fn for a in args if a.grad_fn is not None}
+    consumers: dict = {}  # node -> the nodes of this op whose input it makes
+    accumulators: dict = {}  # id(leaf) -> its AccumulateGrad node
+    wanted = {id(t) for t in leaves}
+    start = result.grad_fn
+    seen, todo = {start}, [start] if start is not None else []
+    while todo:
+        n = todo.pop()
+        if len(seen) > _MAX_NODES:
+            return [False] * len(leaves)
+        for child, _ in n.next_functions:
+            if child is None:
+                continue
+            consumers.setdefault(child, []).append(n)
+            if child in seen:
+                continue
+            seen.add(child)
+            variable = getattr(child, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                if id(variable) in wanted:
+                    accumulators[id(variable)] = child
+            elif child not in stop:
+                todo.append(child)
+
+    # (no nested function: a recursive closure is a reference cycle, and it would keep these
+    # nodes, and the activations they save, alive until the garbage collector runs)
+    return [not _reads(consumers.get(accumulators.get(id(t)), ()), consumers) for t in leaves]
+
+
+def _reads(first: Sequence, consumers: dict) -> bool:
+    """Whether a node among ``first`` (the nodes that take a leaf's value), or one after a node that
+    keeps no tensor (a view: its result shares the storage), keeps tensors for backward."""
+    todo, seen = list(first), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or type(n).__name__ in _COPIES:
+            continue
+        if _saves_tensors(n) or len(seen) > _MAX_NODES:
+            return True
+        seen.add(n)
+        todo.extend(consumers.get(n, ()))
+    return False
 
 
 # ------------------------------------------------------------------ the runtime
@@ -202,7 +296,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -215,6 +309,8 @@ class Entry:
         self.bucket: int | None = None  # its backward bucket
         self.fwd: int | None = None  # its forward bucket (the previous step's reads)
         self.freed = False
+        self.reads = 0  # forward ops that read it this step
+        self.needed = False  # some op's backward reads its value
         # never freed: an op's result is a view of it, or it is the parameter's own storage (freeing
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
@@ -268,6 +364,7 @@ class Runtime:
         # each kept under its first read (several models on one processor each keep theirs)
         self.plan: list[list[tuple]] = []
         self.plan_at: dict = {}  # key -> bucket index
+        self.uses: dict = {}  # key -> forward ops that read it in the step the plan is from
         self.plans: dict = {}  # first read's key -> (plan, plan_at), the newest last
         self.chosen = False
         self.fetches: dict[int, Handle] = {}  # forward bucket -> its gather in flight (or done)
@@ -304,7 +401,7 @@ class Runtime:
         """The entry of a gathered parameter: from the bucket the previous step read it in
         (gathered with the bucket, the next one prefetched), or gathered alone."""
         if not self.chosen:
-            self.plan, self.plan_at = self.plans.get(key, ([], {}))
+            self.plan, self.plan_at, self.uses = self.plans.get(key, ([], {}, {}))
             self.chosen = True
         k = self.plan_at.get(key)
         if k is None:
@@ -504,10 +601,11 @@ class Runtime:
             first = plan[0][0][1]
             self.plans.pop(first, None)
             self.plans[first] = ([[m[:4] for m in b] for b in plan],
-                                 {m[1]: k for k, b in enumerate(plan) for m in b})
+                                 {m[1]: k for k, b in enumerate(plan) for m in b},
+                                 {e.key: e.reads for e in self.order if e.gathered})
             while len(self.plans) > MAX_PLANS:
                 del self.plans[next(iter(self.plans))]
-        self.plan, self.plan_at, self.chosen = [], {}, False
+        self.plan, self.plan_at, self.uses, self.chosen = [], {}, {}, False
         self.fetches = {}
         self.entries, self.order = {}, []
         self.buckets, self.launched, self.finishing = None, 0, False
