@@ -109,14 +109,52 @@ def pack_gather(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes) -> t
 
 
 def unpack_gather(out: torch.Tensor, n: int, layout: list) -> list[torch.Tensor]:
-    rows = out.view(n, -1)
-    result, at = [], 0
-    for shape, d in layout:
-        size = math.prod(shape)
-        piece = rows[:, at:at + size].reshape((n * shape[0],) + shape[1:])
-        result.append(piece.movedim(0, d).contiguous())
-        at += size
-    return result
+    got = Gathered(out, n, layout)
+    return [got.take(i) for i in range(len(got))]
+
+
+class Gathered:
+    """A grouped all_gather's flat result, unpacked one tensor at a time: :meth:`take` copies
+    tensor ``i`` out, into a tensor of the caller's (a storage it refills) without a copy in
+    between; the flat result is let go once every tensor has been taken.
+
+    Example:
+        >>> import torch
+        >>> out = torch.arange(8.0)  # each of 2 members sent [a (1 x 2) | b (1 x 2)], a gathered on dim 1
+        >>> got = Gathered(out, 2, [((2, 1), 1), ((1, 2), 0)])  # (shape with the dim first, the dim)
+        >>> got.take(0).tolist(), got.take(1, into=torch.empty(2, 2)).tolist()
+        ([[0.0, 1.0, 4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]])
+    """
+
+    def __init__(self, out: torch.Tensor, n: int, layout: list):
+        self._rows: torch.Tensor | None = out.view(n, -1)
+        self._n, self._layout = n, layout
+        self._at = [0]
+        for shape, _ in layout:
+            self._at.append(self._at[-1] + math.prod(shape))
+        self._left = set(range(len(layout)))
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    def take(self, i: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``i`` gathered (written into ``into``, of its shape, where given)."""
+        rows = self._rows
+        if rows is None or i not in self._left:
+            raise CommError(f"member {i} of this grouped all_gather was taken already")
+        (shape, d), n = self._layout[i], self._n
+        piece = rows[:, self._at[i]:self._at[i + 1]]
+        self._left.discard(i)
+        if not self._left:
+            self._rows = None
+        if into is None and d == 0 and piece.is_contiguous():
+            return piece.view((n * shape[0],) + shape[1:])  # one member in the call: no copy
+        if into is None:
+            whole = [*shape[1:d + 1], n * shape[0], *shape[d + 1:]]  # the gathered tensor's shape
+            into = torch.empty(whole, dtype=rows.dtype, device=rows.device)
+        # the caller's tensor seen as the pieces: (n, *shape) with d first, a view (no copy)
+        into.movedim(d, 0).unflatten(0, (n, shape[0])).copy_(piece.unflatten(1, shape))
+        return into
 
 
 def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from meshtorch.comm.base import Communicator, as_axes
-from meshtorch.comm.grouped import Handle
+from meshtorch.comm.grouped import Gathered, Handle
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering import adapters as ca
 
@@ -202,12 +202,14 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
             e.needed = True
             kept.append(e)
     last = len(rt.plan) - 1
+    # (in backward, a recomputed forward's values stay for the backward that follows it at once)
+    reshard = rt.reshard and counting
     for e, skip in zip(entries, unread):
-        if rt.reshard and (skip or e.fwd is None or e.fwd != last):
-            e.free()
-        elif skip and not e.needed and e.reads >= rt.uses.get(e.key, 1):
-            # nothing reads it again this step (as the step before read it; in the first step,
-            # assumed): an earlier op's backward that reads it keeps it (``needed``)
+        if e.reads < rt.uses.get(e.key, 1):
+            continue  # read again in this forward (as the step before; in the first step, assumed not)
+        if skip and (reshard or not e.needed):
+            e.free()  # an earlier op's backward that reads it keeps it (``needed``) but resharded
+        elif reshard and (e.fwd is None or e.fwd != last):
             e.free()
     if kept and result.requires_grad:
         result.register_hook(lambda g: (rt.refill(kept), g)[1])
@@ -328,11 +330,16 @@ class Entry:
             self.freed = True
             _resized(self.leaf)
 
-    def fill(self, value: torch.Tensor) -> None:
+    def fill(self, got: Gathered | list, i: int) -> None:
+        """Gather the value again from member ``i`` of a grouped all_gather's result, into the
+        storage it had (autograd's saved views of it see the values again)."""
         if self.freed:
             data = self.leaf.data  # its own version counter: autograd's saved copy stays valid
             data.untyped_storage().resize_(self.nbytes)
-            data.copy_(value)
+            if isinstance(got, Gathered):
+                got.take(i, into=data)  # from the flat result straight into the storage
+            else:
+                data.copy_(got[i])
             self.freed = False
             _resized(self.leaf)
 
@@ -394,8 +401,15 @@ class Runtime:
         elif e not in self.order:
             self.order.append(e)
         if e.freed:
-            self.refill([e])
-        return e.leaf
+            # read again in forward (the step before read it once more than this one): alone; in
+            # backward (a recomputed forward): with the rest of its bucket, the next prefetched
+            self.refill([e], read=True, alone=self.buckets is None)
+        # a view, not the leaf: autocast caches its casts of leaves that require grad until the
+        # autocast block ends (the whole forward), which would keep a bf16 copy of every parameter
+        # the step reads alive through a recomputed forward; the per-use path's values are no leaves
+        value = e.leaf.view_as(e.leaf)
+        value._overlap_entry = e
+        return value
 
     def _gathered(self, param, key, axes, dim) -> Entry:
         """The entry of a gathered parameter: from the bucket the previous step read it in
@@ -408,9 +422,11 @@ class Runtime:
             value = self.comm.all_gather_grouped([param.detach()], axes, [dim])[0]
             return Entry(self, param, key, "reduce_scatter", axes, dim, value)
         self._fetch(k)
-        if k + 1 < len(self.plan):
-            self._fetch(k + 1)  # prefetch: runs while bucket k computes
         members, values = self.plan[k], self.fetches[k].wait()
+        if k + 1 < len(self.plan):
+            # prefetch: runs while bucket k computes; issued once k is unpacked, as FSDP2 does, so
+            # that k's flat result is gone before k + 1's arrives
+            self._fetch(k + 1)
         made = None
         for (ref, mkey, maxes, mdim), value in zip(members, values):
             p = ref()
@@ -437,36 +453,40 @@ class Runtime:
         self.fetches[k] = self.comm.all_gather_grouped(
             [p.detach() for p, _, _ in members], members[0][1], [d for _, _, d in members], async_op=True)
 
-    def refill(self, entries: Sequence[Entry]) -> None:
+    def refill(self, entries: Sequence[Entry], read: bool = False, alone: bool = False) -> None:
         """Gather freed values again (reshard after forward): grouped with the rest of their
-        forward bucket, the bucket before prefetched (backward runs the buckets in reverse)."""
+        forward bucket that backward reads (``needed``; for a forward that reads them again,
+        ``read``, a recomputed one: all of it), the bucket before prefetched (backward runs the
+        buckets in reverse); ``alone``: only ``entries``, grouped."""
         todo = [e for e in entries if e.freed]
         if not todo:
             return
-        for k in sorted({e.fwd for e in todo if e.fwd is not None}, reverse=True):
-            self._refetch(k)
+        for k in sorted({e.fwd for e in todo if e.fwd is not None and not alone}, reverse=True):
+            self._refetch(k, read)
             members, work = self.refetches.pop(k)
-            for e, v in zip(members, work.wait()):
-                e.fill(v)
+            got = work.wait()
+            for i, e in enumerate(members):
+                e.fill(got, i)
             if k > 0:
-                self._refetch(k - 1)
+                self._refetch(k - 1, read)
         groups: dict = {}
         for e in todo:
             if e.freed:  # not in a bucket: gathered with the others of its axes and dtype
                 groups.setdefault((as_axes(e.axes), e.leaf.dtype), []).append(e)
         for group in groups.values():
-            vals = self.comm.all_gather_grouped([e.param.detach() for e in group], group[0].axes,
-                                                [e.dim for e in group])
-            for e, v in zip(group, vals):
-                e.fill(v)
+            got = self.comm.all_gather_grouped([e.param.detach() for e in group], group[0].axes,
+                                               [e.dim for e in group], lazy=True)
+            for i, e in enumerate(group):
+                e.fill(got, i)
 
-    def _refetch(self, k: int) -> None:
-        """Start gathering the freed members of forward bucket ``k`` again (once)."""
+    def _refetch(self, k: int, read: bool = False) -> None:
+        """Start gathering the freed members of forward bucket ``k`` again (once): those that
+        backward reads, or with ``read`` all of them."""
         if k in self.refetches:
             return
-        members = [e for e in self.order if e.fwd == k and e.freed]
+        members = [e for e in self.order if e.fwd == k and e.freed and (read or e.needed)]
         work = (self.comm.all_gather_grouped([e.param.detach() for e in members], members[0].axes,
-                                             [e.dim for e in members], async_op=True)
+                                             [e.dim for e in members], async_op=True, lazy=True)
                 if members else Handle(lambda: []))
         self.refetches[k] = (members, work)
 
