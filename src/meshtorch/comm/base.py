@@ -374,7 +374,7 @@ class Communicator(ABC):
         axes, group = self._grouped("reduce_scatter", tensors, axes, release)
         if len(group) == 1:
             return _alone(tensors, async_op, release)
-        buf, layout = gp.pack_scatter(tensors, dims, axes, len(group))
+        buf, layout = gp.pack_scatter(tensors, dims, axes, len(group), release)
         _release(tensors, release)
         self._record("reduce_scatter", axes, buf.numel() * buf.element_size())
         call = self._describe("reduce_scatter", axes, buf, op=op, dim=0)
@@ -392,7 +392,7 @@ class Communicator(ABC):
         axes, group = self._grouped("all_reduce", tensors, axes, release)
         if len(group) == 1:
             return _alone(tensors, async_op, release)
-        flat, shapes = gp.pack_reduce(tensors, axes)
+        flat, shapes = gp.pack_reduce(tensors, axes, release)
         _release(tensors, release)
         self._record("all_reduce", axes, flat.numel() * flat.element_size())
         call = self._describe("all_reduce", axes, flat, op=op)

@@ -157,12 +157,14 @@ class Gathered:
         return into
 
 
-def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int
+def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int, release: bool = False
                  ) -> tuple[torch.Tensor, list]:
     """The ``(n, total)`` buffer a member hands a grouped reduce_scatter, and how to unpack its row:
-    row ``j`` is member ``j``'s chunk of each tensor, in that chunk's own layout."""
-    _check("reduce_scatter", tensors, axes)
-    rows, shapes = [], []
+    row ``j`` is member ``j``'s chunk of each tensor, in that chunk's own layout. Each tensor is
+    copied into the buffer once (no copy in between); with ``release`` (``tensors`` a list) each
+    is dropped from the list once copied, so that a bucket costs its buffer and not twice that."""
+    dtype = _check("reduce_scatter", tensors, axes)
+    moved, shapes = [], []
     for i, (t, d) in enumerate(zip(tensors, dims)):
         if not t.dim():
             raise CommError(f"grouped reduce_scatter over {axes}: tensor {i} is a scalar, with no dim "
@@ -175,10 +177,18 @@ def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: 
                 "tensor at a time (Communicator.reduce_scatter with sizes=)")
         # the n chunks along d as a leading dim, each keeping its dims in order: unpacked, a
         # chunk is a contiguous view of the row (no copy, and no row kept alive for a copy)
-        chunks = t.detach().unflatten(d, (n, t.shape[d] // n)).movedim(d, 0)
-        rows.append(chunks.reshape(n, -1))
-        shapes.append(tuple(chunks.shape[1:]))
-    return torch.cat(rows, 1), shapes
+        moved.append((d, t.shape[d] // n))
+        shapes.append(tuple(t.shape[:d]) + (t.shape[d] // n,) + tuple(t.shape[d + 1:]))
+    sizes = [math.prod(s) for s in shapes]
+    buf = torch.empty((n, sum(sizes)), dtype=dtype, device=tensors[0].device)
+    at = 0
+    for i, ((d, piece), shape, size) in enumerate(zip(moved, shapes, sizes)):
+        chunks = tensors[i].detach().unflatten(d, (n, piece)).movedim(d, 0)
+        buf[:, at:at + size].unflatten(1, shape).copy_(chunks)
+        at += size
+        if release:
+            tensors[i] = None  # type: ignore[index]  # the caller's list held it last: freed now
+    return buf, shapes
 
 
 def unpack_scatter(row: torch.Tensor, shapes: list) -> list[torch.Tensor]:
@@ -191,10 +201,20 @@ def unpack_scatter(row: torch.Tensor, shapes: list) -> list[torch.Tensor]:
     return result
 
 
-def pack_reduce(tensors: Sequence[torch.Tensor], axes) -> tuple[torch.Tensor, list]:
-    """The flat buffer of a grouped all_reduce, and the tensors' shapes to unpack it."""
-    _check("all_reduce", tensors, axes)
-    return torch.cat([t.detach().reshape(-1) for t in tensors]), [tuple(t.shape) for t in tensors]
+def pack_reduce(tensors: Sequence[torch.Tensor], axes, release: bool = False) -> tuple[torch.Tensor, list]:
+    """The flat buffer of a grouped all_reduce, and the tensors' shapes to unpack it (``release``:
+    as :func:`pack_scatter`'s)."""
+    dtype = _check("all_reduce", tensors, axes)
+    shapes = [tuple(t.shape) for t in tensors]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    at = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        flat[at:at + size].view(shape).copy_(tensors[i].detach())
+        at += size
+        if release:
+            tensors[i] = None  # type: ignore[index]
+    return flat, shapes
 
 
 def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:
