@@ -206,6 +206,9 @@ def pack_reduce(tensors: Sequence[torch.Tensor], axes, release: bool = False) ->
     as :func:`pack_scatter`'s)."""
     dtype = _check("all_reduce", tensors, axes)
     shapes = [tuple(t.shape) for t in tensors]
+    whole = _packed(tensors)
+    if whole is not None:
+        return whole, shapes  # packed already (overlap's buckets): no copy
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
     at = 0
     for i, shape in enumerate(shapes):
@@ -215,6 +218,20 @@ def pack_reduce(tensors: Sequence[torch.Tensor], axes, release: bool = False) ->
         if release:
             tensors[i] = None  # type: ignore[index]
     return flat, shapes
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The flat buffer ``tensors`` are, in order, the consecutive contiguous views of (all of it),
+    or None."""
+    base = tensors[0]._base
+    if base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    at = base.storage_offset()
+    for t in tensors:
+        if t._base is not base or not t.is_contiguous() or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return base if at == base.storage_offset() + base.numel() else None
 
 
 def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:

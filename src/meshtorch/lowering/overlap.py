@@ -70,6 +70,8 @@ from meshtorch.lowering import adapters as ca
 
 FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
 MAX_PLANS = 16  # models whose read order one processor keeps
+MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's gradients
+MAX_PENDING = 1  # launched gradient buckets in flight (waited on, and added, when another one is)
 _on = threading.local()  # this processor's options, while inside overlap()
 
 
@@ -193,7 +195,9 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
-    unread = unread_by_backward(result, [e.leaf for e in entries], args)
+    # (the values handed to the op are views of the leaves: the walk goes through them)
+    others = [a for a in args if all(a is not v for v in used)]
+    unread = unread_by_backward(result, [e.leaf for e in entries], others)
     kept = []
     counting = rt.buckets is None  # no gradient yet: forward (a recomputed forward runs in backward)
     for e, skip in zip(entries, unread):
@@ -275,7 +279,11 @@ def unread_by_backward(result: torch.Tensor, leaves: Sequence[torch.Tensor],
 
     # (no nested function: a recursive closure is a reference cycle, and it would keep these
     # nodes, and the activations they save, alive until the garbage collector runs)
-    return [not _reads(consumers.get(accumulators.get(id(t)), ()), consumers) for t in leaves]
+    if start is None:
+        return [True] * len(leaves)  # no backward runs through the op
+    # a leaf the walk did not reach counts as read: a freed storage that backward reads would fail
+    return [id(t) in accumulators and not _reads(consumers.get(accumulators[id(t)], ()), consumers)
+            for t in leaves]
 
 
 def _reads(first: Sequence, consumers: dict) -> bool:
@@ -380,6 +388,7 @@ class Runtime:
         self.gather_bytes = 4 * 2**20
         self.reshard = False
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
+        self.packs: dict[int, dict] = {}  # all_reduce bucket -> its members' places in its flat buffer
 
     # -------------------------------------------------------------- forward
     def read(self, param: torch.Tensor, steps, how, opts: Options) -> torch.Tensor:
@@ -501,31 +510,65 @@ class Runtime:
             # a backward through a graph of an earlier step (retain_graph): reduce it alone
             self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
             return
-        e.grad = g if e.grad is None else e.grad + g
+        if self.buckets is None:
+            self._cut_buckets()
+            self._queue_finish()
+        if e.kind == "all_reduce" and e.bucket is not None:
+            e.grad = self._pack(e, g)
+        else:
+            e.grad = g if e.grad is None else e.grad + g
         del g  # held by the entry (or the bucket it launches) alone: released once packed
         self.arrived.add(e)
         if e.gathered:
             e.free()  # its last use has run backward
-        if self.buckets is None:
-            self._cut_buckets()
-            self._queue_finish()
         self._launch(flush=False)
         if self.callback_missing and len(self.arrived) == len(self.order):
             self.finish()
 
     callback_missing = False
 
+    def _pack(self, e: Entry, g: torch.Tensor) -> torch.Tensor:
+        """``e``'s gradient ``g`` copied into its place in its bucket's flat buffer (made at the
+        bucket's first gradient), as DDP's buckets: the bucket's all_reduce runs on that buffer
+        (:func:`~meshtorch.comm.grouped.pack_reduce` takes consecutive views of one buffer as
+        it is), so its gradients are never held twice, unreduced and packed."""
+        k = e.bucket
+        slots = self.packs.get(k)
+        if slots is None:
+            members = self.buckets[k]
+            flat = torch.empty(sum(m.leaf.numel() for m in members), dtype=g.dtype, device=g.device)
+            slots, at = {}, 0
+            for m in members:
+                slots[m] = flat[at:at + m.leaf.numel()].view(m.leaf.shape)
+                at += m.leaf.numel()
+            self.packs[k] = slots
+        slot = slots[e]
+        if e.grad is None:
+            slot.copy_(g)
+        else:
+            slot.add_(g)
+        return slot
+
     def _cut_buckets(self) -> None:
         """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
         gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
-        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers)."""
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers).
+        An all-reduce bucket holds at most a quarter of its kind's gradients (or 1 MB): its buffer is made at
+        its first gradient, while backward still holds most activations, so that a model smaller
+        than a few buckets does not hold its gradients' bytes early (its peak stays the per-use
+        path's)."""
         buckets: list[list[Entry]] = []
         open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
+        totals: dict = {}
+        for e in self.order:
+            key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+            totals[key] = totals.get(key, 0) + e.nbytes
         for e in reversed(self.order):
             key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
             k, size, count = open_.get(key, (None, 0, 0))
             if e.kind == "all_reduce":
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
+                cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             else:
                 cap = self.gather_bytes
             if k is None or size + e.nbytes > cap and size:
@@ -546,11 +589,17 @@ class Runtime:
             if not flush and any(e.grad is None for e in bucket):
                 return
             members = [e for e in bucket if e.grad is not None]
+            self.packs.pop(self.launched, None)  # its views, in the entries, hold the buffer
             if members:
                 grads = [e.grad for e in members]
                 for e in members:
                     e.grad = None
                 self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
+                if not flush and len(self.pending) > MAX_PENDING:
+                    # an asynchronous call holds its packed gradients until waited on: FSDP2 waits
+                    # for a block's reduce-scatter when it issues the next one
+                    done, work = self.pending.pop(0)
+                    self._add(done, work.wait())
             self.launched += 1
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
@@ -631,4 +680,5 @@ class Runtime:
         self.buckets, self.launched, self.finishing = None, 0, False
         self.callback_missing = False
         self.arrived = set()
+        self.packs = {}
         self.generation += 1
