@@ -121,11 +121,10 @@ class PlainStep:
         for i, batch in enumerate(batches):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, first + i)
-            # the step before's gradients go before forward: they would sit beside its activations
-            self.opt.zero_grad(set_to_none=True)
             with overlapped(self.cfg):
                 with precision_context(self.cfg):
                     loss = self.loss(*batch)
+                self.opt.zero_grad(set_to_none=True)
                 loss.backward()
             if self.cfg.optimizer.clip:
                 optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
