@@ -44,6 +44,8 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
     assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in m)
     summary = json.load(open(os.path.join(a, "summary.json")))
     assert summary["heldout_loss"] > 0 and 0 < summary["unigram_entropy"] < 6
+    # the run records how its parameters' collectives ran: overlapped and resharded, the defaults
+    assert (summary["overlap"], summary["reshard_after_forward"]) == (True, True)
 
     # the uninterrupted run vs 4 steps + resume for 4 more (on another mesh layout of the batch)
     assert cli.main(["train", "--steps", "8", "--out", b, "--data", text, *TINY]) == 0
@@ -244,3 +246,20 @@ def test_torchrun_processes_fit_the_tokenizer_once_and_share_its_ids(text, tmp_p
         assert loss == per_proc[0][2]
     assert sorted(f for f in os.listdir(os.path.join(out, "tokenizer"))) == ["tokenizer.json",
                                                                             "tokenizer_config.json"]
+
+
+def test_overlap_is_on_by_default_and_no_overlap_turns_it_off():
+    import argparse
+
+    from meshtorch.recipes.lm.flags import add_train_flags, config_from_args
+    from meshtorch.recipes.lm.strategies import overlaps
+
+    p = argparse.ArgumentParser()
+    add_train_flags(p)
+    default = config_from_args(p.parse_args([]))
+    assert overlaps(default) and default.parallelism.reshard_after_forward
+    off = config_from_args(p.parse_args(["--no-overlap"]))
+    assert not overlaps(off)
+    keep = config_from_args(p.parse_args(["--no-reshard-after-forward"]))
+    assert overlaps(keep) and not keep.parallelism.reshard_after_forward
+    assert not overlaps(config_from_args(p.parse_args(["--compile"])))  # a compiled graph schedules them

@@ -128,5 +128,7 @@ def test_a_planned_bf16_step_is_a_real_bf16_step(model, mesh, rules):
     assert planned.peak_bytes < fp32.peak_bytes
     measured = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, backend="threads")
     assert planned.peak_by_kind == measured.peak_by_kind and planned.peak_bytes == measured.peak_bytes
-    for kind in ("parameters", "gradients", "optimizer"):
+    # (gradients are not compared: under mt.overlap, the default, the bf16 step's peak may come at
+    # another moment than the fp32 one's, when other gradients are alive)
+    for kind in ("parameters", "optimizer"):
         assert planned.peak_by_kind[kind] == fp32.peak_by_kind[kind]

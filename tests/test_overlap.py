@@ -422,3 +422,80 @@ def test_a_gather_over_an_axis_of_size_one_leaves_the_parameter_alone(mode):
     kept, grads = mt.launch(functools.partial(storage_kept, mode), mesh=mesh, rules=rules)[0]
     assert all(kept)
     same(grads, off[1], exact=False)
+
+
+# how autograd nodes keep their inputs, on this torch: the node kinds ``unread_by_backward`` counts as
+# keeping nothing of their input must keep no tensor (a torch that starts saving one would make the
+# freeing unsafe: this fails first)
+COPIES_OF_A_LEAF = {
+    "ToCopyBackward0": lambda w, i: w.to(torch.bfloat16),
+    "CloneBackward0": lambda w, i: w.clone(),
+    "AddBackward0": lambda w, i: w + 1.0 * torch.ones(()),
+    "SubBackward0": lambda w, i: w - torch.ones(()),
+    "NegBackward0": lambda w, i: -w,
+    "IndexBackward0": lambda w, i: w[i],
+    "EmbeddingBackward0": lambda w, i: torch.nn.functional.embedding(i, w),
+}
+
+
+@pytest.mark.parametrize("kind", COPIES_OF_A_LEAF)
+def test_the_nodes_taken_for_copies_keep_nothing_of_their_input(kind):
+    w = torch.randn(4, 3, requires_grad=True)
+    out = COPIES_OF_A_LEAF[kind](w, torch.tensor([2, 0]))
+    node = out.grad_fn
+    assert type(node).__name__ == kind and kind in ov._COPIES
+    assert not any(isinstance(getattr(node, a), torch.Tensor) and a != "_saved_indices"
+                   for a in dir(node) if a.startswith("_saved_"))
+    assert unread(out, w) == [True]
+
+
+def unread(out: torch.Tensor, *leaves: torch.Tensor) -> list[bool]:
+    return ov.unread_by_backward(out, list(leaves))
+
+
+def test_a_value_that_backward_reads_is_told_from_one_it_does_not():
+    w, b = torch.randn(3, 2, requires_grad=True), torch.randn(2, requires_grad=True)
+    x = torch.randn(4, 3)
+    # a matmul keeps its operand (also through views: the transpose shares its storage); a bias
+    # added needs nothing of itself; an autocast-style cast keeps the copy, not the fp32 value
+    assert unread(x @ w.t().t() + b, w, b) == [False, True]
+    assert unread(x.bfloat16() @ w.bfloat16(), w) == [True]
+    assert unread((x * 2).sum() * w, w) == [False]  # mul keeps its other operand
+    # a leaf the op never reached counts as read (it cannot be told), one with no backward at all not
+    assert unread(x @ b.new_ones(3, 2).requires_grad_(), w) == [False]
+    assert unread((x @ w).detach(), w) == [True]
+    # the op's own graph only: the walk stops at the op's inputs
+    h = (x @ w).relu()
+    out = h * b
+    assert ov.unread_by_backward(out, [b], [h]) == [False]
+
+
+def test_the_read_analysis_leaves_no_reference_cycle():
+    """A recursive closure in it kept every op's autograd nodes (and so its saved activations)
+    alive until the garbage collector ran: the planned peak depended on when it did."""
+    import gc
+
+    w = torch.randn(3, 2, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        unread(torch.randn(4, 3) @ w.t().t(), w)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
+def test_a_grouped_gather_is_unpacked_into_a_callers_storage():
+    def f():
+        comm = mt.current().comm
+        a = torch.full((2, 3), float(comm.rank)) + torch.arange(3.0)
+        b = torch.full((1, 2), 10.0 + comm.rank)
+        eager = comm.all_gather_grouped([a, b], "b", dims=[1, 0])
+        got = comm.all_gather_grouped([a, b], "b", dims=[1, 0], lazy=True)
+        into = torch.empty(2, 6)
+        return eager, got.take(0, into=into) is into, into, got.take(1)
+
+    eager, same_storage, into, second = mt.launch(f, mesh="b:2")[0]
+    assert same_storage and torch.equal(into, eager[0]) and torch.equal(second, eager[1])
+    assert into.tolist() == [[0.0, 1.0, 2.0, 1.0, 2.0, 3.0]] * 2
+    assert second.tolist() == [[10.0, 10.0], [11.0, 11.0]]

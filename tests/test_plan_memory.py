@@ -44,6 +44,8 @@ def _gloo_jobs() -> dict[str, tuple]:
         jobs[case] = (mesh, training_step_peak, (_other(model, precision), VOCAB), rules)
     for case, (mesh, rules, cfg) in OVERLAPPED.items():
         jobs[case] = (mesh, training_step_peak, (cfg, VOCAB), rules)
+    for case, cfg in DEFAULT_VS_PER_USE.items():
+        jobs[case] = ("b:2", training_step_peak, (cfg, LM_VOCAB), "batch:b; d_model:b")
     jobs["pipeline"] = ("stage:2", pipelined_step_peak, (PIPELINED, VOCAB), "")
     for model in ("lm", "seq2seq"):
         jobs[f"recompute-{model}"] = (REMAT_MESH, step_flops_and_peak,
@@ -97,10 +99,11 @@ def test_planned_peak_is_within_5_percent_of_a_gloo_step(layout, real):
 
 # mt.overlap (grouped gradient buckets, grouped and prefetched gathers), and reshard_after_forward
 # on an LM whose two blocks' gathered weights (d_model 256 at batch 4 x 64) fill two gather buckets,
-# the first freed after forward and gathered again for backward
+# the first freed after forward and gathered again for backward (CFG overlaps and reshards: meshtorch
+# train's default)
 OVERLAPPED = {
     "data+overlap": ("b:2", "batch:b", CFG.replace(overlap=True)),
-    "fsdp+overlap": ("b:2", "batch:b; d_model:b", CFG.replace(overlap=True)),
+    "fsdp+overlap": ("b:2", "batch:b; d_model:b", CFG.replace(overlap=True, reshard_after_forward=False)),
     "fsdp+reshard": ("b:2", "batch:b; d_model:b", CFG.replace(d_model=256, d_kv=64, d_ff=1024, layers=2,
                                                               length=64, reshard_after_forward=True)),
 }
@@ -112,6 +115,23 @@ def test_overlapped_and_resharded_peaks_are_within_5_percent_of_a_gloo_step(case
     plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
     for r in real[case]:
         assert plan.peak_bytes == pytest.approx(r, rel=0.05), (case, plan.peak_bytes, real[case])
+
+
+# issue 27's LM (vocab 2048, d_model 256, 4 heads, d_ff 1024, 4 layers, tied) at batch 4 x 64, FSDP by
+# rules: meshtorch train's default step (mt.overlap, resharded after forward) and the per-use path
+LM_VOCAB = 2048
+LM = TrainConfig.of(batch=4, length=64, d_model=256, heads=4, d_kv=64, d_ff=1024, layers=4, optimizer="adamw")
+DEFAULT_VS_PER_USE = {"lm-default": LM, "lm-per-use": LM.replace(overlap=False)}
+
+
+def test_the_default_step_peaks_no_higher_than_the_per_use_path(real):
+    """Overlapping costs no memory here: the default step's peak, planned and measured by the gloo
+    allocator, is at most the per-use path's (which keeps every gathered weight a matmul saves)."""
+    planned = {case: trace(training_step(cfg, LM_VOCAB), mesh="b:2", rules="batch:b; d_model:b",
+                           staging="gloo").peak_bytes for case, cfg in DEFAULT_VS_PER_USE.items()}
+    assert planned["lm-default"] <= planned["lm-per-use"], planned
+    for default, per_use in zip(real["lm-default"], real["lm-per-use"]):
+        assert default <= per_use, (real["lm-default"], real["lm-per-use"])
 
 
 # the other models and bf16: seq2seq's cross-attention, MoE's dispatch (all_to_all over the

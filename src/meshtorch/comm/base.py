@@ -333,9 +333,12 @@ class Communicator(ABC):
         return axes, self.group(axes)
 
     def all_gather_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int],
-                           async_op: bool = False) -> list[torch.Tensor] | Handle:
+                           async_op: bool = False, lazy: bool = False) -> list[torch.Tensor] | Handle:
         """Each tensor gathered along its dim of ``dims`` over the group, as *one* flat
         all_gather (see :mod:`meshtorch.comm.grouped`); with ``async_op``, a :class:`Handle`.
+        With ``lazy``, the result is a :class:`~meshtorch.comm.grouped.Gathered` (its tensors
+        copied out one at a time, into storages of the caller's) instead of a list (a group of
+        one gives the list either way).
 
         Example:
             >>> import torch, meshtorch as mt
@@ -354,7 +357,8 @@ class Communicator(ABC):
         self._record("all_gather", axes, flat.numel() * flat.element_size())
         n = len(group)
         work = self._start_all_gather(flat, axes, group, self._describe("all_gather", axes, flat, dim=0),
-                                      lambda out: gp.unpack_gather(out, n, layout))
+                                      (lambda out: gp.Gathered(out, n, layout)) if lazy
+                                      else lambda out: gp.unpack_gather(out, n, layout))
         return self._issued(work) if async_op else work.wait()
 
     def reduce_scatter_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int], op: str = "sum",
@@ -370,7 +374,7 @@ class Communicator(ABC):
         axes, group = self._grouped("reduce_scatter", tensors, axes, release)
         if len(group) == 1:
             return _alone(tensors, async_op, release)
-        buf, layout = gp.pack_scatter(tensors, dims, axes, len(group))
+        buf, layout = gp.pack_scatter(tensors, dims, axes, len(group), release)
         _release(tensors, release)
         self._record("reduce_scatter", axes, buf.numel() * buf.element_size())
         call = self._describe("reduce_scatter", axes, buf, op=op, dim=0)
@@ -388,7 +392,7 @@ class Communicator(ABC):
         axes, group = self._grouped("all_reduce", tensors, axes, release)
         if len(group) == 1:
             return _alone(tensors, async_op, release)
-        flat, shapes = gp.pack_reduce(tensors, axes)
+        flat, shapes = gp.pack_reduce(tensors, axes, release)
         _release(tensors, release)
         self._record("all_reduce", axes, flat.numel() * flat.element_size())
         call = self._describe("all_reduce", axes, flat, op=op)

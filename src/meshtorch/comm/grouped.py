@@ -109,22 +109,62 @@ def pack_gather(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes) -> t
 
 
 def unpack_gather(out: torch.Tensor, n: int, layout: list) -> list[torch.Tensor]:
-    rows = out.view(n, -1)
-    result, at = [], 0
-    for shape, d in layout:
-        size = math.prod(shape)
-        piece = rows[:, at:at + size].reshape((n * shape[0],) + shape[1:])
-        result.append(piece.movedim(0, d).contiguous())
-        at += size
-    return result
+    got = Gathered(out, n, layout)
+    return [got.take(i) for i in range(len(got))]
 
 
-def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int
+class Gathered:
+    """A grouped all_gather's flat result, unpacked one tensor at a time: :meth:`take` copies
+    tensor ``i`` out, into a tensor of the caller's (a storage it refills) without a copy in
+    between; the flat result is let go once every tensor has been taken.
+
+    Example:
+        >>> import torch
+        >>> out = torch.arange(8.0)  # each of 2 members sent [a (1 x 2) | b (1 x 2)], a gathered on dim 1
+        >>> got = Gathered(out, 2, [((2, 1), 1), ((1, 2), 0)])  # (shape with the dim first, the dim)
+        >>> got.take(0).tolist(), got.take(1, into=torch.empty(2, 2)).tolist()
+        ([[0.0, 1.0, 4.0, 5.0]], [[2.0, 3.0], [6.0, 7.0]])
+    """
+
+    def __init__(self, out: torch.Tensor, n: int, layout: list):
+        self._rows: torch.Tensor | None = out.view(n, -1)
+        self._n, self._layout = n, layout
+        self._at = [0]
+        for shape, _ in layout:
+            self._at.append(self._at[-1] + math.prod(shape))
+        self._left = set(range(len(layout)))
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+    def take(self, i: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``i`` gathered (written into ``into``, of its shape, where given)."""
+        rows = self._rows
+        if rows is None or i not in self._left:
+            raise CommError(f"member {i} of this grouped all_gather was taken already")
+        (shape, d), n = self._layout[i], self._n
+        piece = rows[:, self._at[i]:self._at[i + 1]]
+        self._left.discard(i)
+        if not self._left:
+            self._rows = None
+        if into is None and d == 0 and piece.is_contiguous():
+            return piece.view((n * shape[0],) + shape[1:])  # one member in the call: no copy
+        if into is None:
+            whole = [*shape[1:d + 1], n * shape[0], *shape[d + 1:]]  # the gathered tensor's shape
+            into = torch.empty(whole, dtype=rows.dtype, device=rows.device)
+        # the caller's tensor seen as the pieces: (n, *shape) with d first, a view (no copy)
+        into.movedim(d, 0).unflatten(0, (n, shape[0])).copy_(piece.unflatten(1, shape))
+        return into
+
+
+def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: int, release: bool = False
                  ) -> tuple[torch.Tensor, list]:
     """The ``(n, total)`` buffer a member hands a grouped reduce_scatter, and how to unpack its row:
-    row ``j`` is member ``j``'s chunk of each tensor, in that chunk's own layout."""
-    _check("reduce_scatter", tensors, axes)
-    rows, shapes = [], []
+    row ``j`` is member ``j``'s chunk of each tensor, in that chunk's own layout. Each tensor is
+    copied into the buffer once (no copy in between); with ``release`` (``tensors`` a list) each
+    is dropped from the list once copied, so that a bucket costs its buffer and not twice that."""
+    dtype = _check("reduce_scatter", tensors, axes)
+    moved, shapes = [], []
     for i, (t, d) in enumerate(zip(tensors, dims)):
         if not t.dim():
             raise CommError(f"grouped reduce_scatter over {axes}: tensor {i} is a scalar, with no dim "
@@ -137,10 +177,18 @@ def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: 
                 "tensor at a time (Communicator.reduce_scatter with sizes=)")
         # the n chunks along d as a leading dim, each keeping its dims in order: unpacked, a
         # chunk is a contiguous view of the row (no copy, and no row kept alive for a copy)
-        chunks = t.detach().unflatten(d, (n, t.shape[d] // n)).movedim(d, 0)
-        rows.append(chunks.reshape(n, -1))
-        shapes.append(tuple(chunks.shape[1:]))
-    return torch.cat(rows, 1), shapes
+        moved.append((d, t.shape[d] // n))
+        shapes.append(tuple(t.shape[:d]) + (t.shape[d] // n,) + tuple(t.shape[d + 1:]))
+    sizes = [math.prod(s) for s in shapes]
+    buf = torch.empty((n, sum(sizes)), dtype=dtype, device=tensors[0].device)
+    at = 0
+    for i, ((d, piece), shape, size) in enumerate(zip(moved, shapes, sizes)):
+        chunks = tensors[i].detach().unflatten(d, (n, piece)).movedim(d, 0)
+        buf[:, at:at + size].unflatten(1, shape).copy_(chunks)
+        at += size
+        if release:
+            tensors[i] = None  # type: ignore[index]  # the caller's list held it last: freed now
+    return buf, shapes
 
 
 def unpack_scatter(row: torch.Tensor, shapes: list) -> list[torch.Tensor]:
@@ -153,10 +201,37 @@ def unpack_scatter(row: torch.Tensor, shapes: list) -> list[torch.Tensor]:
     return result
 
 
-def pack_reduce(tensors: Sequence[torch.Tensor], axes) -> tuple[torch.Tensor, list]:
-    """The flat buffer of a grouped all_reduce, and the tensors' shapes to unpack it."""
-    _check("all_reduce", tensors, axes)
-    return torch.cat([t.detach().reshape(-1) for t in tensors]), [tuple(t.shape) for t in tensors]
+def pack_reduce(tensors: Sequence[torch.Tensor], axes, release: bool = False) -> tuple[torch.Tensor, list]:
+    """The flat buffer of a grouped all_reduce, and the tensors' shapes to unpack it (``release``:
+    as :func:`pack_scatter`'s)."""
+    dtype = _check("all_reduce", tensors, axes)
+    shapes = [tuple(t.shape) for t in tensors]
+    whole = _packed(tensors)
+    if whole is not None:
+        return whole, shapes  # packed already (overlap's buckets): no copy
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    at = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        flat[at:at + size].view(shape).copy_(tensors[i].detach())
+        at += size
+        if release:
+            tensors[i] = None  # type: ignore[index]
+    return flat, shapes
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The flat buffer ``tensors`` are, in order, the consecutive contiguous views of (all of it),
+    or None."""
+    base = tensors[0]._base
+    if base is None or base.dim() != 1 or not base.is_contiguous():
+        return None
+    at = base.storage_offset()
+    for t in tensors:
+        if t._base is not base or not t.is_contiguous() or t.storage_offset() != at:
+            return None
+        at += t.numel()
+    return base if at == base.storage_offset() + base.numel() else None
 
 
 def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:

@@ -490,11 +490,11 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
         overlapped = [overlapped_input(x.local, s) if shared else None
                       for x, s, shared in zip(inputs, plan.inputs, plan.shared)]
-        result = local_fn(plan.view, *[
-            o if o is not None else run_shared(x.local, x.adapter_memo(), s) if shared
-            else run_steps(x.local, s)
-            for x, s, shared, o in zip(inputs, plan.inputs, plan.shared, overlapped)])
-        after_forward([o for o in overlapped if o is not None], result)
+        args = [o if o is not None else run_shared(x.local, x.adapter_memo(), s) if shared
+                else run_steps(x.local, s)
+                for x, s, shared, o in zip(inputs, plan.inputs, plan.shared, overlapped)]
+        result = local_fn(plan.view, *args)
+        after_forward([o for o in overlapped if o is not None], result, args)
     elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
     else:

@@ -64,12 +64,14 @@ from dataclasses import dataclass
 import torch
 
 from meshtorch.comm.base import Communicator, as_axes
-from meshtorch.comm.grouped import Handle
+from meshtorch.comm.grouped import Gathered, Handle
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering import adapters as ca
 
 FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
 MAX_PLANS = 16  # models whose read order one processor keeps
+MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's gradients
+MAX_PENDING = 1  # launched gradient buckets in flight (waited on, and added, when another one is)
 _on = threading.local()  # this processor's options, while inside overlap()
 
 
@@ -172,11 +174,16 @@ def runtime(comm: Communicator) -> Runtime:
     return rt
 
 
-def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
-    """After an op ran forward on ``used`` (values from :func:`overlapped_input`): before the op's
-    backward, gather again those of them that were freed since (with ``reshard_after_forward``:
-    now, but for the last forward bucket, which backward needs first; otherwise once their
-    gradient is taken, as FSDP2 frees after backward, which a retained graph may run again)."""
+def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
+                  args: Sequence[torch.Tensor] = ()) -> None:
+    """After an op ran forward on ``used`` (values from :func:`overlapped_input`; ``args``: all
+    the op's local inputs): free the gathered values that the op's backward does not read (an
+    autocast's bf16 copy, an embedding's rows: autograd keeps the copy, not the fp32 gathered
+    value), once the step has read them for the last time in forward; with
+    ``reshard_after_forward``, free the others too but for the last forward bucket, which
+    backward needs first. Before the op's backward, gather again those it reads that were freed
+    since (otherwise they stay until their gradient is taken, as FSDP2 frees after backward,
+    which a retained graph may run again)."""
     if not used or torch.compiler.is_compiling():
         return
     entries = [e for e in (getattr(v, "_overlap_entry", None) for v in used) if e is not None and e.gathered]
@@ -188,13 +195,110 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor) -> None:
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
-    if rt.reshard:
-        last = len(rt.plan) - 1
-        for e in entries:
-            if e.fwd is None or e.fwd != last:
-                e.free()
-    if result.requires_grad:
-        result.register_hook(lambda g: (rt.refill(entries), g)[1])
+    # (the values handed to the op are views of the leaves: the walk goes through them)
+    others = [a for a in args if all(a is not v for v in used)]
+    unread = unread_by_backward(result, [e.leaf for e in entries], others)
+    kept = []
+    counting = rt.buckets is None  # no gradient yet: forward (a recomputed forward runs in backward)
+    for e, skip in zip(entries, unread):
+        e.reads += counting
+        if not skip:
+            e.needed = True
+            kept.append(e)
+    last = len(rt.plan) - 1
+    # (in backward, a recomputed forward's values stay for the backward that follows it at once)
+    reshard = rt.reshard and counting
+    for e, skip in zip(entries, unread):
+        if e.reads < rt.uses.get(e.key, 1):
+            continue  # read again in this forward (as the step before; in the first step, assumed not)
+        if skip and (reshard or not e.needed):
+            e.free()  # an earlier op's backward that reads it keeps it (``needed``) but resharded
+        elif reshard and (e.fwd is None or e.fwd != last):
+            e.free()
+    if kept and result.requires_grad:
+        result.register_hook(lambda g: (rt.refill(kept), g)[1])
+
+
+# Autograd nodes whose result is new storage and whose backward reads no value of the input
+# (a cast, a copy, a sum, a row lookup: those two save only the integer indices)
+_COPIES = frozenset({"ToCopyBackward0", "CloneBackward0", "AddBackward0", "SubBackward0", "NegBackward0",
+                     "IndexBackward0", "EmbeddingBackward0"})
+_MAX_NODES = 256  # an op's own autograd graph is a few nodes; past this, assume it reads everything
+_saves: dict[type, bool] = {}
+
+
+def _saves_tensors(node: object) -> bool:
+    """Whether autograd nodes of ``node``'s kind keep tensors for backward (``_raw_saved_*``)."""
+    kind = type(node)
+    saves = _saves.get(kind)
+    if saves is None:
+        saves = _saves[kind] = any(a.startswith("_raw_saved_") for a in dir(kind))
+    return saves
+
+
+def unread_by_backward(result: torch.Tensor, leaves: Sequence[torch.Tensor],
+                       args: Sequence[torch.Tensor] = ()) -> list[bool]:
+    """For each leaf an op read to compute ``result``, whether the op's backward leaves the
+    leaf's storage unread: every path from the leaf up through the op's autograd graph (that
+    between ``result`` and the op's inputs ``args``) reaches a cast or copy (:data:`_COPIES`)
+    before any node that keeps tensors, passing only nodes that keep none (views, which share
+    the leaf's storage). Unknown kinds count as reading it: a freed storage that backward reads
+    would fail, a kept one costs only memory.
+
+    Example (an autocast's cast keeps its bf16 copy; a matmul keeps its fp32 operand):
+        >>> import torch
+        >>> from meshtorch.lowering.overlap import unread_by_backward
+        >>> w = torch.ones(3, 2, requires_grad=True)
+        >>> x = torch.ones(4, 3)
+        >>> unread_by_backward(x.bfloat16() @ w.t().bfloat16().t(), [w]), unread_by_backward(x @ w, [w])
+        ([True], [False])
+    """
+    stop = {a.grad_fn for a in args if a.grad_fn is not None}
+    consumers: dict = {}  # node -> the nodes of this op whose input it makes
+    accumulators: dict = {}  # id(leaf) -> its AccumulateGrad node
+    wanted = {id(t) for t in leaves}
+    start = result.grad_fn
+    seen, todo = {start}, [start] if start is not None else []
+    while todo:
+        n = todo.pop()
+        if len(seen) > _MAX_NODES:
+            return [False] * len(leaves)
+        for child, _ in n.next_functions:
+            if child is None:
+                continue
+            consumers.setdefault(child, []).append(n)
+            if child in seen:
+                continue
+            seen.add(child)
+            variable = getattr(child, "variable", None)
+            if variable is not None:  # AccumulateGrad: a leaf
+                if id(variable) in wanted:
+                    accumulators[id(variable)] = child
+            elif child not in stop:
+                todo.append(child)
+
+    # (no nested function: a recursive closure is a reference cycle, and it would keep these
+    # nodes, and the activations they save, alive until the garbage collector runs)
+    if start is None:
+        return [True] * len(leaves)  # no backward runs through the op
+    # a leaf the walk did not reach counts as read: a freed storage that backward reads would fail
+    return [id(t) in accumulators and not _reads(consumers.get(accumulators[id(t)], ()), consumers)
+            for t in leaves]
+
+
+def _reads(first: Sequence, consumers: dict) -> bool:
+    """Whether a node among ``first`` (the nodes that take a leaf's value), or one after a node that
+    keeps no tensor (a view: its result shares the storage), keeps tensors for backward."""
+    todo, seen = list(first), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or type(n).__name__ in _COPIES:
+            continue
+        if _saves_tensors(n) or len(seen) > _MAX_NODES:
+            return True
+        seen.add(n)
+        todo.extend(consumers.get(n, ()))
+    return False
 
 
 # ------------------------------------------------------------------ the runtime
@@ -202,7 +306,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -215,6 +319,8 @@ class Entry:
         self.bucket: int | None = None  # its backward bucket
         self.fwd: int | None = None  # its forward bucket (the previous step's reads)
         self.freed = False
+        self.reads = 0  # forward ops that read it this step
+        self.needed = False  # some op's backward reads its value
         # never freed: an op's result is a view of it, or it is the parameter's own storage (freeing
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
@@ -232,11 +338,16 @@ class Entry:
             self.freed = True
             _resized(self.leaf)
 
-    def fill(self, value: torch.Tensor) -> None:
+    def fill(self, got: Gathered | list, i: int) -> None:
+        """Gather the value again from member ``i`` of a grouped all_gather's result, into the
+        storage it had (autograd's saved views of it see the values again)."""
         if self.freed:
             data = self.leaf.data  # its own version counter: autograd's saved copy stays valid
             data.untyped_storage().resize_(self.nbytes)
-            data.copy_(value)
+            if isinstance(got, Gathered):
+                got.take(i, into=data)  # from the flat result straight into the storage
+            else:
+                data.copy_(got[i])
             self.freed = False
             _resized(self.leaf)
 
@@ -268,6 +379,7 @@ class Runtime:
         # each kept under its first read (several models on one processor each keep theirs)
         self.plan: list[list[tuple]] = []
         self.plan_at: dict = {}  # key -> bucket index
+        self.uses: dict = {}  # key -> forward ops that read it in the step the plan is from
         self.plans: dict = {}  # first read's key -> (plan, plan_at), the newest last
         self.chosen = False
         self.fetches: dict[int, Handle] = {}  # forward bucket -> its gather in flight (or done)
@@ -276,6 +388,7 @@ class Runtime:
         self.gather_bytes = 4 * 2**20
         self.reshard = False
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
+        self.packs: dict[int, dict] = {}  # all_reduce bucket -> its members' places in its flat buffer
 
     # -------------------------------------------------------------- forward
     def read(self, param: torch.Tensor, steps, how, opts: Options) -> torch.Tensor:
@@ -297,23 +410,32 @@ class Runtime:
         elif e not in self.order:
             self.order.append(e)
         if e.freed:
-            self.refill([e])
-        return e.leaf
+            # read again in forward (the step before read it once more than this one): alone; in
+            # backward (a recomputed forward): with the rest of its bucket, the next prefetched
+            self.refill([e], read=True, alone=self.buckets is None)
+        # a view, not the leaf: autocast caches its casts of leaves that require grad until the
+        # autocast block ends (the whole forward), which would keep a bf16 copy of every parameter
+        # the step reads alive through a recomputed forward; the per-use path's values are no leaves
+        value = e.leaf.view_as(e.leaf)
+        value._overlap_entry = e
+        return value
 
     def _gathered(self, param, key, axes, dim) -> Entry:
         """The entry of a gathered parameter: from the bucket the previous step read it in
         (gathered with the bucket, the next one prefetched), or gathered alone."""
         if not self.chosen:
-            self.plan, self.plan_at = self.plans.get(key, ([], {}))
+            self.plan, self.plan_at, self.uses = self.plans.get(key, ([], {}, {}))
             self.chosen = True
         k = self.plan_at.get(key)
         if k is None:
             value = self.comm.all_gather_grouped([param.detach()], axes, [dim])[0]
             return Entry(self, param, key, "reduce_scatter", axes, dim, value)
         self._fetch(k)
-        if k + 1 < len(self.plan):
-            self._fetch(k + 1)  # prefetch: runs while bucket k computes
         members, values = self.plan[k], self.fetches[k].wait()
+        if k + 1 < len(self.plan):
+            # prefetch: runs while bucket k computes; issued once k is unpacked, as FSDP2 does, so
+            # that k's flat result is gone before k + 1's arrives
+            self._fetch(k + 1)
         made = None
         for (ref, mkey, maxes, mdim), value in zip(members, values):
             p = ref()
@@ -340,36 +462,40 @@ class Runtime:
         self.fetches[k] = self.comm.all_gather_grouped(
             [p.detach() for p, _, _ in members], members[0][1], [d for _, _, d in members], async_op=True)
 
-    def refill(self, entries: Sequence[Entry]) -> None:
+    def refill(self, entries: Sequence[Entry], read: bool = False, alone: bool = False) -> None:
         """Gather freed values again (reshard after forward): grouped with the rest of their
-        forward bucket, the bucket before prefetched (backward runs the buckets in reverse)."""
+        forward bucket that backward reads (``needed``; for a forward that reads them again,
+        ``read``, a recomputed one: all of it), the bucket before prefetched (backward runs the
+        buckets in reverse); ``alone``: only ``entries``, grouped."""
         todo = [e for e in entries if e.freed]
         if not todo:
             return
-        for k in sorted({e.fwd for e in todo if e.fwd is not None}, reverse=True):
-            self._refetch(k)
+        for k in sorted({e.fwd for e in todo if e.fwd is not None and not alone}, reverse=True):
+            self._refetch(k, read)
             members, work = self.refetches.pop(k)
-            for e, v in zip(members, work.wait()):
-                e.fill(v)
+            got = work.wait()
+            for i, e in enumerate(members):
+                e.fill(got, i)
             if k > 0:
-                self._refetch(k - 1)
+                self._refetch(k - 1, read)
         groups: dict = {}
         for e in todo:
             if e.freed:  # not in a bucket: gathered with the others of its axes and dtype
                 groups.setdefault((as_axes(e.axes), e.leaf.dtype), []).append(e)
         for group in groups.values():
-            vals = self.comm.all_gather_grouped([e.param.detach() for e in group], group[0].axes,
-                                                [e.dim for e in group])
-            for e, v in zip(group, vals):
-                e.fill(v)
+            got = self.comm.all_gather_grouped([e.param.detach() for e in group], group[0].axes,
+                                               [e.dim for e in group], lazy=True)
+            for i, e in enumerate(group):
+                e.fill(got, i)
 
-    def _refetch(self, k: int) -> None:
-        """Start gathering the freed members of forward bucket ``k`` again (once)."""
+    def _refetch(self, k: int, read: bool = False) -> None:
+        """Start gathering the freed members of forward bucket ``k`` again (once): those that
+        backward reads, or with ``read`` all of them."""
         if k in self.refetches:
             return
-        members = [e for e in self.order if e.fwd == k and e.freed]
+        members = [e for e in self.order if e.fwd == k and e.freed and (read or e.needed)]
         work = (self.comm.all_gather_grouped([e.param.detach() for e in members], members[0].axes,
-                                             [e.dim for e in members], async_op=True)
+                                             [e.dim for e in members], async_op=True, lazy=True)
                 if members else Handle(lambda: []))
         self.refetches[k] = (members, work)
 
@@ -384,31 +510,65 @@ class Runtime:
             # a backward through a graph of an earlier step (retain_graph): reduce it alone
             self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
             return
-        e.grad = g if e.grad is None else e.grad + g
+        if self.buckets is None:
+            self._cut_buckets()
+            self._queue_finish()
+        if e.kind == "all_reduce" and e.bucket is not None:
+            e.grad = self._pack(e, g)
+        else:
+            e.grad = g if e.grad is None else e.grad + g
         del g  # held by the entry (or the bucket it launches) alone: released once packed
         self.arrived.add(e)
         if e.gathered:
             e.free()  # its last use has run backward
-        if self.buckets is None:
-            self._cut_buckets()
-            self._queue_finish()
         self._launch(flush=False)
         if self.callback_missing and len(self.arrived) == len(self.order):
             self.finish()
 
     callback_missing = False
 
+    def _pack(self, e: Entry, g: torch.Tensor) -> torch.Tensor:
+        """``e``'s gradient ``g`` copied into its place in its bucket's flat buffer (made at the
+        bucket's first gradient), as DDP's buckets: the bucket's all_reduce runs on that buffer
+        (:func:`~meshtorch.comm.grouped.pack_reduce` takes consecutive views of one buffer as
+        it is), so its gradients are never held twice, unreduced and packed."""
+        k = e.bucket
+        slots = self.packs.get(k)
+        if slots is None:
+            members = self.buckets[k]
+            flat = torch.empty(sum(m.leaf.numel() for m in members), dtype=g.dtype, device=g.device)
+            slots, at = {}, 0
+            for m in members:
+                slots[m] = flat[at:at + m.leaf.numel()].view(m.leaf.shape)
+                at += m.leaf.numel()
+            self.packs[k] = slots
+        slot = slots[e]
+        if e.grad is None:
+            slot.copy_(g)
+        else:
+            slot.add_(g)
+        return slot
+
     def _cut_buckets(self) -> None:
         """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
         gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
-        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers)."""
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers).
+        An all-reduce bucket holds at most a quarter of its kind's gradients (or 1 MB): its buffer is made at
+        its first gradient, while backward still holds most activations, so that a model smaller
+        than a few buckets does not hold its gradients' bytes early (its peak stays the per-use
+        path's)."""
         buckets: list[list[Entry]] = []
         open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
+        totals: dict = {}
+        for e in self.order:
+            key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+            totals[key] = totals.get(key, 0) + e.nbytes
         for e in reversed(self.order):
             key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
             k, size, count = open_.get(key, (None, 0, 0))
             if e.kind == "all_reduce":
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
+                cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             else:
                 cap = self.gather_bytes
             if k is None or size + e.nbytes > cap and size:
@@ -429,11 +589,17 @@ class Runtime:
             if not flush and any(e.grad is None for e in bucket):
                 return
             members = [e for e in bucket if e.grad is not None]
+            self.packs.pop(self.launched, None)  # its views, in the entries, hold the buffer
             if members:
                 grads = [e.grad for e in members]
                 for e in members:
                     e.grad = None
                 self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
+                if not flush and len(self.pending) > MAX_PENDING:
+                    # an asynchronous call holds its packed gradients until waited on: FSDP2 waits
+                    # for a block's reduce-scatter when it issues the next one
+                    done, work = self.pending.pop(0)
+                    self._add(done, work.wait())
             self.launched += 1
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
@@ -504,13 +670,15 @@ class Runtime:
             first = plan[0][0][1]
             self.plans.pop(first, None)
             self.plans[first] = ([[m[:4] for m in b] for b in plan],
-                                 {m[1]: k for k, b in enumerate(plan) for m in b})
+                                 {m[1]: k for k, b in enumerate(plan) for m in b},
+                                 {e.key: e.reads for e in self.order if e.gathered})
             while len(self.plans) > MAX_PLANS:
                 del self.plans[next(iter(self.plans))]
-        self.plan, self.plan_at, self.chosen = [], {}, False
+        self.plan, self.plan_at, self.uses, self.chosen = [], {}, {}, False
         self.fetches = {}
         self.entries, self.order = {}, []
         self.buckets, self.launched, self.finishing = None, 0, False
         self.callback_missing = False
         self.arrived = set()
+        self.packs = {}
         self.generation += 1

@@ -203,12 +203,13 @@ class ParallelismSection:
     master_addr: str | None = None
     master_port: int = 29500
     # parameters' collectives grouped in buckets and overlapped with compute (mt.overlap), as the planner
-    # traces and prices it (plan/timeline.py); opt-in until the whole suite passes with it on (turned on,
-    # ~8 tests failed and a threads-backend trace segfaulted once: see the closing note of this round)
-    overlap: bool = False
-    # free gathered parameters after their forward use and gather them again in backward (implies
-    # overlap)
-    reshard_after_forward: bool = False
+    # traces and prices it (plan/timeline.py); --no-overlap: one blocking collective per use
+    overlap: bool = True
+    # with overlap: free gathered parameters (FSDP-style rules) after their forward use and gather them
+    # again in backward, FSDP2's default: the step's peak stays at or below the per-use path's, which
+    # keeps every gathered value a matmul saves until backward; --no-reshard-after-forward keeps them
+    # (fewer bytes, more memory)
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self)

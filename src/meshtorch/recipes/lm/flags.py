@@ -68,9 +68,11 @@ HELP = {
     "clip": "bound on the global gradient norm; 0: no clipping",
     "overlap": "run parameters' collectives grouped (a flat all_gather / reduce_scatter / all_reduce per "
                "bucket) and asynchronously, overlapped with compute (mt.overlap; off under --compile, "
-               "which schedules its collectives itself)",
-    "reshard_after_forward": "free each gathered parameter (FSDP-style rules) after its forward use and "
-                             "gather it again in backward (less memory, more bytes); implies --overlap",
+               "which schedules its collectives itself); --no-overlap: one blocking collective per use",
+    "reshard_after_forward": "with --overlap: free each gathered parameter (FSDP-style rules) after its "
+                             "forward use and gather it again in backward, as FSDP2 does (at most the "
+                             "memory of --no-overlap); --no-reshard-after-forward keeps them (fewer bytes, "
+                             "more memory)",
     "timeout": "seconds a collective waits for the other processors before the run fails",
     "max_restarts": "--backend torch: when a worker fails (an exception, an exit, kill -9), stop the others "
                     "and start them all again from the last checkpoint in --out, up to this many times "

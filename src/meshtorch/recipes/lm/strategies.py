@@ -73,8 +73,8 @@ def precision_context(cfg: TrainConfig) -> contextlib.AbstractContextManager:
 
 def overlapped(cfg: TrainConfig) -> Any:
     """``mt.overlap`` around a plain step's forward and backward, as ``--overlap`` and
-    ``--reshard-after-forward`` say (the latter implies the former): the one place the trainer
-    switches it. Off under ``--compile`` (the graph schedules its collectives). On the meta
+    ``--reshard-after-forward`` say (both on by default; the latter only with the former): the one
+    place the trainer switches it. Off under ``--compile`` (the graph schedules its collectives). On the meta
     backend too, so that the planner traces the grouped, asynchronous calls the run makes (and
     prices their overlap: :mod:`meshtorch.plan.timeline`)."""
     from meshtorch.lowering.overlap import overlap
@@ -85,7 +85,7 @@ def overlapped(cfg: TrainConfig) -> Any:
 def overlaps(cfg: TrainConfig) -> bool:
     """Whether ``cfg``'s plain step runs its parameters' collectives with ``mt.overlap``."""
     par = cfg.parallelism
-    return (par.overlap or par.reshard_after_forward) and not cfg.run.compile
+    return par.overlap and not cfg.run.compile
 
 
 def _value(loss: Any) -> float:
@@ -136,7 +136,10 @@ class PlainStep:
         return self.model
 
     def summary(self) -> dict[str, Any]:
-        return {"compiled": True, "graph_breaks": graph_breaks()} if self.cfg.run.compile else {}
+        if self.cfg.run.compile:
+            return {"compiled": True, "graph_breaks": graph_breaks()}
+        on = overlaps(self.cfg)
+        return {"overlap": on, "reshard_after_forward": on and self.cfg.parallelism.reshard_after_forward}
 
 
 def strategy_for(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
