@@ -18,7 +18,9 @@ guessed from a surrogate. Each concern has its module:
   bounds on every candidate's step time and memory, in microseconds each.
 - the loop (here): branch and bound. Candidates are traced in order of their
   time bound until the bound reaches the best step time found; those whose
-  parameters alone overflow memory are not traced. The answer is the one
+  parameters alone overflow memory are not traced. A pipelined candidate is
+  first probed with one micro-batch (:func:`meshtorch.plan.pipeline.microbatch_work`,
+  a tighter lower bound for a fraction of a stage trace). The answer is the one
   tracing every candidate would give.
 - the answer (:mod:`meshtorch.plan.ranking`): :class:`SearchResult` ranks the traced
   and the pruned candidates and says why each ranks where it does.
