@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import meshtorch as mt
 from meshtorch.errors import PlanError
@@ -19,7 +21,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.pipeline import build_schedule, simulate
 from meshtorch.plan import trace
 from meshtorch.plan.estimate import from_trace
-from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline, stage_traces
+from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline, microbatch_work, stage_traces
 from meshtorch.plan.search import search
 from meshtorch.plan.space import pipeline_layouts, rules_for
 from meshtorch.recipes.lm import TrainConfig
@@ -183,3 +185,86 @@ def test_pipeline_layouts_cover_stages_layouts_and_microbatches():
     assert ("stage:2,b:2,m:2", "batch:b; d_ff:m", 2) in got
     assert ("stage:4,b:2", "batch:b", 4) in got
     assert all(8 // mb % (Mesh(m).axis_size("b") if "batch:b" in r else 1) == 0 for m, r, mb in got)
+
+
+# a slow link and a host cost per op: collectives (bytes and latency) and op counts weigh in the work
+_PROBE_SPECS = {
+    "cpu-like": dataclasses.replace(mt.plan.device("a100"), peak_flops={"float32": 2e9}, op_seconds=3e-6)
+    .with_links(b=mt.plan.devices.Link(bandwidth=1e8, latency=2e-5),
+                m=mt.plan.devices.Link(bandwidth=1e8, latency=2e-5)),
+    "h100": mt.plan.device("h100"),  # kernel rooflines: max(device, host) + syncs
+}
+
+
+@settings(max_examples=5, deadline=None)
+@given(schedule=st.sampled_from(["gpipe", "1f1b", "2bw", "zb"]), microbatches=st.sampled_from([2, 4]),
+       layout=st.sampled_from([("stage:2,b:2", "batch:b"), ("stage:2,m:2", "heads:m; d_ff:m; vocab:m"),
+                               ("stage:2,b:2", "batch:b; d_model:b"), ("stage:2,m:2", "length:m")]),
+       spec=st.sampled_from(sorted(_PROBE_SPECS)), clip=st.sampled_from([0.0, 1.0]))
+def test_one_microbatch_times_microbatches_bounds_every_stage_work(schedule, microbatches, layout, spec,
+                                                                   clip):
+    # the search prunes a pipelined candidate with microbatch_work before tracing it: never above
+    # a stage's traced work, whatever the schedule, layout (FSDP gathers per micro-batch, ring
+    # attention's shifts), clipping and device pricing
+    mesh, rules = layout
+    step = pipelined_training_step(TINY.replace(schedule=schedule, microbatches=microbatches, clip=clip,
+                                                heads=2, d_ff=16, optimizer="adafactor"), VOCAB)
+    probe = step.one_microbatch()
+    assert probe.cfg.run.batch == 8 // microbatches and probe.pipeline.microbatches == 1
+    device = _PROBE_SPECS[spec]
+    bound = list(microbatch_work(probe, microbatches, mesh, rules, device))
+    work = estimate_pipeline(step, mesh, rules, device).stage_seconds
+    assert len(bound) == len(work) == 2
+    for b, w in zip(bound, work):
+        # the update and the gradients' accumulation are the gap: the forwards and backwards are most
+        assert 0.3 * w < b <= w * (1 + 1e-9), (b, w)
+
+
+def test_one_microbatch_is_the_steps_forwards_and_backwards_per_microbatch():
+    # exact where nothing runs once per step: one micro-batch's FLOPs, sends and collectives along
+    # m, times the micro-batches, are the step's, less its update and the batch loss (one float64
+    # averaged over m's replicas); the bound leaves out only what runs once
+    step = pipelined_training_step(TINY.replace(microbatches=4, clip=0.0), VOCAB)
+    probe = stage_traces(step.one_microbatch(), "stage:2,m:2", "heads:m; d_ff:m; vocab:m")
+    whole = stage_traces(step, "stage:2,m:2", "heads:m; d_ff:m; vocab:m")
+    for one, t in zip(probe, whole):
+        update = t.phases["update"]
+        assert 4 * one.flops == t.flops > 0 and not sum(update.flops_by_dtype.values())  # AdamW: no matmul
+        assert 4 * one.comm.bytes("stage", "send") == t.comm.bytes("stage", "send") > 0
+        assert 4 * one.comm.bytes("m", "all_reduce") + 8 == t.comm.bytes("m", "all_reduce")
+        assert 4 * one.comm.calls("m", "all_reduce") + 1 == t.comm.calls("m", "all_reduce")
+        assert not update.comm.calls("m", "all_reduce") and not one.comm.calls("stage", "all_reduce")
+    assert training_step(TINY, VOCAB).one_microbatch() is None  # an SPMD step has none
+
+
+def test_search_answers_the_same_with_and_without_the_one_microbatch_bound(monkeypatch):
+    import importlib
+
+    search_module = importlib.import_module("meshtorch.plan.search")
+    # compute dominates and memory is tight, so SPMD and pipelined layouts are both in play
+    spec = dataclasses.replace(mt.plan.device("a100"), name="small", peak_flops={"float32": 2e8},
+                               memory_margin=0.0, context_bytes=0, memory_bytes=60 * 1024)
+    step = training_step(SPLIT, 15)
+    probed, traced = [], []
+    real_probe, real_estimate = search_module.microbatch_work, search_module.estimate_pipeline
+
+    def counting_probe(*a, **k):
+        probed.append(a[2:4])
+        return real_probe(*a, **k)
+
+    def counting_estimate(*a, **k):
+        traced.append(a[1:3])
+        return real_estimate(*a, **k)
+
+    monkeypatch.setattr(search_module, "microbatch_work", counting_probe)
+    monkeypatch.setattr(search_module, "estimate_pipeline", counting_estimate)
+    with_probe = search(step, 4, device=spec)
+    ended_at_probe = [c for c in probed if c not in traced]
+    assert ended_at_probe  # candidates the search did not trace whole: their probe lost
+    monkeypatch.setattr(search_module, "microbatch_work", lambda *a, **k: ())
+    traced.clear()
+    without = search(step, 4, device=spec)
+    assert set(ended_at_probe) <= set(traced)  # without the probe, each is traced (and loses)
+    assert with_probe.best.step_seconds == without.best.step_seconds
+    assert (with_probe.best.mesh, with_probe.best.rules) == (without.best.mesh, without.best.rules)
+    assert with_probe.space == without.space and len(with_probe.ranking()) == len(without.ranking())

@@ -282,6 +282,15 @@ class Pipeline:
         return self._batch_losses(self.executor.run(self.schedule, *self._split(inputs, targets),
                                                     train=False))[0]
 
+    def microbatches_only(self, inputs: Any = None, targets: Any = None) -> None:
+        """Run one batch's forwards and backwards through the schedule and accumulate this
+        stage's gradients, and nothing that runs once per batch: no gradient clipping or
+        averaging over replicas, no optimizer step, no weight versions, no loss broadcast.
+        What the planner traces of one micro-batch to bound a step's work from below
+        (:func:`meshtorch.plan.pipeline.microbatch_work`)."""
+        self._unbind()
+        self.executor.run(self.schedule, *self._split(inputs, targets))
+
     def forward_backward(self, inputs: Any = None, targets: Any = None) -> float:
         """Run one batch through the schedule and accumulate this stage's gradients
         (no optimizer step, no weight versions). ``inputs`` matter on stage 0 and

@@ -398,6 +398,44 @@ def from_stage_traces(traces: list[Trace], mesh: Mesh | str, spec: DeviceSpec, *
         messages=sim.messages)
 
 
+def microbatch_work(probe: Program, microbatches: int, mesh: Mesh | str, rules: LayoutRules | str = "",
+                    device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring",
+                    staging: str = "none") -> Iterator[float]:
+    """Lower bounds on each stage's work (:func:`stage_work`) of a pipelined step of ``microbatches``
+    micro-batches, stage by stage, from the stage traces of ``probe``: the step's one micro-batch
+    (the program's ``one_microbatch()``, e.g.
+    :meth:`meshtorch.recipes.lm.steps.TrainingProgram.one_microbatch`), whose measured block runs
+    one micro-batch's forwards and backwards and nothing else.
+
+    The step runs each of the probe's ops and collectives once per micro-batch, on tensors of the
+    same shapes (the first micro-batch's backward makes the gradients that the later ones add to:
+    the step has more ops, never fewer), besides its update. A stage's compute seconds are sums
+    over its ops (FLOPs at the rate of their dtype and shape, host time per op, kernel rooflines),
+    or the larger of two such sums plus syncs, and its collectives' seconds are linear in their
+    bytes and calls; so the stage's work is at least ``microbatches`` times the probe's. One
+    micro-batch costs a fraction of the step's trace (no warm-up step, no update, ``1 /
+    microbatches`` of its forwards and backwards): the search (:func:`meshtorch.plan.search`)
+    prunes with it before it traces a pipelined candidate whole.
+
+    Example:
+        >>> from meshtorch.plan.pipeline import estimate_pipeline, microbatch_work
+        >>> from meshtorch.recipes.lm import TrainConfig
+        >>> from meshtorch.recipes.lm.steps import pipelined_training_step
+        >>> cfg = TrainConfig.of(d_model=8, heads=2, d_kv=4, d_ff=16, layers=2, batch=8, length=8,
+        ...                      microbatches=4)
+        >>> step = pipelined_training_step(cfg, vocab=16)
+        >>> bound = list(microbatch_work(step.one_microbatch(), 4, "stage:2,b:2", "batch:b", "a100"))
+        >>> work = estimate_pipeline(step, "stage:2,b:2", "batch:b", "a100").stage_seconds
+        >>> all(0 < b <= w for b, w in zip(bound, work)), len(bound)
+        (True, 2)
+    """
+    m = Mesh(mesh)
+    spec = get_device(device, processors=m.size)
+    axis = program_pipeline(probe).axis
+    for t, _ in _stage_by_stage(probe, m, rules, axis, staging, spec.device_type):
+        yield microbatches * stage_work(from_trace(t, m, spec, algorithm), axis)
+
+
 def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | str = "",
                       device: str | DeviceSpec = "tpu-v2", algorithm: str = "ring",
                       staging: str = "none", *, give_up: Callable[[int, float], bool] | None = None
@@ -430,5 +468,5 @@ def estimate_pipeline(step_fn: Program, mesh: Mesh | str, rules: LayoutRules | s
                              header=message[0], activation=message[1], virtual_stages=info.virtual_stages)
 
 
-__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "program_pipeline",
-           "stage_traces", "stage_work"]
+__all__ = ["KINDS", "PipelineEstimate", "estimate_pipeline", "from_stage_traces", "microbatch_work",
+           "program_pipeline", "stage_traces", "stage_work"]

@@ -18,7 +18,9 @@ guessed from a surrogate. Each concern has its module:
   bounds on every candidate's step time and memory, in microseconds each.
 - the loop (here): branch and bound. Candidates are traced in order of their
   time bound until the bound reaches the best step time found; those whose
-  parameters alone overflow memory are not traced. The answer is the one
+  parameters alone overflow memory are not traced. A pipelined candidate is
+  first probed with one micro-batch (:func:`meshtorch.plan.pipeline.microbatch_work`,
+  a tighter lower bound for a fraction of a stage trace). The answer is the one
   tracing every candidate would give.
 - the answer (:mod:`meshtorch.plan.ranking`): :class:`SearchResult` ranks the traced
   and the pruned candidates and says why each ranks where it does.
@@ -68,7 +70,7 @@ from meshtorch.plan.layered import (
     lin,
     shallow_programs,
 )
-from meshtorch.plan.pipeline import estimate_pipeline, program_pipeline
+from meshtorch.plan.pipeline import estimate_pipeline, microbatch_work, program_pipeline
 from meshtorch.plan.program import Program, program_of
 from meshtorch.plan.ranking import Pruned, SearchResult, rank_key
 from meshtorch.plan.space import meshes_for, pipeline_layouts, rules_for
@@ -295,7 +297,16 @@ def _search_pipelines(program: Program, family: list[Candidate],
                 work[stage] = max(work[stage], w)
                 return step_time_bound(work, mb, spread=lead, share=share) >= limit * (1 + 1e-9)
 
-            e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging, give_up=give_up)
+            # first one micro-batch's forwards and backwards, a fraction of a stage trace: each
+            # stage's work is at least microbatches times theirs (microbatch_work); with no best yet
+            # to lose to, nothing would be pruned by it
+            probe = getattr(step, "one_microbatch", lambda: None)() if best < math.inf else None
+            bounds = (microbatch_work(probe, mb, mesh, rules, spec, algorithm, staging) if probe is not None
+                      else ())
+            if any(give_up(s, w) for s, w in enumerate(bounds)):
+                e = None
+            else:
+                e = estimate_pipeline(step, mesh, rules, spec, algorithm, staging=staging, give_up=give_up)
             if e is None:
                 cut.append(Pruned(mesh, rules, step_time_bound(work, mb, spread=lead, share=share), lb[c][1],
                                   "time", pipeline=label))

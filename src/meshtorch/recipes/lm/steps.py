@@ -114,7 +114,8 @@ class TrainingProgram:
     once per stage.
     """
 
-    def __init__(self, cfg: TrainConfig, vocab: int, *, update: bool = True, pipelined: bool = False) -> None:
+    def __init__(self, cfg: TrainConfig, vocab: int, *, update: bool = True, pipelined: bool = False,
+                 probe: bool = False) -> None:
         # --compile runs the same ops and collectives (a meta trace of the compiled step counts the
         # eager one's, and compiling it on meta costs ~15 s even for a tiny model): trace it eagerly
         # a compiled run does not overlap (strategies.overlapped): neither does its eager trace
@@ -123,6 +124,7 @@ class TrainingProgram:
             eager = {k: False for k in ("overlap", "reshard_after_forward") if getattr(par, k)}
             cfg = cfg.replace(compile=False, **eager)  # (a run that does not compile keeps its parsed cfg)
         self.cfg, self.vocab, self.update = cfg, vocab, update
+        self.probe = probe  # one micro-batch's forwards and backwards only (one_microbatch)
         self.layers = cfg.model.layers
         self.period = cfg.model.moe_every if cfg.model.name == "moe" and cfg.model.experts else 1
         self.pipeline: Pipelining | None = pipelining(cfg) if pipelined else None
@@ -140,6 +142,21 @@ class TrainingProgram:
         if self.pipeline is not None or overlaps(self.cfg):
             return None
         return TrainingProgram(self.cfg, self.vocab, update=False)
+
+    def one_microbatch(self) -> TrainingProgram | None:
+        """One micro-batch of this pipelined step: the same stages, rules and schedule on a batch of
+        ``batch / microbatches`` sequences in one micro-batch, whose measured block runs only the
+        forwards and backwards (:meth:`meshtorch.pipeline.Pipeline.microbatches_only`; no warm-up, no
+        update, no loss reduction). The step runs each of its ops and collectives once per
+        micro-batch on tensors of the same shapes, so each stage's work is at least
+        ``microbatches`` times this one's (:func:`meshtorch.plan.pipeline.microbatch_work`: the
+        search prunes pipelined candidates with it, for a fraction of a stage trace). None for an
+        SPMD step, and under virtual stages (their schedule needs a round of micro-batches)."""
+        how = self.pipeline
+        if how is None or how.virtual_stages > 1 or self.cfg.run.batch % how.microbatches:
+            return None
+        cfg = self.cfg.replace(batch=self.cfg.run.batch // how.microbatches, microbatches=1)
+        return TrainingProgram(cfg, self.vocab, pipelined=True, probe=True)
 
     def resharded(self) -> TrainingProgram | None:
         """This step with ``--reshard-after-forward`` (less memory, more bytes), or None where that
@@ -159,6 +176,15 @@ class TrainingProgram:
         return TrainingProgram(cfg, self.vocab, pipelined=True)
 
     def __call__(self) -> dict[str, Any]:
+        if self.probe:
+            model = build_model(self.cfg, self.vocab)
+            step = strategy_for(self.cfg, model, make_optimizer(self.cfg, model), pipelined=True)
+            step.resume(None, lead=False)
+            inputs, targets = synthetic_batch(self.cfg, self.vocab)
+            with measure():
+                with precision_context(self.cfg):
+                    step.pipe.microbatches_only(inputs, targets)
+            return {"parameters": model.num_parameters()}
         if not self.update:
             model, batch = build_model(self.cfg, self.vocab), synthetic_batch(self.cfg, self.vocab)
             with measure():
