@@ -156,6 +156,25 @@ def test_weight_decay_given_on_resume_takes_effect_and_is_recorded(run2, text, t
     assert torch.equal(runs[0.5][bias], runs[0.01][bias])
 
 
+def test_lr_given_on_resume_takes_effect_and_is_recorded(run2, text, tmp_path):
+    """AdamW's step is linear in the learning rate (the decay and the moment-normalised gradient alike,
+    from the same weights, batch and moments): a step resumed at --lr 3x moves each weight 3x as far."""
+    lr = TrainConfig().optimizer.lr
+    moved = {}
+    for scale in (1, 3):
+        out = str(tmp_path / f"lr{scale}")
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, lr=lr * scale, **TINY))
+        moved[scale] = checkpoint_tensors(out)
+        assert recorded(out)["train_config"]["lr"] == lr * scale
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            assert json.loads(f.read().splitlines()[-1])["lr"] == lr * scale
+    base = checkpoint_tensors(run2)
+    name = "model/embed.table@0,0"
+    torch.testing.assert_close(moved[3][name] - base[name], 3 * (moved[1][name] - base[name]), rtol=1e-3,
+                               atol=1e-7)
+    assert not torch.equal(moved[3][name], moved[1][name])
+
+
 def _bpe(path, size: int = 300) -> str:
     from meshtorch.data.hf_tokenizer import train_bpe
 
