@@ -240,6 +240,37 @@ def test_a_second_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     assert same(loaded(model), weights(1))
 
 
+def test_background_saves_write_one_at_a_time_and_keep_prunes_as_a_synchronous_save(tmp_path, monkeypatch):
+    """Three background saves in a row, each write slowed: never two writes at once (each save waits
+    for the one in flight), and keep=2 leaves steps 3 and 2, as three synchronous saves do."""
+    root = str(tmp_path / "ckpt")
+    real, guard, live, most = writer._write_slices, threading.Lock(), [0], []
+
+    def slow(*a):
+        with guard:
+            live[0] += 1
+            most.append(live[0])
+        time.sleep(0.2)  # a save that did not wait would start its write meanwhile
+        try:
+            return real(*a)
+        finally:
+            with guard:
+                live[0] -= 1
+
+    monkeypatch.setattr(writer, "_write_slices", slow)
+    for step in (1, 2, 3):
+        model = make().reset_parameters(seed=step)
+        assert mt.save(root, model=model, step=step, keep=2, background=True) is None
+    assert mt.checkpoint.wait() == os.path.join(root, "step-000003")
+    assert most == [1, 1, 1]
+    assert read_pointer(root) == ["step-000003", "step-000002"]
+    assert sorted(os.listdir(root)) == [POINTER, "step-000002", "step-000003"]
+    for step in (2, 3):
+        model = make()
+        mt.load(os.path.join(root, f"step-00000{step}"), model=model)
+        assert same(loaded(model), weights(step))
+
+
 def test_a_failed_background_write_raises_at_the_next_save_on_every_processor(tmp_path, monkeypatch):
     """Processor 1's background write fails: nothing is committed, the next save raises on both
     processors (naming the cause where it happened), and the path still loads step 1."""
@@ -317,3 +348,70 @@ def test_train_async_checkpoint(tmp_path):
     for name, view in model.named_mesh_parameters():
         assert torch.equal(view.to_global(), stored[f"model/{name}@" + ",".join("0" * len(view.shape))])
 
+
+def test_meshtorch_generate_reads_a_run_whose_checkpoints_keep_1_prunes_meanwhile(tmp_path, monkeypatch):
+    """``meshtorch generate --checkpoint`` on a live run whose saves use keep=1 (seen before: 1 in 6
+    failed with "No such file or directory"). First each index and weights read of a generate finds its
+    version pruned by a newer save just before it reads it; then a writer saves 20 versions while
+    generate runs again and again. Every generate answers, as the run's own last version does."""
+    from meshtorch import cli
+    from meshtorch.checkpoint import index as index_module
+    from meshtorch.checkpoint.state import from_json
+    from meshtorch.recipes.lm.generate import generate_from_checkpoint, load_lm
+    from run_harness import write_corpus
+
+    out, data = str(tmp_path / "run"), write_corpus(tmp_path, 2)
+    flags = [f for f in TINY if f not in ("--mesh", "b:2", "--rules", "batch:b")]
+    assert cli.main(["train", "--data", data, "--out", out, *flags, "--steps", "2", "--keep", "1"]) == 0
+    ckpt = os.path.join(out, "checkpoint")
+    extra = from_json(mt.checkpoint.index.read_index(ckpt)["extra"])
+    want = generate_from_checkpoint(out, "def", max_new_tokens=4, temperature=0.0)
+    model, steps = load_lm(out), iter(range(3, 100))
+
+    def save_next():  # the same weights (so every version answers alike), saved as the live run saves
+        step = next(steps)
+        t = threading.Thread(target=lambda: mt.save(ckpt, model=model, step=step, keep=1, extra=extra))
+        t.start()
+        t.join()
+
+    reads = []
+
+    def pruned_first(real, who):
+        def read(version):
+            reads.append((version.dir, who))
+            if len(reads) % 2:  # every other read: its version is pruned just before, the retry reads
+                save_next()
+            return real(version)
+        return read
+
+    with monkeypatch.context() as m:
+        m.setattr(index_module, "read_version_index", pruned_first(index_module.read_version_index, "index"))
+        m.setattr(reader, "read_version_index", pruned_first(reader.read_version_index, "weights"))
+        assert generate_from_checkpoint(out, "def", max_new_tokens=4, temperature=0.0) == want
+    # the index reads (the tokenizer's, the model config's) and the weights' read: each found its version
+    # pruned, and its retry read the newer one
+    assert {who for _, who in reads} == {"index", "weights"} and len(reads) % 2 == 0, reads
+    assert all(reads[i][0] < reads[i + 1][0] for i in range(0, len(reads), 2)), reads
+    done, errors, saves = threading.Event(), [], []
+
+    def write():
+        try:
+            for _ in range(20):
+                save_next()
+                saves.append(1)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+        finally:
+            done.set()
+
+    writer_thread = threading.Thread(target=write)
+    writer_thread.start()
+    got = []
+    try:
+        while not done.is_set():
+            got.append(generate_from_checkpoint(out, "def", max_new_tokens=4, temperature=0.0))
+    finally:
+        writer_thread.join()
+    assert not errors, errors[0]
+    assert got and set(got) == {want} and len(saves) == 20
+    assert len(os.listdir(ckpt)) == 2 and POINTER in os.listdir(ckpt)  # keep=1 pruned every other version

@@ -376,6 +376,17 @@ def test_a_garbage_tokenizer_json_is_named(content, text, tmp_path, capsys):
         assert "Traceback" not in err
 
 
+def test_a_garbage_tokenizer_json_in_an_init_from_directory_is_named(hf_dir, text, tmp_path, capsys):
+    # --tokenizer auto takes the model directory's own tokenizer.json: the file is named, not a traceback
+    pytest.importorskip("tokenizers")
+    model = _copy(hf_dir, tmp_path)
+    (tmp_path / "model" / "tokenizer.json").write_bytes(b"garbage{")
+    rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--out", str(tmp_path / "r"))
+    assert rc == 2
+    assert f"{tmp_path / 'model' / 'tokenizer.json'} is not a tokenizers file" in err, err
+    assert "Traceback" not in err and not (tmp_path / "r" / "tokenizer").exists()
+
+
 def test_a_garbage_tokenizer_config_is_named(tmp_path):
     from meshtorch.data.corpus import DataError
     from meshtorch.data.hf_tokenizer import _eos_token

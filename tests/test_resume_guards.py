@@ -3,6 +3,7 @@ and ``--overwrite`` never loses what meshtorch did not write (issue 29)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -69,6 +70,41 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(change, needle, run
     assert _files(run2) == before  # refused before anything was written
 
 
+@pytest.mark.parametrize("kind", ["lm", "moe", "seq2seq"])
+def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same_function(kind):
+    """Each model option changed alone, against the record of a ``--model kind`` run (no training): every
+    option that reaches the kind's TransformerConfig is refused naming its flag; dropout, the attention
+    kernel and recomputation (the same function) never are. Over the three kinds, every option is seen."""
+    import dataclasses
+
+    from meshtorch.recipes.lm.config import ModelSection
+    from meshtorch.recipes.lm.run_files import SAME_FUNCTION, check_resumed_model, model_changes
+
+    base = dict(model=kind, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, length=16, resume="/r")
+    record = {"model": kind, "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
+    new = {"positions": "rotary", "norm": "rms", "activation": "relu", "top_k": 1, "dropout": 0.1,
+           "attention": "gather"}
+    others = {}
+    for f in dataclasses.fields(ModelSection):
+        old = getattr(TrainConfig.of(**base).model, f.name)
+        value = new.get(f.name, (not old) if isinstance(old, bool) else old * 2 if old else 1)
+        if f.name != "name" and not (f.name == "gated" and kind == "moe"):  # MoE experts are never gated
+            others[f.name] = value
+    for name, value in others.items():
+        cfg = TrainConfig.of(**{**base, name: value})
+        changed = [c[0] for c in model_changes(cfg, record)]
+        relevant = {"encoder_layers": kind == "seq2seq", "experts": kind == "moe"}.get(name, True)
+        if name in SAME_FUNCTION or not relevant:
+            assert changed == [], (name, changed)
+            check_resumed_model(cfg, record)
+            continue
+        assert changed == [name], (name, changed)
+        with pytest.raises(ArgumentError, match=f"--{name.replace('_', '-')} "):
+            check_resumed_model(cfg, record)
+        check_resumed_model(cfg.replace(allow_change=name), record)
+    assert set(SAME_FUNCTION) == {"dropout", "attention", "recompute"}
+
+
 def test_allow_change_lets_the_named_field_change_and_records_it(run2, text, tmp_path):
     out = str(tmp_path / "relu")
     with pytest.raises(ArgumentError, match=r"--activation 'relu' \(the run has 'gelu'\)"):  # eps is not it
@@ -118,6 +154,25 @@ def test_weight_decay_given_on_resume_takes_effect_and_is_recorded(run2, text, t
     assert not torch.equal(runs[0.5][name], runs[0.01][name])
     bias = "model/decoder.ln_f.bias@0"  # in the group without decay: the same bits either way
     assert torch.equal(runs[0.5][bias], runs[0.01][bias])
+
+
+def test_lr_given_on_resume_takes_effect_and_is_recorded(run2, text, tmp_path):
+    """AdamW's step is linear in the learning rate (the decay and the moment-normalised gradient alike,
+    from the same weights, batch and moments): a step resumed at --lr 3x moves each weight 3x as far."""
+    lr = TrainConfig().optimizer.lr
+    moved = {}
+    for scale in (1, 3):
+        out = str(tmp_path / f"lr{scale}")
+        train(TrainConfig.of(steps=3, resume=run2, out=out, data=text, lr=lr * scale, **TINY))
+        moved[scale] = checkpoint_tensors(out)
+        assert recorded(out)["train_config"]["lr"] == lr * scale
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            assert json.loads(f.read().splitlines()[-1])["lr"] == lr * scale
+    base = checkpoint_tensors(run2)
+    name = "model/embed.table@0,0"
+    torch.testing.assert_close(moved[3][name] - base[name], 3 * (moved[1][name] - base[name]), rtol=1e-3,
+                               atol=1e-7)
+    assert not torch.equal(moved[3][name], moved[1][name])
 
 
 def _bpe(path, size: int = 300) -> str:
@@ -212,6 +267,46 @@ def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, t
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert len(f.read().splitlines()) == 2  # a failed resume leaves the metrics as they were
     train(TrainConfig.of(steps=2, out=out, data=text, overwrite=True, **TINY))
+
+
+def test_a_resume_that_fails_reading_the_checkpoint_or_the_metrics_leaves_the_metrics_as_they_were(
+        run2, text, tmp_path):
+    from meshtorch.errors import CheckpointError, MeshTorchError
+
+    out = str(tmp_path / "run")
+    shutil.copytree(run2, out)
+    metrics = os.path.join(out, "metrics.jsonl")
+    with open(metrics, "rb") as f:
+        before = f.read()
+    assert before.count(b"\n") == 2
+    # a slice file cut short: the load fails after the run directory is held and the model is built
+    ckpt = os.path.join(out, "checkpoint")
+    version = os.path.join(ckpt, sorted(v for v in os.listdir(ckpt) if v.startswith("step-"))[-1])
+    slices = os.path.join(version, "slices-00000.safetensors")
+    with open(slices, "rb") as f:
+        good = f.read()
+    with open(slices, "wb") as f:
+        f.write(good[: len(good) // 2])
+    with pytest.raises(CheckpointError):
+        train(TrainConfig.of(steps=4, resume=out, data=text, **TINY))
+    with open(metrics, "rb") as f:
+        assert f.read() == before
+    with open(slices, "wb") as f:
+        f.write(good)
+    # a metrics record that is not JSON (not the last line, which a crash may cut short): named, and kept
+    broken = b"{not json\n" + before.split(b"\n", 1)[1]
+    with open(metrics, "wb") as f:
+        f.write(broken)
+    with pytest.raises(MeshTorchError, match="metrics.jsonl line 1 is not a JSON record .*fix or delete"):
+        train(TrainConfig.of(steps=4, resume=out, data=text, **TINY))
+    with open(metrics, "rb") as f:
+        assert f.read() == broken
+    with open(metrics, "wb") as f:
+        f.write(before)
+    train(TrainConfig.of(steps=3, resume=out, data=text, **TINY))  # and the run resumes once repaired
+    with open(metrics) as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps[:2] == [1, 2] and steps[-1] == 3
 
 
 def test_config_file_tables_merge_and_an_option_set_twice_is_refused(tmp_path):
