@@ -384,6 +384,7 @@ def test_a_garbage_tokenizer_json_in_an_init_from_directory_is_named(hf_dir, tex
     rc, err = _train(capsys, "--data", text, *HF_RUN, "--init-from", model, "--out", str(tmp_path / "r"))
     assert rc == 2
     assert f"{tmp_path / 'model' / 'tokenizer.json'} is not a tokenizers file" in err, err
+    assert f"--init-from {model!r}: its tokenizer.json cannot be read" in err, err  # the flag given
     assert "Traceback" not in err and not (tmp_path / "r" / "tokenizer").exists()
 
 

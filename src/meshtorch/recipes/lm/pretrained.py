@@ -22,6 +22,7 @@ import dataclasses
 import os
 
 from meshtorch.data import ByteTokenizer
+from meshtorch.data.corpus import DataError
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import ArgumentError
 from meshtorch.models.hf import RUN_OPTIONS
@@ -91,7 +92,13 @@ def resolve_tokenizer(cfg: TrainConfig, out: str, fit: bool = True) -> TrainConf
     if spec == "auto":
         if run.init_from:
             own = os.path.isfile(os.path.join(run.init_from, "tokenizer.json"))
-            return cfg.replace(tokenizer=keep_tokenizer(run.init_from, out, write=fit) if own else "bytes")
+            if not own:
+                return cfg.replace(tokenizer="bytes")
+            try:
+                return cfg.replace(tokenizer=keep_tokenizer(run.init_from, out, write=fit))
+            except DataError as e:  # its message names --tokenizer, which this user never passed
+                raise DataError(f"--init-from {run.init_from!r}: its tokenizer.json cannot be read ({e}); "
+                                "replace it with the model's own, or pass --tokenizer bytes") from None
         try:
             import tokenizers  # noqa: F401
         except ImportError:
