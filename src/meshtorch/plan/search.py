@@ -174,7 +174,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         return trace(f, mesh=c[0], rules=c[1], backend="meta", staging=staging, device=spec.device_type,
                      compiled=compiled)
 
-    resharded = getattr(program, "resharded", lambda: None)()
+    resharded = program.resharded()
     shallow_resharded = shallow_programs(resharded) if resharded is not None and quick else None
 
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
@@ -300,7 +300,7 @@ def _search_pipelines(program: Program, family: list[Candidate],
             # first one micro-batch's forwards and backwards, a fraction of a stage trace: each
             # stage's work is at least microbatches times theirs (microbatch_work); with no best yet
             # to lose to, nothing would be pruned by it
-            probe = getattr(step, "one_microbatch", lambda: None)() if best < math.inf else None
+            probe = step.one_microbatch() if best < math.inf else None
             bounds = (microbatch_work(probe, mb, mesh, rules, spec, algorithm, staging) if probe is not None
                       else ())
             if any(give_up(s, w) for s, w in enumerate(bounds)):
