@@ -10,7 +10,8 @@ guessed from a surrogate. Each concern has its module:
   program's ``dims``), pruned by divisibility; and, for a program that can be
   pipelined, a ``stage`` axis in front of each smaller layout with its
   micro-batch counts. Its size grows with the divisors of the processor count
-  and the number of model dims: for the Mesh-TensorFlow paper's 6-layer LM,
+  and the number of model dims: for the Mesh-TensorFlow paper's 4.9B 6-layer LM
+  (d_ff 262144, 256 heads; ``tests/test_plan_space.py`` counts them),
   16 SPMD candidates on 2 processors, 84 on 8, 186 on 64 and 260 on 512 (an
   MoE's experts add about half), and the pipelined family 3, 198, 810 and
   1,104 more (``max_candidates`` caps the total).
