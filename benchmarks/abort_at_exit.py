@@ -37,50 +37,20 @@ import time
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
+# the ways a threads launch ends are tests/test_threads_exit.py's own processor functions (one copy of
+# the backward that waits in a collective when a processor fails or Ctrl-C comes)
+TESTS = os.path.join(os.path.dirname(SRC), "tests")
 PROGRAM = textwrap.dedent("""
     import signal, sys
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    import torch
     import meshtorch as mt
-
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t
-
-        @staticmethod
-        def backward(ctx, g):
-            return mt.current().comm.all_reduce(g, "m")
-
-    class Grad(torch.autograd.Function):  # a gradient made in Python, queued behind the collective
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 1
-
-    def step(x):
-        a = [x * 3 for _ in range(16)]
-        r = Reduce.apply(x * 2)
-        (sum(Grad.apply(t).sum() for t in a) + r.sum()).backward()
-
-    def fails(started):
-        x = torch.randn(4, 16, requires_grad=True)
-        if mt.current().rank == 0:
-            raise ValueError("processor 0 fails")
-        step(x)
-
-    def loops(started):
-        x = torch.randn(4, 16, requires_grad=True)
-        if mt.current().rank == 0:
-            open(started, "w").close()
-        while True:
-            step(x)
+    from test_threads_exit import _fails_in_backward, _loops_forward_and_backward
 
     try:
-        mt.launch(fails if sys.argv[1] == "failed-launch" else loops, sys.argv[2], mesh="m:2")
+        if sys.argv[1] == "failed-launch":
+            mt.launch(_fails_in_backward, [], mesh="m:2")
+        else:
+            mt.launch(_loops_forward_and_backward, sys.argv[2], mesh="m:2")
     except mt.errors.ProcessorError:
         sys.exit(3)
 """)
@@ -92,7 +62,7 @@ TRAIN = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--la
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "OMP_NUM_THREADS": "1"}
 
 
 def _threads(way: str, d: str) -> tuple[int, str]:

@@ -177,6 +177,9 @@ class ReshardingStep:
     def pipelined(self, microbatches: int) -> None:
         return None
 
+    def one_microbatch(self) -> None:
+        return None
+
     def resharded(self) -> ReshardingStep | None:
         return None if self.reshard else ReshardingStep(True)
 

@@ -35,7 +35,7 @@ from meshtorch.comm.torch import TorchCommunicator
 from meshtorch.context import current, use_tracer
 from meshtorch.plan import trace
 from meshtorch.plan.pipeline import stage_traces
-from meshtorch.plan.program import Program, SpaceDims, Step, program_of
+from meshtorch.plan.program import PROGRAM_MEMBERS, Program, SpaceDims, Step, program_of
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import pipelined_training_step, prepare, training_step
 from meshtorch.recipes.lm.strategies import PipelinedStep, PlainStep
@@ -216,3 +216,20 @@ def test_the_search_takes_the_models_dim_names_from_the_program():
     # told nothing, the search knows no dim of this model to split: each mesh keeps it replicated
     blind = mt.plan.search(_mlp("rows", "width", "units"), 4, device="a100")
     assert sorted((c.mesh, c.rules) for c in blind.ranking()) == [("b:2,m:2", ""), ("b:4", "")]
+
+
+@pytest.mark.parametrize("missing", PROGRAM_MEMBERS)
+def test_a_program_declaring_part_of_the_protocol_is_refused_naming_what_it_lacks(missing):
+    """The planner reads a program only through :class:`Program` (no ``getattr`` with a default): an
+    object that declares all of it but one member would be wrapped as a plain callable and its
+    declarations silently unused, so it is refused, naming the member."""
+    from meshtorch.errors import PlanError
+
+    declared = {"layers": 0, "period": 1, "pipeline": None, "dims": SpaceDims(),
+                **{m: lambda self, *a: None for m in PROGRAM_MEMBERS[4:]}, "__call__": lambda self: None}
+    assert set(declared) == {*PROGRAM_MEMBERS, "__call__"}
+    whole = type("Whole", (), declared)()
+    assert program_of(whole) is whole  # all declared: a Program as it is
+    partial = type("Partial", (), {k: v for k, v in declared.items() if k != missing})()
+    with pytest.raises(PlanError, match=rf"declares .* but not {missing}: a meshtorch.plan.program.Program"):
+        program_of(partial)

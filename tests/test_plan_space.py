@@ -4,12 +4,14 @@ reasons it gives for its ranking."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 import meshtorch as mt
 from meshtorch.plan import trace
 from meshtorch.plan.bounds import REFERENCE_MESH, dims_of
-from meshtorch.plan.space import meshes_for, rules_for
+from meshtorch.plan.space import meshes_for, pipeline_layouts, rules_for
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.steps import prepare, training_step
 
@@ -82,3 +84,20 @@ def test_the_search_says_why_it_chose():
     lines = res.reasons(3)
     assert lines[0].startswith("1st b:2,m:2") and lines[1].startswith("2nd ")
     assert res.why(first) in res.table(3)
+
+
+def test_the_space_has_the_sizes_the_search_docstring_gives():
+    """``mt.plan.search``'s docstring sizes its space for the paper's 4.9B LM (6 layers, d_model 1024,
+    d_kv 256, d_ff 262144, 256 heads, batch 256 x 256 tokens, vocabulary 32768), with the dims a
+    meta trace of ``meshtorch plan``'s step reports."""
+    dims = {"vocab": 32768, "d_model": 1024, "positions": 256, "heads": 256, "d_kv": 256, "d_ff": 262144,
+            "batch": 256, "length": 256, "memory_length": 256}
+    tiny = dims_of(trace(training_step(TrainConfig.of(layers=1, d_model=16, d_kv=4, d_ff=32, heads=2, batch=8,
+                                                      length=8), 32), mesh=REFERENCE_MESH, backend="meta"))
+    assert set(tiny) == set(dims)
+    counts = [(sum(len(rules_for(m, dims)) for m in meshes_for(n)), len(pipeline_layouts(n, dims, layers=6)))
+              for n in (2, 8, 64, 512)]
+    assert counts == [(16, 3), (84, 198), (186, 810), (260, 1104)]
+    doc = " ".join(importlib.import_module("meshtorch.plan.search").__doc__.split())
+    assert "16 SPMD candidates on 2 processors, 84 on 8, 186 on 64 and 260 on 512" in doc
+    assert "the pipelined family 3, 198, 810 and 1,104 more" in doc

@@ -14,10 +14,13 @@ protocols here, never through attributes it hopes are present:
   (build, warm up, then one steady-state step inside :func:`meshtorch.plan.measure`),
   with what a search may do with it: rebuild it with fewer layers (it traces two
   shallow copies and extrapolates), take its update away (a cheaper lower bound),
-  pipeline it, and which dims of its model a layout may split (:class:`SpaceDims`).
+  pipeline it, probe one micro-batch of its pipeline (a cheaper lower bound on a
+  stage), reshard it after forward (less memory where a layout does not fit), and
+  which dims of its model a layout may split (:class:`SpaceDims`).
 
 Any plain callable is a program too: :func:`program_of` wraps one that
-declares nothing (no layers, no pipeline, the :data:`TRANSFORMER_DIMS`).
+declares nothing (no layers, no pipeline, the :data:`TRANSFORMER_DIMS`); one that
+declares part of the protocol is refused, naming what it lacks.
 
 Example:
     >>> import meshtorch as mt
@@ -126,6 +129,22 @@ class Program(Protocol):
         """This program pipelined over ``microbatches`` micro-batches along a mesh axis
         (``pipeline`` set), or ``None`` if it cannot be pipelined."""
 
+    def one_microbatch(self) -> Program | None:
+        """One micro-batch of this pipelined program: the same stages, rules and schedule on
+        ``batch / microbatches`` sequences, measuring only their forwards and backwards, so that
+        ``microbatches`` times each stage's work bounds the step's stage from below
+        (:func:`meshtorch.plan.pipeline.microbatch_work`); ``None`` if there is none."""
+
+    def resharded(self) -> Program | None:
+        """This program resharding its gathered parameters after forward (less memory, more
+        bytes), what a search prices where a layout does not fit; ``None`` where that changes
+        nothing."""
+
+
+# what a Program declares (program_of refuses an object that declares part of it)
+PROGRAM_MEMBERS = ("layers", "period", "pipeline", "dims", "with_layers", "without_update", "pipelined",
+                   "one_microbatch", "resharded")
+
 
 def measured_run(step: Step, batch: Any, first: int = 1) -> dict[str, Any]:
     """Run ``step`` on ``batch`` inside :func:`meshtorch.plan.measure`: what a :class:`Program`
@@ -190,14 +209,42 @@ class FunctionProgram:
     def pipelined(self, microbatches: int) -> Program | None:
         return None
 
+    def one_microbatch(self) -> Program | None:
+        return None
+
+    def resharded(self) -> Program | None:
+        return None
+
 
 def program_of(fn: Callable[[], Any] | Program, dims: SpaceDims | None = None) -> Program:
     """``fn`` as a :class:`Program`: itself if it is one, else :class:`FunctionProgram`
-    (with ``dims``, default :data:`TRANSFORMER_DIMS`)."""
+    (with ``dims``, default :data:`TRANSFORMER_DIMS`).
+
+    An object that declares part of the protocol is refused, naming what it lacks: wrapped, it
+    would be traced whole, its declarations silently unused.
+
+    Example:
+        >>> from meshtorch.plan.program import program_of
+        >>> class Half:
+        ...     layers, period, pipeline = 2, 1, None
+        ...     def __call__(self): ...
+        >>> program_of(Half())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshtorch.errors.PlanError: the program Half declares layers, period, pipeline but not dims, ...
+    """
     if isinstance(fn, Program):
         return fn
+    declared = [m for m in PROGRAM_MEMBERS if hasattr(fn, m)]
+    if declared:
+        from meshtorch.errors import PlanError
+
+        lacks = [m for m in PROGRAM_MEMBERS if m not in declared]
+        raise PlanError(f"the program {type(fn).__name__} declares {', '.join(declared)} but not "
+                        f"{', '.join(lacks)}: a meshtorch.plan.program.Program declares all of them "
+                        "(or none: a plain callable)")
     return FunctionProgram(fn, dims or TRANSFORMER_DIMS)
 
 
-__all__ = ["TRANSFORMER_DIMS", "FunctionProgram", "Pipelining", "Program", "SpaceDims", "Step",
-           "measured_run", "program_of"]
+__all__ = ["PROGRAM_MEMBERS", "TRANSFORMER_DIMS", "FunctionProgram", "Pipelining", "Program", "SpaceDims",
+           "Step", "measured_run", "program_of"]

@@ -10,7 +10,8 @@ guessed from a surrogate. Each concern has its module:
   program's ``dims``), pruned by divisibility; and, for a program that can be
   pipelined, a ``stage`` axis in front of each smaller layout with its
   micro-batch counts. Its size grows with the divisors of the processor count
-  and the number of model dims: for the Mesh-TensorFlow paper's 6-layer LM,
+  and the number of model dims: for the Mesh-TensorFlow paper's 4.9B 6-layer LM
+  (d_ff 262144, 256 heads; ``tests/test_plan_space.py`` counts them),
   16 SPMD candidates on 2 processors, 84 on 8, 186 on 64 and 260 on 512 (an
   MoE's experts add about half), and the pipelined family 3, 198, 810 and
   1,104 more (``max_candidates`` caps the total).
@@ -174,7 +175,7 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         return trace(f, mesh=c[0], rules=c[1], backend="meta", staging=staging, device=spec.device_type,
                      compiled=compiled)
 
-    resharded = getattr(program, "resharded", lambda: None)()
+    resharded = program.resharded()
     shallow_resharded = shallow_programs(resharded) if resharded is not None and quick else None
 
     def run(c: tuple[str, str], whole: bool) -> Estimate | None:
@@ -300,7 +301,7 @@ def _search_pipelines(program: Program, family: list[Candidate],
             # first one micro-batch's forwards and backwards, a fraction of a stage trace: each
             # stage's work is at least microbatches times theirs (microbatch_work); with no best yet
             # to lose to, nothing would be pruned by it
-            probe = getattr(step, "one_microbatch", lambda: None)() if best < math.inf else None
+            probe = step.one_microbatch() if best < math.inf else None
             bounds = (microbatch_work(probe, mb, mesh, rules, spec, algorithm, staging) if probe is not None
                       else ())
             if any(give_up(s, w) for s, w in enumerate(bounds)):
