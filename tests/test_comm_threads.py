@@ -1,6 +1,7 @@
 """The threads communicator: collective values against hand-derived results,
 counters, failure propagation without hangs, and mismatch detection."""
 
+import threading
 import time
 
 import pytest
@@ -99,17 +100,24 @@ def test_mismatched_collectives_raise_with_call_sites():
 
 
 def test_skipped_collective_times_out_naming_it():
+    release = threading.Event()
+
     def prog():
         c = _comm()
         if c.rank == 0:
             c.all_reduce(torch.ones(2), "b")
         else:
-            time.sleep(1.5)  # busy elsewhere past the timeout, then returns
+            # busy elsewhere until the test lets it go (a 1.5 s sleep left 0.5 s of margin: with processor 0
+            # late to its all_reduce on a loaded machine, 1 could return first and be named as having left)
+            release.wait()
 
-    with pytest.raises(ProcessorError, match=r"all_reduce over axes \('b',\) called at .*test_comm_threads"
-                       r".* did not complete within 1 s: processors \[1\] never joined it \(processor 1 "
-                       r"is running outside any collective\)"):
-        mt.launch(prog, mesh="b:2", timeout=1, check=True)
+    try:
+        with pytest.raises(ProcessorError, match=r"all_reduce over axes \('b',\) called at .*test_comm_"
+                           r"threads.* did not complete within 1 s: processors \[1\] never joined it "
+                           r"\(processor 1 is running outside any collective\)"):
+            mt.launch(prog, mesh="b:2", timeout=1, check=True)
+    finally:
+        release.set()
 
 
 def test_results_in_processor_order_with_args():

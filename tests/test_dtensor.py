@@ -8,7 +8,8 @@ import torch
 import meshtorch as mt
 from meshtorch.errors import CommError
 
-pytestmark = pytest.mark.timeout(180)
+# one xdist worker runs the whole module: its module fixture launches gloo processes once
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("test_dtensor")]
 
 G = torch.arange(96, dtype=torch.float64).reshape(4, 6, 4) / 7
 

@@ -197,7 +197,7 @@ def test_fitted_tokenizer_options_are_checked(files, tmp_path):
     with pytest.raises(ArgumentError, match="'bpe:12': give the BPE's number of ids, at least 260"):
         train(TrainConfig.of(tokenizer="bpe:12", data=files["corpus"], steps=1, out=str(tmp_path / "a")))
     with pytest.raises(ArgumentError, match="--model seq2seq spells numbers in bytes"):
-        train(TrainConfig.of(model="seq2seq", tokenizer=files["tok"], steps=1))
+        train(TrainConfig.of(model="seq2seq", tokenizer=files["tok"], steps=1, out=str(tmp_path / "b")))
 
 
 def test_auto_tokenizer_picks(files, tmp_path, monkeypatch):

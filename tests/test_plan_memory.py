@@ -32,7 +32,8 @@ from meshtorch.recipes.lm.steps import pipelined_training_step, training_step
 VOCAB = 64
 CFG = TrainConfig.of(batch=4, length=16, d_model=64, heads=4, d_kv=16, d_ff=256, layers=1, optimizer="adamw")
 # every gloo measurement runs for 2 processes: all of one mesh's in one launch (see `real`)
-pytestmark = pytest.mark.timeout(900)
+# one xdist worker runs the whole module: its module fixture launches gloo processes once
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("test_plan_memory")]
 
 
 def _gloo_jobs() -> dict[str, tuple]:

@@ -8,7 +8,8 @@ import torch
 import meshtorch as mt
 from meshtorch.errors import ProcessorError
 
-pytestmark = pytest.mark.timeout(240)
+# one xdist worker runs the whole module: its module fixture launches gloo processes once
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("test_replicator_gloo")]
 
 try:
     from meshtorch.launcher import BACKENDS

@@ -16,7 +16,8 @@ import torch
 import meshtorch as mt
 from meshtorch.errors import CommError, MeshError, ProcessorError
 
-pytestmark = pytest.mark.timeout(240)
+# one xdist worker runs the whole module: its module fixture launches gloo processes once
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("test_torch_backend")]
 
 RULES = "batch:b; seq:m; d:m; ff:m; vocab:m"
 B, S, D, F, V, E = 4, 4, 8, 8, 8, 6
