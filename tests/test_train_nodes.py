@@ -57,6 +57,16 @@ def _nodes(hosts, per_node, port):
             o, e = p.communicate(timeout=180)
             outs.append(o)
             errs.append(e)
+    except subprocess.TimeoutExpired:
+        # what each node printed up to the hang is the only clue to it (once seen, never reproduced)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        told = list(zip(outs, errs)) + [p.communicate() for p in procs[len(outs):]]
+        pytest.fail("a node did not finish in 180 s:\n" + "\n".join(
+            f"--- node {r} (exit {p.returncode}) stdout:\n{(o or '')[-2000:]}\n"
+            f"--- stderr:\n{(e or '')[-4000:]}"
+            for r, (p, (o, e)) in enumerate(zip(procs, told))))
     finally:
         for p in procs:
             if p.poll() is None:
