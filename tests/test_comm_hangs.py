@@ -89,15 +89,19 @@ def test_recv_still_gets_what_a_processor_sent_before_it_returned():
 
 
 def test_timeout_names_what_the_missing_processor_waits_in():
+    at_recv = threading.Event()
+
     def prog():
         c = _comm()
         if c.rank == 0:
+            # the timeout starts once processor 1 is about to wait: on a loaded machine it took over
+            # 3 s to get there (then it is rightly named "outside any collective")
+            at_recv.wait(60)
             c.all_reduce(torch.ones(1), "b")
         else:
+            at_recv.set()
             c.recv("b", src=0)  # never sent: both wait until the timeout
 
-    # 3 s: both processors must be inside their calls when the timeout strikes; on a loaded machine
-    # processor 1 took over 1 s to reach its recv (then it is rightly named "outside any collective")
     with pytest.raises(ProcessorError) as info:
         mt.launch(prog, mesh="b:2", timeout=3, check=True)
     msg = str(info.value)
