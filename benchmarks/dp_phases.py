@@ -96,19 +96,26 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
              "meshtorch batch:b, per use": mesh(False),
              "DDP": lambda: timed(lambda: F.cross_entropy(net(local[:, :-1]).flatten(0, 1),
                                                           local[:, 1:].flatten()), dopt)}
+    res = interleaved(steps, args.rounds, before=dist.barrier)
+    if rank == 0:
+        queue.put(res)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def interleaved(steps: dict, rounds: int, before=lambda: None) -> dict[str, list[list[float]]]:
+    """Each step's phase times over ``rounds`` rounds in a balanced order (AB, BA, ...), after 3
+    warm-up steps each; ``before`` runs before every measured step (a barrier across processes)."""
     for step in steps.values():
         for _ in range(3):
             step()
     res: dict[str, list[list[float]]] = {n: [] for n in steps}
     order = list(steps)
-    for r in range(args.rounds):
+    for r in range(rounds):
         for name in order if r % 2 == 0 else order[::-1]:
-            dist.barrier()
+            before()
             res[name].append(steps[name]())
-    if rank == 0:
-        queue.put(res)
-    dist.barrier()
-    dist.destroy_process_group()
+    return res
 
 
 def one_processor(args: argparse.Namespace) -> dict[str, list[list[float]]]:
@@ -125,15 +132,7 @@ def one_processor(args: argparse.Namespace) -> dict[str, list[list[float]]]:
     steps = {"meshtorch, one processor": lambda: timed(lambda: model.loss(
                  mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape)), mopt),
              "plain torch twin": lambda: timed(lambda: twin.loss(data[:, :-1], data[:, 1:]), topt)}
-    for step in steps.values():
-        for _ in range(3):
-            step()
-    res: dict[str, list[list[float]]] = {n: [] for n in steps}
-    order = list(steps)
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            res[name].append(steps[name]())
-    return res
+    return interleaved(steps, args.rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
