@@ -559,12 +559,12 @@ class Runtime:
         path's)."""
         buckets: list[list[Entry]] = []
         open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
+        keys = {e: (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in self.order}
         totals: dict = {}
-        for e in self.order:
-            key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+        for e, key in keys.items():
             totals[key] = totals.get(key, 0) + e.nbytes
         for e in reversed(self.order):
-            key = (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+            key = keys[e]
             k, size, count = open_.get(key, (None, 0, 0))
             if e.kind == "all_reduce":
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
