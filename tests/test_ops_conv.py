@@ -63,6 +63,16 @@ def test_conv_matches_dense(data, rank, padding, stride, dilation, k):
                                                     dilation), dense, [(x, xs), (w, ks)], mesh, rules)
 
 
+def test_conv2d_with_one_output_channel_per_processor_matches_dense():
+    # hypothesis found it: torch's CPU conv backward refused the permuted one-channel weight
+    # ("slow_conv2d: grad_weight must be contiguous")
+    x, w = rand(2, 7, 7, 3, seed=1), rand(2, 2, 3, 2, seed=2)
+    check_op(lambda x, w: mt.conv2d(x, w, ["h", "w"], ["kh", "kw"], "same"),
+             lambda x, w: F.conv2d(F.pad(x.movedim(-1, 1), (0, 1, 0, 1)),
+                                   w.permute(3, 2, 0, 1)).movedim(1, -1),
+             [(x, "batch:2,h:7,w:7,c:3"), (w, "kh:2,kw:2,c:3,out:2")], "x:2", "out:x")
+
+
 def test_conv3d_matches_dense_with_depth_split():
     x, w = rand(1, 4, 4, 6, 2, seed=3), rand(3, 1, 3, 2, 2, seed=4)
     check_op(lambda x, w: mt.conv3d(x, w),

@@ -148,7 +148,10 @@ def _conv(op: str, x: MeshTensor, kernel: MeshTensor, dims, kernel_dims, padding
             shape = [*lead, wl.shape[w_perm[1 if transpose else 0]], *sizes]
             y = xw.new_zeros(shape) + 0 * (xw.sum() + wl.sum())
             return y.permute(out_perm)
-        y = fn(xp, wl.permute(w_perm), stride=strides, dilation=dilations)
+        # contiguous: torch's CPU convolution backward (slow_conv2d) refuses a weight whose
+        # permuted strides it cannot use ("grad_weight must be contiguous", seen with one
+        # output channel on a processor)
+        y = fn(xp, wl.permute(w_perm).contiguous(), stride=strides, dilation=dilations)
         if transpose:
             for j, (d, w) in enumerate(zip(dims, windows)):
                 a, _ = w.reads(view.start(d), sizes[j])
