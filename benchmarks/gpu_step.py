@@ -36,9 +36,10 @@ with N the parameters less the learned position table (a lookup, not a matmul); 
 table is counted once, as the output projection's matmul. The second term is attention's two
 score products (QK^T and AV, forward and backward) over the whole length: the half the causal
 mask skips is counted, as PaLM does. MFU = FLOPs per step / step time / peak, against (a) the
-GPU's nominal dense bf16 rate (table :data:`NOMINAL_BF16` by ``torch.cuda.get_device_name()``,
-or ``--peak-tflops``) and (b) the rate of 8192³ bf16 matmuls measured at the start of the run:
-what the GPU's matmuls reach at best here, so "% of matmul peak" says how believable a figure is.
+GPU's nominal dense bf16 rate (the library's table :data:`meshtorch.plan.gpus.GPUS` by
+``torch.cuda.get_device_name()``, or ``--peak-tflops``) and (b) the rate of 8192³ bf16 matmuls
+measured at the start of the run: what the GPU's matmuls reach at best here, so "% of matmul peak"
+says how believable a figure is.
 
 Writes ``benchmarks/results/gpu_step.{json,md}`` after every variant (a run stopped part-way keeps
 what it measured). Without a GPU it says so and exits 0. ``--dry-run`` runs every variant of a
@@ -76,6 +77,7 @@ import meshtorch as mt
 from meshtorch.compiler import compile_step
 from meshtorch.models import TransformerConfig
 from meshtorch.plan.devices import matmul_rate
+from meshtorch.plan.gpus import gpu_kind
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.optimizer import make_optimizer
 from meshtorch.recipes.lm.report import step_flops
@@ -98,26 +100,6 @@ SIZES: dict[str, dict[str, int]] = {
 VARIANTS = ("meshtorch-eager", "plain-eager", "plain-compiled", "meshtorch-compiled")
 # issue 25's targets: meshtorch step / plain step, eager and compiled, and peak memory
 TARGETS = {"eager": 1.05, "compiled": 1.10, "memory": 1.10}
-
-# nominal dense (no sparsity) bf16 tensor-core FLOP/s by a word of torch.cuda.get_device_name(),
-# from NVIDIA's data sheets; the first match wins, so the more specific names come first
-NOMINAL_BF16: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
-    ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L4", 121e12),
-)
-
-
-def nominal_peak(name: str) -> float | None:
-    """The nominal dense bf16 FLOP/s of the GPU called ``name``, or ``None`` if not in the table.
-
-    Example:
-        >>> nominal_peak("NVIDIA H100 80GB HBM3") / 1e12, nominal_peak("NVIDIA H100 PCIe") / 1e12
-        (989.0, 756.0)
-        >>> nominal_peak("NVIDIA GeForce GTX 1080") is None
-        True
-    """
-    return next((p for key, p in NOMINAL_BF16 if key in name), None)
-
 
 def amount(flops: float, unit: str = "FLOP") -> str:
     """FLOPs (or FLOP/s with ``unit="FLOP/s"``) in T or G, as suits them (a dry run's CPU makes G).
@@ -601,8 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     elif a.dry_run:
         nominal, source = None, "none on the CPU"
     else:
-        nominal = nominal_peak(name)
-        source = "table NOMINAL_BF16" if nominal else f"'{name}' is not in NOMINAL_BF16: pass --peak-tflops"
+        kind = gpu_kind(name)
+        nominal = kind.bf16_flops if kind else None
+        source = ("meshtorch.plan.gpus.GPUS" if kind
+                  else f"'{name}' is not in meshtorch.plan.gpus.GPUS: pass --peak-tflops")
     mm_dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     mm_n = 256 if a.dry_run else 8192
     with torch.device(device):

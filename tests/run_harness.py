@@ -1,4 +1,5 @@
-"""Test harness for ``meshtorch train`` runs: a tiny corpus, and what a run's latest checkpoint holds."""
+"""Test harness for ``meshtorch train`` runs: a tiny model's flags, a tiny corpus, and what a run's
+latest checkpoint holds."""
 
 from __future__ import annotations
 
@@ -11,6 +12,29 @@ import safetensors.torch
 import torch
 
 import meshtorch as mt
+
+# a model and run that train in about a second on a CPU: quiet, one evaluation batch, 4 sampled tokens
+TINY_TRAIN = {"d_model": 16, "heads": 2, "d_kv": 8, "d_ff": 32, "layers": 1, "batch": 4, "length": 16,
+              "eval_batches": 1, "sample_tokens": 4, "warmup": 0, "no_progress": True}
+
+
+def tiny_train(**flags) -> list[str]:
+    """The ``meshtorch train`` flags of ``TINY_TRAIN`` with ``flags`` (the test's own) set or replacing
+    them: ``lr_schedule="constant"`` is ``--lr-schedule constant``, ``True`` a flag without a value
+    (``no_memory_check=True``), ``None`` leaves a flag out (``warmup=None``: train's default).
+
+    >>> tiny_train(layers=2, sample_tokens=None, rules="")[8:]  # doctest: +NORMALIZE_WHITESPACE
+    ['--layers', '2', '--batch', '4', '--length', '16', '--eval-batches', '1', '--warmup', '0',
+     '--no-progress', '--rules', '']
+    """
+    argv = []
+    for name, value in {**TINY_TRAIN, **flags}.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
+    return argv
 
 
 def write_corpus(d, files: int) -> str:

@@ -28,7 +28,7 @@ from meshtorch.checkpoint.format import INDEX
 from meshtorch.checkpoint.index import CHECKSUM, check_index, index_checksum, read_index
 from meshtorch.checkpoint.versions import POINTER, clean_stale, mark_live, read_pointer
 from meshtorch.errors import CheckpointError
-from run_harness import assert_same_bits, checkpoint_tensors, write_corpus
+from run_harness import assert_same_bits, checkpoint_tensors, tiny_train, write_corpus
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -268,10 +268,8 @@ def test_a_checkpoint_written_before_versioning_loads_and_is_kept_as_the_older_o
 
 # --- a kill -9 during a real training run -------------------------------------------------------------
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "4",
-        "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--log-every", "1", "--warmup", "0",
-        "--lr-schedule", "constant", "--no-progress", "--mesh", "b:2", "--rules", "batch:b",
-        "--checkpoint-every", "1", "--steps", "4"]
+TINY = tiny_train(log_every=1, lr_schedule="constant", mesh="b:2", rules="batch:b", checkpoint_every=1,
+                  steps=4)
 
 # the run in a child process that SIGKILLs itself just before its checkpoint code's kill_at-th file operation
 CHILD = inspect.getsource(in_checkpoint) + """

@@ -320,10 +320,8 @@ def test_the_background_writer_keeps_the_process_alive_until_written(tmp_path, m
     assert mt.checkpoint.wait() == os.path.join(root, "step-000001")
 
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "4",
-        "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--log-every", "1", "--warmup", "0",
-        "--lr-schedule", "constant", "--no-progress", "--mesh", "b:2", "--rules", "batch:b",
-        "--tokenizer", "bytes", "--checkpoint-every", "2", "--steps", "4", "--keep", "2", "--no-memory-check"]
+TINY = {"log_every": 1, "lr_schedule": "constant", "mesh": "b:2", "rules": "batch:b", "tokenizer": "bytes",
+        "checkpoint_every": 2, "steps": 4, "keep": 2, "no_memory_check": True}
 
 
 def test_train_async_checkpoint(tmp_path):
@@ -332,10 +330,10 @@ def test_train_async_checkpoint(tmp_path):
     verified into the run's model; the flag is recorded with the run's options."""
     from meshtorch import cli
     from meshtorch.recipes.lm.generate import load_lm
-    from run_harness import write_corpus
+    from run_harness import tiny_train, write_corpus
 
     out, data = str(tmp_path / "run"), write_corpus(tmp_path, 6)
-    assert cli.main(["train", "--data", data, "--out", out, *TINY, "--async-checkpoint"]) == 0
+    assert cli.main(["train", "--data", data, "--out", out, *tiny_train(**TINY), "--async-checkpoint"]) == 0
     ckpt = os.path.join(out, "checkpoint")
     assert read_pointer(ckpt) == ["step-000004", "step-000002"]
     assert sorted(os.listdir(ckpt)) == [POINTER, "step-000002", "step-000004"]
@@ -358,10 +356,10 @@ def test_meshtorch_generate_reads_a_run_whose_checkpoints_keep_1_prunes_meanwhil
     from meshtorch.checkpoint import index as index_module
     from meshtorch.checkpoint.state import from_json
     from meshtorch.recipes.lm.generate import generate_from_checkpoint, load_lm
-    from run_harness import write_corpus
+    from run_harness import tiny_train, write_corpus
 
     out, data = str(tmp_path / "run"), write_corpus(tmp_path, 2)
-    flags = [f for f in TINY if f not in ("--mesh", "b:2", "--rules", "batch:b")]
+    flags = tiny_train(**{**TINY, "mesh": None, "rules": None})
     assert cli.main(["train", "--data", data, "--out", out, *flags, "--steps", "2", "--keep", "1"]) == 0
     ckpt = os.path.join(out, "checkpoint")
     extra = from_json(mt.checkpoint.index.read_index(ckpt)["extra"])

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from meshtorch import cli
 from meshtorch.errors import PlacementError
 from meshtorch.placement import OpGraph, Problem, place
+from run_harness import tiny_train, write_corpus
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,15 +185,11 @@ def test_plan_search_of_a_billion_layers_answers_and_pipelines_are_refused_by_na
 
 # -- meshtorch train --out --------------------------------------------------------------------------
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "4",
-        "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--log-every", "2", "--warmup", "0",
-        "--no-progress", "--steps", "2"]
+TINY = tiny_train(log_every=2, steps=2)
 
 
 @pytest.fixture(scope="module")
 def text(tmp_path_factory):
-    from run_harness import write_corpus
-
     return write_corpus(tmp_path_factory.mktemp("corpus"), 6)
 
 

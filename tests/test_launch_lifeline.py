@@ -19,6 +19,7 @@ import time
 import pytest
 
 from meshtorch.launcher.lifeline import EXIT_PARENT_DIED
+from run_harness import tiny_train, write_corpus
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -160,13 +161,11 @@ def _children(pid: int) -> list[int]:
 def test_meshtorch_train_workers_stop_writing_when_the_launcher_is_killed(tmp_path):
     data = tmp_path / "corpus"
     data.mkdir()
-    for i in range(12):  # as in test_lm_train_cli: some files land in the held-out split
-        (data / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(30)))
+    write_corpus(data, 12)  # as in test_lm_train_cli: some files land in the held-out split
     out = tmp_path / "run"
-    launcher = _start([sys.executable, "-m", "meshtorch", "train", "--backend", "torch", "--mesh", "b:2",
-                       "--rules", "batch:b", "--steps", "100000", "--log-every", "1", "--no-progress",
-                       "--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
-                       "--batch", "4", "--length", "16", "--warmup", "0", "--lr-schedule", "constant",
+    launcher = _start([sys.executable, "-m", "meshtorch", "train", "--backend", "torch",
+                       *tiny_train(eval_batches=None, sample_tokens=None, mesh="b:2", rules="batch:b",
+                                   steps=100000, log_every=1, lr_schedule="constant"),
                        "--data", str(data), "--out", str(out)])
     metrics = out / "metrics.jsonl"
     if not _wait(lambda: metrics.exists() and metrics.stat().st_size > 0 or launcher.poll() is not None,

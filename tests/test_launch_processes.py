@@ -173,6 +173,42 @@ def test_recv_on_gloo_still_gets_what_a_processor_sent_before_it_returned():
                      timeout=60) == [None, 1000 * 999 / 2]
 
 
+def drops_communicators() -> tuple[bool, bool, bool]:
+    """Whether a dropped torch communicator (a second one over this world) is still alive: after the
+    send it waited for, with a send it never waited for, and then after ``wait_all_sends``."""
+    import gc
+    import weakref
+
+    from meshtorch.comm.torch import TorchCommunicator, wait_all_sends
+
+    def dropped(wait: bool) -> weakref.ref:
+        comm = TorchCommunicator("s:2")
+        if comm.rank == 0:
+            comm.send(torch.arange(4.0), "s", dst=1)
+            if wait:
+                comm.wait_sends()
+        else:
+            assert comm.recv("s", src=0).tolist() == [0.0, 1.0, 2.0, 3.0]
+        return weakref.ref(comm)
+
+    waited = dropped(wait=True)
+    gc.collect()
+    unwaited = dropped(wait=False)
+    gc.collect()
+    alive = (waited() is not None, unwaited() is not None)
+    wait_all_sends()
+    gc.collect()
+    return (*alive, unwaited() is not None)
+
+
+def test_a_dropped_communicator_is_collected_once_its_sends_are_delivered():
+    """comm/torch.py's registries: every communicator is held weakly (for leave_groups), and one
+    with a send in flight strongly until it is waited for (destroying its gloo groups under the
+    send would abort the process). Processor 0 sends; processor 1's communicators never do."""
+    assert mt.launch(drops_communicators, mesh="s:2", backend="torch", timeout=60) == [
+        (False, True, False), (False, False, False)]
+
+
 def leaves_the_world_after_collectives():
     """What of this processor's gloo groups outlives leaving the world; then a collective."""
     import gc

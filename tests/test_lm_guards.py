@@ -18,13 +18,11 @@ from meshtorch.errors import ArgumentError, LayoutError, TrainingError
 from meshtorch.recipes.lm import TrainConfig, strategies, train
 from meshtorch.recipes.lm.fit import check_memory
 from meshtorch.recipes.lm.guards import RunDirLock
-from run_harness import checkpoint_tensors, write_corpus
+from run_harness import checkpoint_tensors, tiny_train, write_corpus
 
 pytestmark = pytest.mark.timeout(300)
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
-        "--batch", "4", "--length", "16", "--eval-batches", "1", "--sample-tokens", "4",
-        "--log-every", "2", "--warmup", "0", "--lr-schedule", "constant", "--no-progress"]
+TINY = tiny_train(log_every=2, lr_schedule="constant")
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
 
@@ -353,8 +351,8 @@ def test_train_on_gpus_that_cannot_hold_the_step_is_refused_naming_the_term_and_
 
     out = tmp_path / "run"
     argv = ["train", "--data", text, "--out", str(out), "--device", "cuda", "--tokenizer", "bytes",
-            "--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "2", "--batch", "8",
-            "--length", "32", "--mesh", "b:2", "--rules", "batch:b", "--steps", "2", "--no-progress"]
+            *tiny_train(layers=2, batch=8, length=32, eval_batches=None, sample_tokens=None, warmup=None,
+                        mesh="b:2", rules="batch:b", steps=2)]
     cfg = config_from_args(cli.build_parser("train").parse_args(argv))   # what the command line makes
     planned = check_memory(cfg, 264, processes=2)
     largest = max(("activations", "optimizer", "parameters", "gradients"), key=planned.__getitem__)

@@ -17,12 +17,10 @@ from meshtorch.mesh import Mesh
 from meshtorch.recipes.lm import TrainConfig
 from meshtorch.recipes.lm.generate import generate_from_checkpoint
 from meshtorch.recipes.lm.plan_cli import hardware_of_run
-from run_harness import write_corpus
+from run_harness import tiny_train, write_corpus
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
-        "--batch", "8", "--length", "16", "--eval-batches", "1", "--sample-tokens", "4",
-        "--log-every", "1", "--warmup", "0", "--lr-schedule", "constant", "--lr", "0.01", "--no-progress",
-        "--tokenizer", "bytes", "--steps", "3", "--mesh", "b:2,m:2"]
+TINY = tiny_train(batch=8, log_every=1, lr_schedule="constant", lr=0.01, tokenizer="bytes", steps=3,
+                  mesh="b:2,m:2")
 # every dim the search may split over m is split: a layout unlike "batch:b" alone
 SPLIT = "batch:b; heads:m; d_ff:m; vocab:m"
 

@@ -12,11 +12,9 @@ from meshtorch import cli
 from meshtorch.checkpoint.index import read_index
 from meshtorch.errors import ArgumentError
 from meshtorch.recipes.lm import TrainConfig, train
-from run_harness import assert_same_bits, checkpoint_tensors, write_corpus
+from run_harness import assert_same_bits, checkpoint_tensors, tiny_train, write_corpus
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1",
-        "--batch", "4", "--length", "16", "--eval-batches", "1", "--sample-tokens", "8",
-        "--log-every", "2", "--warmup", "0", "--lr-schedule", "constant", "--no-progress"]
+TINY = tiny_train(sample_tokens=8, log_every=2, lr_schedule="constant")
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,11 @@ import pytest
 from meshtorch import cli
 from meshtorch.context import current
 from meshtorch.recipes.lm import strategies
+from run_harness import tiny_train
 
 pytestmark = pytest.mark.timeout(300)
 
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "2", "--batch", "8",
-        "--length", "16", "--eval-batches", "1", "--sample-tokens", "4", "--warmup", "2", "--no-progress",
-        "--mesh", "b:1", "--rules", "", "--lr", "0.01"]
+TINY = tiny_train(layers=2, batch=8, warmup=2, mesh="b:1", rules="", lr=0.01)
 PIPE = ["--pipeline-stages", "2", "--schedule", "gpipe", "--microbatches", "2"]
 
 

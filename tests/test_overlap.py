@@ -208,12 +208,11 @@ def test_meshtorch_train_overlaps_with_the_per_use_losses(tmp_path, monkeypatch,
     import os
 
     from meshtorch import cli
+    from run_harness import tiny_train
 
     (tmp_path / "data.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n" for j in range(60)))
-    tiny = ["--data", str(tmp_path / "data.py"), "--d-model", "16", "--heads", "2", "--d-kv", "8",
-            "--d-ff", "32", "--layers", "2", "--batch", "8", "--length", "16", "--eval-batches", "1",
-            "--sample-tokens", "4", "--warmup", "2", "--no-progress", "--mesh", "b:2", "--rules", FSDP,
-            "--lr", "0.01", "--steps", "3", "--log-every", "1", "--tokenizer", "bytes"]
+    tiny = tiny_train(data=tmp_path / "data.py", layers=2, batch=8, warmup=2, mesh="b:2", rules=FSDP, lr=0.01,
+                      steps=3, log_every=1, tokenizer="bytes")
 
     def losses(name: str, *flags: str) -> list[float]:
         out = str(tmp_path / name)

@@ -8,7 +8,7 @@ import torch
 import meshtorch as mt
 from meshtorch.models import DecoderLM, TransformerConfig
 from meshtorch.pipeline.lm import lm_pipeline
-from run_harness import checkpoint_tensors
+from run_harness import checkpoint_tensors, tiny_train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -133,10 +133,8 @@ def test_meshtorch_train_pipeline_matches_the_unsplit_run(tmp_path, capsys):
 
     from meshtorch import cli
 
-    tiny = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "2", "--batch", "8",
-            "--length", "16", "--eval-batches", "2", "--sample-tokens", "4", "--log-every", "2",
-            "--warmup", "2", "--steps", "4", "--no-progress", "--data", _corpus(tmp_path), "--mesh", "b:1",
-            "--rules", ""]
+    tiny = tiny_train(layers=2, batch=8, eval_batches=2, log_every=2, warmup=2, steps=4,
+                      data=_corpus(tmp_path), mesh="b:1", rules="")
     plain, piped = str(tmp_path / "plain"), str(tmp_path / "piped")
     assert cli.main(["train", "--out", plain, *tiny]) == 0
     # gpipe: synchronous, so with the same seed, batches, AdamW, warm-up/cosine and clipping over all

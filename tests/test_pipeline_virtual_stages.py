@@ -266,14 +266,12 @@ def test_meshtorch_train_interleaved_zb_and_zbv_reach_the_unsplit_runs_loss(tmp_
     import os
 
     from meshtorch import cli
-    from run_harness import checkpoint_tensors, write_corpus
+    from run_harness import checkpoint_tensors, tiny_train, write_corpus
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    tiny = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "4", "--batch", "8",
-            "--length", "16", "--eval-batches", "2", "--sample-tokens", "4", "--log-every", "1",
-            "--warmup", "2", "--steps", "3", "--no-progress", "--data", write_corpus(corpus, 4),
-            "--mesh", "b:1", "--rules", ""]
+    tiny = tiny_train(layers=4, batch=8, eval_batches=2, log_every=1, warmup=2, steps=3,
+                      data=write_corpus(corpus, 4), mesh="b:1", rules="")
     runs = {"plain": [], "interleaved": ["--pipeline-stages", "2", "--virtual-stages", "2", "--schedule",
                                          "interleaved", "--microbatches", "2"],
             "zb": ["--pipeline-stages", "2", "--schedule", "zb", "--microbatches", "2"],

@@ -18,14 +18,12 @@ from meshtorch.recipes.lm.guards import RunDirLock
 from meshtorch.recipes.lm.restarts import ENV_TEST_KILL, continued, launcher_holds
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_harness import assert_same_bits, checkpoint_tensors, run_in_session, write_corpus  # noqa: E402
+from run_harness import assert_same_bits, checkpoint_tensors, run_in_session, tiny_train, write_corpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "8",
-        "--length", "16", "--eval-batches", "1", "--sample-tokens", "0", "--warmup", "2", "--no-progress",
-        "--mesh", "b:2", "--rules", "batch:b", "--lr", "0.01", "--tokenizer", "bytes", "--steps", "6",
-        "--log-every", "1", "--checkpoint-every", "2", "--no-memory-check"]
+TINY = tiny_train(batch=8, sample_tokens=0, warmup=2, mesh="b:2", rules="batch:b", lr=0.01, tokenizer="bytes",
+                  steps=6, log_every=1, checkpoint_every=2, no_memory_check=True)
 
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")

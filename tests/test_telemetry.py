@@ -12,15 +12,14 @@ import pytest
 from meshtorch import cli
 from meshtorch.errors import MeshTorchError
 from meshtorch.recipes.lm.telemetry import MetricsBoard
+from run_harness import tiny_train
 
 pytestmark = pytest.mark.timeout(300)
 
 BATCH, LENGTH, STEPS = 8, 16, 6
 D_MODEL, HEADS, D_KV, D_FF, LAYERS = 16, 2, 8, 32, 2
-TINY = ["--d-model", str(D_MODEL), "--heads", str(HEADS), "--d-kv", str(D_KV), "--d-ff", str(D_FF),
-        "--layers", str(LAYERS), "--batch", str(BATCH), "--length", str(LENGTH), "--eval-batches", "1",
-        "--sample-tokens", "4", "--warmup", "2", "--no-progress", "--mesh", "b:1", "--rules", "",
-        "--steps", str(STEPS), "--log-every", "2"]
+TINY = tiny_train(d_model=D_MODEL, heads=HEADS, d_kv=D_KV, d_ff=D_FF, layers=LAYERS, batch=BATCH,
+                  length=LENGTH, warmup=2, mesh="b:1", rules="", steps=STEPS, log_every=2)
 
 
 @pytest.fixture(scope="module")

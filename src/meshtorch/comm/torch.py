@@ -90,14 +90,16 @@ def _digest(call: dict) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
-# the communicators of this process with point-to-point sends that may still be in flight, by
-# id (held, with the tensors they send, until delivered): leaving the world waits for them first
-# (launcher/world.shutdown), since destroying a gloo process group under a send it still runs
-# aborts the interpreter
+# Two registries, as they must hold their communicators differently (one cannot do both):
+# - _sending: the communicators of this process with point-to-point sends that may still be in
+#   flight, by id, held STRONGLY (with the tensors they send) until wait_sends: a communicator
+#   its program dropped must outlive it while a send runs, since its last reference going
+#   destroys its gloo process groups, and destroying one under a send it still runs aborts the
+#   interpreter; leaving the world (launcher/world.shutdown) waits for them all first.
+# - _communicators: every torch communicator of this process, WEAKLY, for leave_groups: a
+#   strong set would keep every dropped communicator and its process groups alive until the
+#   world is left (tests/test_launch_processes.py checks that a dropped one is collected).
 _sending: dict[int, TorchCommunicator] = {}
-
-
-# every torch communicator of this process, for leave_groups
 _communicators: weakref.WeakSet = weakref.WeakSet()
 
 

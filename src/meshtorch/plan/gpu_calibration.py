@@ -21,10 +21,10 @@
   (``context_bytes``: total - free - reserved, on an otherwise idle GPU).
 
 Collectives are not measured (one GPU): the links are those of the built-in spec of the same
-GPU kind (``h100``, ``a100``; another is given the ``h100``'s) and so is the allocator's
-fragmentation margin. The same code runs on the CPU (``device="cpu"``, ``quick=True``: tiny sizes,
-well under a second), which is how it is tested; a CPU run is planned with ``--hardware cpu``'s
-own calibration, not this.
+GPU kind (``h100``, ``a100``: :func:`meshtorch.plan.gpus.spec_of_gpu`; another is given the
+``h100``'s) and so is the allocator's fragmentation margin. The same code runs on the CPU
+(``device="cpu"``, ``quick=True``: tiny sizes, well under a second), which is how it is tested; a
+CPU run is planned with ``--hardware cpu``'s own calibration, not this.
 
 Example:
     >>> from meshtorch.plan.gpu_calibration import measure_gpu
@@ -47,6 +47,7 @@ import torch
 
 from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DEVICES, DeviceSpec, Link
+from meshtorch.plan.gpus import spec_of_gpu
 from meshtorch.plan.kernels import matmul_efficiency
 
 Shape = tuple[int, int, int]  # (m, n, k) of an [m, k] @ [k, n] product
@@ -427,13 +428,6 @@ def device_name(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or device.type
 
 
-def _nearest_builtin(name: str) -> DeviceSpec:
-    for key in ("h100", "a100"):
-        if key in name:
-            return DEVICES[key]
-    return DEVICES["h100"]
-
-
 def measure_gpu(device: str | torch.device = "cuda", quick: bool = False, clock: Clock | None = None,
                 processors: int | None = None) -> DeviceSpec:
     """The roofline's numbers of ``device``, measured now (see the module's notes); ``quick``:
@@ -459,7 +453,7 @@ def measure_gpu(device: str | torch.device = "cuda", quick: bool = False, clock:
     attention = attention_rate(dev, QUICK_ATTENTION if quick else ATTENTION, window, clock=clock,
                                launch=launch)
     name = device_name(dev)
-    like = _nearest_builtin(name)
+    like = DEVICES[spec_of_gpu(name)[0]]
     if processors is None:
         processors = torch.cuda.device_count() if dev.type == "cuda" else 1
     link = measure_collectives(dev.type, processors, quick) if processors > 1 else like.default_link

@@ -35,6 +35,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
+from meshtorch.plan.gpus import spec_of_gpu
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
@@ -84,8 +85,8 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     """The hardware spec that prices ``cfg``'s run on this machine, and where it comes from: the CPU's
     stored calibration (``--hardware cpu``) when the run computes on the CPU; on a GPU its own
     measurement if ``meshtorch plan --calibrate`` stored one (:func:`gpu_calibration_path`), else the
-    built-in spec of its kind (``a100``, ``h100``; another GPU is priced as an ``h100``, and the note
-    says so).
+    built-in spec of its kind (``a100``, ``h100``: :func:`meshtorch.plan.gpus.spec_of_gpu`; another
+    GPU is priced as an ``h100``, and the note says so).
     ``processes``: the run's processors on this machine (``--device auto`` picks CUDA when it has a GPU
     for each)."""
     import torch
@@ -99,10 +100,10 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     calibrated = gpu_calibration_path(device_name(torch.device("cuda", 0)))
     if calibrated.exists():
         return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
-    for spec in ("h100", "a100"):
-        if spec in name.lower():
-            return spec, f"the built-in {spec} spec for {name}"
-    return "h100", f"the built-in h100 spec: {name} has no spec of its own (meshtorch plan --calibrate " \
+    spec, own = spec_of_gpu(name)
+    if own:
+        return spec, f"the built-in {spec} spec for {name}"
+    return spec, f"the built-in {spec} spec: {name} has no spec of its own (meshtorch plan --calibrate " \
         "on it measures one)"
 
 

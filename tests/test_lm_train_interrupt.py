@@ -12,16 +12,16 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from run_harness import write_corpus  # noqa: E402
+from run_harness import tiny_train, write_corpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 # as in a terminal: a shell may start this in the background with SIGINT ignored
 MAIN = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "from meshtorch.cli import main; sys.exit(main(sys.argv[1:]))")
-FLAGS = ["train", "--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "2",
-         "--batch", "8", "--length", "16", "--tokenizer", "bytes", "--no-progress", "--mesh", "b:2",
-         "--rules", "batch:b", "--steps", "100000", "--log-every", "1", "--checkpoint-every", "1"]
+FLAGS = ["train", *tiny_train(layers=2, batch=8, eval_batches=None, sample_tokens=None, warmup=None,
+                              tokenizer="bytes", mesh="b:2", rules="batch:b", steps=100000, log_every=1,
+                              checkpoint_every=1)]
 
 
 def _lines(path: str) -> int:
