@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from meshtorch.launcher.elastic import GLOO_IFNAME, NCCL_IFNAME
 from meshtorch.recipes.lm.config import TrainConfig, check_nodes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from net_harness import two_namespaces  # noqa: E402
+from net_harness import run_nodes, two_namespaces  # noqa: E402
 from run_harness import assert_same_bits, checkpoint_tensors, write_corpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,35 +42,16 @@ def two_hosts():
 def _nodes(hosts, per_node, port):
     """``meshtorch train`` on each host, with argv ``per_node[r]`` on node ``r``: (exit codes, stdouts,
     stderrs)."""
+    cmds = [["ip", "netns", "exec", ns, sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank",
+             str(rank), "--master-port", str(port), *per_node[rank]] for rank, ns in enumerate(hosts)]
+    done = run_nodes(cmds, _env())
+    return [n.code for n in done], [n.out for n in done], [n.err for n in done]
+
+
+def _env():
     env = {k: v for k, v in os.environ.items() if k not in (GLOO_IFNAME, NCCL_IFNAME)}
     env.update(PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = []
-    for rank, ns in enumerate(hosts):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank",
-               str(rank), "--master-port", str(port), *per_node[rank]]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      start_new_session=True))
-    outs, errs = [], []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=180)
-            outs.append(o)
-            errs.append(e)
-    except subprocess.TimeoutExpired:
-        # what each node printed up to the hang is the only clue to it (once seen, never reproduced)
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        told = list(zip(outs, errs)) + [p.communicate() for p in procs[len(outs):]]
-        pytest.fail("a node did not finish in 180 s:\n" + "\n".join(
-            f"--- node {r} (exit {p.returncode}) stdout:\n{(o or '')[-2000:]}\n"
-            f"--- stderr:\n{(e or '')[-4000:]}"
-            for r, (p, (o, e)) in enumerate(zip(procs, told))))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    return [p.returncode for p in procs], outs, errs
+    return env
 
 
 def _metrics(out):
@@ -131,27 +111,18 @@ def test_an_out_that_is_not_one_directory_for_every_node_is_refused(two_hosts, t
     out = tmp_path / "run"
     out.mkdir()
     args = [*TINY, "--data", data, "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in (GLOO_IFNAME, NCCL_IFNAME)}
-    env.update(PYTHONPATH=SRC, PYTHONUNBUFFERED="1")
-    procs = []
+    cmds = []
     for rank, ns in enumerate(two_hosts):
         cmd = [sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank", str(rank), "--master-port",
                "29625", *args]
         if rank == 1:
             cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none "{out}" && exec "$@"', "sh", *cmd]
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True))
-    errs = []
-    try:
-        for p in procs:
-            errs.append(p.communicate(timeout=180)[1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    if "mount" in errs[1] and procs[1].returncode and "not one directory" not in errs[1]:
+        cmds.append(["ip", "netns", "exec", ns, *cmd])
+    done = run_nodes(cmds, _env())
+    errs = [n.err for n in done]
+    if "mount" in errs[1] and done[1].code and "not one directory" not in errs[1]:
         pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {errs[1][-300:]}")
-    assert [p.returncode for p in procs] == [2, 2], "\n".join(e[-3000:] for e in errs)
+    assert [n.code for n in done] == [2, 2], "\n".join(e[-3000:] for e in errs)
     for err in errs:
         assert f"--out {str(out)!r} is not one directory for the whole run: processor(s) 1 " in err, \
             err[-3000:]
