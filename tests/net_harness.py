@@ -89,6 +89,18 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
+def _cpu(pid: int) -> str:
+    """``pid``'s state and the CPU seconds it used: a process stuck waiting sleeps and gains none, a slow
+    one (a loaded machine) runs and gains them."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return "gone"
+    ticks = os.sysconf("SC_CLK_TCK")
+    return f"state {fields[0]}, {(int(fields[11]) + int(fields[12])) / ticks:.1f} s CPU"
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -120,12 +132,13 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float = 180) 
     readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
     for t in readers:
         t.start()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     try:
         for t in readers:
             t.join(max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in readers):
-            report = _stacks(procs)
+            report = _stacks(procs, started)
             for t in readers:
                 t.join(max(1.0, deadline + 15 - time.monotonic()))
             pytest.fail(f"a node did not finish in {timeout:g} s:\n{report}\n" + "\n".join(
@@ -141,15 +154,15 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float = 180) 
     return [Node(p.returncode, o, e) for p, (o, e) in zip(procs, told)]
 
 
-def _stacks(procs: list[subprocess.Popen]) -> str:
+def _stacks(procs: list[subprocess.Popen], started: float) -> str:
     """Every process of the nodes still alive: the tree, py-spy's dump of each (where installed), then
     SIGABRT to each, whose faulthandler prints its threads' Python stacks on the node's stderr."""
-    lines = []
+    lines = [f"=== this machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"]
     trees = [_tree(p.pid) if p.poll() is None else [] for p in procs]
     spy = shutil.which("py-spy")
     for r, tree in enumerate(trees):
-        lines.append(f"=== node {r}: processes")
-        lines += [f"  {pid}: {_cmdline(pid)}" for pid in tree]
+        lines.append(f"=== node {r}: processes (after {time.monotonic() - started:.0f} s)")
+        lines += [f"  {pid} ({_cpu(pid)}): {_cmdline(pid)}" for pid in tree]
     for r, tree in enumerate(trees):
         for pid in tree:
             if spy and "python" in _cmdline(pid):

@@ -10,13 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 import meshtorch as mt
 from meshtorch.cli import main as cli_main
 from meshtorch.errors import ArgumentError, MeshError
-from meshtorch.launcher.elastic import GLOO_IFNAME, NCCL_IFNAME
+from meshtorch.launcher.elastic import GLOO_IFNAME, NCCL_IFNAME, Nodes, check_in_at_exit_barrier
 from meshtorch.recipes.lm.config import TrainConfig, check_nodes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,6 +88,65 @@ def test_a_two_node_train_across_two_hosts_trains_as_a_one_node_run_of_the_same_
     # 1 on node 1 holds, and writes, half of them)
     assert sorted(f for f in os.listdir(mt.checkpoint.latest(os.path.join(out, "checkpoint")))
                   if f.endswith(".safetensors")) == ["slices-00000.safetensors", "slices-00001.safetensors"]
+
+# a sitecustomize that makes each torchrun worker of a node die of SIGABRT as its interpreter exits, after all
+# its work: what gloo's "terminate called without an active exception" at exit did to a worker
+ABORT_AT_EXIT = """
+import atexit, os
+if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+    atexit.register(os.abort)
+"""
+
+
+def test_a_node_whose_worker_dies_at_exit_does_not_keep_the_other_node_waiting(two_hosts, tmp_path):
+    """Node 1's worker dies at exit, once the run is done: node 1 fails naming it, and node 0, whose
+    processors finished the run, exits at once instead of waiting 300 s in torchrun's exit barrier for node
+    1's agent (which never checked in): the 180 s hang of this file's first test in one suite run."""
+    (tmp_path / "data").mkdir()
+    site = tmp_path / "abort-at-exit"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(ABORT_AT_EXIT)
+    data = write_corpus(tmp_path / "data", 3)
+    out = str(tmp_path / "run")
+    args = [*TINY, "--steps", "2", "--checkpoint-every", "0", "--data", data, "--out", out]
+    cmds = [["ip", "netns", "exec", ns, *([] if rank == 0 else ["env", f"PYTHONPATH={site}:{SRC}"]),
+             sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank", str(rank), "--master-port",
+             "29627", *args] for rank, ns in enumerate(two_hosts)]
+    node0, node1 = run_nodes(cmds, _env(), timeout=150)
+    assert node1.code == 2, node1.err[-3000:]
+    assert "the run failed: processor 1 was killed by SIGABRT" in node1.err, node1.err[-3000:]
+    assert node0.code == 0, node0.err[-3000:]
+    assert "run directory:" in node0.out and "exit barrier" not in node0.err, node0.err[-3000:]
+    assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 2
+
+
+def test_a_node_that_checks_in_releases_the_agent_waiting_in_torchruns_exit_barrier():
+    """torch's own exit barrier, as node 0's agent waits in it once its workers are done (store_util.barrier
+    on the rendezvous store under the run id, SimpleElasticAgent._exit_barrier's keys): released when node
+    1, whose workers failed, checks in; and nothing to do for a run of one node."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils import store as store_util
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    waited = []
+
+    def node0_agent():
+        store = dist.PrefixStore("none", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+        try:
+            store_util.barrier(store, world_size=2, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=60)
+            waited.append("released")
+        except Exception as e:  # noqa: BLE001 - the test's answer
+            waited.append(e)
+
+    agent = threading.Thread(target=node0_agent)
+    agent.start()
+    node1 = Nodes(nnodes="2", node_rank=1, master_addr="127.0.0.1", master_port=str(server.port))
+    assert check_in_at_exit_barrier(node1)
+    agent.join(90)
+    assert waited == ["released"]
+    assert not check_in_at_exit_barrier(Nodes())
+
 
 def test_nodes_given_different_options_are_refused_naming_the_flag(two_hosts, tmp_path):
     (tmp_path / "data").mkdir()
