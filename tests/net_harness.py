@@ -114,13 +114,15 @@ def _no_core_dumps() -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float = 180) -> list[Node]:
+def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float = 180,
+              grace: float = 60) -> list[Node]:
     """Run ``cmds`` (one per node, e.g. ``ip netns exec NS ...``) at once, each in a session of its own,
     reading every one's stdout and stderr as it goes (a node blocked on a full pipe would stall the
-    others in their collectives). A node not done within ``timeout`` s fails the test with every node's
-    process tree, each process's Python stack (``py-spy dump --native`` where py-spy is installed; and
-    always faulthandler's, which ``PYTHONFAULTHANDLER`` makes each process print on the SIGABRT sent
-    to every one of them) and what each node printed."""
+    others in their collectives). A node not done within ``timeout`` s, or still running ``grace`` s
+    after another node failed, fails the test with every node's process tree, each process's Python
+    stack (``py-spy dump --native`` where py-spy is installed; and always faulthandler's, which
+    ``PYTHONFAULTHANDLER`` makes each process print on the SIGABRT sent to every one of them) and what
+    each node printed."""
     env = {**env, "PYTHONFAULTHANDLER": "1"}
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               start_new_session=True, preexec_fn=_no_core_dumps) for cmd in cmds]
@@ -133,15 +135,23 @@ def run_nodes(cmds: list[list[str]], env: dict[str, str], timeout: float = 180) 
     for t in readers:
         t.start()
     started = time.monotonic()
-    deadline = started + timeout
+    deadline, failed = started + timeout, None
+    why = f"a node did not finish in {timeout:g} s"
     try:
-        for t in readers:
-            t.join(max(0.0, deadline - time.monotonic()))
+        while any(t.is_alive() for t in readers) and time.monotonic() < deadline:
+            if failed is None:
+                failed = next(((r, p.returncode, time.monotonic()) for r, p in enumerate(procs)
+                               if p.poll() not in (None, 0)), None)
+            elif time.monotonic() > failed[2] + grace:
+                why = (f"node {failed[0]} exited with {failed[1]} and another node was still running "
+                       f"{grace:g} s later")
+                break
+            time.sleep(0.2)
         if any(t.is_alive() for t in readers):
             report = _stacks(procs, started)
             for t in readers:
-                t.join(max(1.0, deadline + 15 - time.monotonic()))
-            pytest.fail(f"a node did not finish in {timeout:g} s:\n{report}\n" + "\n".join(
+                t.join(15)
+            pytest.fail(f"{why}:\n{report}\n" + "\n".join(
                 f"--- node {r} (exit {p.returncode}) stdout:\n{o[-2000:]}\n--- stderr:\n{e[-12000:]}"
                 for r, (p, (o, e)) in enumerate(zip(procs, told))))
     finally:
