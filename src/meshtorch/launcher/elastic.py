@@ -285,9 +285,10 @@ def check_in_at_exit_barrier(nodes: Nodes, timeout_s: float = _CHECK_IN_S) -> bo
     if not nodes.multi_node or lo != hi or nodes.rdzv_backend not in (None, "static") \
             or nodes.rdzv_endpoint is not None:
         return False
-    # the keys of torch.distributed.elastic's exit barrier (store_util.barrier under the agent's
-    # _TERMINAL_STATE_SYNC_ID, in the rendezvous store under the run id): torch's own names where it
-    # has them, else their values, unchanged since torch 1.9
+    # the keys of torch.distributed.elastic's exit barrier (store_util.barrier's member count and last-member
+    # flag under the agent's _TERMINAL_STATE_SYNC_ID, in the rendezvous store under the run id): torch's
+    # own (private) names where it has them, else their values in torch 2.13, whose barrier
+    # tests/test_train_nodes.py releases this way
     try:
         from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as prefix
     except ImportError:
