@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
 import meshtorch as mt
 from meshtorch.cli import main as cli_main
 from meshtorch.errors import ArgumentError, MeshError
-from meshtorch.launcher.elastic import GLOO_IFNAME, NCCL_IFNAME
+from meshtorch.launcher.elastic import GLOO_IFNAME, NCCL_IFNAME, Nodes, check_in_at_exit_barrier
 from meshtorch.recipes.lm.config import TrainConfig, check_nodes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from net_harness import two_namespaces  # noqa: E402
+from net_harness import run_nodes, two_namespaces  # noqa: E402
 from run_harness import assert_same_bits, checkpoint_tensors, write_corpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -43,35 +43,16 @@ def two_hosts():
 def _nodes(hosts, per_node, port):
     """``meshtorch train`` on each host, with argv ``per_node[r]`` on node ``r``: (exit codes, stdouts,
     stderrs)."""
+    cmds = [["ip", "netns", "exec", ns, sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank",
+             str(rank), "--master-port", str(port), *per_node[rank]] for rank, ns in enumerate(hosts)]
+    done = run_nodes(cmds, _env())
+    return [n.code for n in done], [n.out for n in done], [n.err for n in done]
+
+
+def _env():
     env = {k: v for k, v in os.environ.items() if k not in (GLOO_IFNAME, NCCL_IFNAME)}
     env.update(PYTHONPATH=SRC, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs = []
-    for rank, ns in enumerate(hosts):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank",
-               str(rank), "--master-port", str(port), *per_node[rank]]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      start_new_session=True))
-    outs, errs = [], []
-    try:
-        for p in procs:
-            o, e = p.communicate(timeout=180)
-            outs.append(o)
-            errs.append(e)
-    except subprocess.TimeoutExpired:
-        # what each node printed up to the hang is the only clue to it (once seen, never reproduced)
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        told = list(zip(outs, errs)) + [p.communicate() for p in procs[len(outs):]]
-        pytest.fail("a node did not finish in 180 s:\n" + "\n".join(
-            f"--- node {r} (exit {p.returncode}) stdout:\n{(o or '')[-2000:]}\n"
-            f"--- stderr:\n{(e or '')[-4000:]}"
-            for r, (p, (o, e)) in enumerate(zip(procs, told))))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    return [p.returncode for p in procs], outs, errs
+    return env
 
 
 def _metrics(out):
@@ -108,6 +89,65 @@ def test_a_two_node_train_across_two_hosts_trains_as_a_one_node_run_of_the_same_
     assert sorted(f for f in os.listdir(mt.checkpoint.latest(os.path.join(out, "checkpoint")))
                   if f.endswith(".safetensors")) == ["slices-00000.safetensors", "slices-00001.safetensors"]
 
+# a sitecustomize that makes each torchrun worker of a node die of SIGABRT as its interpreter exits, after all
+# its work: what gloo's "terminate called without an active exception" at exit did to a worker
+ABORT_AT_EXIT = """
+import atexit, os
+if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ:
+    atexit.register(os.abort)
+"""
+
+
+def test_a_node_whose_worker_dies_at_exit_does_not_keep_the_other_node_waiting(two_hosts, tmp_path):
+    """Node 1's worker dies at exit, once the run is done: node 1 fails naming it, and node 0, whose
+    processors finished the run, exits at once instead of waiting 300 s in torchrun's exit barrier for node
+    1's agent (which never checked in): the 180 s hang of this file's first test in one suite run."""
+    (tmp_path / "data").mkdir()
+    site = tmp_path / "abort-at-exit"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(ABORT_AT_EXIT)
+    data = write_corpus(tmp_path / "data", 3)
+    out = str(tmp_path / "run")
+    args = [*TINY, "--steps", "2", "--checkpoint-every", "0", "--data", data, "--out", out]
+    cmds = [["ip", "netns", "exec", ns, *([] if rank == 0 else ["env", f"PYTHONPATH={site}:{SRC}"]),
+             sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank", str(rank), "--master-port",
+             "29627", *args] for rank, ns in enumerate(two_hosts)]
+    node0, node1 = run_nodes(cmds, _env(), timeout=150)
+    assert node1.code == 2, node1.err[-3000:]
+    assert "the run failed: processor 1 was killed by SIGABRT" in node1.err, node1.err[-3000:]
+    assert node0.code == 0, node0.err[-3000:]
+    assert "run directory:" in node0.out and "exit barrier" not in node0.err, node0.err[-3000:]
+    assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 2
+
+
+def test_a_node_that_checks_in_releases_the_agent_waiting_in_torchruns_exit_barrier():
+    """torch's own exit barrier, as node 0's agent waits in it once its workers are done (store_util.barrier
+    on the rendezvous store under the run id, SimpleElasticAgent._exit_barrier's keys): released when node
+    1, whose workers failed, checks in; and nothing to do for a run of one node."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils import store as store_util
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    waited = []
+
+    def node0_agent():
+        store = dist.PrefixStore("none", dist.TCPStore("127.0.0.1", server.port, is_master=False))
+        try:
+            store_util.barrier(store, world_size=2, key_prefix=_TERMINAL_STATE_SYNC_ID, barrier_timeout=60)
+            waited.append("released")
+        except Exception as e:  # noqa: BLE001 - the test's answer
+            waited.append(e)
+
+    agent = threading.Thread(target=node0_agent)
+    agent.start()
+    node1 = Nodes(nnodes="2", node_rank=1, master_addr="127.0.0.1", master_port=str(server.port))
+    assert check_in_at_exit_barrier(node1)
+    agent.join(90)
+    assert waited == ["released"]
+    assert not check_in_at_exit_barrier(Nodes())
+
+
 def test_nodes_given_different_options_are_refused_naming_the_flag(two_hosts, tmp_path):
     (tmp_path / "data").mkdir()
     data = write_corpus(tmp_path / "data", 1)
@@ -131,27 +171,18 @@ def test_an_out_that_is_not_one_directory_for_every_node_is_refused(two_hosts, t
     out = tmp_path / "run"
     out.mkdir()
     args = [*TINY, "--data", data, "--out", str(out)]
-    env = {k: v for k, v in os.environ.items() if k not in (GLOO_IFNAME, NCCL_IFNAME)}
-    env.update(PYTHONPATH=SRC, PYTHONUNBUFFERED="1")
-    procs = []
+    cmds = []
     for rank, ns in enumerate(two_hosts):
         cmd = [sys.executable, "-m", "meshtorch", "train", *NODES, "--node-rank", str(rank), "--master-port",
                "29625", *args]
         if rank == 1:
             cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none "{out}" && exec "$@"', "sh", *cmd]
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env, start_new_session=True))
-    errs = []
-    try:
-        for p in procs:
-            errs.append(p.communicate(timeout=180)[1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    if "mount" in errs[1] and procs[1].returncode and "not one directory" not in errs[1]:
+        cmds.append(["ip", "netns", "exec", ns, *cmd])
+    done = run_nodes(cmds, _env())
+    errs = [n.err for n in done]
+    if "mount" in errs[1] and done[1].code and "not one directory" not in errs[1]:
         pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {errs[1][-300:]}")
-    assert [p.returncode for p in procs] == [2, 2], "\n".join(e[-3000:] for e in errs)
+    assert [n.code for n in done] == [2, 2], "\n".join(e[-3000:] for e in errs)
     for err in errs:
         assert f"--out {str(out)!r} is not one directory for the whole run: processor(s) 1 " in err, \
             err[-3000:]

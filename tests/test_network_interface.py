@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 
@@ -27,7 +25,7 @@ from meshtorch.launcher.elastic import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from net_harness import two_namespaces  # noqa: E402
+from net_harness import run_nodes, two_namespaces  # noqa: E402
 
 pytestmark = pytest.mark.timeout(150)
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -102,22 +100,13 @@ def test_a_two_node_launch_across_two_hosts_picks_the_interface_that_reaches_the
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in (GLOO_IFNAME, elastic.NCCL_IFNAME)}
     env.update(PYTHONPATH=SRC, PYTHONUNBUFFERED="1")
-    procs = []
-    for rank, ns in enumerate(two_hosts):
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "meshtorch", "launch", "--backend", "torch",
-               "--nnodes", "2", "--node-rank", str(rank), "-n", "1", "--master-addr", "10.77.0.1",
-               "--master-port", "29611", "--mesh", "m:2", str(script), str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      start_new_session=True))
-    errs = []
-    try:
-        for p in procs:
-            errs.append(p.communicate(timeout=120)[1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    cmds = [["ip", "netns", "exec", ns, sys.executable, "-m", "meshtorch", "launch", "--backend", "torch",
+             "--nnodes", "2", "--node-rank", str(rank), "-n", "1", "--master-addr", "10.77.0.1",
+             "--master-port", "29611", "--mesh", "m:2", str(script), str(tmp_path)]
+            for rank, ns in enumerate(two_hosts)]
+    done = run_nodes(cmds, env, timeout=100)
+    errs = [n.err for n in done]
+    assert [n.code for n in done] == [0, 0], "\n".join(e[-2000:] for e in errs)
     for rank, ns in enumerate(two_hosts):
         rec = json.loads((tmp_path / f"n{rank}.json").read_text())
         assert rec == {"total": 3.0, "ifname": f"v{ns}"}  # each node's end of the veth pair

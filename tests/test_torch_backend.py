@@ -272,6 +272,40 @@ def test_init_distributed_rejects_mesh_of_wrong_size(monkeypatch):
         mt.init_distributed("b:2,m:2")
 
 
+# what torch 2.13's gloo raised, a plain RuntimeError, in a collective whose peer process had exited
+GLOO_PEER_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                    "closed by peer [127.0.0.1]:3227. This is typically caused by a remote worker crashing. "
+                    "Check the logs of the remote worker before reporting an error.")
+DistNetworkError = torch.distributed.DistNetworkError
+
+
+@pytest.mark.parametrize("raised, peer_left", [
+    (RuntimeError(GLOO_PEER_CLOSED), True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [10.77.0.2]:4051: Connection reset by peer"),
+     True),
+    # the rendezvous store's connection to a host that went away, and to one never reached
+    (DistNetworkError("recvValue failed on SocketImpl(fd=7): Connection reset by peer"), True),
+    (DistNetworkError("The client socket has timed out after 300000ms while trying to connect to "
+                      "(10.77.0.1, 29621)."), False),
+    (RuntimeError("Unsupported address family"), False),
+])
+def test_joining_the_world_names_a_processor_that_left_while_it_connected(monkeypatch, raised, peer_left):
+    def init_process_group(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    with pytest.raises(RuntimeError) as e:
+        mt.init_distributed("b:1", store=torch.distributed.HashStore(), rank=0, world_size=1, device="cpu",
+                            timeout=5)
+    if peer_left:
+        assert isinstance(e.value, CommError) and e.value.__cause__ is raised
+        assert str(e.value) == ("joining the world of 1 processes failed because a processor exited or "
+                                f"crashed while it was connecting ({raised})")
+    else:  # torch's own error, untouched
+        assert e.value is raised
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_lazily_created_groups_reduce_over_the_right_processors(runs, n):
     mesh = mt.Mesh("b:1,m:2" if n == 2 else "b:2,m:2")

@@ -84,6 +84,26 @@ _P2P_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torc
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def peer_left(e: BaseException) -> bool:
+    """Whether ``e``, raised by ``torch.distributed`` (a collective, ``new_group``,
+    ``init_process_group``), says that the other end of a connection went away: a processor
+    exited or crashed. gloo says so in words only ("Connection closed by peer", "Connection reset
+    by peer"): its errors reach Python as plain ``RuntimeError``s (torch 2.13, seen), none of
+    ``torch.distributed``'s ``DistError`` types; and the type that exists for connections,
+    ``DistNetworkError``, is the rendezvous store's, raised also for a host that cannot be
+    reached at all, which is no processor leaving. So the words decide, for any of these types.
+
+    Example:
+        >>> from meshtorch.comm.torch import peer_left
+        >>> peer_left(RuntimeError("[pair.cc:553] Connection closed by peer [10.0.0.2]:3227"))
+        True
+        >>> peer_left(RuntimeError("Socket Timeout"))
+        False
+    """
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("closed" in text or "reset" in text)
+
+
 def _digest(call: dict) -> int:
     # python's hash() is salted per process; processors need the same number
     text = repr(tuple(call.get(f) for f in CALL_FIELDS))
@@ -275,7 +295,7 @@ class TorchCommunicator(Communicator):
                     if not found[1]:  # members simply absent: nothing was mismatched
                         hint = ("If a processor named is only slow (a long computation between two "
                                 "collectives), pass a larger timeout")
-            elif "closed" in text.lower() or "reset" in text.lower():
+            elif peer_left(e):
                 why = f"failed because a processor of the group {list(group)} exited or crashed"
             else:
                 why = "failed"

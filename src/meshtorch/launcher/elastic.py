@@ -36,6 +36,8 @@ from meshtorch.errors import ArgumentError
 TORCHRUN_MASTER_ADDR, TORCHRUN_MASTER_PORT = "127.0.0.1", 29500
 # joining a rendezvous waits for the slowest node; as RENDEZVOUS_MIN_S in launcher.world
 _RENDEZVOUS_S = 120.0
+# how long a node whose workers failed tries to reach the rendezvous store to check in at the exit barrier
+_CHECK_IN_S = 5.0
 # the variables that pick the network interface gloo's and NCCL's connections use
 GLOO_IFNAME, NCCL_IFNAME = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's (first) IPv4 address
@@ -264,6 +266,50 @@ def network_environment(nodes: Nodes, say: str = "meshtorch launch") -> dict[str
     return {GLOO_IFNAME: name}
 
 
+def check_in_at_exit_barrier(nodes: Nodes, timeout_s: float = _CHECK_IN_S) -> bool:
+    """Check this node in at the exit barrier of torchrun's agents (static rendezvous across nodes), once
+    its agent has given up on its workers. An agent whose workers finished waits there for every
+    node's agent before it exits, up to 300 s (``exit_barrier_timeout``, which torchrun's command line
+    does not set), then exits as if all went well; but an agent whose workers failed returns without
+    checking in. So when a worker of node 1 died after the last collective (e.g. aborted at its
+    interpreter's exit), node 0, whose processors were done, waited 300 s for it. Returns whether
+    this node checked in (False: not a static rendezvous across nodes, or its store is gone).
+
+    Example:
+        >>> check_in_at_exit_barrier(Nodes())  # one node: no other agent waits for it
+        False
+    """
+    import torch.distributed as dist
+
+    lo, hi = nodes.counts
+    if not nodes.multi_node or lo != hi or nodes.rdzv_backend not in (None, "static") \
+            or nodes.rdzv_endpoint is not None:
+        return False
+    # the keys of torch.distributed.elastic's exit barrier (store_util.barrier's member count and last-member
+    # flag under the agent's _TERMINAL_STATE_SYNC_ID, in the rendezvous store under the run id): torch's
+    # own (private) names where it has them, else their values in torch 2.13, whose barrier
+    # tests/test_train_nodes.py releases this way
+    try:
+        from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID as prefix
+    except ImportError:
+        prefix = "torchelastic/agent/terminal_state"
+    try:
+        from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN as last
+        from torch.distributed.elastic.utils.store import _NUM_MEMBERS as count
+    except ImportError:
+        count, last = "/num_members", "/last_member"
+    try:
+        client = dist.TCPStore(nodes.master_addr or TORCHRUN_MASTER_ADDR,
+                               int(nodes.master_port or TORCHRUN_MASTER_PORT), is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(nodes.rdzv_id or "none", client)  # torchrun's run id by default
+        if store.add(prefix + count, 1) == hi:
+            store.set(prefix + last, "<val_ignored>")
+    except (RuntimeError, ValueError):  # node 0, host of the store, has gone: nobody waits any more
+        return False
+    return True
+
+
 def run_elastic(worker: list[str], nproc: int, env: dict[str, str], nodes: Nodes = Nodes(),
                 max_restarts: int = 0, say: str = "meshtorch launch") -> None:
     """Run the command ``worker`` (argv) ``nproc`` times on this node through torchrun's elastic agent,
@@ -277,6 +323,7 @@ def run_elastic(worker: list[str], nproc: int, env: dict[str, str], nodes: Nodes
         >>> run_elastic([sys.executable, "-c", "pass"], 2, {}, max_restarts=1)  # doctest: +SKIP
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     check_max_restarts(max_restarts)
@@ -287,6 +334,9 @@ def run_elastic(worker: list[str], nproc: int, env: dict[str, str], nodes: Nodes
     try:
         with _environment({**env, **network}):
             torchrun_main(argv)
+    except ChildFailedError:
+        check_in_at_exit_barrier(nodes)
+        raise
     except SignalException as e:
         # torchrun's agent has stopped the workers; die of the signal, as the one-node launch does
         print(f"{say}: stopped by {signal.Signals(e.sigval).name}; the workers were stopped",

@@ -79,7 +79,7 @@ def init_distributed(
     """
     import torch.distributed as dist
 
-    from meshtorch.comm.torch import TorchCommunicator
+    from meshtorch.comm.torch import TorchCommunicator, peer_left
 
     mesh = mesh if mesh is not None else os.environ.get(ENV_MESH)
     if mesh is None:
@@ -132,7 +132,7 @@ def init_distributed(
         try:
             dist.init_process_group(backend, **kw)
         except RuntimeError as e:  # gloo: "Connection closed by peer" when a peer left while connecting
-            if "closed" in str(e).lower() or "reset" in str(e).lower():
+            if peer_left(e):
                 raise CommError(f"joining the world of {world} processes failed because a processor "
                                 f"exited or crashed while it was connecting ({str(e).strip()})") from e
             raise
