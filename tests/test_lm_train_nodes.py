@@ -22,14 +22,12 @@ from meshtorch.recipes.lm.config import TrainConfig, check_nodes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from net_harness import run_nodes, two_namespaces  # noqa: E402
-from run_harness import assert_same_bits, checkpoint_tensors, write_corpus  # noqa: E402
+from run_harness import assert_same_bits, checkpoint_tensors, tiny_train, write_corpus  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-TINY = ["--d-model", "16", "--heads", "2", "--d-kv", "8", "--d-ff", "32", "--layers", "1", "--batch", "8",
-        "--length", "16", "--eval-batches", "1", "--sample-tokens", "0", "--warmup", "2", "--no-progress",
-        "--mesh", "b:2", "--rules", "batch:b", "--lr", "0.01", "--tokenizer", "bytes", "--steps", "4",
-        "--log-every", "1", "--checkpoint-every", "2", "--no-memory-check"]
+TINY = tiny_train(batch=8, sample_tokens=0, warmup=2, mesh="b:2", rules="batch:b", lr=0.01, tokenizer="bytes",
+                  steps=4, log_every=1, checkpoint_every=2, no_memory_check=True)
 NODES = ["--backend", "torch", "--device", "cpu", "--nnodes", "2", "--master-addr", "10.77.0.1"]
 
 
