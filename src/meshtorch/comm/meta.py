@@ -106,7 +106,13 @@ class MetaCommunicator(Communicator):
     def _held(self, packed: torch.Tensor, work: Handle) -> Handle:
         if self._staging == "none":
             return work
-        return Handle(lambda: (packed, work.wait())[1])
+        held = [packed]
+
+        def finish() -> list[torch.Tensor]:
+            held.clear()  # comm/torch.py lets go of the input when the call is done, before unpacking
+            return work.wait()
+
+        return Handle(finish)
 
     def _all_gather(self, t, axes, group, dim, call):
         x = self._copy(t, dim)
