@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshtorch as mt
+from memory_harness import BLOCK, grouped_gather_peaks
 from meshtorch.comm.grouped import Handle
 from meshtorch.errors import CommError
-from memory_harness import BLOCK, grouped_gather_peaks
 
 SHAPES = [((4, 4), 0), ((3, 2, 4), 2), ((8,), 0), ((2, 4), 1)]
 

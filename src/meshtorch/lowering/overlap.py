@@ -123,6 +123,26 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
                 rt.finish()  # a backward whose last gradients never came
 
 
+@contextmanager
+def unsaved() -> Iterator[None]:
+    """The forward run inside is recomputed for its backward (``mt.nn.checkpoint``'s first
+    run, whose autograd graph saves nothing): gathered values read inside are freed after their
+    last forward read, as though no backward read them, and gathered again when recomputed
+    (without it, ``reshard_after_forward=False`` would keep every gathered value from forward
+    to backward, which the per-use path gathers again).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> with mt.lowering.overlap.unsaved():
+        ...     pass
+    """
+    _on.unsaved = getattr(_on, "unsaved", 0) + 1
+    try:
+        yield
+    finally:
+        _on.unsaved -= 1
+
+
 def options() -> Options | None:
     """The options in force on this processor, or ``None`` outside :func:`overlap`."""
     return getattr(_on, "options", None)
@@ -195,9 +215,14 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
-    # (the values handed to the op are views of the leaves: the walk goes through them)
-    others = [a for a in args if all(a is not v for v in used)]
-    unread = unread_by_backward(result, [e.leaf for e in entries], others)
+    if getattr(_on, "unsaved", 0):
+        # a checkpointed forward (mt.nn.checkpoint): its backward keeps nothing of it and
+        # recomputes, reading the values again (gathered again if freed), as the per-use path
+        unread = [True] * len(entries)
+    else:
+        # (the values handed to the op are views of the leaves: the walk goes through them)
+        others = [a for a in args if all(a is not v for v in used)]
+        unread = unread_by_backward(result, [e.leaf for e in entries], others)
     kept = []
     counting = rt.buckets is None  # no gradient yet: forward (a recomputed forward runs in backward)
     for e, skip in zip(entries, unread):
