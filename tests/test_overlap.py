@@ -56,7 +56,11 @@ def train(mode: str, micro: int = 1, bucket_mb: float = 25.0, layers: int = 2,
         grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
         opt.step()
     params = {n: p.to_global() for n, p in model.named_mesh_parameters()}
-    return {"losses": losses, "calls": calls, "grads": grads, "params": params, "freed": freed}
+    rt = getattr(mt.current().comm, "_overlap", None)
+    plans = list(rt.plans.values()) if rt is not None else []
+    plan = [len(b) for b in plans[-1][0]] if plans else []  # the next step's gathers: parameters in each
+    return {"losses": losses, "calls": calls, "grads": grads, "params": params, "freed": freed,
+            "plan": plan}
 
 
 def run(mode: str, rules: str, mesh: str = "b:2", backend: str = "threads", **kw) -> list[dict]:
@@ -159,7 +163,7 @@ def test_reshard_after_forward_frees_gathered_values_and_keeps_results():
     assert (reshard["calls"][-1]["all_gather@b"]["calls"] > keep["calls"][-1]["all_gather@b"]["calls"])
 
 
-def test_a_recomputed_blocks_gathered_values_are_not_kept_from_forward_to_backward():
+def test_a_recomputed_block_is_gathered_alone_and_not_kept_from_forward_to_backward():
     """Under ``mt.nn.checkpoint`` (``recompute``) a block's forward saves nothing for backward,
     which recomputes it: its gathered values are freed after forward even when kept otherwise
     (``reshard_after_forward=False``) and gathered again for the recomputation, as the per-use
@@ -174,6 +178,12 @@ def test_a_recomputed_blocks_gathered_values_are_not_kept_from_forward_to_backwa
     for kept, freed in zip(keep["freed"], remat["freed"]):
         assert not any(kept) and freed == [True] * 20 + [False] * (len(freed) - 20), freed
     assert remat["calls"][-1]["all_gather@b"]["calls"] > keep["calls"][-1]["all_gather@b"]["calls"]
+    # gathers end at a recomputed block's edges (FSDP2's unit), so that recomputing a block
+    # gathers it and none of its neighbour: a block's 10 parameters (2.1 KB) a bucket, the other
+    # 3 in one; otherwise cut by size alone (4 KB: the first 19 parameters, then 4)
+    assert (keep["plan"], remat["plan"]) == ([19, 4], [10, 10, 3])
+    # and so do the gradients' buckets (cut in reverse: the 3, the blocks; else 4 KB, the rest)
+    assert [c["reduce_scatter@b"]["calls"] for c in (keep["calls"][-1], remat["calls"][-1])] == [2, 3]
 
 
 def test_gloo_processes_overlap_with_the_same_values():

@@ -21,7 +21,15 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
   gradients cost their slices' bytes, and ``zero_grad(set_to_none=True)`` frees the bucket.
   Clone a gradient to keep it past that.
 - **Forward.** Gathers are grouped per bucket in the order the previous step read them, and the
-  next bucket is gathered asynchronously while the current one computes (prefetch).
+  next bucket is gathered asynchronously while the current one computes (prefetch). A bucket
+  (of gathers, or of gradients to reduce-scatter) holds up to ``gather_mb`` and at most a
+  quarter of the gathered bytes (or 1 MB), and ends at the edges of a block recomputed in
+  backward (``mt.nn.checkpoint``): a grouped gather's result and its copies are alive at once
+  (one flat buffer cannot be the parameters' storage), so a bucket of a small model's every
+  weight, or one that straddles two recomputed blocks, would cost more than the per-use path.
+- **Recomputation.** A forward that ``mt.nn.checkpoint`` recomputes in backward saves nothing
+  (:func:`unsaved`): its gathered values are freed after their last read and gathered again
+  (grouped, per block) for the recomputation, also with ``reshard_after_forward=False``.
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
   after its op ran forward and gathered again (grouped, the previous bucket prefetched) just
   before that op's backward runs: FSDP2's ``reshard_after_forward``, less memory for more bytes.
@@ -81,7 +89,7 @@ class Options:
     first one at most 1 MB, as DDP's, so that the first reduction starts early), whether gathered
     parameters are freed after their forward use (and gathered again for backward), and the size
     of a grouped gather, and of a bucket of gradients to reduce-scatter (about a block's
-    parameters, FSDP2's unit)."""
+    parameters, FSDP2's unit; at most a quarter of the gathered bytes, or 1 MB)."""
 
     bucket_mb: float = 25.0
     reshard_after_forward: bool = False
@@ -137,6 +145,8 @@ def unsaved() -> Iterator[None]:
         ...     pass
     """
     _on.unsaved = getattr(_on, "unsaved", 0) + 1
+    if _on.unsaved == 1:
+        _on.region = getattr(_on, "region", 0) + 1  # a new checkpointed block: buckets end at its edges
     try:
         yield
     finally:
@@ -331,7 +341,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -346,6 +356,7 @@ class Entry:
         self.freed = False
         self.reads = 0  # forward ops that read it this step
         self.needed = False  # some op's backward reads its value
+        self.region: int | None = None  # the checkpointed block (unsaved()) it was first read in
         # never freed: an op's result is a view of it, or it is the parameter's own storage (freeing
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
@@ -434,6 +445,8 @@ class Runtime:
             self.order.append(e)
         elif e not in self.order:
             self.order.append(e)
+        if e.reads == 0 and self.buckets is None and e.region is None and getattr(_on, "unsaved", 0):
+            e.region = _on.region
         if e.freed:
             # read again in forward (the step before read it once more than this one): alone; in
             # backward (a recomputed forward): with the rest of its bucket, the next prefetched
@@ -577,7 +590,8 @@ class Runtime:
     def _cut_buckets(self) -> None:
         """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
         gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
-        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers).
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers),
+        ending at a checkpointed block's edges as the gathers do (see :meth:`_end_step`).
         An all-reduce bucket holds at most a quarter of its kind's gradients (or 1 MB): its buffer is made at
         its first gradient, while backward still holds most activations, so that a model smaller
         than a few buckets does not hold its gradients' bytes early (its peak stays the per-use
@@ -591,12 +605,14 @@ class Runtime:
         for e in reversed(self.order):
             key = keys[e]
             k, size, count = open_.get(key, (None, 0, 0))
+            edge = False
             if e.kind == "all_reduce":
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
                 cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             else:
-                cap = self.gather_bytes
-            if k is None or size + e.nbytes > cap and size:
+                cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
+                edge = k is not None and bool(buckets[k]) and buckets[k][-1].region != e.region
+            if k is None or (size + e.nbytes > cap or edge) and size:
                 k, size, count = len(buckets), 0, count + 1
                 buckets.append([])
             buckets[k].append(e)
@@ -682,15 +698,19 @@ class Runtime:
         self.refetches = {}
         plan: list[list[tuple]] = []
         open_: dict = {}
-        for e in self.order:
-            if not e.gathered:
-                continue
-            key = (as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+        gathered = [e for e in self.order if e.gathered]
+        keys = {e: (as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in gathered}
+        totals: dict = {}
+        for e, key in keys.items():
+            totals[key] = totals.get(key, 0) + e.nbytes
+        for e, key in keys.items():
+            cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             k = open_.get(key)
-            if k is None or (sum(m[4] for m in plan[k]) + e.nbytes > self.gather_bytes and plan[k]):
+            if (k is None or plan[k] and (sum(m[4] for m in plan[k]) + e.nbytes > cap
+                                          or plan[k][-1][5] != e.region)):
                 k = open_[key] = len(plan)
                 plan.append([])
-            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes))
+            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes, e.region))
         if plan:
             first = plan[0][0][1]
             self.plans.pop(first, None)
