@@ -20,6 +20,7 @@ import meshtorch as mt
 from memory_harness import BLOCK, grouped_gather_peaks
 from meshtorch.comm.grouped import Handle
 from meshtorch.errors import CommError
+from meshtorch.plan import trace
 
 SHAPES = [((4, 4), 0), ((3, 2, 4), 2), ((8,), 0), ((2, 4), 1)]
 
@@ -99,6 +100,21 @@ def test_a_grouped_gathers_peak_is_its_flat_buffers_and_copies_on_gloo():
         # packing: the input, and at most the 60 x 60 float block torch's CPU copy_ transposes
         # through (a piece gathered along an inner dim); not a copy of that piece (32 KiB) first
         assert 0 <= peaks["pack"] - 2 * local <= 60 * 60 * 4, (peaks, local)
+    # the planner (meta backend, gloo's buffers) holds the same bytes
+    assert [trace(gather_step, wait, mesh="b:2", staging="gloo").peak_bytes for wait in (False, True)] == [
+        6 * local, 5 * local]
+
+
+def gather_step(wait: bool) -> None:
+    """A block's grouped all_gather, the whole call measured, or (``wait``) only its wait."""
+    pieces, dims = [torch.randn(s) for s, _ in BLOCK], [d for _, d in BLOCK]
+    comm = mt.current().comm
+    work = comm.all_gather_grouped(pieces, "b", dims, async_op=True) if wait else None
+    with mt.plan.measure():
+        if work is not None:
+            work.wait()
+        else:
+            comm.all_gather_grouped(pieces, "b", dims)
 
 
 def test_grouped_reduce_scatter_by_hand():

@@ -635,12 +635,15 @@ class Runtime:
                 grads = [e.grad for e in members]
                 for e in members:
                     e.grad = None
-                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
-                if not flush and len(self.pending) > MAX_PENDING:
-                    # an asynchronous call holds its packed gradients until waited on: FSDP2 waits
-                    # for a block's reduce-scatter when it issues the next one
+                # an asynchronous call holds its packed gradients until waited on (a reduce_scatter
+                # on gloo a copy of them too): FSDP2 waits for a block's reduce-scatter when it
+                # issues the next one; here before the next is packed, so that two buckets' buffers
+                # are never alive together (also once backward has ended, when all that is left
+                # is launched)
+                while len(self.pending) >= MAX_PENDING:
                     done, work = self.pending.pop(0)
                     self._add(done, work.wait())
+                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
             self.launched += 1
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
