@@ -23,7 +23,7 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
 - **Forward.** Gathers are grouped per bucket in the order the previous step read them, and the
   next bucket is gathered asynchronously while the current one computes (prefetch). A bucket
   (of gathers, or of gradients to reduce-scatter) holds up to ``gather_mb`` and at most a
-  quarter of the gathered bytes (or 1 MB), and ends at the edges of a block recomputed in
+  third of the gathered bytes (or 1 MB), and ends at the edges of a block recomputed in
   backward (``mt.nn.checkpoint``): a grouped gather's result and its copies are alive at once
   (one flat buffer cannot be the parameters' storage), so a bucket of a small model's every
   weight, or one that straddles two recomputed blocks, would cost more than the per-use path.
@@ -79,6 +79,11 @@ from meshtorch.lowering import adapters as ca
 FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
 MAX_PLANS = 16  # models whose read order one processor keeps
 MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's gradients
+# a gather (and a bucket of gradients to reduce-scatter) at most 1 / GATHER_SHARE of the gathered
+# bytes: a third, so that a model of a few blocks gathers a block at a time (a quarter cut a
+# 2-block LM's blocks in two, and its peak fell in a window where gloo's staging of a gather in
+# flight lives as long as the other processor takes to join it, which the planner cannot know)
+GATHER_SHARE = 3
 MAX_PENDING = 1  # launched gradient buckets in flight (waited on, and added, when another one is)
 _on = threading.local()  # this processor's options, while inside overlap()
 
@@ -89,7 +94,7 @@ class Options:
     first one at most 1 MB, as DDP's, so that the first reduction starts early), whether gathered
     parameters are freed after their forward use (and gathered again for backward), and the size
     of a grouped gather, and of a bucket of gradients to reduce-scatter (about a block's
-    parameters, FSDP2's unit; at most a quarter of the gathered bytes, or 1 MB)."""
+    parameters, FSDP2's unit; at most a third of the gathered bytes, or 1 MB)."""
 
     bucket_mb: float = 25.0
     reshard_after_forward: bool = False
@@ -610,7 +615,7 @@ class Runtime:
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
                 cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             else:
-                cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
+                cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // GATHER_SHARE))
                 edge = k is not None and bool(buckets[k]) and buckets[k][-1].region != e.region
             if k is None or (size + e.nbytes > cap or edge) and size:
                 k, size, count = len(buckets), 0, count + 1
@@ -707,7 +712,7 @@ class Runtime:
         for e, key in keys.items():
             totals[key] = totals.get(key, 0) + e.nbytes
         for e, key in keys.items():
-            cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
+            cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // GATHER_SHARE))
             k = open_.get(key)
             if (k is None or plan[k] and (sum(m[4] for m in plan[k]) + e.nbytes > cap
                                           or plan[k][-1][5] != e.region)):
