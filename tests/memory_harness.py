@@ -92,3 +92,40 @@ def measure_all(jobs: list) -> list:
     finally:
         ctx.rules = keep
     return out
+
+
+# a block's parameters as a grouped all_gather gets them: local pieces, each with its gathered dim
+BLOCK = [((64, 128), 0), ((128, 64), 1), ((32, 256), 0), ((256,), 0)]
+
+
+def _block() -> list[torch.Tensor]:
+    return [torch.randn(s) for s, _ in BLOCK]
+
+
+def _gather_issued() -> tuple:
+    """The block and its grouped all_gather, issued and (by the transport) completed."""
+    import time
+
+    import meshtorch as mt
+
+    pieces = _block()
+    work = mt.current().comm.all_gather_grouped(pieces, "b", [d for _, d in BLOCK], async_op=True)
+    while not work.is_completed():
+        time.sleep(0.001)
+    return pieces, work
+
+
+def grouped_gather_peaks() -> dict:
+    """The allocator's peak bytes (the least of three) of a block's grouped all_gather: packing
+    its pieces, the whole call (blocking), and unpacking once the call is done (the wait)."""
+    import meshtorch as mt
+    from meshtorch.comm.grouped import pack_gather
+
+    dims = [d for _, d in BLOCK]
+
+    def least(setup, step) -> int:
+        return min(allocator_peak.step_peaks(setup, step, 1)[0] for _ in range(3))
+
+    return {"pack": least(_block, lambda ts: pack_gather(ts, dims, "b")),
+            "call": least(_block, lambda ts: mt.current().comm.all_gather_grouped(ts, "b", dims)),
+            "unpack": least(_gather_issued, lambda s: s[1].wait())}

@@ -9,6 +9,7 @@ processes with ``async_op=True`` handles waited on after other work.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshtorch as mt
+from memory_harness import BLOCK, grouped_gather_peaks
 from meshtorch.comm.grouped import Handle
 from meshtorch.errors import CommError
+from meshtorch.plan import trace
 
 SHAPES = [((4, 4), 0), ((3, 2, 4), 2), ((8,), 0), ((2, 4), 1)]
 
@@ -80,6 +83,38 @@ def sum_by_hand() -> list:
     comm = mt.current().comm
     a, b = torch.full((2, 2), comm.rank + 1.0), torch.arange(4.0) * (comm.rank + 1)
     return [t.tolist() for t in comm.reduce_scatter_grouped([a, b], "b", [1, 0])]
+
+
+def test_a_grouped_gathers_peak_is_its_flat_buffers_and_copies_on_gloo():
+    """The allocator's peak (torch.profiler's memory events, ``benchmarks/allocator_peak.py``) of
+    a block's grouped all_gather on 2 gloo processes, against the bytes derived by hand: ``L``
+    the block's local bytes (alive throughout), the packed input ``L`` (each piece copied into it
+    once), gloo's staging buffer and the result ``2L`` each, the unpacked copies ``2L``. Unpacking
+    once the call is done holds the result and its copies, not the packed input too (which
+    would be ``6L``): with one flat buffer a block's copies cannot be views of it (a piece of
+    each member lies in every member's row), so ``2L`` result + ``2L`` copies is the least."""
+    local = sum(math.prod(s) * 4 for s, _ in BLOCK)
+    for peaks in mt.launch(grouped_gather_peaks, mesh="b:2", backend="torch", timeout=120):
+        # (the allocator rounds each block up to 64 bytes; the block's pieces are multiples of it)
+        assert (peaks["call"], peaks["unpack"]) == (6 * local, 5 * local), (peaks, local)
+        # packing: the input, and at most the 60 x 60 float block torch's CPU copy_ transposes
+        # through (a piece gathered along an inner dim); not a copy of that piece (32 KiB) first
+        assert 0 <= peaks["pack"] - 2 * local <= 60 * 60 * 4, (peaks, local)
+    # the planner (meta backend, gloo's buffers) holds the same bytes
+    assert [trace(gather_step, wait, mesh="b:2", staging="gloo").peak_bytes for wait in (False, True)] == [
+        6 * local, 5 * local]
+
+
+def gather_step(wait: bool) -> None:
+    """A block's grouped all_gather, the whole call measured, or (``wait``) only its wait."""
+    pieces, dims = [torch.randn(s) for s, _ in BLOCK], [d for _, d in BLOCK]
+    comm = mt.current().comm
+    work = comm.all_gather_grouped(pieces, "b", dims, async_op=True) if wait else None
+    with mt.plan.measure():
+        if work is not None:
+            work.wait()
+        else:
+            comm.all_gather_grouped(pieces, "b", dims)
 
 
 def test_grouped_reduce_scatter_by_hand():

@@ -22,9 +22,9 @@ BATCH, LENGTH, STEPS = 4, 6, 3
 FSDP, DP = "batch:b; d_model:b", "batch:b"
 
 
-def config(layers: int = 2) -> TransformerConfig:
+def config(layers: int = 2, recompute: bool = False) -> TransformerConfig:
     return TransformerConfig(vocab=32, d_model=8, heads=2, d_kv=4, d_ff=16, layers=layers,
-                             max_length=LENGTH, tie_embeddings=True, positions="rotary")
+                             max_length=LENGTH, tie_embeddings=True, positions="rotary", recompute=recompute)
 
 
 def batch(seed: int):
@@ -34,11 +34,11 @@ def batch(seed: int):
 
 
 def train(mode: str, micro: int = 1, bucket_mb: float = 25.0, layers: int = 2,
-          gather_mb: float = 4.0) -> dict:
+          gather_mb: float = 4.0, recompute: bool = False) -> dict:
     """``STEPS`` SGD steps of the LM, each over ``micro`` micro-batches whose gradients accumulate;
     ``mode``: off, on, reshard. Per step: the loss, collective calls of forward and backward;
     the last step's global gradients and the final parameters."""
-    model = DecoderLM(config(layers), seed=0)
+    model = DecoderLM(config(layers, recompute), seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, calls, freed = [], [], []
     for step in range(STEPS):
@@ -56,7 +56,11 @@ def train(mode: str, micro: int = 1, bucket_mb: float = 25.0, layers: int = 2,
         grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
         opt.step()
     params = {n: p.to_global() for n, p in model.named_mesh_parameters()}
-    return {"losses": losses, "calls": calls, "grads": grads, "params": params, "freed": freed}
+    rt = getattr(mt.current().comm, "_overlap", None)
+    plans = list(rt.plans.values()) if rt is not None else []
+    plan = [len(b) for b in plans[-1][0]] if plans else []  # the next step's gathers: parameters in each
+    return {"losses": losses, "calls": calls, "grads": grads, "params": params, "freed": freed,
+            "plan": plan}
 
 
 def run(mode: str, rules: str, mesh: str = "b:2", backend: str = "threads", **kw) -> list[dict]:
@@ -157,6 +161,29 @@ def test_reshard_after_forward_frees_gathered_values_and_keeps_results():
     assert all(f and not any(f) for f in keep["freed"])
     # gathering again in backward: more gather calls
     assert (reshard["calls"][-1]["all_gather@b"]["calls"] > keep["calls"][-1]["all_gather@b"]["calls"])
+
+
+def test_a_recomputed_block_is_gathered_alone_and_not_kept_from_forward_to_backward():
+    """Under ``mt.nn.checkpoint`` (``recompute``) a block's forward saves nothing for backward,
+    which recomputes it: its gathered values are freed after forward even when kept otherwise
+    (``reshard_after_forward=False``) and gathered again for the recomputation, as the per-use
+    path does; the values are unchanged."""
+    keep = run("on", FSDP, gather_mb=0.004)[0]
+    remat, off = run("on", FSDP, gather_mb=0.004, recompute=True)[0], run("off", FSDP, recompute=True)[0]
+    assert remat["losses"] == keep["losses"] == off["losses"]
+    same(remat["grads"], keep["grads"], exact=True)
+    same(remat["grads"], off["grads"], exact=False)
+    # in the order of first reads: the 2 blocks' 10 parameters each, then the final norm's scale and
+    # the tied table (a row lookup first, then the head's matmul, outside any block: kept)
+    for kept, freed in zip(keep["freed"], remat["freed"]):
+        assert not any(kept) and freed == [True] * 20 + [False] * (len(freed) - 20), freed
+    assert remat["calls"][-1]["all_gather@b"]["calls"] > keep["calls"][-1]["all_gather@b"]["calls"]
+    # gathers end at a recomputed block's edges (FSDP2's unit), so that recomputing a block
+    # gathers it and none of its neighbour: a block's 10 parameters (2.1 KB) a bucket, the other
+    # 3 in one; otherwise cut by size alone (4 KB: the first 19 parameters, then 4)
+    assert (keep["plan"], remat["plan"]) == ([19, 4], [10, 10, 3])
+    # and so do the gradients' buckets (cut in reverse: the 3, the blocks; else 4 KB, the rest)
+    assert [c["reduce_scatter@b"]["calls"] for c in (keep["calls"][-1], remat["calls"][-1])] == [2, 3]
 
 
 def test_gloo_processes_overlap_with_the_same_values():

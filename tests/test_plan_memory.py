@@ -107,6 +107,10 @@ OVERLAPPED = {
     "fsdp+overlap": ("b:2", "batch:b; d_model:b", CFG.replace(overlap=True, reshard_after_forward=False)),
     "fsdp+reshard": ("b:2", "batch:b; d_model:b", CFG.replace(d_model=256, d_kv=64, d_ff=1024, layers=2,
                                                               length=64, reshard_after_forward=True)),
+    # recomputed blocks: gathered per block, again for the recomputation; each block's gradients'
+    # reduce_scatter in flight (its packed buffer and gloo's copy of it) while the next computes
+    "fsdp+reshard+recompute": ("b:2", "batch:b; d_model:b", CFG.replace(
+        d_model=256, d_kv=64, d_ff=1024, layers=2, length=64, reshard_after_forward=True, recompute=True)),
 }
 
 
@@ -133,6 +137,11 @@ def test_the_default_step_peaks_no_higher_than_the_per_use_path(real):
     assert planned["lm-default"] <= planned["lm-per-use"], planned
     for default, per_use in zip(real["lm-default"], real["lm-per-use"]):
         assert default <= per_use, (real["lm-default"], real["lm-per-use"])
+    # and planned as measured (the default step's gradient buckets in flight hold gloo's copy of
+    # their input until waited on: planned 6% under before that was counted)
+    for case, plan in planned.items():
+        for r in real[case]:
+            assert plan == pytest.approx(r, rel=0.05), (case, plan, real[case])
 
 
 # the other models and bf16: seq2seq's cross-attention, MoE's dispatch (all_to_all over the

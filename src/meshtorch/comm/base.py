@@ -359,6 +359,7 @@ class Communicator(ABC):
         work = self._start_all_gather(flat, axes, group, self._describe("all_gather", axes, flat, dim=0),
                                       (lambda out: gp.Gathered(out, n, layout)) if lazy
                                       else lambda out: gp.unpack_gather(out, n, layout))
+        del flat  # the call holds it until done; unpacking, only the result and its copies are alive
         return self._issued(work) if async_op else work.wait()
 
     def reduce_scatter_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int], op: str = "sum",

@@ -104,7 +104,13 @@ def pack_gather(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes) -> t
         raise CommError(f"grouped all_gather over {axes}: tensor {scalars[0]} is a scalar, with no "
                         "dim to gather along")
     moved = [t.detach().movedim(d % t.dim(), 0) for t, d in zip(tensors, dims)]
-    flat = torch.cat([m.reshape(-1) for m in moved])
+    # each tensor copied into its place once: ``cat`` of ``reshape``s would first copy every
+    # tensor gathered along an inner dim, all of them alive beside the buffer
+    flat = torch.empty(sum(m.numel() for m in moved), dtype=tensors[0].dtype, device=tensors[0].device)
+    at = 0
+    for m in moved:
+        flat[at:at + m.numel()].view(m.shape).copy_(m)
+        at += m.numel()
     return flat, [(tuple(m.shape), d % t.dim()) for t, m, d in zip(tensors, moved, dims)]
 
 

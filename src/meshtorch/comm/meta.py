@@ -39,7 +39,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -69,6 +70,7 @@ class MetaCommunicator(Communicator):
         self.sent: list[tuple[tuple[str, ...], int, int, torch.Tensor]] = []
         self.in_flight: list[torch.Tensor] = []
         self.staging = staging
+        self._keep: list[torch.Tensor] | None = None  # gloo's buffers of the call being started
 
     @property
     def staging(self) -> str:
@@ -95,25 +97,49 @@ class MetaCommunicator(Communicator):
             return super()._start_all_reduce(flat, axes, group, op, call, unpack)
         return Handle(lambda: unpack(flat))  # comm/torch.py reduces the packed buffer in place
 
-    # comm/torch.py's asynchronous work holds its packed input until waited on (the threads
-    # backend completes at once and lets go of it)
+    # comm/torch.py's asynchronous work holds its packed input until waited on, and a
+    # reduce_scatter's work gloo's copy of it (the threads backend completes at once and lets go
+    # of them; gloo's all_gather lets go of its staging buffer by the time the call returns: the
+    # allocator's peaks of issue 27's LMs on gloo show each)
     def _start_all_gather(self, flat, axes, group, call, unpack):
-        return self._held(flat, super()._start_all_gather(flat, axes, group, call, unpack))
+        return self._held([flat], super()._start_all_gather(flat, axes, group, call, unpack))
 
     def _start_reduce_scatter(self, buf, axes, group, op, call, unpack):
-        return self._held(buf, super()._start_reduce_scatter(buf, axes, group, op, call, unpack))
+        with self._staged() as staged:
+            work = super()._start_reduce_scatter(buf, axes, group, op, call, unpack)
+        return self._held([buf, *staged], work)
 
-    def _held(self, packed: torch.Tensor, work: Handle) -> Handle:
+    @contextlib.contextmanager
+    def _staged(self) -> Iterator[list[torch.Tensor]]:
+        """Inside, gloo's staging buffers are kept in the list given, not let go at once."""
+        self._keep = []
+        try:
+            yield self._keep
+        finally:
+            self._keep = None
+
+    def _stage(self, like: torch.Tensor) -> None:
+        """gloo's buffer of ``like``'s size: at once let go of, or, inside :meth:`_staged`, kept
+        until the call is waited on."""
+        buf = torch.empty_like(like)
+        if self._keep is not None:
+            self._keep.append(buf)
+
+    def _held(self, packed: list[torch.Tensor], work: Handle) -> Handle:
         if self._staging == "none":
             return work
-        return Handle(lambda: (packed, work.wait())[1])
+
+        def finish() -> list[torch.Tensor]:
+            packed.clear()  # comm/torch.py lets go of the input when the call is done, before unpacking
+            return work.wait()
+
+        return Handle(finish)
 
     def _all_gather(self, t, axes, group, dim, call):
         x = self._copy(t, dim)
         out = torch.empty((len(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         if self._staging == "gloo":
-            flat = torch.empty_like(out)  # gloo gathers into a flat buffer, then copies it out
-            del flat
+            self._stage(out)  # gloo gathers into a flat buffer, then copies it out
         del x
         return out.movedim(0, dim)
 
@@ -121,8 +147,7 @@ class MetaCommunicator(Communicator):
         x = self._copy(t, dim)
         out = torch.empty((x.shape[0] // len(group),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         if self._staging == "gloo":
-            whole = torch.empty_like(x)  # gloo reduces a copy of the whole input
-            del whole
+            self._stage(x)  # gloo reduces a copy of the whole input
         del x
         return out.movedim(0, dim).contiguous()
 

@@ -430,16 +430,20 @@ class TorchCommunicator(Communicator):
     # the handle unpacks the result when waited on. The buffers stay alive in the closure.
     def _async(self, kind: str, axes, group, start: Callable[[], object], finish: Callable[[], list]
                ) -> Handle:
-        work = self._run(kind, axes, group, start)
+        held = [self._run(kind, axes, group, start)]
 
         def wait() -> list:
+            work = held.pop()
             with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
                 self._run(kind, axes, group, work.wait)
+            # the work holds the call's input (a packed buffer): let go of it before unpacking, so
+            # that a grouped gather's input is not alive beside its result and the result's copies
+            del work
             return finish()
 
         # the work is looked up when asked, not bound now: a bound method would keep the work,
         # and the work its tensors, alive after the wait
-        return Handle(wait, lambda: work.is_completed())
+        return Handle(wait, lambda: not held or held[0].is_completed())
 
     def _start_all_gather(self, flat, axes, group, call, unpack):
         if "all_gather" in self._missing:
@@ -451,8 +455,9 @@ class TorchCommunicator(Communicator):
         pg = self._process_group(axes)
         x = self._to_dev(flat)
         out = torch.empty(len(group) * x.numel(), dtype=x.dtype, device=x.device)
+        home = flat.device  # (not ``flat``, which the unpacking must not keep alive)
         return self._async("all_gather", axes, group, lambda: op(out, x, group=pg, async_op=True),
-                           lambda: unpack(out.to(flat.device)))
+                           lambda: unpack(out.to(home)))
 
     def _start_reduce_scatter(self, buf, axes, group, op, call, unpack):
         fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)

@@ -21,7 +21,15 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
   gradients cost their slices' bytes, and ``zero_grad(set_to_none=True)`` frees the bucket.
   Clone a gradient to keep it past that.
 - **Forward.** Gathers are grouped per bucket in the order the previous step read them, and the
-  next bucket is gathered asynchronously while the current one computes (prefetch).
+  next bucket is gathered asynchronously while the current one computes (prefetch). A bucket
+  (of gathers, or of gradients to reduce-scatter) holds up to ``gather_mb`` and at most a
+  third of the gathered bytes (or 1 MB), and ends at the edges of a block recomputed in
+  backward (``mt.nn.checkpoint``): a grouped gather's result and its copies are alive at once
+  (one flat buffer cannot be the parameters' storage), so a bucket of a small model's every
+  weight, or one that straddles two recomputed blocks, would cost more than the per-use path.
+- **Recomputation.** A forward that ``mt.nn.checkpoint`` recomputes in backward saves nothing
+  (:func:`unsaved`): its gathered values are freed after their last read and gathered again
+  (grouped, per block) for the recomputation, also with ``reshard_after_forward=False``.
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
   after its op ran forward and gathered again (grouped, the previous bucket prefetched) just
   before that op's backward runs: FSDP2's ``reshard_after_forward``, less memory for more bytes.
@@ -71,6 +79,11 @@ from meshtorch.lowering import adapters as ca
 FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
 MAX_PLANS = 16  # models whose read order one processor keeps
 MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's gradients
+# a gather (and a bucket of gradients to reduce-scatter) at most 1 / GATHER_SHARE of the gathered
+# bytes: a third, so that a model of a few blocks gathers a block at a time (a quarter cut a
+# 2-block LM's blocks in two, and its peak fell in a window where gloo's staging of a gather in
+# flight lives as long as the other processor takes to join it, which the planner cannot know)
+GATHER_SHARE = 3
 MAX_PENDING = 1  # launched gradient buckets in flight (waited on, and added, when another one is)
 _on = threading.local()  # this processor's options, while inside overlap()
 
@@ -81,7 +94,7 @@ class Options:
     first one at most 1 MB, as DDP's, so that the first reduction starts early), whether gathered
     parameters are freed after their forward use (and gathered again for backward), and the size
     of a grouped gather, and of a bucket of gradients to reduce-scatter (about a block's
-    parameters, FSDP2's unit)."""
+    parameters, FSDP2's unit; at most a third of the gathered bytes, or 1 MB)."""
 
     bucket_mb: float = 25.0
     reshard_after_forward: bool = False
@@ -121,6 +134,28 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
             rt = getattr(current().comm, "_overlap", None)
             if rt is not None and rt.callback_missing:
                 rt.finish()  # a backward whose last gradients never came
+
+
+@contextmanager
+def unsaved() -> Iterator[None]:
+    """The forward run inside is recomputed for its backward (``mt.nn.checkpoint``'s first
+    run, whose autograd graph saves nothing): gathered values read inside are freed after their
+    last forward read, as though no backward read them, and gathered again when recomputed
+    (without it, ``reshard_after_forward=False`` would keep every gathered value from forward
+    to backward, which the per-use path gathers again).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> with mt.lowering.overlap.unsaved():
+        ...     pass
+    """
+    _on.unsaved = getattr(_on, "unsaved", 0) + 1
+    if _on.unsaved == 1:
+        _on.region = getattr(_on, "region", 0) + 1  # a new checkpointed block: buckets end at its edges
+    try:
+        yield
+    finally:
+        _on.unsaved -= 1
 
 
 def options() -> Options | None:
@@ -195,9 +230,14 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
-    # (the values handed to the op are views of the leaves: the walk goes through them)
-    others = [a for a in args if all(a is not v for v in used)]
-    unread = unread_by_backward(result, [e.leaf for e in entries], others)
+    if getattr(_on, "unsaved", 0):
+        # a checkpointed forward (mt.nn.checkpoint): its backward keeps nothing of it and
+        # recomputes, reading the values again (gathered again if freed), as the per-use path
+        unread = [True] * len(entries)
+    else:
+        # (the values handed to the op are views of the leaves: the walk goes through them)
+        others = [a for a in args if all(a is not v for v in used)]
+        unread = unread_by_backward(result, [e.leaf for e in entries], others)
     kept = []
     counting = rt.buckets is None  # no gradient yet: forward (a recomputed forward runs in backward)
     for e, skip in zip(entries, unread):
@@ -306,7 +346,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -321,6 +361,7 @@ class Entry:
         self.freed = False
         self.reads = 0  # forward ops that read it this step
         self.needed = False  # some op's backward reads its value
+        self.region: int | None = None  # the checkpointed block (unsaved()) it was first read in
         # never freed: an op's result is a view of it, or it is the parameter's own storage (freeing
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
@@ -409,6 +450,8 @@ class Runtime:
             self.order.append(e)
         elif e not in self.order:
             self.order.append(e)
+        if e.reads == 0 and self.buckets is None and e.region is None and getattr(_on, "unsaved", 0):
+            e.region = _on.region
         if e.freed:
             # read again in forward (the step before read it once more than this one): alone; in
             # backward (a recomputed forward): with the rest of its bucket, the next prefetched
@@ -552,7 +595,8 @@ class Runtime:
     def _cut_buckets(self) -> None:
         """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
         gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
-        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers).
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers),
+        ending at a checkpointed block's edges as the gathers do (see :meth:`_end_step`).
         An all-reduce bucket holds at most a quarter of its kind's gradients (or 1 MB): its buffer is made at
         its first gradient, while backward still holds most activations, so that a model smaller
         than a few buckets does not hold its gradients' bytes early (its peak stays the per-use
@@ -566,12 +610,14 @@ class Runtime:
         for e in reversed(self.order):
             key = keys[e]
             k, size, count = open_.get(key, (None, 0, 0))
+            edge = False
             if e.kind == "all_reduce":
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
                 cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             else:
-                cap = self.gather_bytes
-            if k is None or size + e.nbytes > cap and size:
+                cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // GATHER_SHARE))
+                edge = k is not None and bool(buckets[k]) and buckets[k][-1].region != e.region
+            if k is None or (size + e.nbytes > cap or edge) and size:
                 k, size, count = len(buckets), 0, count + 1
                 buckets.append([])
             buckets[k].append(e)
@@ -594,12 +640,15 @@ class Runtime:
                 grads = [e.grad for e in members]
                 for e in members:
                     e.grad = None
-                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
-                if not flush and len(self.pending) > MAX_PENDING:
-                    # an asynchronous call holds its packed gradients until waited on: FSDP2 waits
-                    # for a block's reduce-scatter when it issues the next one
+                # an asynchronous call holds its packed gradients until waited on (a reduce_scatter
+                # on gloo a copy of them too): FSDP2 waits for a block's reduce-scatter when it
+                # issues the next one; here before the next is packed, so that two buckets' buffers
+                # are never alive together (also once backward has ended, when all that is left
+                # is launched)
+                while len(self.pending) >= MAX_PENDING:
                     done, work = self.pending.pop(0)
                     self._add(done, work.wait())
+                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
             self.launched += 1
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
@@ -657,15 +706,19 @@ class Runtime:
         self.refetches = {}
         plan: list[list[tuple]] = []
         open_: dict = {}
-        for e in self.order:
-            if not e.gathered:
-                continue
-            key = (as_axes(e.axes), e.leaf.dtype, e.leaf.device)
+        gathered = [e for e in self.order if e.gathered]
+        keys = {e: (as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in gathered}
+        totals: dict = {}
+        for e, key in keys.items():
+            totals[key] = totals.get(key, 0) + e.nbytes
+        for e, key in keys.items():
+            cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // GATHER_SHARE))
             k = open_.get(key)
-            if k is None or (sum(m[4] for m in plan[k]) + e.nbytes > self.gather_bytes and plan[k]):
+            if (k is None or plan[k] and (sum(m[4] for m in plan[k]) + e.nbytes > cap
+                                          or plan[k][-1][5] != e.region)):
                 k = open_[key] = len(plan)
                 plan.append([])
-            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes))
+            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes, e.region))
         if plan:
             first = plan[0][0][1]
             self.plans.pop(first, None)

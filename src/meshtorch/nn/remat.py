@@ -22,6 +22,7 @@ from typing import Any
 import torch.utils.checkpoint as tuc
 
 from meshtorch.context import current
+from meshtorch.lowering.overlap import unsaved
 from meshtorch.meta_autocast import MetaAutocast, active_dtype
 
 
@@ -46,6 +47,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             ctx.random_calls = saved
 
     def contexts():
-        return contextlib.nullcontext(), rewind()
+        # the first run saves nothing for backward: mt.overlap frees its gathered values after use
+        return unsaved(), rewind()
 
     return tuc.checkpoint(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
