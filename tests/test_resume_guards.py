@@ -253,6 +253,26 @@ def test_overwrite_removes_only_what_meshtorch_wrote_after_checking_the_inputs(t
     assert recorded(str(out))["tokenizer"] == {"path": "bytes"}
 
 
+def test_overwrite_keeps_a_tokenizer_put_beside_a_run_that_never_wrote_one(run2, text, tmp_path):
+    """The manifest lists what the run wrote, not every name a run may write: a run on bytes wrote
+    no tokenizer/ (nor tensorboard/), so one put there afterwards is the user's and survives
+    --overwrite (seen: the manifest listed every name and --overwrite deleted the package)."""
+    from meshtorch.errors import TrainingError
+    from meshtorch.recipes.lm.guards import MANIFEST
+
+    out = tmp_path / "run"
+    shutil.copytree(run2, out)
+    with open(out / MANIFEST) as f:
+        listed = json.load(f)["files"]
+    assert {"checkpoint", "metrics.jsonl", "summary.json"} <= set(listed) <= {
+        "checkpoint", "metrics.jsonl", "summary.json", "loss.png"}  # loss.png: where matplotlib is
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "__init__.py").write_text("# the user's package")
+    with pytest.raises(TrainingError, match="holds tokenizer, which meshtorch train did not write"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=True, **TINY))
+    assert (out / "tokenizer" / "__init__.py").read_text() == "# the user's package"
+
+
 def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, tmp_path):
     from meshtorch.errors import TrainingError
 
