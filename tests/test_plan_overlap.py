@@ -149,6 +149,18 @@ def test_the_lm_step_overlaps_and_a_deep_one_extrapolates_it():
     assert deep.step_seconds == pytest.approx(whole.step_seconds, rel=0.05)
 
 
+def test_a_very_deep_step_hides_no_more_than_its_communication_behind_no_more_than_its_compute():
+    """An extrapolated overlap is a line through two shallow traces' overlaps, whose slope may exceed
+    the communication's: at a billion layers (`meshtorch plan --layers 1000000000`) it hid more than
+    all the communication and the step came out shorter than its compute."""
+    cfg = TrainConfig.of(d_model=128, heads=4, d_kv=32, d_ff=512, batch=16, length=64, layers=10**9)
+    t = layered_trace(training_step(cfg, 2048), "b:2", "batch:b")
+    for device in ("a100", "tpu-v3"):
+        est = from_trace(t, "b:2", mt.plan.device(device))
+        assert 0 < est.overlap_seconds <= min(est.compute_seconds, est.comm_total_seconds), device
+        assert est.step_seconds >= max(est.compute_seconds, est.comm_total_seconds), device
+
+
 def test_a_compiled_run_is_planned_without_overlap():
     t = trace(training_step(LM.replace(compile=True, layers=1), VOCAB), mesh="b:2", rules="batch:b")
     assert t.timeline is None

@@ -278,13 +278,17 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
     params = t.parameters
     if isinstance(t.result, dict) and "parameters" in t.result:
         params = int(t.result["parameters"])
-    hidden = overlap_seconds(t, mesh, spec, algorithm)
+    # hidden communication is at most the communication and at most the compute it hides behind:
+    # an extrapolated trace's overlap (a line through two shallow traces' overlaps, whose slope may
+    # exceed the communication's) could otherwise make a deep step faster than its compute
+    comm = sum(comm_seconds.values())
+    hidden = min(overlap_seconds(t, mesh, spec, algorithm), compute, comm)
     return Estimate(
         mesh=str(mesh), rules=t.rules, device=spec.name, parameters=params, flops=t.flops,
         flops_by_dtype=t.flops_by_dtype, bytes_per_axis=bytes_per_axis, calls_per_axis=calls_per_axis,
         memory_bytes=memory, memory_capacity=spec.usable_memory, fits=t.peak_bytes <= spec.usable_memory,
         compute_seconds=compute, comm_seconds=comm_seconds,
-        step_seconds=compute + sum(comm_seconds.values()) - hidden, trace=t, compute_terms=terms,
+        step_seconds=max(compute + comm - hidden, compute, comm), trace=t, compute_terms=terms,
         overlap_seconds=hidden)
 
 
