@@ -137,8 +137,10 @@ class Estimate:
         for axes, kinds in sorted(self.bytes_per_axis.items()):
             for kind, b in sorted(kinds.items()):
                 s = self.comm_seconds.get(f"{kind}@{axes}", 0.0)
-                lines.append(f"{kind:<16}{axes:<14}{self.calls_per_axis[axes][kind]:>7}{b:>14}"
-                             f"{s * 1e3:>10.2f}")
+                # the header's columns, each after a space: a number wider than its column (a
+                # billion-layer plan's) pushes the rest right instead of running into its neighbour
+                lines.append(f"{kind:<15} {axes:<13} {self.calls_per_axis[axes][kind]:>6} {b:>13}"
+                             f" {s * 1e3:>9.2f}")
         hidden = (f" - {self.overlap_seconds * 1e3:.2f} overlapped with compute"
                   if self.overlap_seconds else "")
         lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms "
