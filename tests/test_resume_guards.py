@@ -399,3 +399,18 @@ def test_a_run_from_before_manifests_keeps_a_tokenizer_it_did_not_record(run2, t
     shutil.rmtree(out / "tokenizer")
     assert cli.main(argv) == 0
     assert os.path.exists(out / MANIFEST)  # the resumed run lists its files from now on
+
+
+def test_resuming_a_run_in_progress_before_its_first_checkpoint_says_it_runs(text, tmp_path):
+    """Seen: --resume of a run still training (no checkpoint yet) said 'its run stopped before its
+    first checkpoint: rerun it in place with --out ... --overwrite', advice for a stopped run."""
+    from meshtorch.errors import MeshTorchError
+    from meshtorch.recipes.lm.guards import RunDirLock
+
+    out = tmp_path / "live"
+    with RunDirLock(TrainConfig(), str(out)):  # as the run in progress holds it
+        (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        with pytest.raises(MeshTorchError, match=rf"is a run still in progress \(pid {os.getpid()} holds"):
+            train(TrainConfig.of(steps=2, resume=str(out), data=text, **TINY))
+    with pytest.raises(MeshTorchError, match="stopped before its first checkpoint: rerun it in place"):
+        train(TrainConfig.of(steps=2, resume=str(out), data=text, **TINY))

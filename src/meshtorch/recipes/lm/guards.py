@@ -162,6 +162,29 @@ class RunDirLock:
             self.fd = None
 
 
+def lock_holder(out: str) -> str | None:
+    """The pid that holds ``out`` (:class:`RunDirLock`: a run in progress there), or None.
+
+    Example:
+        >>> import tempfile
+        >>> lock_holder(tempfile.mkdtemp()) is None
+        True
+    """
+    try:
+        fd = os.open(os.path.join(out, LOCK), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def recorded(resume: str) -> dict[str, Any]:
     """What the checkpoint of run directory ``resume`` records about its run (``extra``: the model kind
     ``model``, ``model_config``, ``train_config`` (every option by flag name), ``tokenizer``)."""

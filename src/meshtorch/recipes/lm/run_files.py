@@ -23,7 +23,7 @@ from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
-from meshtorch.recipes.lm.guards import check_weights, recorded
+from meshtorch.recipes.lm.guards import LOCK, check_weights, lock_holder, recorded
 
 # TransformerConfig's fields that choose how the same function is computed, not which: free on resume
 # (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
@@ -167,6 +167,11 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
         raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
                             "continues from; drop --overwrite to continue the run, or pass another --out")
     if not os.path.isdir(os.path.join(run.resume, "checkpoint")):
+        holder = lock_holder(run.resume)
+        if holder is not None:  # not stopped: running, and not checkpointed yet
+            raise error(f"--resume {run.resume!r} is a run still in progress (pid {holder} holds "
+                        f"{os.path.join(run.resume, LOCK)}) that has written no checkpoint yet; wait for it "
+                        "to finish or stop it, then resume")
         stopped = os.path.exists(os.path.join(run.resume, "metrics.jsonl"))
         raise error(f"--resume {run.resume!r} has no checkpoint/ directory; " + (
             f"its run stopped before its first checkpoint: rerun it in place with --out {run.resume} "
