@@ -184,6 +184,25 @@ def test_overwrite_replaces_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_written_files_get_the_mode_open_gives_them(tmp_path):
+    """Files written through a temporary one (tempfile's and safetensors' 0o600) get what the umask
+    allows, as index.json does: seen, a run's slices, metrics.jsonl and tokenizer readable by its
+    owner only, so another user of a shared run directory could not generate from it."""
+    from meshtorch.data.hf_tokenizer import write_atomic
+
+    old = os.umask(0o027)
+    try:
+        mt.save(str(tmp_path / "ckpt"), model=make_model(), step=1)
+        mt.export_consolidated(str(tmp_path / "hf"), make_model())
+        write_atomic(str(tmp_path / "metrics.jsonl"), b"{}\n")
+    finally:
+        os.umask(old)
+    modes = {os.path.relpath(os.path.join(root, n), tmp_path): os.stat(os.path.join(root, n)).st_mode & 0o777
+             for root, _, names in os.walk(tmp_path) for n in names}
+    assert any(name.endswith(".safetensors") for name in modes) and "metrics.jsonl" in modes
+    assert modes == dict.fromkeys(modes, 0o640)
+
+
 def test_corrupted_file_gives_checksum_error(tmp_path):
     path = str(tmp_path / "ckpt")
     mt.launch(lambda: mt.save(path, model=make_model()), mesh="m:2", rules=RULES_B)

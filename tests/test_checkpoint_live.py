@@ -324,6 +324,17 @@ TINY = {"log_every": 1, "lr_schedule": "constant", "mesh": "b:2", "rules": "batc
         "checkpoint_every": 2, "steps": 4, "keep": 2, "no_memory_check": True}
 
 
+def test_async_checkpoint_without_checkpoint_every_is_refused():
+    """Seen: --async-checkpoint alone ran with no background save at all (--checkpoint-every 0: only
+    the synchronous final save), silently."""
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.config import check_config
+
+    with pytest.raises(mt.errors.ArgumentError, match="--async-checkpoint .* --checkpoint-every is 0"):
+        check_config(TrainConfig.of(async_checkpoint=True))
+    check_config(TrainConfig.of(async_checkpoint=True, checkpoint_every=5))
+
+
 def test_train_async_checkpoint(tmp_path):
     """``meshtorch train --async-checkpoint --checkpoint-every 2``: the background save of step 2 and
     the final (synchronous) one of step 4 are both committed, and each loads with its checksums

@@ -65,3 +65,32 @@ def test_without_torchs_default_store_the_timeout_keeps_its_plain_message(monkey
     from torch.distributed import distributed_c10d
 
     assert callable(getattr(distributed_c10d, "_get_default_store", None))
+
+
+def test_a_peer_that_crashed_is_no_mismatch():
+    """Seen after `kill -9` of a worker: the survivor's error said "failed because a processor of the
+    group [0, 1] exited or crashed ... Every processor of a group must make the same collective calls
+    in the same order; run with check=True", advice for a mismatch that was not there."""
+    from types import SimpleNamespace
+
+    from meshtorch.comm.torch import TorchCommunicator
+
+    def reset():
+        raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53478: Connection reset by peer")
+
+    comm = SimpleNamespace(timeout=300.0, rank=0, mesh=Mesh("b:2"))
+    with pytest.raises(CommError) as info:
+        TorchCommunicator._run(comm, "all_reduce", ("b",), [0, 1], reset)
+    msg = str(info.value)
+    assert "exited or crashed" in msg and "Connection reset by peer" in msg, msg
+    assert "same collective calls" not in msg and "check=True" not in msg, msg
+
+
+def test_a_call_site_is_a_file_not_python_minus_c():
+    """`meshtorch train --max-restarts`'s workers run `python -c`: their errors named the call site
+    '<string>:1 in <module>'. A frame without a file is passed over for one with a file."""
+    from meshtorch.comm.base import user_call_site
+
+    scope: dict = {"user_call_site": user_call_site}
+    exec(compile("site = user_call_site()", "<string>", "exec"), scope)
+    assert "test_comm_hangs_torch.py" in scope["site"] and "in test_a_call_site_is_a_file" in scope["site"]

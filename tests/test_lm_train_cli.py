@@ -133,6 +133,24 @@ def test_config_file_is_overridden_by_flags(tmp_path):
         config_from_args(p.parse_args(["train", "--config", str(cfg_file)]))
 
 
+def test_reshard_after_forward_without_overlap_is_refused(tmp_path):
+    """Seen: `--no-overlap --reshard-after-forward` ran the per-use path, which keeps every gathered
+    parameter until backward, with nothing said; asked for explicitly (flag or file), it is refused.
+    The default (on, with --overlap) is no request and stays silent under --no-overlap."""
+    import argparse
+
+    from meshtorch.recipes.lm.cli import config_from_args, register
+
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers(dest="command"))
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text("overlap = false\nreshard_after_forward = true\n")
+    for argv in (["--no-overlap", "--reshard-after-forward"], ["--config", str(cfg_file)]):
+        with pytest.raises(ArgumentError, match="--reshard-after-forward .* with --no-overlap"):
+            config_from_args(p.parse_args(["train", *argv]))
+    assert config_from_args(p.parse_args(["train", "--no-overlap"])).parallelism.overlap is False
+
+
 def test_model_options_are_the_transformer_config_fields(tmp_path):
     import argparse
     import dataclasses

@@ -226,6 +226,15 @@ def test_bucket_size_must_be_positive():
             pass
 
 
+@pytest.mark.parametrize("option", ["bucket_mb", "gather_mb"])
+def test_bucket_size_must_be_finite(option):
+    """Seen: bucket_mb=inf was accepted, and the step then raised OverflowError ('cannot convert
+    float infinity to integer') from inside the bucketing."""
+    with pytest.raises(mt.errors.ArgumentError, match=f"{option}=inf must be a positive, finite number"):
+        with mt.overlap(**{option: float("inf")}):
+            pass
+
+
 @pytest.mark.parametrize("flags", [["--overlap"], ["--reshard-after-forward", "--recompute"]])
 def test_meshtorch_train_overlaps_with_the_per_use_losses(tmp_path, monkeypatch, flags):
     """`meshtorch train` with FSDP rules, --overlap, or --reshard-after-forward with recomputed

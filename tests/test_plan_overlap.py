@@ -149,6 +149,36 @@ def test_the_lm_step_overlaps_and_a_deep_one_extrapolates_it():
     assert deep.step_seconds == pytest.approx(whole.step_seconds, rel=0.05)
 
 
+@pytest.fixture(scope="module")
+def billion_layers():
+    """`meshtorch plan --layers 1000000000`'s step (the defaults' sizes), extrapolated."""
+    cfg = TrainConfig.of(d_model=128, heads=4, d_kv=32, d_ff=512, batch=16, length=64, layers=10**9)
+    return layered_trace(training_step(cfg, 2048), "b:2", "batch:b")
+
+
+def test_a_very_deep_step_hides_no_more_than_its_communication_behind_no_more_than_its_compute(
+        billion_layers):
+    """An extrapolated overlap is a line through two shallow traces' overlaps, whose slope may exceed
+    the communication's: at a billion layers (`meshtorch plan --layers 1000000000`) it hid more than
+    all the communication and the step came out shorter than its compute."""
+    for device in ("a100", "tpu-v3"):
+        est = from_trace(billion_layers, "b:2", mt.plan.device(device))
+        assert 0 < est.overlap_seconds <= min(est.compute_seconds, est.comm_total_seconds), device
+        assert est.step_seconds >= max(est.compute_seconds, est.comm_total_seconds), device
+
+
+def test_the_table_keeps_its_columns_apart_when_the_numbers_outgrow_them(billion_layers):
+    """Seen: 'all_reduce      b             100000000378848000108237212628266.70', the calls, bytes
+    and milliseconds of a billion-layer plan run together."""
+    est = from_trace(billion_layers, "b:2", mt.plan.device("a100"))
+    (row,) = [line for line in est.table().splitlines() if line.startswith("all_reduce")]
+    kind, axes, calls, nbytes, ms = row.split()
+    assert (kind, axes) == ("all_reduce", "b")
+    assert int(calls) == est.calls_per_axis["b"]["all_reduce"]
+    assert int(nbytes) == est.bytes_per_axis["b"]["all_reduce"]
+    assert float(ms) == pytest.approx(est.comm_seconds["all_reduce@b"] * 1e3, abs=0.01)
+
+
 def test_a_compiled_run_is_planned_without_overlap():
     t = trace(training_step(LM.replace(compile=True, layers=1), VOCAB), mesh="b:2", rules="batch:b")
     assert t.timeline is None

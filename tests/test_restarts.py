@@ -149,3 +149,17 @@ def test_a_failure_is_told_by_the_exception_a_worker_recorded_else_by_its_exit(t
     assert failure_text(ChildFailedError("w", {1: recorded})) == want
     assert failure_text(ChildFailedError("w", {0: killed})) == "processor 0 was killed by SIGKILL"
     assert torch.distributed.is_available()
+
+
+def test_a_run_that_failed_for_good_says_how_to_go_on_in_its_out(tmp_path):
+    """Seen: '... exited with code 1. no checkpoint was written: fix the cause and rerun', where the
+    rerun in place was then refused for the metrics.jsonl the run had left, until --overwrite."""
+    from meshtorch.recipes.lm.restarts import what_next
+
+    out = tmp_path / "run"
+    out.mkdir()
+    assert what_next(str(out)) == "No checkpoint was written: fix the cause and rerun"
+    (out / "metrics.jsonl").write_text("{}\n")
+    assert what_next(str(out)).endswith(f"rerun it in place with --out {out} --overwrite")
+    (out / "checkpoint").mkdir()
+    assert what_next(str(out)).endswith(f"continue with --resume {out}")

@@ -62,12 +62,34 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(change, needle, run
     msg = str(e.value)
     assert needle in msg, msg
     names = ",".join(k for k in change)
-    assert f"--allow-change {names} to change it on purpose" in msg, msg
     if "model" in change:  # the kind alone: its experts follow from it and are not "changes" to undo
         assert "--experts" not in msg and "Pass --model lm to continue" in msg, msg
     if "gated" in change:  # booleans are named as their flags
         assert "Pass --no-bias --no-gated to continue" in msg, msg
+        # a bias and a second input projection are parameters the checkpoint lacks: --allow-change
+        # cannot resume them, so the error does not offer it
+        assert "to change it on purpose" not in msg, msg
+        assert "--bias, --gated would give the model other parameters than the run's checkpoint" in msg, msg
+    else:
+        assert f"--allow-change {names} to change it on purpose" in msg, msg
     assert _files(run2) == before  # refused before anything was written
+
+
+# the options that give each kind of model other parameters (a one-layer run's MoE has no MoE layer)
+RESHAPING = {"d_model", "heads", "d_kv", "d_ff", "layers", "kv_heads", "gated", "bias", "norm", "positions",
+             "tie_embeddings"}
+
+
+def test_a_change_of_the_parameters_is_refused_even_when_allowed(run2, text):
+    """Seen: the error for --d-model 64 said '--allow-change d_model to change it on purpose', which
+    then failed loading the checkpoint ('has shape [vocab:264,d_model:64] here but ...')."""
+    for change in ({"d_model": 32}, {"layers": 2}, {"positions": "rotary"}):
+        (name,) = change
+        with pytest.raises(ArgumentError) as e:
+            train(TrainConfig.of(steps=4, resume=run2, data=text, allow_change=name, **{**TINY, **change}))
+        msg = str(e.value)
+        assert f"--{name.replace('_', '-')} would give the model other parameters" in msg, msg
+        assert "to change it on purpose" not in msg and "another --out" in msg, msg
 
 
 @pytest.mark.parametrize("kind", ["lm", "moe", "seq2seq"])
@@ -101,7 +123,12 @@ def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same
         assert changed == [name], (name, changed)
         with pytest.raises(ArgumentError, match=f"--{name.replace('_', '-')} "):
             check_resumed_model(cfg, record)
-        check_resumed_model(cfg.replace(allow_change=name), record)
+        own = {"lm": set(), "moe": {"experts", "moe_every"}, "seq2seq": {"encoder_layers"}}[kind]
+        if name in RESHAPING | own:
+            with pytest.raises(ArgumentError, match="would give the model other parameters"):
+                check_resumed_model(cfg.replace(allow_change=name), record)
+        else:
+            check_resumed_model(cfg.replace(allow_change=name), record)
     assert set(SAME_FUNCTION) == {"dropout", "attention", "recompute"}
 
 
@@ -253,6 +280,26 @@ def test_overwrite_removes_only_what_meshtorch_wrote_after_checking_the_inputs(t
     assert recorded(str(out))["tokenizer"] == {"path": "bytes"}
 
 
+def test_overwrite_keeps_a_tokenizer_put_beside_a_run_that_never_wrote_one(run2, text, tmp_path):
+    """The manifest lists what the run wrote, not every name a run may write: a run on bytes wrote
+    no tokenizer/ (nor tensorboard/), so one put there afterwards is the user's and survives
+    --overwrite (seen: the manifest listed every name and --overwrite deleted the package)."""
+    from meshtorch.errors import TrainingError
+    from meshtorch.recipes.lm.guards import MANIFEST
+
+    out = tmp_path / "run"
+    shutil.copytree(run2, out)
+    with open(out / MANIFEST) as f:
+        listed = json.load(f)["files"]
+    assert {"checkpoint", "metrics.jsonl", "summary.json"} <= set(listed) <= {
+        "checkpoint", "metrics.jsonl", "summary.json", "loss.png"}  # loss.png: where matplotlib is
+    (out / "tokenizer").mkdir()
+    (out / "tokenizer" / "__init__.py").write_text("# the user's package")
+    with pytest.raises(TrainingError, match="holds tokenizer, which meshtorch train did not write"):
+        train(TrainConfig.of(steps=2, out=str(out), data=text, overwrite=True, **TINY))
+    assert (out / "tokenizer" / "__init__.py").read_text() == "# the user's package"
+
+
 def test_a_run_stopped_before_its_first_checkpoint_names_overwrite(run2, text, tmp_path):
     from meshtorch.errors import TrainingError
 
@@ -352,3 +399,18 @@ def test_a_run_from_before_manifests_keeps_a_tokenizer_it_did_not_record(run2, t
     shutil.rmtree(out / "tokenizer")
     assert cli.main(argv) == 0
     assert os.path.exists(out / MANIFEST)  # the resumed run lists its files from now on
+
+
+def test_resuming_a_run_in_progress_before_its_first_checkpoint_says_it_runs(text, tmp_path):
+    """Seen: --resume of a run still training (no checkpoint yet) said 'its run stopped before its
+    first checkpoint: rerun it in place with --out ... --overwrite', advice for a stopped run."""
+    from meshtorch.errors import MeshTorchError
+    from meshtorch.recipes.lm.guards import RunDirLock
+
+    out = tmp_path / "live"
+    with RunDirLock(TrainConfig(), str(out)):  # as the run in progress holds it
+        (out / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        with pytest.raises(MeshTorchError, match=rf"is a run still in progress \(pid {os.getpid()} holds"):
+            train(TrainConfig.of(steps=2, resume=str(out), data=text, **TINY))
+    with pytest.raises(MeshTorchError, match="stopped before its first checkpoint: rerun it in place"):
+        train(TrainConfig.of(steps=2, resume=str(out), data=text, **TINY))

@@ -33,7 +33,7 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from meshtorch.checkpoint.format import fsync_write, shape_json
+from meshtorch.checkpoint.format import fsync_write, shape_json, usual_mode
 from meshtorch.checkpoint.writer import _token
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError
@@ -114,6 +114,7 @@ def write_consolidated(path: str | os.PathLike, tensors: dict[str, torch.Tensor]
             for fname, shard in zip(names, shards):
                 tmp = os.path.join(path, f".{fname}.tmp-{token}")
                 safetensors.torch.save_file(shard, tmp, metadata=meta)
+                os.chmod(tmp, usual_mode())  # as config.json's, not safetensors' 0o600
                 os.replace(tmp, os.path.join(path, fname))
             texts = dict(files or {})
             if n > 1:

@@ -35,6 +35,7 @@ from meshtorch.checkpoint.format import (
     sha256_file,
     shape_json,
     slice_file,
+    usual_mode,
 )
 from meshtorch.checkpoint.index import CHECKSUM, index_checksum
 from meshtorch.checkpoint.state import rng_state, scalar_json, to_json
@@ -104,6 +105,7 @@ def optimizer_content(optimizer, model) -> tuple[list[tuple[str, MeshTensor]], d
 
 def _write_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
     safetensors.torch.save_file(tensors, path)
+    os.chmod(path, usual_mode())  # as index.json's, not safetensors' 0o600
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 

@@ -72,15 +72,24 @@ def check_timeout(value: float | None, name: str = "timeout", allow_none: bool =
 
 
 def user_call_site() -> str:
-    """``file:line in function`` of the innermost frame outside meshtorch and torch."""
+    """``file:line in function`` of the innermost frame outside meshtorch and torch that has a file;
+    where the program has none (``python -c``, as ``meshtorch train``'s worker processes run), the
+    innermost frame of the meshtorch recipe that runs it (the training loop), not ``<string>:1``."""
+    recipe = unnamed = None
     for frame in reversed(traceback.extract_stack()[:-1]):
         f = frame.filename.replace("\\", "/")
         if "/meshtorch/" in f and "/tests/" not in f and "/examples/" not in f:
+            if recipe is None and "/meshtorch/recipes/" in f:
+                recipe = frame
             continue
         if "/torch/" in f or "/threading.py" in f:
             continue
+        if f.startswith("<"):  # <string>, <stdin>, <frozen runpy>: no file to look at
+            unnamed = unnamed or frame
+            continue
         return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "<unknown>"
+    frame = recipe or unnamed
+    return f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else "<unknown>"
 
 
 F = TypeVar("F", bound=Callable)

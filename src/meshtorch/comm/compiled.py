@@ -48,7 +48,15 @@ def _collective_op(t: torch.Tensor, call: str) -> torch.Tensor:
                         "compiled in")
     # the method itself, not the compile-time wrapper: this runs the collective
     out = getattr(type(comm), name).__wrapped__(comm, t, *args, **kwargs)
-    return out.clone() if out is t else out  # a custom op's result never aliases its input
+    return _result(out, t)
+
+
+def _result(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The op's result, contiguous, for the real op and the fake alike: inductor asserts the
+    fake's strides on the real result, and the backends lay out a result differently (the meta
+    backend's all_gather along dim 1 is a transposed view, the threads backend's a ``torch.cat``).
+    A custom op's result never aliases its input."""
+    return out.clone(memory_format=torch.contiguous_format) if out is t else out.contiguous()
 
 
 @_collective_op.register_fake
@@ -56,4 +64,4 @@ def _(t: torch.Tensor, call: str) -> torch.Tensor:
     # the meta backend shapes every collective
     mesh, rank, name, args, kwargs = _decode(call)
     out = getattr(MetaCommunicator, name).__wrapped__(MetaCommunicator(Mesh(mesh), rank), t, *args, **kwargs)
-    return out.clone() if out is t else out
+    return _result(out, t)

@@ -297,6 +297,8 @@ class TorchCommunicator(Communicator):
                                 "collectives), pass a larger timeout")
             elif peer_left(e):
                 why = f"failed because a processor of the group {list(group)} exited or crashed"
+                # nothing was mismatched: the processor that ended says why (or its launcher, how it ended)
+                hint = "Its own error, or its launcher's report of how it ended, says why"
             else:
                 why = "failed"
             raise CommError(f"{kind} over axes {tuple(axes)} called at {site} {why} ({text.strip()}). "

@@ -56,8 +56,11 @@ def write_atomic(path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in its directory and ``os.replace``, so a
     reader (another process of the run, a rerun) sees the old file or the whole new one, never a part.
     """
+    from meshtorch.checkpoint.format import usual_mode
+
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
     try:
+        os.fchmod(fd, usual_mode())  # as open() would make it, not mkstemp's 0o600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)

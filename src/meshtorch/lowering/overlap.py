@@ -119,8 +119,9 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
         Options(bucket_mb=4.0, reshard_after_forward=True, gather_mb=4.0)
     """
     for name, value in (("bucket_mb", bucket_mb), ("gather_mb", gather_mb)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ArgumentError(f"{name}={value!r} must be a positive number of megabytes, e.g. {name}=25")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ArgumentError(f"{name}={value!r} must be a positive, finite number of megabytes, e.g. "
+                                f"{name}=25 (one bucket for everything: a size above the model's, e.g. 1e6)")
     prev = getattr(_on, "options", None)
     _on.options = (Options(float(bucket_mb), bool(reshard_after_forward), float(gather_mb)) if enabled
                    else None)

@@ -137,8 +137,10 @@ class Estimate:
         for axes, kinds in sorted(self.bytes_per_axis.items()):
             for kind, b in sorted(kinds.items()):
                 s = self.comm_seconds.get(f"{kind}@{axes}", 0.0)
-                lines.append(f"{kind:<16}{axes:<14}{self.calls_per_axis[axes][kind]:>7}{b:>14}"
-                             f"{s * 1e3:>10.2f}")
+                # the header's columns, each after a space: a number wider than its column (a
+                # billion-layer plan's) pushes the rest right instead of running into its neighbour
+                lines.append(f"{kind:<15} {axes:<13} {self.calls_per_axis[axes][kind]:>6} {b:>13}"
+                             f" {s * 1e3:>9.2f}")
         hidden = (f" - {self.overlap_seconds * 1e3:.2f} overlapped with compute"
                   if self.overlap_seconds else "")
         lines.append(f"step time         {self.step_seconds * 1e3:.2f} ms "
@@ -278,13 +280,17 @@ def from_trace(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str = "r
     params = t.parameters
     if isinstance(t.result, dict) and "parameters" in t.result:
         params = int(t.result["parameters"])
-    hidden = overlap_seconds(t, mesh, spec, algorithm)
+    # hidden communication is at most the communication and at most the compute it hides behind:
+    # an extrapolated trace's overlap (a line through two shallow traces' overlaps, whose slope may
+    # exceed the communication's) could otherwise make a deep step faster than its compute
+    comm = sum(comm_seconds.values())
+    hidden = min(overlap_seconds(t, mesh, spec, algorithm), compute, comm)
     return Estimate(
         mesh=str(mesh), rules=t.rules, device=spec.name, parameters=params, flops=t.flops,
         flops_by_dtype=t.flops_by_dtype, bytes_per_axis=bytes_per_axis, calls_per_axis=calls_per_axis,
         memory_bytes=memory, memory_capacity=spec.usable_memory, fits=t.peak_bytes <= spec.usable_memory,
         compute_seconds=compute, comm_seconds=comm_seconds,
-        step_seconds=compute + sum(comm_seconds.values()) - hidden, trace=t, compute_terms=terms,
+        step_seconds=max(compute + comm - hidden, compute, comm), trace=t, compute_terms=terms,
         overlap_seconds=hidden)
 
 

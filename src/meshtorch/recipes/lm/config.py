@@ -583,6 +583,10 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
                             f"checkpoint when one fails; --backend {par.backend}'s processors are threads of "
                             "this one process, which a crash ends together: add --backend torch (or rerun "
                             "a stopped run with --resume)")
+    if cfg.run.async_checkpoint and not cfg.run.checkpoint_every:
+        raise ArgumentError("--async-checkpoint makes --checkpoint-every's saves background saves, but "
+                            "--checkpoint-every is 0 (only the final save, which is synchronous): pass "
+                            "--checkpoint-every N, or drop --async-checkpoint")
     if cfg.run.compile and par.pipeline_stages > 1:
         raise MeshTorchError("--compile compiles the plain step; the pipeline runtime (--pipeline-stages "
                              f"{par.pipeline_stages}) runs eagerly: drop one of them")

@@ -22,7 +22,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from meshtorch.errors import MeshTorchError
+from meshtorch.errors import ArgumentError, MeshTorchError
 from meshtorch.recipes.lm.config import CHOICES, OPTIONS, SECTIONS, TrainConfig
 
 HELP = {
@@ -171,4 +171,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         v = getattr(args, k, None)
         if v is not None:
             values[k] = v
+    if values.get("overlap") is False and values.get("reshard_after_forward") is True:
+        raise ArgumentError("--reshard-after-forward frees the gathered parameters of --overlap's grouped "
+                            "collectives; with --no-overlap each use gathers its own, kept until backward "
+                            "(nothing to reshard): drop one of them")
     return TrainConfig.of(**values)

@@ -77,6 +77,7 @@ class RunDirLock:
         self.cfg, self.out = cfg, out
         self.path = os.path.join(out, LOCK)
         self.fd: int | None = None
+        self.listed: list[str] | None = None  # the manifest's files while the run holds ``out``
 
     def __enter__(self) -> RunDirLock:
         fd = _open_run_dir(self.out, self.path)
@@ -139,13 +140,49 @@ class RunDirLock:
                     path = os.path.join(self.out, f)
                     tree = os.path.isdir(path) and not os.path.islink(path)
                     shutil.rmtree(path) if tree else os.remove(path)
-        write_manifest(self.out)
+                ours = []
+        # while it runs: the earlier run's files it continues and every name it may write (a run
+        # stopped now is rerun in place with --overwrite); once it ends, only those it wrote
+        self.listed = [f for f in RUN_FILES if f in ours or not os.path.lexists(os.path.join(self.out, f))]
+        write_manifest(self.out, self.listed)
 
     def __exit__(self, *exc: Any) -> None:
+        if self.listed is not None:
+            # a name the run may have written but did not (tokenizer/ of a run on bytes, tensorboard/
+            # without --tensorboard) is not the run's: a file of that name put there later is the user's
+            wrote = [f for f in self.listed if os.path.lexists(os.path.join(self.out, f))]
+            self.listed = None
+            try:
+                write_manifest(self.out, wrote)
+            except OSError:  # --out went away or read-only under the run: its own error says so
+                pass
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def lock_holder(out: str) -> str | None:
+    """The pid that holds ``out`` (:class:`RunDirLock`: a run in progress there), or None.
+
+    Example:
+        >>> import tempfile
+        >>> lock_holder(tempfile.mkdtemp()) is None
+        True
+    """
+    try:
+        fd = os.open(os.path.join(out, LOCK), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def recorded(resume: str) -> dict[str, Any]:
@@ -157,12 +194,12 @@ def recorded(resume: str) -> dict[str, Any]:
     return from_json(read_index(os.path.join(resume, "checkpoint")).get("extra")) or {}
 
 
-def write_manifest(out: str) -> None:
-    """Record in ``out`` which of its files meshtorch train writes (what ``--overwrite`` may remove)."""
+def write_manifest(out: str, files: list[str]) -> None:
+    """Record in ``out`` which of its files meshtorch train wrote (what ``--overwrite`` may remove)."""
     from meshtorch.data.hf_tokenizer import write_atomic
 
     write_atomic(os.path.join(out, MANIFEST),
-                 json.dumps({"written_by": "meshtorch train", "files": list(RUN_FILES)}, indent=1).encode())
+                 json.dumps({"written_by": "meshtorch train", "files": list(files)}, indent=1).encode())
 
 
 def check_inputs(cfg: TrainConfig, removed: list[str]) -> None:

@@ -69,16 +69,31 @@ def train_restarting(cfg: TrainConfig, out: str, processors: int) -> dict[str, A
                         {ENV_LAUNCHER_PID: str(os.getpid())}, nodes, max_restarts=n, say="meshtorch train")
         except ChildFailedError as e:
             times = f"failed {n + 1} times (--max-restarts {n}); the last time" if n else "failed:"
-            saved = os.path.isdir(os.path.join(out, "checkpoint"))
-            then = f"{out} holds the newest checkpoint: fix the cause and continue with --resume {out}" \
-                if saved else "no checkpoint was written: fix the cause and rerun"
-            raise TrainingError(f"the run {times} {failure_text(e)}. {then}") from None
+            raise TrainingError(f"the run {times} {failure_text(e)}. {what_next(out)}") from None
     if par.node_rank:
         return {"out": out, "node_rank": par.node_rank, "wall_s": round(time.time() - t0, 1)}
     with open(os.path.join(out, "summary.json")) as f:
         result = json.load(f)
     result["wall_s"] = round(time.time() - t0, 1)
     return result
+
+
+def what_next(out: str) -> str:
+    """What to do with ``out`` after a run in it failed for good: continue from its newest checkpoint,
+    or, with none, rerun in place, which needs ``--overwrite`` where the run left files of its own.
+
+    Example:
+        >>> import tempfile
+        >>> what_next(tempfile.mkdtemp())
+        'No checkpoint was written: fix the cause and rerun'
+    """
+    from meshtorch.recipes.lm.guards import RUN_FILES
+
+    if os.path.isdir(os.path.join(out, "checkpoint")):
+        return f"{out} holds the newest checkpoint: fix the cause and continue with --resume {out}"
+    if any(os.path.lexists(os.path.join(out, f)) for f in RUN_FILES):
+        return f"No checkpoint was written: fix the cause and rerun it in place with --out {out} --overwrite"
+    return "No checkpoint was written: fix the cause and rerun"
 
 
 def continued(cfg: TrainConfig, out: str) -> TrainConfig:

@@ -23,7 +23,7 @@ from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
-from meshtorch.recipes.lm.guards import check_weights, recorded
+from meshtorch.recipes.lm.guards import LOCK, check_weights, lock_holder, recorded
 
 # TransformerConfig's fields that choose how the same function is computed, not which: free on resume
 # (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
@@ -76,21 +76,71 @@ def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, A
     return changes
 
 
+def _parameter_dims(kind: str, config: TransformerConfig) -> dict[str, tuple]:
+    """The named global shape of every parameter of the ``kind`` model of ``config``, built on the
+    ``meta`` backend (no storage, no values)."""
+    from meshtorch.launcher import launch
+
+    def build() -> dict[str, tuple]:
+        from meshtorch.models import DecoderLM
+        from meshtorch.models.seq2seq import EncoderDecoder
+
+        model = (EncoderDecoder if kind == "seq2seq" else DecoderLM)(config, seed=0)
+        return {n: tuple((d.name, d.size) for d in p.shape.dims) for n, p in model.named_mesh_parameters()}
+
+    return launch(build, mesh="one:1", backend="meta")[0]
+
+
+def _reshaping(cfg: TrainConfig, record: dict[str, Any], changes: list[tuple[str, Any, Any]]) -> set[str]:
+    """The options among ``changes`` that, each alone, give the model other parameters (names or
+    shapes) than the run's: no checkpoint of the run loads into it, so no ``--allow-change`` can
+    resume it."""
+    if not changes or "model_config" not in record:
+        return set()
+    theirs = TransformerConfig.from_dict(record["model_config"])
+    kind = record.get("model", "lm")
+    saved = _parameter_dims(kind, theirs)
+    reshaping = set()
+    for name, _, value in changes:
+        if name == "model":
+            other = _parameter_dims(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length))
+        else:
+            other = _parameter_dims(kind, dataclasses.replace(theirs, **{name: value}))
+        if other != saved:
+            reshaping.add(name)
+    return reshaping
+
+
+def _as_flags(changes: list[tuple[str, Any, Any]]) -> str:
+    """The run's values of ``changes``, spelled as flags."""
+    return " ".join((_flag(n) if a else _flag("no_" + n)) if isinstance(a, bool) else f"{_flag(n)} {a}"
+                    for n, a, _ in changes)
+
+
 def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
     """Raise :class:`ArgumentError` if ``cfg``'s model differs from the one the resumed run trained
     (:func:`model_changes`) in an option that ``--allow-change`` does not name: a change that keeps the
-    shapes (``--activation``, ``--eps``, ``--rotary-base``) would load the weights into another function."""
+    shapes (``--activation``, ``--eps``, ``--rotary-base``) would load the weights into another function.
+    A change that gives the model other parameters (``--d-model``, ``--layers``, ``--model``) cannot
+    resume at all, named or not: the error says so rather than suggest ``--allow-change``."""
     allowed = allowed_changes(cfg)
-    refused = [c for c in model_changes(cfg, record) if c[0] not in allowed]
+    changes = model_changes(cfg, record)
+    reshaping = _reshaping(cfg, record, changes)
+    refused = [c for c in changes if c[0] not in allowed or c[0] in reshaping]
     if not refused:
         return
     what = "; ".join(f"{_flag(n)} {b!r} (the run has {a!r})" for n, a, b in refused)
-    back = " ".join((_flag(n) if a else _flag("no_" + n)) if isinstance(a, bool) else f"{_flag(n)} {a}"
-                    for n, a, _ in refused)
-    names = ",".join(n for n, _, _ in refused)
+    same_shapes = [c for c in refused if c[0] not in reshaping]
+    fix = f"Pass {_as_flags(refused)} to continue the run as it was"
+    if same_shapes:
+        fix += f", or --allow-change {','.join(n for n, _, _ in same_shapes)} to change it on purpose"
+    reshaped = [c for c in refused if c[0] in reshaping]
+    if reshaped:
+        fix += (f"; {', '.join(_flag(n) for n, _, _ in reshaped)} would give the model other parameters "
+                "than the run's checkpoint holds, which no --allow-change can resume: train that model "
+                "as a new run (another --out)")
     raise ArgumentError(f"--resume {cfg.run.resume!r} trained another model than these options ask for: "
-                        f"{what}. Pass {back} to continue the run as it was, or --allow-change {names} to "
-                        "change it on purpose")
+                        f"{what}. {fix}")
 
 
 def check_resumed_optimizer(cfg: TrainConfig, record: dict[str, Any]) -> None:
@@ -117,6 +167,11 @@ def check_resume(cfg: TrainConfig, error: type[MeshTorchError] = MeshTorchError)
         raise ArgumentError(f"--overwrite would delete the checkpoint that --resume {run.resume!r} "
                             "continues from; drop --overwrite to continue the run, or pass another --out")
     if not os.path.isdir(os.path.join(run.resume, "checkpoint")):
+        holder = lock_holder(run.resume)
+        if holder is not None:  # not stopped: running, and not checkpointed yet
+            raise error(f"--resume {run.resume!r} is a run still in progress (pid {holder} holds "
+                        f"{os.path.join(run.resume, LOCK)}) that has written no checkpoint yet; wait for it "
+                        "to finish or stop it, then resume")
         stopped = os.path.exists(os.path.join(run.resume, "metrics.jsonl"))
         raise error(f"--resume {run.resume!r} has no checkpoint/ directory; " + (
             f"its run stopped before its first checkpoint: rerun it in place with --out {run.resume} "
