@@ -42,8 +42,8 @@ def run(mode: str, steps: int, every: int, root: str) -> dict:
     for i in range(steps + 1):  # step 0 warms up, untimed
         t = time.perf_counter()
         data = torch.randint(0, cfg.vocab, (BATCH, LENGTH + 1), generator=torch.Generator().manual_seed(i))
-        loss = model.loss(mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape))
         opt.zero_grad(set_to_none=True)
+        loss = model.loss(mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape))
         loss.backward()
         opt.step()
         loss.item()

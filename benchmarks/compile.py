@@ -54,8 +54,8 @@ def stepper(model: torch.nn.Module, loss_fn, mesh: bool):
     def step(ids, tgt):
         if mesh:
             ids, tgt = mt.from_global(ids, shape), mt.from_global(tgt, shape)
-        loss = loss_fn(ids, tgt)
         opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ids, tgt)
         loss.backward()
         if mesh:
             mt.optim.clip_grad_norm_(model, 1.0)

@@ -273,9 +273,9 @@ def mesh_variant(cfg: TransformerConfig, ctx: ProcessorContext, shape: str, how:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(data: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)  # before the forward, as the trainer (PlainStep.run) does
         with use(ctx), mt.overlap(enabled=how is not None, **(how or {})):
             loss = model.loss(mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape))
-            opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             return loss.item()  # the global mean: the same on both processes
@@ -301,9 +301,9 @@ def torch_variant(name: str, twin: BlockLM):
     def step(data: torch.Tensor) -> float:
         rows = data.shape[0] // WORLD
         local = data[rank * rows:(rank + 1) * rows]  # the rows meshtorch's batch:b gives this processor
+        opt.zero_grad(set_to_none=True)
         logits = net(local[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), local[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         return loss.item()  # this process's mean: averaged over processes for the comparison
@@ -466,8 +466,8 @@ def step_work(cfg: TransformerConfig, rows: int, length: int) -> Work:
     data = batch(0, cfg.vocab, rows // WORLD, length)
 
     def step() -> None:
-        loss = twin.loss(data[:, :-1], data[:, 1:])
         opt.zero_grad(set_to_none=True)
+        loss = twin.loss(data[:, :-1], data[:, 1:])
         loss.backward()
         opt.step()
 

@@ -7,8 +7,9 @@ Four variants per size, each a fresh model from the SAME initial weights on the 
   ``mt.launch(program, mesh="b:1", rules="batch:b", device="cuda")`` running the recipe's own
   model (:func:`~meshtorch.recipes.lm.steps.build_model`: a :class:`~meshtorch.models.DecoderLM`),
   optimizer (:func:`~meshtorch.recipes.lm.optimizer.make_optimizer`) and step
-  (:class:`~meshtorch.recipes.lm.strategies.PlainStep`: bf16 autocast forward, mean
-  cross-entropy, backward, global-norm clip 1.0, AdamW with the recipe's weight-decay groups);
+  (:class:`~meshtorch.recipes.lm.strategies.PlainStep`: ``zero_grad(set_to_none=True)``, bf16 autocast
+  forward, mean cross-entropy, backward, global-norm clip 1.0, AdamW with the recipe's weight-decay
+  groups);
 - ``meshtorch-compiled``: the same with ``--compile`` (the recipe compiles the loss; its
   backward follows; the optimizer step stays eager);
 - ``plain-eager``: the same model written as one writes it in PyTorch for speed
@@ -264,9 +265,9 @@ def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: li
 
     def step(i: int) -> float:
         ids, tgt = data[i]
+        opt.zero_grad(set_to_none=True)  # before the forward, as the trainer (PlainStep.run) does
         with autocast():
             loss = loss_fn(ids, tgt)
-        opt.zero_grad(set_to_none=True)
         loss.backward()
         if twin.clip:
             torch.nn.utils.clip_grad_norm_(params, twin.clip)

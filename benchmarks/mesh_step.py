@@ -46,8 +46,8 @@ def run(steps: int, warmup: int) -> dict[str, float]:
     def step(i: int) -> None:
         g = torch.Generator().manual_seed(i)
         data = torch.randint(0, cfg.vocab, (BATCH, LENGTH + 1), generator=g)
-        loss = model.loss(mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape))
         opt.zero_grad(set_to_none=True)
+        loss = model.loss(mt.from_global(data[:, :-1], shape), mt.from_global(data[:, 1:], shape))
         loss.backward()
         mt.optim.clip_grad_norm_(model, 1.0)
         opt.step()

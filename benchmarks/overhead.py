@@ -163,8 +163,8 @@ def plain_stepper(model: PlainLM):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
 
     def step(ids, tgt):
-        loss = model.loss(ids, tgt)
         opt.zero_grad(set_to_none=True)
+        loss = model.loss(ids, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -178,8 +178,8 @@ def mesh_stepper(model: DecoderLM):
     shape = f"batch:{BATCH},length:{LENGTH}"
 
     def step(ids, tgt):
-        loss = model.loss(mt.from_global(ids, shape), mt.from_global(tgt, shape))
         opt.zero_grad(set_to_none=True)
+        loss = model.loss(mt.from_global(ids, shape), mt.from_global(tgt, shape))
         loss.backward()
         mt.optim.clip_grad_norm_(model, 1.0)
         opt.step()

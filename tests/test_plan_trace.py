@@ -81,7 +81,10 @@ def test_memory_by_kind_matches_the_slices(model, mesh, rules, overlap):
     real, meta = both(cfg, mesh, rules)
     for t in (real, meta):
         assert t.peak_by_kind["parameters"] == local
-        assert t.peak_by_kind["gradients"] == local   # the previous step's, or this one's
+        # the step before's, alive as the step begins, freed by zero_grad before the forward: the
+        # peak (the forward's values as backward starts) comes before backward makes the first one
+        assert t.start_by_kind["gradients"] == local
+        assert t.peak_by_kind["gradients"] == 0
         assert t.peak_by_kind["optimizer"] >= 2 * local  # AdamW's two moments (+ step counters)
         assert t.peak_by_kind["activations"] > 0
         assert sum(t.peak_by_kind.values()) == t.peak_bytes

@@ -136,6 +136,11 @@ class MetaCommunicator(Communicator):
         return Handle(finish)
 
     def _all_gather(self, t, axes, group, dim, call):
+        if self._staging == "none":
+            # the threads backend concatenates along dim: a new contiguous tensor. (comm/torch.py's
+            # result is a view with dim moved back; a weight's gradient then comes out in that
+            # layout too and costs a contiguous copy before its reduce_scatter, which threads has not)
+            return torch.empty(_scaled(t.shape, dim, len(group), 1), dtype=t.dtype, device=t.device)
         x = self._copy(t, dim)
         out = torch.empty((len(group) * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         if self._staging == "gloo":
@@ -144,6 +149,8 @@ class MetaCommunicator(Communicator):
         return out.movedim(0, dim)
 
     def _reduce_scatter(self, t, axes, group, dim, op, call):
+        if self._staging == "none":  # the threads backend reduces the chunks into a new contiguous tensor
+            return torch.empty(_scaled(t.shape, dim, 1, len(group)), dtype=t.dtype, device=t.device)
         x = self._copy(t, dim)
         out = torch.empty((x.shape[0] // len(group),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         if self._staging == "gloo":
@@ -188,3 +195,10 @@ class MetaCommunicator(Communicator):
 
     def _barrier(self, call):
         return None
+
+
+def _scaled(shape: torch.Size, dim: int, times: int, over: int) -> list[int]:
+    """``shape`` with dim ``dim``'s extent times ``times`` over ``over``."""
+    out = list(shape)
+    out[dim] = out[dim] * times // over
+    return out

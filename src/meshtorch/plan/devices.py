@@ -263,8 +263,8 @@ def _tiny_lm_step() -> Callable[[], None]:
     ids = cast(random.uniform("batch:4,length:8", 0, 32, seed=1) * 0.999, torch.int64)
 
     def step() -> None:
-        loss = model.loss(ids, ids)
         opt.zero_grad(set_to_none=True)
+        loss = model.loss(ids, ids)
         loss.backward()
         opt.step()
 

@@ -6,10 +6,11 @@ from a :class:`~meshtorch.recipes.lm.config.TrainConfig` (the options of
 ``meshtorch train``), the trainer's own strategy around them
 (:func:`~meshtorch.recipes.lm.strategies.strategy_for`), warms up, and runs the
 strategy's ``run`` (what the training loop calls: learning-rate schedule,
-forward, ``zero_grad(set_to_none=True)``, backward, global-norm clipping,
+``zero_grad(set_to_none=True)``, forward, backward, global-norm clipping,
 ``optimizer.step()``) on one batch inside :func:`meshtorch.plan.measure`. The
 warm-up leaves what every step but the first holds: parameters, optimizer state,
-the previous step's gradients during the forward pass. There is no second step
+the previous step's gradients until the step's ``zero_grad`` frees them, before
+its forward (as in a plain PyTorch loop). There is no second step
 function: the step planned is the step that trains
 (``tests/test_plan_program.py`` checks their ops and collectives are the same).
 

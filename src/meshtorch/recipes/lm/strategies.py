@@ -94,8 +94,9 @@ def _value(loss: Any) -> float:
 
 
 class PlainStep:
-    """Every processor runs forward, backward, clipping and the optimizer step of each batch
-    (with ``--compile``, the forward and backward as ``torch.compile`` graphs)."""
+    """Every processor runs ``zero_grad(set_to_none=True)``, forward, backward, clipping and the
+    optimizer step of each batch (with ``--compile``, the forward and backward as ``torch.compile``
+    graphs)."""
 
     pipeline: Pipelining | None = None  # an SPMD step: every processor runs all of it
 
@@ -121,10 +122,14 @@ class PlainStep:
         for i, batch in enumerate(batches):
             for g in self.opt.param_groups:
                 g["lr"] = lr_at(self.cfg, first + i)
+            # the step before's gradients go before the forward, as in a plain PyTorch loop: the
+            # forward's peak does not carry them (a whole model's, or a shard's under FSDP). Not
+            # after the step: they stay readable until the next step starts (and a planner's trace
+            # sees mt.overlap's gradients, views of its buckets, when its measured block ends)
+            self.opt.zero_grad(set_to_none=True)
             with overlapped(self.cfg):
                 with precision_context(self.cfg):
                     loss = self.loss(*batch)
-                self.opt.zero_grad(set_to_none=True)
                 loss.backward()
             if self.cfg.optimizer.clip:
                 optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
