@@ -511,13 +511,17 @@ def test_the_read_analysis_leaves_no_reference_cycle():
     import gc
 
     w = torch.randn(3, 2, requires_grad=True)
-    gc.collect()
-    gc.disable()
-    try:
-        unread(torch.randn(4, 3) @ w.t().t(), w)
-        assert gc.collect() == 0
-    finally:
-        gc.enable()
+    # where torch.compile ran before in this process (test_compile on the same xdist worker), the first
+    # two calls collect ~900 objects Dynamo left behind (an op alone does too): the third call counts
+    for _ in range(3):
+        gc.collect()
+        gc.disable()
+        try:
+            unread(torch.randn(4, 3) @ w.t().t(), w)
+            found = gc.collect()
+        finally:
+            gc.enable()
+    assert found == 0
 
 
 def test_a_grouped_gather_is_unpacked_into_a_callers_storage():
