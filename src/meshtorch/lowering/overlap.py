@@ -148,22 +148,41 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
     The lowering asks this for every input whose adapters sum its gradient."""
     if torch.compiler.is_compiling():  # first: a traced step never reads this module's state
         return None
-    opts = options()
-    if (opts is None or not isinstance(t, torch.nn.Parameter) or not t.requires_grad
+    opts = getattr(_on, "options", None)
+    if (opts is None or not t.requires_grad or not isinstance(t, torch.nn.Parameter)
             or not torch.is_grad_enabled()):
         return None
-    how = _adapter(steps)
+    # (the lowering's plans hand the same few step tuples every step: what they ask, kept)
+    how = _hows.get(steps, False)
+    if how is False:
+        if len(_hows) > MAX_HOWS:
+            _hows.clear()
+        how = _hows[steps] = _adapter(steps)
     if how is None:
         return None
-    from meshtorch.context import current  # the context sits above; read at call time
-
-    comm = current().comm
-    if math.prod(comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1:
+    comm = _current().comm
+    rt = getattr(comm, "_overlap", None) or runtime(comm)
+    alone = rt.alone.get(how[1])
+    if alone is None:
         # a group of one (a rule splitting a dim over an axis of size 1): its collectives return
         # their input, so a "gathered" value would be the parameter itself, which this module
         # frees after backward; nothing moves, so the per-use path costs nothing
-        return None
-    return runtime(comm).read(t, steps, how, opts)
+        alone = rt.alone[how[1]] = math.prod(comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1
+    return None if alone else rt.read(t, steps, how, opts)
+
+
+MAX_HOWS = 4096  # adapter tuples whose kind overlapped_input keeps
+_hows: dict = {}  # adapters (a plan's steps for one input) -> _adapter(steps)
+
+
+def _current():
+    """:func:`meshtorch.context.current` (the context sits above this module: imported at the
+    first call, then kept)."""
+    global _current
+    from meshtorch.context import current
+
+    _current = current
+    return current()
 
 
 def runtime(comm: Communicator) -> Runtime:
@@ -306,7 +325,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "step", "ref", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -325,8 +344,9 @@ class Entry:
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
         self.nbytes = self.leaf.numel() * self.leaf.element_size()
-        gen = runtime.generation
-        self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, gen))
+        self.step = runtime.generation  # the step that last read it (a lasting entry: each step)
+        self.ref = None  # a lasting entry's parameter, weakly (``param`` only while a step reads it)
+        self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, self.step))
 
     @property
     def gathered(self) -> bool:
@@ -373,6 +393,7 @@ class Runtime:
         self.pending: list[tuple[list[Entry], Handle]] = []  # launched gradient buckets
         self.buckets: list[list[Entry]] | None = None  # this backward's buckets
         self.launched = 0
+        self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
         self.finishing = False
         # forward: last step's gathered reads as buckets of (param ref, key, axes, dim)
         # the plan of this step, chosen at its first gathered read among the plans of earlier steps,
@@ -389,23 +410,36 @@ class Runtime:
         self.reshard = False
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
         self.packs: dict[int, dict] = {}  # all_reduce bucket -> its members' places in its flat buffer
+        # (id(parameter), adapters) -> its lasting entry (gradients to all-reduce: _lasting),
+        # dropped when the parameter goes
+        self.lasting: dict = {}
+        self.hooks_made = 0  # gradient hooks registered on lasting entries' leaves (a count for tests)
+        self.alone: dict = {}  # axes -> whether their group is this one processor
+        self.opts: Options | None = None
 
     # -------------------------------------------------------------- forward
     def read(self, param: torch.Tensor, steps, how, opts: Options) -> torch.Tensor:
         if self.callback_missing and self.buckets is not None:
             self.finish()  # a backward ended, without the engine's callback to finish it
-        self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
-        self.gather_bytes = max(1, int(opts.gather_mb * 2**20))
-        self.reshard = opts.reshard_after_forward
+        if opts is not self.opts:
+            self.opts = opts
+            self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
+            self.gather_bytes = max(1, int(opts.gather_mb * 2**20))
+            self.reshard = opts.reshard_after_forward
         kind, axes, dim = how
         key = (id(param), steps)
         e = self.entries.get(key)
+        if kind == "all_reduce":
+            if e is None:
+                e = self.entries[key] = self._lasting(param, key, axes)
+                self.order.append(e)
+            # a view, not the leaf: autocast caches its casts of leaves that require grad until the
+            # autocast block ends (the whole forward), which would keep a bf16 copy of every
+            # parameter the step reads alive through a recomputed forward (the per-use path's
+            # values are no leaves); untagged: after_forward has nothing to free of an alias
+            return e.leaf.view_as(e.leaf)
         if e is None or e.param is not param or e.version != param._version:
-            if kind == "all_reduce":
-                e = Entry(self, param, key, kind, axes, None, param)
-            else:
-                e = self._gathered(param, key, axes, dim)
-            self.entries[key] = e
+            e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)
         elif e not in self.order:
             self.order.append(e)
@@ -413,12 +447,29 @@ class Runtime:
             # read again in forward (the step before read it once more than this one): alone; in
             # backward (a recomputed forward): with the rest of its bucket, the next prefetched
             self.refill([e], read=True, alone=self.buckets is None)
-        # a view, not the leaf: autocast caches its casts of leaves that require grad until the
-        # autocast block ends (the whole forward), which would keep a bf16 copy of every parameter
-        # the step reads alive through a recomputed forward; the per-use path's values are no leaves
-        value = e.leaf.view_as(e.leaf)
+        value = e.leaf.view_as(e.leaf)  # a view, not the leaf: as above
         value._overlap_entry = e
         return value
+
+    def _lasting(self, param: torch.Tensor, key, axes) -> Entry:
+        """The entry of a parameter whose gradient is all-reduced (data parallel): its leaf is an
+        alias of the parameter, so it stays valid across optimizer steps (which update the
+        storage in place) and is made, with its gradient hook, once per parameter and adapters,
+        not every step, as DDP registers its hooks once. It is kept beside the parameter (weakly:
+        it goes with the parameter) and holds the parameter only while a step reads it."""
+        e = self.lasting.get(key)
+        if e is None or e.ref() is not param:
+            weakref.finalize(param, self.lasting.pop, key, None)
+            e = None
+        leaf = None if e is None else e.leaf
+        # `p.data = ...` (module.to(dtype), .double()) swaps the storage: a new leaf for the new one
+        if (leaf is None or not torch._C._is_alias_of(leaf, param) or leaf.shape != param.shape
+                or leaf.stride() != param.stride() or leaf.dtype != param.dtype):
+            e = self.lasting[key] = Entry(self, param, key, "all_reduce", axes, None, param)
+            e.ref = weakref.ref(param)
+            self.hooks_made += 1
+        e.param, e.step = param, self.generation
+        return e
 
     def _gathered(self, param, key, axes, dim) -> Entry:
         """The entry of a gathered parameter: from the bucket the previous step read it in
@@ -506,6 +557,15 @@ class Runtime:
         e.leaf.grad = None
         if g is None:
             return
+        if e.param is None:  # a lasting entry that this step did not read: a graph of an earlier step
+            e.param = e.ref()
+            if e.param is None:
+                return  # its parameter is gone
+            try:
+                self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            finally:
+                e.param = None
+            return
         if generation != self.generation or e.bucket is None and self.buckets is not None:
             # a backward through a graph of an earlier step (retain_graph): reduce it alone
             self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
@@ -513,7 +573,12 @@ class Runtime:
         if self.buckets is None:
             self._cut_buckets()
             self._queue_finish()
-        if e.kind == "all_reduce" and e.bucket is not None:
+        if e.bucket is None:  # not read in this step's forward (no bucket of its own): alone
+            self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            return
+        if e.grad is None and e.bucket >= self.launched:
+            self.waiting[e.bucket] -= 1
+        if e.kind == "all_reduce":
             e.grad = self._pack(e, g)
         else:
             e.grad = g if e.grad is None else e.grad + g
@@ -578,6 +643,7 @@ class Runtime:
             open_[key] = (k, size + e.nbytes, count)
             e.bucket = k
         self.buckets, self.launched = buckets, 0
+        self.waiting = [len(b) for b in buckets]
 
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what
@@ -585,9 +651,9 @@ class Runtime:
         if self.buckets is None:  # _launch runs only after the buckets are made
             raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug)")
         while self.launched < len(self.buckets):
-            bucket = self.buckets[self.launched]
-            if not flush and any(e.grad is None for e in bucket):
+            if not flush and self.waiting[self.launched]:
                 return
+            bucket = self.buckets[self.launched]
             members = [e for e in bucket if e.grad is not None]
             self.packs.pop(self.launched, None)  # its views, in the entries, hold the buffer
             if members:
@@ -676,6 +742,9 @@ class Runtime:
                 del self.plans[next(iter(self.plans))]
         self.plan, self.plan_at, self.uses, self.chosen = [], {}, {}, False
         self.fetches = {}
+        for e in self.order:
+            if e.ref is not None:  # lasting: ready for the next step, without holding the parameter
+                e.param, e.grad, e.bucket = None, None, None
         self.entries, self.order = {}, []
         self.buckets, self.launched, self.finishing = None, 0, False
         self.callback_missing = False
