@@ -8,7 +8,9 @@ one per parameter backward. Inside ``with mt.overlap():`` the lowering hands suc
 module instead (one clear place: :func:`overlapped_input`), for any model written in the language:
 
 - **Backward.** The op gets the gathered (or, for an identity, the aliased) value as a
-  *detached leaf*, so autograd accumulates the unreduced local gradient there. A
+  *detached leaf*, so autograd accumulates the unreduced local gradient there (an aliased
+  leaf, data parallel's, is made once per parameter with its hook and serves every step, as
+  DDP registers its hooks once; a gathered one is made per step). A
   post-accumulate-grad hook puts it into a bucket: buckets are cut in reverse order of the
   step's forward reads (the same on every processor: SPMD), per axis group, kind and dtype, up
   to ``bucket_mb`` for all-reduces (DDP's 25 MB, the first 1 MB) and ``gather_mb`` for
