@@ -560,3 +560,33 @@ def test_data_parallel_retained_graph_runs_backward_again_with_the_same_gradient
     off, on = (mt.launch(dp_twice, on, mesh="b:2", rules=DP)[0] for on in (False, True))
     for a, b in zip(on, off):
         same(a, b, exact=True)
+
+
+def waits_in_backward(micro: int) -> list[tuple[int, int]]:
+    """Data parallel with small buckets, ``micro`` micro-batches: per backward, the buckets
+    launched and those still in flight when backward ends (not waited on before)."""
+    model = DecoderLM(config(), seed=0)
+    rt = ov.runtime(mt.current().comm)
+    seen = []
+    finish = rt.finish
+
+    def spy():
+        if rt.buckets is not None:
+            seen.append((rt.launched, len(rt.pending)))
+        finish()
+
+    rt.finish = spy
+    for m in range(micro):
+        with mt.overlap(bucket_mb=1e-4):
+            model.loss(*batch(m)).backward()
+    return seen
+
+
+def test_buckets_whose_values_become_the_gradients_are_waited_on_at_the_end_of_backward():
+    """As DDP's: a bucket whose all-reduced values become the gradients (no gradient to add
+    into) holds no more bytes in flight than after, so no processor waits for another in the
+    middle of backward; accumulating into gradients waits, which frees the bucket's bytes."""
+    for seen in mt.launch(waits_in_backward, 2, mesh="b:2", rules=DP):
+        (launched, pending), (launched2, pending2) = seen
+        assert launched > ov.MAX_PENDING + 1 and pending == launched  # every bucket, at the end
+        assert launched2 == launched and pending2 <= ov.MAX_PENDING + 1

@@ -374,6 +374,17 @@ class Entry:
             _resized(self.leaf)
 
 
+def _adopted(members: Sequence[Entry]) -> bool:
+    """Whether :meth:`Runtime._add` will make a bucket's reduced values its members' gradients
+    as they are (views of the call's result, no copy): all-reduced, each parameter once, of its
+    own dtype, none with a gradient to add into."""
+    if members[0].kind != "all_reduce":
+        return False
+    params = [e.param for e in members]
+    return (len({id(p) for p in params}) == len(params)
+            and all(p.grad is None and e.leaf.dtype == p.dtype for p, e in zip(params, members)))
+
+
 def _resized(t: torch.Tensor) -> None:
     """Tell this processor's tracer that ``t``'s storage changed size (``resize_`` is no aten op: a
     tracer that follows memory, the planner's, would not see it)."""
@@ -663,12 +674,22 @@ class Runtime:
                 for e in members:
                     e.grad = None
                 self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
-                if not flush and len(self.pending) > MAX_PENDING:
-                    # an asynchronous call holds its packed gradients until waited on: FSDP2 waits
-                    # for a block's reduce-scatter when it issues the next one
-                    done, work = self.pending.pop(0)
-                    self._add(done, work.wait())
+                if not flush:
+                    self._wait_held()
             self.launched += 1
+
+    def _wait_held(self) -> None:
+        """Wait for launched buckets, oldest first, while more than ``MAX_PENDING`` of them hold
+        bytes that waiting frees: an asynchronous call holds its packed gradients until waited on
+        (FSDP2 waits for a block's reduce-scatter when it issues the next one). A bucket whose
+        reduced values become the gradients themselves (all-reduced, none accumulated into:
+        :meth:`_add` adopts them) frees nothing when waited on, so it is left to the end of
+        backward, as DDP waits: no processor blocks on another in the middle of backward."""
+        held = [k for k, (members, _) in enumerate(self.pending) if not _adopted(members)]
+        if len(held) > MAX_PENDING:
+            for _ in range(held[0] + 1):
+                done, work = self.pending.pop(0)
+                self._add(done, work.wait())
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
         """Launch one bucket's reduction; ``grads`` (held nowhere else) is emptied once packed, so
