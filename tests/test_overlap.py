@@ -538,3 +538,94 @@ def test_a_grouped_gather_is_unpacked_into_a_callers_storage():
     assert same_storage and torch.equal(into, eager[0]) and torch.equal(second, eager[1])
     assert into.tolist() == [[0.0, 1.0, 2.0, 1.0, 2.0, 3.0]] * 2
     assert second.tolist() == [[10.0, 10.0], [11.0, 11.0]]
+
+
+def dp_steps(on: bool, swap: bool) -> dict:
+    """``STEPS`` data-parallel SGD steps (with ``swap``: each parameter's storage replaced by a
+    copy before the last one, as ``p.data = ...`` does): the runtime's gradient hooks made after
+    each step, its lasting entries, the last gradients."""
+    model = DecoderLM(config(), seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    made = []
+    for step in range(STEPS):
+        if swap and step == STEPS - 1:
+            for name, param in list(model.named_parameters()):
+                model.get_parameter(name).data = param.data.clone()
+            del param
+        opt.zero_grad(set_to_none=True)
+        with mt.overlap(enabled=on):
+            model.loss(*batch(step)).backward()
+        rt = getattr(mt.current().comm, "_overlap", None)
+        made.append(rt and rt.hooks_made)
+        grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
+        opt.step()
+    lasting = rt and len(rt.lasting)
+    del model, opt
+    import gc
+
+    gc.collect()
+    return {"made": made, "lasting": lasting, "left": rt and len(rt.lasting), "grads": grads}
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_data_parallel_gradient_hooks_are_made_once_per_parameter(swap):
+    """As DDP's: each parameter's leaf and gradient hook are made at its first read and serve
+    every later step (the optimizer updates the storage they alias in place); a parameter whose
+    storage was swapped gets a new one; they go with the model. Gradients: the per-use path's."""
+    off = mt.launch(dp_steps, False, swap, mesh="b:2", rules=DP)[0]
+    for on in mt.launch(dp_steps, True, swap, mesh="b:2", rules=DP):
+        n = on["lasting"]
+        assert n == len(list(DecoderLM(config(), seed=0).parameters())) > 0
+        assert on["made"] == [n, n, 2 * n if swap else n]
+        assert on["left"] == 0
+        same(on["grads"], off["grads"], exact=True)
+
+
+def dp_twice(on: bool) -> dict:
+    """Data parallel: a backward through a retained graph, run again (each of its gradients is
+    reduced alone), then a second step."""
+    model = DecoderLM(config(), seed=0)
+    grads = []
+    for step in range(2):
+        with mt.overlap(enabled=on):
+            loss = model.loss(*batch(step))
+            loss.local.backward(retain_graph=True)
+            loss.local.backward()
+        grads.append({n: p.grad.to_global() for n, p in model.named_mesh_parameters()})
+    return grads
+
+
+def test_data_parallel_retained_graph_runs_backward_again_with_the_same_gradients():
+    off, on = (mt.launch(dp_twice, on, mesh="b:2", rules=DP)[0] for on in (False, True))
+    for a, b in zip(on, off):
+        same(a, b, exact=True)
+
+
+def waits_in_backward(micro: int) -> list[tuple[int, int]]:
+    """Data parallel with small buckets, ``micro`` micro-batches: per backward, the buckets
+    launched and those still in flight when backward ends (not waited on before)."""
+    model = DecoderLM(config(), seed=0)
+    rt = ov.runtime(mt.current().comm)
+    seen = []
+    finish = rt.finish
+
+    def spy():
+        if rt.buckets is not None:
+            seen.append((rt.launched, len(rt.pending)))
+        finish()
+
+    rt.finish = spy
+    for m in range(micro):
+        with mt.overlap(bucket_mb=1e-4):
+            model.loss(*batch(m)).backward()
+    return seen
+
+
+def test_buckets_whose_values_become_the_gradients_are_waited_on_at_the_end_of_backward():
+    """As DDP's: a bucket whose all-reduced values become the gradients (no gradient to add
+    into) holds no more bytes in flight than after, so no processor waits for another in the
+    middle of backward; accumulating into gradients waits, which frees the bucket's bytes."""
+    for seen in mt.launch(waits_in_backward, 2, mesh="b:2", rules=DP):
+        (launched, pending), (launched2, pending2) = seen
+        assert launched > ov.MAX_PENDING + 1 and pending == launched  # every bucket, at the end
+        assert launched2 == launched and pending2 <= ov.MAX_PENDING + 1

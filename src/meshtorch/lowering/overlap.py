@@ -8,7 +8,9 @@ one per parameter backward. Inside ``with mt.overlap():`` the lowering hands suc
 module instead (one clear place: :func:`overlapped_input`), for any model written in the language:
 
 - **Backward.** The op gets the gathered (or, for an identity, the aliased) value as a
-  *detached leaf*, so autograd accumulates the unreduced local gradient there. A
+  *detached leaf*, so autograd accumulates the unreduced local gradient there (an aliased
+  leaf, data parallel's, is made once per parameter with its hook and serves every step, as
+  DDP registers its hooks once; a gathered one is made per step). A
   post-accumulate-grad hook puts it into a bucket: buckets are cut in reverse order of the
   step's forward reads (the same on every processor: SPMD), per axis group, kind and dtype, up
   to ``bucket_mb`` for all-reduces (DDP's 25 MB, the first 1 MB) and ``gather_mb`` for
@@ -84,7 +86,7 @@ MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's 
 # 2-block LM's blocks in two, and its peak fell in a window where gloo's staging of a gather in
 # flight lives as long as the other processor takes to join it, which the planner cannot know)
 GATHER_SHARE = 3
-MAX_PENDING = 1  # launched gradient buckets in flight (waited on, and added, when another one is)
+MAX_PENDING = 1  # gradient buckets holding bytes in flight (waited on, and added, before another one is launched)
 _on = threading.local()  # this processor's options, while inside overlap()
 
 
@@ -184,22 +186,41 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
     The lowering asks this for every input whose adapters sum its gradient."""
     if torch.compiler.is_compiling():  # first: a traced step never reads this module's state
         return None
-    opts = options()
-    if (opts is None or not isinstance(t, torch.nn.Parameter) or not t.requires_grad
+    opts = getattr(_on, "options", None)
+    if (opts is None or not t.requires_grad or not isinstance(t, torch.nn.Parameter)
             or not torch.is_grad_enabled()):
         return None
-    how = _adapter(steps)
+    # (the lowering's plans hand the same few step tuples every step: what they ask, kept)
+    how = _hows.get(steps, False)
+    if how is False:
+        if len(_hows) > MAX_HOWS:
+            _hows.clear()
+        how = _hows[steps] = _adapter(steps)
     if how is None:
         return None
-    from meshtorch.context import current  # the context sits above; read at call time
-
-    comm = current().comm
-    if math.prod(comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1:
+    comm = _current().comm
+    rt = getattr(comm, "_overlap", None) or runtime(comm)
+    alone = rt.alone.get(how[1])
+    if alone is None:
         # a group of one (a rule splitting a dim over an axis of size 1): its collectives return
         # their input, so a "gathered" value would be the parameter itself, which this module
         # frees after backward; nothing moves, so the per-use path costs nothing
-        return None
-    return runtime(comm).read(t, steps, how, opts)
+        alone = rt.alone[how[1]] = math.prod(comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1
+    return None if alone else rt.read(t, steps, how, opts)
+
+
+MAX_HOWS = 4096  # adapter tuples whose kind overlapped_input keeps
+_hows: dict = {}  # adapters (a plan's steps for one input) -> _adapter(steps)
+
+
+def _current():
+    """:func:`meshtorch.context.current` (the context sits above this module: imported at the
+    first call, then kept)."""
+    global _current
+    from meshtorch.context import current
+
+    _current = current
+    return current()
 
 
 def runtime(comm: Communicator) -> Runtime:
@@ -347,7 +368,8 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "__weakref__")
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "step", "ref",
+                 "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -367,8 +389,9 @@ class Entry:
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
         self.nbytes = self.leaf.numel() * self.leaf.element_size()
-        gen = runtime.generation
-        self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, gen))
+        self.step = runtime.generation  # the step that last read it (a lasting entry: each step)
+        self.ref = None  # a lasting entry's parameter, weakly (``param`` only while a step reads it)
+        self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, self.step))
 
     @property
     def gathered(self) -> bool:
@@ -394,6 +417,17 @@ class Entry:
             _resized(self.leaf)
 
 
+def _adopted(members: Sequence[Entry]) -> bool:
+    """Whether :meth:`Runtime._add` will make a bucket's reduced values its members' gradients
+    as they are (views of the call's result, no copy): all-reduced, each parameter once, of its
+    own dtype, none with a gradient to add into."""
+    if members[0].kind != "all_reduce":
+        return False
+    params = [e.param for e in members]
+    return (len({id(p) for p in params}) == len(params)
+            and all(p.grad is None and e.leaf.dtype == p.dtype for p, e in zip(params, members)))
+
+
 def _resized(t: torch.Tensor) -> None:
     """Tell this processor's tracer that ``t``'s storage changed size (``resize_`` is no aten op: a
     tracer that follows memory, the planner's, would not see it)."""
@@ -415,6 +449,7 @@ class Runtime:
         self.pending: list[tuple[list[Entry], Handle]] = []  # launched gradient buckets
         self.buckets: list[list[Entry]] | None = None  # this backward's buckets
         self.launched = 0
+        self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
         self.finishing = False
         # forward: last step's gathered reads as buckets of (param ref, key, axes, dim)
         # the plan of this step, chosen at its first gathered read among the plans of earlier steps,
@@ -431,23 +466,36 @@ class Runtime:
         self.reshard = False
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
         self.packs: dict[int, dict] = {}  # all_reduce bucket -> its members' places in its flat buffer
+        # (id(parameter), adapters) -> its lasting entry (gradients to all-reduce: _lasting),
+        # dropped when the parameter goes
+        self.lasting: dict = {}
+        self.hooks_made = 0  # gradient hooks registered on lasting entries' leaves (a count for tests)
+        self.alone: dict = {}  # axes -> whether their group is this one processor
+        self.opts: Options | None = None
 
     # -------------------------------------------------------------- forward
     def read(self, param: torch.Tensor, steps, how, opts: Options) -> torch.Tensor:
         if self.callback_missing and self.buckets is not None:
             self.finish()  # a backward ended, without the engine's callback to finish it
-        self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
-        self.gather_bytes = max(1, int(opts.gather_mb * 2**20))
-        self.reshard = opts.reshard_after_forward
+        if opts is not self.opts:
+            self.opts = opts
+            self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
+            self.gather_bytes = max(1, int(opts.gather_mb * 2**20))
+            self.reshard = opts.reshard_after_forward
         kind, axes, dim = how
         key = (id(param), steps)
         e = self.entries.get(key)
+        if kind == "all_reduce":
+            if e is None:
+                e = self.entries[key] = self._lasting(param, key, axes)
+                self.order.append(e)
+            # a view, not the leaf: autocast caches its casts of leaves that require grad until the
+            # autocast block ends (the whole forward), which would keep a bf16 copy of every
+            # parameter the step reads alive through a recomputed forward (the per-use path's
+            # values are no leaves); untagged: after_forward has nothing to free of an alias
+            return e.leaf.view_as(e.leaf)
         if e is None or e.param is not param or e.version != param._version:
-            if kind == "all_reduce":
-                e = Entry(self, param, key, kind, axes, None, param)
-            else:
-                e = self._gathered(param, key, axes, dim)
-            self.entries[key] = e
+            e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)
         elif e not in self.order:
             self.order.append(e)
@@ -457,12 +505,29 @@ class Runtime:
             # read again in forward (the step before read it once more than this one): alone; in
             # backward (a recomputed forward): with the rest of its bucket, the next prefetched
             self.refill([e], read=True, alone=self.buckets is None)
-        # a view, not the leaf: autocast caches its casts of leaves that require grad until the
-        # autocast block ends (the whole forward), which would keep a bf16 copy of every parameter
-        # the step reads alive through a recomputed forward; the per-use path's values are no leaves
-        value = e.leaf.view_as(e.leaf)
+        value = e.leaf.view_as(e.leaf)  # a view, not the leaf: as above
         value._overlap_entry = e
         return value
+
+    def _lasting(self, param: torch.Tensor, key, axes) -> Entry:
+        """The entry of a parameter whose gradient is all-reduced (data parallel): its leaf is an
+        alias of the parameter, so it stays valid across optimizer steps (which update the
+        storage in place) and is made, with its gradient hook, once per parameter and adapters,
+        not every step, as DDP registers its hooks once. It is kept beside the parameter (weakly:
+        it goes with the parameter) and holds the parameter only while a step reads it."""
+        e = self.lasting.get(key)
+        if e is None or e.ref() is not param:
+            weakref.finalize(param, self.lasting.pop, key, None)
+            e = None
+        leaf = None if e is None else e.leaf
+        # `p.data = ...` (module.to(dtype), .double()) swaps the storage: a new leaf for the new one
+        if (leaf is None or not torch._C._is_alias_of(leaf, param) or leaf.shape != param.shape
+                or leaf.stride() != param.stride() or leaf.dtype != param.dtype):
+            e = self.lasting[key] = Entry(self, param, key, "all_reduce", axes, None, param)
+            e.ref = weakref.ref(param)
+            self.hooks_made += 1
+        e.param, e.step = param, self.generation
+        return e
 
     def _gathered(self, param, key, axes, dim) -> Entry:
         """The entry of a gathered parameter: from the bucket the previous step read it in
@@ -550,6 +615,15 @@ class Runtime:
         e.leaf.grad = None
         if g is None:
             return
+        if e.param is None:  # a lasting entry that this step did not read: a graph of an earlier step
+            e.param = e.ref()
+            if e.param is None:
+                return  # its parameter is gone
+            try:
+                self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            finally:
+                e.param = None
+            return
         if generation != self.generation or e.bucket is None and self.buckets is not None:
             # a backward through a graph of an earlier step (retain_graph): reduce it alone
             self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
@@ -557,7 +631,12 @@ class Runtime:
         if self.buckets is None:
             self._cut_buckets()
             self._queue_finish()
-        if e.kind == "all_reduce" and e.bucket is not None:
+        if e.bucket is None:  # not read in this step's forward (no bucket of its own): alone
+            self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            return
+        if e.grad is None and e.bucket >= self.launched:
+            self.waiting[e.bucket] -= 1
+        if e.kind == "all_reduce":
             e.grad = self._pack(e, g)
         else:
             e.grad = g if e.grad is None else e.grad + g
@@ -625,6 +704,7 @@ class Runtime:
             open_[key] = (k, size + e.nbytes, count)
             e.bucket = k
         self.buckets, self.launched = buckets, 0
+        self.waiting = [len(b) for b in buckets]
 
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what
@@ -632,25 +712,34 @@ class Runtime:
         if self.buckets is None:  # _launch runs only after the buckets are made
             raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug)")
         while self.launched < len(self.buckets):
-            bucket = self.buckets[self.launched]
-            if not flush and any(e.grad is None for e in bucket):
+            if not flush and self.waiting[self.launched]:
                 return
+            bucket = self.buckets[self.launched]
             members = [e for e in bucket if e.grad is not None]
             self.packs.pop(self.launched, None)  # its views, in the entries, hold the buffer
             if members:
                 grads = [e.grad for e in members]
                 for e in members:
                     e.grad = None
-                # an asynchronous call holds its packed gradients until waited on (a reduce_scatter
-                # on gloo a copy of them too): FSDP2 waits for a block's reduce-scatter when it
-                # issues the next one; here before the next is packed, so that two buckets' buffers
-                # are never alive together (also once backward has ended, when all that is left
-                # is launched)
-                while len(self.pending) >= MAX_PENDING:
-                    done, work = self.pending.pop(0)
-                    self._add(done, work.wait())
+                if not _adopted(members):
+                    self._wait_held()  # before packing: two held buckets' buffers are never alive together
                 self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
             self.launched += 1
+
+    def _wait_held(self) -> None:
+        """Before a bucket that holds bytes is launched, wait for the launched ones that hold bytes
+        too (oldest first, and every bucket launched before them), so that at most ``MAX_PENDING``
+        are in flight, it included: an asynchronous call holds its packed gradients until waited on (a
+        reduce_scatter on gloo a copy of them too); FSDP2 waits for a block's reduce-scatter when it
+        issues the next one, here before the next is packed, also once backward has ended. A bucket
+        whose reduced values become the gradients themselves (all-reduced, none accumulated into:
+        :meth:`_add` adopts them) frees nothing when waited on, so it is left to the end of
+        backward, as DDP waits: no processor blocks on another in the middle of backward."""
+        held = [k for k, (members, _) in enumerate(self.pending) if not _adopted(members)]
+        if len(held) >= MAX_PENDING:
+            for _ in range(held[len(held) - MAX_PENDING] + 1):
+                done, work = self.pending.pop(0)
+                self._add(done, work.wait())
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
         """Launch one bucket's reduction; ``grads`` (held nowhere else) is emptied once packed, so
@@ -730,6 +819,9 @@ class Runtime:
                 del self.plans[next(iter(self.plans))]
         self.plan, self.plan_at, self.uses, self.chosen = [], {}, {}, False
         self.fetches = {}
+        for e in self.order:
+            if e.ref is not None:  # lasting: ready for the next step, without holding the parameter
+                e.param, e.grad, e.bucket = None, None, None
         self.entries, self.order = {}, []
         self.buckets, self.launched, self.finishing = None, 0, False
         self.callback_missing = False
