@@ -86,7 +86,7 @@ MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's 
 # 2-block LM's blocks in two, and its peak fell in a window where gloo's staging of a gather in
 # flight lives as long as the other processor takes to join it, which the planner cannot know)
 GATHER_SHARE = 3
-MAX_PENDING = 1  # gradient buckets holding bytes in flight (waited on, and added, before another one is launched)
+MAX_PENDING = 1  # gradient buckets holding bytes in flight (waited on before another one is launched)
 _on = threading.local()  # this processor's options, while inside overlap()
 
 
