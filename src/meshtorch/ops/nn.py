@@ -138,8 +138,8 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
             else:
                 ids = align(tt, targets.names, out.names).unsqueeze(i)
                 # the clamp only keeps gather in bounds: ids were checked above, and ignored ones
-                # are zeroed below
-                safe = ids.clamp(0, v.size - 1)
+                # are zeroed below; without ignore_index every id is in bounds already
+                safe = ids if ignore_index is None else ids.clamp(0, v.size - 1)
                 # -log_softmax[target], as F.cross_entropy: log_softmax and its backward are one
                 # vectorised kernel each, where logsumexp - t[target] costs an exp pass forward
                 # and a sub, exp and mul backward over the whole logits
