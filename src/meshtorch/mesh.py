@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable
 from functools import lru_cache
 
+from meshtorch.caching import compiling
 from meshtorch.errors import MeshError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -113,7 +114,9 @@ class Mesh:
     def group(self, rank: int, axes: Iterable[str]) -> tuple[int, ...]:
         """The processors that share ``rank``'s coordinates on every axis not in
         ``axes``, ordered row-major over ``axes`` (in mesh order)."""
-        return _group(self, rank, tuple(sorted(axes, key=self._index.__getitem__)))
+        # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
+        return (_group.__wrapped__ if compiling() else _group)(
+            self, rank, tuple(sorted(axes, key=self._index.__getitem__)))
 
     def in_order(self, axes: Iterable[str]) -> bool:
         """Whether ``axes`` come in mesh order, so a group over them (numbered row-major in

@@ -51,6 +51,7 @@ import math
 
 import torch
 
+from meshtorch.caching import compiling
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.layout import piece
 from meshtorch.mesh import Mesh
@@ -67,7 +68,8 @@ def lengths(mesh: Mesh, axes: str | tuple[str, ...], whole: int) -> list[int] | 
         >>> lengths(Mesh("b:2,m:2"), ("b", "m"), 5), lengths(Mesh("b:2"), "b", 4)
         ([2, 1, 1, 1], None)
     """
-    return _lengths(mesh, as_axes(axes), whole)
+    # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
+    return (_lengths.__wrapped__ if compiling() else _lengths)(mesh, as_axes(axes), whole)
 
 
 @functools.lru_cache(maxsize=4096)
