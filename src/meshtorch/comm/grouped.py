@@ -104,14 +104,22 @@ def pack_gather(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes) -> t
         raise CommError(f"grouped all_gather over {axes}: tensor {scalars[0]} is a scalar, with no "
                         "dim to gather along")
     moved = [t.detach().movedim(d % t.dim(), 0) for t, d in zip(tensors, dims)]
-    # each tensor copied into its place once: ``cat`` of ``reshape``s would first copy every
-    # tensor gathered along an inner dim, all of them alive beside the buffer
-    flat = torch.empty(sum(m.numel() for m in moved), dtype=tensors[0].dtype, device=tensors[0].device)
+    layout = [(tuple(m.shape), d % t.dim()) for t, m, d in zip(tensors, moved, dims)]
+    return _flat(moved, tensors[0].dtype), layout
+
+
+def _flat(tensors: list[torch.Tensor], dtype: torch.dtype, release: bool = False) -> torch.Tensor:
+    """One flat buffer of ``tensors`` in order, each copied into its place once (``cat`` of
+    ``reshape``s would first copy every tensor that is not contiguous, all of them alive beside
+    the buffer); with ``release``, each is dropped from the list ``tensors`` once copied."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
     at = 0
-    for m in moved:
-        flat[at:at + m.numel()].view(m.shape).copy_(m)
-        at += m.numel()
-    return flat, [(tuple(m.shape), d % t.dim()) for t, m, d in zip(tensors, moved, dims)]
+    for i, t in enumerate(tensors):
+        flat[at:at + t.numel()].view(t.shape).copy_(t.detach())
+        at += t.numel()
+        if release:
+            tensors[i] = None  # type: ignore[index]  # the caller's list held it last: freed now
+    return flat
 
 
 def unpack_gather(out: torch.Tensor, n: int, layout: list) -> list[torch.Tensor]:
@@ -215,15 +223,7 @@ def pack_reduce(tensors: Sequence[torch.Tensor], axes, release: bool = False) ->
     whole = _packed(tensors)
     if whole is not None:
         return whole, shapes  # packed already (overlap's buckets): no copy
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-    at = 0
-    for i, shape in enumerate(shapes):
-        size = math.prod(shape)
-        flat[at:at + size].view(shape).copy_(tensors[i].detach())
-        at += size
-        if release:
-            tensors[i] = None  # type: ignore[index]
-    return flat, shapes
+    return _flat(tensors, dtype, release), shapes  # type: ignore[arg-type]
 
 
 def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

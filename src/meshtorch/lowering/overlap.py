@@ -417,6 +417,14 @@ class Entry:
             _resized(self.leaf)
 
 
+def _totals(keys: dict) -> dict:
+    """``keys`` (entry -> its bucket key): each key's bytes, summed over its entries."""
+    totals: dict = {}
+    for e, key in keys.items():
+        totals[key] = totals.get(key, 0) + e.nbytes
+    return totals
+
+
 def _adopted(members: Sequence[Entry]) -> bool:
     """Whether :meth:`Runtime._add` will make a bucket's reduced values its members' gradients
     as they are (views of the call's result, no copy): all-reduced, each parameter once, of its
@@ -620,19 +628,19 @@ class Runtime:
             if e.param is None:
                 return  # its parameter is gone
             try:
-                self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+                self._reduce_alone(e, g)
             finally:
                 e.param = None
             return
         if generation != self.generation or e.bucket is None and self.buckets is not None:
             # a backward through a graph of an earlier step (retain_graph): reduce it alone
-            self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            self._reduce_alone(e, g)
             return
         if self.buckets is None:
             self._cut_buckets()
             self._queue_finish()
         if e.bucket is None:  # not read in this step's forward (no bucket of its own): alone
-            self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+            self._reduce_alone(e, g)
             return
         if e.grad is None and e.bucket >= self.launched:
             self.waiting[e.bucket] -= 1
@@ -649,6 +657,10 @@ class Runtime:
             self.finish()
 
     callback_missing = False
+
+    def _reduce_alone(self, e: Entry, g: torch.Tensor) -> None:
+        """Reduce ``e``'s gradient ``g`` by itself, outside the buckets, and add it now."""
+        self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
 
     def _pack(self, e: Entry, g: torch.Tensor) -> torch.Tensor:
         """``e``'s gradient ``g`` copied into its place in its bucket's flat buffer (made at the
@@ -684,9 +696,7 @@ class Runtime:
         buckets: list[list[Entry]] = []
         open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
         keys = {e: (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in self.order}
-        totals: dict = {}
-        for e, key in keys.items():
-            totals[key] = totals.get(key, 0) + e.nbytes
+        totals = _totals(keys)
         for e in reversed(self.order):
             key = keys[e]
             k, size, count = open_.get(key, (None, 0, 0))
@@ -695,7 +705,7 @@ class Runtime:
                 cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
                 cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
             else:
-                cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // GATHER_SHARE))
+                cap = self._gather_cap(totals[key])
                 edge = k is not None and bool(buckets[k]) and buckets[k][-1].region != e.region
             if k is None or (size + e.nbytes > cap or edge) and size:
                 k, size, count = len(buckets), 0, count + 1
@@ -705,6 +715,11 @@ class Runtime:
             e.bucket = k
         self.buckets, self.launched = buckets, 0
         self.waiting = [len(b) for b in buckets]
+
+    def _gather_cap(self, total: int) -> int:
+        """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows
+        the gathers) holds at most, of ``total`` gathered bytes of its kind."""
+        return min(self.gather_bytes, max(FIRST_BUCKET, total // GATHER_SHARE))
 
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what
@@ -798,11 +813,9 @@ class Runtime:
         open_: dict = {}
         gathered = [e for e in self.order if e.gathered]
         keys = {e: (as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in gathered}
-        totals: dict = {}
+        totals = _totals(keys)
         for e, key in keys.items():
-            totals[key] = totals.get(key, 0) + e.nbytes
-        for e, key in keys.items():
-            cap = min(self.gather_bytes, max(FIRST_BUCKET, totals[key] // GATHER_SHARE))
+            cap = self._gather_cap(totals[key])
             k = open_.get(key)
             if (k is None or plan[k] and (sum(m[4] for m in plan[k]) + e.nbytes > cap
                                           or plan[k][-1][5] != e.region)):
