@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -89,17 +90,17 @@ def test_recv_still_gets_what_a_processor_sent_before_it_returned():
 
 
 def test_timeout_names_what_the_missing_processor_waits_in():
-    at_recv = threading.Event()
-
     def prog():
         c = _comm()
         if c.rank == 0:
-            # the timeout starts once processor 1 is about to wait: on a loaded machine it took over
-            # 3 s to get there (then it is rightly named "outside any collective")
-            at_recv.wait(60)
+            # the timeout starts once processor 1 waits in its recv (the hub lists it): on a loaded
+            # machine it took over 3 s to get there, also after an event set just before the call
+            # (then it is rightly named "outside any collective")
+            deadline = time.monotonic() + 60
+            while 1 not in c.hub.waiting and time.monotonic() < deadline:
+                time.sleep(0.01)
             c.all_reduce(torch.ones(1), "b")
         else:
-            at_recv.set()
             c.recv("b", src=0)  # never sent: both wait until the timeout
 
     with pytest.raises(ProcessorError) as info:
