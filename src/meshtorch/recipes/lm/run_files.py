@@ -220,7 +220,8 @@ def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
     own = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
     if os.path.realpath(path) == os.path.realpath(own) or not write:
         return own
-    from meshtorch.data.hf_tokenizer import FILE, HFTokenizer, write_atomic
+    from meshtorch.data.hf_tokenizer import FILE, HFTokenizer
+    from meshtorch.files import write_atomic
 
     tok = HFTokenizer(path)
     os.makedirs(own, exist_ok=True)
@@ -348,7 +349,7 @@ def start_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
     """:func:`earlier_metrics`, also written as ``out/metrics.jsonl`` (the records after ``start``, which
     the resumed run logs again, dropped) through a temporary file: a run that fails or is killed
     meanwhile leaves the old file or the new one, never an empty one."""
-    from meshtorch.data.hf_tokenizer import write_atomic
+    from meshtorch.files import write_atomic
     from meshtorch.recipes.lm.report import json_text
 
     path = os.path.join(out, "metrics.jsonl")
