@@ -196,21 +196,23 @@ def _failing_worker(tmp_path, monkeypatch, error, restart):
     return ended.value.code, err.read_text(), recorded
 
 
+def _peer_left_error(call: str, group: list[int]):
+    """The CommError a torch communicator raises where gloo found the connection to a peer closed."""
+    from meshtorch.errors import CommError
+
+    e = CommError(f"{call} failed because a processor of the group {group} exited or crashed")
+    e.__cause__ = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    return e
+
+
 def test_a_worker_that_saw_another_leave_says_so_in_one_line_and_where_it_restarts(tmp_path, monkeypatch):
     """Seen: on every restart the survivor of a killed processor printed ~80 lines of `[rank0]:`
     traceback (its CommError's chain), none of them saying what happened or what comes next."""
-    from meshtorch.errors import CommError
     from meshtorch.launcher.failures import processor_error
 
-    try:
-        try:
-            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
-        except RuntimeError as gloo:
-            raise CommError("all_reduce over axes ('b',) failed because a processor of the group [0, 1] "
-                            "exited or crashed") from gloo
-    except CommError as e:
-        survivor = processor_error(e, 0, {"b": 0})
-        survivor.__cause__ = e
+    seen = _peer_left_error("all_reduce over axes ('b',)", [0, 1])
+    survivor = processor_error(seen, 0, {"b": 0})
+    survivor.__cause__ = seen
     code, err, recorded = _failing_worker(tmp_path, monkeypatch, survivor, restart=0)
     assert code == 1
     assert err == SURVIVOR + "\n"
@@ -219,14 +221,7 @@ def test_a_worker_that_saw_another_leave_says_so_in_one_line_and_where_it_restar
     # in a larger group it cannot tell which of the others left
     from meshtorch.recipes.lm.restarts import worker_failed
 
-    try:
-        try:
-            raise RuntimeError("Connection closed by peer")
-        except RuntimeError as gloo:
-            raise CommError("all_gather failed because a processor of the group [0, 2, 4, 6] exited or "
-                            "crashed") from gloo
-    except CommError as e:
-        wide = e
+    wide = _peer_left_error("all_gather", [0, 2, 4, 6])
     monkeypatch.setenv("RANK", "2")
     assert worker_failed(wide, TrainConfig.of(out=str(tmp_path / "none"))) == \
         "meshtorch train: processor 2 stopped: one of processors [0, 4, 6] exited or crashed"
