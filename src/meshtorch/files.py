@@ -1,8 +1,9 @@
 """Writing a file so that a reader (another processor of the run, a rerun, another user of a shared
 run directory) sees the old file or the whole new one, never a part, with the mode ``open`` gives.
 
-Every writer of a run's files goes through :func:`replacing`: a checkpoint's slices, the
-consolidated safetensors export, and :func:`write_atomic` (a tokenizer, metrics, the data cache).
+The writers that go through a temporary file use :func:`replacing`: a checkpoint's slices, the
+consolidated safetensors export, and :func:`write_atomic` (a tokenizer, metrics, the encoded-corpus
+cache). A checkpoint's index and pointer are committed by :mod:`meshtorch.checkpoint.versions`.
 
 Example:
     >>> import os, tempfile
