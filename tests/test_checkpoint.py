@@ -188,7 +188,7 @@ def test_written_files_get_the_mode_open_gives_them(tmp_path):
     """Files written through a temporary one (tempfile's and safetensors' 0o600) get what the umask
     allows, as index.json does: seen, a run's slices, metrics.jsonl and tokenizer readable by its
     owner only, so another user of a shared run directory could not generate from it."""
-    from meshtorch.data.hf_tokenizer import write_atomic
+    from meshtorch.files import write_atomic
 
     old = os.umask(0o027)
     try:

@@ -74,6 +74,37 @@ def test_greedy_refuses_nan_inf_negative_and_non_numeric_costs(field, value, obj
     assert f"node 'b': {field}={value!r} must be a finite number >= 0" in err, err
 
 
+def _paper_graph(**changes) -> dict:
+    """A graph in the paper's format (msr-fiddle/dnn-partitioning): ids 1 -> 2 -> 3; ``changes`` maps
+    "node 2"/"edge 1"/"meta" to the fields to set there."""
+    nodes = [{"id": i, "name": f"op{i}", "supportedOnFpga": 1, "fpgaLatency": 1.0, "cpuLatency": 2.0,
+              "size": 1.0} for i in (1, 2, 3)]
+    edges = [{"sourceId": i, "destId": i + 1, "cost": 0.5, "size": 4.0} for i in (1, 2)]
+    nodes[1].update(changes.get("node 2", {}))
+    edges[0].update(changes.get("edge 1", {}))
+    return {"maxFPGAs": 2, "maxCPUs": 1, "maxSizePerFPGA": 100.0, **changes.get("meta", {}),
+            "nodes": nodes, "edges": edges}
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"node 2": {"fpgaLatency": -1.0}}, "node '2': \"fpgaLatency\"=-1.0 must be a finite number >= 0, "
+                                        "or \"supportedOnFpga\": 0 where the op cannot run"),
+    ({"node 2": {"cpuLatency": float("nan")}}, "node '2': \"cpuLatency\"=nan must be a finite number >= 0\n"),
+    ({"node 2": {"size": -3}}, "node '2': \"size\"=-3.0 must be a finite number >= 0"),
+    ({"edge 1": {"cost": -0.5}}, "node '1': outgoing \"cost\"=-0.5 must be a finite number >= 0"),
+    ({"edge 1": {"size": float("inf")}}, "edge '1' -> '2': \"size\"=inf must be finite and >= 0"),
+    ({"meta": {"maxFPGAs": -2}}, "the graph's \"maxFPGAs\"=-2 must be a number >= 0"),
+])
+def test_a_paper_format_graph_is_refused_in_its_own_field_names(changes, needle, tmp_path, capsys):
+    """Seen: a paper-format file with a negative fpgaLatency was refused as 'acc_time=-1.0', a name the
+    user's file never uses."""
+    rc, out, err = _place(tmp_path, capsys, _paper_graph(**changes))
+    assert rc == 2 and out == "" and needle in err, err
+    for ours in ("acc_time", "cpu_time", "mem_bytes", "comm_time", "bytes=", "meta ", "None (null"):
+        assert ours not in err, err
+    assert _place(tmp_path, capsys, _paper_graph())[0] == 0  # the same graph unchanged is placed
+
+
 def test_greedy_refuses_nan_or_negative_edge_bytes(tmp_path, capsys):
     for b in (float("nan"), -1.0):
         rc, _, err = _place(tmp_path, capsys, _graph([["a", "b", b], ["b", "c", 1]]), "--algorithm", "greedy")

@@ -105,6 +105,24 @@ def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
     assert not os.path.exists(tmp_path / "x")
 
 
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["train", "--batchsize", "4"], "usage: meshtorch train ", "--batchsize 4 (did you mean --batch?)"),
+    (["plan", "--vocab", "64", "--layred"], "usage: meshtorch plan ", "--layred (did you mean --layered?)"),
+    (["plan", "--layer", "2"], "usage: meshtorch plan ",
+     "ambiguous option: --layer could match --layers, --layered"),
+    (["place", "g.json", "--devics=2", "extra"], "usage: meshtorch place ",
+     "arguments: --devics=2 extra (did you mean --devices?)"),
+    (["train", "--zzz"], "usage: meshtorch train ", "unrecognized arguments: --zzz\n"),
+])
+def test_a_mistyped_argument_shows_the_commands_usage_and_the_close_option(argv, usage, hint, capsys):
+    """Seen: `meshtorch train --batchsize 4` printed `usage: meshtorch [-h] COMMAND ...`, which lists no
+    option of train's, and named none of them."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and hint in err, err
+    assert f"meshtorch {argv[0]}: error: " in err, err
+
+
 def test_mesh_size_must_match_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(Exception, match="3 processes"):

@@ -27,6 +27,9 @@ TINY = tiny_train(batch=8, sample_tokens=0, warmup=2, mesh="b:2", rules="batch:b
 
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+RESTARTS = "the run restarts from its checkpoint of step 2 (restart 1 of --max-restarts 1)"
+# what processor 0 says where it saw processor 1 leave, in a run whose newest checkpoint is of step 2
+SURVIVOR = f"meshtorch train: processor 0 stopped: processor 1 exited or crashed; {RESTARTS}"
 
 
 def _run(cmd, env=None, timeout=150):
@@ -50,6 +53,10 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_ends_bitwise_as_an_uni
                         env={ENV_TEST_KILL: "1:3"}, timeout=220)
     assert code == 0, err[-4000:]
     assert "failed (exitcode: -9) local_rank: 1" in err  # the kill happened, seen by torchrun's agent
+    # processor 0, where it saw processor 1 leave, says so in one line, not ~80 of `[rank0]:` traceback
+    assert "Traceback" not in err and "[rank0]" not in err, err[-4000:]
+    said = [line for line in err.splitlines() if line.startswith("meshtorch train: processor 0")]
+    assert said in ([], [SURVIVOR]), err[-4000:]
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert (summary["steps"], summary["restarts"], summary["restarted_at_steps"]) == (6, 1, [2])
     records = _metrics(out)
@@ -163,3 +170,79 @@ def test_a_run_that_failed_for_good_says_how_to_go_on_in_its_out(tmp_path):
     assert what_next(str(out)).endswith(f"rerun it in place with --out {out} --overwrite")
     (out / "checkpoint").mkdir()
     assert what_next(str(out)).endswith(f"continue with --resume {out}")
+
+
+def _failing_worker(tmp_path, monkeypatch, error, restart):
+    """Run a worker of `meshtorch train --max-restarts 1` in this process, its start number ``restart``,
+    its training raising ``error`` in a run whose newest checkpoint is of step 2; (exit status, stderr,
+    the message torchrun's error file got)."""
+    import meshtorch as mt
+    from meshtorch.recipes.lm import trainer
+
+    out = tmp_path / "run"
+    mt.save(str(out / "checkpoint"), model=mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 2)), step=2)
+    options = TrainConfig.of(out=str(out), backend="torch", max_restarts=1).options()
+    for k, v in {"TORCHELASTIC_RUN_ID": "t", "TORCHELASTIC_RESTART_COUNT": str(restart), "RANK": "0",
+                 "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["-c", json.dumps(options)])
+    monkeypatch.setattr(trainer, "train", lambda cfg: (_ for _ in ()).throw(error))
+    err = tmp_path / "stderr"
+    with open(err, "w") as f, pytest.raises(SystemExit) as ended:
+        monkeypatch.setattr(sys, "stderr", f)
+        trainer.restarting_worker()
+    monkeypatch.undo()
+    recorded = json.loads((tmp_path / "error.json").read_text())["message"]["message"]
+    return ended.value.code, err.read_text(), recorded
+
+
+def _peer_left_error(call: str, group: list[int]):
+    """The CommError a torch communicator raises where gloo found the connection to a peer closed."""
+    from meshtorch.errors import CommError
+
+    e = CommError(f"{call} failed because a processor of the group {group} exited or crashed")
+    e.__cause__ = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer")
+    return e
+
+
+def test_a_worker_that_saw_another_leave_says_so_in_one_line_and_where_it_restarts(tmp_path, monkeypatch):
+    """Seen: on every restart the survivor of a killed processor printed ~80 lines of `[rank0]:`
+    traceback (its CommError's chain), none of them saying what happened or what comes next."""
+    from meshtorch.launcher.failures import processor_error
+
+    seen = _peer_left_error("all_reduce over axes ('b',)", [0, 1])
+    survivor = processor_error(seen, 0, {"b": 0})
+    survivor.__cause__ = seen
+    code, err, recorded = _failing_worker(tmp_path, monkeypatch, survivor, restart=0)
+    assert code == 1
+    assert err == SURVIVOR + "\n"
+    # the launcher still learns the whole error (failure_text reads it when the run fails for good)
+    assert recorded.startswith("ProcessorCommError: processor 0 {'b': 0} raised CommError: all_reduce")
+    # in a larger group it cannot tell which of the others left
+    from meshtorch.recipes.lm.restarts import worker_failed
+
+    wide = _peer_left_error("all_gather", [0, 2, 4, 6])
+    monkeypatch.setenv("RANK", "2")
+    assert worker_failed(wide, TrainConfig.of(out=str(tmp_path / "none"))) == \
+        "meshtorch train: processor 2 stopped: one of processors [0, 4, 6] exited or crashed"
+
+
+def test_a_worker_that_failed_on_its_own_says_why_and_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    from meshtorch.errors import TrainingError
+    from meshtorch.launcher.failures import processor_error
+
+    nan = processor_error(TrainingError("the loss is nan at step 3"), 0, {"b": 0})
+    code, err, _ = _failing_worker(tmp_path, monkeypatch, nan, restart=0)
+    said = "meshtorch train: processor 0 {'b': 0} raised TrainingError: the loss is nan at step 3"
+    assert (code, err) == (1, f"{said}; {RESTARTS}\n")
+    # no restart left: the launcher's error says the run failed; an error that is no meshtorch error (a bug)
+    # keeps its traceback, there being no log file to keep it in
+    try:
+        {}["vocab"]
+    except KeyError as e:
+        bug = processor_error(e, 0, {"b": 0})
+        bug.__cause__ = e
+    code, err, _ = _failing_worker(tmp_path, monkeypatch, bug, restart=1)
+    assert code == 1 and err.startswith("Traceback (most recent call last):") and 'line' in err, err
+    assert err.endswith("\nmeshtorch train: processor 0 {'b': 0} raised KeyError: 'vocab'\n"), err
+

@@ -92,6 +92,30 @@ def test_a_change_of_the_parameters_is_refused_even_when_allowed(run2, text):
         assert "to change it on purpose" not in msg and "another --out" in msg, msg
 
 
+def test_the_changes_are_told_apart_in_one_planning_launch(monkeypatch):
+    """Which changed options reshape the parameters is found by building the run's model and each
+    changed one on the meta backend: one launch for all of them (each launch starts a thread and a
+    communicator), with the message naming each option as before."""
+    import meshtorch.launcher
+    from meshtorch.recipes.lm.run_files import check_resumed_model
+
+    base = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, length=16, resume="/r")
+    record = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
+    launches = []
+    real = meshtorch.launcher.launch
+    monkeypatch.setattr(meshtorch.launcher, "launch", lambda *a, **k: launches.append(k) or real(*a, **k))
+    cfg = TrainConfig.of(**{**base, "d_model": 32, "layers": 3, "activation": "relu", "eps": 1e-3},
+                         allow_change="d_model,layers,activation,eps")
+    with pytest.raises(ArgumentError) as e:
+        check_resumed_model(cfg, record)
+    assert launches == [{"mesh": "one:1", "backend": "meta"}]
+    msg = str(e.value)
+    assert "--d-model 32 (the run has 16); --layers 3 (the run has 2)." in msg, msg
+    assert "--d-model, --layers would give the model other parameters" in msg, msg
+    assert "--activation" not in msg and "--eps" not in msg, msg
+    check_resumed_model(cfg.replace(d_model=16, layers=2), record)  # the shape-keeping ones, allowed
+
+
 @pytest.mark.parametrize("kind", ["lm", "moe", "seq2seq"])
 def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same_function(kind):
     """Each model option changed alone, against the record of a ``--model kind`` run (no training): every

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -31,6 +32,40 @@ DESCRIPTION = ("meshtorch: named tensor dimensions split over a processor mesh. 
                "models on a mesh of processors; 'meshtorch COMMAND --help' describes each command.")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The top-level parser: an argument that no parser takes is reported by the sub-command's parser
+    (argparse's own reports it at the top level, with ``meshtorch [-h] COMMAND ...`` as the usage),
+    naming the option it is close to (argparse's ``suggest_on_error`` needs Python 3.14, and covers
+    choices only).
+
+    Example:
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        ...     build_parser("place").parse_args(["place", "graph.json", "--devics", "2"])
+        >>> err.getvalue().splitlines()[-1]
+        'meshtorch place: error: unrecognized arguments: --devics 2 (did you mean --devices?)'
+    """
+
+    commands: argparse._SubParsersAction | None = None
+
+    def parse_args(self, args=None, namespace=None):
+        known, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(known, "command", None)
+            parser = self.commands.choices[command] if self.commands and command else self
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(parser, extras)}")
+        return known
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """`` (did you mean --batch?)`` for the options among ``extras`` close to one of ``parser``'s."""
+    options = [o for o in parser._option_string_actions if o.startswith("--")]  # argparse has no public list
+    close = [m for a in extras if a.startswith("--")
+             for m in difflib.get_close_matches(a.partition("=")[0], options, n=1)]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The argument parser: every sub-command, or only ``command``'s when given.
 
@@ -41,8 +76,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         >>> build_parser("place").parse_args(["place", "graph.json", "--devices", "2"]).devices
         2
     """
-    parser = argparse.ArgumentParser(prog="meshtorch", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = CommandParser(prog="meshtorch", description=DESCRIPTION)
+    sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                                  parser_class=argparse.ArgumentParser)
     modules = [SUBCOMMANDS[command]] if command in SUBCOMMANDS else SUBCOMMANDS.values()
     for module in dict.fromkeys(modules):
         importlib.import_module(module).register(sub)

@@ -33,10 +33,10 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from meshtorch.checkpoint.format import fsync_write, shape_json, usual_mode
-from meshtorch.checkpoint.writer import _token
+from meshtorch.checkpoint.format import shape_json
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError
+from meshtorch.files import replacing, write_atomic
 from meshtorch.nn.module import Module
 from meshtorch.optim.params import view_of
 
@@ -92,7 +92,6 @@ def write_consolidated(path: str | os.PathLike, tensors: dict[str, torch.Tensor]
     """
     ctx = current()
     path = os.fspath(path)
-    token = _token()
     names: list[str] = []
     error = None
     if ctx.rank == 0:
@@ -112,19 +111,15 @@ def write_consolidated(path: str | os.PathLike, tensors: dict[str, torch.Tensor]
             names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
             meta = {"format": "pt", **(metadata or {})}
             for fname, shard in zip(names, shards):
-                tmp = os.path.join(path, f".{fname}.tmp-{token}")
-                safetensors.torch.save_file(shard, tmp, metadata=meta)
-                os.chmod(tmp, usual_mode())  # as config.json's, not safetensors' 0o600
-                os.replace(tmp, os.path.join(path, fname))
+                with replacing(os.path.join(path, fname)) as tmp:
+                    safetensors.torch.save_file(shard, tmp, metadata=meta)
             texts = dict(files or {})
             if n > 1:
                 weight_map = {k: f for f, shard in zip(names, shards) for k in shard}
                 index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
                 texts[HF_INDEX] = json.dumps(index, indent=1)
             for fname, text in texts.items():
-                tmp = os.path.join(path, f".{fname}.tmp-{token}")
-                fsync_write(tmp, text)
-                os.replace(tmp, os.path.join(path, fname))
+                write_atomic(os.path.join(path, fname), text.encode())
         except OSError as e:
             error = e
     comm = ctx.comm

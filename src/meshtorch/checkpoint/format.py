@@ -94,27 +94,6 @@ def sha256_fd(fd: int) -> str:
     return h.hexdigest()
 
 
-def usual_mode() -> int:
-    """The mode ``open`` gives a new file in this process (``0o666`` less the umask): what a file
-    written through a temporary one gets (``tempfile.mkstemp`` and safetensors make theirs ``0o600``,
-    which another user of a shared run directory could not read).
-
-    Example:
-        >>> usual_mode() & 0o600
-        384
-    """
-    try:  # Linux says the umask without changing it (os.umask would, for every thread at once)
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def fsync_write(path: str, text: str) -> None:
     """Write ``text`` to ``path`` and flush it to the disk before returning."""
     with open(path, "w") as f:

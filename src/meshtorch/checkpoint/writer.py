@@ -35,13 +35,13 @@ from meshtorch.checkpoint.format import (
     sha256_file,
     shape_json,
     slice_file,
-    usual_mode,
 )
 from meshtorch.checkpoint.index import CHECKSUM, index_checksum
 from meshtorch.checkpoint.state import rng_state, scalar_json, to_json
 from meshtorch.checkpoint.versions import commit, latest, mark_live, temp_path, writer_tag
 from meshtorch.context import current
 from meshtorch.errors import ArgumentError, CheckpointError
+from meshtorch.files import replacing
 from meshtorch.nn.module import Module
 from meshtorch.optim.params import view_of
 from meshtorch.shape import Shape
@@ -104,10 +104,8 @@ def optimizer_content(optimizer, model) -> tuple[list[tuple[str, MeshTensor]], d
 
 
 def _write_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
-    safetensors.torch.save_file(tensors, path)
-    os.chmod(path, usual_mode())  # as index.json's, not safetensors' 0o600
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    with replacing(path) as tmp:
+        safetensors.torch.save_file(tensors, tmp)
 
 
 def _write_slices(tmp: str, rank: int, mine: dict[str, torch.Tensor]) -> str | None:

@@ -29,13 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from meshtorch.data.corpus import DataError
+from meshtorch.files import write_atomic
 
 FILE = "tokenizer.json"
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")
@@ -50,24 +50,6 @@ def ids_cache_dir() -> str:
     from meshtorch.caching import cache_root
 
     return os.fspath(cache_root() / "corpus-ids")
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in its directory and ``os.replace``, so a
-    reader (another process of the run, a rerun) sees the old file or the whole new one, never a part.
-    """
-    from meshtorch.checkpoint.format import usual_mode
-
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
-    try:
-        os.fchmod(fd, usual_mode())  # as open() would make it, not mkstemp's 0o600
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _backend(path: str) -> Any:

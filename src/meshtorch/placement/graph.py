@@ -56,6 +56,14 @@ class OpNode:
 
 _PAPER_FIELDS = ('the paper\'s format: nodes with "id", "fpgaLatency" and "cpuLatency", '
                  'edges with "sourceId", "destId" and "cost"')
+# how the paper's format spells what it has of ours (edge "bytes" are the edges' "size"; a node's
+# comm_time is the "cost" of its outgoing edges), so that an error names a field as the user's file does
+_PAPER_NAMES = {"acc_time": '"fpgaLatency"', "cpu_time": '"cpuLatency"', "mem_bytes": '"size"',
+                "comm_time": 'outgoing "cost"', "bytes": '"size"', "devices": '"maxFPGAs"',
+                "cpus": '"maxCPUs"', "memory": '"maxSizePerFPGA"',
+                # how the file says an op cannot run there (the paper's cpuLatency is always a number)
+                "acc_time unsupported": ', or "supportedOnFpga": 0 where the op cannot run on an accelerator',
+                "cpu_time unsupported": ""}
 
 
 @dataclass
@@ -69,6 +77,9 @@ class OpGraph:
     nodes: list[OpNode] = field(default_factory=list)
     edges: list[tuple[int, int, float]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    # the graph file's names of our fields where it spells them otherwise (the paper's format): the
+    # errors of :meth:`validate` name a field as the user's file does
+    spelling: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._index: dict[str, int] = {}
@@ -186,7 +197,8 @@ class OpGraph:
         for key, want in (("devices", int), ("cpus", int), ("memory", (int, float))):
             x = self.meta.get(key)
             if x is not None and (not isinstance(x, want) or isinstance(x, bool) or x < 0):
-                raise PlacementError(f"the graph's meta {key}={x!r} must be a number >= 0 "
+                name = self.spelling.get(key, f"meta {key}")
+                raise PlacementError(f"the graph's {name}={x!r} must be a number >= 0 "
                                      f"({'a whole number' if want is int else 'bytes'}), or absent")
         self.topological_order()
         for n in self.nodes:
@@ -198,18 +210,21 @@ class OpGraph:
             for attr in ("mem_bytes", "act_bytes", "weight_bytes", "comm_time", "sync_time"):
                 x = getattr(n, attr)
                 if not _cost(x):
-                    raise PlacementError(f"node {n.name!r}: {attr}={x!r} must be a finite number >= 0")
+                    raise PlacementError(f"node {n.name!r}: {self.spelling.get(attr, attr)}={x!r} must be a "
+                                         "finite number >= 0")
             for attr in ("acc_time", "cpu_time"):
                 x = getattr(n, attr)
                 if x is not None and not _cost(x):
-                    raise PlacementError(f"node {n.name!r}: {attr}={x!r} must be a finite number >= 0, "
-                                         "or None (null in JSON) where the op cannot run")
+                    unsupported = self.spelling.get(f"{attr} unsupported",
+                                                    ", or None (null in JSON) where the op cannot run")
+                    raise PlacementError(f"node {n.name!r}: {self.spelling.get(attr, attr)}={x!r} must be a "
+                                         f"finite number >= 0{unsupported}")
             if n.acc_time is None and n.cpu_time is None:
                 raise PlacementError(f"node {n.name!r} can run neither on an accelerator nor a CPU")
         for u, v, b in self.edges:
             if not _cost(b):
                 raise PlacementError(f"edge {self.nodes[u].name!r} -> {self.nodes[v].name!r}: "
-                                     f"bytes={b} must be finite and >= 0")
+                                     f"{self.spelling.get('bytes', 'bytes')}={b} must be finite and >= 0")
 
     # -- summaries -----------------------------------------------------------------------
     def total(self, attr: str) -> float:
@@ -280,7 +295,7 @@ class OpGraph:
 
     @classmethod
     def from_dnn_partitioning_dict(cls, d: dict[str, Any]) -> OpGraph:
-        g = cls()
+        g = cls(spelling=dict(_PAPER_NAMES))
         for raw in d["nodes"]:
             supported = bool(raw.get("supportedOnFpga", True))
             cc = raw.get("colorClass")

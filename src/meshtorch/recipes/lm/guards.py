@@ -196,7 +196,7 @@ def recorded(resume: str) -> dict[str, Any]:
 
 def write_manifest(out: str, files: list[str]) -> None:
     """Record in ``out`` which of its files meshtorch train wrote (what ``--overwrite`` may remove)."""
-    from meshtorch.data.hf_tokenizer import write_atomic
+    from meshtorch.files import write_atomic
 
     write_atomic(os.path.join(out, MANIFEST),
                  json.dumps({"written_by": "meshtorch train", "files": list(files)}, indent=1).encode())

@@ -25,12 +25,14 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import signal
 import sys
 import time
+import traceback
 from typing import Any
 
-from meshtorch.errors import TrainingError
+from meshtorch.errors import CommError, MeshTorchError, ProcessorError, TrainingError
 from meshtorch.launcher.elastic import restart_count
 from meshtorch.launcher.lifeline import ENV_LAUNCHER_PID
 from meshtorch.recipes.lm.config import TrainConfig
@@ -107,6 +109,68 @@ def continued(cfg: TrainConfig, out: str) -> TrainConfig:
     except Exception:  # noqa: BLE001 - no (readable) checkpoint yet: the first start's options
         return cfg
     return cfg.replace(resume=out, out=out, overwrite=False)
+
+
+def restarts_from(out: str) -> str:
+    """Where a restart of the run in ``out`` continues (as :func:`continued` decides): its newest
+    checkpoint, named by its step, or the start."""
+    from meshtorch.checkpoint.index import read_index
+
+    try:
+        step = read_index(os.path.join(out, "checkpoint"))["step"]
+    except Exception:  # noqa: BLE001 - no (readable) checkpoint yet: a restart starts over
+        return "the start (no checkpoint yet)"
+    return "its newest checkpoint" if step is None else f"its checkpoint of step {step}"
+
+
+def _peer_left(e: BaseException, rank: int) -> str | None:
+    """Who left, where ``e`` only tells that another processor went away in a collective (it exited
+    or crashed: its own error, or the agent's report of its exit, says why; this one adds nothing);
+    else ``None``."""
+    from meshtorch.comm.torch import peer_left
+
+    while e is not None:
+        cause = e.__cause__
+        if isinstance(e, CommError) and cause is not None and not isinstance(cause, MeshTorchError) \
+                and peer_left(cause):
+            # the communicator names the group ("a processor of the group [0, 1] exited or crashed")
+            group = re.search(r"group \[([\d, ]*)\] exited", str(e))
+            others = [r for r in map(int, group.group(1).split(",")) if r != rank] if group else []
+            if len(others) == 1:
+                return f"processor {others[0]}"
+            return f"one of processors {others}" if others else "a processor it was exchanging data with"
+        e = cause
+    return None
+
+
+def worker_failed(e: Exception, cfg: TrainConfig) -> str:
+    """What a worker of ``meshtorch train --max-restarts`` says on stderr when it failed with ``e``, in
+    place of the traceback of every exception in the chain (seen: ~80 lines prefixed ``[rank0]:`` from
+    the survivor of a killed processor, on every restart): one line saying which processor, why, and
+    from which step the run restarts. A processor that stopped because another left says only that;
+    an exception that is no meshtorch error (a bug, whose message alone may not tell where) is
+    preceded by its traceback, there being no log file of the run to keep it in.
+
+    Example:
+        >>> from meshtorch.errors import TrainingError
+        >>> print(worker_failed(TrainingError("the loss is nan at step 3"), TrainConfig.of(out="x")))
+        meshtorch train: processor 0 failed: TrainingError: the loss is nan at step 3
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    left = _peer_left(e, rank)
+    if left is not None:
+        what = f"processor {rank} stopped: {left} exited or crashed"
+    elif isinstance(e, ProcessorError):  # "processor R {coords} raised Type: message"
+        what = str(e)
+    else:
+        what = f"processor {rank} failed: {type(e).__name__}: {e}"
+    original = getattr(e, "_original", type(e))  # a ProcessorError's is the class the processor raised
+    shown = "" if issubclass(original, MeshTorchError) else "".join(traceback.format_exception(e))
+    n, k = cfg.parallelism.max_restarts, restart_count()
+    if k < n:
+        what += (f"; the run restarts from {restarts_from(cfg.run.out)} "
+                 f"(restart {k + 1} of --max-restarts {n})")
+    return f"{shown}meshtorch train: {what}"
 
 
 def launcher_holds(out: str) -> bool:

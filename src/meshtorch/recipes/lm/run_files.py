@@ -76,17 +76,21 @@ def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, A
     return changes
 
 
-def _parameter_dims(kind: str, config: TransformerConfig) -> dict[str, tuple]:
-    """The named global shape of every parameter of the ``kind`` model of ``config``, built on the
-    ``meta`` backend (no storage, no values)."""
+def _parameter_dims(models: list[tuple[str, TransformerConfig]]) -> list[dict[str, tuple]]:
+    """The named global shape of every parameter of each ``(kind, config)`` model, all built in one
+    launch on the ``meta`` backend (no storage, no values): a launch, not a model, is what costs."""
     from meshtorch.launcher import launch
 
-    def build() -> dict[str, tuple]:
+    def build() -> list[dict[str, tuple]]:
         from meshtorch.models import DecoderLM
         from meshtorch.models.seq2seq import EncoderDecoder
 
-        model = (EncoderDecoder if kind == "seq2seq" else DecoderLM)(config, seed=0)
-        return {n: tuple((d.name, d.size) for d in p.shape.dims) for n, p in model.named_mesh_parameters()}
+        dims = []
+        for kind, config in models:
+            model = (EncoderDecoder if kind == "seq2seq" else DecoderLM)(config, seed=0)
+            dims.append({n: tuple((d.name, d.size) for d in p.shape.dims)
+                         for n, p in model.named_mesh_parameters()})
+        return dims
 
     return launch(build, mesh="one:1", backend="meta")[0]
 
@@ -99,16 +103,10 @@ def _reshaping(cfg: TrainConfig, record: dict[str, Any], changes: list[tuple[str
         return set()
     theirs = TransformerConfig.from_dict(record["model_config"])
     kind = record.get("model", "lm")
-    saved = _parameter_dims(kind, theirs)
-    reshaping = set()
-    for name, _, value in changes:
-        if name == "model":
-            other = _parameter_dims(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length))
-        else:
-            other = _parameter_dims(kind, dataclasses.replace(theirs, **{name: value}))
-        if other != saved:
-            reshaping.add(name)
-    return reshaping
+    variants = [(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)) if name == "model"
+                else (kind, dataclasses.replace(theirs, **{name: value})) for name, _, value in changes]
+    saved, *others = _parameter_dims([(kind, theirs), *variants])
+    return {name for (name, _, _), other in zip(changes, others) if other != saved}
 
 
 def _as_flags(changes: list[tuple[str, Any, Any]]) -> str:
@@ -220,7 +218,8 @@ def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
     own = os.path.abspath(os.path.join(out, TOKENIZER_DIR))
     if os.path.realpath(path) == os.path.realpath(own) or not write:
         return own
-    from meshtorch.data.hf_tokenizer import FILE, HFTokenizer, write_atomic
+    from meshtorch.data.hf_tokenizer import FILE, HFTokenizer
+    from meshtorch.files import write_atomic
 
     tok = HFTokenizer(path)
     os.makedirs(own, exist_ok=True)
@@ -348,7 +347,7 @@ def start_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
     """:func:`earlier_metrics`, also written as ``out/metrics.jsonl`` (the records after ``start``, which
     the resumed run logs again, dropped) through a temporary file: a run that fails or is killed
     meanwhile leaves the old file or the new one, never an empty one."""
-    from meshtorch.data.hf_tokenizer import write_atomic
+    from meshtorch.files import write_atomic
     from meshtorch.recipes.lm.report import json_text
 
     path = os.path.join(out, "metrics.jsonl")

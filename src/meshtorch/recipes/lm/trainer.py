@@ -66,6 +66,7 @@ from meshtorch.recipes.lm.restarts import (
     maybe_crash,
     restart_record,
     train_restarting,
+    worker_failed,
 )
 from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
 from meshtorch.recipes.lm.strategies import strategy_for
@@ -282,7 +283,7 @@ def restarting_worker() -> None:
     import json
     import sys
 
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     from meshtorch.launcher.lifeline import die_with_launcher
 
@@ -290,7 +291,14 @@ def restarting_worker() -> None:
     cfg = TrainConfig.of(**json.loads(sys.argv[1]))
     if restart_count():
         cfg = continued(cfg, cfg.run.out)
-    record(train)(cfg)  # an exception's message reaches the launcher through torchrun's error file
+    errors = get_error_handler()
+    errors.initialize()
+    try:
+        train(cfg)
+    except Exception as e:
+        errors.record_exception(e)  # its message (and traceback) reach the launcher through torchrun's file
+        print(worker_failed(e, cfg), file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def agree_on_rules(rules: str) -> None:

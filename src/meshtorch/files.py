@@ -1,0 +1,88 @@
+"""Writing a file so that a reader (another processor of the run, a rerun, another user of a shared
+run directory) sees the old file or the whole new one, never a part, with the mode ``open`` gives.
+
+The writers that go through a temporary file use :func:`replacing`: a checkpoint's slices, the
+consolidated safetensors export, and :func:`write_atomic` (a tokenizer, metrics, the encoded-corpus
+cache). A checkpoint's index and pointer are committed by :mod:`meshtorch.checkpoint.versions`.
+
+Example:
+    >>> import os, tempfile
+    >>> from meshtorch.files import replacing, write_atomic
+    >>> path = os.path.join(tempfile.mkdtemp(), "notes.txt")
+    >>> write_atomic(path, b"one\\n")
+    >>> with replacing(path) as tmp:
+    ...     with open(tmp, "w") as f:
+    ...         _ = f.write("two\\n")
+    >>> open(path).read(), os.listdir(os.path.dirname(path))
+    ('two\\n', ['notes.txt'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
+
+def usual_mode() -> int:
+    """The mode ``open`` gives a new file in this process (``0o666`` less the umask): what a file
+    written through a temporary one gets (``tempfile.mkstemp`` and safetensors make theirs ``0o600``,
+    which another user of a shared run directory could not read).
+
+    Example:
+        >>> usual_mode() & 0o600
+        384
+    """
+    try:  # Linux says the umask without changing it (os.umask would, for every thread at once)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary file's path beside ``path`` for the body to write (by name, as safetensors does);
+    on leaving, that file gets :func:`usual_mode`, is flushed to the disk and replaces ``path`` in
+    one ``os.replace``. If the body raises, ``path`` is untouched and the temporary file removed.
+
+    The temporary name starts with a dot and the target's name, so a listing of the directory
+    shows which file it was for; it is unique per writer (``tempfile.mkstemp``).
+    """
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.",
+                               suffix=".tmp")
+    os.close(fd)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDWR)  # writable: Windows flushes only a handle that may write
+        try:
+            os.fsync(fd)  # the data is on the disk before the name points at it
+        finally:
+            os.close(fd)
+        os.chmod(tmp, usual_mode())  # as open() would make it, not mkstemp's or safetensors' 0o600
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through :func:`replacing`.
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "a.json")
+        >>> write_atomic(path, b"{}")
+        >>> open(path).read()
+        '{}'
+    """
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        f.write(data)
