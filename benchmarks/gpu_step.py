@@ -37,7 +37,8 @@ with N the parameters less the learned position table (a lookup, not a matmul); 
 table is counted once, as the output projection's matmul. The second term is attention's two
 score products (QK^T and AV, forward and backward) over the whole length: the half the causal
 mask skips is counted, as PaLM does. MFU = FLOPs per step / step time / peak, against (a) the
-GPU's nominal dense bf16 rate (the library's table :data:`meshtorch.plan.gpus.GPUS` by
+GPU's nominal dense rate in the run's precision (bf16 tensor cores, or plain fp32 with
+``--precision fp32``: the library's table :data:`meshtorch.plan.gpus.GPUS` by
 ``torch.cuda.get_device_name()``, or ``--peak-tflops``) and (b) the rate of 8192³ bf16 matmuls
 measured at the start of the run: what the GPU's matmuls reach at best here, so "% of matmul peak"
 says how believable a figure is.
@@ -584,9 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     elif a.dry_run:
         nominal, source = None, "none on the CPU"
     else:
+        # the rate of the run's matmuls: bf16 tensor cores, or plain fp32 (PyTorch leaves TF32 off)
         kind = gpu_kind(name)
-        nominal = kind.bf16_flops if kind else None
-        source = ("meshtorch.plan.gpus.GPUS" if kind
+        nominal = (kind.bf16_flops if a.precision == "bf16" else kind.fp32_flops) if kind else None
+        source = (f"meshtorch.plan.gpus.GPUS: {kind.word}, dense {a.precision}" if kind
                   else f"'{name}' is not in meshtorch.plan.gpus.GPUS: pass --peak-tflops")
     mm_dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     mm_n = 256 if a.dry_run else 8192
