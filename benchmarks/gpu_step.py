@@ -569,6 +569,24 @@ def run_size(size_name: str, a: argparse.Namespace, report: dict[str, Any], out:
 
 
 
+def nominal_rate(name: str, precision: str) -> tuple[float | None, str]:
+    """The data sheet's dense FLOP/s of the GPU called ``name`` for the run's matmuls (``precision``
+    bf16: its tensor cores; fp32: plain fp32, PyTorch leaving TF32 off), and where it comes from;
+    ``None`` for a GPU not in :data:`meshtorch.plan.gpus.GPUS`.
+
+    Example:
+        >>> nominal_rate("NVIDIA H100 PCIe", "bf16")
+        (756000000000000.0, 'meshtorch.plan.gpus.GPUS: H100 PCIe, dense bf16')
+        >>> nominal_rate("NVIDIA L4", "fp32")[0], nominal_rate("NVIDIA GeForce RTX 4090", "bf16")[0]
+        (30300000000000.0, None)
+    """
+    kind = gpu_kind(name)
+    if kind is None:
+        return None, f"'{name}' is not in meshtorch.plan.gpus.GPUS: pass --peak-tflops"
+    return (kind.bf16_flops if precision == "bf16" else kind.fp32_flops,
+            f"meshtorch.plan.gpus.GPUS: {kind.word}, dense {precision}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if not a.dry_run and not torch.cuda.is_available():
@@ -585,11 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.dry_run:
         nominal, source = None, "none on the CPU"
     else:
-        # the rate of the run's matmuls: bf16 tensor cores, or plain fp32 (PyTorch leaves TF32 off)
-        kind = gpu_kind(name)
-        nominal = (kind.bf16_flops if a.precision == "bf16" else kind.fp32_flops) if kind else None
-        source = (f"meshtorch.plan.gpus.GPUS: {kind.word}, dense {a.precision}" if kind
-                  else f"'{name}' is not in meshtorch.plan.gpus.GPUS: pass --peak-tflops")
+        nominal, source = nominal_rate(name, a.precision)
     mm_dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     mm_n = 256 if a.dry_run else 8192
     with torch.device(device):

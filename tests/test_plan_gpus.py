@@ -1,8 +1,8 @@
 """meshtorch.plan.gpus: the one table of GPU names and their data sheets' rates. Each GPU is priced
 with its own rates wherever a GPU is chosen (``--hardware``, ``meshtorch train --rules auto`` by the
-name CUDA gives, the calibration's link, gpu_step's nominal rate); one that is not in the table is
-an error naming the fix, never another GPU's price. No GPU here: ``torch.cuda.get_device_name`` is
-mocked."""
+name CUDA gives, the calibration's link; gpu_step's nominal rate is its doctest's); one that is not
+in the table is an error naming the fix, never another GPU's price. No GPU here:
+``torch.cuda.get_device_name`` is mocked."""
 
 from __future__ import annotations
 
