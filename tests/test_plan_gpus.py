@@ -108,10 +108,15 @@ def test_a_plan_on_h100_pcie_costs_what_its_rates_say(capsys):
     flags = ["plan", "--d-model", "2048", "--heads", "16", "--d-kv", "128", "--d-ff", "8192", "--layers", "1",
              "--batch", "8", "--length", "1024", "--vocab", "64", "--mesh", "b:1", "--rules", "batch:b",
              "--precision", "bf16", "--no-layered", "--json"]
-    plans = {}
+    plans, notes = {}, {}
     for hardware in ("h100", "h100-pcie", "NVIDIA L4"):
         assert main([*flags, "--hardware", hardware]) == 0
-        plans[hardware] = json.loads(capsys.readouterr().out)
+        out = capsys.readouterr()
+        plans[hardware], notes[hardware] = json.loads(out.out), out.err
+    # the plan says where the H100's kernel numbers stand in for a GPU's own
+    assert "measured on an H100 SXM" not in notes["h100"]
+    assert "l4 is priced at its data sheet's rates with kernel efficiencies measured on an H100 SXM, " \
+        "assumed for the L4" in notes["NVIDIA L4"]
     assert [p["device"] for p in plans.values()] == ["h100", "h100-pcie", "l4"]
     sxm, pcie, l4 = (plans[h]["compute_terms"]["matmul"] for h in ("h100", "h100-pcie", "NVIDIA L4"))
     assert pcie / sxm == pytest.approx(989 / 756) and l4 / sxm == pytest.approx(989 / 121)

@@ -131,6 +131,27 @@ GPUS: tuple[GPUKind, ...] = (
 FALLBACK_LINK = _pcie(4)
 
 
+# the GPU whose kernel numbers (meshtorch.plan.devices.H100_KERNELS) were measured on it
+KERNELS_MEASURED_ON = "h100"
+
+
+def assumed(kind: GPUKind) -> str:
+    """What the built-in spec of ``kind`` assumes beyond its data sheet, in words ("" if nothing):
+    a roofline kind other than the H100 SXM is priced with the H100 SXM's measured kernel
+    efficiencies (:func:`meshtorch.plan.devices.gpu_spec`).
+
+    Example:
+        >>> assumed(gpu_kind("NVIDIA H100 80GB HBM3")), assumed(gpu_kind("NVIDIA A100-SXM4-80GB"))
+        ('', '')
+        >>> assumed(gpu_kind("NVIDIA L4"))[:44]
+        'kernel efficiencies measured on an H100 SXM'
+    """
+    if not kind.roofline or kind.spec == KERNELS_MEASURED_ON:
+        return ""
+    return (f"kernel efficiencies measured on an H100 SXM, assumed for the {kind.word} (`meshtorch plan "
+            "--calibrate --device cuda` on one measures its own)")
+
+
 def _words(name: str) -> list[str]:
     # one spelling for a name as CUDA gives it and as a file name (gpu_calibration.device_name)
     return [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]

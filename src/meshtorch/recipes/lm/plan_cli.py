@@ -32,10 +32,10 @@ from typing import Any
 
 from meshtorch.errors import PlanError
 from meshtorch.mesh import Mesh
-from meshtorch.plan.devices import DEVICES, calibrate, calibration_path, save_spec
+from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
-from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, gpu_kind, spec_of_gpu
+from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind, spec_of_gpu
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
@@ -107,11 +107,26 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
                         f"calibration at {calibrated}, so the planner has no rates to pick a layout with; "
                         "run `meshtorch plan --calibrate --device cuda` on this machine once (it measures "
                         "the GPU and stores that file), or pass explicit --rules")
-    spec = spec_of_gpu(name)
-    measured = "" if spec == "h100" else (
-        "; kernel efficiencies measured on an H100 SXM, assumed here: meshtorch plan --calibrate "
-        "--device cuda measures this GPU's" if DEVICES[spec].roofline else "")
-    return spec, f"the built-in {spec} spec for {name} (its data sheet's rates{measured})"
+    spec, note = spec_of_gpu(name), assumed(gpu_kind(name))
+    return spec, f"the built-in {spec} spec for {name} (its data sheet's rates{'; ' + note if note else ''})"
+
+
+def assumed_note(hardware: str) -> str | None:
+    """What ``meshtorch plan --hardware`` prints about a built-in GPU spec's assumptions (a key of
+    :data:`~meshtorch.plan.devices.DEVICES` or a GPU's CUDA name: :func:`meshtorch.plan.gpus.assumed`);
+    ``None`` for a device file, ``cpu``, a TPU or a GPU priced by its data sheet alone.
+
+    Example:
+        >>> assumed_note("h100"), assumed_note("l4")[:40], assumed_note("tpu-v2")
+        (None, 'meshtorch plan: l4 is priced at its data', None)
+    """
+    text = os.fspath(hardware)
+    if text.endswith(".json") or os.sep in text:
+        return None
+    kind = gpu_kind(text)
+    if kind is None or not assumed(kind):
+        return None
+    return f"meshtorch plan: {kind.spec} is priced at its data sheet's rates with {assumed(kind)}"
 
 
 def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainConfig, dict[str, Any] | None]:
@@ -286,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
         if not (args.mesh or args.search):
             return 0
     cfg, vocab = config_of(args)
+    note = assumed_note(args.hardware)
+    if note:
+        print(note, file=sys.stderr)
     par = cfg.parallelism
     compiled = cfg.run.compile
     # the collective buffers of the run planned: NCCL's with --backend torch --device cuda
