@@ -146,6 +146,7 @@ def test_an_unknown_gpu_calibrated_alone_gets_a_pcie_link_and_is_told_so():
 def test_every_row_is_found_by_its_own_words_and_builds_its_spec(kind, monkeypatch):
     name = f"NVIDIA {kind.word}"
     assert gpu_kind(name) == kind   # no other row takes its name
+    assert gpu_kind(kind.spec) == kind and device(kind.spec) is device(name)   # its spec's key names it too
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert spec_of_gpu(device_name(torch.device("cuda", 0))) == kind.spec
     spec = DEVICES[kind.spec]
