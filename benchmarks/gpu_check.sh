@@ -97,9 +97,13 @@ fi
 
 # ---- planned vs measured: what gpu_step measured, planned on the built-in spec and on the calibration
 if [ -f "$RESULTS/gpu_step.json" ]; then
-    kind=$("$PY" -c "import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ''
-print('a100' if 'a100' in n else 'h100')")
-    hardware=(--hardware "$kind")
+    # the built-in spec of this GPU's kind (meshtorch.plan.gpus; none for a GPU not in its table, which
+    # is then compared with its calibration alone); the dry run prices the CPU's rows as an h100
+    kind=$("$PY" -c "import torch; from meshtorch.plan.gpus import gpu_kind
+k = gpu_kind(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+print(k.spec if k else ('' if torch.cuda.is_available() else 'h100'))")
+    hardware=()
+    [ -n "$kind" ] && hardware+=(--hardware "$kind")
     [ -f "$CALIBRATION" ] && hardware+=(--hardware "$CALIBRATION")
     echo "== planned vs measured: plan_vs_gpu_step.py ${hardware[*]}"
     timeout -k 5 60 "$PY" benchmarks/plan_vs_gpu_step.py --results "$RESULTS" "${hardware[@]}"

@@ -37,7 +37,8 @@ with N the parameters less the learned position table (a lookup, not a matmul); 
 table is counted once, as the output projection's matmul. The second term is attention's two
 score products (QK^T and AV, forward and backward) over the whole length: the half the causal
 mask skips is counted, as PaLM does. MFU = FLOPs per step / step time / peak, against (a) the
-GPU's nominal dense bf16 rate (the library's table :data:`meshtorch.plan.gpus.GPUS` by
+GPU's nominal dense rate in the run's precision (bf16 tensor cores, or plain fp32 with
+``--precision fp32``: the library's table :data:`meshtorch.plan.gpus.GPUS` by
 ``torch.cuda.get_device_name()``, or ``--peak-tflops``) and (b) the rate of 8192³ bf16 matmuls
 measured at the start of the run: what the GPU's matmuls reach at best here, so "% of matmul peak"
 says how believable a figure is.
@@ -568,6 +569,24 @@ def run_size(size_name: str, a: argparse.Namespace, report: dict[str, Any], out:
 
 
 
+def nominal_rate(name: str, precision: str) -> tuple[float | None, str]:
+    """The data sheet's dense FLOP/s of the GPU called ``name`` for the run's matmuls (``precision``
+    bf16: its tensor cores; fp32: plain fp32, PyTorch leaving TF32 off), and where it comes from;
+    ``None`` for a GPU not in :data:`meshtorch.plan.gpus.GPUS`.
+
+    Example:
+        >>> nominal_rate("NVIDIA H100 PCIe", "bf16")
+        (756000000000000.0, 'meshtorch.plan.gpus.GPUS: H100 PCIe, dense bf16')
+        >>> nominal_rate("NVIDIA L4", "fp32")[0], nominal_rate("NVIDIA GeForce RTX 4090", "bf16")[0]
+        (30300000000000.0, None)
+    """
+    kind = gpu_kind(name)
+    if kind is None:
+        return None, f"'{name}' is not in meshtorch.plan.gpus.GPUS: pass --peak-tflops"
+    return (kind.bf16_flops if precision == "bf16" else kind.fp32_flops,
+            f"meshtorch.plan.gpus.GPUS: {kind.word}, dense {precision}")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if not a.dry_run and not torch.cuda.is_available():
@@ -584,10 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     elif a.dry_run:
         nominal, source = None, "none on the CPU"
     else:
-        kind = gpu_kind(name)
-        nominal = kind.bf16_flops if kind else None
-        source = ("meshtorch.plan.gpus.GPUS" if kind
-                  else f"'{name}' is not in meshtorch.plan.gpus.GPUS: pass --peak-tflops")
+        nominal, source = nominal_rate(name, a.precision)
     mm_dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
     mm_n = 256 if a.dry_run else 8192
     with torch.device(device):

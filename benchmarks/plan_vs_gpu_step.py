@@ -1,7 +1,8 @@
 """Planned vs measured on the GPU this machine has: the planner's step time and peak memory for
 every size and variant ``benchmarks/gpu_step.py`` measured (its ``gpu_step.json``), priced with
-each ``--hardware`` given: the built-in spec of the GPU's kind, and the device file ``meshtorch
-plan --calibrate --device cuda`` wrote on it (``benchmarks/gpu_check.sh`` passes both).
+each ``--hardware`` given: the built-in spec of the GPU's kind (its data sheet's rates,
+:data:`meshtorch.plan.gpus.GPUS`; the default, found by the GPU's name in the file), and the device
+file ``meshtorch plan --calibrate --device cuda`` wrote on it (``benchmarks/gpu_check.sh`` passes both).
 
 Each variant is planned as the step it ran: ``meshtorch-*`` is the trainer's own step
 (``gpu_step.train_config``: the recipe's model, AdamW, clipping, the run's precision), traced for
@@ -14,7 +15,7 @@ target on a GPU), measured (``max_memory_allocated``) and planned peak GiB and t
 plan's terms. A measurement, not a check: exit 0 whatever the ratios, 2 without the measurements.
 With ``gpu_step.py --dry-run``'s file (the tiny model on the CPU) it runs the same code on the CPU.
 
-    python benchmarks/plan_vs_gpu_step.py --results benchmarks/results --hardware h100 \
+    python benchmarks/plan_vs_gpu_step.py --results benchmarks/results --hardware h100-pcie \
         --hardware benchmarks/results/gpu-calibration.json
 """
 
@@ -30,6 +31,7 @@ from gpu_step import train_config  # noqa: E402 - the one definition of the benc
 
 from meshtorch.plan.devices import device  # noqa: E402
 from meshtorch.plan.estimate import from_trace  # noqa: E402
+from meshtorch.plan.gpus import gpu_kind  # noqa: E402
 from meshtorch.plan.layered import whole_trace  # noqa: E402
 from meshtorch.recipes.lm.steps import training_step  # noqa: E402
 
@@ -79,15 +81,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", default="benchmarks/results",
                     help="where gpu_step.json is (and the .md goes)")
     ap.add_argument("--hardware", action="append", default=None,
-                    help="a spec name (h100, a100) or a device file; repeat to compare (default h100)")
+                    help="a spec name (h100, h100-pcie, l4, ...: meshtorch.plan.gpus) or a device file; "
+                    "repeat to compare (default: the spec of the GPU gpu_step.py measured)")
     args = ap.parse_args(argv)
     src = Path(args.results) / "gpu_step.json"
     if not src.exists():
         print(f"plan_vs_gpu_step: no {src}: run benchmarks/gpu_step.py first")
         return 2
     report = json.loads(src.read_text())
+    hardware_list = args.hardware
+    if not hardware_list:   # the built-in spec of the GPU measured (its data sheet's rates)
+        name = report["environment"]["device_name"]
+        if report.get("dry_run"):
+            hardware_list = ["h100"]   # the CPU stands in: any GPU spec runs the same code
+        else:
+            kind = gpu_kind(name)
+            if kind is None:
+                print(f"plan_vs_gpu_step: {name!r} is not in meshtorch.plan.gpus.GPUS: pass --hardware FILE "
+                      "(meshtorch plan --calibrate --device cuda writes one)")
+                return 2
+            hardware_list = [kind.spec]
     out = []
-    for hardware in args.hardware or ["h100"]:
+    for hardware in hardware_list:
         out += table(report, hardware)
     text = "\n".join(out)
     print(text)

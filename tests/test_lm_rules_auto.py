@@ -12,9 +12,9 @@ import torch
 
 from meshtorch import cli
 from meshtorch.checkpoint.index import read_index
-from meshtorch.errors import ArgumentError
+from meshtorch.errors import ArgumentError, PlanError
 from meshtorch.mesh import Mesh
-from meshtorch.recipes.lm import TrainConfig
+from meshtorch.recipes.lm import TrainConfig, plan_cli
 from meshtorch.recipes.lm.generate import generate_from_checkpoint
 from meshtorch.recipes.lm.plan_cli import hardware_of_run
 from run_harness import tiny_train, write_corpus
@@ -151,13 +151,21 @@ def test_rules_auto_cannot_be_read_before_it_is_resolved():
 @pytest.mark.parametrize("gpu, spec, note", [
     ("NVIDIA H100 80GB HBM3", "h100", "for NVIDIA H100"),
     ("NVIDIA A100-SXM4-80GB", "a100", "for NVIDIA A100"),
-    ("NVIDIA GeForce RTX 4090", "h100", "RTX 4090 has no spec of its own"),
+    ("NVIDIA H100 PCIe", "h100-pcie", "for NVIDIA H100 PCIe"),
+    ("NVIDIA L4", "l4", "for NVIDIA L4"),
 ])
 def test_rules_auto_prices_the_gpu_the_run_is_on(gpu, spec, note, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
     hardware, source = hardware_of_run(TrainConfig.of(device="cuda"), 2)
     assert hardware == spec and note in source
     assert hardware_of_run(TrainConfig.of(device="cpu"), 2)[0] == "cpu"
+
+
+def test_rules_auto_on_a_gpu_without_rates_says_how_to_get_them(monkeypatch, tmp_path):
+    monkeypatch.setattr(plan_cli, "gpu_calibration_path", lambda file_name: tmp_path / f"{file_name}.json")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA GeForce RTX 4090")
+    with pytest.raises(PlanError, match="4090' is not in meshtorch.plan.gpus.GPUS.*--calibrate --device"):
+        hardware_of_run(TrainConfig.of(device="cuda"), 2)
 
 
 def _train_auto(cfg, disagree):

@@ -1,42 +1,154 @@
-"""meshtorch.plan.gpus: the one table of GPU names. Each row's name gives its nominal rate (what
-benchmarks/gpu_step.py reports MFU against) and the built-in spec that ``meshtorch train --rules
-auto`` prices the run with and ``meshtorch plan --calibrate`` takes a measured GPU's links from."""
+"""meshtorch.plan.gpus: the one table of GPU names and their data sheets' rates. Each GPU is priced
+with its own rates wherever a GPU is chosen (``--hardware``, ``meshtorch train --rules auto`` by the
+name CUDA gives, the calibration's link; gpu_step's nominal rate is its doctest's); one that is not
+in the table is an error naming the fix, never another GPU's price. No GPU here:
+``torch.cuda.get_device_name`` is mocked."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from meshtorch.plan.devices import DEVICES
-from meshtorch.plan.gpu_calibration import device_name
-from meshtorch.plan.gpus import DEFAULT_GPU_SPEC, GPUS, gpu_kind, spec_of_gpu
+from meshtorch.errors import PlanError
+from meshtorch.plan.devices import DEVICES, H100_KERNELS, device
+from meshtorch.plan.gpu_calibration import device_name, unmeasured_link
+from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, gpu_kind, spec_of_gpu
+from meshtorch.plan.kernels import matmul_efficiency, roofline_seconds
 from meshtorch.recipes.lm import TrainConfig, plan_cli
 
+# names as torch.cuda.get_device_name() gives them, the spec each is, and its data sheet's dense
+# bf16 TFLOP/s, memory GB and memory bandwidth TB/s (typed from the data sheets, not from the table)
+NAMES = [
+    ("NVIDIA H100 80GB HBM3", "h100", 989, 80, 3.35), ("NVIDIA H100 PCIe", "h100-pcie", 756, 80, 2.0),
+    ("NVIDIA H100 NVL", "h100-nvl", 835, 94, 3.9), ("NVIDIA H200", "h200", 989, 141, 4.8),
+    ("NVIDIA H200 NVL", "h200-nvl", 835, 141, 4.8), ("NVIDIA H800", "h800", 989, 80, 3.35),
+    ("NVIDIA H800 PCIe", "h800-pcie", 756, 80, 2.0), ("NVIDIA B200", "b200", 2250, 180, 7.7),
+    ("NVIDIA A100-SXM4-80GB", "a100", 312, 80, 2.039), ("NVIDIA A100-SXM4-40GB", "a100-40gb", 312, 40, 1.555),
+    ("NVIDIA A100 80GB PCIe", "a100-pcie", 312, 80, 1.935),
+    ("NVIDIA A100-PCIE-40GB", "a100-pcie-40gb", 312, 40, 1.555),
+    ("NVIDIA A800-SXM4-80GB", "a800", 312, 80, 2.039), ("NVIDIA A800 80GB PCIe", "a800-pcie", 312, 80, 1.935),
+    ("NVIDIA L40S", "l40s", 362, 48, 0.864), ("NVIDIA L4", "l4", 121, 24, 0.3)]
+UNKNOWN = ["NVIDIA GeForce RTX 4090", "NVIDIA L40", "NVIDIA GH200 480GB", "Tesla V100-SXM2-16GB"]
 
-@pytest.mark.parametrize(("name", "tflops"), [
-    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L4", 121), ("NVIDIA L40S", 362),
-    ("NVIDIA GeForce RTX 3060", None)])
-def test_nominal_rate_by_device_name(name, tflops):
-    kind = gpu_kind(name)
-    assert (kind if kind is None else kind.bf16_flops / 1e12) == tflops
 
-
-@pytest.mark.parametrize("kind", GPUS, ids=lambda kind: kind.word)
-def test_every_gpu_name_maps_to_the_spec_the_planner_prices_it_with(kind, monkeypatch, tmp_path):
-    name = f"NVIDIA {kind.word}"
-    assert gpu_kind(name) == kind   # no earlier row takes its name
-    spec = kind.spec or DEFAULT_GPU_SPEC
-    assert spec in DEVICES
-    # meshtorch train --rules auto on that GPU, with no calibration of it stored
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+@pytest.fixture
+def on_gpu(monkeypatch, tmp_path):
+    """``meshtorch train --rules auto``'s view of a machine whose GPU is called the name given, with no
+    calibration of it stored."""
     monkeypatch.setattr(plan_cli, "gpu_calibration_path", lambda file_name: tmp_path / f"{file_name}.json")
-    hardware, source = plan_cli.hardware_of_run(TrainConfig.of(device="cuda"), 1)
-    assert hardware == spec
-    assert ("has no spec of its own" in source) == (kind.spec is None)
-    # meshtorch plan --calibrate keeps the links of the spec of the file-name spelling of the name
-    file_name = device_name(torch.device("cuda", 0))
-    assert spec_of_gpu(file_name) == spec_of_gpu(name) == (spec, kind.spec is not None)
-    # the data sheet's rate of the part a built-in spec describes is that spec's
-    if kind.word.lower() == kind.spec:
-        assert DEVICES[kind.spec].peak_flops["bfloat16"] == kind.bf16_flops
+
+    def run_on(name: str) -> tuple[str, str]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+        return plan_cli.hardware_of_run(TrainConfig.of(device="cuda"), 1)
+
+    return run_on
+
+
+@pytest.mark.parametrize(("name", "spec", "tflops", "gb", "tbs"), NAMES, ids=[n[1] for n in NAMES])
+def test_a_gpu_detected_by_its_cuda_name_is_priced_with_its_data_sheet(name, spec, tflops, gb, tbs, on_gpu):
+    assert spec_of_gpu(name) == spec and gpu_kind(name).bf16_flops == tflops * 1e12
+    # the file-name spelling of the name (meshtorch plan --calibrate's) finds the same row
+    assert spec_of_gpu(name.lower().replace(" ", "-")) == spec
+    hardware, source = on_gpu(name)
+    assert hardware == spec and f"the built-in {spec} spec for {name}" in source
+    got = device(hardware)
+    assert got is DEVICES[spec] and device(name) is got and got.name == spec
+    assert got.peak_flops["bfloat16"] == got.peak_flops["float16"] == tflops * 1e12
+    assert got.memory_bytes == gb * 10 ** 9 and got.memory_bandwidth == pytest.approx(tbs * 1e12)
+    # the H100's kernel numbers are assumed on the other roofline GPUs, and the source says so
+    assert ("measured on an H100 SXM, assumed" in source) == (got.roofline and spec != "h100")
+
+
+@pytest.mark.parametrize(("spec", "fp32", "link_gbs", "nvlink"), [
+    ("h100", 67, 450, True), ("h100-pcie", 51, 64, False), ("b200", 75, 900, True), ("h800", 67, 200, True),
+    ("a100", 19.5, 300, True), ("a100-pcie", 19.5, 32, False), ("l4", 30.3, 32, False)])
+def test_fp32_rate_and_link_are_the_data_sheets(spec, fp32, link_gbs, nvlink):
+    got = DEVICES[spec]
+    assert got.peak_flops["float32"] == fp32 * 1e12
+    # each way: half the data sheet's both-ways NVLink or PCIe x16 figure
+    assert got.default_link.bandwidth == link_gbs * 1e9
+    assert got.default_link.latency == (5e-6 if nvlink else 10e-6)
+
+
+def _mm(m: int, n: int, k: int) -> tuple:
+    """The tracer's kernel key of one bf16 [m, k] @ [k, n] product (plan/kernels.py)."""
+    return ("mm", "bfloat16", 2 * m * n * k, 2 * (m * k + k * n + m * n), (1, m, n, k), 1, 0)
+
+
+def test_one_matmul_is_priced_at_each_gpus_own_rate():
+    m = n = k = 8192
+    flops = 2 * m * n * k
+    eff = H100_KERNELS["achievable"] * matmul_efficiency(m, n, k, H100_KERNELS["matmul_knee"])
+    times = {}
+    # the data sheets' dense bf16 rates; the planner reaches 745/989 of each at this shape's efficiency
+    for spec, peak in (("h100", 989e12), ("h100-pcie", 756e12), ("l4", 121e12)):
+        t = roofline_seconds({_mm(m, n, k): 1}, 0, DEVICES[spec])
+        assert t["matmul"] == pytest.approx(flops / (peak * eff), rel=1e-12), spec
+        assert t["memory"] == 0.0   # compute-bound on all three
+        times[spec] = t["matmul"]
+    assert times["h100-pcie"] / times["h100"] == pytest.approx(989 / 756)   # not the SXM's 989
+    assert times["l4"] / times["h100"] == pytest.approx(989 / 121)          # not an H100's
+    assert 1.4e-3 < times["h100"] < 1.6e-3 and 11e-3 < times["l4"] < 13e-3  # 1.1 TFLOP: ~1.5 ms / ~12 ms
+
+
+def test_a_memory_bound_op_is_priced_at_each_gpus_own_bandwidth():
+    add = ("add", "bfloat16", 0, 3 * 2 ** 30, (), 1, 0)
+    for spec, hbm in (("h100", 3.35e12), ("h100-pcie", 2.0e12), ("l4", 0.3e12), ("b200", 7.7e12)):
+        # the H100 SXM's copy reached 3.0 of its 3.35 TB/s: the same fraction of each GPU's own
+        got = roofline_seconds({add: 1}, 0, DEVICES[spec])["memory"]
+        assert got == pytest.approx(3 * 2 ** 30 / (hbm * 3.0 / 3.35)), spec
+
+
+def test_a_plan_on_h100_pcie_costs_what_its_rates_say(capsys):
+    from meshtorch.cli import main
+
+    # large enough that every matmul is compute-bound on all three (the memory-bound ops scale apart)
+    flags = ["plan", "--d-model", "2048", "--heads", "16", "--d-kv", "128", "--d-ff", "8192", "--layers", "1",
+             "--batch", "8", "--length", "1024", "--vocab", "64", "--mesh", "b:1", "--rules", "batch:b",
+             "--precision", "bf16", "--no-layered", "--json"]
+    plans, notes = {}, {}
+    for hardware in ("h100", "h100-pcie", "NVIDIA L4"):
+        assert main([*flags, "--hardware", hardware]) == 0
+        out = capsys.readouterr()
+        plans[hardware], notes[hardware] = json.loads(out.out), out.err
+    # the plan says where the H100's kernel numbers stand in for a GPU's own
+    assert "measured on an H100 SXM" not in notes["h100"]
+    assert "l4 is priced at its data sheet's rates with kernel efficiencies measured on an H100 SXM, " \
+        "assumed for the L4" in notes["NVIDIA L4"]
+    assert [p["device"] for p in plans.values()] == ["h100", "h100-pcie", "l4"]
+    sxm, pcie, l4 = (plans[h]["compute_terms"]["matmul"] for h in ("h100", "h100-pcie", "NVIDIA L4"))
+    assert pcie / sxm == pytest.approx(989 / 756) and l4 / sxm == pytest.approx(989 / 121)
+    assert plans["NVIDIA L4"]["memory_bytes"]["capacity"] < plans["h100"]["memory_bytes"]["capacity"] / 3
+
+
+@pytest.mark.parametrize("name", UNKNOWN)
+def test_an_unknown_gpu_is_an_error_naming_the_fix_not_an_h100(name, on_gpu):
+    assert gpu_kind(name) is None
+    with pytest.raises(PlanError, match="meshtorch plan --calibrate --device cuda"):
+        spec_of_gpu(name)
+    with pytest.raises(PlanError, match=f"--rules auto: the GPU '{name}' is not in .*explicit --rules"):
+        on_gpu(name)
+    with pytest.raises(PlanError, match="unknown device"):
+        device(name)
+
+
+def test_an_unknown_gpu_calibrated_alone_gets_a_pcie_link_and_is_told_so():
+    # measure_gpu on one GPU keeps its kind's data-sheet link; a GPU not in the table PCIe 4.0's
+    assert unmeasured_link("nvidia-h100-pcie") == DEVICES["h100-pcie"].default_link
+    assert unmeasured_link("nvidia-geforce-rtx-4090").bandwidth == FALLBACK_LINK["link_bandwidth"] == 32e9
+    assert "PCIe 4.0 x16 64 GB/s assumed" in plan_cli._link_source("nvidia-geforce-rtx-4090", 1)
+    assert "NVLink 900 GB/s of the h100 spec" in plan_cli._link_source("nvidia-h100-80gb-hbm3", 1)
+
+
+@pytest.mark.parametrize("kind", GPUS, ids=lambda kind: kind.spec)
+def test_every_row_is_found_by_its_own_words_and_builds_its_spec(kind, monkeypatch):
+    name = f"NVIDIA {kind.word}"
+    assert gpu_kind(name) == kind   # no other row takes its name
+    assert gpu_kind(kind.spec) == kind and device(kind.spec) is device(name)   # its spec's key names it too
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert spec_of_gpu(device_name(torch.device("cuda", 0))) == kind.spec
+    spec = DEVICES[kind.spec]
+    assert spec.peak_flops["bfloat16"] == kind.bf16_flops and spec.memory_bytes == kind.memory_bytes
+    assert spec.roofline == kind.roofline

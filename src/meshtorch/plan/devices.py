@@ -10,11 +10,12 @@ CPU thread-processor). Sources of the numbers:
   domain-specific supercomputer for training deep neural networks", CACM 2020).
 - TPU v3 core: 16 GiB HBM (32 GiB a chip), 61.5 TFLOP/s bf16 (123 a chip),
   HBM 900 GB/s a chip, links 656 Gbit/s (same source).
-- A100 SXM 80GB: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s fp32 (PyTorch leaves
-  TF32 matmuls off by default), 2.0 TB/s HBM, NVLink 3 600 GB/s both
-  directions = 300 GB/s each way (NVIDIA A100 datasheet).
-- H100 SXM 80GB: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 3.35 TB/s HBM,
-  NVLink 4 900 GB/s both directions = 450 GB/s each way (NVIDIA H100 datasheet).
+- GPUs: every kind in :data:`meshtorch.plan.gpus.GPUS` (``h100``, ``h100-pcie``, ``h100-nvl``,
+  ``h200``, ``h200-nvl``, ``h800``, ``h800-pcie``, ``b200``, ``a100``, ``a100-40gb``,
+  ``a100-pcie``, ``a100-pcie-40gb``, ``a800``, ``a800-pcie``, ``l40s``, ``l4``) is a spec of its
+  own data sheet's rates (dense bf16 and fp32 FLOP/s, memory, memory bandwidth, NVLink or PCIe;
+  sources there), built by :func:`gpu_spec`. fp32 is the plain fp32 rate: PyTorch leaves TF32
+  matmuls off by default.
 - ``cpu``: this machine, measured once (a matmul and a copy, well under a
   second) and stored (:func:`calibrate`, ``meshtorch plan --calibrate``), so
   plans do not change with the load; the threads backend's processors share it.
@@ -48,6 +49,7 @@ from meshtorch.context import processor_device
 from meshtorch.errors import PlanError
 from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION, usable_bytes
 from meshtorch.plan.cost import collective_seconds
+from meshtorch.plan.gpus import GPUS, GPUKind, gpu_kind
 
 GiB = 2 ** 30
 
@@ -158,6 +160,37 @@ GPU_MEMORY: dict[str, float] = {"memory_margin": FRAGMENTATION, "context_bytes":
 H100_KERNELS: dict[str, float] = {
     "achievable": 745 / 989, "copy_bandwidth": 3.0e12, "matmul_knee": 24.0,
     "attention_efficiency": 0.25, "launch_seconds": 3e-6, "sync_seconds": 15e-6, "op_seconds": 8e-6}
+# What the H100 SXM's copy reached of its data sheet's 3.35 TB/s: the fraction another GPU priced
+# with the H100's kernel numbers is assumed to reach of its own bandwidth
+H100_COPY_FRACTION = 3.0e12 / 3.35e12
+
+
+def gpu_spec(kind: GPUKind) -> DeviceSpec:
+    """The built-in spec of one kind of GPU (a row of :data:`meshtorch.plan.gpus.GPUS`): its data
+    sheet's peak FLOP/s (bf16 = fp16, and fp32), memory, memory bandwidth and link, with the
+    caching allocator's margins (:data:`GPU_MEMORY`). A ``roofline`` kind is priced op by op
+    with the H100 SXM's measured kernel numbers (:data:`H100_KERNELS`) as fractions of its own
+    rates: matmuls at ``achievable`` = 745/989 of its own peak, copies at
+    :data:`H100_COPY_FRACTION` of its own bandwidth, the same knee, attention share, launch,
+    sync and host costs. On any GPU but the H100 SXM those are an assumption until ``meshtorch
+    plan --calibrate --device cuda`` measures it. The A100 rows keep the ``a100`` spec's model
+    (FLOPs at half the peak; ``roofline=False``).
+
+    Example:
+        >>> from meshtorch.plan.devices import gpu_spec
+        >>> from meshtorch.plan.gpus import gpu_kind
+        >>> l4 = gpu_spec(gpu_kind("NVIDIA L4"))
+        >>> l4.name, round(l4.flops_per_second("bfloat16") / 1e12, 1), round(l4.achievable_bandwidth / 1e9)
+        ('l4', 91.1, 269)
+    """
+    spec = DeviceSpec(kind.spec, {"bfloat16": kind.bf16_flops, "float16": kind.bf16_flops,
+                                  "float32": kind.fp32_flops},
+                      kind.memory_bytes, kind.memory_bandwidth, Link(kind.link_bandwidth, kind.link_latency),
+                      **GPU_MEMORY)
+    if not kind.roofline:
+        return spec
+    return dataclasses.replace(
+        spec, **{**H100_KERNELS, "copy_bandwidth": kind.memory_bandwidth * H100_COPY_FRACTION})
 
 
 def _spec(name, bf16, fp32, mem, hbm, bw, lat) -> DeviceSpec:
@@ -168,11 +201,7 @@ def _spec(name, bf16, fp32, mem, hbm, bw, lat) -> DeviceSpec:
 DEVICES: dict[str, DeviceSpec] = {
     "tpu-v2": _spec("tpu-v2", 22.5e12, 22.5e12, 8 * GiB, 350e9, 62e9, 2e-6),
     "tpu-v3": _spec("tpu-v3", 61.5e12, 61.5e12, 16 * GiB, 450e9, 82e9, 2e-6),
-    "a100": dataclasses.replace(_spec("a100", 312e12, 19.5e12, 80 * 10 ** 9, 2.0e12, 300e9, 5e-6),
-                                **GPU_MEMORY),
-    "h100": dataclasses.replace(
-        _spec("h100", 989e12, 67e12, 80 * 10 ** 9, 3.35e12, 450e9, 5e-6),
-        **H100_KERNELS, **GPU_MEMORY),
+    **{kind.spec: gpu_spec(kind) for kind in GPUS},
 }
 
 
@@ -568,13 +597,15 @@ def cpu(processors: int = 1) -> DeviceSpec:
 
 
 def device(spec: str | os.PathLike | DeviceSpec, processors: int = 1) -> DeviceSpec:
-    """The :class:`DeviceSpec` named ``spec`` (``tpu-v2``, ``tpu-v3``, ``a100``, ``h100``, ``cpu``),
-    or read from the JSON device file at ``spec`` (see :func:`load_spec`).
+    """The :class:`DeviceSpec` named ``spec``: a key of :data:`DEVICES` (``tpu-v2``, ``tpu-v3``, a
+    GPU's: ``h100``, ``h100-pcie``, ``a100``, ``l4``, ``b200``...), a GPU's name as CUDA gives it
+    (``"NVIDIA H100 PCIe"``: its row of :data:`meshtorch.plan.gpus.GPUS`), ``cpu``, or a JSON
+    device file (see :func:`load_spec`).
 
     Example:
         >>> from meshtorch.plan.devices import device
-        >>> device("h100").peak_flops["bfloat16"]
-        989000000000000.0
+        >>> device("h100").peak_flops["bfloat16"], device("NVIDIA H100 PCIe").name
+        (989000000000000.0, 'h100-pcie')
     """
     if isinstance(spec, DeviceSpec):
         return spec
@@ -584,7 +615,11 @@ def device(spec: str | os.PathLike | DeviceSpec, processors: int = 1) -> DeviceS
     key = text.lower().replace("_", "-")
     if key == "cpu":
         return cpu(processors)
-    if key not in DEVICES:
-        raise PlanError(f"unknown device {text!r}; use one of {sorted(DEVICES) + ['cpu']}, a JSON device "
-                        "file, or pass a meshtorch.plan.DeviceSpec")
-    return DEVICES[key]
+    if key in DEVICES:
+        return DEVICES[key]
+    kind = gpu_kind(text)
+    if kind is not None:
+        return DEVICES[kind.spec]
+    raise PlanError(f"unknown device {text!r}; use one of {sorted(DEVICES) + ['cpu']} (or a GPU's name as "
+                    "torch.cuda.get_device_name() gives it), a JSON device file, or pass a "
+                    "meshtorch.plan.DeviceSpec")

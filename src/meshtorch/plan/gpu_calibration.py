@@ -20,9 +20,11 @@
 - **memory**: the device's total, and what the CUDA context takes outside torch's allocator
   (``context_bytes``: total - free - reserved, on an otherwise idle GPU).
 
-Collectives are not measured (one GPU): the links are those of the built-in spec of the same
-GPU kind (``h100``, ``a100``: :func:`meshtorch.plan.gpus.spec_of_gpu`; another is given the
-``h100``'s) and so is the allocator's fragmentation margin. The same code runs on the CPU
+With one GPU no collective is measured: the link is the data sheet's of the GPU's kind
+(:func:`unmeasured_link`: its row of :data:`meshtorch.plan.gpus.GPUS`, NVLink or PCIe; a GPU not
+in that table is given :data:`~meshtorch.plan.gpus.FALLBACK_LINK`, PCIe 4.0 x16, and ``meshtorch
+plan --calibrate`` says so). The allocator's fragmentation margin is every GPU spec's
+(:data:`~meshtorch.plan.devices.GPU_MEMORY`). The same code runs on the CPU
 (``device="cpu"``, ``quick=True``: tiny sizes, well under a second), which is how it is tested; a
 CPU run is planned with ``--hardware cpu``'s own calibration, not this.
 
@@ -35,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import time
@@ -46,8 +47,8 @@ from typing import Any, Protocol
 import torch
 
 from meshtorch.plan.cost import collective_seconds
-from meshtorch.plan.devices import DEVICES, DeviceSpec, Link
-from meshtorch.plan.gpus import spec_of_gpu
+from meshtorch.plan.devices import DEVICES, GPU_MEMORY, DeviceSpec, Link
+from meshtorch.plan.gpus import FALLBACK_LINK, gpu_kind
 from meshtorch.plan.kernels import matmul_efficiency
 
 Shape = tuple[int, int, int]  # (m, n, k) of an [m, k] @ [k, n] product
@@ -453,17 +454,35 @@ def measure_gpu(device: str | torch.device = "cuda", quick: bool = False, clock:
     attention = attention_rate(dev, QUICK_ATTENTION if quick else ATTENTION, window, clock=clock,
                                launch=launch)
     name = device_name(dev)
-    like = DEVICES[spec_of_gpu(name)[0]]
     if processors is None:
         processors = torch.cuda.device_count() if dev.type == "cuda" else 1
-    link = measure_collectives(dev.type, processors, quick) if processors > 1 else like.default_link
-    return dataclasses.replace(
-        like, name=name, peak_flops=peaks, achievable=1.0, memory_bytes=_memory(dev),
-        memory_bandwidth=bandwidth, copy_bandwidth=bandwidth, matmul_knee=knee,
+    link = measure_collectives(dev.type, processors, quick) if processors > 1 else unmeasured_link(name)
+    return DeviceSpec(
+        name, peaks, _memory(dev), bandwidth, link, achievable=1.0, copy_bandwidth=bandwidth,
+        matmul_knee=knee,
         attention_efficiency=attention / peaks["bfloat16"],
         launch_seconds=max(launch, 1e-9),  # above 0: the spec is priced op by op
-        sync_seconds=sync, op_seconds=op, context_bytes=context_bytes(dev),
-        default_link=link, links={})
+        sync_seconds=sync, op_seconds=op, memory_margin=GPU_MEMORY["memory_margin"],
+        context_bytes=context_bytes(dev))
+
+
+def unmeasured_link(name: str) -> Link:
+    """The link of a GPU called ``name`` (:func:`device_name`'s spelling) where the calibration has no
+    second GPU to measure one over: its data sheet's (:data:`meshtorch.plan.gpus.GPUS`: NVLink or
+    PCIe), or for a GPU not in that table :data:`~meshtorch.plan.gpus.FALLBACK_LINK` (PCIe 4.0 x16),
+    which ``meshtorch plan --calibrate`` says it assumed.
+
+    Example:
+        >>> from meshtorch.plan.gpu_calibration import unmeasured_link
+        >>> unmeasured_link("nvidia-h100-80gb-hbm3").bandwidth / 1e9
+        450.0
+        >>> unmeasured_link("cpu-roofline").bandwidth / 1e9
+        32.0
+    """
+    kind = gpu_kind(name)
+    if kind is not None:
+        return DEVICES[kind.spec].default_link
+    return Link(FALLBACK_LINK["link_bandwidth"], FALLBACK_LINK["link_latency"])
 
 
 def gpu_calibration_path(name: str) -> Path:
@@ -478,4 +497,4 @@ def gpu_calibration_path(name: str) -> Path:
 __all__ = ["Clock", "CudaClock", "HostClock", "attention_flops", "attention_rate", "best_seconds",
            "clock_for", "copy_bandwidth", "fit_link", "fit_matmul", "gpu_calibration_path", "host_seconds",
            "launch_seconds",
-           "matmul_rates", "measure_collectives", "measure_gpu", "work_seconds"]
+           "matmul_rates", "measure_collectives", "measure_gpu", "unmeasured_link", "work_seconds"]

@@ -35,7 +35,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
-from meshtorch.plan.gpus import spec_of_gpu
+from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind, spec_of_gpu
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
@@ -85,8 +85,10 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     """The hardware spec that prices ``cfg``'s run on this machine, and where it comes from: the CPU's
     stored calibration (``--hardware cpu``) when the run computes on the CPU; on a GPU its own
     measurement if ``meshtorch plan --calibrate`` stored one (:func:`gpu_calibration_path`), else the
-    built-in spec of its kind (``a100``, ``h100``: :func:`meshtorch.plan.gpus.spec_of_gpu`; another
-    GPU is priced as an ``h100``, and the note says so).
+    built-in spec of its kind (its data sheet's rates: :func:`meshtorch.plan.gpus.spec_of_gpu`, e.g.
+    ``h100-pcie`` for an H100 PCIe, ``l4`` for an L4). A GPU not in :data:`meshtorch.plan.gpus.GPUS`
+    without a calibration raises :class:`~meshtorch.errors.PlanError` naming the fix (``meshtorch plan
+    --calibrate --device cuda`` on it, or explicit ``--rules``): no GPU is priced as another.
     ``processes``: the run's processors on this machine (``--device auto`` picks CUDA when it has a GPU
     for each)."""
     import torch
@@ -100,11 +102,31 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     calibrated = gpu_calibration_path(device_name(torch.device("cuda", 0)))
     if calibrated.exists():
         return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
-    spec, own = spec_of_gpu(name)
-    if own:
-        return spec, f"the built-in {spec} spec for {name}"
-    return spec, f"the built-in {spec} spec: {name} has no spec of its own (meshtorch plan --calibrate " \
-        "on it measures one)"
+    if gpu_kind(name) is None:
+        raise PlanError(f"--rules auto: the GPU {name!r} is not in meshtorch.plan.gpus.GPUS and has no "
+                        f"calibration at {calibrated}, so the planner has no rates to pick a layout with; "
+                        "run `meshtorch plan --calibrate --device cuda` on this machine once (it measures "
+                        "the GPU and stores that file), or pass explicit --rules")
+    spec, note = spec_of_gpu(name), assumed(gpu_kind(name))
+    return spec, f"the built-in {spec} spec for {name} (its data sheet's rates{'; ' + note if note else ''})"
+
+
+def assumed_note(hardware: str) -> str | None:
+    """What ``meshtorch plan --hardware`` prints about a built-in GPU spec's assumptions (a key of
+    :data:`~meshtorch.plan.devices.DEVICES` or a GPU's CUDA name: :func:`meshtorch.plan.gpus.assumed`);
+    ``None`` for a device file, ``cpu``, a TPU or a GPU priced by its data sheet alone.
+
+    Example:
+        >>> assumed_note("h100"), assumed_note("l4")[:40], assumed_note("tpu-v2")
+        (None, 'meshtorch plan: l4 is priced at its data', None)
+    """
+    text = os.fspath(hardware)
+    if text.endswith(".json") or os.sep in text:
+        return None
+    kind = gpu_kind(text)
+    if kind is None or not assumed(kind):
+        return None
+    return f"meshtorch plan: {kind.spec} is priced at its data sheet's rates with {assumed(kind)}"
 
 
 def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainConfig, dict[str, Any] | None]:
@@ -263,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
               f"{spec.op_seconds * 1e6:.1f} µs of host an op, {spec.sync_seconds * 1e6:.1f} µs a sync, "
               f"{spec.context_bytes / 2 ** 30:.2f} GiB of CUDA context, links "
               f"{spec.default_link.bandwidth / 1e9:.0f} GB/s and {spec.default_link.latency * 1e6:.1f} µs "
-              f"a hop ({'an all_reduce over its GPUs' if torch.cuda.device_count() > 1 else 'built in'}); "
+              f"a hop ({_link_source(spec.name, torch.cuda.device_count())}); "
               f"plan with --hardware {path} "
               "(meshtorch train --rules auto uses it on this GPU)", file=sys.stderr)
         if not (args.mesh or args.search):
@@ -279,6 +301,9 @@ def run(args: argparse.Namespace) -> int:
         if not (args.mesh or args.search):
             return 0
     cfg, vocab = config_of(args)
+    note = assumed_note(args.hardware)
+    if note:
+        print(note, file=sys.stderr)
     par = cfg.parallelism
     compiled = cfg.run.compile
     # the collective buffers of the run planned: NCCL's with --backend torch --device cuda
@@ -335,6 +360,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link_source(name: str, gpus: int) -> str:
+    """Where a GPU calibration's link comes from, for its printout (:func:`measure_gpu`)."""
+    if gpus > 1:
+        return "an all_reduce over its GPUs"
+    kind = gpu_kind(name)
+    if kind is not None:
+        return f"one GPU: the data sheet's {kind.link} of the {kind.spec} spec"
+    return (f"one GPU, not in meshtorch.plan.gpus.GPUS: {FALLBACK_LINK['link']} assumed; put the real link "
+            "in the file's \"link\" if it differs")
+
+
 class _Device(argparse.Action):
     """``meshtorch plan --device``: ``meshtorch train``'s (where the planned run computes: auto, cpu,
     cuda); any other value is the old meaning of the flag here, the hardware to price (now
@@ -373,7 +409,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="token ids (default: what meshtorch train's tokenizer would have: --init-from's "
                    "vocabulary, 264 for bytes, N for bpe:N, 2048 for auto)")
     g.add_argument("--hardware", default="tpu-v2",
-                   help="the hardware to price: tpu-v2, tpu-v3, a100, h100, cpu (this machine, as stored by "
+                   help="the hardware to price: tpu-v2, tpu-v3, a GPU by its data sheet ("
+                   + ", ".join(kind.spec for kind in GPUS) + ": meshtorch.plan.gpus; or its name as CUDA "
+                   "gives it), cpu (this machine, as stored by "
                    "--calibrate) or a JSON device file (peak_flops by dtype, memory_bytes, link, links per "
                    "axis: docs/planner.md)")
     g.add_argument("--calibrate", action="store_true",
