@@ -61,9 +61,23 @@ def test_a_gpu_detected_by_its_cuda_name_is_priced_with_its_data_sheet(name, spe
     assert ("measured on an H100 SXM, assumed" in source) == (got.roofline and spec != "h100")
 
 
-@pytest.mark.parametrize(("spec", "fp32", "link_gbs", "nvlink"), [
-    ("h100", 67, 450, True), ("h100-pcie", 51, 64, False), ("b200", 75, 900, True), ("h800", 67, 200, True),
-    ("a100", 19.5, 300, True), ("a100-pcie", 19.5, 32, False), ("l4", 30.3, 32, False)])
+# every row's plain fp32 TFLOP/s and its link each way in GB/s: half the sheet's both-ways NVLink
+# (H100/H200 900, H800 400, B200 1,800, A100 600, A800 400) or PCIe x16 (5.0: 128, 4.0: 64) figure
+FP32_AND_LINK = [
+    ("h100", 67, 450, True), ("h100-pcie", 51, 64, False), ("h100-nvl", 60, 64, False),
+    ("h200", 67, 450, True), ("h200-nvl", 60, 64, False), ("h800", 67, 200, True),
+    ("h800-pcie", 51, 64, False), ("b200", 75, 900, True), ("a100", 19.5, 300, True),
+    ("a100-40gb", 19.5, 300, True), ("a100-pcie", 19.5, 32, False), ("a100-pcie-40gb", 19.5, 32, False),
+    ("a800", 19.5, 200, True), ("a800-pcie", 19.5, 32, False), ("l40s", 91.6, 32, False),
+    ("l4", 30.3, 32, False)]
+
+
+def test_every_row_has_its_fp32_rate_and_link_typed_here():
+    assert sorted(row[0] for row in FP32_AND_LINK) == sorted(kind.spec for kind in GPUS)
+
+
+@pytest.mark.parametrize(("spec", "fp32", "link_gbs", "nvlink"), FP32_AND_LINK,
+                         ids=[row[0] for row in FP32_AND_LINK])
 def test_fp32_rate_and_link_are_the_data_sheets(spec, fp32, link_gbs, nvlink):
     got = DEVICES[spec]
     assert got.peak_flops["float32"] == fp32 * 1e12

@@ -83,28 +83,61 @@ def _pcie(gen: int) -> dict:
             "link_latency": PCIE_LATENCY}
 
 
-# Sources (NVIDIA's data sheets; "dense" = half the "with sparsity" figures they print):
-# - H100 SXM5 / PCIe / NVL: "NVIDIA H100 Tensor Core GPU" data sheet (nvidia.com/en-us/data-center/
-#   h100): bf16 1,979 / 1,513 / 1,671 TFLOP/s with sparsity = 989 / 756 / 835 dense; fp32 67 / 51 /
-#   60; 80 GB HBM3 3.35 TB/s / 80 GB HBM2e 2.0 TB/s / 94 GB HBM3 3.9 TB/s; NVLink 900 GB/s (SXM);
-#   the PCIe and NVL cards: PCIe 5.0 128 GB/s, NVLink bridges of 600 GB/s join pairs only, so a
-#   mesh axis of more than two cards crosses PCIe: their link here is PCIe's.
-# - H200 SXM / NVL: "NVIDIA H200 Tensor Core GPU" data sheet (nvidia.com/en-us/data-center/h200):
-#   bf16 1,979 / 1,671 with sparsity = 989 / 835 dense; fp32 67 / 60; 141 GB HBM3e 4.8 TB/s; NVLink
-#   900 GB/s (SXM); NVL: 2- or 4-way NVLink bridges, PCIe 5.0 128 GB/s (its link here, as above).
-# - H800 SXM / PCIe: the H100's silicon and rates with NVLink cut to 400 GB/s (NVIDIA H800 product
-#   brief): 989 / 756 dense bf16, 67 / 51 fp32, 80 GB 3.35 / 2.0 TB/s.
-# - B200 (HGX B200): "NVIDIA Blackwell" HGX B200 specifications (nvidia.com/en-us/data-center/hgx):
-#   per GPU FP16/BF16 4.5 PFLOP/s with sparsity = 2.25 dense, fp32 75 TFLOP/s, 180 GB HBM3e at
-#   7.7 TB/s, NVLink 5 1.8 TB/s.
-# - A100 SXM4 / PCIe, 80 GB / 40 GB: "NVIDIA A100 Tensor Core GPU" data sheet
-#   (nvidia.com/en-us/data-center/a100): bf16 312 dense (624 with sparsity), fp32 19.5; HBM2e
-#   2,039 GB/s (SXM 80 GB), 1,935 (PCIe 80 GB), 1,555 (40 GB, both); NVLink 600 GB/s (SXM); PCIe
-#   cards: PCIe 4.0 64 GB/s (NVLink bridges join pairs only). A800: the A100 with NVLink 400 GB/s.
-# - L40S: "NVIDIA L40S" data sheet: bf16 733 with sparsity = 362 dense (366 printed for the
-#   sparse TF32, 183 dense), fp32 91.6; 48 GB GDDR6 864 GB/s; PCIe 4.0 x16, no NVLink.
-# - L4: "NVIDIA L4 Tensor Core GPU" data sheet: bf16 242 with sparsity = 121 dense, fp32 30.3;
-#   24 GB GDDR6 300 GB/s; PCIe 4.0 x16, no NVLink.
+# Sources: NVIDIA's own spec tables, each read through the copy named (the search tools used hold
+# no nvidia.com page itself); every number below checked against them, 2026-11. NVIDIA prints
+# tensor-core rates "with sparsity": the dense rate here is half, rounded down to the TFLOP/s
+# (1,979 -> 989, 1,513 -> 756, 1,671 -> 835; the L40S's printed dense 362.05 -> 362). TF32 is not
+# fp32: fp32 here is the sheet's plain "FP32" row. NVLink and PCIe figures are both-ways totals; a
+# row keeps half, each way. The PCIe and NVL cards' NVLink bridges join 2 cards (H200 NVL: 2 or 4)
+# only, so a mesh axis of more of them crosses PCIe: their link here is PCIe's.
+# - H100 SXM, H100 PCIe: "NVIDIA H100 Tensor Core GPU" datasheet, SXM and PCIe columns
+#   (https://www.nvidia.com/en-us/data-center/h100/), read as HPC Tech's copy of its table
+#   (https://archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html, "* Shown with sparsity"):
+#   BF16 1,979* | 1,513*, FP32 67 | 51, 80 GB | 80 GB, 3,350 | 2,000 GB/s, "NVLink: 900GB/s PCIe
+#   Gen5: 128GB/s" | "NVLINK: 600GB/s PCIe Gen5: 128GB/s". The H100 PCIe product brief
+#   PB-11133-001_v02 (copy: https://manuals.plus/m/d4b5dc21484df3ba8fbe84918338461cc074a3fcebcc
+#   13423eadc2b10ac3bda4) says "greater than 2,000 gigabytes per second" and a 350 W card.
+# - H100 NVL: the same page's later table, columns "H100 SXM | H100 NVL" (per GPU; the first NVL
+#   sheets quoted the pair of cards), read as a public markdown copy of that table: BF16 1,671*,
+#   FP32 60, 94GB, 3.9TB/s, "NVIDIA NVLink: 600GB/s PCIe Gen5: 128GB/s".
+# - H200 SXM, H200 NVL: "NVIDIA H200 Tensor Core GPU" (https://www.nvidia.com/en-us/data-center/
+#   h200/), read as a public markdown copy of its table: BF16 1,979* | 1,671*, FP32 67 | 60,
+#   141GB | 141GB, 4.8TB/s | 4.8TB/s, "NVIDIA NVLink: 900GB/s PCIe Gen5: 128GB/s" | "2- or 4-way
+#   NVIDIA NVLink bridge: 900GB/s per GPU PCIe Gen5: 128GB/s". (A third-party survey says the
+#   H200 datasheet PDF prints 4.2TB/s for the NVL; not read, and a summary of the H200 NVL
+#   product brief PB-12128-001 gives 4,813 GB/s: 4.8 kept.)
+# - H800 SXM, H800 PCIe: NO NVIDIA data sheet found (a third-party survey of NVIDIA's pages
+#   found none either). Rates: the H100 SXM / PCIe sheet's (the same GH100 silicon). The H800's
+#   NVLink, "400 GB/s total aggregate bidirectional", is a third-party article's ("NVIDIA H800 vs
+#   H100: The Invisible Bottlenecks...", reposted at https://www.tumgag.com/tag/nvidia%20h100);
+#   Reuters' first report (March 2023, https://fudzilla.net/news/ai/56578-nvidia-modifies-h100-to-
+#   sell-it-to-china) said "approximately half of the H100". Unverified: calibrate one to price it.
+# - B200: the HGX B200 column of "Individual Blackwell GPU Specifications" on NVIDIA's HGX page
+#   (https://www.nvidia.com/en-us/data-center/hgx/), read as copied at https://zdszero.github.io/
+#   Computer/Artificial_Intelligence/Hardware.html: "FP16/BF16 Tensor Core 4.5 PFLOPS" (a sparse
+#   figure: the table's footnote, "Dense is one-half sparse spec shown"), "FP32 75 TFLOPS",
+#   "180GB HBM3E | 7.7TB/s", "5th Generation NVLink: 1.8TB/s". The DGX B200 page (1,440GB total,
+#   64TB/s: 8 TB/s a GPU) and the GTC 2024 figures (192 GB, 8 TB/s) differ; the HGX ones are kept.
+# - A100 SXM4 / PCIe, 80 GB / 40 GB: "NVIDIA A100 Tensor Core GPU" datasheet
+#   (https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-
+#   us-nvidia-1758950-r4-web.pdf), read as quoted in public notes: "BFLOAT16 Tensor Core 312 TFLOPS
+#   | 624 TFLOPS*", "FP32 19.5 TFLOPS", "GPU Memory Bandwidth: 1,555GB/s | 1,935GB/s | 1,555GB/s |
+#   2,039GB/s" (40GB PCIe | 80GB PCIe | 40GB SXM | 80GB SXM), SXM "NVLink: 600GB/s PCIe Gen4:
+#   64GB/s", PCIe "NVIDIA NVLink Bridge for 2 GPUs: 600GB/s PCIe Gen4: 64GB/s".
+# - A800 SXM4 80 GB, A800 80 GB PCIe: NO NVIDIA data sheet found (NVIDIA's only A800 page is the
+#   A800 40GB Active workstation card, which is not a row here). Rates: the A100 80 GB sheet's;
+#   NVLink 400 GB/s (A100: 600) per the distributor specs Reuters reported on 2022-11-08 (copy:
+#   https://tadviser.com/a/e.php?id=700768). Unverified against NVIDIA's own text.
+# - L40S: "NVIDIA L40S" datasheet (https://www.nvidia.com/en-us/data-center/l40s/), read as the
+#   L40 / L40S table copied at https://www.mullet.se/product.html?product_id=355414: "BFLOAT16
+#   Tensor Core TFLOPS 362.05 | 733*", "FP32 TFLOPS 91.6", "48 GB GDDR6 with ECC", "864GB/s",
+#   "PCIe Gen4 x16: 64GB/s bidirectional"; no NVLink.
+# - L4: "NVIDIA L4 Tensor Core GPU" datasheet (https://www.nvidia.com/en-us/data-center/l4/; copy
+#   https://www.cisco.com/c/dam/en/us/products/collateral/servers-unified-computing/ucs-c-series-
+#   rack-servers/nvidia-l4-gpu.pdf), read as quoted in public notes: "FP32 30.3 teraFLOPs",
+#   "BFLOAT16 Tensor Core 242 teraFLOPS*" ("Specifications are one-half lower without sparsity"),
+#   "GPU memory 24GB", "300GB/s"; PCI Express 4.0 x16 (https://store.sourcecode.com/en-us/
+#   bg-bucket-compare/125/9820); no NVLink.
 GPUS: tuple[GPUKind, ...] = (
     GPUKind("H100", "h100", 989e12, 67e12, 80 * GB, 3.35e12, **_nvlink(900)),
     GPUKind("H100 PCIe", "h100-pcie", 756e12, 51e12, 80 * GB, 2.0e12, **_pcie(5)),
