@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -207,3 +208,22 @@ def test_auto_under_torchrun_every_process_trains_on_the_same_layout(text, tmp_p
     # --mesh auto: torchrun's 2 processes; both pick the same mesh and rules and train alike
     (mesh, rules, loss), other = per_proc
     assert Mesh(mesh).size == 2 and rules != "auto" and other == (mesh, rules, loss)
+
+
+@pytest.mark.parametrize("gpu, reported, refused", [
+    ("NVIDIA A800 40GB Active", 42.4e9, True),  # the table's only A800 rows are 80 GB cards
+    ("NVIDIA A100-SXM4-40GB", 42.4e9, False),  # a 40 GB row of its own
+    ("NVIDIA H100 80GB HBM3", 85.5e9, False),  # CUDA reports GiB-rounded totals above the sheet's GB
+])
+def test_rules_auto_refuses_a_gpu_with_less_memory_than_its_row(gpu, reported, refused, monkeypatch,
+                                                                tmp_path):
+    monkeypatch.setattr(plan_cli, "gpu_calibration_path", lambda file_name: tmp_path / f"{file_name}.json")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: SimpleNamespace(total_memory=int(reported)))
+    if refused:
+        with pytest.raises(PlanError, match=r"reports 42.4 GB of memory, but its row .*\(a800\) has 80 GB"
+                                            r".*--calibrate"):
+            hardware_of_run(TrainConfig.of(device="cuda"), 2)
+    else:
+        assert hardware_of_run(TrainConfig.of(device="cuda"), 2)[0] in ("a100-40gb", "h100")

@@ -35,7 +35,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
-from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind, spec_of_gpu
+from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
@@ -107,8 +107,26 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
                         f"calibration at {calibrated}, so the planner has no rates to pick a layout with; "
                         "run `meshtorch plan --calibrate --device cuda` on this machine once (it measures "
                         "the GPU and stores that file), or pass explicit --rules")
-    spec, note = spec_of_gpu(name), assumed(gpu_kind(name))
+    kind, reported = gpu_kind(name), _reported_memory()
+    if reported is not None and reported < 0.9 * kind.memory_bytes:
+        raise PlanError(
+            f"--rules auto: the GPU {name!r} reports {reported / 1e9:.1f} GB of memory, but its row of "
+            f"meshtorch.plan.gpus.GPUS ({kind.spec}) has {kind.memory_bytes / 1e9:.0f} GB: a smaller variant "
+            "the table does not know, whose layouts would be planned to run out of memory; run `meshtorch "
+            "plan --calibrate --device cuda` on this machine once (it measures this GPU's memory and rates), "
+            "or pass explicit --rules")
+    spec, note = kind.spec, assumed(kind)
     return spec, f"the built-in {spec} spec for {name} (its data sheet's rates{'; ' + note if note else ''})"
+
+
+def _reported_memory() -> int | None:
+    """Bytes of memory the run's first GPU reports; ``None`` where CUDA cannot say (a CPU-only torch)."""
+    import torch
+
+    try:
+        return torch.cuda.get_device_properties(0).total_memory
+    except (AssertionError, RuntimeError):  # torch raises AssertionError when built without CUDA
+        return None
 
 
 def assumed_note(hardware: str) -> str | None:
