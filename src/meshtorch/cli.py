@@ -60,7 +60,8 @@ class CommandParser(argparse.ArgumentParser):
 
 def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """`` (did you mean --batch?)`` for the options among ``extras`` close to one of ``parser``'s."""
-    options = [o for o in parser._option_string_actions if o.startswith("--")]  # argparse has no public list
+    # argparse has no public list of its options: without its private table, no suggestion
+    options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
     close = [m for a in extras if a.startswith("--")
              for m in difflib.get_close_matches(a.partition("=")[0], options, n=1)]
     return f" (did you mean {', '.join(close)}?)" if close else ""
