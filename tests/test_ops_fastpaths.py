@@ -140,3 +140,20 @@ def test_dense_and_tied_output_run_torchs_ops_on_one_processor():
     theirs, ref = _aten_ops(lambda: x32 @ t.t())
     assert ours == theirs, (ours, theirs)
     assert torch.equal(y.to_global(), ref)
+
+
+def test_causal_attention_hands_sdpa_its_inputs_as_views_of_permutes_only():
+    """Causal attention over [batch, length, heads, d_kv] on one processor: a permute of each
+    input, SDPA and a permute back, as torch code does it with transposes (no reshape to the same
+    shape, no no-op key slice), and SDPA's values bitwise."""
+    import torch.nn.functional as F  # noqa: N812
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 5, 3, 4, generator=g) for _ in range(3))
+    mq = mt.from_global(q, "batch:2,length:5,heads:3,d_kv:4")
+    mk, mv = (mt.from_global(t, "batch:2,memory_length:5,heads:3,d_kv:4") for t in (k, v))
+    names, out = _aten_ops(lambda: mt.attention(mq, mk, mv, causal=True))
+    assert names == ["permute.default"] * 3 + ["_scaled_dot_product_flash_attention_for_cpu.default",
+                                                "permute.default"], names
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    assert torch.equal(out.to_global(), ref.transpose(1, 2))
