@@ -90,6 +90,50 @@ def test_binary_broadcast_by_name(i, data):
              [(x, f"p:{a},q:{b}"), (y, f"r:{c},p:{a}")], mesh, rules)
 
 
+@pytest.mark.parametrize("i", range(len(BINARY)))
+@given(data=st.data())
+@SET
+def test_binary_trailing_dims(i, data):
+    """y's dims are x's last ones in x's order (a bias, a per-feature scale): the local slices
+    are broadcast by torch as they are, on every layout of either operand."""
+    mt_fn, torch_fn, positive = BINARY[i]
+    mesh = data.draw(meshes())
+    a, b, c = data.draw(SIZES), data.draw(SIZES), data.draw(SIZES)
+    rules = data.draw(rules_for(mesh, ["p", "q", "r"]))
+    x = rand(a, b, c, seed=1, positive=positive)
+    y = rand(b, c, seed=2, positive=True)
+    check_op(mt_fn, torch_fn, [(x, f"p:{a},q:{b},r:{c}"), (y, f"q:{b},r:{c}")], mesh, rules)
+    # y first: the output's dims are y's then p, so x's are not its last ones: aligned instead
+    check_op(lambda x, y: mt_fn(y, x), lambda x, y: torch_fn(y, x).permute(1, 2, 0),
+             [(x, f"p:{a},q:{b},r:{c}"), (y, f"q:{b},r:{c}")], mesh, rules)
+
+
+def test_trailing_dims_run_the_op_alone_on_one_processor():
+    """A bias add on one processor is one aten op, as ``x + b`` in torch: no permute, reshape or
+    expand of the operands around it (each a Python call into torch, paid cold between the large
+    kernels of a model's forward: issue 27)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = mt.from_global(rand(2, 3, 4), "p:2,q:3,r:4")
+    bias = mt.from_global(rand(4, seed=2), "r:4")
+    with Ops() as ops:
+        y = x + bias
+    assert ops.names == ["add.Tensor"], ops.names
+    assert torch.equal(y.to_global(), x.to_global() + bias.to_global())
+    with Ops() as ops:  # not trailing (r, q against p, q, r): aligned first
+        x * mt.from_global(rand(4, 3, seed=3), "r:4,q:3")
+    assert ops.names != ["mul.Tensor"], ops.names
+
+
 @pytest.mark.parametrize("op, ref", [
     (lambda x, y: x < y, torch.lt), (lambda x, y: x >= y, torch.ge),
     (mt.equal, torch.eq), (mt.not_equal, torch.ne)])

@@ -76,15 +76,24 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
     if is_compiling():  # planned outside the trace, from the shapes' names and sizes
-        out, same_shapes = resolved(_nary_of_constants, tuple(
+        out, same_shapes, trailing = resolved(_nary_of_constants, tuple(
             [None if s is None else (s.names, s.sizes) for s in shapes]), op)
     else:
-        out, same_shapes = _cached_nary(tuple(shapes), op)
+        out, same_shapes, trailing = _cached_nary(tuple(shapes), op)
     tensors = [x for x in xs if isinstance(x, cls)]
     if same_shapes:
         first = tensors[0].layout
         if all(x.layout is first or x.layout == first for x in tensors):
             return cls(fn(*[x.local if isinstance(x, cls) else x for x in xs]), out, first)
+    if trailing:
+        # every operand's dims are the output's last ones in its order (a bias, a scale over the
+        # last dims): torch broadcasts the local slices as they are, to the full-size slice
+        # lower() checks. Aligning them too costs a permute test, a reshape and a size check in
+        # Python per call, which run cold between large kernels (issue 27)
+        def local_fn(view, *ls):
+            return fn(*ls)
+
+        return lower(op, tensors, out, local_fn)
     names = out.names
 
     def local_fn(view, *ls):
@@ -103,21 +112,29 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
 _NARY = BoundedCache(4096)
 
 
-def _cached_nary(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:
+def _cached_nary(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool, bool]:
     plan = _NARY.get(shapes)
     return _NARY.put(shapes, _nary_plan(shapes, op)) if plan is None else plan
 
 
-def _nary_of_constants(shapes: tuple, op: str) -> tuple[Shape, bool]:
+def _nary_of_constants(shapes: tuple, op: str) -> tuple[Shape, bool, bool]:
     return _cached_nary(tuple([None if s is None else Shape(zip(*s)) for s in shapes]), op)
 
 
-def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool]:
+def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool, bool]:
+    """The broadcast shape; whether every operand has it; whether there are only MeshTensor
+    operands and each one's dims are the broadcast shape's last ones, in order (torch's own
+    broadcasting then lines their local slices up)."""
     present = [s for s in shapes if s is not None]
     if not present:
         raise ShapeError(f"{op} needs at least one MeshTensor operand")
     out = broadcast_shape(*present)
-    return out, all(s == out for s in present)
+    names = out.names
+    trailing = len(present) == len(shapes) and all(
+        s.names == names[len(names) - len(s.names):] for s in present)
+    return out, all(s == out for s in present), trailing
+
+
 
 
 def binary_op(fn: Callable[..., torch.Tensor], op: str) -> Callable[..., MeshTensor]:

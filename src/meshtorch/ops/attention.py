@@ -143,15 +143,17 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     def local_fn(view, ql, kl, vl, bl=None):
         lead = [view.size(d) for d in others]
         rows = math.prod(lead)
-        qs = ql.permute(q_perm).reshape(rows, *ql.permute(q_perm).shape[-3:])
-        ks, vs = (t.permute(k_perm).reshape(rows, *t.permute(k_perm).shape[-3:]) for t in (kl, vl))
+        qs, ks, vs = ql.permute(q_perm), kl.permute(k_perm), vl.permute(k_perm)
+        if len(others) != 1:  # one other dim (the batch) is the rows already: no view to make
+            qs, ks, vs = (t.reshape(rows, *t.shape[-3:]) for t in (qs, ks, vs))
         n, keys = qs.shape[-2], ks.shape[-2]
         mask, is_causal = None, False
         if causal:
             first = offset + view.start(seq)
             # keys after the last local query are never seen: leave them out
-            keys = max(0, min(keys, first + n))
-            ks, vs = ks[..., :keys, :], vs[..., :keys, :]
+            if first + n < keys:
+                keys = max(0, first + n)
+                ks, vs = ks[..., :keys, :], vs[..., :keys, :]
             if first == 0:
                 is_causal = True
             elif not (n == 1 and first >= keys - 1):
@@ -180,9 +182,9 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
             zero = sum(t.sum() for t in (qs, ks, vs) + (() if mask is None or mask.dtype == torch.bool
                                                          else (mask,))) * 0
             out = zero + qs.new_zeros(*qs.shape[:-1], vs.shape[-1])
-            return out.reshape(*lead, *out.shape[-3:]).permute(back)
-        out = _sdpa(qs, ks, vs, mask, is_causal, scale, gqa)
-        return out.reshape(*lead, *out.shape[-3:]).permute(back)
+        else:
+            out = _sdpa(qs, ks, vs, mask, is_causal, scale, gqa)
+        return (out if len(others) == 1 else out.reshape(*lead, *out.shape[-3:])).permute(back)
 
     inputs = [q, k, v] + ([bias] if bias is not None else [])
     return lower("attention", inputs, q.shape, local_fn, whole=whole, name=name)

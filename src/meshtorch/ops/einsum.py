@@ -222,9 +222,14 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
             # output layer); the local slices keep the shape's dim order, so this holds on any mesh
             if x_trailing and (w_leading or w_trailing):
+                if k == 1 and w.dim() == 2:
+                    # x @ W (or x @ Tᵀ) as one call into torch: matmul folds x's leading dims into
+                    # the same mm (a view of x, an _unsafe_view of the result) in C++; spelling
+                    # the reshape, mm and view out here cost three Python-to-torch calls and a
+                    # torch.Size per layer, which run cold between large kernels (issue 27)
+                    return torch.matmul(x, w if w_leading else w.t())
                 # one mm on [rows, k] x [k, n], reshaping (viewing, where the slices allow) only
-                # what is not 2-D already: the mm that torch.matmul folds x @ W into, without
-                # matmul's own views around it
+                # what is not 2-D already: the mm that torch.matmul folds x @ W into
                 if w_leading:
                     size_k, out = math.prod(w.shape[:k]), (*x.shape[: x.dim() - k], *w.shape[k:])
                     w2 = w if w.dim() == 2 else w.reshape(size_k, -1)
