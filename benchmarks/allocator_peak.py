@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import inspect
+import itertools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -45,10 +46,15 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 _CALL = "meshtorch_collective"  # the profiler's window around each torch.distributed call
+# an asynchronous call's issue and its wait, paired by a number: "meshtorch_issue_7", "meshtorch_wait_7"
+_ISSUE, _WAIT = "meshtorch_issue_", "meshtorch_wait_"
+_issues = itertools.count()
 
 
 def _peaks(prof, names: list[str]) -> list[int]:
     events, windows, calls = [], {}, []
+    issued: dict[str, tuple[int, int]] = {}  # number -> an asynchronous call's issue window
+    waited: dict[str, int] = {}  # number -> the end of its wait
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
@@ -61,13 +67,27 @@ def _peaks(prof, names: list[str]) -> list[int]:
             windows[e.name] = (e.start_time_ns, e.end_time_ns)
         elif e.name == _CALL:
             calls.append((e.start_time_ns, e.end_time_ns))
+        elif e.name.startswith(_ISSUE):
+            issued[e.name[len(_ISSUE):]] = (e.start_time_ns, e.end_time_ns)
+        elif e.name.startswith(_WAIT):
+            waited[e.name[len(_WAIT):]] = e.end_time_ns
     events.sort(key=lambda a: a[:2])  # at one instant, an allocation before a free
     calls.sort()
     starts = [c[0] for c in calls]
 
+    # a buffer gloo makes in the caller's thread as an asynchronous call is issued (a
+    # reduce_scatter's copy of its input) is let go of by gloo's worker thread once the call is
+    # done, and that free is unseen where the worker holds the work a moment after the wait
+    # returns (a loaded machine): it lives until the wait, not until its block is handed out again
+    by_issue = sorted((start, end, waited[k]) for k, (start, end) in issued.items() if k in waited)
+    issue_starts = [w[0] for w in by_issue]
+
     def call_end(t: int) -> int | None:
         i = bisect.bisect_right(starts, t) - 1
-        return calls[i][1] if i >= 0 and calls[i][0] <= t <= calls[i][1] else None
+        if i >= 0 and calls[i][0] <= t <= calls[i][1]:
+            return calls[i][1]
+        i = bisect.bisect_right(issue_starts, t) - 1
+        return by_issue[i][2] if i >= 0 and by_issue[i][0] <= t <= by_issue[i][1] else None
 
     # every block's life: from its allocation to its free, or, when the free went unseen (the
     # allocator hands the block out again, or never frees it in view), to the end of the call it
@@ -133,11 +153,11 @@ def _let_go(tensors: list[torch.Tensor], owners: list[tuple[int, int]]) -> None:
 class _Waited:
     """An asynchronous call's work whose ``wait()`` also waits for gloo to let go of its tensors."""
 
-    def __init__(self, work, tensors: list[torch.Tensor], owners: list[tuple[int, int]]):
-        self._work, self._tensors, self._owners = work, tensors, owners
+    def __init__(self, work, tensors: list[torch.Tensor], owners: list[tuple[int, int]], number: int = -1):
+        self._work, self._tensors, self._owners, self._number = work, tensors, owners, number
 
     def wait(self, *args, **kwargs):
-        with torch.profiler.record_function(_CALL):
+        with torch.profiler.record_function(_CALL), torch.profiler.record_function(f"{_WAIT}{self._number}"):
             out = self._work.wait(*args, **kwargs)
             self._work = None  # our own reference holds the work's tensors too
             _let_go(self._tensors, self._owners)
@@ -156,8 +176,10 @@ def _blocking(fn):
         if signature.bind_partial(*args, **kwargs).arguments.get("async_op"):
             # called asynchronously (FSDP2's prefetch, overlapped collectives): gloo holds the
             # tensors until the work completes, so the wait lets go of them, not the call
-            out = fn(*args, **kwargs)
-            return None if out is None else _Waited(out, tensors, owners)
+            number = next(_issues)
+            with torch.profiler.record_function(f"{_ISSUE}{number}"):
+                out = fn(*args, **kwargs)
+            return None if out is None else _Waited(out, tensors, owners, number)
         with torch.profiler.record_function(_CALL):
             out = fn(*args, **kwargs)
             _let_go(tensors, owners)

@@ -49,6 +49,32 @@ def training_step_peak(cfg, vocab: int) -> int:
     return allocator_peak.training_step_peak(cfg, vocab)
 
 
+def late_step_peak(cfg, vocab: int, late: int, delay: float) -> int:
+    """:func:`training_step_peak`, processor ``late`` issuing each asynchronous grouped all_gather
+    (a prefetch) ``delay`` seconds after it is due: deterministically the late peer of a loaded
+    machine, for whom the others' gathers in flight wait (gloo holds their staging buffers
+    until it joins)."""
+    import time
+
+    import meshtorch as mt
+
+    comm = mt.current().comm
+    if comm.rank != late:
+        return training_step_peak(cfg, vocab)
+    start = comm.all_gather_grouped
+
+    def gather(*args, **kwargs):
+        if kwargs.get("async_op"):
+            time.sleep(delay)
+        return start(*args, **kwargs)
+
+    comm.all_gather_grouped = gather
+    try:
+        return training_step_peak(cfg, vocab)
+    finally:
+        del comm.all_gather_grouped
+
+
 def step_flops_and_peak(cfg, vocab: int) -> tuple[int, int]:
     """A real steady-state step's FLOPs (``torch.utils.flop_counter``, no planner) and the
     least allocator peak of three steps."""

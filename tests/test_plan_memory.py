@@ -18,6 +18,7 @@ from memory_harness import (
     CASES,
     collective_peaks,
     collective_step,
+    late_step_peak,
     measure_all,
     pipelined_step_peak,
     step_flops_and_peak,
@@ -45,6 +46,9 @@ def _gloo_jobs() -> dict[str, tuple]:
         jobs[case] = (mesh, training_step_peak, (_other(model, precision), VOCAB), rules)
     for case, (mesh, rules, cfg) in OVERLAPPED.items():
         jobs[case] = (mesh, training_step_peak, (cfg, VOCAB), rules)
+    for case in LATE:
+        mesh, rules, cfg = OVERLAPPED[case]
+        jobs[f"{case}, late"] = (mesh, late_step_peak, (cfg, VOCAB, LATE_RANK, LATE_S), rules)
     for case, cfg in DEFAULT_VS_PER_USE.items():
         jobs[case] = ("b:2", training_step_peak, (cfg, LM_VOCAB), "batch:b; d_model:b")
     jobs["pipeline"] = ("stage:2", pipelined_step_peak, (PIPELINED, VOCAB), "")
@@ -115,17 +119,29 @@ OVERLAPPED = {
 
 
 @pytest.mark.parametrize("case", OVERLAPPED)
-def test_overlapped_and_resharded_gloo_peaks_are_planned_5_percent_under_to_10_over(case, real):
+def test_overlapped_and_resharded_peaks_are_within_5_percent_of_a_gloo_step(case, real):
     mesh, rules, cfg = OVERLAPPED[case]
     plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
-    # gloo stages a prefetched all_gather until the other processor joins it: where that processor
-    # is late (a loaded machine: CI's other xdist worker), the staging outlives the ops the plan
-    # puts after it, which the plan (processors on time) cannot know. Seen in full runs of the
-    # suite: fsdp+reshard one processor +7.7% and the other exact; both +6.6%; alone, both within
-    # 5%. So no processor's peak is more than 10% over the plan, nor the plan 5% over any
     real = real[case]
     for r in real:
-        assert plan.peak_bytes <= 1.05 * r and r <= 1.10 * plan.peak_bytes, (case, plan.peak_bytes, real)
+        assert plan.peak_bytes == pytest.approx(r, rel=0.05), (case, plan.peak_bytes, real)
+
+
+# a late processor: gloo holds a prefetched all_gather's staging buffer (its whole result) until
+# every member has joined, so the others' gathers stay in flight while it is late. A gather issued
+# ahead for backward is waited on after one op (mt.overlap: Runtime.land); left in flight across
+# a block's backward, fsdp+reshard peaked 8.9% over the plan on the processor on time
+LATE = ("fsdp+reshard", "fsdp+reshard+recompute")
+LATE_RANK, LATE_S = 1, 0.05  # processor 1 issues each prefetch 50 ms late (a few ops' time)
+
+
+@pytest.mark.parametrize("case", LATE)
+def test_a_late_processor_leaves_the_overlapped_peaks_within_5_percent_of_the_plan(case, real):
+    mesh, rules, cfg = OVERLAPPED[case]
+    plan = trace(training_step(cfg, VOCAB), mesh=mesh, rules=rules, staging="gloo")
+    late = real[f"{case}, late"]
+    for r in late:
+        assert plan.peak_bytes == pytest.approx(r, rel=0.05), (case, plan.peak_bytes, late)
 
 
 # issue 27's LM (vocab 2048, d_model 256, 4 heads, d_ff 1024, 4 layers, tied) at batch 4 x 64, FSDP by

@@ -35,7 +35,10 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
   after its op ran forward and gathered again (grouped, the previous bucket prefetched) just
   before that op's backward runs: FSDP2's ``reshard_after_forward``, less memory for more bytes.
-  Otherwise the gathered values live until backward has used them (the default).
+  Otherwise the gathered values live until backward has used them (the default). A bucket
+  gathered ahead for backward (or a recomputed forward) is waited on after one op
+  (:meth:`Runtime.land`): gloo stages a gather in flight until every processor has joined it, so
+  that a late processor does not move another's peak.
 
 Values are those of the per-use path: the same gathers forward; backward sums the uses' local
 gradients before one reduction, as the lazy all-reduce does (bitwise the same where a parameter
@@ -247,6 +250,7 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
     if not entries:
         return
     rt = entries[0].runtime
+    rt.land()  # a gather issued ahead for backward is in flight across one op at most
     # the same storage object (data pointers are all 0 on the meta device, which the planner traces)
     if any(e.leaf.untyped_storage() is result.untyped_storage() for e in entries):
         for e in entries:
@@ -584,6 +588,7 @@ class Runtime:
         forward bucket that backward reads (``needed``; for a forward that reads them again,
         ``read``, a recomputed one: all of it), the bucket before prefetched (backward runs the
         buckets in reverse); ``alone``: only ``entries``, grouped."""
+        self.land()
         todo = [e for e in entries if e.freed]
         if not todo:
             return
@@ -604,6 +609,24 @@ class Runtime:
                                                [e.dim for e in group], lazy=True)
             for i, e in enumerate(group):
                 e.fill(got, i)
+
+    def land(self) -> None:
+        """Wait for the gathers issued ahead for backward (:meth:`refill`'s prefetch of the bucket
+        before), so that each is in flight across one op at most: the op whose read or backward
+        issued it (called before the next op's backward and after each op's forward).
+
+        On gloo a gather in flight holds a staging buffer of its whole result until every member
+        has joined it (``ProcessGroupGloo``'s all_gather gathers into a flat buffer of its own,
+        then copies it out). Left in flight across a block's backward or its recomputed forward,
+        that buffer outlived the ops the plan puts after it whenever the other processor was
+        late, and the peak depended on the other processor's timing (``tests/test_plan_memory.py``,
+        its ``fsdp+reshard`` LM with processor 1 issuing each prefetch 50 ms late: processor 0
+        8.9% over the plan; issue 27's LM at batch 4 x 64 with ``--recompute``: 7%). The plan
+        (processors on time) lets go of it as the call is issued; a late processor now holds it
+        across one op. Waiting costs nothing where the gather is done; where another processor
+        is late, this one would wait for it at the next bucket anyway."""
+        for _, work in self.refetches.values():
+            work.wait()
 
     def _refetch(self, k: int, read: bool = False) -> None:
         """Start gathering the freed members of forward bucket ``k`` again (once): those that
