@@ -73,6 +73,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshtorch.comm import pending
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.comm.grouped import Gathered, Handle
 from meshtorch.errors import ArgumentError
@@ -128,7 +129,9 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
     _on.options = (Options(float(bucket_mb), bool(reshard_after_forward), float(gather_mb)) if enabled
                    else None)
     try:
-        yield
+        # a loss's all_reduce too: asynchronous, read later (meshtorch.comm.pending.all_reduce_later)
+        with pending.reading_later(enabled):
+            yield
     finally:
         _on.options = prev
         if enabled:
@@ -781,8 +784,8 @@ class Runtime:
         self.finishing = True
         try:
             self._launch(flush=True)
-            pending, self.pending = self.pending, []
-            for members, work in pending:
+            inflight, self.pending = self.pending, []
+            for members, work in inflight:
                 self._add(members, work.wait())
         finally:
             self._end_step()
