@@ -121,6 +121,8 @@ def test_an_op_with_a_larger_plain_operand_waits_and_a_0d_one_is_taken_as_it_was
     added = t + torch.ones(3)  # a [3] operand would have to be copied: waits instead
     assert waits == [1] and type(added) is torch.Tensor
     assert added.tolist() == [3.0, 3.0, 3.0] and taken.item() == 6.0
+    large = in_flight(torch.arange(pending.SMALL + 1.0), waits)
+    assert type(large / 2) is torch.Tensor and waits == [1, 1]  # no stand-ins of large tensors
 
 
 def test_autograd_through_a_pending_value_gives_the_plain_gradient():

@@ -6,7 +6,8 @@ can hold, hand to autograd and compute with while the call runs. The first op th
 values waits for the call (``Handle.wait``) and runs on the result; from then on it is that
 result. Ops that need only its metadata (``torch.ones_like``: what ``backward()`` seeds a scalar
 with) and cheap ops of it alone (a view, a cast, arithmetic with numbers or with 0-d tensors,
-which are copied when the op is taken) are taken without waiting, and run on the result when
+which are copied when the op is taken; of a pending tensor of at most :data:`SMALL`
+elements) are taken without waiting, and run on the result when
 something reads it: a mean's division of an all-reduced sum, or the ``detach()`` of a logged
 loss, leaves the call in flight until ``.item()``. (torch's functional collectives'
 ``AsyncCollectiveTensor`` is the same idea, a private API that waits at any op but a view.)
@@ -145,10 +146,12 @@ class Pending(torch.Tensor):
         kwargs = kwargs or {}
         if func in _METADATA:
             return func(*_each(args, _stand_in), **_each(kwargs, _stand_in))
-        if func in _TAKEN and _small_others(args, kwargs):
+        if func in _TAKEN and _small(args, kwargs):
             args, kwargs = _each(args, _frozen), _each(kwargs, _frozen)
-            # the result's metadata, from the op on the meta device; its device, the pending input's
-            shaped = func(*_each(args, _meta), **_each(kwargs, _meta))
+            # the result's metadata, from the op on small CPU stand-ins (the meta device's
+            # elementwise rules run torch's Python references: ten times slower); its device, the
+            # pending input's
+            shaped = func(*_each(args, _on_cpu), **_each(kwargs, _on_cpu))
             device = next(t.device for t in _tensors(args) if isinstance(t, Pending))
             if isinstance(shaped, torch.Tensor):
                 return Pending(shaped, lambda: func(*_each(args, _read), **_each(kwargs, _read)), device)
@@ -175,9 +178,9 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the meta device: the op's result's metadata, computed without values."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A CPU stand-in of ``t``'s metadata (values unset), for the metadata of an op's result."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
 
 
 def _frozen(t: torch.Tensor) -> torch.Tensor:
@@ -191,10 +194,16 @@ def _tensors(tree) -> list[torch.Tensor]:
     return found
 
 
-def _small_others(args, kwargs) -> bool:
-    """Whether every plain tensor operand is 0-d (cheap to copy, so the op can wait), on the
-    pending inputs' device."""
+SMALL = 64  # elements of a pending tensor whose ops are taken (a loss, a few metrics)
+
+
+def _small(args, kwargs) -> bool:
+    """Whether an op can wait: its pending operands are small (:data:`SMALL`: an op taken runs
+    on stand-ins of them for its metadata) and on one device, and its plain tensor operands
+    0-d (copied when it is taken), there or on the CPU."""
     found = _tensors((args, kwargs))
-    devices = {t.device for t in found if isinstance(t, Pending)}
-    return len(devices) == 1 and all(t.dim() == 0 and (t.device in devices or t.device.type == "cpu")
-                                     for t in found if not isinstance(t, Pending))
+    pend = [t for t in found if isinstance(t, Pending)]
+    devices = {t.device for t in pend}
+    return (len(devices) == 1 and all(t.numel() <= SMALL for t in pend)
+            and all(t.dim() == 0 and (t.device in devices or t.device.type == "cpu")
+                    for t in found if not isinstance(t, Pending)))
