@@ -104,7 +104,14 @@ def all_reduce_later(t: torch.Tensor, comm, axes) -> torch.Tensor | None:
             or not isinstance(comm, Communicator) or len(comm.group(axes)) == 1):
         return None
     # (a copy: the call reduces its buffer in place, and a view's base would be taken as that buffer)
-    return later(comm.all_reduce_grouped([t.detach().clone()], axes, async_op=True), t)
+    work = comm.all_reduce_grouped([t.detach().clone()], axes, async_op=True)
+    if work.is_completed():
+        # unpacked out of a tracer's sight (views of the result: no bytes, no time), as where it
+        # is read later, inside the op that reads it: a planner's trace on an eager backend sees
+        # the ops a traced run on an asynchronous one does, in the same order
+        with comm.unseen():
+            return work.wait()[0]
+    return later(work, t)
 
 
 def later(work: Handle, like: torch.Tensor) -> torch.Tensor:

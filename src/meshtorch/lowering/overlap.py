@@ -32,6 +32,12 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
 - **Recomputation.** A forward that ``mt.nn.checkpoint`` recomputes in backward saves nothing
   (:func:`unsaved`): its gathered values are freed after their last read and gathered again
   (grouped, per block) for the recomputation, also with ``reshard_after_forward=False``.
+- **The loss.** The all_reduce of a scalar's partial sums (a mean loss over split rows, a
+  metric) is asynchronous too, and its result a tensor that waits for the call where its value
+  is read (:mod:`meshtorch.comm.pending`): the mean's division, ``backward()``'s seed and a
+  ``detach()`` do not wait, ``.item()`` does. Blocking, it made a second point per step where
+  every processor waited for the others (DDP's loss is each process's own); now they meet at
+  the end of backward only.
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
   after its op ran forward and gathered again (grouped, the previous bucket prefetched) just
   before that op's backward runs: FSDP2's ``reshard_after_forward``, less memory for more bytes.
