@@ -123,6 +123,10 @@ def test_an_op_with_a_larger_plain_operand_waits_and_a_0d_one_is_taken_as_it_was
     assert added.tolist() == [3.0, 3.0, 3.0] and taken.item() == 6.0
     large = in_flight(torch.arange(pending.SMALL + 1.0), waits)
     assert type(large / 2) is torch.Tensor and waits == [1, 1]  # no stand-ins of large tensors
+    running = in_flight(torch.tensor(1.0), waits)
+    for _ in range(3 * pending.MAX_DEPTH):  # a running sum never read: the chain is cut, not held
+        running = running + 1
+    assert waits == [1, 1, 1] and running.item() == 1.0 + 3 * pending.MAX_DEPTH
 
 
 def test_autograd_through_a_pending_value_gives_the_plain_gradient():

@@ -7,7 +7,7 @@ values waits for the call (``Handle.wait``) and runs on the result; from then on
 result. Ops that need only its metadata (``torch.ones_like``: what ``backward()`` seeds a scalar
 with) and cheap ops of it alone (a view, a cast, arithmetic with numbers or with 0-d tensors,
 which are copied when the op is taken; of a pending tensor of at most :data:`SMALL`
-elements) are taken without waiting, and run on the result when
+elements, up to :data:`MAX_DEPTH` in a row) are taken without waiting, and run on the result when
 something reads it: a mean's division of an all-reduced sum, or the ``detach()`` of a logged
 loss, leaves the call in flight until ``.item()``. (torch's functional collectives'
 ``AsyncCollectiveTensor`` is the same idea, a private API that waits at any op but a view.)
@@ -128,11 +128,13 @@ class Pending(torch.Tensor):
     pending tensors), called once, at the first op that reads them (see the module)."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, source, device: torch.device | None = None) -> Pending:
+    def __new__(cls, like: torch.Tensor, source, device: torch.device | None = None, depth: int = 0
+                ) -> Pending:
         t = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(),
                                                 storage_offset=like.storage_offset(), dtype=like.dtype,
                                                 device=device or like.device, requires_grad=False)
         t._source, t._value = source, None
+        t._depth = depth  # ops taken since the call (a chain read back recursively)
         return t
 
     def value(self) -> torch.Tensor:
@@ -159,9 +161,10 @@ class Pending(torch.Tensor):
             # elementwise rules run torch's Python references: ten times slower); its device, the
             # pending input's
             shaped = func(*_each(args, _on_cpu), **_each(kwargs, _on_cpu))
-            device = next(t.device for t in _tensors(args) if isinstance(t, Pending))
+            pend = [t for t in _tensors(args) if isinstance(t, Pending)]
             if isinstance(shaped, torch.Tensor):
-                return Pending(shaped, lambda: func(*_each(args, _read), **_each(kwargs, _read)), device)
+                return Pending(shaped, lambda: func(*_each(args, _read), **_each(kwargs, _read)),
+                               pend[0].device, 1 + max(t._depth for t in pend))
         return func(*_each(args, _read), **_each(kwargs, _read))
 
 
@@ -202,6 +205,9 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 SMALL = 64  # elements of a pending tensor whose ops are taken (a loss, a few metrics)
+# ops taken in a row on a pending value before the next one waits: a running sum of losses over
+# many steps, never read, would otherwise hold every step's call and recurse as deep when read
+MAX_DEPTH = 8
 
 
 def _small(args, kwargs) -> bool:
@@ -211,6 +217,6 @@ def _small(args, kwargs) -> bool:
     found = _tensors((args, kwargs))
     pend = [t for t in found if isinstance(t, Pending)]
     devices = {t.device for t in pend}
-    return (len(devices) == 1 and all(t.numel() <= SMALL for t in pend)
+    return (len(devices) == 1 and all(t.numel() <= SMALL and t._depth < MAX_DEPTH for t in pend)
             and all(t.dim() == 0 and (t.device in devices or t.device.type == "cpu")
                     for t in found if not isinstance(t, Pending)))
