@@ -100,7 +100,8 @@ def all_reduce_later(t: torch.Tensor, comm, axes) -> torch.Tensor | None:
     meet at the end of backward, and the scalar's call has long completed when the step reads
     it. Its value is the blocking call's (one element, reduced alike); the caller's backward
     (the identity, for a sum) is unchanged."""
-    if (not getattr(_on, "later", False) or not AVAILABLE or torch.compiler.is_compiling()
+    # (is_compiling first: a traced step reads no thread-local state of this module)
+    if (torch.compiler.is_compiling() or not getattr(_on, "later", False) or not AVAILABLE
             or not isinstance(comm, Communicator) or len(comm.group(axes)) == 1):
         return None
     # (a copy: the call reduces its buffer in place, and a view's base would be taken as that buffer)
