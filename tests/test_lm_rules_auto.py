@@ -211,7 +211,9 @@ def test_auto_under_torchrun_every_process_trains_on_the_same_layout(text, tmp_p
 
 
 @pytest.mark.parametrize("gpu, reported, refused", [
-    ("NVIDIA A800 40GB Active", 42.4e9, True),  # the table's only A800 rows are 80 GB cards
+    # a card whose name states no size, smaller than its row's (the table's only A800 rows are 80 GB
+    # cards); a name that states one, "NVIDIA A800 40GB Active", matches no row (test_plan_gpus)
+    ("NVIDIA A800", 42.4e9, True),
     ("NVIDIA A100-SXM4-40GB", 42.4e9, False),  # a 40 GB row of its own
     ("NVIDIA H100 80GB HBM3", 85.5e9, False),  # CUDA reports GiB-rounded totals above the sheet's GB
 ])
