@@ -622,4 +622,5 @@ def device(spec: str | os.PathLike | DeviceSpec, processors: int = 1) -> DeviceS
         return DEVICES[kind.spec]
     raise PlanError(f"unknown device {text!r}; use one of {sorted(DEVICES) + ['cpu']} (or a GPU's name as "
                     "torch.cuda.get_device_name() gives it), a JSON device file, or pass a "
-                    "meshtorch.plan.DeviceSpec")
+                    "meshtorch.plan.DeviceSpec; a GPU that is none of these has no rates here: `meshtorch "
+                    "plan --calibrate --device cuda` on one measures it and writes its device file")
