@@ -58,6 +58,40 @@ class CommandParser(argparse.ArgumentParser):
         return known
 
 
+class SubcommandParser(argparse.ArgumentParser):
+    """A sub-command's parser: when a required option is missing because it was mistyped
+    (``meshtorch export --checkpont run/ --out x``), the error names the typo beside the missing
+    option; argparse stops at the missing one and never reports the argument it did not take.
+
+    Example:
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        ...     build_parser("export").parse_args(["export", "--checkpont", "run", "--out", "x"])
+        >>> err.getvalue().splitlines()[-1].partition("required: ")[2]
+        '--checkpoint; unrecognized arguments: --checkpont (did you mean --checkpoint?)'
+    """
+
+    _given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message):
+        missing = message.partition("the following arguments are required: ")[2]
+        if missing:
+            wanted = [m for m in missing.split(", ") if m.startswith("--")]
+            options = getattr(self, "_option_string_actions", {})
+            close = [f"{typed} (did you mean {match[0]}?)" for typed in
+                     dict.fromkeys(a.partition("=")[0] for a in self._given if a.startswith("--"))
+                     if not any(o.startswith(typed) for o in options)  # argparse takes a prefix
+                     for match in [difflib.get_close_matches(typed, wanted, n=1)] if match]
+            if close:
+                message += f"; unrecognized arguments: {', '.join(close)}"
+        super().error(message)
+
+
 def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str]) -> str:
     """`` (did you mean --batch?)`` for the options among ``extras`` close to one of ``parser``'s."""
     # argparse has no public list of its options: without its private table, no suggestion
@@ -79,7 +113,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """
     parser = CommandParser(prog="meshtorch", description=DESCRIPTION)
     sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                                  parser_class=argparse.ArgumentParser)
+                                                  parser_class=SubcommandParser)
     modules = [SUBCOMMANDS[command]] if command in SUBCOMMANDS else SUBCOMMANDS.values()
     for module in dict.fromkeys(modules):
         importlib.import_module(module).register(sub)
