@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -215,3 +216,17 @@ def test_calibrate_measures_this_gpu_cuda(tmp_path):
     assert spec.context_bytes > 0 and spec.copy_bandwidth > 1e10 and spec.launch_seconds > 0
     assert spec.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert spec.name == gpu_calibration.device_name(torch.device("cuda", 0))
+
+
+def test_a_device_file_is_written_through_the_one_atomic_writer(tmp_path, monkeypatch):
+    """Seen: save_spec wrote through a temporary file of a fixed name beside it ("lab.json" ->
+    "lab.tmp", which it then renamed away: a user's file of that name was lost) and never fsynced,
+    where meshtorch.files.write_atomic does neither."""
+    (tmp_path / "lab.tmp").write_text("the user's notes")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    save_spec(DEVICES["l4"], tmp_path / "lab.json")
+    assert load_spec(tmp_path / "lab.json") == DEVICES["l4"]
+    assert (tmp_path / "lab.tmp").read_text() == "the user's notes" and synced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lab.json", "lab.tmp"]
