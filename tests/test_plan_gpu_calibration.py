@@ -230,3 +230,15 @@ def test_a_device_file_is_written_through_the_one_atomic_writer(tmp_path, monkey
     assert load_spec(tmp_path / "lab.json") == DEVICES["l4"]
     assert (tmp_path / "lab.tmp").read_text() == "the user's notes" and synced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lab.json", "lab.tmp"]
+
+
+def test_calibrating_cuda_without_a_gpu_is_an_error_naming_the_fix(monkeypatch, capsys):
+    """Seen: `meshtorch plan --calibrate --device cuda` on a machine without CUDA ended in torch's
+    traceback (AssertionError: Torch not compiled with CUDA enabled)."""
+    from meshtorch import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with a GPU
+    assert cli.main(["plan", "--calibrate", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtorch plan: error: measuring 'cuda': this machine has no CUDA GPU"), err
+    assert "on the machine with the GPU" in err and "--hardware FILE" in err and "Traceback" not in err
