@@ -121,6 +121,17 @@ def test_a_malformed_paper_format_graph_is_refused_in_its_own_words(graph, needl
     assert "node named" not in err and "node name " not in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--cpus", "-1"], "cpus=-1 (--cpus) must be >= 0"),
+    (["--devices", "-2"], "devices=-2 (--devices) must be >= 0"),
+    (["--devices", "0", "--cpus", "0"], "need at least one device (devices=0, cpus=0)"),
+])
+def test_a_negative_device_count_is_named_alone(flags, needle, tmp_path, capsys):
+    """Seen: `--cpus -1` with 2 accelerators said 'need at least one device (devices=2, cpus=-1)'."""
+    rc, out, err = _place(tmp_path, capsys, _paper_graph(), *flags)
+    assert rc == 2 and out == "" and needle in err, err
+
+
 def test_greedy_refuses_nan_or_negative_edge_bytes(tmp_path, capsys):
     for b in (float("nan"), -1.0):
         rc, _, err = _place(tmp_path, capsys, _graph([["a", "b", b], ["b", "c", 1]]), "--algorithm", "greedy")
