@@ -119,6 +119,12 @@ def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
      "required: --checkpoint; unrecognized arguments: --checkpont (did you mean --checkpoint?)"),
     (["generate", "--checkpont=run"], "usage: meshtorch generate ",
      "unrecognized arguments: --checkpont (did you mean --checkpoint?)"),
+    # another command's option is named as that command's, not matched to an unrelated one of this
+    # command's by shared letters (seen: --search "did you mean --batch?", --steps "--tokens?")
+    (["train", "--search"], "usage: meshtorch train ",
+     "unrecognized arguments: --search (--search is an option of meshtorch plan)\n"),
+    (["generate", "--checkpoint", "c", "--steps", "3"], "usage: meshtorch generate ",
+     "unrecognized arguments: --steps 3 (--steps is an option of meshtorch train and plan)\n"),
     (["launch", "--mesh2", "b:2", "x.py", "--lr", "3"], "usage: meshtorch launch ",
      "required: --mesh; unrecognized arguments: --mesh2 (did you mean --mesh?)\n"),
 ])
