@@ -111,6 +111,10 @@ def test_a_paper_format_graph_is_refused_in_its_own_field_names(changes, needle,
     ({**_paper_graph(), "nodes": [{"id": 1, "fpgaLatency": 1.0, "cpuLatency": 2.0}] * 2, "edges": []},
      'two nodes have "id" 1'),
     ({**_paper_graph(), "nodes": ["op1", "op2"]}, "cannot read the graph (AttributeError"),
+    # a missing field names the entry, not the field alone (KeyError: 'fpgaLatency')
+    ({**_paper_graph(), "nodes": [{"id": 2, "cpuLatency": 2.0}]}, 'node "id" 2 has no "fpgaLatency"'),
+    ({**_paper_graph(), "nodes": [{"fpgaLatency": 1.0, "cpuLatency": 2.0}]}, 'node 1 of "nodes" has no "id"'),
+    ({**_paper_graph(), "edges": [{"sourceId": 1, "destId": 2}]}, 'edge 1 of "edges" has no "cost"'),
     ({"format": "meshtorch.opgraph/1", "nodes": ["a"], "edges": []}, "cannot read the graph (AttributeError"),
 ])
 def test_a_malformed_paper_format_graph_is_refused_in_its_own_words(graph, needle, tmp_path, capsys):

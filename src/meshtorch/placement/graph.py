@@ -297,9 +297,11 @@ class OpGraph:
     @classmethod
     def from_dnn_partitioning_dict(cls, d: dict[str, Any]) -> OpGraph:
         g = cls(spelling=dict(_PAPER_NAMES))
-        for raw in d["nodes"]:
+        for i, raw in enumerate(d["nodes"]):
             supported = bool(raw.get("supportedOnFpga", True))
             cc = raw.get("colorClass")
+            _require(raw, ("id", "cpuLatency", *(("fpgaLatency",) if supported else ())),
+                     f'node "id" {raw["id"]!r}' if "id" in raw else f"node {i + 1} of \"nodes\"")
             if str(raw["id"]) in g._index:  # in the file's words: add_node's says "duplicate node name"
                 raise PlacementError(f'two nodes have "id" {raw["id"]!r}: each node needs its own')
             g.add_node(
@@ -312,7 +314,8 @@ class OpGraph:
                 label=str(raw.get("name", "")),
             )
         cost: dict[int, float] = {}
-        for e in d["edges"]:
+        for i, e in enumerate(d["edges"]):
+            _require(e, ("sourceId", "destId", "cost"), f'edge {i + 1} of "edges"')
             for end in ("sourceId", "destId"):  # in the file's words: index's says "no node named"
                 if str(e[end]) not in g._index:
                     raise PlacementError(f'the edge "sourceId" {e["sourceId"]!r} -> "destId" '
@@ -360,6 +363,15 @@ class OpGraph:
             "nodes": nodes,
             "edges": edges,
         }
+
+
+def _require(entry: dict[str, Any], fields: tuple[str, ...], where: str) -> None:
+    """Refuse an entry of a paper-format file that lacks one of ``fields``, naming the entry (a
+    KeyError named the field only, not which of hundreds of nodes lacked it)."""
+    missing = [f for f in fields if f not in entry]
+    if missing:
+        quoted = ", ".join(f'"{f}"' for f in missing)
+        raise PlacementError(f"{where} has no {quoted}")
 
 
 def _cost(x: Any) -> bool:
