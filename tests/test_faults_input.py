@@ -105,6 +105,37 @@ def test_a_paper_format_graph_is_refused_in_its_own_field_names(changes, needle,
     assert _place(tmp_path, capsys, _paper_graph())[0] == 0  # the same graph unchanged is placed
 
 
+@pytest.mark.parametrize("graph, needle", [
+    ({**_paper_graph(), "edges": [{"sourceId": 1, "destId": 9, "cost": 0.5}]},
+     'the edge "sourceId" 1 -> "destId" 9: no node has "id" 9'),
+    ({**_paper_graph(), "nodes": [{"id": 1, "fpgaLatency": 1.0, "cpuLatency": 2.0}] * 2, "edges": []},
+     'two nodes have "id" 1'),
+    ({**_paper_graph(), "nodes": ["op1", "op2"]}, "cannot read the graph (AttributeError"),
+    # a missing field names the entry, not the field alone (KeyError: 'fpgaLatency')
+    ({**_paper_graph(), "nodes": [{"id": 2, "cpuLatency": 2.0}]}, 'node "id" 2 has no "fpgaLatency"'),
+    ({**_paper_graph(), "nodes": [{"fpgaLatency": 1.0, "cpuLatency": 2.0}]}, 'node 1 of "nodes" has no "id"'),
+    ({**_paper_graph(), "edges": [{"sourceId": 1, "destId": 2}]}, 'edge 1 of "edges" has no "cost"'),
+    ({"format": "meshtorch.opgraph/1", "nodes": ["a"], "edges": []}, "cannot read the graph (AttributeError"),
+])
+def test_a_malformed_paper_format_graph_is_refused_in_its_own_words(graph, needle, tmp_path, capsys):
+    """Seen: an edge to an id no node has was 'no node named ...', two nodes of one id 'duplicate node
+    name', our words for what the file calls "id"; a node that is no JSON object was a traceback."""
+    rc, out, err = _place(tmp_path, capsys, graph)
+    assert rc == 2 and out == "" and needle in err, err
+    assert "node named" not in err and "node name " not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--cpus", "-1"], "cpus=-1 (--cpus) must be >= 0"),
+    (["--devices", "-2"], "devices=-2 (--devices) must be >= 0"),
+    (["--devices", "0", "--cpus", "0"], "need at least one device (devices=0, cpus=0)"),
+])
+def test_a_negative_device_count_is_named_alone(flags, needle, tmp_path, capsys):
+    """Seen: `--cpus -1` with 2 accelerators said 'need at least one device (devices=2, cpus=-1)'."""
+    rc, out, err = _place(tmp_path, capsys, _paper_graph(), *flags)
+    assert rc == 2 and out == "" and needle in err, err
+
+
 def test_greedy_refuses_nan_or_negative_edge_bytes(tmp_path, capsys):
     for b in (float("nan"), -1.0):
         rc, _, err = _place(tmp_path, capsys, _graph([["a", "b", b], ["b", "c", 1]]), "--algorithm", "greedy")

@@ -169,6 +169,20 @@ def test_rules_auto_on_a_gpu_without_rates_says_how_to_get_them(monkeypatch, tmp
         hardware_of_run(TrainConfig.of(device="cuda"), 2)
 
 
+@pytest.mark.parametrize("error", [AssertionError("Torch not compiled with CUDA enabled"),
+                                   RuntimeError("No CUDA GPUs are available")])
+def test_rules_auto_with_device_cuda_on_a_machine_without_one_says_so(error, monkeypatch):
+    """Seen: `meshtorch train --rules auto --device cuda` on a CPU-only torch ended in torch's
+    traceback from hardware_of_run, before the run's own device check could say it."""
+    def no_gpu(*a):
+        raise error
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_gpu)
+    with pytest.raises(PlanError, match=r"--rules auto: --device cuda asked for, but torch sees no CUDA GPU "
+                                        r"on this machine \(.*\).*use --device auto or cpu"):
+        hardware_of_run(TrainConfig.of(device="cuda"), 2)
+
+
 def _train_auto(cfg, disagree):
     """One torchrun-like process running ``meshtorch train --rules auto``; with ``disagree``, processor
     1's search is made to pick other rules. The rules trained on and the final loss, or the error."""
@@ -211,7 +225,9 @@ def test_auto_under_torchrun_every_process_trains_on_the_same_layout(text, tmp_p
 
 
 @pytest.mark.parametrize("gpu, reported, refused", [
-    ("NVIDIA A800 40GB Active", 42.4e9, True),  # the table's only A800 rows are 80 GB cards
+    # a card whose name states no size, smaller than its row's (the table's only A800 rows are 80 GB
+    # cards); a name that states one, "NVIDIA A800 40GB Active", matches no row (test_plan_gpus)
+    ("NVIDIA A800", 42.4e9, True),
     ("NVIDIA A100-SXM4-40GB", 42.4e9, False),  # a 40 GB row of its own
     ("NVIDIA H100 80GB HBM3", 85.5e9, False),  # CUDA reports GiB-rounded totals above the sheet's GB
 ])

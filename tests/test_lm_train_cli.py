@@ -113,6 +113,20 @@ def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
     (["place", "g.json", "--devics=2", "extra"], "usage: meshtorch place ",
      "arguments: --devics=2 extra (did you mean --devices?)"),
     (["train", "--zzz"], "usage: meshtorch train ", "unrecognized arguments: --zzz\n"),
+    # a mistyped required option: argparse said only that --checkpoint was missing, which the user
+    # believes they gave
+    (["export", "--checkpont", "run", "--out", "x"], "usage: meshtorch export ",
+     "required: --checkpoint; unrecognized arguments: --checkpont (did you mean --checkpoint?)"),
+    (["generate", "--checkpont=run"], "usage: meshtorch generate ",
+     "unrecognized arguments: --checkpont (did you mean --checkpoint?)"),
+    # another command's option is named as that command's, not matched to an unrelated one of this
+    # command's by shared letters (seen: --search "did you mean --batch?", --steps "--tokens?")
+    (["train", "--search"], "usage: meshtorch train ",
+     "unrecognized arguments: --search (--search is an option of meshtorch plan)\n"),
+    (["generate", "--checkpoint", "c", "--steps", "3"], "usage: meshtorch generate ",
+     "unrecognized arguments: --steps 3 (--steps is an option of meshtorch train and plan)\n"),
+    (["launch", "--mesh2", "b:2", "x.py", "--lr", "3"], "usage: meshtorch launch ",
+     "required: --mesh; unrecognized arguments: --mesh2 (did you mean --mesh?)\n"),
 ])
 def test_a_mistyped_argument_shows_the_commands_usage_and_the_close_option(argv, usage, hint, capsys):
     """Seen: `meshtorch train --batchsize 4` printed `usage: meshtorch [-h] COMMAND ...`, which lists no

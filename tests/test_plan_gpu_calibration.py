@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -215,3 +216,29 @@ def test_calibrate_measures_this_gpu_cuda(tmp_path):
     assert spec.context_bytes > 0 and spec.copy_bandwidth > 1e10 and spec.launch_seconds > 0
     assert spec.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     assert spec.name == gpu_calibration.device_name(torch.device("cuda", 0))
+
+
+def test_a_device_file_is_written_through_the_one_atomic_writer(tmp_path, monkeypatch):
+    """Seen: save_spec wrote through a temporary file of a fixed name beside it ("lab.json" ->
+    "lab.tmp", which it then renamed away: a user's file of that name was lost) and never fsynced,
+    where meshtorch.files.write_atomic does neither."""
+    (tmp_path / "lab.tmp").write_text("the user's notes")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    save_spec(DEVICES["l4"], tmp_path / "lab.json")
+    assert load_spec(tmp_path / "lab.json") == DEVICES["l4"]
+    assert (tmp_path / "lab.tmp").read_text() == "the user's notes" and synced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lab.json", "lab.tmp"]
+
+
+def test_calibrating_cuda_without_a_gpu_is_an_error_naming_the_fix(monkeypatch, capsys):
+    """Seen: `meshtorch plan --calibrate --device cuda` on a machine without CUDA ended in torch's
+    traceback (AssertionError: Torch not compiled with CUDA enabled)."""
+    from meshtorch import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine with a GPU
+    assert cli.main(["plan", "--calibrate", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtorch plan: error: measuring 'cuda': this machine has no CUDA GPU"), err
+    assert "on the machine with the GPU" in err and "--hardware FILE" in err and "Traceback" not in err

@@ -54,17 +54,69 @@ class CommandParser(argparse.ArgumentParser):
         if extras:
             command = getattr(known, "command", None)
             parser = self.commands.choices[command] if self.commands and command else self
-            parser.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(parser, extras)}")
+            others = {name: other for name, other in (self.commands.choices if self.commands else {}).items()
+                      if name != command}
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(parser, extras, others)}")
         return known
 
 
-def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str]) -> str:
-    """`` (did you mean --batch?)`` for the options among ``extras`` close to one of ``parser``'s."""
+class SubcommandParser(argparse.ArgumentParser):
+    """A sub-command's parser: when a required option is missing because it was mistyped
+    (``meshtorch export --checkpont run/ --out x``), the error names the typo beside the missing
+    option; argparse stops at the missing one and never reports the argument it did not take.
+
+    Example:
+        >>> import contextlib, io
+        >>> err = io.StringIO()
+        >>> with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        ...     build_parser("export").parse_args(["export", "--checkpont", "run", "--out", "x"])
+        >>> err.getvalue().splitlines()[-1].partition("required: ")[2]
+        '--checkpoint; unrecognized arguments: --checkpont (did you mean --checkpoint?)'
+    """
+
+    _given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message):
+        missing = message.partition("the following arguments are required: ")[2]
+        if missing:
+            wanted = [m for m in missing.split(", ") if m.startswith("--")]
+            options = getattr(self, "_option_string_actions", {})
+            close = [f"{typed} (did you mean {match[0]}?)" for typed in
+                     dict.fromkeys(a.partition("=")[0] for a in self._given if a.startswith("--"))
+                     if not any(o.startswith(typed) for o in options)  # argparse takes a prefix
+                     for match in [difflib.get_close_matches(typed, wanted, n=1, cutoff=CLOSE)] if match]
+            if close:
+                message += f"; unrecognized arguments: {', '.join(close)}"
+        super().error(message)
+
+
+# how alike a typo and an option must be (difflib's ratio) to be suggested: typos score 0.78 and more
+# (--batchsize/--batch, --layred/--layered), unrelated options of shared letters 0.67 (--search/--batch)
+CLOSE = 0.75
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str],
+                  others: dict[str, argparse.ArgumentParser] | None = None) -> str:
+    """`` (did you mean --batch?)`` for the options among ``extras`` close to one of ``parser``'s;
+    an option of another sub-command among ``others`` (``meshtorch train --search``) is named as
+    that command's."""
     # argparse has no public list of its options: without its private table, no suggestion
-    options = [o for o in getattr(parser, "_option_string_actions", {}) if o.startswith("--")]
-    close = [m for a in extras if a.startswith("--")
-             for m in difflib.get_close_matches(a.partition("=")[0], options, n=1)]
-    return f" (did you mean {', '.join(close)}?)" if close else ""
+    def options(p: argparse.ArgumentParser) -> list[str]:
+        return [o for o in getattr(p, "_option_string_actions", {}) if o.startswith("--")]
+
+    close, elsewhere = [], []
+    for typed in dict.fromkeys(a.partition("=")[0] for a in extras if a.startswith("--")):
+        owners = [name for name, other in (others or {}).items() if typed in options(other)]
+        if owners:
+            elsewhere.append(f"{typed} is an option of meshtorch {' and '.join(owners)}")
+        else:
+            close += difflib.get_close_matches(typed, options(parser), n=1, cutoff=CLOSE)
+    hints = ([f"did you mean {', '.join(close)}?"] if close else []) + elsewhere
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -79,7 +131,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """
     parser = CommandParser(prog="meshtorch", description=DESCRIPTION)
     sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                                  parser_class=argparse.ArgumentParser)
+                                                  parser_class=SubcommandParser)
     modules = [SUBCOMMANDS[command]] if command in SUBCOMMANDS else SUBCOMMANDS.values()
     for module in dict.fromkeys(modules):
         importlib.import_module(module).register(sub)

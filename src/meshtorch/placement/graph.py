@@ -273,7 +273,8 @@ class OpGraph:
         paper = "maxFPGAs" in d or ("nodes" in d and "format" not in d)
         try:
             return cls.from_dnn_partitioning_dict(d) if paper else cls.from_dict(d)
-        except (KeyError, TypeError, ValueError) as e:
+        # AttributeError: a node that is no JSON object (a string has no .get)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             where = "graph" if str(text_or_path).lstrip().startswith("{") else str(text_or_path)
             expected = (_PAPER_FIELDS if paper else
                         f'{{"format": "{FORMAT}", "nodes": [{{"name": ...}}], "edges": [[src, dst, bytes]]}}')
@@ -296,9 +297,13 @@ class OpGraph:
     @classmethod
     def from_dnn_partitioning_dict(cls, d: dict[str, Any]) -> OpGraph:
         g = cls(spelling=dict(_PAPER_NAMES))
-        for raw in d["nodes"]:
+        for i, raw in enumerate(d["nodes"]):
             supported = bool(raw.get("supportedOnFpga", True))
             cc = raw.get("colorClass")
+            _require(raw, ("id", "cpuLatency", *(("fpgaLatency",) if supported else ())),
+                     f'node "id" {raw["id"]!r}' if "id" in raw else f"node {i + 1} of \"nodes\"")
+            if str(raw["id"]) in g._index:  # in the file's words: add_node's says "duplicate node name"
+                raise PlacementError(f'two nodes have "id" {raw["id"]!r}: each node needs its own')
             g.add_node(
                 str(raw["id"]),
                 acc_time=float(raw["fpgaLatency"]) if supported else None,
@@ -309,7 +314,13 @@ class OpGraph:
                 label=str(raw.get("name", "")),
             )
         cost: dict[int, float] = {}
-        for e in d["edges"]:
+        for i, e in enumerate(d["edges"]):
+            _require(e, ("sourceId", "destId", "cost"), f'edge {i + 1} of "edges"')
+            for end in ("sourceId", "destId"):  # in the file's words: index's says "no node named"
+                if str(e[end]) not in g._index:
+                    raise PlacementError(f'the edge "sourceId" {e["sourceId"]!r} -> "destId" '
+                                         f'{e["destId"]!r}: no node has "id" {e[end]!r}; an edge joins '
+                                         "two nodes' ids")
             u, v, c = g.index(str(e["sourceId"])), g.index(str(e["destId"])), float(e["cost"])
             if u in cost and abs(cost[u] - c) > 1e-6 * max(1.0, abs(c)):
                 raise PlacementError(
@@ -352,6 +363,15 @@ class OpGraph:
             "nodes": nodes,
             "edges": edges,
         }
+
+
+def _require(entry: dict[str, Any], fields: tuple[str, ...], where: str) -> None:
+    """Refuse an entry of a paper-format file that lacks one of ``fields``, naming the entry (a
+    KeyError named the field only, not which of hundreds of nodes lacked it)."""
+    missing = [f for f in fields if f not in entry]
+    if missing:
+        quoted = ", ".join(f'"{f}"' for f in missing)
+        raise PlacementError(f"{where} has no {quoted}")
 
 
 def _cost(x: Any) -> bool:

@@ -127,7 +127,10 @@ class Problem:
         memory = self.memory if self.memory is not None else graph.meta.get("memory")
         memory = math.inf if memory is None else float(memory)
         training = graph.is_training if self.training is None else bool(self.training)
-        if devices < 0 or cpus < 0 or devices + cpus == 0:
+        for name, n in (("devices", devices), ("cpus", cpus)):
+            if n < 0:  # named alone: "need at least one device (devices=6, cpus=-1)" blamed the total
+                raise PlacementError(f"{name}={n} (--{name}) must be >= 0: how many there are to place on")
+        if devices + cpus == 0:
             raise PlacementError(f"need at least one device (devices={devices}, cpus={cpus})")
         if not memory > 0:
             raise PlacementError(f"memory bound must be positive, got {memory}")

@@ -47,6 +47,7 @@ import torch
 
 from meshtorch.context import processor_device
 from meshtorch.errors import PlanError
+from meshtorch.files import write_atomic
 from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION, usable_bytes
 from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.gpus import GPUS, GPUKind, gpu_kind
@@ -515,12 +516,11 @@ def spec_to_json(spec: DeviceSpec) -> dict[str, Any]:
 
 
 def save_spec(spec: DeviceSpec, path: str | os.PathLike) -> None:
-    """Write ``spec`` as a device file (directories made as needed)."""
+    """Write ``spec`` as a device file (directories made as needed), through
+    :func:`meshtorch.files.write_atomic`: a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(spec_to_json(spec), indent=1, sort_keys=True))
-    tmp.replace(path)  # a reader never sees half a file
+    write_atomic(path, json.dumps(spec_to_json(spec), indent=1, sort_keys=True).encode())
 
 
 def _link(path: Path, where: str, v: Any) -> Link:
@@ -622,4 +622,5 @@ def device(spec: str | os.PathLike | DeviceSpec, processors: int = 1) -> DeviceS
         return DEVICES[kind.spec]
     raise PlanError(f"unknown device {text!r}; use one of {sorted(DEVICES) + ['cpu']} (or a GPU's name as "
                     "torch.cuda.get_device_name() gives it), a JSON device file, or pass a "
-                    "meshtorch.plan.DeviceSpec")
+                    "meshtorch.plan.DeviceSpec; a GPU that is none of these has no rates here: `meshtorch "
+                    "plan --calibrate --device cuda` on one measures it and writes its device file")

@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
+from meshtorch.errors import PlanError
 from meshtorch.plan.cost import collective_seconds
 from meshtorch.plan.devices import DEVICES, GPU_MEMORY, DeviceSpec, Link
 from meshtorch.plan.gpus import FALLBACK_LINK, gpu_kind
@@ -441,6 +442,11 @@ def measure_gpu(device: str | torch.device = "cuda", quick: bool = False, clock:
     so that the matmul rates and attention are their FLOPs' time alone, as the roofline adds the
     three apart."""
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():  # torch's own says "not compiled with CUDA"
+        raise PlanError(f"measuring {str(device)!r}: this machine has no CUDA GPU that torch can use "
+                        f"(torch {torch.__version__}, torch.cuda.is_available() is False); run `meshtorch "
+                        "plan --calibrate --device cuda` on the machine with the GPU (its device file then "
+                        "plans anywhere with --hardware FILE), or --calibrate alone for this machine's CPU")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     clock = clock or clock_for(dev)

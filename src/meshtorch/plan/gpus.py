@@ -193,16 +193,23 @@ def _words(name: str) -> list[str]:
 def gpu_kind(name: str) -> GPUKind | None:
     """The row of :data:`GPUS` of the GPU called ``name`` (as ``torch.cuda.get_device_name()`` or
     :func:`~meshtorch.plan.gpu_calibration.device_name` spells it): of the rows whose words are all
-    in the name, the one with the most words (``H100 PCIe`` before ``H100``); ``None`` if none.
+    in the name and whose memory is the size the name states, if it states one (``40GB``), the one
+    with the most words (``H100 PCIe`` before ``H100``); ``None`` if none.
 
     Example:
         >>> gpu_kind("NVIDIA A100-SXM4-80GB").spec, gpu_kind("nvidia-h100-80gb-hbm3").spec
         ('a100', 'h100')
         >>> gpu_kind("NVIDIA A100-PCIE-40GB").spec, gpu_kind("NVIDIA GH200 480GB")
         ('a100-pcie-40gb', None)
+        >>> gpu_kind("NVIDIA A800 40GB Active") is None  # the a800 row is an 80 GB card
+        True
     """
     words = set(_words(name))
-    matches = [kind for kind in GPUS if kind.words <= words]
+    # a size the name states ("NVIDIA A800 40GB Active") is the card's: a row of another size is
+    # another card, whose memory would plan layouts that do not fit (or waste what is there)
+    sizes = {int(m[1]) for w in words if (m := re.fullmatch(r"(\d+)gb", w))}
+    matches = [kind for kind in GPUS if kind.words <= words
+               and sizes <= {round(kind.memory_bytes / GB)}]
     return max(matches, key=lambda kind: len(kind.words), default=None)
 
 

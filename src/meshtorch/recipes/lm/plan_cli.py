@@ -98,7 +98,12 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     kind, _ = parse_device(cfg.parallelism.device)
     if (auto_device(processes) if kind == "auto" else kind) != "cuda":
         return "cpu", "this machine's stored CPU calibration, meshtorch plan --calibrate"
-    name = torch.cuda.get_device_name(0)
+    try:
+        name = torch.cuda.get_device_name(0)
+    except (AssertionError, RuntimeError) as e:  # a torch without CUDA / a machine without a GPU
+        raise PlanError(f"--rules auto: --device {cfg.parallelism.device} asked for, but torch sees no CUDA "
+                        f"GPU on this machine ({e}), so there is no GPU to pick a layout for; use --device "
+                        "auto or cpu") from None
     calibrated = gpu_calibration_path(device_name(torch.device("cuda", 0)))
     if calibrated.exists():
         return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
