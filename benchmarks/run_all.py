@@ -40,6 +40,7 @@ BY_HAND = {
     "abort_at_exit": "a loop counting rare aborts (minutes, no speed figure): run by hand",
     "plan_vs_gpu_step": "reads gpu_step.py's GPU measurements: gpu_check.sh runs it after them",
     "dp_phases": "a diagnosis of fsdp_vs_fsdp2's DP/DDP ratio (CPU time per phase): run by hand",
+    "cold_python": "a diagnosis of the forward's per-op Python run cold after large kernels: run by hand",
 }
 
 # name -> (arguments of a full run, arguments of a --quick run)
