@@ -16,6 +16,8 @@ import torch
 
 import meshtorch as mt
 from meshtorch.lowering import overlap as ov
+from meshtorch.lowering import overlap_buckets, overlap_reads
+from meshtorch.lowering.overlap_runtime import Runtime
 from meshtorch.models import DecoderLM, TransformerConfig
 
 BATCH, LENGTH, STEPS = 4, 6, 3
@@ -199,7 +201,7 @@ def test_without_engine_callbacks_the_last_gradient_finishes_the_step(monkeypatc
     # queue_callback is a private API of the autograd engine: without it, the runtime finishes
     # when every gradient has arrived
     engine = torch.autograd.Variable._execution_engine
-    monkeypatch.setattr(ov.torch.autograd, "Variable", type("NoEngine", (), {}))
+    monkeypatch.setattr(torch.autograd, "Variable", type("NoEngine", (), {}))
     try:
         on = run("on", FSDP, micro=2)[0]
     finally:
@@ -257,8 +259,8 @@ def test_meshtorch_train_overlaps_with_the_per_use_losses(tmp_path, monkeypatch,
             return [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
 
     ends = []
-    finish = ov.Runtime.finish
-    monkeypatch.setattr(ov.Runtime, "finish", lambda self: (ends.append(
+    finish = Runtime.finish
+    monkeypatch.setattr(Runtime, "finish", lambda self: (ends.append(
         self.buckets is not None and self.comm.backend), finish(self))[1])
     per_use = losses("off", "--no-overlap")  # train overlaps by default
     assert not ends
@@ -478,14 +480,14 @@ def test_the_nodes_taken_for_copies_keep_nothing_of_their_input(kind):
     w = torch.randn(4, 3, requires_grad=True)
     out = COPIES_OF_A_LEAF[kind](w, torch.tensor([2, 0]))
     node = out.grad_fn
-    assert type(node).__name__ == kind and kind in ov._COPIES
+    assert type(node).__name__ == kind and kind in overlap_reads._COPIES
     assert not any(isinstance(getattr(node, a), torch.Tensor) and a != "_saved_indices"
                    for a in dir(node) if a.startswith("_saved_"))
     assert unread(out, w) == [True]
 
 
 def unread(out: torch.Tensor, *leaves: torch.Tensor) -> list[bool]:
-    return ov.unread_by_backward(out, list(leaves))
+    return overlap_reads.unread_by_backward(out, list(leaves))
 
 
 def test_a_value_that_backward_reads_is_told_from_one_it_does_not():
@@ -502,7 +504,7 @@ def test_a_value_that_backward_reads_is_told_from_one_it_does_not():
     # the op's own graph only: the walk stops at the op's inputs
     h = (x @ w).relu()
     out = h * b
-    assert ov.unread_by_backward(out, [b], [h]) == [False]
+    assert overlap_reads.unread_by_backward(out, [b], [h]) == [False]
 
 
 def test_the_read_analysis_leaves_no_reference_cycle():
@@ -627,5 +629,5 @@ def test_buckets_whose_values_become_the_gradients_are_waited_on_at_the_end_of_b
     middle of backward; accumulating into gradients waits, which frees the bucket's bytes."""
     for seen in mt.launch(waits_in_backward, 2, mesh="b:2", rules=DP):
         (launched, pending), (launched2, pending2) = seen
-        assert launched > ov.MAX_PENDING + 1 and pending == launched  # every bucket, at the end
-        assert launched2 == launched and pending2 <= ov.MAX_PENDING + 1
+        assert launched > overlap_buckets.MAX_PENDING + 1 and pending == launched  # every bucket, at the end
+        assert launched2 == launched and pending2 <= overlap_buckets.MAX_PENDING + 1

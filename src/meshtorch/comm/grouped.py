@@ -206,13 +206,9 @@ def pack_scatter(tensors: Sequence[torch.Tensor], dims: Sequence[int], axes, n: 
 
 
 def unpack_scatter(row: torch.Tensor, shapes: list) -> list[torch.Tensor]:
-    """This member's chunks: contiguous views of its reduced ``row`` (see the module)."""
-    flat, result, at = row.reshape(-1), [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        result.append(flat[at:at + size].view(shape))
-        at += size
-    return result
+    """This member's chunks: contiguous views of its reduced ``row`` (see the module), laid out
+    as a grouped all_reduce's result."""
+    return unpack_reduce(row.reshape(-1), shapes)
 
 
 def pack_reduce(tensors: Sequence[torch.Tensor], axes, release: bool = False) -> tuple[torch.Tensor, list]:

@@ -4,6 +4,9 @@
 - :mod:`meshtorch.lowering.redistribute`: moves a local slice from one layout to another.
 - :mod:`meshtorch.lowering.overlap`: parameters' gradient-summing collectives grouped in buckets
   and overlapped with compute (``mt.overlap()``).
+  :mod:`~meshtorch.lowering.overlap_runtime` runs them (grouped gathers, prefetch, reshard),
+  :mod:`~meshtorch.lowering.overlap_buckets` reduces the gradients in buckets,
+  :mod:`~meshtorch.lowering.overlap_reads` finds the inputs an op's backward never reads.
 - :mod:`meshtorch.lowering.lower`: turns one op on MeshTensors into adapters and a local torch op,
   through a cached plan.
 - :mod:`meshtorch.lowering.fused`: lowers several small reductions with one all_reduce per mesh axis.

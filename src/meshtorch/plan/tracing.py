@@ -233,7 +233,7 @@ class Tracer(TorchDispatchMode):
 
     def resized(self, t: torch.Tensor) -> None:
         """``t``'s storage changed size in place (``UntypedStorage.resize_``, which no dispatch
-        mode sees: :mod:`meshtorch.lowering.overlap` frees a gathered parameter after forward and
+        mode sees: :mod:`meshtorch.lowering.overlap_runtime` frees a gathered parameter after forward and
         fills it again for backward): its old bytes die, its new ones are born, of the same kind."""
         st = t.untyped_storage()
         hit = self.live.get(id(st))

@@ -1,0 +1,266 @@
+"""Backward's half of :class:`~meshtorch.lowering.overlap_runtime.Runtime` (its base class): a
+parameter's local gradient, once whole (autograd's post-accumulate hook: :meth:`GradientBuckets.ready`),
+goes into a bucket; buckets are cut in reverse order of the step's forward reads, launched in order
+as asynchronous grouped ``all_reduce`` (data parallel) or ``reduce_scatter`` (FSDP) calls while
+backward goes on, and waited on at the end of ``backward()`` (:meth:`GradientBuckets.finish`), which
+adds their results into ``p.grad`` (see :mod:`meshtorch.lowering.overlap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from meshtorch.comm.base import Communicator, as_axes
+from meshtorch.comm.grouped import Handle, unpack_reduce
+from meshtorch.errors import ArgumentError
+
+if TYPE_CHECKING:
+    from meshtorch.lowering.overlap_runtime import Entry
+
+FIRST_BUCKET = 2**20  # DDP's first bucket: the first reduction starts after the last layer's backward
+MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's gradients
+# a gather (and a bucket of gradients to reduce-scatter) at most 1 / GATHER_SHARE of the gathered
+# bytes: a third, so that a model of a few blocks gathers a block at a time (a quarter cut a
+# 2-block LM's blocks in two, and its peak fell in a window where gloo's staging of a gather in
+# flight lives as long as the other processor takes to join it, which the planner cannot know)
+GATHER_SHARE = 3
+MAX_PENDING = 1  # gradient buckets holding bytes in flight (waited on before another one is launched)
+
+
+def bytes_per_key(keys: dict) -> dict:
+    """``keys`` (entry -> its bucket key): each key's bytes, summed over its entries."""
+    totals: dict = {}
+    for e, key in keys.items():
+        totals[key] = totals.get(key, 0) + e.nbytes
+    return totals
+
+
+def _adopted(members: Sequence[Entry]) -> bool:
+    """Whether :meth:`GradientBuckets._add` makes a bucket's reduced values its members' gradients
+    as they are (views of the call's result, no copy): each parameter once, of its own dtype,
+    none with a gradient to add into."""
+    params = [e.param for e in members]
+    return (len({id(p) for p in params}) == len(params)
+            and all(p.grad is None and e.leaf.dtype == p.dtype for p, e in zip(params, members)))
+
+
+def _holds(members: Sequence[Entry]) -> bool:
+    """Whether a launched bucket holds bytes that waiting on it frees: a reduce_scatter's, or an
+    all_reduce's whose reduced values do not become the gradients as they are (:func:`_adopted`)."""
+    return members[0].kind != "all_reduce" or not _adopted(members)
+
+
+class GradientBuckets:
+    """The gradient buckets of one processor's :class:`~meshtorch.lowering.overlap_runtime.Runtime`,
+    which derives from this class and keeps this step's entries (``order``), its ``generation``
+    and the forward's grouped gathers (whose size, ``gather_bytes``, the buckets of gradients to
+    reduce-scatter follow)."""
+
+    # the Runtime's
+    comm: Communicator
+    order: list[Entry]
+    generation: int
+    gather_bytes: int
+
+    def _end_step(self) -> None:
+        """The Runtime's: the step ends (its gathered reads kept as the next step's plan)."""
+        raise NotImplementedError
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[list[Entry], Handle]] = []  # launched gradient buckets
+        self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
+        self.bucket_bytes = 25 * 2**20
+        self._new_backward()
+
+    def _new_backward(self) -> None:
+        """No bucket yet: made at the next backward's first gradient."""
+        self.buckets: list[list[Entry]] | None = None  # this backward's buckets
+        self.launched = 0
+        self.finishing = False
+        self.callback_missing = False  # no engine callback: finish once every gradient has come
+        self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
+        self.packs: dict[int, dict] = {}  # all_reduce bucket -> its members' places in its flat buffer
+
+    def ready(self, e: Entry, generation: int) -> None:
+        """``e``'s leaf has its whole local gradient (autograd's post-accumulate hook)."""
+        g = e.leaf.grad
+        e.leaf.grad = None
+        if g is None:
+            return
+        if e.param is None:  # a lasting entry that this step did not read: a graph of an earlier step
+            e.param = e.ref()
+            if e.param is None:
+                return  # its parameter is gone
+            try:
+                self._reduce_alone(e, g)
+            finally:
+                e.param = None
+            return
+        if generation != self.generation or e.bucket is None and self.buckets is not None:
+            # a backward through a graph of an earlier step (retain_graph): reduce it alone
+            self._reduce_alone(e, g)
+            return
+        if self.buckets is None:
+            self._cut_buckets()
+            self._queue_finish()
+        if e.bucket is None:  # not read in this step's forward (no bucket of its own): alone
+            self._reduce_alone(e, g)
+            return
+        if e.grad is None and e.bucket >= self.launched:
+            self.waiting[e.bucket] -= 1
+        if e.kind == "all_reduce":
+            e.grad = self._pack(e, g)
+        else:
+            e.grad = g if e.grad is None else e.grad + g
+        del g  # held by the entry (or the bucket it launches) alone: released once packed
+        self.arrived.add(e)
+        if e.gathered:
+            e.free()  # its last use has run backward
+        self._launch(flush=False)
+        if self.callback_missing and len(self.arrived) == len(self.order):
+            self.finish()
+
+    def _reduce_alone(self, e: Entry, g: torch.Tensor) -> None:
+        """Reduce ``e``'s gradient ``g`` by itself, outside the buckets, and add it now."""
+        self._add([e], self._start(e.kind, e.axes, [e], [g]).wait())
+
+    def _pack(self, e: Entry, g: torch.Tensor) -> torch.Tensor:
+        """``e``'s gradient ``g`` copied into its place in its bucket's flat buffer (made at the
+        bucket's first gradient), as DDP's buckets: the bucket's all_reduce runs on that buffer
+        (:func:`~meshtorch.comm.grouped.pack_reduce` takes consecutive views of one buffer as
+        it is), so its gradients are never held twice, unreduced and packed."""
+        k = e.bucket
+        slots = self.packs.get(k)
+        if slots is None:
+            members = self.buckets[k]
+            flat = torch.empty(sum(m.leaf.numel() for m in members), dtype=g.dtype, device=g.device)
+            # the views a grouped all_reduce's result is unpacked into: pack_reduce sees them as packed
+            slots = self.packs[k] = dict(zip(members, unpack_reduce(flat, [m.leaf.shape for m in members])))
+        slot = slots[e]
+        if e.grad is None:
+            slot.copy_(g)
+        else:
+            slot.add_(g)
+        return slot
+
+    def _cut_buckets(self) -> None:
+        """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
+        gradients to all-reduce as DDP's (``bucket_mb``, the first at most 1 MB), gradients to
+        reduce-scatter as FSDP2's, about a block's parameters (``gather_mb``, as their gathers),
+        ending at a checkpointed block's edges as the gathers do (see ``Runtime._end_step``).
+        An all-reduce bucket holds at most a quarter of its kind's gradients (or 1 MB): its buffer is made at
+        its first gradient, while backward still holds most activations, so that a model smaller
+        than a few buckets does not hold its gradients' bytes early (its peak stays the per-use
+        path's)."""
+        buckets: list[list[Entry]] = []
+        open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
+        keys = {e: (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in self.order}
+        totals = bytes_per_key(keys)
+        for e in reversed(self.order):
+            key = keys[e]
+            k, size, count = open_.get(key, (None, 0, 0))
+            edge = False
+            if e.kind == "all_reduce":
+                cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
+                cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
+            else:
+                cap = self._gather_cap(totals[key])
+                edge = k is not None and bool(buckets[k]) and buckets[k][-1].region != e.region
+            if k is None or (size + e.nbytes > cap or edge) and size:
+                k, size, count = len(buckets), 0, count + 1
+                buckets.append([])
+            buckets[k].append(e)
+            open_[key] = (k, size + e.nbytes, count)
+            e.bucket = k
+        self.buckets, self.launched = buckets, 0
+        self.waiting = [len(b) for b in buckets]
+
+    def _gather_cap(self, total: int) -> int:
+        """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows
+        the gathers) holds at most, of ``total`` gathered bytes of its kind."""
+        return min(self.gather_bytes, max(FIRST_BUCKET, total // GATHER_SHARE))
+
+    def _launch(self, flush: bool) -> None:
+        """Launch buckets in order while the next one is complete (``flush``: all, with what
+        they have); the same buckets in the same order on every processor."""
+        if self.buckets is None:  # _launch runs only after the buckets are made
+            raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug)")
+        while self.launched < len(self.buckets):
+            if not flush and self.waiting[self.launched]:
+                return
+            bucket = self.buckets[self.launched]
+            members = [e for e in bucket if e.grad is not None]
+            self.packs.pop(self.launched, None)  # its views, in the entries, hold the buffer
+            if members:
+                grads = [e.grad for e in members]
+                for e in members:
+                    e.grad = None
+                if _holds(members):
+                    self._wait_held()  # before packing: two held buckets' buffers are never alive together
+                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
+            self.launched += 1
+
+    def _wait_held(self) -> None:
+        """Before a bucket that holds bytes is launched, wait for the launched ones that hold bytes
+        too (oldest first, and every bucket launched before them), so that at most ``MAX_PENDING``
+        are in flight, it included: an asynchronous call holds its packed gradients until waited on (a
+        reduce_scatter on gloo a copy of them too); FSDP2 waits for a block's reduce-scatter when it
+        issues the next one, here before the next is packed, also once backward has ended. A bucket
+        whose reduced values become the gradients themselves (all-reduced, none accumulated into:
+        :meth:`_add` adopts them) frees nothing when waited on, so it is left to the end of
+        backward, as DDP waits: no processor blocks on another in the middle of backward."""
+        held = [k for k, (members, _) in enumerate(self.pending) if _holds(members)]
+        if len(held) >= MAX_PENDING:
+            for _ in range(held[len(held) - MAX_PENDING] + 1):
+                done, work = self.pending.pop(0)
+                self._add(done, work.wait())
+
+    def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
+        """Launch one bucket's reduction; ``grads`` (held nowhere else) is emptied once packed, so
+        the unreduced gradients are freed before the call runs, not kept beside their packed copy."""
+        grads[:] = [g.contiguous() for g in grads]
+        if kind == "all_reduce":
+            return self.comm.all_reduce_grouped(grads, axes, async_op=True, release=True)
+        return self.comm.reduce_scatter_grouped(grads, axes, [e.dim for e in members], async_op=True,
+                                                release=True)
+
+    def _queue_finish(self) -> None:
+        engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+        queue = getattr(engine, "queue_callback", None)
+        if queue is None:  # a private API: without it, finish once every gradient has come
+            self.callback_missing = True
+            return
+        queue(self.finish)
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait for every bucket, add into ``p.grad``,
+        and keep this step's gathered reads as the next step's forward plan."""
+        if self.buckets is None:
+            return
+        self.finishing = True
+        try:
+            self._launch(flush=True)
+            inflight, self.pending = self.pending, []
+            for members, work in inflight:
+                self._add(members, work.wait())
+        finally:
+            self._end_step()
+
+    def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
+        """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat
+        result (:mod:`meshtorch.comm.grouped`): where every member's ``p.grad`` is ``None`` (the
+        step's first backward) the views become the gradients, and the flat result is exactly
+        their bytes (DDP's ``gradient_as_bucket_view``, FSDP2's reduce output; no copy); otherwise
+        (accumulation, a parameter twice in the bucket) those added into drop their views and
+        the others take copies, so that no flat result lives on for part of its bytes."""
+        params, adopt = [e.param for e in members], _adopted(members)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                g = g.view(p.shape)
+                if p.grad is None:
+                    p.grad = g if adopt else g.to(p.dtype, copy=True)
+                else:
+                    p.grad.add_(g)
