@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from meshtorch import cli
 from meshtorch.errors import PlacementError
 from meshtorch.placement import OpGraph, Problem, place
+from meshtorch.placement.cli import parse_bytes as cli_parse_bytes
 from run_harness import tiny_train, write_corpus
 
 pytestmark = pytest.mark.timeout(120)
@@ -173,6 +174,40 @@ def test_place_with_a_billion_devices_answers_as_with_one_per_node(algorithm, tm
     assert ({k: v for k, v in json.loads(got).items() if k not in strip}
             == {k: v for k, v in json.loads(want).items() if k not in strip})
     assert Problem(devices=10**9, cpus=10**9).resolve(OpGraph.from_dict(_graph(CHAIN))).devices == 3
+
+
+def _sized_graph(gib_of_b: float) -> dict:
+    g = _graph(CHAIN, mem_bytes=gib_of_b * 2**30)
+    for n in g["nodes"]:
+        n["mem_bytes"] = max(n["mem_bytes"], 2**20)  # 1 MiB each, b larger
+    g["meta"]["cpus"] = 1
+    return g
+
+
+@pytest.mark.parametrize("flag, want", [("16GiB", 16 * 2**30), ("16GB", 16e9), ("16384MiB", 16 * 2**30),
+                                        ("512MB", 512e6), ("17179869184", 16 * 2**30)])
+def test_place_memory_takes_units_and_plain_bytes(flag, want, tmp_path, capsys):
+    rc, out, err = _place(tmp_path, capsys, _sized_graph(0.25), "--memory", flag, "--json")
+    assert rc == 0, err
+    stages = json.loads(out)["stages"]
+    assert {s["device"] for s in stages} == {"acc"}  # b fits: nothing needs the CPU
+    assert cli_parse_bytes(flag) == want
+
+
+def test_place_memory_as_a_plain_number_too_small_for_a_node_names_the_node_and_the_unit(tmp_path, capsys):
+    # `--memory 16` meant 16 GiB, read as 16 bytes: every node went to the CPU without a word
+    rc, out, err = _place(tmp_path, capsys, _sized_graph(2.0), "--memory", "16")
+    assert rc == 2 and not out
+    assert ("--memory 16 is 16 bytes (a plain number counts bytes), less than node 'b' alone needs "
+            "(2.00GiB): write the unit, e.g. --memory 16GiB") in err, err
+    # a bound with a unit that holds no node at all leaves the accelerators idle: also refused
+    rc, _, err = _place(tmp_path, capsys, _sized_graph(2.0), "--memory", "512KiB")
+    assert rc == 2 and "holds no node on an accelerator: the smallest, 'a', needs 1.00MiB" in err, err
+    # one that holds the small nodes but not b is a real bound: b goes to the CPU
+    rc, out, err = _place(tmp_path, capsys, _sized_graph(2.0), "--memory", "1GiB", "--json")
+    assert rc == 0, err
+    assert {n: s["device"] for s in json.loads(out)["stages"] for n in s["nodes"]} == {
+        "a": "acc", "b": "cpu", "c": "acc"}
 
 
 def test_replicas_are_bounded_and_more_than_127_are_recorded():

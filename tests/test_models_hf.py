@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
@@ -230,3 +230,44 @@ def test_what_cannot_be_expressed_is_named(tmp_path):
     bad_split = r"'kv_heads' \(num_key_value_heads=2\).*rule 'kv_heads:m'"
     with pytest.raises(mt.MeshTorchError, match=bad_split):
         mt.launch(lambda: from_hf(small_llama()), mesh="m:4", rules="kv_heads:m")
+
+
+def _trained_config(flags: list[str]) -> TransformerConfig:
+    """The TransformerConfig a ``meshtorch train`` run of ``flags`` trains (its own parser)."""
+    import argparse
+
+    from meshtorch.recipes.lm.flags import add_train_flags, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_flags(parser)
+    cfg = config_from_args(parser.parse_args([f for flag in flags for f in flag.split(" ", 1)]))
+    return cfg.model.config(vocab=VOCAB, length=cfg.run.length)
+
+
+def test_export_of_a_default_run_names_the_train_flags_that_make_an_architecture(tmp_path):
+    """Seen: `meshtorch export` of a default-shaped run listed the fields that fit no architecture
+    but not the `meshtorch train` flags that would make one."""
+    cfg = _trained_config([])
+    want = (r"not gpt2: bias=False .*; a meshtorch train run with --bias for a gpt2 or --positions rotary "
+            r"--norm rms --gated for a llama makes one")
+    with pytest.raises(CheckpointError, match=want):
+        mt.launch(lambda: export_hf(tmp_path, DecoderLM(cfg)))
+
+
+@given(model=st.sampled_from(["lm", "moe", "seq2seq"]), positions=st.sampled_from(["learned", "rotary"]),
+       norm=st.sampled_from(["layer", "rms"]), bias=st.booleans(), gated=st.booleans(),
+       kv_heads=st.sampled_from([0, 1, 2]), d_kv=st.sampled_from([8, 16]))
+@settings(max_examples=25, deadline=None)
+def test_the_named_train_flags_make_the_architecture(model, positions, norm, bias, gated, kv_heads, d_kv):
+    # drawn runs' flags plus the flags the error names: the config trained has no misfit left
+    assume(not (model == "moe" and gated))  # MoE experts are not gated: no such run
+    flags = [f"--model {model}", f"--positions {positions}", f"--norm {norm}",
+             "--bias" if bias else "--no-bias", "--gated" if gated else "--no-gated",
+             f"--kv-heads {kv_heads}", "--heads 4", f"--d-kv {d_kv}", "--d-model 32"]
+    cfg = _trained_config(flags)
+    from meshtorch.models import hf as hf_export
+
+    for arch in hf_export.ARCHITECTURES.values():
+        named = hf_export.train_flags(cfg, arch)
+        assert (named == []) == (arch.misfits(cfg) == [])
+        assert arch.misfits(_trained_config(flags + named)) == [], (arch.MODEL_TYPE, named)

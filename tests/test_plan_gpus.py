@@ -171,3 +171,68 @@ def test_every_row_is_found_by_its_own_words_and_builds_its_spec(kind, monkeypat
     spec = DEVICES[kind.spec]
     assert spec.peak_flops["bfloat16"] == kind.bf16_flops and spec.memory_bytes == kind.memory_bytes
     assert spec.roofline == kind.roofline
+
+
+PLAN_FLAGS = ["plan", "--d-model", "64", "--heads", "4", "--d-kv", "16", "--d-ff", "128", "--layers", "1",
+              "--batch", "8", "--length", "32", "--vocab", "64", "--mesh", "b:2", "--rules", "batch:b",
+              "--no-layered", "--json"]
+
+
+def _plan(capsys, *flags) -> tuple[dict, str]:
+    from meshtorch.cli import main
+
+    assert main([*PLAN_FLAGS, *flags]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out), out.err
+
+
+def test_plan_hardware_cuda_prices_this_machines_gpu_as_rules_auto_does(on_gpu, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Seen: `meshtorch plan --hardware cuda` said "unknown device 'cuda'"; it is this machine's GPU:
+    its row of the table (or its stored calibration), as `meshtorch train --rules auto` picks it."""
+    on_gpu("NVIDIA H100 PCIe")  # CUDA's name of this machine's GPU, no calibration stored
+    want, _ = _plan(capsys, "--hardware", "h100-pcie")
+    got, err = _plan(capsys, "--hardware", "cuda")
+    assert got == want and got["device"] == "h100-pcie"
+    assert "pricing the built-in h100-pcie spec for NVIDIA H100 PCIe" in err
+    # --hardware auto: the hardware --device computes on, the GPU where it is cuda
+    assert _plan(capsys, "--hardware", "auto", "--device", "cuda")[0] == want
+    assert _plan(capsys, "--hardware", "auto", "--device", "cpu")[0] == _plan(capsys, "--hardware", "cpu")[0]
+    # a stored calibration of this GPU wins over its row, as for --rules auto
+    from dataclasses import replace
+
+    from meshtorch.plan.devices import save_spec
+
+    calibrated = replace(device("h100-pcie"), name="lab-h100", memory_bytes=int(50e9))
+
+    path = tmp_path / f"{device_name(torch.device('cuda', 0))}.json"
+    save_spec(calibrated, path)
+    got, err = _plan(capsys, "--hardware", "cuda")
+    assert got == _plan(capsys, "--hardware", str(path))[0] and got["device"] == "lab-h100"
+    assert got["memory_bytes"]["capacity"] < want["memory_bytes"]["capacity"]
+    assert "as meshtorch plan --calibrate measured it" in err
+
+
+@pytest.mark.parametrize("error", [AssertionError("Torch not compiled with CUDA enabled"),
+                                   RuntimeError("No CUDA GPUs are available")])
+def test_plan_hardware_cuda_without_a_gpu_names_the_fixes(error, monkeypatch, capsys):
+    def no_gpu(*a):
+        raise error
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", no_gpu)
+    from meshtorch.cli import main
+
+    assert main([*PLAN_FLAGS, "--hardware", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--hardware cuda prices this machine's GPU, but torch sees no CUDA GPU on this machine "
+            f"({error}); name the GPU to price (--hardware h100") in err and "--hardware cpu" in err, err
+    assert "unknown device" not in err and "Traceback" not in err
+
+
+def test_plan_hardware_cuda_on_an_unknown_gpu_names_the_plan_fixes(monkeypatch, tmp_path):
+    monkeypatch.setattr(plan_cli, "gpu_calibration_path", lambda file_name: tmp_path / f"{file_name}.json")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA GeForce RTX 4090")
+    want = ("--hardware cuda: the GPU 'NVIDIA GeForce RTX 4090' is not in .*price it with.*--calibrate "
+            "--device cuda.*name the hardware to price")
+    with pytest.raises(PlanError, match=want):
+        plan_cli.planned_hardware("cuda", TrainConfig.of())

@@ -123,11 +123,14 @@ def gpt2_config(state_dict: Mapping[str, torch.Tensor], config: Any = None,
     return config_from_hf(config_dict(config), Source.of(state_dict), heads)
 
 
+# the TransformerConfig fields a GPT-2 has these values of (besides misfits' shape checks)
+WANT = {"positions": "learned", "norm": "layer", "bias": True, "gated": False, "experts": 0,
+        "encoder_layers": 0}
+
+
 def misfits(cfg: TransformerConfig) -> list[str]:
     """Why ``cfg`` is not a GPT-2 (empty if it is one)."""
-    want = {"positions": "learned", "norm": "layer", "bias": True, "gated": False, "experts": 0,
-            "encoder_layers": 0}
-    out = [f"{k}={getattr(cfg, k)!r} (GPT-2: {v!r})" for k, v in want.items() if getattr(cfg, k) != v]
+    out = [f"{k}={getattr(cfg, k)!r} (GPT-2: {v!r})" for k, v in WANT.items() if getattr(cfg, k) != v]
     if cfg.grouped:
         out.append(f"kv_heads={cfg.kv_heads} (GPT-2 has no grouped-query attention)")
     if cfg.heads * cfg.d_kv != cfg.d_model:

@@ -271,6 +271,39 @@ def _check_finite(model: DecoderLM, pieces: Mapping[str, Piece], src: Source) ->
                               "or run from them: re-export or re-download the model")
 
 
+def train_flags(cfg: TransformerConfig, arch: ModuleType) -> list[str]:
+    """The ``meshtorch train`` flags that make ``cfg`` a model of ``arch`` (:data:`ARCHITECTURES`),
+    for the export error: each field of ``arch.WANT`` that differs, as its flag (the recipe's
+    flags are the config's fields, ``--d-kv`` for ``d_kv``; experts and encoder blocks come from
+    ``--model``), and GPT-2's shape (no grouped-query attention, ``heads · d_kv = d_model``).
+
+    Example:
+        >>> from meshtorch.models import TransformerConfig, gpt2, llama
+        >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8)
+        >>> train_flags(cfg, gpt2), train_flags(cfg, llama)
+        (['--bias'], ['--positions rotary', '--norm rms', '--gated'])
+    """
+    flags: list[str] = []
+    for field, want in arch.WANT.items():
+        if getattr(cfg, field) == want:
+            continue
+        if field in ("experts", "encoder_layers"):  # --model moe / seq2seq made them
+            flag = "--model lm"
+        elif isinstance(want, bool):
+            flag = f"--{'' if want else 'no-'}{field.replace('_', '-')}"
+        else:
+            flag = f"--{field.replace('_', '-')} {want}"
+        if flag not in flags:
+            flags.append(flag)
+    if arch is gpt2:
+        if cfg.grouped:
+            flags.append("--kv-heads 0")
+        if cfg.heads * cfg.d_kv != cfg.d_model:
+            flags.append(f"--d-kv {cfg.d_model // cfg.heads}" if cfg.d_model % cfg.heads == 0 else
+                         f"--heads and --d-kv whose product is --d-model {cfg.d_model}")
+    return flags
+
+
 def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30) -> list[str]:
     """Write ``model`` as a Hugging Face directory (``config.json`` + safetensors in HF's names)
@@ -294,7 +327,10 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
     kind = next((k for k, r in reasons.items() if not r), None)
     if kind is None:
         why = "; ".join(f"not {k}: {', '.join(r)}" for k, r in reasons.items())
-        raise CheckpointError(f"this model has no Hugging Face architecture to export to ({why})")
+        fixes = " or ".join(f"{' '.join(train_flags(cfg, arch))} for a {k}"
+                            for k, arch in ARCHITECTURES.items())
+        raise CheckpointError(f"this model has no Hugging Face architecture to export to ({why}); a "
+                              f"meshtorch train run with {fixes} makes one (train it again with them)")
     arch = ARCHITECTURES[kind]
     rank0 = current().rank == 0
     params = {}

@@ -74,10 +74,13 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
         kv_heads=0 if kv == n_heads else kv, gated=True, rotary_base=_rope_theta(config))
 
 
+# the TransformerConfig fields a Llama has these values of
+WANT = {"positions": "rotary", "norm": "rms", "gated": True, "experts": 0, "encoder_layers": 0}
+
+
 def misfits(cfg: TransformerConfig) -> list[str]:
     """Why ``cfg`` is not a Llama (empty if it is one)."""
-    want = {"positions": "rotary", "norm": "rms", "gated": True, "experts": 0, "encoder_layers": 0}
-    return [f"{k}={getattr(cfg, k)!r} (Llama: {v!r})" for k, v in want.items() if getattr(cfg, k) != v]
+    return [f"{k}={getattr(cfg, k)!r} (Llama: {v!r})" for k, v in WANT.items() if getattr(cfg, k) != v]
 
 
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:

@@ -25,7 +25,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**
 
 
 def parse_bytes(text: str) -> float:
-    """``"16GiB"`` -> 17179869184.0; plain numbers are bytes.
+    """``"16GiB"`` -> 17179869184.0; plain numbers are bytes (``16GB`` is 1e9 · 16, ``16GiB`` 2**30 · 16).
 
     Example:
         >>> parse_bytes("1.5KiB")
@@ -38,6 +38,43 @@ def parse_bytes(text: str) -> float:
         return float(m.group(1)) * _UNITS[m.group(2).lower()]
     except ValueError:
         raise PlacementError(f"cannot read a memory size from {text!r}") from None
+
+
+def check_memory(graph: OpGraph, text: str, memory: float) -> None:
+    """Refuse a ``--memory`` that no accelerator can use: one too small for a node it could hold.
+
+    A plain number counts bytes, so ``--memory 16`` (meant as 16 GiB) is 16 bytes, which holds
+    no node: every node then went to the CPUs (or the placement was infeasible) without a word
+    about why. A unit-less number below the largest node an accelerator runs is named with that
+    node and the unit; any bound below the smallest such node leaves the accelerators empty.
+
+    Example:
+        >>> g = OpGraph()
+        >>> _ = g.add_node("conv1", acc_time=1.0, cpu_time=5.0, mem_bytes=2**20)
+        >>> check_memory(g, "16", 16.0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshtorch.errors.PlacementError: --memory 16 is 16 bytes ... node 'conv1' alone needs (1.00MiB): ...
+        >>> check_memory(g, "16GiB", 16.0 * 2**30)  # fits
+    """
+    from meshtorch.placement.report import _bytes
+
+    nodes = [n for n in graph.nodes if n.acc_time is not None]
+    if not nodes or not memory > 0:  # Problem.resolve names a bound <= 0
+        return
+    biggest = max(nodes, key=lambda n: n.mem_bytes)
+    smallest = min(nodes, key=lambda n: n.mem_bytes)
+    unitless = re.fullmatch(r"\s*[0-9.eE+-]+\s*", text) is not None
+    if unitless and memory < biggest.mem_bytes:
+        raise PlacementError(
+            f"--memory {text.strip()} is {memory:.6g} bytes (a plain number counts bytes), less than node "
+            f"{biggest.name!r} alone needs ({_bytes(biggest.mem_bytes)}): write the unit, e.g. --memory "
+            f"{text.strip()}GiB")
+    if memory < smallest.mem_bytes:
+        raise PlacementError(
+            f"--memory {text.strip()} ({_bytes(memory)}) holds no node on an accelerator: the smallest, "
+            f"{smallest.name!r}, needs {_bytes(smallest.mem_bytes)}, so every node would go to the CPUs; "
+            "pass the accelerators' real memory")
 
 
 def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: bool) -> OpGraph:
@@ -79,9 +116,12 @@ def run(args: argparse.Namespace) -> int:
     if virtual is not None and schedule != "interleaved":
         raise PlacementError(f"--virtual-stages places chunks for the interleaved schedule; drop --schedule "
                              f"{schedule} or pass --schedule interleaved")
+    memory = parse_bytes(args.memory) if args.memory else None
+    if memory is not None:
+        check_memory(graph, args.memory, memory)
     problem = Problem(
         devices=args.devices,
-        memory=parse_bytes(args.memory) if args.memory else None,
+        memory=memory,
         cpus=args.cpus,
         training=True if args.training else None,
         stash=not args.no_stash,
@@ -161,7 +201,7 @@ def _plan_2bw(graph: OpGraph, args: argparse.Namespace) -> int:
     if args.batch is None:
         raise PlacementError("--plan-2bw needs the global batch size: --batch B")
     prob = Problem(devices=args.devices, memory=parse_bytes(args.memory) if args.memory else None,
-                   training=True).resolve(graph)
+                   training=True).resolve(graph)  # run() has checked --memory
     # resolve() caps devices at what one pipeline can use; 2BW also replicates it data-parallel
     workers = args.devices if args.devices is not None else int(graph.meta.get("devices", 1))
     try:
@@ -193,7 +233,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     ap.add_argument("model", help="graph JSON (ours or dnn-partitioning) or module:Class")
     ap.add_argument("--devices", type=int, default=None, help="accelerators (default: file's)")
-    ap.add_argument("--memory", default=None, help="memory per accelerator, e.g. 16GiB")
+    ap.add_argument("--memory", default=None, help="memory per accelerator with its unit: 16GiB, 16GB, 512MB "
+                    "(a plain number counts bytes)")
     ap.add_argument("--cpus", type=int, default=None, help="CPUs (default: file's, else 0)")
     ap.add_argument("--training", action="store_true", help="training mode (fwd+bwd)")
     ap.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="dp")

@@ -81,7 +81,7 @@ def _calibrates_gpu(args: argparse.Namespace) -> bool:
     return args.device == "cuda"
 
 
-def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
+def hardware_of_run(cfg: TrainConfig, processes: int, *, flag: str = "--rules auto") -> tuple[str, str]:
     """The hardware spec that prices ``cfg``'s run on this machine, and where it comes from: the CPU's
     stored calibration (``--hardware cpu``) when the run computes on the CPU; on a GPU its own
     measurement if ``meshtorch plan --calibrate`` stored one (:func:`gpu_calibration_path`), else the
@@ -90,7 +90,8 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     without a calibration raises :class:`~meshtorch.errors.PlanError` naming the fix (``meshtorch plan
     --calibrate --device cuda`` on it, or explicit ``--rules``): no GPU is priced as another.
     ``processes``: the run's processors on this machine (``--device auto`` picks CUDA when it has a GPU
-    for each)."""
+    for each). ``flag``: what asked, named by the errors with its own fixes (``meshtorch plan
+    --hardware cuda`` prices this machine's GPU through here too: :func:`planned_hardware`)."""
     import torch
 
     from meshtorch.comm.device import auto_device, parse_device
@@ -98,30 +99,63 @@ def hardware_of_run(cfg: TrainConfig, processes: int) -> tuple[str, str]:
     kind, _ = parse_device(cfg.parallelism.device)
     if (auto_device(processes) if kind == "auto" else kind) != "cuda":
         return "cpu", "this machine's stored CPU calibration, meshtorch plan --calibrate"
+    planning = flag.startswith("--hardware")
+    other = "name the hardware to price (--hardware h100, or a device file)" if planning else \
+        "pass explicit --rules"
     try:
         name = torch.cuda.get_device_name(0)
     except (AssertionError, RuntimeError) as e:  # a torch without CUDA / a machine without a GPU
-        raise PlanError(f"--rules auto: --device {cfg.parallelism.device} asked for, but torch sees no CUDA "
+        if planning:
+            raise PlanError(f"{flag} prices this machine's GPU, but torch sees no CUDA GPU on this machine "
+                            f"({e}); name the GPU to price (--hardware h100, its name as CUDA gives it, or "
+                            "the device file `meshtorch plan --calibrate --device cuda` wrote on it), or "
+                            "--hardware cpu for this machine's CPU") from None
+        raise PlanError(f"{flag}: --device {cfg.parallelism.device} asked for, but torch sees no CUDA "
                         f"GPU on this machine ({e}), so there is no GPU to pick a layout for; use --device "
                         "auto or cpu") from None
     calibrated = gpu_calibration_path(device_name(torch.device("cuda", 0)))
     if calibrated.exists():
         return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
     if gpu_kind(name) is None:
-        raise PlanError(f"--rules auto: the GPU {name!r} is not in meshtorch.plan.gpus.GPUS and has no "
-                        f"calibration at {calibrated}, so the planner has no rates to pick a layout with; "
-                        "run `meshtorch plan --calibrate --device cuda` on this machine once (it measures "
-                        "the GPU and stores that file), or pass explicit --rules")
+        raise PlanError(f"{flag}: the GPU {name!r} is not in meshtorch.plan.gpus.GPUS and has no "
+                        f"calibration at {calibrated}, so the planner has no rates to "
+                        f"{'price it' if planning else 'pick a layout'} with; run `meshtorch plan "
+                        "--calibrate --device cuda` on this machine once (it measures the GPU and stores "
+                        f"that file), or {other}")
     kind, reported = gpu_kind(name), _reported_memory()
     if reported is not None and reported < 0.9 * kind.memory_bytes:
         raise PlanError(
-            f"--rules auto: the GPU {name!r} reports {reported / 1e9:.1f} GB of memory, but its row of "
+            f"{flag}: the GPU {name!r} reports {reported / 1e9:.1f} GB of memory, but its row of "
             f"meshtorch.plan.gpus.GPUS ({kind.spec}) has {kind.memory_bytes / 1e9:.0f} GB: a smaller variant "
             "the table does not know, whose layouts would be planned to run out of memory; run `meshtorch "
             "plan --calibrate --device cuda` on this machine once (it measures this GPU's memory and rates), "
-            "or pass explicit --rules")
+            f"or {other}")
     spec, note = kind.spec, assumed(kind)
     return spec, f"the built-in {spec} spec for {name} (its data sheet's rates{'; ' + note if note else ''})"
+
+
+# --hardware values that mean "this machine": its GPU (cuda), or what the run computes on (auto)
+THIS_MACHINE = ("cuda", "auto")
+
+
+def planned_hardware(hardware: str, cfg: TrainConfig) -> tuple[str, str | None]:
+    """``meshtorch plan --hardware``'s spec and, for ``cuda`` and ``auto``, where it comes from:
+    ``cuda`` is this machine's GPU, ``auto`` the hardware ``cfg``'s ``--device`` computes on (the GPU
+    where ``auto`` finds one, else the CPU's calibration), as ``meshtorch train --rules auto`` picks
+    it (:func:`hardware_of_run`: a stored ``--calibrate`` of the GPU, else its row of the GPU table).
+    Any other value is a hardware name or file, as it is.
+
+    Example:
+        >>> planned_hardware("h100", TrainConfig.of())
+        ('h100', None)
+        >>> planned_hardware("auto", TrainConfig.of(device="cpu"))[0]
+        'cpu'
+    """
+    if hardware.lower() not in THIS_MACHINE:
+        return hardware, None
+    run = cfg.replace(device="cuda") if hardware.lower() == "cuda" else cfg
+    # one processor: the kind of GPU this machine has prices every processor of the mesh planned
+    return hardware_of_run(run, 1, flag=f"--hardware {hardware}")
 
 
 def _reported_memory() -> int | None:
@@ -324,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
         if not (args.mesh or args.search):
             return 0
     cfg, vocab = config_of(args)
-    note = assumed_note(args.hardware)
+    args.hardware, source = planned_hardware(args.hardware, cfg)
+    note = f"meshtorch plan: pricing {source}" if source else assumed_note(args.hardware)
     if note:
         print(note, file=sys.stderr)
     par = cfg.parallelism
@@ -434,7 +469,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--hardware", default="tpu-v2",
                    help="the hardware to price: tpu-v2, tpu-v3, a GPU by its data sheet ("
                    + ", ".join(kind.spec for kind in GPUS) + ": meshtorch.plan.gpus; or its name as CUDA "
-                   "gives it), cpu (this machine, as stored by "
+                   "gives it), cuda (this machine's GPU: its --calibrate file, else its row), auto (cuda "
+                   "where --device finds a GPU, else cpu), cpu (this machine, as stored by "
                    "--calibrate) or a JSON device file (peak_flops by dtype, memory_bytes, link, links per "
                    "axis: docs/planner.md)")
     g.add_argument("--calibrate", action="store_true",
