@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import meshtorch as mt
 from mesh_harness import SIZES, check_op, meshes, rand, rules_for
+from meshtorch.ops.array import embedding_range
 
 SET = settings(max_examples=10, deadline=None)
 
@@ -115,6 +116,52 @@ def test_one_hot_gather_cross_entropy_with_split_vocab(data):
     check_op(lambda z, i: mt.cross_entropy(z, i, "vocab"),
              lambda z, i: F.cross_entropy(z, i, reduction="none"),
              [(rand(b, v, seed=5) * 2, f"batch:{b},vocab:{v}"), (ids, f"batch:{b}")], mesh, rules)
+
+
+@given(data=st.data(), extra=st.integers(0, 5))
+@SET
+def test_embedding_range_is_the_lookup_of_its_ids_bitwise_with_the_same_collectives(data, extra):
+    """Learned positions: rows offset.. of the table (a view where the table's dim is whole) are
+    mt.embedding of the ids offset.. on every layout: values and gradients bitwise, the same
+    collectives (calls and bytes, forward and backward; less the gather of the ids where the lookup
+    moves them), and dense torch's ``table[offset:]``. An uneven split leaves a processor no rows."""
+    mesh = data.draw(meshes())
+    n, d = data.draw(SIZES), data.draw(SIZES)
+    rows = n + extra
+    off = data.draw(st.integers(0, extra))
+    rules = data.draw(rules_for(mesh, ["positions", "length", "d_model"]))
+    table, probe = rand(rows, d, seed=6), rand(n, d, seed=7)
+
+    def prog():
+        p = mt.from_global(probe, f"length:{n},d_model:{d}")
+        got = []
+        for lookup in (lambda w: mt.embedding(w, mt.from_global(torch.arange(off, off + n), f"length:{n}"),
+                                              "positions"),
+                       lambda w: embedding_range(w, "positions", mt.Dim("length", n), off)):
+            w = mt.from_global(table, f"positions:{rows},d_model:{d}", requires_grad=True)
+            mt.reset_comm_stats()
+            y = lookup(w)
+            mt.reduce_sum(y * p).backward()
+            got.append((y.to_global().detach(), w.grad.to_global(), mt.comm_stats().as_dict()))
+        return got
+
+    for (y0, g0, s0), (y1, g1, s1) in mt.launch(prog, mesh=mesh, rules=rules):
+        assert torch.equal(y1, y0) and torch.equal(g1, g0), (mesh, rules)
+        if "length:" not in rules:  # whole ids: the lookup moves none of them
+            assert s1 == s0, (mesh, rules, s0, s1)
+        else:  # the same collectives, or fewer: no ids to gather where the table's plan needs them whole
+            assert all(k in s0 and s1[k]["calls"] <= s0[k]["calls"] and s1[k]["bytes"] <= s0[k]["bytes"]
+                       for k in s1), (mesh, rules, s0, s1)
+        assert torch.equal(y1, table[off:off + n])
+        want = torch.zeros_like(table)
+        want[off:off + n] = probe
+        torch.testing.assert_close(g1, want, rtol=0, atol=0)
+
+
+def test_embedding_range_outside_the_table_raises():
+    table = mt.from_global(torch.zeros(4, 2), "positions:4,d:2")
+    with pytest.raises(mt.errors.ArgumentError, match="rows 2..4 are outside dim 'positions' of size 4"):
+        embedding_range(table, "positions", mt.Dim("length", 3), offset=2)
 
 
 @pytest.mark.parametrize("rules", ["batch:b", "vocab:b"])
