@@ -225,6 +225,33 @@ def test_ids_outside_the_vocabulary_raise_as_in_torch(mesh, rules, bad):
         mt.cross_entropy(mt.zeros("v:2"), mt.from_global(torch.tensor(0), ""), "v", reduction="avg")
 
 
+def test_id_check_on_the_host_is_a_clamp_and_a_compare_and_reads_no_value():
+    """check_ids on the CPU: two ATen ops (issue 27: each a Python call paid cold between large
+    kernels), no value read into Python (``_local_scalar_dense``) while the ids are in range; the
+    bad id still named when one is not (negative or too large)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtorch.ops.array import check_ids
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    vocab = mt.Dim("vocab", 8)
+    ids = mt.from_global(torch.tensor([[0, 7], [3, 5]]), "batch:2,length:2")
+    with Ops() as seen:
+        check_ids(ids, vocab, "embedding")
+    assert seen.ops == ["aten.clamp.default", "aten.equal.default"]
+    for bad in (-1, 8):
+        with pytest.raises(mt.errors.ArgumentError, match=f"embedding: ids hold {bad}, outside dim 'vocab'"):
+            check_ids(mt.from_global(torch.tensor([2, bad]), "batch:2"), vocab, "embedding")
+
+
 @given(data=st.data(), rate=st.sampled_from([0.1, 0.5]))
 @settings(max_examples=6, deadline=None)
 def test_dropout_mask_is_layout_invariant(data, rate):
