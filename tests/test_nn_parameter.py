@@ -181,3 +181,26 @@ def test_a_layer_refuses_a_seed_of_its_own_and_names_the_fix(given):
     layer = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2)).reset_parameters(seed=1)
     want = mt.random.kaiming_normal("d:4,h:2", gain=1.0, fan_in=["d"], seed=1, stream="kernel")
     assert torch.equal(layer.kernel.mesh_tensor.to_global(), want.to_global())
+
+
+def test_attribute_reads_answer_as_torch_s_and_draw_a_lazy_parameter_once():
+    """Module.__getattr__ finds parameters and submodules itself (one Python frame less per read in
+    a forward, issue 27): every kind of name answers as torch.nn.Module's own __getattr__ does, a
+    missing one with torch's error, and a lazy parameter is drawn at its first read."""
+    class Net(mt.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2))
+            self.register_buffer("steps", torch.zeros(()))
+            self.register_parameter("gone", None)
+            self.register_module("empty", None)
+
+    net = Net()
+    lazy = net.layer._parameters["kernel"]
+    assert not lazy.materialized
+    assert net.layer.kernel is lazy and lazy.materialized  # drawn at the first read
+    for name in ("layer", "steps", "gone", "empty"):
+        assert getattr(net, name) is torch.nn.Module.__getattr__(net, name), name
+    assert net.layer.bias is net.layer._parameters["bias"]
+    with pytest.raises(AttributeError, match="'Net' object has no attribute 'missing'"):
+        _ = net.missing

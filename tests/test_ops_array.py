@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import meshtorch as mt
 from mesh_harness import SIZES, check_op, meshes, rand, rules_for
+from meshtorch.ops.array import embedding_range
 
 SET = settings(max_examples=10, deadline=None)
 
@@ -117,6 +118,52 @@ def test_one_hot_gather_cross_entropy_with_split_vocab(data):
              [(rand(b, v, seed=5) * 2, f"batch:{b},vocab:{v}"), (ids, f"batch:{b}")], mesh, rules)
 
 
+@given(data=st.data(), extra=st.integers(0, 5))
+@SET
+def test_embedding_range_is_the_lookup_of_its_ids_bitwise_with_the_same_collectives(data, extra):
+    """Learned positions: rows offset.. of the table (a view where the table's dim is whole) are
+    mt.embedding of the ids offset.. on every layout: values and gradients bitwise, the same
+    collectives (calls and bytes, forward and backward; less the gather of the ids where the lookup
+    moves them), and dense torch's ``table[offset:]``. An uneven split leaves a processor no rows."""
+    mesh = data.draw(meshes())
+    n, d = data.draw(SIZES), data.draw(SIZES)
+    rows = n + extra
+    off = data.draw(st.integers(0, extra))
+    rules = data.draw(rules_for(mesh, ["positions", "length", "d_model"]))
+    table, probe = rand(rows, d, seed=6), rand(n, d, seed=7)
+
+    def prog():
+        p = mt.from_global(probe, f"length:{n},d_model:{d}")
+        got = []
+        for lookup in (lambda w: mt.embedding(w, mt.from_global(torch.arange(off, off + n), f"length:{n}"),
+                                              "positions"),
+                       lambda w: embedding_range(w, "positions", mt.Dim("length", n), off)):
+            w = mt.from_global(table, f"positions:{rows},d_model:{d}", requires_grad=True)
+            mt.reset_comm_stats()
+            y = lookup(w)
+            mt.reduce_sum(y * p).backward()
+            got.append((y.to_global().detach(), w.grad.to_global(), mt.comm_stats().as_dict()))
+        return got
+
+    for (y0, g0, s0), (y1, g1, s1) in mt.launch(prog, mesh=mesh, rules=rules):
+        assert torch.equal(y1, y0) and torch.equal(g1, g0), (mesh, rules)
+        if "length:" not in rules:  # whole ids: the lookup moves none of them
+            assert s1 == s0, (mesh, rules, s0, s1)
+        else:  # the same collectives, or fewer: no ids to gather where the table's plan needs them whole
+            assert all(k in s0 and s1[k]["calls"] <= s0[k]["calls"] and s1[k]["bytes"] <= s0[k]["bytes"]
+                       for k in s1), (mesh, rules, s0, s1)
+        assert torch.equal(y1, table[off:off + n])
+        want = torch.zeros_like(table)
+        want[off:off + n] = probe
+        torch.testing.assert_close(g1, want, rtol=0, atol=0)
+
+
+def test_embedding_range_outside_the_table_raises():
+    table = mt.from_global(torch.zeros(4, 2), "positions:4,d:2")
+    with pytest.raises(mt.errors.ArgumentError, match="rows 2..4 are outside dim 'positions' of size 4"):
+        embedding_range(table, "positions", mt.Dim("length", 3), offset=2)
+
+
 @pytest.mark.parametrize("rules", ["batch:b", "vocab:b"])
 def test_bf16_logits_give_torch_s_fp32_loss_whole_or_split_vocab(rules):
     """As F.cross_entropy under autocast: bf16 logits, an fp32 loss (a bf16 loss near 5 nats
@@ -176,6 +223,33 @@ def test_ids_outside_the_vocabulary_raise_as_in_torch(mesh, rules, bad):
         mt.launch(loss, mesh=mesh, rules=rules)
     with pytest.raises(mt.errors.ArgumentError, match="reduction='avg'"):
         mt.cross_entropy(mt.zeros("v:2"), mt.from_global(torch.tensor(0), ""), "v", reduction="avg")
+
+
+def test_id_check_on_the_host_is_a_clamp_and_a_compare_and_reads_no_value():
+    """check_ids on the CPU: two ATen ops (issue 27: each a Python call paid cold between large
+    kernels), no value read into Python (``_local_scalar_dense``) while the ids are in range; the
+    bad id still named when one is not (negative or too large)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtorch.ops.array import check_ids
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    vocab = mt.Dim("vocab", 8)
+    ids = mt.from_global(torch.tensor([[0, 7], [3, 5]]), "batch:2,length:2")
+    with Ops() as seen:
+        check_ids(ids, vocab, "embedding")
+    assert seen.ops == ["aten.clamp.default", "aten.equal.default"]
+    for bad in (-1, 8):
+        with pytest.raises(mt.errors.ArgumentError, match=f"embedding: ids hold {bad}, outside dim 'vocab'"):
+            check_ids(mt.from_global(torch.tensor([2, bad]), "batch:2"), vocab, "embedding")
 
 
 @given(data=st.data(), rate=st.sampled_from([0.1, 0.5]))

@@ -25,7 +25,6 @@ import functools
 import torch
 
 from meshtorch import nn
-from meshtorch.context import processor_device
 from meshtorch.errors import ShapeError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.layers import (
@@ -40,7 +39,7 @@ from meshtorch.ops.elementwise import add
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.shape import Dim
-from meshtorch.tensor import MeshTensor, as_mesh_tensor, from_global, zeros
+from meshtorch.tensor import MeshTensor, as_mesh_tensor, zeros
 
 
 class Block(nn.Module):
@@ -156,8 +155,8 @@ class Stack(nn.Module):
                              "TransformerConfig.max_length or pass shorter sequences")
         x = self.table(ids)
         if cfg.positions == "learned":
-            pos = from_global(torch.arange(offset, offset + n, device=processor_device()), [Dim(LENGTH, n)])
-            x = x + self.pos(pos)
+            # rows offset.. of the table (a view where it is whole), not a lookup of made ids
+            x = x + self.pos.rows(Dim(LENGTH, n), offset)
         rotary = None
         if cfg.positions == "rotary":
             cq, sq = rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base)

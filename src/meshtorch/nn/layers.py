@@ -25,7 +25,7 @@ from meshtorch.caching import BoundedCache
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import InitFn, MeshParameter
-from meshtorch.ops.array import embedding
+from meshtorch.ops.array import embedding, embedding_range
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.nn import dropout, layer_norm, rms_norm
@@ -114,6 +114,19 @@ class Embedding(Module):
 
     def forward(self, ids: MeshTensor) -> MeshTensor:
         return embedding(self.table.mesh_tensor, as_mesh_tensor(ids), self.vocab.name)
+
+    def rows(self, out: Dim, offset: int = 0) -> MeshTensor:
+        """The vectors of ids ``offset .. offset + out.size - 1`` over the new dim ``out`` (learned
+        positions): ``self(ids)`` for those ids, without making them (see
+        :func:`~meshtorch.ops.array.embedding_range`).
+
+        Example:
+            >>> import meshtorch as mt
+            >>> emb = mt.nn.Embedding(mt.Dim("positions", 8), mt.Dim("d", 2))
+            >>> emb.rows(mt.Dim("length", 3), offset=2).shape
+            Shape('length:3,d:2')
+        """
+        return embedding_range(self.table.mesh_tensor, self.vocab.name, out, offset)
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""

@@ -108,7 +108,21 @@ class Module(torch.nn.Module):
 
     # ------------------------------------------------------------ first reads draw the values
     def __getattr__(self, name: str) -> Any:
-        value = super().__getattr__(name)
+        # parameters and submodules (self.kernel, self.q: the reads of a forward) are found here,
+        # without torch's __getattr__ frame (issue 27: each Python frame between large kernels
+        # runs cold); torch keeps a name in one of its tables only, so the answer is the same.
+        # Buffers, None entries and missing names take torch's path (its error message).
+        d = self.__dict__
+        if "_modules" in d:  # (set up by torch's __init__, after _parameters)
+            value = d["_parameters"].get(name)
+            if value is None:
+                value = d["_modules"].get(name)
+                if value is not None:
+                    return value
+        else:
+            value = None
+        if value is None:
+            value = super().__getattr__(name)
         if isinstance(value, MeshParameter) and not value.materialized:
             value.materialize()
         return value

@@ -193,10 +193,10 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
     slice) is outside ``0 .. dim.size - 1`` and is not ``ignore``: what torch's own lookups
     raise, where a masked lookup over a split ``dim`` would give zeros silently.
 
-    It is torch's assert on a device tensor: on the CPU it checks in place (the CPU computes
-    synchronously anyway) and only a failing check reads the ids' range for the message, so a
-    step reads no value into Python (``tests/test_syncs.py`` counts such reads); on an
-    accelerator the assert is asynchronous, so the host never waits for the device
+    On the CPU it compares the ids with their clamp in place (the CPU computes synchronously
+    anyway) and only a failing check reads the ids' range for the message, so a step reads no
+    value into Python (``tests/test_syncs.py`` counts such reads); on an accelerator it is
+    torch's assert on a device tensor, asynchronous, so the host never waits for the device
     (a failure surfaces at a later synchronisation, as torch's own index checks do there).
     Under a tracer (``make_fx``, ``torch.compile``) the assert is recorded, as on an accelerator.
     Meta tensors (planning) hold no values and are not checked.
@@ -220,16 +220,16 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
 def _check_ids(t: torch.Tensor, dim: Dim, op: str, what: str, ignore: int | None) -> None:
     if ignore is not None:
         t = torch.where(t == ignore, 0, t)
-    ok = ((t >= 0) & (t < dim.size)).all()
     # a tracer (make_fx, torch.compile) cannot read a value: it records the assert instead
     if t.device.type != "cpu" or torch.compiler.is_compiling() or get_proxy_mode() is not None:
+        ok = ((t >= 0) & (t < dim.size)).all()
         torch._assert_async(ok, f"{op}: {what} outside dim {dim.name!r} of size {dim.size}")
         return
-    try:  # the same assert checks in place on the host: no value comes back to Python unless it fails
-        torch._assert_async(ok)
+    # on the host, two ops (not the assert's five: each a Python call paid cold after a large
+    # kernel, issue 27): ids in range are their own clamp; torch.equal compares in C++ and answers
+    # a bool, so no value of a tensor comes back to Python unless the check fails
+    if torch.equal(t.clamp(0, dim.size - 1), t):
         return
-    except RuntimeError:
-        pass
     lo, hi = (int(v) for v in torch.aminmax(t))
     if lo < 0 or hi >= dim.size:
         skip = f" other than ignore_index={ignore}" if ignore is not None else ""
@@ -267,16 +267,71 @@ def embedding(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | No
 
     def local_fn(view, tab, idx):
         start, size = view.slices[v]
-        if start == 0 and size == whole:
-            # the whole table here and every id in range (check_ids): the clamp, the hit test and
-            # the mask multiply would change nothing; skipping them saves three ops, a [ids, d]
-            # multiply and its autograd node (on one processor, every step)
-            return tab.movedim(vi, 0)[idx] if vi else tab[idx]
-        rel = idx - start if start else idx  # (each skipped no-op is an autograd node less)
-        safe = rel.clamp(0, size - 1)
-        hit = safe == rel  # ids outside this slice's range pick zeros: another slice holds their rows
-        rows = (tab.movedim(vi, 0) if vi else tab)[safe]
-        mask = hit.reshape(hit.shape + (1,) * (rows.dim() - hit.dim()))
-        return rows * mask  # (the bool mask promotes to rows' dtype inside the kernel)
+        return _rows(tab, vi, idx, start, size, whole)
 
     return lower("embedding", [table, ids], out, local_fn, reduced={v: "sum"}, name=name)
+
+
+def embedding_range(table: MeshTensor, dim: str | Dim, out: Dim, offset: int = 0,
+                    name: str | None = None) -> MeshTensor:
+    """Rows ``offset .. offset + out.size - 1`` of ``table`` along ``dim``, over the new dim
+    ``out``: :func:`embedding` of the ids ``offset + i`` for ``i`` in ``out`` (a learned-position
+    lookup), with the same communication and plan, made without the ids.
+
+    Where this processor holds the whole ``dim`` its slice of the result is a slice (a view) of
+    the table: the same values and gradient as the lookup, without making, checking and
+    indexing the ids (about nine ops a forward, each a Python call paid cold after a large
+    kernel, issue 27). Over a split ``dim`` it is :func:`embedding`'s masked lookup.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.ops.array import embedding_range
+        >>> table = mt.from_global(torch.arange(8.0).reshape(4, 2), "positions:4,d:2")
+        >>> embedding_range(table, "positions", mt.Dim("length", 2), offset=1).to_global().tolist()
+        [[2.0, 3.0], [4.0, 5.0]]
+    """
+    table = as_mesh_tensor(table)
+    v = dim_name(dim)
+    if not isinstance(out, Dim):
+        raise ShapeError(f"embedding_range needs a Dim (name and size) for the new dim, got {out!r}")
+    if out.name in table.shape:
+        raise ShapeError(f"embedding_range: table [{table.shape}] already has a dim named {out.name!r}")
+    vi = table.shape.index(v)
+    whole = table.shape[v].size
+    if offset < 0 or offset + out.size > whole:
+        raise ArgumentError(f"embedding_range: rows {offset}..{offset + out.size - 1} are outside dim "
+                            f"{v!r} of size {whole} (0..{whole - 1}); pass fewer rows or a larger {v!r}")
+
+    def local_fn(view, tab):
+        start, size = view.slices[out.name]
+        first = offset + start
+        vstart, vsize = view.slices[v]
+        if vstart == 0 and vsize == whole:  # this processor's rows, as a view of the table
+            rows = tab.narrow(vi, first, size)
+            return rows.movedim(vi, 0) if vi else rows
+        idx = torch.arange(first, first + size, device=tab.device)
+        return _rows(tab, vi, idx, vstart, vsize, whole)
+
+    return lower("embedding", [table], Shape([out]) + table.shape.without([v]), local_fn,
+                 reduced={v: "sum"}, name=name)
+
+
+def _rows(tab: torch.Tensor, vi: int, idx: torch.Tensor, start: int, size: int, whole: int) -> torch.Tensor:
+    """Rows ``idx`` (ids in range) of the local table ``tab`` holding ``start .. start + size - 1``
+    of its dim ``vi`` (of size ``whole``), that dim moved to the front; ids another processor's
+    slice holds give zeros."""
+    if start == 0 and size == whole:
+        # the whole table here and every id in range (check_ids): the clamp, the hit test and
+        # the mask multiply would change nothing; skipping them saves three ops, a [ids, d]
+        # multiply and its autograd node (on one processor, every step)
+        return tab.movedim(vi, 0)[idx] if vi else tab[idx]
+    if size == 0:  # an uneven split leaves this processor no rows: every id is another's
+        rows = tab.movedim(vi, 0) if vi else tab
+        # (a sum over the empty rows: zeros that keep the table in the graph, for the reduction's backward)
+        return rows.sum(0).expand(idx.shape + rows.shape[1:])
+    rel = idx - start if start else idx  # (each skipped no-op is an autograd node less)
+    safe = rel.clamp(0, size - 1)
+    hit = safe == rel  # ids outside this slice's range pick zeros: another slice holds their rows
+    rows = (tab.movedim(vi, 0) if vi else tab)[safe]
+    mask = hit.reshape(hit.shape + (1,) * (rows.dim() - hit.dim()))
+    return rows * mask  # (the bool mask promotes to rows' dtype inside the kernel)
