@@ -278,7 +278,8 @@ class OpGraph:
             where = "graph" if str(text_or_path).lstrip().startswith("{") else str(text_or_path)
             expected = (_PAPER_FIELDS if paper else
                         f'{{"format": "{FORMAT}", "nodes": [{{"name": ...}}], "edges": [[src, dst, bytes]]}}')
-            raise PlacementError(f"{where}: cannot read the graph ({type(e).__name__}: {e}); "
+            detail = str(e) if isinstance(e, PlacementError) else f"{type(e).__name__}: {e}"
+            raise PlacementError(f"{where}: cannot read the graph ({detail}); "
                                  f"expected {expected}") from None
 
     # -- the paper's format (msr-fiddle/dnn-partitioning) ---------------------------------
