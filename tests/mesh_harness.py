@@ -135,3 +135,23 @@ def fwd_bwd_counts(make_inputs, op):
         y.backward(mt.ones(y.shape))
         return fwd, mt.comm_stats().as_dict()
     return prog
+
+
+def aten_ops(fn) -> tuple[list[str], object]:
+    """The ATen ops ``fn()`` runs, by overload name (``"add.Tensor"``), in order, and its result:
+    what a fast path is held to (each op is a Python call into torch, paid cold between a model's
+    large kernels)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        out = fn()
+    return ops.names, out

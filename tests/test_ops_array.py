@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshtorch as mt
-from mesh_harness import SIZES, check_op, meshes, rand, rules_for
+from mesh_harness import SIZES, aten_ops, check_op, meshes, rand, rules_for
 from meshtorch.ops.array import embedding_range
 
 SET = settings(max_examples=10, deadline=None)
@@ -229,24 +229,12 @@ def test_id_check_on_the_host_is_a_clamp_and_a_compare_and_reads_no_value():
     """check_ids on the CPU: two ATen ops (issue 27: each a Python call paid cold between large
     kernels), no value read into Python (``_local_scalar_dense``) while the ids are in range; the
     bad id still named when one is not (negative or too large)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from meshtorch.ops.array import check_ids
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     vocab = mt.Dim("vocab", 8)
     ids = mt.from_global(torch.tensor([[0, 7], [3, 5]]), "batch:2,length:2")
-    with Ops() as seen:
-        check_ids(ids, vocab, "embedding")
-    assert seen.ops == ["aten.clamp.default", "aten.equal.default"]
+    names, _ = aten_ops(lambda: check_ids(ids, vocab, "embedding"))
+    assert names == ["clamp.default", "equal.default"], names
     for bad in (-1, 8):
         with pytest.raises(mt.errors.ArgumentError, match=f"embedding: ids hold {bad}, outside dim 'vocab'"):
             check_ids(mt.from_global(torch.tensor([2, bad]), "batch:2"), vocab, "embedding")

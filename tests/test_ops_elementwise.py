@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshtorch as mt
-from mesh_harness import SIZES, check_op, meshes, rand, rules_for
+from mesh_harness import SIZES, aten_ops, check_op, meshes, rand, rules_for
 
 SET = settings(max_examples=8, deadline=None)
 
@@ -112,26 +112,14 @@ def test_trailing_dims_run_the_op_alone_on_one_processor():
     """A bias add on one processor is one aten op, as ``x + b`` in torch: no permute, reshape or
     expand of the operands around it (each a Python call into torch, paid cold between the large
     kernels of a model's forward: issue 27)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     x = mt.from_global(rand(2, 3, 4), "p:2,q:3,r:4")
     bias = mt.from_global(rand(4, seed=2), "r:4")
-    with Ops() as ops:
-        y = x + bias
-    assert ops.names == ["add.Tensor"], ops.names
+    names, y = aten_ops(lambda: x + bias)
+    assert names == ["add.Tensor"], names
     assert torch.equal(y.to_global(), x.to_global() + bias.to_global())
-    with Ops() as ops:  # not trailing (r, q against p, q, r): aligned first
-        x * mt.from_global(rand(4, 3, seed=3), "r:4,q:3")
-    assert ops.names != ["mul.Tensor"], ops.names
+    # not trailing (r, q against p, q, r): aligned first
+    names, _ = aten_ops(lambda: x * mt.from_global(rand(4, 3, seed=3), "r:4,q:3"))
+    assert names != ["mul.Tensor"], names
 
 
 @pytest.mark.parametrize("op, ref", [

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import meshtorch as mt
+from mesh_harness import aten_ops
 
 B, T, D, V = 4, 6, 8, 12
 X = torch.randn(B, T, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -100,24 +101,6 @@ def test_fused_paths_run_one_kernel_on_one_processor():
     assert "aten::exp" not in names and "aten::rsqrt" not in names, names
 
 
-def _aten_ops(fn):
-    """The aten ops ``fn()`` runs, by name, and its result."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    with Ops() as ops:
-        out = fn()
-    return ops.names, out
-
-
 def test_dense_and_tied_output_run_torchs_ops_on_one_processor():
     """A Dense layer and a tied output layer on one processor run what ``x @ W + b`` and
     ``x @ T.t()`` run in torch, op for op, with the same values: every Python call into torch
@@ -129,15 +112,15 @@ def test_dense_and_tied_output_run_torchs_ops_on_one_processor():
     dense = Dense(mt.Dim("d", 8), mt.Dim("h", 5))
     dense.bias.data.normal_(generator=torch.Generator().manual_seed(7))
     w, b = dense.kernel.detach(), dense.bias.detach()
-    ours, y = _aten_ops(lambda: dense(x))
-    theirs, ref = _aten_ops(lambda: x32 @ w + b)
+    ours, y = aten_ops(lambda: dense(x))
+    theirs, ref = aten_ops(lambda: x32 @ w + b)
     assert ours == theirs, (ours, theirs)
     assert torch.equal(y.to_global(), ref)
 
     table = Embedding(mt.Dim("vocab", V), mt.Dim("d", 8))
     t = table.table.detach()
-    ours, y = _aten_ops(lambda: table.attend(x))
-    theirs, ref = _aten_ops(lambda: x32 @ t.t())
+    ours, y = aten_ops(lambda: table.attend(x))
+    theirs, ref = aten_ops(lambda: x32 @ t.t())
     assert ours == theirs, (ours, theirs)
     assert torch.equal(y.to_global(), ref)
 
@@ -152,7 +135,7 @@ def test_causal_attention_hands_sdpa_its_inputs_as_views_of_permutes_only():
     q, k, v = (torch.randn(2, 5, 3, 4, generator=g) for _ in range(3))
     mq = mt.from_global(q, "batch:2,length:5,heads:3,d_kv:4")
     mk, mv = (mt.from_global(t, "batch:2,memory_length:5,heads:3,d_kv:4") for t in (k, v))
-    names, out = _aten_ops(lambda: mt.attention(mq, mk, mv, causal=True))
+    names, out = aten_ops(lambda: mt.attention(mq, mk, mv, causal=True))
     assert names == ["permute.default"] * 3 + ["_scaled_dot_product_flash_attention_for_cpu.default",
                                                 "permute.default"], names
     ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
