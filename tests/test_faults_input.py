@@ -204,10 +204,13 @@ def test_place_memory_as_a_plain_number_too_small_for_a_node_names_the_node_and_
     rc, _, err = _place(tmp_path, capsys, _sized_graph(2.0), "--memory", "512KiB")
     assert rc == 2 and "holds no node on an accelerator: the smallest, 'a', needs 1.00MiB" in err, err
     # one that holds the small nodes but not b is a real bound: b goes to the CPU
-    rc, out, err = _place(tmp_path, capsys, _sized_graph(2.0), "--memory", "1GiB", "--json")
-    assert rc == 0, err
-    assert {n: s["device"] for s in json.loads(out)["stages"] for n in s["nodes"]} == {
-        "a": "acc", "b": "cpu", "c": "acc"}
+    # one that holds the small nodes but not b is a real bound, with a unit or as plain bytes of a
+    # MiB or more: b goes to the CPU
+    for bound in ("1GiB", str(2**30)):
+        rc, out, err = _place(tmp_path, capsys, _sized_graph(2.0), "--memory", bound, "--json")
+        assert rc == 0, err
+        assert {n: s["device"] for s in json.loads(out)["stages"] for n in s["nodes"]} == {
+            "a": "acc", "b": "cpu", "c": "acc"}
 
 
 def test_replicas_are_bounded_and_more_than_127_are_recorded():

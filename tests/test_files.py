@@ -48,3 +48,24 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
         raise RuntimeError("disk full")
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["model.safetensors"]
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECTORY"), reason="a directory cannot be fsynced on Windows")
+def test_the_directory_is_flushed_after_the_replace(tmp_path, monkeypatch):
+    """A power loss after write_atomic returns keeps the new name: the directory's entry is fsynced
+    after the os.replace (as a checkpoint's commit does), not only the file's data."""
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_atomic(tmp_path / "tokenizer.json", b"{}")
+    assert events == ["file", "replace", "dir"], events

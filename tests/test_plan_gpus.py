@@ -7,6 +7,7 @@ in the table is an error naming the fix, never another GPU's price. No GPU here:
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -146,8 +147,12 @@ def test_an_unknown_gpu_is_an_error_naming_the_fix_not_an_h100(name, on_gpu):
     assert gpu_kind(name) is None
     with pytest.raises(PlanError, match="meshtorch plan --calibrate --device cuda"):
         spec_of_gpu(name)
-    with pytest.raises(PlanError, match=f"--rules auto: the GPU '{name}' is not in .*explicit --rules"):
+    why = "is a MIG slice (a part of a GPU" if "MIG" in name else "is not in meshtorch.plan.gpus.GPUS"
+    rules_auto = re.escape(f"--rules auto: the GPU '{name}' {why}") + ".*explicit --rules"
+    with pytest.raises(PlanError, match=rules_auto):
         on_gpu(name)
+    with pytest.raises(PlanError, match=re.escape(f"the GPU '{name}' {why}")):
+        spec_of_gpu(name)
     # --hardware with its name: the fix named there too (it listed the known specs only)
     with pytest.raises(PlanError, match="unknown device.*meshtorch plan --calibrate --device cuda"):
         device(name)

@@ -51,7 +51,10 @@ def usual_mode() -> int:
 def replacing(path: str | os.PathLike) -> Iterator[str]:
     """A temporary file's path beside ``path`` for the body to write (by name, as safetensors does);
     on leaving, that file gets :func:`usual_mode`, is flushed to the disk and replaces ``path`` in
-    one ``os.replace``. If the body raises, ``path`` is untouched and the temporary file removed.
+    one ``os.replace``, and the directory is flushed (:func:`fsync_dir`). If the body raises,
+    ``path`` is untouched and the temporary file removed. The result is a new file: a ``path``
+    that existed loses its own mode (it gets the usual one) and, where it was a symbolic link, is
+    replaced, not written through.
 
     The temporary name starts with a dot and the target's name, so a listing of the directory
     shows which file it was for; it is unique per writer (``tempfile.mkstemp``).
@@ -69,6 +72,7 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
             os.close(fd)
         os.chmod(tmp, usual_mode())  # as open() would make it, not mkstemp's or safetensors' 0o600
         os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")  # the new name survives a power loss too
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
@@ -87,3 +91,17 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """
     with replacing(path) as tmp, open(tmp, "wb") as f:
         f.write(data)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush directory ``path``'s entries (a rename or a new file in it) to the disk.
+
+    Without it a power loss can forget a rename that ``os.replace`` already reported.
+    """
+    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory; NTFS journals renames
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -100,17 +100,3 @@ def fsync_write(path: str, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: str) -> None:
-    """Flush directory ``path``'s entries (a rename or a new file in it) to the disk.
-
-    Without it a power loss can forget a rename that ``os.replace`` already reported.
-    """
-    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory; NTFS journals renames
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

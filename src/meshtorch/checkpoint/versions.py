@@ -34,8 +34,9 @@ import shutil
 import socket
 import threading
 
-from meshtorch.checkpoint.format import INDEX, fsync_dir, fsync_write
+from meshtorch.checkpoint.format import INDEX, fsync_write
 from meshtorch.errors import CheckpointError
+from meshtorch.files import fsync_dir
 
 POINTER = "latest"
 POINTER_FORMAT = "meshtorch-checkpoint-pointer"

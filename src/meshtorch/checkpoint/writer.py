@@ -29,7 +29,6 @@ from meshtorch.checkpoint.format import (
     INDEX,
     VERSION,
     dtype_name,
-    fsync_dir,
     fsync_write,
     piece_key,
     sha256_file,
@@ -41,7 +40,7 @@ from meshtorch.checkpoint.state import rng_state, scalar_json, to_json
 from meshtorch.checkpoint.versions import commit, latest, mark_live, temp_path, writer_tag
 from meshtorch.context import current
 from meshtorch.errors import ArgumentError, CheckpointError
-from meshtorch.files import replacing
+from meshtorch.files import fsync_dir, replacing
 from meshtorch.nn.module import Module
 from meshtorch.optim.params import view_of
 from meshtorch.shape import Shape

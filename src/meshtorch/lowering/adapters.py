@@ -19,9 +19,6 @@ depends on which thread runs it.
 | ``permute``              | permute (sources)  | the inverse permutation  |
 | ``broadcast``            | broadcast from src | to src, zeros elsewhere  |
 
-Inside ``mt.overlap()``, ``all_reduce_sum`` of a scalar (a loss, a metric) is asynchronous: its
-result waits for the call where it is read (:func:`meshtorch.comm.pending.all_reduce_later`).
-
 The backward rules above assume the gradient arriving at a replicated output
 is itself replicated (the same on every processor of the axis), as in the
 lowering. Code where each processor has a loss of its own (data-parallel
@@ -55,7 +52,6 @@ import math
 import torch
 
 from meshtorch.caching import compiling
-from meshtorch.comm import pending
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.layout import piece
 from meshtorch.mesh import Mesh
@@ -102,10 +98,6 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, comm, axis, grad_sum):
         ctx.comm, ctx.axis, ctx.grad_sum = comm, axis, grad_sum
-        if not t.dim():  # a loss or a metric: inside mt.overlap(), read later
-            out = pending.all_reduce_later(t, comm, axis)
-            if out is not None:
-                return out
         return comm.all_reduce(t, axis, "sum")
 
     @staticmethod

@@ -32,12 +32,6 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
 - **Recomputation.** A forward that ``mt.nn.checkpoint`` recomputes in backward saves nothing
   (:func:`unsaved`): its gathered values are freed after their last read and gathered again
   (grouped, per block) for the recomputation, also with ``reshard_after_forward=False``.
-- **The loss.** The all_reduce of a scalar's partial sums (a mean loss over split rows, a
-  metric) is asynchronous too, and its result a tensor that waits for the call where its value
-  is read (:mod:`meshtorch.comm.pending`): the mean's division, ``backward()``'s seed and a
-  ``detach()`` do not wait, ``.item()`` does. Blocking, it made a second point per step where
-  every processor waited for the others (DDP's loss is each process's own); now they meet at
-  the end of backward only.
 - **Reshard after forward** (``reshard_after_forward=True``): a gathered value's storage is freed
   after its op ran forward and gathered again (grouped, the previous bucket prefetched) just
   before that op's backward runs: FSDP2's ``reshard_after_forward``, less memory for more bytes.
@@ -80,7 +74,6 @@ from contextlib import contextmanager
 
 import torch
 
-from meshtorch.comm import pending
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering import adapters as ca
@@ -115,9 +108,7 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
     _on.options = (Options(float(bucket_mb), bool(reshard_after_forward), float(gather_mb)) if enabled
                    else None)
     try:
-        # a loss's all_reduce too: asynchronous, read later (meshtorch.comm.pending.all_reduce_later)
-        with pending.reading_later(enabled):
-            yield
+        yield
     finally:
         _on.options = prev
         if enabled:

@@ -45,8 +45,9 @@ def check_memory(graph: OpGraph, text: str, memory: float) -> None:
 
     A plain number counts bytes, so ``--memory 16`` (meant as 16 GiB) is 16 bytes, which holds
     no node: every node then went to the CPUs (or the placement was infeasible) without a word
-    about why. A unit-less number below the largest node an accelerator runs is named with that
-    node and the unit; any bound below the smallest such node leaves the accelerators empty.
+    about why. A unit-less number under a MiB and below the largest node an accelerator runs is
+    named with that node and the unit; any bound below the smallest such node leaves the
+    accelerators empty.
 
     Example:
         >>> g = OpGraph()
@@ -65,7 +66,9 @@ def check_memory(graph: OpGraph, text: str, memory: float) -> None:
     biggest = max(nodes, key=lambda n: n.mem_bytes)
     smallest = min(nodes, key=lambda n: n.mem_bytes)
     unitless = re.fullmatch(r"\s*[0-9.eE+-]+\s*", text) is not None
-    if unitless and memory < biggest.mem_bytes:
+    # (a plain number of a MiB or more is taken as the bytes it says: a node bigger than it goes to
+    # the CPUs, as with a unit)
+    if unitless and memory < min(biggest.mem_bytes, 2**20):
         raise PlacementError(
             f"--memory {text.strip()} is {memory:.6g} bytes (a plain number counts bytes), less than node "
             f"{biggest.name!r} alone needs ({_bytes(biggest.mem_bytes)}): write the unit, e.g. --memory "

@@ -213,6 +213,19 @@ def gpu_kind(name: str) -> GPUKind | None:
     return max(matches, key=lambda kind: len(kind.words), default=None)
 
 
+def not_known(name: str) -> str:
+    """Why the GPU called ``name`` has no row (:func:`gpu_kind` gives ``None``), for an error.
+
+    Example:
+        >>> not_known("NVIDIA H100 80GB HBM3 MIG 1g.10gb")[:45]
+        'is a MIG slice (a part of a GPU, with part of'
+    """
+    if "mig" in _words(name):
+        return ("is a MIG slice (a part of a GPU, with part of its memory and compute; "
+                "meshtorch.plan.gpus.GPUS has whole GPUs only)")
+    return "is not in meshtorch.plan.gpus.GPUS"
+
+
 def spec_of_gpu(name: str) -> str:
     """The built-in device spec (a key of :data:`~meshtorch.plan.devices.DEVICES`) of the GPU
     called ``name``; a GPU not in :data:`GPUS` raises :class:`~meshtorch.errors.PlanError` saying
@@ -225,7 +238,7 @@ def spec_of_gpu(name: str) -> str:
     kind = gpu_kind(name)
     if kind is None:
         raise PlanError(
-            f"the GPU {name!r} is not in meshtorch.plan.gpus.GPUS, so the planner has no rates for it "
+            f"the GPU {name!r} {not_known(name)}, so the planner has no rates for it "
             f"(known: {', '.join(k.word for k in GPUS)}); run `meshtorch plan --calibrate --device cuda` "
             "on it once (it measures the GPU and stores a device file that meshtorch train --rules auto "
             "then uses), or price it with --hardware FILE (a JSON device file: docs/planner.md)")

@@ -35,7 +35,7 @@ from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
-from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind
+from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind, not_known
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
@@ -117,7 +117,7 @@ def hardware_of_run(cfg: TrainConfig, processes: int, *, flag: str = "--rules au
     if calibrated.exists():
         return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
     if gpu_kind(name) is None:
-        raise PlanError(f"{flag}: the GPU {name!r} is not in meshtorch.plan.gpus.GPUS and has no "
+        raise PlanError(f"{flag}: the GPU {name!r} {not_known(name)} and has no "
                         f"calibration at {calibrated}, so the planner has no rates to "
                         f"{'price it' if planning else 'pick a layout'} with; run `meshtorch plan "
                         "--calibrate --device cuda` on this machine once (it measures the GPU and stores "

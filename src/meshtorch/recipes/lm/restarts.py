@@ -111,14 +111,25 @@ def continued(cfg: TrainConfig, out: str) -> TrainConfig:
     return cfg.replace(resume=out, out=out, overwrite=False)
 
 
-def restarts_from(out: str) -> str:
-    """Where a restart of the run in ``out`` continues (as :func:`continued` decides): its newest
-    checkpoint, named by its step, or the start."""
+def restarts_from(cfg: TrainConfig) -> str:
+    """Where a restart of ``cfg``'s run continues (as :func:`continued` decides): the newest
+    checkpoint in its ``--out``, named by its step; else where the first start began (the
+    checkpoint named by its ``--resume``, or the start).
+
+    Example:
+        >>> import tempfile
+        >>> from meshtorch.recipes.lm.config import TrainConfig
+        >>> cfg = TrainConfig.of(out=tempfile.mkdtemp(), resume="runs/earlier")
+        >>> restarts_from(cfg)
+        'the checkpoint it resumed (--resume runs/earlier; none of its own yet)'
+    """
     from meshtorch.checkpoint.index import read_index
 
     try:
-        step = read_index(os.path.join(out, "checkpoint"))["step"]
-    except Exception:  # noqa: BLE001 - no (readable) checkpoint yet: a restart starts over
+        step = read_index(os.path.join(cfg.run.out, "checkpoint"))["step"]
+    except Exception:  # noqa: BLE001 - no (readable) checkpoint yet: a restart starts as the first did
+        if cfg.run.resume:
+            return f"the checkpoint it resumed (--resume {cfg.run.resume}; none of its own yet)"
         return "the start (no checkpoint yet)"
     return "its newest checkpoint" if step is None else f"its checkpoint of step {step}"
 
@@ -168,7 +179,7 @@ def worker_failed(e: Exception, cfg: TrainConfig) -> str:
     shown = "" if issubclass(original, MeshTorchError) else "".join(traceback.format_exception(e))
     n, k = cfg.parallelism.max_restarts, restart_count()
     if k < n:
-        what += (f"; the run restarts from {restarts_from(cfg.run.out)} "
+        what += (f"; the run restarts from {restarts_from(cfg)} "
                  f"(restart {k + 1} of --max-restarts {n})")
     return f"{shown}meshtorch train: {what}"
 
