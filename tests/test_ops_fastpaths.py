@@ -140,26 +140,3 @@ def test_causal_attention_hands_sdpa_its_inputs_as_views_of_permutes_only():
                                                 "permute.default"], names
     ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
     assert torch.equal(out.to_global(), ref.transpose(1, 2))
-
-
-def test_cross_entropy_over_a_whole_last_vocab_runs_f_cross_entropys_kernels():
-    """On a whole last ``vocab`` the loss is picked by nll_loss, F.cross_entropy's own pair with
-    log_softmax, not gather, neg and (backward) zeros + scatter_add: the same few large buffers
-    (log-probs, their gradient) in F.cross_entropy's order, which in a training step let glibc trim
-    and re-fault the heap less (benchmarks/results/dp_phases.md); values and gradients are
-    F.cross_entropy's bitwise."""
-    logits = LOGITS.float()
-    ids = TARGETS.clamp(min=0)
-    z = mt.from_global(logits, "batch:4,length:6,vocab:12", requires_grad=True)
-    t = mt.from_global(ids, "batch:4,length:6")
-    ops, per = aten_ops(lambda: mt.cross_entropy(z, t, "vocab"))
-    assert "nll_loss_forward.default" in ops and "_log_softmax.default" in ops, ops
-    assert not any(op.startswith(("gather", "neg")) for op in ops), ops
-    back, _ = aten_ops(lambda: per.backward(mt.from_global(UP_V[..., 0].float(), "batch:4,length:6")))
-    assert "nll_loss_backward.default" in back, back
-    assert not any(op.startswith(("scatter", "new_zeros")) for op in back), back
-    ref = logits.clone().requires_grad_(True)
-    want = F.cross_entropy(ref.reshape(-1, V), ids.reshape(-1), reduction="none").reshape(B, T)
-    want.backward(UP_V[..., 0].float())
-    assert torch.equal(per.to_global(), want)
-    assert torch.equal(z.grad.to_global(), ref.grad)

@@ -143,16 +143,7 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
                 # -log_softmax[target], as F.cross_entropy: log_softmax and its backward are one
                 # vectorised kernel each, where logsumexp - t[target] costs an exp pass forward
                 # and a sub, exp and mul backward over the whole logits
-                logp = torch.log_softmax(t, i, dtype=acc)
-                if i == t.dim() - 1:
-                    # F.cross_entropy's own pair: nll_loss picks the same values as the gather, but
-                    # without gather's small temporaries (its output, the neg) and with one fused
-                    # backward kernel, so the allocations around the 2 large buffers (log-probs and
-                    # their gradient) follow F.cross_entropy's order: heap trims fault fewer pages
-                    picked = F.nll_loss(logp.reshape(-1, v.size), safe.reshape(-1), reduction="none")
-                    picked = picked.reshape(ids.shape).squeeze(i)
-                else:
-                    picked = -logp.gather(i, safe).squeeze(i)
+                picked = -torch.log_softmax(t, i, dtype=acc).gather(i, safe).squeeze(i)
             if z_loss:
                 picked = picked + z_loss * torch.logsumexp(t.to(acc), i).square()
             if ignore_index is None:
