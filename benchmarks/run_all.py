@@ -41,6 +41,7 @@ BY_HAND = {
     "plan_vs_gpu_step": "reads gpu_step.py's GPU measurements: gpu_check.sh runs it after them",
     "dp_phases": "a diagnosis of fsdp_vs_fsdp2's DP/DDP ratio (CPU time per phase): run by hand",
     "cold_python": "a diagnosis of the forward's per-op Python run cold after large kernels: run by hand",
+    "heap_faults": "a diagnosis: page faults per step phase (counts, no speed figure): run by hand",
 }
 
 # name -> (arguments of a full run, arguments of a --quick run)
