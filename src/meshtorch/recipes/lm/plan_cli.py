@@ -116,21 +116,22 @@ def hardware_of_run(cfg: TrainConfig, processes: int, *, flag: str = "--rules au
     calibrated = gpu_calibration_path(device_name(torch.device("cuda", 0)))
     if calibrated.exists():
         return str(calibrated), f"{name} as meshtorch plan --calibrate measured it ({calibrated})"
-    if gpu_kind(name) is None:
+    gpu = gpu_kind(name)
+    if gpu is None:
         raise PlanError(f"{flag}: the GPU {name!r} {not_known(name)} and has no "
                         f"calibration at {calibrated}, so the planner has no rates to "
                         f"{'price it' if planning else 'pick a layout'} with; run `meshtorch plan "
                         "--calibrate --device cuda` on this machine once (it measures the GPU and stores "
                         f"that file), or {other}")
-    kind, reported = gpu_kind(name), _reported_memory()
-    if reported is not None and reported < 0.9 * kind.memory_bytes:
+    reported = _reported_memory()
+    if reported is not None and reported < 0.9 * gpu.memory_bytes:
         raise PlanError(
             f"{flag}: the GPU {name!r} reports {reported / 1e9:.1f} GB of memory, but its row of "
-            f"meshtorch.plan.gpus.GPUS ({kind.spec}) has {kind.memory_bytes / 1e9:.0f} GB: a smaller variant "
+            f"meshtorch.plan.gpus.GPUS ({gpu.spec}) has {gpu.memory_bytes / 1e9:.0f} GB: a smaller variant "
             "the table does not know, whose layouts would be planned to run out of memory; run `meshtorch "
             "plan --calibrate --device cuda` on this machine once (it measures this GPU's memory and rates), "
             f"or {other}")
-    spec, note = kind.spec, assumed(kind)
+    spec, note = gpu.spec, assumed(gpu)
     return spec, f"the built-in {spec} spec for {name} (its data sheet's rates{'; ' + note if note else ''})"
 
 
