@@ -100,15 +100,19 @@ class Hooks:
     def _wrap(self, op, real):
         def hooked(*args, **kwargs):
             if not getattr(self.inside, "on", False) and in_checkpoint(sys._getframe(1)):
+                # one operation at a time over all threads, ``before`` included: a snapshot of the
+                # directory (shutil.copytree) is not atomic, and another processor's thread renaming
+                # its slice file in the middle of it made the copy fail (ENOENT), not the checkpoint
                 with self.lock:
                     k = self.calls
                     self.calls += 1
                     self.ops.append((op, args))
-                self.inside.on = True
-                try:
-                    self.before(k, op)
-                finally:
-                    self.inside.on = False
+                    self.inside.on = True
+                    try:
+                        self.before(k, op)
+                    finally:
+                        self.inside.on = False
+                    return real(*args, **kwargs)
             return real(*args, **kwargs)
 
         return hooked
