@@ -135,8 +135,6 @@ def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool, 
     return out, all(s == out for s in present), trailing
 
 
-
-
 def binary_op(fn: Callable[..., torch.Tensor], op: str) -> Callable[..., MeshTensor]:
     """The elementwise op ``op`` of two operands (MeshTensors or scalars) computing ``fn``."""
     def f(x, y) -> MeshTensor:

@@ -98,15 +98,22 @@ def what_next(out: str) -> str:
     return "No checkpoint was written: fix the cause and rerun"
 
 
+def _newest_checkpoint(out: str) -> dict[str, Any] | None:
+    """The index of the newest checkpoint in ``out`` that a restart continues from; ``None`` while
+    there is no (readable) one: a restart then starts as the first start did."""
+    from meshtorch.checkpoint.index import read_index
+
+    try:
+        return read_index(os.path.join(out, "checkpoint"))
+    except Exception:  # noqa: BLE001 - none yet, or half-written: the first start's options
+        return None
+
+
 def continued(cfg: TrainConfig, out: str) -> TrainConfig:
     """``cfg`` for a restarted start of its run in ``out``: continue from ``out``'s newest checkpoint
     where there is one (the launcher claimed ``out`` for this run before the first start, so any
     checkpoint there is this run's, or the one it resumed in place), else start as the first start did."""
-    from meshtorch.checkpoint.index import read_index
-
-    try:
-        read_index(os.path.join(out, "checkpoint"))
-    except Exception:  # noqa: BLE001 - no (readable) checkpoint yet: the first start's options
+    if _newest_checkpoint(out) is None:
         return cfg
     return cfg.replace(resume=out, out=out, overwrite=False)
 
@@ -123,14 +130,12 @@ def restarts_from(cfg: TrainConfig) -> str:
         >>> restarts_from(cfg)
         'the checkpoint it resumed (--resume runs/earlier; none of its own yet)'
     """
-    from meshtorch.checkpoint.index import read_index
-
-    try:
-        step = read_index(os.path.join(cfg.run.out, "checkpoint"))["step"]
-    except Exception:  # noqa: BLE001 - no (readable) checkpoint yet: a restart starts as the first did
+    index = _newest_checkpoint(cfg.run.out)
+    if index is None:
         if cfg.run.resume:
             return f"the checkpoint it resumed (--resume {cfg.run.resume}; none of its own yet)"
         return "the start (no checkpoint yet)"
+    step = index.get("step")
     return "its newest checkpoint" if step is None else f"its checkpoint of step {step}"
 
 
