@@ -137,6 +137,27 @@ def test_a_mistyped_argument_shows_the_commands_usage_and_the_close_option(argv,
     assert f"meshtorch {argv[0]}: error: " in err, err
 
 
+def test_the_option_hints_need_no_private_argparse_table():
+    """The hints read argparse's private option table (Python 3.10 to 3.14); without it the options are
+    read from the help, the same ones for every parser of the CLI, and the hints are the same."""
+    from meshtorch.cli import _did_you_mean, _long_options, build_parser
+
+    parser = build_parser()
+    commands = dict(parser.commands.choices)
+    with_table = {name: set(_long_options(p)) for name, p in commands.items()}
+    assert {"--batch", "--layered", "--hardware", "--help"} <= with_table["plan"]
+    hint_of = {"place": ["--devics=2"], "train": ["--batchsize", "4", "--search"]}
+    hints = {name: _did_you_mean(commands[name], argv, {n: p for n, p in commands.items() if n != name})
+             for name, argv in hint_of.items()}
+    assert hints == {"place": " (did you mean --devices?)",
+                     "train": " (did you mean --batch?; --search is an option of meshtorch plan)"}
+    for p in commands.values():
+        del p._option_string_actions  # an instance attribute: as on a Python without it
+    assert {name: set(_long_options(p)) for name, p in commands.items()} == with_table
+    assert {name: _did_you_mean(commands[name], argv, {n: p for n, p in commands.items() if n != name})
+            for name, argv in hint_of.items()} == hints
+
+
 def test_mesh_size_must_match_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(Exception, match="3 processes"):
