@@ -55,8 +55,7 @@ class CommandParser(argparse.ArgumentParser):
         if extras:
             command = getattr(known, "command", None)
             parser = self.commands.choices[command] if self.commands and command else self
-            others = {name: other for name, other in (self.commands.choices if self.commands else {}).items()
-                      if name != command}
+            others = {name: other for name, other in _every_command(self).items() if name != command}
             parser.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(parser, extras, others)}")
         return known
 
@@ -172,6 +171,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for module in dict.fromkeys(modules):
         importlib.import_module(module).register(sub)
     return parser
+
+
+def _every_command(parser: CommandParser) -> dict[str, argparse.ArgumentParser]:
+    """Every sub-command's parser, by name: ``parser``'s own, and those ``build_parser`` left out (it
+    registers only the command being run) built now, so that an error names another command's
+    option (``meshtorch place --hardware l4``: an option of plan) whichever command was run. Only an
+    error comes here, where the import time (torch's, ~2 s) does not matter; a module that cannot be
+    imported gives no sub-command."""
+    commands = dict(parser.commands.choices) if parser.commands else {}
+    missing = [module for name, module in SUBCOMMANDS.items() if name not in commands]
+    sub = argparse.ArgumentParser().add_subparsers(parser_class=SubcommandParser)
+    for module in dict.fromkeys(missing):
+        try:
+            importlib.import_module(module).register(sub)
+        except ImportError:
+            pass
+    return {**commands, **sub.choices}
 
 
 def main(argv: list[str] | None = None) -> int:
