@@ -131,6 +131,29 @@ def test_json_round_trip_and_paper_format(tmp_path):
     assert place(q, Problem()).max_load == pytest.approx(place(g, Problem()).max_load)
 
 
+def test_to_json_writes_the_whole_file_or_leaves_the_old_one(tmp_path, monkeypatch):
+    """The graph file is written through a temporary one that replaces it (meshtorch.files): a write
+    that fails leaves the file before it whole, and no temporary file behind."""
+    import os
+
+    import meshtorch.files
+
+    path = tmp_path / "g.json"
+    small, big = trace(MLP(), torch.randn(8, 32)), trace(MLP(), torch.randn(64, 32))
+    text = small.to_json(path)
+    assert path.read_text() == text and os.stat(path).st_mode & 0o777 == meshtorch.files.usual_mode()
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(meshtorch.files.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        big.to_json(path)
+    assert path.read_text() == text and os.listdir(tmp_path) == ["g.json"]
+    monkeypatch.undo()
+    assert OpGraph.from_json(big.to_json(path)).to_json() == path.read_text() != text
+
+
 def test_cli_json_and_table(tmp_path, capsys):
     g = trace(MLP(), torch.randn(8, 32))
     path = tmp_path / "mlp.json"
