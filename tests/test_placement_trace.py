@@ -118,6 +118,17 @@ def test_shared_parameters_share_a_device():
                                     g.nodes[users[0]].color}) == 1
 
 
+def test_the_default_accelerator_is_the_planners_a100():
+    """Priced as the planner prices its A100 (meshtorch.plan.devices): bf16 at half the data sheet's
+    312 TFLOP/s, its 2,039 GB/s; a matmul big enough to be bound by its FLOPs takes them at that rate."""
+    spec = DeviceSpec()
+    assert (spec.acc_flops, spec.acc_bandwidth) == (312e12 / 2, 2039e9)
+    g = trace(nn.Sequential(nn.Linear(1024, 1024, bias=False)), torch.randn(4096, 1024))
+    (mm,) = [n for n in g.nodes if n.flops]
+    assert mm.acc_time == pytest.approx(2 * 4096 * 1024 * 1024 / (312e12 / 2))
+    assert mm.cpu_time == pytest.approx(2 * 4096 * 1024 * 1024 / 1e12)
+
+
 def test_json_round_trip_and_paper_format(tmp_path):
     g = trace(MLP(), torch.randn(8, 32))
     g.meta.update(devices=2, memory=1e9)
