@@ -127,6 +127,11 @@ def test_invalid_flags_fail_before_training(flags, needle, capsys, tmp_path):
      "unrecognized arguments: --steps 3 (--steps is an option of meshtorch train and plan)\n"),
     (["launch", "--mesh2", "b:2", "x.py", "--lr", "3"], "usage: meshtorch launch ",
      "required: --mesh; unrecognized arguments: --mesh2 (did you mean --mesh?)\n"),
+    # main() registers only the command being run (place needs no torch): the others are read on error
+    (["place", "g.json", "--hardware", "l4"], "usage: meshtorch place ",
+     "unrecognized arguments: --hardware l4 (--hardware is an option of meshtorch plan)\n"),
+    (["train", "--nproc-per-node", "2"], "usage: meshtorch train ",
+     "unrecognized arguments: --nproc-per-node 2 (--nproc-per-node is an option of meshtorch launch)\n"),
 ])
 def test_a_mistyped_argument_shows_the_commands_usage_and_the_close_option(argv, usage, hint, capsys):
     """Seen: `meshtorch train --batchsize 4` printed `usage: meshtorch [-h] COMMAND ...`, which lists no
@@ -135,6 +140,36 @@ def test_a_mistyped_argument_shows_the_commands_usage_and_the_close_option(argv,
     err = capsys.readouterr().err
     assert err.startswith(usage) and hint in err, err
     assert f"meshtorch {argv[0]}: error: " in err, err
+
+
+def test_the_option_hints_need_no_private_argparse_table():
+    """The hints read argparse's private option table (Python 3.10 to 3.14); without it the options are
+    read from the help, the same ones for every parser of the CLI, and the hints are the same."""
+    from meshtorch.cli import _did_you_mean, _long_options, build_parser
+
+    parser = build_parser()
+    commands = dict(parser.commands.choices)
+    with_table = {name: set(_long_options(p)) for name, p in commands.items()}
+    assert {"--batch", "--layered", "--hardware", "--help"} <= with_table["plan"]
+    hint_of = {"place": ["--devics=2"], "train": ["--batchsize", "4", "--search"]}
+    hints = {name: _did_you_mean(commands[name], argv, {n: p for n, p in commands.items() if n != name})
+             for name, argv in hint_of.items()}
+    assert hints == {"place": " (did you mean --devices?)",
+                     "train": " (did you mean --batch?; --search is an option of meshtorch plan)"}
+    for p in commands.values():
+        del p._option_string_actions  # an instance attribute: as on a Python without it
+    assert {name: set(_long_options(p)) for name, p in commands.items()} == with_table
+    assert {name: _did_you_mean(commands[name], argv, {n: p for n, p in commands.items() if n != name})
+            for name, argv in hint_of.items()} == hints
+
+
+def test_a_command_whose_module_cannot_be_imported_gives_no_hint(monkeypatch, capsys):
+    """The other commands are imported only for an error's hint: one that cannot be is left out of it,
+    and the error is still argparse's, not an ImportError."""
+    monkeypatch.setitem(cli.SUBCOMMANDS, "gone", "meshtorch.no_such_module")
+    assert cli.main(["place", "g.json", "--hardware", "l4", "--devics", "2"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "--hardware l4 --devics 2 (did you mean --devices?; --hardware is an option of meshtorch plan)")
 
 
 def test_mesh_size_must_match_processes(monkeypatch):

@@ -191,6 +191,33 @@ def test_hand_derived_latency():
     assert p.to_dict()["objective"] == "latency" and p.to_dict()["value"] == pytest.approx(5.0)
 
 
+def test_the_latency_milp_survives_highs_presolve_solve_error(monkeypatch):
+    """Both placement MILPs solve through milp.solve_model: where HiGHS's presolve ends in "Solve
+    error" (status 4, seen on a feasible max-load model), the latency model is solved again without
+    it too (it had its own copy of the solver call, without the retry, and failed)."""
+    from types import SimpleNamespace
+
+    import meshtorch.placement.milp as milp_module
+    from meshtorch.placement.latency_milp import solve_latency_milp
+
+    real, presolve = milp_module.run_highs, []
+
+    def presolve_fails(cost, constraints, integrality, bounds, options):
+        presolve.append(options.get("presolve", True))
+        if options.get("presolve", True):
+            return SimpleNamespace(status=4, x=None, message="Solve error", mip_dual_bound=None), ""
+        return real(cost, constraints, integrality, bounds, options)
+
+    monkeypatch.setattr(milp_module, "run_highs", presolve_fails)
+    g = OpGraph()
+    for name, acc, cpu in [("a", 1.0, 10.0), ("b", 9.0, 2.0), ("c", 1.0, 10.0)]:
+        g.add_node(name, acc_time=acc, cpu_time=cpu, comm_time=0.5)
+    g.add_edge("a", "b")
+    g.add_edge("b", "c")
+    p = solve_latency_milp(g, Problem(devices=1, cpus=1, objective="latency", subgraphs=2), warm_start=False)
+    assert p.latency == pytest.approx(5.0) and presolve == [True, False]
+
+
 def test_latency_errors_name_the_fix():
     g = OpGraph()
     g.add_node("f", acc_time=1.0, cpu_time=1.0)

@@ -118,6 +118,17 @@ def test_shared_parameters_share_a_device():
                                     g.nodes[users[0]].color}) == 1
 
 
+def test_the_default_accelerator_is_the_planners_a100():
+    """Priced as the planner prices its A100 (meshtorch.plan.devices): bf16 at half the data sheet's
+    312 TFLOP/s, its 2,039 GB/s; a matmul big enough to be bound by its FLOPs takes them at that rate."""
+    spec = DeviceSpec()
+    assert (spec.acc_flops, spec.acc_bandwidth) == (312e12 / 2, 2039e9)
+    g = trace(nn.Sequential(nn.Linear(1024, 1024, bias=False)), torch.randn(4096, 1024))
+    (mm,) = [n for n in g.nodes if n.flops]
+    assert mm.acc_time == pytest.approx(2 * 4096 * 1024 * 1024 / (312e12 / 2))
+    assert mm.cpu_time == pytest.approx(2 * 4096 * 1024 * 1024 / 1e12)
+
+
 def test_json_round_trip_and_paper_format(tmp_path):
     g = trace(MLP(), torch.randn(8, 32))
     g.meta.update(devices=2, memory=1e9)
@@ -129,6 +140,29 @@ def test_json_round_trip_and_paper_format(tmp_path):
     paper.write_text(json.dumps(g.to_dnn_partitioning_dict()))
     q = OpGraph.from_dnn_partitioning(paper)
     assert place(q, Problem()).max_load == pytest.approx(place(g, Problem()).max_load)
+
+
+def test_to_json_writes_the_whole_file_or_leaves_the_old_one(tmp_path, monkeypatch):
+    """The graph file is written through a temporary one that replaces it (meshtorch.files): a write
+    that fails leaves the file before it whole, and no temporary file behind."""
+    import os
+
+    import meshtorch.files
+
+    path = tmp_path / "g.json"
+    small, big = trace(MLP(), torch.randn(8, 32)), trace(MLP(), torch.randn(64, 32))
+    text = small.to_json(path)
+    assert path.read_text() == text and os.stat(path).st_mode & 0o777 == meshtorch.files.usual_mode()
+
+    def fail(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(meshtorch.files.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        big.to_json(path)
+    assert path.read_text() == text and os.listdir(tmp_path) == ["g.json"]
+    monkeypatch.undo()
+    assert OpGraph.from_json(big.to_json(path)).to_json() == path.read_text() != text
 
 
 def test_cli_json_and_table(tmp_path, capsys):

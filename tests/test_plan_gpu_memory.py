@@ -106,6 +106,49 @@ def test_a_compiled_step_keeps_neither_fused_temporaries_nor_what_it_can_remake(
                                                             "optimizer": 0, "activations": 160})
 
 
+@st.composite
+def _allocations(draw):
+    """Allocation events (serial, +bytes / -bytes) of storages of drawn kinds, and measured windows
+    (event index ranges, some with no event in them)."""
+    from meshtorch.plan.tracing import KINDS
+
+    events, kind, alive = [], {}, {}
+    for serial in range(1, draw(st.integers(0, 14)) + 1):
+        if alive and draw(st.booleans()):
+            freed = draw(st.sampled_from(sorted(alive)))
+            events.append((freed, -alive.pop(freed)))
+        else:
+            alive[serial] = draw(st.integers(1, 100))
+            events.append((serial, alive[serial]))
+            kind[serial] = draw(st.sampled_from(KINDS))
+    cuts = sorted(draw(st.lists(st.integers(0, len(events)), max_size=6)))
+    return events, list(zip(cuts[::2], cuts[1::2])), kind
+
+
+@settings(max_examples=150, deadline=None)
+@given(_allocations())
+def test_the_peak_is_the_most_alive_at_any_moment_of_a_window(step):
+    """The eager trace's peak and the compiled timeline's are one computation (peak_of): against the
+    bytes alive at every moment of every window, its start included, even where no event falls in
+    it (the compiled peak missed those)."""
+    from meshtorch.plan.compiled_memory import peak_of
+    from meshtorch.plan.tracing import KINDS, Tracer
+
+    events, windows, kind = step
+    moments = [k for start, end in (windows or [(0, len(events))]) for k in range(start, end + 1)]
+    live = [sum(d for _, d in events[:k]) for k in moments]
+    most = max(live, default=0)
+    at = moments[live.index(most)] if most else 0  # the first moment it is reached
+    alive = {}
+    for serial, delta in events[:at]:
+        alive[serial] = alive.get(serial, 0) + delta
+    want = (most, {k: sum(n for s, n in alive.items() if kind[s] == k) for k in KINDS})
+    tracer = Tracer()
+    tracer.events, tracer.windows, tracer.kind = events, windows, kind
+    assert tracer.peak() == want
+    assert peak_of([(float(i), s, d) for i, (s, d) in enumerate(events)], windows, kind, KINDS) == want
+
+
 def test_what_costs_more_to_keep_than_to_save_is_saved():
     from meshtorch.plan.compiled_memory import compiled_timeline
 

@@ -144,6 +144,27 @@ def test_restart_count_is_torchruns_and_only_under_torchrun(monkeypatch):
     assert restart_count() == 2
 
 
+@pytest.mark.parametrize("chosen", [None, "3"])
+def test_torchruns_workers_get_their_share_of_the_cores_and_no_warning_about_it(chosen, monkeypatch):
+    """torchrun set OMP_NUM_THREADS=1 where it was unset and printed six lines of warning about it, at
+    every meshtorch train/launch --max-restarts: the launcher now gives the workers their share of the
+    cores (as the processes launcher does) itself; a value the user chose is theirs."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    program = textwrap.dedent("""
+        import os, sys
+        from meshtorch.launcher.elastic import run_elastic
+        worker = "import os; print('threads', os.environ['OMP_NUM_THREADS'])"
+        run_elastic([sys.executable, "-c", worker], 2, {}, max_restarts=1)
+        print("left", os.environ.get("OMP_NUM_THREADS"))  # this process's own is as it was
+    """)
+    code, out, err = _run([sys.executable, "-c", program], env={"OMP_NUM_THREADS": chosen} if chosen else {},
+                          timeout=120)
+    assert code == 0, err[-3000:]
+    share = chosen or str(max(1, (os.cpu_count() or 1) // 2))
+    assert sorted(out.splitlines()) == [f"left {chosen}", f"threads {share}", f"threads {share}"], out
+    assert "OMP_NUM_THREADS" not in err, err[-3000:]
+
+
 def test_a_failure_is_told_by_the_exception_a_worker_recorded_else_by_its_exit(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 

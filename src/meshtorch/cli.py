@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import re
 import sys
 
 from meshtorch.errors import MeshTorchError
@@ -54,8 +55,7 @@ class CommandParser(argparse.ArgumentParser):
         if extras:
             command = getattr(known, "command", None)
             parser = self.commands.choices[command] if self.commands and command else self
-            others = {name: other for name, other in (self.commands.choices if self.commands else {}).items()
-                      if name != command}
+            others = {name: other for name, other in _every_command(self).items() if name != command}
             parser.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(parser, extras, others)}")
         return known
 
@@ -84,11 +84,10 @@ class SubcommandParser(argparse.ArgumentParser):
         missing = message.partition("the following arguments are required: ")[2]
         if missing:
             wanted = [m for m in missing.split(", ") if m.startswith("--")]
-            options = getattr(self, "_option_string_actions", {})
-            close = [f"{typed} (did you mean {match[0]}?)" for typed in
-                     dict.fromkeys(a.partition("=")[0] for a in self._given if a.startswith("--"))
+            options = _long_options(self)
+            close = [f"{typed} (did you mean {match}?)" for typed in _typed_options(self._given)
                      if not any(o.startswith(typed) for o in options)  # argparse takes a prefix
-                     for match in [difflib.get_close_matches(typed, wanted, n=1, cutoff=CLOSE)] if match]
+                     for match in [_close_option(typed, wanted)] if match]
             if close:
                 message += f"; unrecognized arguments: {', '.join(close)}"
         super().error(message)
@@ -99,22 +98,58 @@ class SubcommandParser(argparse.ArgumentParser):
 CLOSE = 0.75
 
 
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
+    """The ``--`` options ``parser`` takes, ``--help`` included.
+
+    argparse has no public list of its options: its private table (``_option_string_actions``,
+    Python 3.10 to 3.14) is read, and without it the option strings that its help lists.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> _ = p.add_argument("-b", "--batch", type=int)
+        >>> _ = p.add_argument("--relay", action=argparse.BooleanOptionalAction)
+        >>> _long_options(p)
+        ['--help', '--batch', '--relay', '--no-relay']
+    """
+    table = getattr(parser, "_option_string_actions", None)
+    if isinstance(table, dict):
+        return [o for o in table if o.startswith("--")]
+    # without it, the option strings that begin each action's line in the help, up to two spaces or the
+    # line's end ("  -b BATCH, --batch BATCH  the batch ..."); wrapped help text is indented further
+    invocations = re.findall(r"^ {1,8}(-\S.*?)(?:  |$)", parser.format_help(), flags=re.MULTILINE)
+    return list(dict.fromkeys(option for line in invocations
+                              for option in re.findall(r"(?:^|, )(--[\w-]+)(?=[ ,]|$)", line)))
+
+
+def _typed_options(args: list[str]) -> list[str]:
+    """The ``--`` options among a command line's arguments, once each, without a ``=value``."""
+    return list(dict.fromkeys(a.partition("=")[0] for a in args if a.startswith("--")))
+
+
+def _close_option(typed: str, options: list[str]) -> str | None:
+    """The option among ``options`` that ``typed`` reads as a typo of (difflib's ratio of at least
+    ``CLOSE``), or None.
+
+    Example:
+        >>> _close_option("--batchsize", ["--batch", "--layers"]), _close_option("--search", ["--batch"])
+        ('--batch', None)
+    """
+    match = difflib.get_close_matches(typed, options, n=1, cutoff=CLOSE)
+    return match[0] if match else None
+
+
 def _did_you_mean(parser: argparse.ArgumentParser, extras: list[str],
                   others: dict[str, argparse.ArgumentParser] | None = None) -> str:
     """`` (did you mean --batch?)`` for the options among ``extras`` close to one of ``parser``'s;
     an option of another sub-command among ``others`` (``meshtorch train --search``) is named as
     that command's."""
-    # argparse has no public list of its options: without its private table, no suggestion
-    def options(p: argparse.ArgumentParser) -> list[str]:
-        return [o for o in getattr(p, "_option_string_actions", {}) if o.startswith("--")]
-
     close, elsewhere = [], []
-    for typed in dict.fromkeys(a.partition("=")[0] for a in extras if a.startswith("--")):
-        owners = [name for name, other in (others or {}).items() if typed in options(other)]
+    for typed in _typed_options(extras):
+        owners = [name for name, other in (others or {}).items() if typed in _long_options(other)]
         if owners:
             elsewhere.append(f"{typed} is an option of meshtorch {' and '.join(owners)}")
-        else:
-            close += difflib.get_close_matches(typed, options(parser), n=1, cutoff=CLOSE)
+        elif match := _close_option(typed, _long_options(parser)):
+            close.append(match)
     hints = ([f"did you mean {', '.join(close)}?"] if close else []) + elsewhere
     return f" ({'; '.join(hints)})" if hints else ""
 
@@ -136,6 +171,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for module in dict.fromkeys(modules):
         importlib.import_module(module).register(sub)
     return parser
+
+
+def _every_command(parser: CommandParser) -> dict[str, argparse.ArgumentParser]:
+    """Every sub-command's parser, by name: ``parser``'s own, and those ``build_parser`` left out (it
+    registers only the command being run) built now, so that an error names another command's
+    option (``meshtorch place --hardware l4``: an option of plan) whichever command was run. Only an
+    error comes here, where the import time (torch's, ~2 s) does not matter; a module that cannot be
+    imported gives no sub-command."""
+    commands = dict(parser.commands.choices) if parser.commands else {}
+    missing = [module for name, module in SUBCOMMANDS.items() if name not in commands]
+    sub = argparse.ArgumentParser().add_subparsers(parser_class=SubcommandParser)
+    for module in dict.fromkeys(missing):
+        try:
+            importlib.import_module(module).register(sub)
+        except ImportError:
+            pass
+    return {**commands, **sub.choices}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,8 @@ run directory) sees the old file or the whole new one, never a part, with the mo
 
 The writers that go through a temporary file use :func:`replacing`: a checkpoint's slices, the
 consolidated safetensors export, and :func:`write_atomic` (a tokenizer, metrics, the encoded-corpus
-cache, a device file of ``meshtorch plan --calibrate``). A checkpoint's index and pointer are
-committed by :mod:`meshtorch.checkpoint.versions`.
+cache, a device file of ``meshtorch plan --calibrate``, a placement graph's JSON). A checkpoint's
+index and pointer are committed by :mod:`meshtorch.checkpoint.versions`.
 
 Example:
     >>> import os, tempfile

@@ -244,6 +244,28 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def thread_environment(nproc: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for ``nproc`` workers on this node where the user did not set it: each
+    worker's share of the cores (:func:`meshtorch.launcher.world.threads_per_processor`, as the
+    threads and processes launchers give theirs). torchrun would set 1 itself and print a warning of
+    six lines about it; a value the user chose is left as it is, and one worker keeps torch's default.
+
+    Example:
+        >>> import os
+        >>> from meshtorch.launcher.world import threads_per_processor
+        >>> thread_environment(2) == ({} if "OMP_NUM_THREADS" in os.environ else
+        ...                           {"OMP_NUM_THREADS": str(threads_per_processor(2))})
+        True
+        >>> thread_environment(1)
+        {}
+    """
+    from meshtorch.launcher.world import threads_per_processor
+
+    if nproc < 2 or "OMP_NUM_THREADS" in os.environ:
+        return {}
+    return {"OMP_NUM_THREADS": str(threads_per_processor(nproc))}
+
+
 def network_environment(nodes: Nodes, say: str = "meshtorch launch") -> dict[str, str]:
     """The interface variables the workers get where the user set none: the loopback on one node;
     across nodes, ``GLOO_SOCKET_IFNAME`` = the interface that routes to the rendezvous host (said on
@@ -313,7 +335,8 @@ def check_in_at_exit_barrier(nodes: Nodes, timeout_s: float = _CHECK_IN_S) -> bo
 def run_elastic(worker: list[str], nproc: int, env: dict[str, str], nodes: Nodes = Nodes(),
                 max_restarts: int = 0, say: str = "meshtorch launch") -> None:
     """Run the command ``worker`` (argv) ``nproc`` times on this node through torchrun's elastic agent,
-    with ``env`` added to the environment the workers inherit; the group is started again from scratch
+    with ``env`` added to the environment the workers inherit (and their share of the cores as
+    ``OMP_NUM_THREADS`` where unset: :func:`thread_environment`); the group is started again from scratch
     up to ``max_restarts`` times when a worker fails. Raises torchrun's ``ChildFailedError`` when the
     workers failed for the last time; stopped by SIGINT, SIGTERM or SIGHUP, this process dies of it
     once the agent has stopped the workers (as the one-node launch does).
@@ -332,7 +355,7 @@ def run_elastic(worker: list[str], nproc: int, env: dict[str, str], nodes: Nodes
     argv = [*nodes.argv(), "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--no-python", *worker]
     try:
-        with _environment({**env, **network}):
+        with _environment({**thread_environment(nproc), **env, **network}):
             torchrun_main(argv)
     except ChildFailedError:
         check_in_at_exit_barrier(nodes)

@@ -49,7 +49,13 @@ from meshtorch.context import current
 from meshtorch.errors import CommError, MeshError, MeshTorchError, ProcessorError
 from meshtorch.launcher.failures import FAILURE_GRACE_S, RemoteTraceback, processor_error, root_cause
 from meshtorch.launcher.lifeline import EXIT_PARENT_DIED, die_with_parent
-from meshtorch.launcher.world import RENDEZVOUS_MIN_S, in_torchrun, init_distributed, shutdown
+from meshtorch.launcher.world import (
+    RENDEZVOUS_MIN_S,
+    in_torchrun,
+    init_distributed,
+    shutdown,
+    threads_per_processor,
+)
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -218,7 +224,7 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, launcher_p
         import torch.distributed as dist
 
         fn, args, kwargs, mesh, rules, timeout, check, device = pickle.loads(payload)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(threads_per_processor(world))
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_WORLD_SIZE=str(world))
         # every processor is on this machine: gloo's and NCCL's bootstrap connections

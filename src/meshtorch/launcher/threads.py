@@ -30,6 +30,7 @@ from meshtorch.comm.threads import Hub, ThreadsCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import CommError
 from meshtorch.launcher.failures import FAILURE_GRACE_S, is_comm_error, processor_error, root_cause
+from meshtorch.launcher.world import threads_per_processor
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -94,7 +95,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
 
     # N processors each running multi-threaded kernels would oversubscribe the cores.
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    torch.set_num_threads(threads_per_processor(n))
     try:
         running: list[int] = []
         if n == 1:

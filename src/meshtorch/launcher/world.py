@@ -35,6 +35,19 @@ DEFAULT_TIMEOUT = 300.0
 RENDEZVOUS_MIN_S = 120.0
 
 
+def threads_per_processor(processors: int) -> int:
+    """The intra-op threads each of ``processors`` processors on this machine runs: its share of the
+    cores (at least one), so that they do not oversubscribe them. The one rule of every launcher:
+    threads and processes set it, and torchrun's workers get it as ``OMP_NUM_THREADS``
+    (:func:`meshtorch.launcher.elastic.thread_environment`).
+
+    Example:
+        >>> threads_per_processor(1) == (os.cpu_count() or 1), threads_per_processor(10**6)
+        (True, 1)
+    """
+    return max(1, (os.cpu_count() or 1) // processors)
+
+
 def in_torchrun() -> bool:
     """Whether this process was started by torchrun / ``torch.distributed.run``
     (or another launcher that sets ``RANK`` and ``WORLD_SIZE``).

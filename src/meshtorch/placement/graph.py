@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtorch.errors import PlacementError
+from meshtorch.files import write_atomic
 
 FORMAT = "meshtorch.opgraph/1"
 
@@ -244,10 +245,11 @@ class OpGraph:
         }
 
     def to_json(self, path: str | Path | None = None) -> str:
-        """Serialise (and write to ``path`` when given); inverse of :meth:`from_json`."""
+        """Serialise (and write to ``path`` when given, whole: a reader sees the old file or the new
+        one, through :func:`meshtorch.files.write_atomic`); inverse of :meth:`from_json`."""
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
-            Path(path).write_text(text)
+            write_atomic(path, text.encode())
         return text
 
     @classmethod

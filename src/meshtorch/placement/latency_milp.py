@@ -41,12 +41,11 @@ import time
 from dataclasses import replace
 
 import numpy as np
-from scipy.optimize import Bounds
 
 from meshtorch.errors import PlacementError
 from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.latency import evaluate_latency, greedy_latency
-from meshtorch.placement.milp import Rows, from_start, result_info, run_highs
+from meshtorch.placement.milp import Rows, from_start, result_info, solve_model
 from meshtorch.placement.problem import ACC, CPU, Placement, Problem
 
 
@@ -174,13 +173,8 @@ def solve_latency_milp(
     cost[LAT] = 1.0
     integrality = np.zeros(nvar)
     integrality[X:C] = 1
-    options = {"disp": False, "mip_rel_gap": gap}
-    if time_limit is not None:
-        options["time_limit"] = float(time_limit)
-    res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
+    res, log, lower = solve_model(cost, rows, integrality, lb, ub, gap, time_limit, unit)
     name = "ilp-latency"
-    lower = getattr(res, "mip_dual_bound", None)
-    lower = float(lower) * unit if lower is not None and np.isfinite(lower) else None
     if res.x is None:
         if start is not None:
             proven = start.latency if res.status == 2 else lower

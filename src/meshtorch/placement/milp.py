@@ -55,6 +55,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -128,6 +129,24 @@ class Rows:
     def constraint(self, nvar: int) -> LinearConstraint:
         a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lo), nvar)).tocsr()
         return LinearConstraint(a, np.array(self.lo), np.array(self.hi))
+
+
+def solve_model(cost, rows: Rows, integrality, lb, ub, gap: float, time_limit: float | None,
+                unit: float) -> tuple[Any, str, float | None]:
+    """HiGHS on ``min cost·x`` over ``rows`` and the bounds (:func:`run_highs`), to the relative gap
+    ``gap`` within ``time_limit`` seconds: the result, HiGHS's output, and the proven lower bound in
+    the objective's units (``unit`` per model unit; None where HiGHS has none). Every placement MILP
+    solves through it: HiGHS's presolve (scipy 1.17) can end in "Solve error" (status 4) on a
+    feasible model (replicated stages with stashes), which then solves without it."""
+    options = {"disp": False, "mip_rel_gap": gap}
+    if time_limit is not None:
+        options["time_limit"] = float(time_limit)
+    res, log = run_highs(cost, rows.constraint(len(cost)), integrality, Bounds(lb, ub), options)
+    if res.status == 4 and res.x is None:
+        options["presolve"] = False
+        res, log = run_highs(cost, rows.constraint(len(cost)), integrality, Bounds(lb, ub), options)
+    lower = getattr(res, "mip_dual_bound", None)
+    return res, log, float(lower) * unit if lower is not None and np.isfinite(lower) else None
 
 
 def solve_milp(
@@ -381,18 +400,8 @@ def solve_milp(
         integrality[W:F] = 1
         if stash:
             integrality[F:D] = 1
-    options = {"disp": False, "mip_rel_gap": gap}
-    if time_limit is not None:
-        options["time_limit"] = float(time_limit)
-    res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
-    if res.status == 4 and res.x is None:
-        # HiGHS's presolve (scipy 1.17) can end in "Solve error" on feasible models
-        # (replicated stages with stashes); the same model solves without it
-        options["presolve"] = False
-        res, log = run_highs(cost, rows.constraint(nvar), integrality, Bounds(lb, ub), options)
+    res, log, lower = solve_model(cost, rows, integrality, lb, ub, gap, time_limit, unit)
     name = "ilp-contiguous" if contiguous else "ilp"
-    lower = getattr(res, "mip_dual_bound", None)
-    lower = float(lower) * unit if lower is not None and np.isfinite(lower) else None
     if res.x is None and start is not None:
         # infeasible under the cutoff: nothing beats the start, which is then optimal
         proven = start.max_load if res.status == 2 else lower

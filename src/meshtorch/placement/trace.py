@@ -42,18 +42,31 @@ from meshtorch.nn.parameter import plain_parameters
 from meshtorch.placement.graph import OpGraph
 from meshtorch.placement.prep import UnionFind
 from meshtorch.placement.problem import Placement
+from meshtorch.plan.devices import DEVICES
+
+# The default accelerator: the planner's built-in A100 (meshtorch.plan.devices, from its row of the GPU
+# table meshtorch.plan.gpus), at the rates the planner prices it (bf16 matmuls at half the data
+# sheet's peak: 156 TFLOP/s; 2.04 TB/s). The link and the CPU have no piece there: a GPU row's link
+# joins the GPUs of one machine (the A100's NVLink, 300 GB/s), while a pipeline's stages may sit on
+# other machines (25 GB/s, a 200 Gb/s network), and the planner's CPU is measured, not built in.
+DEFAULT_ACCELERATOR = DEVICES["a100"]
 
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """Peak speeds used to turn FLOPs and bytes into times (seconds).
+    """Speeds used to turn FLOPs and bytes into times (seconds).
 
-    Defaults: an accelerator of 100 TFLOP/s and 2 TB/s, a CPU of 1 TFLOP/s and
-    100 GB/s, links of 25 GB/s, 8 micro-batches per optimizer step.
+    Defaults: the accelerator :data:`DEFAULT_ACCELERATOR`, the planner's ``a100`` (156 TFLOP/s,
+    2.04 TB/s), a CPU of 1 TFLOP/s and 100 GB/s, links of 25 GB/s, 8 micro-batches per optimizer
+    step.
+
+    Example:
+        >>> DeviceSpec().acc_flops / 1e12, DeviceSpec().acc_bandwidth / 1e12
+        (156.0, 2.039)
     """
 
-    acc_flops: float = 100e12
-    acc_bandwidth: float = 2e12
+    acc_flops: float = DEFAULT_ACCELERATOR.flops_per_second("bfloat16")
+    acc_bandwidth: float = DEFAULT_ACCELERATOR.achievable_bandwidth
     cpu_flops: float = 1e12
     cpu_bandwidth: float = 100e9
     link_bandwidth: float = 25e9

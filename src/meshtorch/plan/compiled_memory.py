@@ -109,8 +109,10 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
 def peak_of(timeline: Timeline, windows: list[tuple[int, int]], kind: dict[int, str],
             kinds: tuple[str, ...]) -> tuple[int, dict[str, int]]:
     """The most bytes alive at once in ``windows`` (event index ranges; what is alive as a window
-    begins counts too) and their split by ``kinds`` at that moment (``kind``: a serial's, when
-    not ``activations``).
+    begins counts too, also in a window no event falls in) and their split by ``kinds`` at that
+    moment (``kind``: a serial's, when not ``activations``). The one computation of a peak: the
+    eager trace's (:meth:`meshtorch.plan.tracing.Tracer.peak`, its events at their indices) and
+    the compiled one's (:func:`compiled_timeline`'s).
 
     Example:
         >>> from meshtorch.plan.compiled_memory import peak_of
@@ -119,18 +121,23 @@ def peak_of(timeline: Timeline, windows: list[tuple[int, int]], kind: dict[int, 
         (12, {'parameters': 8, 'activations': 4})
     """
     windows = windows or [(0, math.inf)]
-    best, best_at, live, w = 0, -1, 0, 0
+    best, best_at, live, w, entered = 0, -1, 0, 0, False
     for idx, (pos, _, delta) in enumerate(timeline):
         while w < len(windows) and pos >= windows[w][1]:
-            w += 1
+            if not entered and live > best:  # a window no event falls in: alive all through it
+                best, best_at = live, idx - 1
+            w, entered = w + 1, False
         if w < len(windows) and pos >= windows[w][0]:
-            if live > best and (idx == 0 or timeline[idx - 1][0] < windows[w][0]):
+            if not entered and live > best:
                 best, best_at = live, idx - 1   # alive as the window begins
+            entered = True
             live += delta
             if live > best:
                 best, best_at = live, idx
         else:
             live += delta
+    if w < len(windows) and not entered and live > best:  # windows after the last event
+        best, best_at = live, len(timeline) - 1
     alive: dict[int, int] = {}
     for _, serial, delta in timeline[: best_at + 1]:
         if delta >= 0:
@@ -141,6 +148,3 @@ def peak_of(timeline: Timeline, windows: list[tuple[int, int]], kind: dict[int, 
     for serial, n in alive.items():
         by_kind[kind.get(serial, "activations")] += n
     return best, by_kind
-
-
-__all__ = ["compiled_timeline", "peak_of"]

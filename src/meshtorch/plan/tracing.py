@@ -445,30 +445,10 @@ class Tracer(TorchDispatchMode):
         return peak_of(timeline, self.windows, self.kind, KINDS)
 
     def peak(self) -> tuple[int, dict[str, int]]:
-        """Peak live bytes and their split by kind at that moment."""
-        windows = self.windows or [(0, len(self.events))]
-        live_now, best, best_at, pos = 0, 0, -1, 0
-        for start, end in windows:
-            for i in range(pos, start):
-                live_now += self.events[i][1]
-            pos = max(pos, start)
-            if live_now > best:  # what is alive when the block begins counts too
-                best, best_at = live_now, pos - 1
-            for i in range(pos, end):
-                live_now += self.events[i][1]
-                if i >= start and live_now > best:
-                    best, best_at = live_now, i
-            pos = end
-        alive: dict[int, int] = {}
-        for serial, delta in self.events[: best_at + 1]:
-            if delta >= 0:
-                alive[serial] = delta
-            else:
-                alive.pop(serial, None)
-        by_kind = dict.fromkeys(KINDS, 0)
-        for serial, n in alive.items():
-            by_kind[self.kind.get(serial, "activations")] += n
-        return best, by_kind
+        """Peak live bytes in the measured windows and their split by kind at that moment
+        (:func:`~meshtorch.plan.compiled_memory.peak_of` of the events as they happened)."""
+        return peak_of([(float(i), serial, delta) for i, (serial, delta) in enumerate(self.events)],
+                       self.windows, self.kind, KINDS)
 
 
 @contextmanager
