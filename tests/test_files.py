@@ -3,6 +3,7 @@ mode and reaches the disk before it replaces the target."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -10,6 +11,51 @@ import torch
 
 import meshtorch as mt
 from meshtorch.files import replacing, usual_mode, write_atomic
+
+
+def replace_fails(monkeypatch, name: str) -> None:
+    """From now on ``os.replace`` onto a file called ``name`` fails (a full disk, a lost mount); the
+    writers of other files go on as usual."""
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.path.basename(os.fspath(dst)) == name:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", os.fspath(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def files_under(directory) -> dict[str, bytes]:
+    """Every file under ``directory`` (its path relative to it) and its bytes."""
+    found = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                found[os.path.relpath(os.path.join(root, name), directory)] = f.read()
+    return found
+
+
+def caused_by_oserror(error: BaseException | None) -> bool:
+    """Whether ``error`` is an OSError or was raised from one (a writer may wrap it in its own error)."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def a_failed_replace_keeps_everything(monkeypatch, directory, name: str, write) -> None:
+    """``write()``, with the replace of its file ``name`` failing, raises from that failure and leaves
+    every file under ``directory`` as it was: the old ``name`` whole (or still absent) and no temporary
+    file behind."""
+    before = files_under(directory)
+    with monkeypatch.context() as m:
+        replace_fails(m, name)
+        with pytest.raises(Exception) as e:  # noqa: PT011 - the writer's own error, raised from the OSError
+            write()
+    assert caused_by_oserror(e.value), e.value
+    assert files_under(directory) == before
 
 
 def test_each_writer_flushes_its_temporary_file_then_replaces_the_target(tmp_path, monkeypatch):
@@ -40,7 +86,7 @@ def test_each_writer_flushes_its_temporary_file_then_replaces_the_target(tmp_pat
         assert replaced.get(name) == (True, usual_mode()), (name, replaced)
 
 
-def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
+def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     write_atomic(path, b"old")
     with pytest.raises(RuntimeError), replacing(path) as tmp:
@@ -48,6 +94,8 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary_one(tmp_path):
         raise RuntimeError("disk full")
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["model.safetensors"]
+    a_failed_replace_keeps_everything(monkeypatch, tmp_path, "model.safetensors",
+                                      lambda: write_atomic(path, b"new"))
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECTORY"), reason="a directory cannot be fsynced on Windows")

@@ -145,6 +145,24 @@ def test_processors_fork_from_one_server_with_the_launchs_environment_and_stream
         ["second err 0", "second err 1"]
 
 
+def _intra_op_threads() -> int:
+    return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypatch, chosen):
+    """A user's OMP_NUM_THREADS is each processor's intra-op threads (set after the fork server
+    started: the processors see it), as torchrun's workers keep it; unset, each gets its share."""
+    from meshtorch.launcher.world import threads_per_processor
+
+    share = threads_per_processor(2)
+    if chosen:
+        monkeypatch.setenv("OMP_NUM_THREADS", str(share + 2))  # not the share, whatever the cores
+    else:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend="torch") == [share + 2 if chosen else share] * 2
+
+
 def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():
     """What the fork server imports before forking processors (a forked process keeps only the
     forking thread, so a Python thread started there would be lost with any lock it held; CUDA

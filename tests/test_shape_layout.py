@@ -57,6 +57,25 @@ def test_mesh_errors(spec, match):
         Mesh(spec)
 
 
+@pytest.mark.parametrize("kind, make, error", [("shape", mt.Shape, ShapeError), ("mesh", Mesh, MeshError)])
+@pytest.mark.parametrize("size", ["--3", "²", "3.5", "", "0x2", "1e2"])
+def test_a_size_that_is_no_whole_number_is_named_alike_in_a_shape_and_a_mesh(kind, make, error, size):
+    """Shapes and meshes are read by one parser (meshtorch.shape.named_sizes): a size that is not a
+    whole number of ASCII digits is the user's error naming the part, never a ValueError of int()."""
+    with pytest.raises(error, match=f"cannot parse 'a:{size}' in {kind} 'x:2,a:{size}'"):
+        make(f"x:2,a:{size}")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.from_regex(r"[a-z_][a-z0-9_]{0,5}", fullmatch=True), st.integers(1, 99)),
+                max_size=4, unique_by=lambda p: p[0]),
+       st.lists(st.sampled_from([",", ";", " , ", "; "]), min_size=4, max_size=4))
+def test_a_shape_and_a_mesh_read_the_same_text_as_the_same_pairs(pairs, seps):
+    text = "".join(f"{name}:{size}{sep}" for (name, size), sep in zip(pairs, seps))
+    assert mt.Shape(text) == mt.Shape(pairs) and mt.Shape(text).sizes == tuple(s for _, s in pairs)
+    assert Mesh(text).axes == tuple(pairs)
+
+
 def test_rules_errors():
     with pytest.raises(LayoutError, match=r"'batch' has two rules, 'batch:b' and 'batch:m'.*'batch:\(a,b\)'"):
         LayoutRules("batch:b; batch:m")

@@ -1,10 +1,12 @@
 """Writing a file so that a reader (another processor of the run, a rerun, another user of a shared
 run directory) sees the old file or the whole new one, never a part, with the mode ``open`` gives.
 
-The writers that go through a temporary file use :func:`replacing`: a checkpoint's slices, the
-consolidated safetensors export, and :func:`write_atomic` (a tokenizer, metrics, the encoded-corpus
-cache, a device file of ``meshtorch plan --calibrate``, a placement graph's JSON). A checkpoint's
-index and pointer are committed by :mod:`meshtorch.checkpoint.versions`.
+Every file meshtorch writes goes through :func:`replacing`: a checkpoint's slices, index, pointer
+(committed by :mod:`meshtorch.checkpoint.versions`) and background-save markers, the consolidated
+safetensors export, the tokenizer files an export copies, and through it :func:`write_atomic` (a
+tokenizer, metrics, ``summary.json``, the encoded-corpus cache, a device file of ``meshtorch plan
+--calibrate``, a placement graph's JSON, the probe of a shared run directory) and :func:`save_figure`
+(every plot). Only ``metrics.jsonl``'s per-step lines are appended in place: a log grows by a line.
 
 Example:
     >>> import os, tempfile
@@ -24,6 +26,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 
 def usual_mode() -> int:
@@ -48,7 +51,7 @@ def usual_mode() -> int:
 
 
 @contextlib.contextmanager
-def replacing(path: str | os.PathLike) -> Iterator[str]:
+def replacing(path: str | os.PathLike, temporary: str | None = None) -> Iterator[str]:
     """A temporary file's path beside ``path`` for the body to write (by name, as safetensors does);
     on leaving, that file gets :func:`usual_mode`, is flushed to the disk and replaces ``path`` in
     one ``os.replace``, and the directory is flushed (:func:`fsync_dir`). If the body raises,
@@ -57,11 +60,17 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
     replaced, not written through.
 
     The temporary name starts with a dot and the target's name, so a listing of the directory
-    shows which file it was for; it is unique per writer (``tempfile.mkstemp``).
+    shows which file it was for; it is unique per writer (``tempfile.mkstemp``). A caller that names
+    its temporary files (a checkpoint's pointer names its writer, so that a later save removes the
+    one a crashed writer left) passes ``temporary``, a new path in ``path``'s directory.
     """
     path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.",
-                               suffix=".tmp")
+    if temporary is None:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+    else:
+        tmp = os.fspath(temporary)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # as mkstemp: never another's file
     os.close(fd)
     try:
         yield tmp
@@ -79,8 +88,8 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
         raise
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through :func:`replacing`.
+def write_atomic(path: str | os.PathLike, data: bytes, temporary: str | None = None) -> None:
+    """Write ``data`` to ``path`` through :func:`replacing` (``temporary``: its temporary file's path).
 
     Example:
         >>> import os, tempfile
@@ -89,8 +98,30 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         >>> open(path).read()
         '{}'
     """
-    with replacing(path) as tmp, open(tmp, "wb") as f:
+    with replacing(path, temporary) as tmp, open(tmp, "wb") as f:
         f.write(data)
+
+
+def save_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> None:
+    """``fig.savefig(path, **savefig)`` through :func:`replacing`, in the format ``path``'s suffix
+    names (matplotlib's default, ``savefig.format``, where it has none) unless ``format=`` is given.
+
+    Example:
+        >>> import os, tempfile
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import matplotlib.pyplot as plt
+        >>> fig, _ = plt.subplots()
+        >>> path = os.path.join(tempfile.mkdtemp(), "loss.png")
+        >>> save_figure(fig, path, dpi=50)
+        >>> plt.close(fig)
+        >>> open(path, "rb").read(4), os.listdir(os.path.dirname(path))
+        (b'\\x89PNG', ['loss.png'])
+    """
+    # the temporary name ends in .tmp, which matplotlib would take for the format
+    fmt = savefig.pop("format", None) or os.path.splitext(os.fspath(path))[1][1:] or None
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        fig.savefig(f, format=fmt, **savefig)
 
 
 def fsync_dir(path: str) -> None:

@@ -19,6 +19,7 @@ from functools import lru_cache
 
 from meshtorch.caching import compiling
 from meshtorch.errors import MeshError
+from meshtorch.shape import named_sizes
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -44,18 +45,7 @@ class Mesh:
             self._index = spec._index
             return
         if isinstance(spec, str):
-            items = []
-            for part in re.split(r"[,;]", spec):
-                part = part.strip()
-                if not part:
-                    continue
-                name, sep, size = part.partition(":")
-                if not sep or not size.strip().isdigit():
-                    raise MeshError(
-                        f"cannot parse {part!r} in mesh {spec!r}; write 'axis:size,axis:size', "
-                        "e.g. 'b:2,m:4'"
-                    )
-                items.append((name.strip(), int(size)))
+            items = named_sizes(spec, MeshError, "mesh", "'axis:size,axis:size', e.g. 'b:2,m:4'")
         elif isinstance(spec, dict):
             items = list(spec.items())
         else:

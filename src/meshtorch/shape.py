@@ -21,6 +21,34 @@ from meshtorch.caching import compiling
 from meshtorch.errors import ShapeError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SIZE = re.compile(r"-?[0-9]+")  # a sign passes: the caller's range check names a negative size
+
+
+def named_sizes(spec: str, error: type[Exception], kind: str, form: str) -> list[tuple[str, int]]:
+    """The ``(name, size)`` of each ``name:size`` part of ``spec``, parts separated by ``,`` or ``;``
+    (blank ones skipped): how a shape (``"batch:8,seq:16"``) and a mesh (``"b:2,m:4"``) are written.
+    A part without ``:`` and a whole number of ASCII digits after it raises ``error``, naming the
+    part, the ``kind`` of spec and its ``form``; the names and the sizes' ranges are the caller's
+    to check (:class:`Dim`, :class:`meshtorch.mesh.Mesh`).
+
+    Example:
+        >>> named_sizes("batch:8; seq: 16,", ShapeError, "shape", "'name:size,name:size'")
+        [('batch', 8), ('seq', 16)]
+        >>> named_sizes("a:8,b:²", ShapeError, "shape", "'name:size'")
+        Traceback (most recent call last):
+        ...
+        meshtorch.errors.ShapeError: cannot parse 'b:²' in shape 'a:8,b:²'; write 'name:size'
+    """
+    pairs = []
+    for part in re.split(r"[,;]", spec):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, size = part.partition(":")
+        if not sep or not _SIZE.fullmatch(size.strip()):
+            raise error(f"cannot parse {part!r} in {kind} {spec!r}; write {form}")
+        pairs.append((name.strip(), int(size)))
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -63,16 +91,8 @@ def dim_name(d: Dim | str) -> str:
 def _parse(spec: str) -> tuple[Dim, ...]:
     # cached: programs pass the same few strings (``from_global(ids, "batch:8,length:64")``) every
     # step, and the same Dim objects make equal shapes quick to compare
-    dims = []
-    for part in re.split(r"[,;]", spec):
-        part = part.strip()
-        if not part:
-            continue
-        name, sep, size = part.partition(":")
-        if not sep or not size.strip().lstrip("-").isdigit():
-            raise ShapeError(f"cannot parse {part!r} in shape {spec!r}; write 'name:size,name:size'")
-        dims.append(Dim(name.strip(), int(size)))
-    return tuple(dims)
+    pairs = named_sizes(spec, ShapeError, "shape", "'name:size,name:size'")
+    return tuple(Dim(name, size) for name, size in pairs)
 
 
 class Shape:

@@ -38,6 +38,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from meshtorch.files import write_atomic
+
 # how long processor 0's writer waits for another processor's slice file before the save fails
 MARKER_TIMEOUT_S = 1800.0
 _MARKER = ".done-{:05d}"
@@ -92,10 +94,7 @@ def in_flight(owner: int) -> bool:
 def write_marker(tmp: str, rank: int, sha256: str | None, error: BaseException | None) -> None:
     """Tell processor 0 that ``rank``'s slice file is written (its sha256) or failed (the error)."""
     body = {"sha256": sha256} if error is None else {"error": f"{type(error).__name__}: {error}"}
-    final = os.path.join(tmp, _MARKER.format(rank))
-    with open(final + ".part", "w") as f:
-        f.write(json.dumps(body))
-    os.replace(final + ".part", final)  # processor 0 never reads half a marker
+    write_atomic(os.path.join(tmp, _MARKER.format(rank)), json.dumps(body).encode())  # never half a marker
 
 
 def wait_markers(tmp: str, ranks: range, timeout: float = MARKER_TIMEOUT_S) -> dict[int, dict]:

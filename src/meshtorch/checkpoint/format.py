@@ -92,11 +92,3 @@ def sha256_fd(fd: int) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def fsync_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` and flush it to the disk before returning."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())

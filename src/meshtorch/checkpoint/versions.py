@@ -34,9 +34,9 @@ import shutil
 import socket
 import threading
 
-from meshtorch.checkpoint.format import INDEX, fsync_write
+from meshtorch.checkpoint.format import INDEX
 from meshtorch.errors import CheckpointError
-from meshtorch.files import fsync_dir
+from meshtorch.files import fsync_dir, write_atomic
 
 POINTER = "latest"
 POINTER_FORMAT = "meshtorch-checkpoint-pointer"
@@ -229,18 +229,17 @@ def commit(path: str, tmp: str, step: int | None, keep: int, tag: str) -> str:
     new = [name] + old[:keep - 1]
     pointer_tmp = temp_path(path, "latest-tmp", tag)
     mark_live(pointer_tmp, True)
-    committed = False
     try:
         os.rename(tmp, final)
         fsync_dir(path)
-        fsync_write(pointer_tmp, json.dumps({"format": POINTER_FORMAT, "versions": new}, indent=1))
-        os.replace(pointer_tmp, os.path.join(path, POINTER))
-        committed = True
-        fsync_dir(path)
+        # a temporary pointer that names its writer: a later save removes one a crash left behind
+        write_atomic(os.path.join(path, POINTER), json.dumps({"format": POINTER_FORMAT, "versions": new},
+                                                             indent=1).encode(), temporary=pointer_tmp)
     except BaseException:
-        if not committed:  # the previous pointer stands, and the new directory is nobody's
+        # the previous pointer stands (write_atomic removed its temporary file), and the new directory
+        # is nobody's; a pointer already replaced, whose directory's fsync then failed, names it
+        if not _names_first(path, name):
             _remove(final)
-            _remove(pointer_tmp)
         raise
     finally:
         mark_live(pointer_tmp, False)
@@ -252,6 +251,14 @@ def commit(path: str, tmp: str, step: int | None, keep: int, tag: str) -> str:
     except OSError:
         pass
     return final
+
+
+def _names_first(path: str, name: str) -> bool:
+    """Whether the pointer in ``path`` names version ``name`` as the newest."""
+    try:
+        return read_pointer(path)[:1] == [name]
+    except CheckpointError:
+        return False
 
 
 def _drop(path: str, name: str, tag: str) -> None:

@@ -29,7 +29,6 @@ from meshtorch.checkpoint.format import (
     INDEX,
     VERSION,
     dtype_name,
-    fsync_write,
     piece_key,
     sha256_file,
     shape_json,
@@ -40,7 +39,7 @@ from meshtorch.checkpoint.state import rng_state, scalar_json, to_json
 from meshtorch.checkpoint.versions import commit, latest, mark_live, temp_path, writer_tag
 from meshtorch.context import current
 from meshtorch.errors import ArgumentError, CheckpointError
-from meshtorch.files import fsync_dir, replacing
+from meshtorch.files import fsync_dir, replacing, write_atomic
 from meshtorch.nn.module import Module
 from meshtorch.optim.params import view_of
 from meshtorch.shape import Shape
@@ -123,8 +122,7 @@ def _commit_index(path: str, tmp: str, index: dict, digests: dict[int, str | Non
         if digests[rank] is not None:
             index["files"][slice_file(rank)] = {"sha256": digests[rank]}
     index[CHECKSUM] = index_checksum(index)
-    fsync_write(os.path.join(tmp, INDEX), json.dumps(index, indent=1))
-    fsync_dir(tmp)
+    write_atomic(os.path.join(tmp, INDEX), json.dumps(index, indent=1).encode())
     return commit(path, tmp, step, keep, tag)
 
 

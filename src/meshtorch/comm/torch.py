@@ -329,20 +329,29 @@ class TorchCommunicator(Communicator):
         raise CommError(f"collective mismatch in {kind} over {tuple(axes)}: the calls' digests differ "
                         f"but their descriptions compare equal ({calls})")
 
+    def _single(self, kind: str, run: Callable[[], object] | None) -> bool:
+        """Run ``run``, the single-tensor spelling of collective ``kind`` (``None``: the installed
+        ``torch.distributed`` has none); ``False`` where there is none or the process group does not
+        support it, and from then on without trying it again: the caller runs the list form instead.
+        Any other error is raised."""
+        if kind in self._missing:
+            return False
+        if run is not None:
+            try:
+                run()
+                return True
+            except (NotImplementedError, RuntimeError) as e:
+                if not _unsupported(e):
+                    raise
+        self._missing.add(kind)
+        return False
+
     def _gather_flat(self, out: torch.Tensor, t: torch.Tensor, pg) -> None:
         """All-gather ``t`` into ``out`` concatenated along dim 0."""
-        if "all_gather" not in self._missing:
-            op = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-            if op is not None:
-                try:
-                    op(out, t, group=pg)
-                    return
-                except (NotImplementedError, RuntimeError) as e:
-                    if not _unsupported(e):
-                        raise
-            self._missing.add("all_gather")
-        parts = list(out.chunk(dist.get_world_size(pg), 0))
-        dist.all_gather(parts, t, group=pg)
+        op = single_collective("all_gather")
+        if not self._single("all_gather", op and (lambda: op(out, t, group=pg))):
+            parts = list(out.chunk(dist.get_world_size(pg), 0))
+            dist.all_gather(parts, t, group=pg)
 
     # ------------------------------------------------------------ collectives
     def _all_reduce(self, t, axes, group, op, call):
@@ -379,17 +388,9 @@ class TorchCommunicator(Communicator):
         out = torch.empty((x.shape[0] // len(group),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
 
         def go():
-            if "reduce_scatter" not in self._missing:
-                fn = (getattr(dist, "reduce_scatter_single", None)
-                      or getattr(dist, "reduce_scatter_tensor", None))
-                if fn is not None:
-                    try:
-                        fn(out, x, op=_REDUCE[op], group=pg)
-                        return
-                    except (NotImplementedError, RuntimeError) as e:
-                        if not _unsupported(e):
-                            raise
-                self._missing.add("reduce_scatter")
+            fn = single_collective("reduce_scatter")
+            if self._single("reduce_scatter", fn and (lambda: fn(out, x, op=_REDUCE[op], group=pg))):
+                return
             y = x.clone()
             dist.all_reduce(y, _REDUCE[op], group=pg)
             out.copy_(y.chunk(len(group), 0)[group.index(self.rank)])
@@ -409,14 +410,8 @@ class TorchCommunicator(Communicator):
         out = torch.empty_like(x)
 
         def go():
-            if "all_to_all" not in self._missing:
-                try:
-                    dist.all_to_all_single(out, x, group=pg)
-                    return
-                except (NotImplementedError, RuntimeError) as e:
-                    if not _unsupported(e):
-                        raise
-                self._missing.add("all_to_all")
+            if self._single("all_to_all", lambda: dist.all_to_all_single(out, x, group=pg)):
+                return
             # fallback: gather everything and keep the chunks addressed to us
             whole = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
             self._gather_flat(whole.view(n * x.shape[0], *x.shape[1:]), x, pg)
@@ -448,10 +443,8 @@ class TorchCommunicator(Communicator):
         return Handle(wait, lambda: not held or held[0].is_completed())
 
     def _start_all_gather(self, flat, axes, group, call, unpack):
-        if "all_gather" in self._missing:
-            return super()._start_all_gather(flat, axes, group, call, unpack)
-        op = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-        if op is None:
+        op = single_collective("all_gather")
+        if "all_gather" in self._missing or op is None:
             return super()._start_all_gather(flat, axes, group, call, unpack)
         self._check(call, group)
         pg = self._process_group(axes)
@@ -462,7 +455,7 @@ class TorchCommunicator(Communicator):
                            lambda: unpack(out.to(home)))
 
     def _start_reduce_scatter(self, buf, axes, group, op, call, unpack):
-        fn = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+        fn = single_collective("reduce_scatter")
         if "reduce_scatter" in self._missing or fn is None:
             return super()._start_reduce_scatter(buf, axes, group, op, call, unpack)
         self._check(call, group)
@@ -581,6 +574,26 @@ class TorchCommunicator(Communicator):
         self._check(call, group)
         pg = self._process_group(axes)
         self._run("barrier", axes, group, lambda: dist.all_reduce(z, group=pg))
+
+
+# the single-tensor spellings of a collective, in the order tried (torch has named them differently)
+_SINGLE = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+           "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+
+def single_collective(kind: str) -> Callable | None:
+    """The installed ``torch.distributed``'s single-tensor spelling of collective ``kind`` (``None``
+    where it has none).
+
+    Example:
+        >>> single_collective("all_gather") is not None
+        True
+    """
+    for name in _SINGLE[kind]:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    return None
 
 
 def _unsupported(e: BaseException) -> bool:

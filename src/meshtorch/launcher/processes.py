@@ -54,6 +54,7 @@ from meshtorch.launcher.world import (
     in_torchrun,
     init_distributed,
     shutdown,
+    threads_chosen,
     threads_per_processor,
 )
 from meshtorch.layout import LayoutRules
@@ -224,7 +225,9 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, launcher_p
         import torch.distributed as dist
 
         fn, args, kwargs, mesh, rules, timeout, check, device = pickle.loads(payload)
-        torch.set_num_threads(threads_per_processor(world))
+        # the user's OMP_NUM_THREADS stands; set here, not left to torch: a forked processor's OpenMP
+        # read the environment when the fork server started, not the launch's
+        torch.set_num_threads(threads_chosen() or threads_per_processor(world))
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_WORLD_SIZE=str(world))
         # every processor is on this machine: gloo's and NCCL's bootstrap connections

@@ -39,13 +39,35 @@ def threads_per_processor(processors: int) -> int:
     """The intra-op threads each of ``processors`` processors on this machine runs: its share of the
     cores (at least one), so that they do not oversubscribe them. The one rule of every launcher:
     threads and processes set it, and torchrun's workers get it as ``OMP_NUM_THREADS``
-    (:func:`meshtorch.launcher.elastic.thread_environment`).
+    (:func:`meshtorch.launcher.elastic.thread_environment`); the processes launcher and torchrun's
+    workers keep the user's own ``OMP_NUM_THREADS`` (:func:`threads_chosen`).
 
     Example:
         >>> threads_per_processor(1) == (os.cpu_count() or 1), threads_per_processor(10**6)
         (True, 1)
     """
     return max(1, (os.cpu_count() or 1) // processors)
+
+
+def threads_chosen() -> int | None:
+    """The intra-op threads the user chose for each process with ``OMP_NUM_THREADS`` (its first
+    level, as OpenMP reads ``4,2``), or ``None`` where it is unset or not a positive whole number.
+    A launcher gives its processes :func:`threads_per_processor` only where the user chose none.
+
+    Example:
+        >>> import os
+        >>> before = os.environ.pop("OMP_NUM_THREADS", None)
+        >>> os.environ["OMP_NUM_THREADS"] = "3"
+        >>> threads_chosen()
+        3
+        >>> os.environ["OMP_NUM_THREADS"] = "many"
+        >>> threads_chosen() is None
+        True
+        >>> del os.environ["OMP_NUM_THREADS"]
+        >>> os.environ.update({} if before is None else {"OMP_NUM_THREADS": before})
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def in_torchrun() -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import textwrap
 
 from meshtorch.errors import PipelineError
+from meshtorch.files import save_figure
 from meshtorch.pipeline.schedule import BACKWARD, FORWARD, WEIGHT, Schedule
 from meshtorch.pipeline.simulate import Simulation
 
@@ -68,6 +69,6 @@ def timeline(schedule: Schedule, path: str, simulation: Simulation | None = None
     # about 12 characters of 9-point text per inch (with the margins): a long title wraps
     ax.set_title("\n".join(textwrap.wrap(text, int(12 * width))), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path

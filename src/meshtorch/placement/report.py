@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtorch.errors import PlacementError
+from meshtorch.files import save_figure
 from meshtorch.placement.problem import Placement
 
 
@@ -84,5 +85,5 @@ def plot(p: Placement, path: str | Path) -> None:
     ax.set_title(f"{p.algorithm}: max load {p.max_load:.4g}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

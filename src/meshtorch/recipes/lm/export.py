@@ -19,6 +19,7 @@ import shutil
 
 import torch
 
+from meshtorch.files import replacing
 from meshtorch.recipes.lm.generate import checkpoint_dir, load_lm, run_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -43,6 +44,7 @@ def export_checkpoint(path: str, out: str, dtype: torch.dtype | None = None) -> 
         src = where if os.path.isdir(where) else os.path.dirname(where)
         for f in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(src, f)):
-                shutil.copyfile(os.path.join(src, f), os.path.join(out, f))
+                with replacing(os.path.join(out, f)) as tmp:
+                    shutil.copyfile(os.path.join(src, f), tmp)
                 written.append(f)
     return written

@@ -27,6 +27,7 @@ import socket
 from typing import Any
 
 from meshtorch.errors import ArgumentError, TrainingError
+from meshtorch.files import write_atomic
 
 # the options that differ from node to node: where this node is in the run
 PER_NODE = ("node_rank",)
@@ -78,8 +79,7 @@ def check_shared_out(out: str) -> None:
     token = [None]
     if rank == 0:
         token[0] = _PROBE + secrets.token_hex(8)
-        with open(os.path.join(out, token[0]), "w") as f:
-            f.write(socket.gethostname())
+        write_atomic(os.path.join(out, token[0]), socket.gethostname().encode())
     dist.broadcast_object_list(token, src=0)
     probe = os.path.join(out, token[0])
     seen = _gather((os.path.exists(probe), socket.gethostname()))

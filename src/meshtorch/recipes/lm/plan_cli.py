@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 from meshtorch.errors import PlanError
+from meshtorch.files import save_figure
 from meshtorch.mesh import Mesh
 from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
@@ -323,7 +324,7 @@ def plot(path: str, ests: list[Estimate]) -> bool:
         ax.set_xticks(list(x))
         ax.set_xticklabels(labels, fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return True
 

@@ -22,6 +22,7 @@ from meshtorch.context import processor_device
 from meshtorch.data import Corpus
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import TrainingError
+from meshtorch.files import save_figure
 from meshtorch.models import TransformerConfig, generate
 from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm.config import TrainConfig
@@ -104,7 +105,7 @@ def plot_losses(path: str, metrics: list[dict], heldout: list[tuple[int, float]]
     ax.set_ylabel(f"nats / {unit}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return True
 

@@ -37,6 +37,7 @@ from meshtorch.context import current, processor_device
 from meshtorch.data import Corpus, LMBatches
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import MeshTorchError, PipelineError
+from meshtorch.files import write_atomic
 from meshtorch.launcher.elastic import restart_count
 from meshtorch.models import DecoderLM
 from meshtorch.recipes.lm.config import TrainConfig, check_config, check_layout
@@ -192,8 +193,9 @@ def program(cfg: TrainConfig, corpus: Corpus | None, out: str,
         result["loss_png"] = plot_losses(os.path.join(out, "loss.png"), logged, hl,
                                          result.get("unigram_entropy", float("nan")),
                                          "byte" if cfg.run.tokenizer == "bytes" else "token")
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            f.write(json_text(result, os.path.join(out, "summary.json"), indent=1))
+        # a rerun's summary replaces the last one whole: a summary that cannot be written keeps it
+        write_atomic(os.path.join(out, "summary.json"),
+                     json_text(result, os.path.join(out, "summary.json"), indent=1).encode())
     return result
 
 
