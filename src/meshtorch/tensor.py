@@ -39,8 +39,9 @@ class MeshTensor:
             in ``shape`` order and whose sizes are :func:`local_shape` of the layout.
     """
 
-    # ``_adapted``: the lowering's per-tensor state (:meth:`adapter_memo`)
-    __slots__ = ("shape", "layout", "local", "name", "_adapted")
+    # ``_adapted``: the lowering's per-tensor state (:meth:`adapter_memo`); ``_later``: the
+    # all_reduce in flight of a scalar whose ``local`` is not set yet (:meth:`_read_later`)
+    __slots__ = ("shape", "layout", "local", "name", "_adapted", "_later")
     __array_priority__ = 1000  # so numpy scalars defer to our operators
 
     def __init__(self, local: torch.Tensor, shape: Shape, layout: Layout, name: str | None = None):
@@ -54,7 +55,7 @@ class MeshTensor:
         self.layout = layout
         self.local = local
         self.name = name
-        self._adapted = None
+        self._adapted = self._later = None
         if traced:
             tracer = current().tracer
             if tracer is not None:
@@ -66,12 +67,31 @@ class MeshTensor:
         """Construct without re-checking ``local``'s size: for hot paths (the one-processor
         lowering) that have just checked it against the shape."""
         t = object.__new__(cls)
-        t.shape, t.layout, t.local, t.name, t._adapted = shape, layout, local, name, None
+        t.shape, t.layout, t.local, t.name, t._adapted, t._later = shape, layout, local, name, None, None
         if traced:
             tracer = current().tracer
             if tracer is not None:
                 tracer.observe(t)
         return t
+
+    @classmethod
+    def _read_later(cls, later, shape: Shape, layout: Layout, name: str | None = None) -> MeshTensor:
+        """A scalar whose all_reduce is in flight (``later``: :class:`meshtorch.lowering.adapters.Later`,
+        made by :func:`meshtorch.lowering.overlap.read_later`): every read of its ``local`` waits
+        for the value first (:meth:`__getattr__`), but for :meth:`backward`, which needs none."""
+        t = cls._checked_elsewhere(later.tensor, shape, layout, name)  # a tracer sees the result
+        del t.local
+        t._later = later
+        return t
+
+    def __getattr__(self, name: str):
+        # reached only where an attribute is missing: ``local`` of a scalar whose all_reduce is in
+        # flight is filled now (a copy or pickle reads it this way too)
+        if name == "local" and self._later is not None:
+            local = self._later.wait()
+            self.local, self._later = local, None
+            return local
+        raise AttributeError(f"'MeshTensor' object has no attribute {name!r}")
 
     # ------------------------------------------------------------ properties
     @property
@@ -119,7 +139,8 @@ class MeshTensor:
                     f"backward() without a gradient needs a scalar; this tensor has shape "
                     f"[{self.shape}] — reduce it first, e.g. mt.reduce_sum(x)"
                 )
-            self.local.backward()
+            later = self._later  # a loss whose all_reduce is in flight: its gradient is 1 all the same
+            (self.local if later is None else later.tensor).backward()
         else:
             if gradient.shape != self.shape:
                 raise ShapeError(

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import threading
 
 import torch
 
@@ -104,6 +105,19 @@ class _AllReduceSum(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.grad_sum:
             g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
+        return g, None, None, None
+
+
+class _AllReduceSumLater(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, axis, handles):
+        # the result's storage, filled where it is read (Later.wait); the call gets its own copy
+        handles.append(comm.all_reduce_grouped([t if t._base is None else t.clone()], axis,
+                                               async_op=True))
+        return torch.empty_like(t)
+
+    @staticmethod
+    def backward(ctx, g):
         return g, None, None, None
 
 
@@ -247,6 +261,47 @@ def all_reduce_sum(t: torch.Tensor, comm: Communicator, axis: AxisGroup,
                    grad_sum: bool = False) -> torch.Tensor:
     """Partial sums → replicated total; backward identity (with ``grad_sum``: all_reduce)."""
     return _AllReduceSum.apply(t, comm, axis, grad_sum)
+
+
+class Later:
+    """A scalar's ``all_reduce_sum`` in flight (:func:`all_reduce_sum_later`): ``tensor`` is the
+    result, with its place in the autograd graph, and holds its value once :meth:`wait` ran."""
+
+    __slots__ = ("tensor", "_handle", "_lock")
+
+    def __init__(self, tensor: torch.Tensor, handle) -> None:
+        self.tensor, self._handle, self._lock = tensor, handle, threading.Lock()
+
+    def wait(self) -> torch.Tensor:
+        """``tensor``, its value in (the first call waits for the collective; later ones return)."""
+        with self._lock:  # two threads reading one loss: the second finds it filled
+            if self._handle is not None:
+                (out,) = self._handle.wait()
+                with torch.no_grad():
+                    self.tensor.copy_(out)
+                self._handle = None
+        return self.tensor
+
+
+def all_reduce_sum_later(t: torch.Tensor, comm: Communicator, axis: AxisGroup) -> Later:
+    """:func:`all_reduce_sum` issued asynchronously: the result's tensor exists at once (backward
+    may start from it: its gradient does not depend on its value), its value once
+    :meth:`Later.wait` ran. For a scalar (a loss, a metric), whose value is read after backward.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.lowering.adapters import all_reduce_sum_later
+        >>> def f():
+        ...     x = torch.tensor(float(mt.current().comm.rank + 1), requires_grad=True)
+        ...     later = all_reduce_sum_later(x * 2, mt.current().comm, "b")
+        ...     later.tensor.backward()
+        ...     return later.wait().item(), x.grad.item()
+        >>> mt.launch(f, mesh="b:2")
+        [(6.0, 2.0), (6.0, 2.0)]
+    """
+    handles: list = []
+    out = _AllReduceSumLater.apply(t, comm, axis, handles)
+    return Later(out, handles[0])
 
 
 def all_reduce_extreme(t: torch.Tensor, comm: Communicator, axis: AxisGroup, op: str,

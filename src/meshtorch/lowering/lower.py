@@ -51,7 +51,7 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.output import tensor_type
-from meshtorch.lowering.overlap import after_forward, overlapped_input
+from meshtorch.lowering.overlap import after_forward, overlapped_input, read_later
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
@@ -474,6 +474,10 @@ def lower(
     """
     plan, result = local_result(op, inputs, out_shape, local_fn, reduced, whole, name)
     if plan.outputs:
+        if not result.dim():  # a loss inside mt.overlap(): its all_reduce is read later
+            later = read_later(result, plan.outputs)
+            if later is not None:
+                return tensor_type()._read_later(later, out_shape, plan.layout, name)
         result = run_steps(result, plan.outputs)
     # the adapters produce the output layout's slice of a result of the checked size
     return tensor_type()._checked_elsewhere(result, out_shape, plan.layout, name)

@@ -29,6 +29,11 @@ module instead (one clear place: :func:`overlapped_input`), for any model writte
   backward (``mt.nn.checkpoint``): a grouped gather's result and its copies are alive at once
   (one flat buffer cannot be the parameters' storage), so a bucket of a small model's every
   weight, or one that straddles two recomputed blocks, would cost more than the per-use path.
+- **The loss.** The all_reduce of a scalar's partial sums (a mean loss over split rows, a
+  metric) is asynchronous too (:func:`read_later`): the result is a ``MeshTensor`` whose local
+  value is waited for where it is first read (``.item()``, an op on it); ``backward()`` starts
+  without it, since a scalar's gradient does not depend on its value. Blocking, it made every
+  processor wait for the others in the forward too; now they meet at the end of backward only.
 - **Recomputation.** A forward that ``mt.nn.checkpoint`` recomputes in backward saves nothing
   (:func:`unsaved`): its gathered values are freed after their last read and gathered again
   (grouped, per block) for the recomputation, also with ``reshard_after_forward=False``.
@@ -189,6 +194,18 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
     if alone:
         return None
     return rt.read(t, steps, how, opts, _on.region if getattr(_on, "unsaved", 0) else None)
+
+
+def read_later(t: torch.Tensor, steps) -> ca.Later | None:
+    """Inside :func:`overlap`: the all_reduce of a scalar's partial sums (``steps``: an op's output
+    adapters; a mean loss over split rows, a metric), issued asynchronously and waited for where
+    the value is read (:meth:`meshtorch.tensor.MeshTensor.local`), so that the processors do not
+    meet in the forward (DDP's loss is each process's own: they meet at the end of backward).
+    ``None``: run ``steps`` as usual."""
+    if (len(steps) != 1 or steps[0][0] is not ca.all_reduce_sum or steps[0][2]
+            or getattr(_on, "options", None) is None or torch.compiler.is_compiling()):
+        return None
+    return ca.all_reduce_sum_later(t, _current().comm, steps[0][1])
 
 
 MAX_HOWS = 4096  # adapter tuples whose kind overlapped_input keeps

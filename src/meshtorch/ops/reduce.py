@@ -89,15 +89,23 @@ def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower):
     idx = [x.shape.index(n) for n in names]
     if not idx:
         return _in_order(x, x, output_shape)
-    torch_fn = _LOCAL[how]
+    torch_fn = _LOCAL["sum" if how == "mean" else how]
+    if how == "mean":
+        # each processor divides its partial sum by the global count and the partial means are
+        # summed: the all_reduce is the op's last step (inside mt.overlap(), a loss's is read later)
+        count = math.prod([x.shape[n].size for n in names])
 
-    def local_fn(view, t):
-        return torch_fn(t, idx)
+        def local_fn(view, t):
+            return torch_fn(t, idx) / count
+    else:
+        def local_fn(view, t):
+            return torch_fn(t, idx)
 
-    if how != "sum" and lower_fn is lower and x.requires_grad and torch.is_grad_enabled() and any(
+    if how in ("max", "min") and lower_fn is lower and x.requires_grad and torch.is_grad_enabled() and any(
             x.layout.axes_of(n) for n in names):
         return _in_order(_split_extreme(x, names, out, how, name), x, output_shape)
-    r = lower_fn(f"reduce_{how}", [x], out, local_fn, reduced=dict.fromkeys(names, how), name=name)
+    kind = "sum" if how == "mean" else how  # a mean's partial means are summed
+    r = lower_fn(f"reduce_{how}", [x], out, local_fn, reduced=dict.fromkeys(names, kind), name=name)
     return r if lower_fn is not lower else _in_order(r, x, output_shape)
 
 
@@ -229,11 +237,9 @@ def reduce_mean(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> Me
         2.0
     """
     x = as_mesh_tensor(x)
-    names = _reduced_names(x, dims, output_shape)
-    count = 1
-    for n in names:
-        count *= x.shape[n].size
-    return _in_order(reduce_sum(x, names, name=name) / count, x, output_shape)
+    if not _reduced_names(x, dims, output_shape):
+        return _in_order(x / 1, x, output_shape)  # a new tensor, floating as a mean is
+    return _reduce(x, dims, output_shape, "mean", name)
 
 
 def reduce_logsumexp(x: MeshTensor, dims=None, *, output_shape=None, extra_logit=None,

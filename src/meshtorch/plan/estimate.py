@@ -223,7 +223,8 @@ def overlap_seconds(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str
     the step's time on :func:`meshtorch.plan.timeline.simulate`'s two clocks (0 where no call is
     asynchronous); for an extrapolated trace, extrapolated from its two shallow ones.
 
-    Example (data parallel under mt.overlap: gradients' all_reduces run during backward):
+    Example (data parallel under mt.overlap: gradients' all_reduces run during backward, the
+    loss's until it is read):
         >>> import meshtorch as mt
         >>> from meshtorch.plan.estimate import from_trace, overlap_seconds
         >>> def step():
@@ -233,7 +234,7 @@ def overlap_seconds(t: Trace, mesh: Mesh | str, spec: DeviceSpec, algorithm: str
         ...         mt.reduce_sum(b(a(mt.random.normal("batch:32,d_model:64", seed=1))) ** 2).backward()
         >>> t = mt.plan.trace(step, mesh="b:2", rules="batch:b")
         >>> [kind for kind, axes, nbytes, asynchronous in t.timeline.calls if asynchronous]
-        ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
+        ['all_reduce', 'all_reduce', 'all_reduce', 'all_reduce', 'all_reduce']
         >>> spec = mt.plan.device("tpu-v2")
         >>> est = from_trace(t, "b:2", spec)
         >>> est.overlap_seconds > 0, est.overlap_seconds == overlap_seconds(t, "b:2", spec)
