@@ -239,4 +239,5 @@ def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:
     """The reduced tensors: contiguous views of the flat ``out`` (see the module)."""
     sizes = [math.prod(s) for s in shapes]
-    return [p.view(s) for p, s in zip(out.split(sizes), shapes)]
+    # (split_with_sizes: Tensor.split is a Python wrapper around it)
+    return [p.view(s) for p, s in zip(out.split_with_sizes(sizes), shapes)]
