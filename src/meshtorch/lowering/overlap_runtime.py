@@ -51,7 +51,7 @@ class Entry:
         self.leaf = value.detach().requires_grad_(True)
         self.leaf._overlap_entry = self
         self.grad: torch.Tensor | None = None
-        self.slot: torch.Tensor | None = None  # its place in its bucket's flat buffer, until its gradient comes
+        self.slot: torch.Tensor | None = None  # its place in its bucket's buffer, until its gradient comes
         self.bucket: int | None = None  # its backward bucket
         self.fwd: int | None = None  # its forward bucket (the previous step's reads)
         self.freed = False
