@@ -75,8 +75,8 @@ class GradientBuckets:
 
     def __init__(self) -> None:
         # launched gradient buckets: their members, the call, and where it is the bucket's flat
-        # buffer whole, the members' shapes to unpack its result into
-        self.pending: list[tuple[list[Entry], Handle, list | None]] = []
+        # buffer whole, the members' shapes and sizes to unpack its result into
+        self.pending: list[tuple[list[Entry], Handle, tuple | None]] = []
         self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
         self.bucket_bytes = 25 * 2**20
         # the last cut (entries in order, caps, buckets, each entry's bucket): data parallel's entries
@@ -91,8 +91,8 @@ class GradientBuckets:
         self.finishing = False
         self.callback_missing = False  # no engine callback: finish once every gradient has come
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
-        # all_reduce bucket -> its flat buffer, its members' places there, their shapes
-        self.packs: dict[int, tuple[torch.Tensor, dict, list]] = {}
+        # all_reduce bucket -> its flat buffer, its members' places there, their shapes and sizes
+        self.packs: dict[int, tuple[torch.Tensor, dict, tuple]] = {}
 
     def ready(self, e: Entry, leaf: torch.Tensor | None = None) -> None:
         """``e``'s leaf has its whole local gradient (autograd's post-accumulate hook, which passes
@@ -169,10 +169,10 @@ class GradientBuckets:
         pack = self.packs.get(k)
         if pack is None:
             members = self.buckets[k]
-            shapes = [m.leaf.shape for m in members]
-            flat = torch.empty(sum(m.leaf.numel() for m in members), dtype=g.dtype, device=g.device)
-            slots = dict(zip(members, unpack_reduce(flat, shapes)))
-            pack = self.packs[k] = (flat, slots, shapes)
+            shapes, sizes = [m.leaf.shape for m in members], [m.leaf.numel() for m in members]
+            flat = torch.empty(sum(sizes), dtype=g.dtype, device=g.device)
+            slots = dict(zip(members, unpack_reduce(flat, shapes, sizes)))
+            pack = self.packs[k] = (flat, slots, (shapes, sizes))
             for m, view in slots.items():
                 if m is not e and m.grad is None:
                     m.slot = view  # its first gradient goes straight there (ready's first branch)
@@ -310,11 +310,11 @@ class GradientBuckets:
         finally:
             self._end_step()
 
-    def _done(self, members: list[Entry], work: Handle, shapes: list | None) -> None:
-        """Wait for a launched bucket and add its results (``shapes``: the members' shapes, where
-        the call reduced the bucket's flat buffer whole)."""
+    def _done(self, members: list[Entry], work: Handle, shapes: tuple | None) -> None:
+        """Wait for a launched bucket and add its results (``shapes``: the members' shapes and
+        sizes, where the call reduced the bucket's flat buffer whole)."""
         got = work.wait()
-        self._add(members, got if shapes is None else unpack_reduce(got[0], shapes))
+        self._add(members, got if shapes is None else unpack_reduce(got[0], *shapes))
 
     def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
         """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat
