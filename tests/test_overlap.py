@@ -545,10 +545,10 @@ def test_a_grouped_gather_is_unpacked_into_a_callers_storage():
 def dp_steps(on: bool, swap: bool) -> dict:
     """``STEPS`` data-parallel SGD steps (with ``swap``: each parameter's storage replaced by a
     copy before the last one, as ``p.data = ...`` does): the runtime's gradient hooks made after
-    each step, its lasting entries, the last gradients."""
+    each step, whether each step cut its buckets afresh, its lasting entries, the last gradients."""
     model = DecoderLM(config(), seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    made = []
+    made, cuts = [], []
     for step in range(STEPS):
         if swap and step == STEPS - 1:
             for name, param in list(model.named_parameters()):
@@ -559,6 +559,7 @@ def dp_steps(on: bool, swap: bool) -> dict:
             model.loss(*batch(step)).backward()
         rt = getattr(mt.current().comm, "_overlap", None)
         made.append(rt and rt.hooks_made)
+        cuts.append(rt and rt.cut)
         grads = {n: p.grad.to_global() for n, p in model.named_mesh_parameters()}
         opt.step()
     lasting = rt and len(rt.lasting)
@@ -566,20 +567,24 @@ def dp_steps(on: bool, swap: bool) -> dict:
     import gc
 
     gc.collect()
-    return {"made": made, "lasting": lasting, "left": rt and len(rt.lasting), "grads": grads}
+    return {"made": made, "lasting": lasting, "left": rt and len(rt.lasting), "grads": grads,
+            "cut afresh": [c is not b for b, c in zip([None, *cuts], cuts)],
+            "cut kept": rt and rt.cut is not None}
 
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_data_parallel_gradient_hooks_are_made_once_per_parameter(swap):
     """As DDP's: each parameter's leaf and gradient hook are made at its first read and serve
     every later step (the optimizer updates the storage they alias in place); a parameter whose
-    storage was swapped gets a new one; they go with the model. Gradients: the per-use path's."""
+    storage was swapped gets a new one; they go with the model. So do the gradient buckets: cut at
+    the first step, kept while the steps read the same entries. Gradients: the per-use path's."""
     off = mt.launch(dp_steps, False, swap, mesh="b:2", rules=DP)[0]
     for on in mt.launch(dp_steps, True, swap, mesh="b:2", rules=DP):
         n = on["lasting"]
         assert n == len(list(DecoderLM(config(), seed=0).parameters())) > 0
         assert on["made"] == [n, n, 2 * n if swap else n]
-        assert on["left"] == 0
+        assert on["cut afresh"] == [True, False, swap]
+        assert on["left"] == 0 and not on["cut kept"]  # nothing holds the leaves (the storages) on
         same(on["grads"], off["grads"], exact=True)
 
 

@@ -162,6 +162,9 @@ class Communicator(ABC):
         self.coords = mesh.coords(rank)
         self.check = check
         self.stats = CommStats()
+        # axes as a grouped call was given them -> (axes, group): looked up once per axes, as
+        # data parallel's gradient buckets make the same calls every step
+        self._grouped_axes: dict = {}
         if self.backend != "meta":  # the meta backend only shapes what compiled graphs run
             LIVE[(str(mesh), rank)] = self
 
@@ -336,10 +339,15 @@ class Communicator(ABC):
         if torch.compiler.is_compiling():
             raise CommError(f"grouped {kind} is an eager call: a compiled step runs one collective per "
                             "tensor (torch.compile schedules and overlaps those itself)")
-        axes = as_axes(axes)
+        try:
+            return self._grouped_axes[axes]
+        except (KeyError, TypeError):  # (TypeError: axes given as a list)
+            pass
+        given, axes = axes, as_axes(axes)
         for a in axes:
             self.mesh.axis_size(a)
-        return axes, self.group(axes)
+        got = self._grouped_axes[given if isinstance(given, (str, tuple)) else axes] = axes, self.group(axes)
+        return got
 
     def all_gather_grouped(self, tensors: list[torch.Tensor], axes, dims: list[int],
                            async_op: bool = False, lazy: bool = False) -> list[torch.Tensor] | Handle:

@@ -236,7 +236,10 @@ def _packed(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return base if at == base.storage_offset() + base.numel() else None
 
 
-def unpack_reduce(out: torch.Tensor, shapes: list) -> list[torch.Tensor]:
-    """The reduced tensors: contiguous views of the flat ``out`` (see the module)."""
-    sizes = [math.prod(s) for s in shapes]
-    return [p.view(s) for p, s in zip(out.split(sizes), shapes)]
+def unpack_reduce(out: torch.Tensor, shapes: list, sizes: list[int] | None = None) -> list[torch.Tensor]:
+    """The reduced tensors: contiguous views of the flat ``out`` (see the module); ``sizes``: their
+    numbers of elements, where the caller has them."""
+    if sizes is None:
+        sizes = [math.prod(s) for s in shapes]
+    # (split_with_sizes: Tensor.split is a Python wrapper around it)
+    return [p.view(s) for p, s in zip(out.split_with_sizes(sizes), shapes)]

@@ -42,9 +42,13 @@ def _adopted(members: Sequence[Entry]) -> bool:
     """Whether :meth:`GradientBuckets._add` makes a bucket's reduced values its members' gradients
     as they are (views of the call's result, no copy): each parameter once, of its own dtype,
     none with a gradient to add into."""
-    params = [e.param for e in members]
-    return (len({id(p) for p in params}) == len(params)
-            and all(p.grad is None and e.leaf.dtype == p.dtype for p, e in zip(params, members)))
+    seen = set()
+    for e in members:  # (a loop, not all() of a generator: no Python call per member)
+        p = e.param
+        if p.grad is not None or e.leaf.dtype != p.dtype or id(p) in seen:
+            return False
+        seen.add(id(p))
+    return True
 
 
 def _holds(members: Sequence[Entry]) -> bool:
@@ -70,9 +74,14 @@ class GradientBuckets:
         raise NotImplementedError
 
     def __init__(self) -> None:
-        self.pending: list[tuple[list[Entry], Handle]] = []  # launched gradient buckets
+        # launched gradient buckets: their members, the call, and where it is the bucket's flat
+        # buffer whole, the members' shapes and sizes to unpack its result into
+        self.pending: list[tuple[list[Entry], Handle, tuple | None]] = []
         self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
         self.bucket_bytes = 25 * 2**20
+        # the last cut (entries in order, caps, buckets, each entry's bucket): data parallel's entries
+        # last across steps, and a step that reads the same ones in the same order cuts the same buckets
+        self.cut: tuple | None = None
         self._new_backward()
 
     def _new_backward(self) -> None:
@@ -82,14 +91,38 @@ class GradientBuckets:
         self.finishing = False
         self.callback_missing = False  # no engine callback: finish once every gradient has come
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
-        self.packs: dict[int, dict] = {}  # all_reduce bucket -> its members' places in its flat buffer
+        # all_reduce bucket -> its flat buffer, its members' places there, their shapes and sizes
+        self.packs: dict[int, tuple[torch.Tensor, dict, tuple]] = {}
 
-    def ready(self, e: Entry, generation: int) -> None:
-        """``e``'s leaf has its whole local gradient (autograd's post-accumulate hook)."""
-        g = e.leaf.grad
-        e.leaf.grad = None
+    def ready(self, e: Entry, leaf: torch.Tensor | None = None) -> None:
+        """``e``'s leaf has its whole local gradient (autograd's post-accumulate hook, which passes
+        the leaf) in the step that last read ``e`` (``e.step``)."""
+        leaf = e.leaf  # (the hook's argument, the same leaf)
+        g = leaf.grad
+        leaf.grad = None
+        slot = e.slot
+        if slot is not None and g is not None and e.step == self.generation:
+            # data parallel's usual gradient: its first in this backward, into its place in its
+            # bucket's buffer (made at the bucket's first gradient, :meth:`_pack`). One frame and
+            # one call, the copy: a hook runs right after the kernel that made the gradient, with
+            # cold caches, where a Python call costs several times its warm price (the general
+            # path below makes 4 frames and about 20 calls)
+            slot.copy_(g)
+            del g
+            e.slot = None
+            e.grad = slot
+            k = e.bucket
+            left = self.waiting[k] - 1
+            self.waiting[k] = left
+            self.arrived.add(e)
+            if not left and k == self.launched:
+                self._launch(flush=False)
+            if self.callback_missing and len(self.arrived) == len(self.order):
+                self.finish()
+            return
         if g is None:
             return
+        generation = e.step
         if e.param is None:  # a lasting entry that this step did not read: a graph of an earlier step
             e.param = e.ref()
             if e.param is None:
@@ -133,13 +166,17 @@ class GradientBuckets:
         (:func:`~meshtorch.comm.grouped.pack_reduce` takes consecutive views of one buffer as
         it is), so its gradients are never held twice, unreduced and packed."""
         k = e.bucket
-        slots = self.packs.get(k)
-        if slots is None:
+        pack = self.packs.get(k)
+        if pack is None:
             members = self.buckets[k]
-            flat = torch.empty(sum(m.leaf.numel() for m in members), dtype=g.dtype, device=g.device)
-            # the views a grouped all_reduce's result is unpacked into: pack_reduce sees them as packed
-            slots = self.packs[k] = dict(zip(members, unpack_reduce(flat, [m.leaf.shape for m in members])))
-        slot = slots[e]
+            shapes, sizes = [m.leaf.shape for m in members], [m.leaf.numel() for m in members]
+            flat = torch.empty(sum(sizes), dtype=g.dtype, device=g.device)
+            slots = dict(zip(members, unpack_reduce(flat, shapes, sizes)))
+            pack = self.packs[k] = (flat, slots, (shapes, sizes))
+            for m, view in slots.items():
+                if m is not e and m.grad is None:
+                    m.slot = view  # its first gradient goes straight there (ready's first branch)
+        slot = pack[1][e]
         if e.grad is None:
             slot.copy_(g)
         else:
@@ -155,6 +192,14 @@ class GradientBuckets:
         its first gradient, while backward still holds most activations, so that a model smaller
         than a few buckets does not hold its gradients' bytes early (its peak stays the per-use
         path's)."""
+        caps = (self.bucket_bytes, self.gather_bytes, FIRST_BUCKET, MAX_SHARE, GATHER_SHARE)
+        cut = self.cut
+        if cut is not None and cut[1] == caps and cut[0] == self.order:  # (identity, entry by entry)
+            for e, k in zip(self.order, cut[3]):
+                e.bucket = k
+            self.buckets, self.launched = cut[2], 0
+            self.waiting = [len(b) for b in cut[2]]
+            return
         buckets: list[list[Entry]] = []
         open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
         keys = {e: (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in self.order}
@@ -177,6 +222,10 @@ class GradientBuckets:
             e.bucket = k
         self.buckets, self.launched = buckets, 0
         self.waiting = [len(b) for b in buckets]
+        # kept where every entry lasts across steps (data parallel's), which a later step reads
+        # again; a step's own entries (gathered values) are not kept beyond it
+        self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order]) if all(
+            e.ref is not None for e in self.order) else None
 
     def _gather_cap(self, total: int) -> int:
         """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows
@@ -189,18 +238,31 @@ class GradientBuckets:
         if self.buckets is None:  # _launch runs only after the buckets are made
             raise ArgumentError("gradient buckets launched before they were made (a meshtorch bug)")
         while self.launched < len(self.buckets):
-            if not flush and self.waiting[self.launched]:
+            k = self.launched
+            if not flush and self.waiting[k]:
                 return
-            bucket = self.buckets[self.launched]
-            members = [e for e in bucket if e.grad is not None]
-            self.packs.pop(self.launched, None)  # its views, in the entries, hold the buffer
+            bucket = self.buckets[k]
+            members = []
+            for e in bucket:
+                e.slot = None  # a gradient that has not come goes into no launched bucket
+                if e.grad is not None:
+                    members.append(e)
+            pack = self.packs.pop(k, None)  # its views, in the entries, hold the buffer
             if members:
-                grads = [e.grad for e in members]
-                for e in members:
-                    e.grad = None
                 if _holds(members):
                     self._wait_held()  # before packing: two held buckets' buffers are never alive together
-                self.pending.append((members, self._start(members[0].kind, members[0].axes, members, grads)))
+                first = members[0]
+                if pack is not None and len(members) == len(bucket):
+                    # every member packed: the flat buffer, whole, is the call's (a whole view of
+                    # it counts as packed, see pack_reduce), one tensor to check and describe
+                    # instead of one per member; its result is unpacked into the members' shapes
+                    grads, shapes = [pack[0].view(-1)], pack[2]
+                else:
+                    grads, shapes = [e.grad for e in members], None
+                del pack
+                for e in members:
+                    e.grad = None
+                self.pending.append((members, self._start(first.kind, first.axes, members, grads), shapes))
             self.launched += 1
 
     def _wait_held(self) -> None:
@@ -212,11 +274,10 @@ class GradientBuckets:
         whose reduced values become the gradients themselves (all-reduced, none accumulated into:
         :meth:`_add` adopts them) frees nothing when waited on, so it is left to the end of
         backward, as DDP waits: no processor blocks on another in the middle of backward."""
-        held = [k for k, (members, _) in enumerate(self.pending) if _holds(members)]
+        held = [k for k, (members, _, _) in enumerate(self.pending) if _holds(members)]
         if len(held) >= MAX_PENDING:
             for _ in range(held[len(held) - MAX_PENDING] + 1):
-                done, work = self.pending.pop(0)
-                self._add(done, work.wait())
+                self._done(*self.pending.pop(0))
 
     def _start(self, kind: str, axes, members: Sequence[Entry], grads: list[torch.Tensor]) -> Handle:
         """Launch one bucket's reduction; ``grads`` (held nowhere else) is emptied once packed, so
@@ -244,10 +305,16 @@ class GradientBuckets:
         try:
             self._launch(flush=True)
             inflight, self.pending = self.pending, []
-            for members, work in inflight:
-                self._add(members, work.wait())
+            for members, work, shapes in inflight:
+                self._done(members, work, shapes)
         finally:
             self._end_step()
+
+    def _done(self, members: list[Entry], work: Handle, shapes: tuple | None) -> None:
+        """Wait for a launched bucket and add its results (``shapes``: the members' shapes and
+        sizes, where the call reduced the bucket's flat buffer whole)."""
+        got = work.wait()
+        self._add(members, got if shapes is None else unpack_reduce(got[0], *shapes))
 
     def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
         """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat
@@ -256,6 +323,10 @@ class GradientBuckets:
         their bytes (DDP's ``gradient_as_bucket_view``, FSDP2's reduce output; no copy); otherwise
         (accumulation, a parameter twice in the bucket) those added into drop their views and
         the others take copies, so that no flat result lives on for part of its bytes."""
+        if members[0].kind == "all_reduce" and _adopted(members):
+            for e, g in zip(members, grads):  # (of the leaves' shapes, which are the parameters')
+                e.param.grad = g
+            return
         params, adopt = [e.param for e in members], _adopted(members)
         with torch.no_grad():
             for p, g in zip(params, grads):

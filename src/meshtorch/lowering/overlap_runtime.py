@@ -8,6 +8,7 @@ their gradients in buckets (see :mod:`meshtorch.lowering.overlap`).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ class Entry:
     """One parameter's value for this step's ops (a leaf) and its gradient's reduction."""
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
-                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "step", "ref",
+                 "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "step", "ref", "slot",
                  "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
@@ -50,6 +51,7 @@ class Entry:
         self.leaf = value.detach().requires_grad_(True)
         self.leaf._overlap_entry = self
         self.grad: torch.Tensor | None = None
+        self.slot: torch.Tensor | None = None  # its place in its bucket's buffer, until its gradient comes
         self.bucket: int | None = None  # its backward bucket
         self.fwd: int | None = None  # its forward bucket (the previous step's reads)
         self.freed = False
@@ -62,7 +64,8 @@ class Entry:
         self.nbytes = self.leaf.numel() * self.leaf.element_size()
         self.step = runtime.generation  # the step that last read it (a lasting entry: each step)
         self.ref = None  # a lasting entry's parameter, weakly (``param`` only while a step reads it)
-        self.leaf.register_post_accumulate_grad_hook(lambda leaf: runtime.ready(self, self.step))
+        # (a partial, not a lambda: one Python frame fewer per gradient)
+        self.leaf.register_post_accumulate_grad_hook(functools.partial(runtime.ready, self))
 
     @property
     def gathered(self) -> bool:
@@ -97,6 +100,15 @@ def _resized(t: torch.Tensor) -> None:
     resized = getattr(current().tracer, "resized", None)
     if resized is not None:
         resized(t)
+
+
+def _forget(runtime: weakref.ref, key) -> None:
+    """A parameter with a lasting entry is gone: drop the entry, and the last cut of buckets,
+    which holds it (and its leaf, an alias of the parameter's storage)."""
+    rt = runtime()
+    if rt is not None:
+        rt.lasting.pop(key, None)
+        rt.cut = None
 
 
 class Runtime(GradientBuckets):
@@ -176,7 +188,7 @@ class Runtime(GradientBuckets):
         it goes with the parameter) and holds the parameter only while a step reads it."""
         e = self.lasting.get(key)
         if e is None or e.ref() is not param:
-            weakref.finalize(param, self.lasting.pop, key, None)
+            weakref.finalize(param, _forget, weakref.ref(self), key)
             e = None
         leaf = None if e is None else e.leaf
         # `p.data = ...` (module.to(dtype), .double()) swaps the storage: a new leaf for the new one
@@ -294,7 +306,7 @@ class Runtime(GradientBuckets):
         self.refetches = {}
         plan: list[list[tuple]] = []
         open_: dict = {}
-        gathered = [e for e in self.order if e.gathered]
+        gathered = [e for e in self.order if e.kind == "reduce_scatter"]  # (no property call per entry)
         keys = {e: (as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in gathered}
         totals = bytes_per_key(keys)
         for e, key in keys.items():
@@ -310,14 +322,14 @@ class Runtime(GradientBuckets):
             self.plans.pop(first, None)
             self.plans[first] = ([[m[:4] for m in b] for b in plan],
                                  {m[1]: k for k, b in enumerate(plan) for m in b},
-                                 {e.key: e.reads for e in self.order if e.gathered})
+                                 {e.key: e.reads for e in gathered})
             while len(self.plans) > MAX_PLANS:
                 del self.plans[next(iter(self.plans))]
         self.plan, self.plan_at, self.uses, self.chosen = [], {}, {}, False
         self.fetches = {}
         for e in self.order:
             if e.ref is not None:  # lasting: ready for the next step, without holding the parameter
-                e.param, e.grad, e.bucket = None, None, None
+                e.param, e.grad, e.bucket, e.slot = None, None, None, None
         self.entries, self.order = {}, []
         self._new_backward()
         self.generation += 1
