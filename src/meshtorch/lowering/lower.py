@@ -50,7 +50,7 @@ from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
-from meshtorch.lowering.output import tensor_type
+from meshtorch.lowering.output import _registered, tensor_type
 from meshtorch.lowering.overlap import after_forward, overlapped_input
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
 from meshtorch.mesh import Mesh
@@ -354,23 +354,45 @@ def plan_of(
 def _cached_plan(op: str, inputs: Sequence, out_shape: Shape, reduced: dict[str, str] | None,
                  whole: Iterable[str], grad: bool, name: str | None) -> Plan:
     ctx = current()
-    comm = ctx.comm
+    scope = ctx.plan_scope
+    if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm:
+        scope = _scope_of(ctx)
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
-    whole = frozenset(whole) if whole else frozenset()
     key = (
         tuple([x.layout for x in inputs]),
         tuple([x.local.requires_grad for x in inputs]) if grad else None,
         out_shape,
         tuple(reduced.items()) if reduced else (),
-        whole,
-        ctx.rules,
-        comm.mesh,
-        comm.rank,
+        frozenset(whole) if whole else _NO_DIMS,
+        scope[2],
     )
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
     return plan
+
+
+_NO_DIMS: frozenset = frozenset()
+# (rules, mesh, rank) -> a number that stands for them in the plans' keys
+_SCOPES = BoundedCache(1024)
+_SCOPE_SERIAL = itertools.count()
+
+
+def _scope_of(ctx) -> tuple:
+    """``ctx``'s rules, mesh and rank as one number, kept on ``ctx`` with the rules and
+    communicator it was made for (:attr:`~meshtorch.context.ProcessorContext.plan_scope`).
+
+    Every op's plan key holds them; hashing the three (Python ``__hash__`` methods) on every op
+    cost three Python calls per op, paid cold between a model's large kernels (issue 27). Equal
+    rules, mesh and rank give the same number, so contexts alike (each launch's, each thread
+    processor's of one rank) share plans as before; a number is never given to other ones."""
+    comm = ctx.comm
+    key = (ctx.rules, comm.mesh, comm.rank)
+    n = _SCOPES.get(key)
+    if n is None:
+        n = _SCOPES.put(key, next(_SCOPE_SERIAL))
+    scope = ctx.plan_scope = (ctx.rules, comm, n)
+    return scope
 
 
 class _Operand:
@@ -476,7 +498,8 @@ def lower(
     if plan.outputs:
         result = run_steps(result, plan.outputs)
     # the adapters produce the output layout's slice of a result of the checked size
-    return tensor_type()._checked_elsewhere(result, out_shape, plan.layout, name)
+    return (_registered[0] if _registered else tensor_type())._checked_elsewhere(
+        result, out_shape, plan.layout, name)
 
 
 def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,

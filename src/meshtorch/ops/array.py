@@ -312,8 +312,8 @@ def embedding_range(table: MeshTensor, dim: str | Dim, out: Dim, offset: int = 0
         idx = torch.arange(first, first + size, device=tab.device)
         return _rows(tab, vi, idx, vstart, vsize, whole)
 
-    return lower("embedding", [table], Shape([out]) + table.shape.without([v]), local_fn,
-                 reduced={v: "sum"}, name=name)
+    shape = table.shape.derived(("embedding_range", v, out), lambda: Shape([out]) + table.shape.without([v]))
+    return lower("embedding", [table], shape, local_fn, reduced={v: "sum"}, name=name)
 
 
 def _rows(tab: torch.Tensor, vi: int, idx: torch.Tensor, start: int, size: int, whole: int) -> torch.Tensor:
