@@ -143,7 +143,7 @@ class Shape:
 
     def index(self, d: Dim | str) -> int:
         """Position of a dim, with an error naming the dims that exist."""
-        name = dim_name(d)
+        name = d if isinstance(d, str) else dim_name(d)  # (a name: no call)
         try:
             return self._index[name]
         except KeyError:
@@ -155,9 +155,9 @@ class Shape:
         return self.dims[self.index(key)]
 
     def __contains__(self, d: object) -> bool:
-        return isinstance(d, (str, Dim)) and dim_name(d) in self._index and (
-            not isinstance(d, Dim) or self.dims[self._index[d.name]] == d
-        )
+        if isinstance(d, str):
+            return d in self._index
+        return isinstance(d, Dim) and d.name in self._index and self.dims[self._index[d.name]] == d
 
     def __iter__(self) -> Iterator[Dim]:
         return iter(self.dims)

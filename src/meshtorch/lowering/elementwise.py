@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
@@ -75,7 +75,7 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
-    if is_compiling():  # planned outside the trace, from the shapes' names and sizes
+    if is_dynamo_compiling():  # planned outside the trace, from the shapes' names and sizes
         out, same_shapes, trailing = resolved(_nary_of_constants, tuple(
             [None if s is None else (s.names, s.sizes) for s in shapes]), op)
     else:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from meshtorch.caching import BoundedCache, compiling, constant_result
 from meshtorch.context import current
@@ -340,7 +341,7 @@ def plan_of(
         (True, 0)
     """
     grad = torch.is_grad_enabled()
-    if compiling():
+    if is_dynamo_compiling():  # (caching.compiling's test, one call less per op)
         # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
         # otherwise trace per op), from constants only
         return resolved(
@@ -348,20 +349,32 @@ def plan_of(
             tuple([x.local.requires_grad for x in inputs]) if grad else None,
             out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
             tuple(sorted(set(whole))), grad, name)
-    return _cached_plan(op, inputs, out_shape, reduced, whole, grad, name)
-
-
-def _cached_plan(op: str, inputs: Sequence, out_shape: Shape, reduced: dict[str, str] | None,
-                 whole: Iterable[str], grad: bool, name: str | None) -> Plan:
+    # eager (and outside the trace): one dict lookup, its key built here rather than in a
+    # function of its own (one Python call less per op, paid cold between large kernels)
     ctx = current()
     scope = ctx.plan_scope
     if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm:
         scope = _scope_of(ctx)
+    # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
+    # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
+    # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
+    if len(inputs) == 1:
+        a = inputs[0]
+        layouts = (a.layout.key,)
+        needs = (a.local.requires_grad,) if grad else None
+    elif len(inputs) == 2:
+        a, b = inputs
+        layouts = (a.layout.key, b.layout.key)
+        needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
+    else:
+        layouts = tuple([x.layout.key for x in inputs])
+        needs = tuple([x.local.requires_grad for x in inputs]) if grad else None
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
     key = (
-        tuple([x.layout for x in inputs]),
-        tuple([x.local.requires_grad for x in inputs]) if grad else None,
-        out_shape,
+        layouts,
+        needs,
+        out_shape.names,
+        out_shape.sizes,
         tuple(reduced.items()) if reduced else (),
         frozenset(whole) if whole else _NO_DIMS,
         scope[2],
@@ -414,8 +427,7 @@ def _plan_of_constants(op: str, layouts: tuple, requires_grad: tuple | None, out
     """:func:`plan_of` from a compiled program's constants (run by :func:`resolved`)."""
     inputs = [_Operand(k, r) for k, r in zip(layouts, requires_grad or (False,) * len(layouts))]
     with torch.set_grad_enabled(grad):  # the traced program's grad mode, not the tracer's
-        return _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
-                            grad, name)
+        return plan_of(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole, name)
 
 
 def resolved(compute: Callable[..., Any], *args: Any) -> Any:
@@ -520,6 +532,10 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
         after_forward([o for o in overlapped if o is not None], result, args)
     elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
+    elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)
+        result = local_fn(plan.view, inputs[0].local)
+    elif len(inputs) == 2:
+        result = local_fn(plan.view, inputs[0].local, inputs[1].local)
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])
     if result.shape != plan.want:

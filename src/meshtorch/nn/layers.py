@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ArgumentError, ShapeError
@@ -75,7 +75,7 @@ class Dense(Module):
 
     def forward(self, x: MeshTensor) -> MeshTensor:
         x = as_mesh_tensor(x)
-        out = None if is_compiling() else self._out_names.get(x.shape)
+        out = None if is_dynamo_compiling() else self._out_names.get(x.shape)
         if out is None:  # checked once per input shape: a model feeds the same few every step
             ins = {d.name for d in self.in_dims}
             for d in self.in_dims + self.expert_dims:
@@ -83,7 +83,7 @@ class Dense(Module):
                     what = "expert dim" if d in self.expert_dims else "dim"
                     raise ShapeError(f"Dense expects {what} {d} in its input, got [{x.shape}]")
             out = tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims])
-            if not is_compiling():
+            if not is_dynamo_compiling():
                 self._out_names.put(x.shape, out)
         y = einsum(x, self.kernel.mesh_tensor, output_shape=out)
         if self.bias is None:

@@ -188,7 +188,7 @@ def layer_norm(
     x = as_mesh_tensor(x)
     n = dim_name(dim)
     params = [p for p in (weight, bias) if p is not None]
-    if _whole_in(x, n) and all(p.names == (n,) for p in params):
+    if _whole_in(x, n) and all([p.shape.names == (n,) for p in params]):
         i, size = x.shape.index(n), x.shape[n].size
 
         def local_fn(view, t, *ps):
