@@ -523,13 +523,24 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
     plan = plan_of(op, inputs, out_shape, reduced, whole, name)
     if plan.shared is not None:
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
-        overlapped = [overlapped_input(x.local, s) if shared else None
-                      for x, s, shared in zip(inputs, plan.inputs, plan.shared)]
-        args = [o if o is not None else run_shared(x.local, x.adapter_memo(), s) if shared
-                else run_steps(x.local, s)
-                for x, s, shared, o in zip(inputs, plan.inputs, plan.shared, overlapped)]
+        # (one loop, no comprehensions: data parallel runs it for every op reading a parameter)
+        args, used = [], []
+        for x, s, shared in zip(inputs, plan.inputs, plan.shared):
+            if shared:
+                o = overlapped_input(x.local, s)
+                if o is None:
+                    o = run_shared(x.local, x.adapter_memo(), s)
+                elif not o.is_leaf:
+                    # a gathered value (a view of its entry's leaf): after_forward may free it. A
+                    # data-parallel read is the leaf itself (or, under autocast, an untagged view
+                    # of it), which after_forward has nothing to do for
+                    used.append(o)
+            else:
+                o = run_steps(x.local, s) if s else x.local
+            args.append(o)
         result = local_fn(plan.view, *args)
-        after_forward([o for o in overlapped if o is not None], result, args)
+        if used:
+            after_forward(used, result, args)
     elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
     elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)

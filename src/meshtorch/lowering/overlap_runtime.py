@@ -17,6 +17,7 @@ import torch
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.comm.grouped import Gathered, Handle
 from meshtorch.lowering.overlap_buckets import GradientBuckets, bytes_per_key
+from meshtorch.meta_autocast import autocast_enabled
 
 MAX_PLANS = 16  # models whose read order one processor keeps
 
@@ -148,11 +149,14 @@ class Runtime(GradientBuckets):
             if e is None:
                 e = self.entries[key] = self._lasting(param, key, axes)
                 self.order.append(e)
-            # a view, not the leaf: autocast caches its casts of leaves that require grad until the
-            # autocast block ends (the whole forward), which would keep a bf16 copy of every
-            # parameter the step reads alive through a recomputed forward (the per-use path's
-            # values are no leaves); untagged: after_forward has nothing to free of an alias
-            return e.leaf.view_as(e.leaf)
+            # under autocast a view, not the leaf: autocast caches its casts of leaves that require
+            # grad until the autocast block ends (the whole forward), which would keep a bf16 copy
+            # of every parameter the step reads alive through a recomputed forward (the per-use
+            # path's values are no leaves). Otherwise the leaf itself, as DDP's forward reads its
+            # parameters: a view is an op and an autograd node per read, forward and backward
+            # (issue 27); after_forward has nothing to free of an alias
+            leaf = e.leaf
+            return leaf.view_as(leaf) if autocast_enabled(leaf.device.type) else leaf
         if e is None or e.param is not param or e.version != param._version:
             e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)
