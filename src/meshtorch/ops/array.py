@@ -217,11 +217,26 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
         _check_ids(t, dim, op, what, ignore)
 
 
+def ids_read_on_host(t: torch.Tensor) -> bool:
+    """Whether the values of ``t`` are read on the host as ops run: a CPU tensor outside any
+    tracer (``make_fx``, ``torch.compile``, which cannot read a value). There an indexing op
+    that bounds-checks every id (``gather``) raises at once for a bad one, so an op can leave
+    :func:`check_ids` to word that failure instead of running it first.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.ops.array import ids_read_on_host
+        >>> ids_read_on_host(torch.tensor([1])), ids_read_on_host(torch.empty(1, device="meta"))
+        (True, False)
+    """
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and get_proxy_mode() is None
+
+
 def _check_ids(t: torch.Tensor, dim: Dim, op: str, what: str, ignore: int | None) -> None:
     if ignore is not None:
         t = torch.where(t == ignore, 0, t)
     # a tracer (make_fx, torch.compile) cannot read a value: it records the assert instead
-    if t.device.type != "cpu" or torch.compiler.is_compiling() or get_proxy_mode() is not None:
+    if not ids_read_on_host(t):
         ok = ((t >= 0) & (t < dim.size)).all()
         torch._assert_async(ok, f"{op}: {what} outside dim {dim.name!r} of size {dim.size}")
         return
