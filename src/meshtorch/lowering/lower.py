@@ -367,8 +367,11 @@ def plan_of(
         layouts = (a.layout.key, b.layout.key)
         needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
     else:
-        layouts = tuple([x.layout.key for x in inputs])
-        needs = tuple([x.local.requires_grad for x in inputs]) if grad else None
+        keys, wants = [], []
+        for x in inputs:
+            keys.append(x.layout.key)
+            wants.append(x.local.requires_grad)
+        layouts, needs = tuple(keys), tuple(wants) if grad else None
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
     key = (
         layouts,
