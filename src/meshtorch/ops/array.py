@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from meshtorch.context import current, untraced
+from meshtorch.context import current, traced, untraced
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import lower
 from meshtorch.lowering.scan import cumsum_slice
@@ -212,6 +212,9 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
     """
     t = ids.local
     if t.device.type == "meta" or t.numel() == 0:
+        return
+    if not traced:  # (no tracer anywhere: no block to hide the check from, and no call for one)
+        _check_ids(t, dim, op, what, ignore)
         return
     with untraced():  # a guard, not the program's work: a plan (meta, no values) has no check to price
         _check_ids(t, dim, op, what, ignore)
