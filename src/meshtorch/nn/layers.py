@@ -75,7 +75,9 @@ class Dense(Module):
 
     def forward(self, x: MeshTensor) -> MeshTensor:
         x = as_mesh_tensor(x)
-        out = None if is_dynamo_compiling() else self._out_names.get(x.shape)
+        shape = x.shape
+        key = (shape.names, shape.sizes)  # (the shape's own hash is a Python call; these hash in C)
+        out = None if is_dynamo_compiling() else self._out_names.get(key)
         if out is None:  # checked once per input shape: a model feeds the same few every step
             ins = {d.name for d in self.in_dims}
             for d in self.in_dims + self.expert_dims:
@@ -84,7 +86,7 @@ class Dense(Module):
                     raise ShapeError(f"Dense expects {what} {d} in its input, got [{x.shape}]")
             out = tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims])
             if not is_dynamo_compiling():
-                self._out_names.put(x.shape, out)
+                self._out_names.put(key, out)
         y = einsum(x, self.kernel.mesh_tensor, output_shape=out)
         if self.bias is None:
             return y
