@@ -156,7 +156,9 @@ class Runtime(GradientBuckets):
             # parameters: a view is an op and an autograd node per read, forward and backward
             # (issue 27); after_forward has nothing to free of an alias
             leaf = e.leaf
-            return leaf.view_as(leaf) if autocast_enabled(leaf.device.type) else leaf
+            kind = leaf.device.type  # (autocast_enabled's test, its call saved but for the planner's meta)
+            amp = torch.is_autocast_enabled(kind) if kind != "meta" else autocast_enabled(kind)
+            return leaf.view_as(leaf) if amp else leaf
         if e is None or e.param is not param or e.version != param._version:
             e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)
