@@ -353,7 +353,7 @@ def plan_of(
     # function of its own (one Python call less per op, paid cold between large kernels)
     ctx = current()
     scope = ctx.plan_scope
-    if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm:
+    if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
         scope = _scope_of(ctx)
     # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
     # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
@@ -392,6 +392,9 @@ _NO_DIMS: frozenset = frozenset()
 # (rules, mesh, rank) -> a number that stands for them in the plans' keys
 _SCOPES = BoundedCache(1024)
 _SCOPE_SERIAL = itertools.count()
+# this process's mark on the scopes it numbered: a context copied or unpickled elsewhere brings
+# a number from another process's count, which a copy of this object does not vouch for
+_HERE = object()
 
 
 def _scope_of(ctx) -> tuple:
@@ -407,7 +410,7 @@ def _scope_of(ctx) -> tuple:
     n = _SCOPES.get(key)
     if n is None:
         n = _SCOPES.put(key, next(_SCOPE_SERIAL))
-    scope = ctx.plan_scope = (ctx.rules, comm, n)
+    scope = ctx.plan_scope = (ctx.rules, comm, n, _HERE)
     return scope
 
 
