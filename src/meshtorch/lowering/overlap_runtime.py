@@ -17,7 +17,6 @@ import torch
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.comm.grouped import Gathered, Handle
 from meshtorch.lowering.overlap_buckets import GradientBuckets, bytes_per_key
-from meshtorch.meta_autocast import autocast_enabled
 
 MAX_PLANS = 16  # models whose read order one processor keeps
 
@@ -155,10 +154,11 @@ class Runtime(GradientBuckets):
             # path's values are no leaves). Otherwise the leaf itself, as DDP's forward reads its
             # parameters: a view is an op and an autograd node per read, forward and backward
             # (issue 27); after_forward has nothing to free of an alias
+            # (the planner's meta tensors keep the view: meshtorch's own autocast of meta tensors,
+            # above this module, caches leaves' casts too; a view costs its trace nothing)
             leaf = e.leaf
-            kind = leaf.device.type  # (autocast_enabled's test, its call saved but for the planner's meta)
-            amp = torch.is_autocast_enabled(kind) if kind != "meta" else autocast_enabled(kind)
-            return leaf.view_as(leaf) if amp else leaf
+            kind = leaf.device.type
+            return leaf.view_as(leaf) if kind == "meta" or torch.is_autocast_enabled(kind) else leaf
         if e is None or e.param is not param or e.version != param._version:
             e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)
