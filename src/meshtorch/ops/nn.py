@@ -210,9 +210,15 @@ def layer_norm(
     """
     x = as_mesh_tensor(x)
     n = dim_name(dim)
-    params = [p for p in (weight, bias) if p is not None]
-    if _whole_in(x, n) and all([p.shape.names == (n,) for p in params]):
-        i, size = x.shape.index(n), x.shape[n].size
+    params, only_dim = [], (n,)
+    fused = n not in x.layout.split  # (_whole_in, and below a loop, without their calls)
+    for p in (weight, bias):
+        if p is not None:
+            params.append(p)
+            fused = fused and p.shape.names == only_dim
+    if fused:
+        i = x.shape.index(n)
+        size = x.shape.sizes[i]
 
         def local_fn(view, t, *ps):
             w = ps[0] if weight is not None else None
