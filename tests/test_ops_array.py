@@ -240,6 +240,23 @@ def test_id_check_on_the_host_is_a_clamp_and_a_compare_and_reads_no_value():
             check_ids(mt.from_global(torch.tensor([2, bad]), "batch:2"), vocab, "embedding")
 
 
+def test_cross_entropy_on_the_host_leaves_the_target_check_to_gather():
+    """On one processor, hard targets and no ignore_index: gather bounds-checks every target, so
+    no clamp/equal runs first (issue 27); a bad target still raises check_ids' error, alone
+    (no gather error chained to it), and the loss is F.cross_entropy's."""
+    logits = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[1, 7, 0], [3, 5, 2]])
+    lm, tm = mt.from_global(logits, "batch:2,length:3,vocab:8"), mt.from_global(ids, "batch:2,length:3")
+    names, per = aten_ops(lambda: mt.cross_entropy(lm, tm, "vocab"))
+    assert "clamp.default" not in names and "equal.default" not in names, names
+    torch.testing.assert_close(per.to_global(), F.cross_entropy(logits.reshape(6, 8), ids.reshape(6),
+                                                                reduction="none").reshape(2, 3))
+    for bad in (-1, 8):
+        with pytest.raises(mt.errors.ArgumentError, match=rf"targets hold {bad}, outside dim 'vocab'") as e:
+            mt.cross_entropy(lm, mt.from_global(torch.tensor([[1, bad, 0], [3, 5, 2]]), "batch:2,length:3"))
+        assert e.value.__suppress_context__
+
+
 @given(data=st.data(), rate=st.sampled_from([0.1, 0.5]))
 @settings(max_examples=6, deadline=None)
 def test_dropout_mask_is_layout_invariant(data, rate):

@@ -157,3 +157,29 @@ def test_a_plan_is_reused_and_a_changed_key_gets_another():
     # one processor: a plan with no adapters
     for same, n, *_, y in mt.launch(prog, mesh="b:1", rules="a:b"):
         assert same and n == 0 and torch.equal(y, want)
+
+
+def test_plan_keys_stand_for_rules_mesh_and_rank_by_one_number():
+    """A context numbers its (rules, mesh, rank) once for the plans' keys: contexts alike share
+    plans, other rules (or rules swapped on the context) get their own, and a context copied with
+    its number (as unpickling in another process would bring one) numbers itself again."""
+    import copy
+
+    from meshtorch.comm.base import LocalCommunicator
+    from meshtorch.context import ProcessorContext, use
+    from meshtorch.lowering import lower as lowering
+
+    def plan(ctx):
+        with use(ctx):
+            x = mt.ones("a:4,c:6")
+            return lowering.plan_of("sum", [x], mt.Shape("c:6"), reduced={"a": "sum"})
+
+    a, b = ProcessorContext(LocalCommunicator(), LayoutRules("a:x")), ProcessorContext(LocalCommunicator())
+    same = ProcessorContext(LocalCommunicator(), LayoutRules("a:x"))
+    assert plan(a) is plan(same) and plan(a) is not plan(b)
+    assert a.plan_scope[2] == same.plan_scope[2] != b.plan_scope[2]
+    a.rules = LayoutRules("c:x")  # swapped on the context: numbered again
+    assert plan(a) is not plan(same) and a.plan_scope[2] != same.plan_scope[2]
+    moved = copy.copy(b)
+    moved.plan_scope = (*b.plan_scope[:3], object())  # another process's mark
+    assert plan(moved) is plan(b) and moved.plan_scope[3] is b.plan_scope[3]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import meshtorch as mt
+from mesh_harness import aten_ops
 from meshtorch.lowering import overlap as ov
 from meshtorch.lowering import overlap_buckets, overlap_reads
 from meshtorch.lowering.overlap_runtime import Runtime
@@ -636,3 +637,34 @@ def test_buckets_whose_values_become_the_gradients_are_waited_on_at_the_end_of_b
         (launched, pending), (launched2, pending2) = seen
         assert launched > overlap_buckets.MAX_PENDING + 1 and pending == launched  # every bucket, at the end
         assert launched2 == launched and pending2 <= overlap_buckets.MAX_PENDING + 1
+
+
+
+def _dense_reads(autocast: bool, overlap: bool = True):
+    """A Dense layer's forward ATen ops under mt.overlap() (after two steps, so the parameter's
+    lasting entry is read), its output and its kernel's gradient."""
+    layer = mt.nn.Dense(mt.Dim("d", 8), mt.Dim("h", 4), bias=False)
+    x = mt.from_global(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), "batch:4,d:8")
+    amp = torch.autocast("cpu", torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with mt.overlap(enabled=overlap), amp:
+        for _ in range(2):
+            layer.zero_grad(set_to_none=True)
+            mt.reduce_sum(layer(x)).backward()
+        ops, y = aten_ops(lambda: layer(x))
+    return ops, y.to_global(), layer.kernel.grad.clone()  # (replicated: every slice is whole)
+
+
+def test_a_data_parallel_read_is_the_parameter_alias_itself():
+    """Issue 27: outside autocast, an all-reduced (data-parallel) parameter's read under
+    mt.overlap() hands the op its lasting leaf itself, as DDP's forward reads its parameters: no
+    view op (and no autograd node) per read, the one processor's ops; the values and gradients
+    are the per-use path's, bitwise. Under autocast it stays a view (autocast keeps its casts of
+    leaves for the whole forward)."""
+    ops, y, g = mt.launch(functools.partial(_dense_reads, False), mesh="b:2", rules="batch:b")[0]
+    one_ops = mt.launch(functools.partial(_dense_reads, False), mesh="b:1", rules="batch:b")[0][0]
+    assert ops == one_ops == ["mm.default"], (ops, one_ops)
+    _, per_use_y, per_use_g = mt.launch(functools.partial(_dense_reads, False, False), mesh="b:2",
+                                        rules="batch:b")[0]
+    assert torch.equal(y, per_use_y) and torch.equal(g, per_use_g)
+    amp_ops = mt.launch(functools.partial(_dense_reads, True), mesh="b:2", rules="batch:b")[0][0]
+    assert amp_ops[0] == "view.default", amp_ops

@@ -78,12 +78,22 @@ def compiling() -> bool:
 
     False in a function Dynamo calls rather than traces (the lowering's plans, resolved
     outside the trace by :func:`meshtorch.lowering.lower.plan_of`), so its memos work there."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
-    # is_dynamo_compiling: True only in traced code (torch >= 2.3); is_compiling is also True
-    # in a function Dynamo calls at trace time on some versions (2.13) and not others (2.11)
-    return getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)()
+    global _is_dynamo_compiling
+    test = _is_dynamo_compiling
+    if test is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        # is_dynamo_compiling: True only in traced code (torch >= 2.3); is_compiling is also True
+        # in a function Dynamo calls at trace time on some versions (2.13) and not others (2.11).
+        # Looked up once: the lowering asks on every op (each lookup two more calls, paid cold
+        # between a model's large kernels, issue 27)
+        test = _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling",
+                                              torch.compiler.is_compiling)
+    return test()
+
+
+_is_dynamo_compiling: Callable[[], bool] | None = None
 
 
 def cache_root() -> Path:

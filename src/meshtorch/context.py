@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import meshtorch.comm.compiled  # noqa: F401  (registers the op compiled collectives run)
 from meshtorch.caching import constant_result
@@ -64,6 +64,9 @@ class ProcessorContext:
     rules: LayoutRules = field(default_factory=LayoutRules)
     random_calls: int = 0
     tracer: ProcessorTracer | None = None
+    #: the lowering's stand-in for (rules, mesh, rank) in its plans' keys, with the rules and
+    #: communicator it was made for (:func:`meshtorch.lowering.lower._scope_of`); not a field
+    plan_scope: ClassVar[tuple | None] = None
 
     @property
     def mesh(self) -> Mesh:

@@ -196,11 +196,14 @@ class LayoutRules:
         # A model asks for the same few layouts on every op of every step. Shape and Mesh are
         # immutable and compared by value, so an entry is right for any equal shape and mesh.
         # (``name`` only words the error, and errors are not cached.)
-        key = (shape, mesh)
-        lay = None if compiling() else self._layouts.get(key)
+        # (by names, sizes and mesh axes, equal exactly when the objects are: hashed in C, where
+        # the objects' own __hash__ are Python calls, on every op's output)
+        key = (shape.names, shape.sizes, mesh.axes)
+        compiled = compiling()
+        lay = None if compiled else self._layouts.get(key)
         if lay is None:
             lay = self._derive(shape, mesh, name)
-            if not compiling():
+            if not compiled:
                 self._layouts.put(key, lay)
         return lay
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from meshtorch.caching import compiling
@@ -109,13 +109,14 @@ class Shape:
 
     # A Shape never changes after __init__, so what ops ask of it on every call (names, sizes,
     # the hash that keys the lowering's caches) is computed once here.
-    __slots__ = ("dims", "_index", "names", "sizes", "_hash")
+    __slots__ = ("dims", "_index", "names", "sizes", "_hash", "_derived")
 
     def __init__(self, dims: Shape | str | Iterable[Dim | tuple[str, int]] = ()):
         if isinstance(dims, Shape):
             self.dims: tuple[Dim, ...] = dims.dims
             self._index = dims._index
             self.names, self.sizes, self._hash = dims.names, dims.sizes, dims._hash
+            self._derived = None
             return
         items = _parse(dims) if isinstance(dims, str) else list(dims)
         out = []
@@ -144,6 +145,10 @@ class Shape:
         # a compiled program hashes on use, which nothing there does (its plans are keyed by
         # tuples of names and sizes, resolved outside the trace)
         self._hash = None if compiling() else hash((self.names, self.sizes))
+        #: shapes made from this one by :meth:`without`, :meth:`replace` and ``+``, by their
+        #: arguments: ops make the same few every step (the loss's, the embedding's, a renamed
+        #: key), and building one is a dozen Python calls, paid cold between large kernels
+        self._derived: dict[tuple, Shape] | None = None
 
     @property
     def numel(self) -> int:
@@ -158,7 +163,7 @@ class Shape:
 
     def index(self, d: Dim | str) -> int:
         """Position of a dim, with an error naming the dims that exist."""
-        name = dim_name(d)
+        name = d if isinstance(d, str) else dim_name(d)  # (a name: no call)
         try:
             return self._index[name]
         except KeyError:
@@ -170,9 +175,9 @@ class Shape:
         return self.dims[self.index(key)]
 
     def __contains__(self, d: object) -> bool:
-        return isinstance(d, (str, Dim)) and dim_name(d) in self._index and (
-            not isinstance(d, Dim) or self.dims[self._index[d.name]] == d
-        )
+        if isinstance(d, str):
+            return d in self._index
+        return isinstance(d, Dim) and d.name in self._index and self.dims[self._index[d.name]] == d
 
     def __iter__(self) -> Iterator[Dim]:
         return iter(self.dims)
@@ -195,7 +200,32 @@ class Shape:
         return (Shape, (self.dims,))
 
     def __add__(self, other: Shape | Iterable[Dim]) -> Shape:
+        if isinstance(other, Shape):
+            return self.derived(("+", other), lambda: Shape(self.dims + other.dims))
         return Shape(self.dims + tuple(Shape(other).dims))
+
+    def derived(self, key: tuple, make: Callable[[], Shape]) -> Shape:
+        """``make()``, a shape made from this one, kept under ``key`` (what ``make`` depends on
+        besides this shape, which never changes): the next call with an equal key returns it.
+        Ops make the same few shapes every step; nothing is kept while ``torch.compile`` traces
+        (Dynamo would guard on the memo).
+
+        Example:
+            >>> s = Shape("batch:2,d:3")
+            >>> s.derived(("twice",), lambda: s + Shape("e:4")) is s.derived(("twice",), lambda: s)
+            True
+        """
+        if compiling():
+            return make()
+        d = self._derived
+        if d is None:
+            d = self._derived = {}
+        out = d.get(key)
+        if out is None:
+            if len(d) >= _MAX_DERIVED:  # a shape's callers ask for a few; never grow unbounded
+                d.clear()
+            out = d[key] = make()
+        return out
 
     def __str__(self) -> str:
         return ",".join(str(d) for d in self.dims)
@@ -205,6 +235,10 @@ class Shape:
 
     def without(self, names: Iterable[Dim | str]) -> Shape:
         """This shape with the given dims left out."""
+        names = tuple(names)
+        return self.derived(("without", names), lambda: self._without(names))
+
+    def _without(self, names: tuple[Dim | str, ...]) -> Shape:
         drop = {dim_name(n) for n in names}
         for n in drop:
             self.index(n)
@@ -212,10 +246,31 @@ class Shape:
 
     def replace(self, old: Dim | str, new: Dim) -> Shape:
         """This shape with one dim replaced by another, in the same position."""
-        i = self.index(old)
-        return Shape(self.dims[:i] + (new,) + self.dims[i + 1 :])
+        def make() -> Shape:
+            i = self.index(old)
+            return Shape(self.dims[:i] + (new,) + self.dims[i + 1 :])
+
+        return self.derived(("replace", old, new), make)
+
+
+_MAX_DERIVED = 64
 
 
 def as_shape(s: Shape | str | Iterable[Dim | tuple[str, int]]) -> Shape:
-    """Coerce anything shape-like to a ``Shape``."""
-    return s if isinstance(s, Shape) else Shape(s)
+    """Coerce anything shape-like to a ``Shape`` (one object per string: programs pass the same
+    few every step, ``from_global(ids, "batch:8,length:64")``, and its derived shapes are kept).
+
+    Example:
+        >>> as_shape("a:2,b:3") is as_shape("a:2,b:3"), as_shape([("a", 2)])
+        (True, Shape('a:2'))
+    """
+    if isinstance(s, Shape):
+        return s
+    if isinstance(s, str) and not compiling():
+        return _shape_of(s)
+    return Shape(s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape_of(spec: str) -> Shape:
+    return Shape(spec)

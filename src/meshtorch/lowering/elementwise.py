@@ -21,12 +21,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
 from meshtorch.lowering.lower import align, lower, resolved
-from meshtorch.lowering.output import tensor_type
+from meshtorch.lowering.output import _registered, tensor_type
 from meshtorch.shape import Shape
 
 if TYPE_CHECKING:
@@ -63,27 +63,40 @@ def broadcast_shape(*shapes: Shape) -> Shape:
 
 def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
     """Apply an elementwise torch function to operands broadcast by dim name."""
-    cls = tensor_type()
-    shapes = []
+    # (one loop, no comprehensions or helper calls: every elementwise op of a model runs this,
+    # cold between large kernels, issue 27)
+    cls = _registered[0] if _registered else tensor_type()
+    shapes, key, tensors = [], [], []
     for x in xs:
         if isinstance(x, cls):
-            shapes.append(x.shape)
+            s = x.shape
+            shapes.append(s)
+            key.append((s.names, s.sizes))  # equal exactly when the shapes are; hashed in C
+            tensors.append(x)
         elif _is_scalar(x):
             shapes.append(None)
+            key.append(None)
         else:
             raise ShapeError(
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
-    if is_compiling():  # planned outside the trace, from the shapes' names and sizes
-        out, same_shapes, trailing = resolved(_nary_of_constants, tuple(
-            [None if s is None else (s.names, s.sizes) for s in shapes]), op)
+    if is_dynamo_compiling():  # planned outside the trace, from the shapes' names and sizes
+        out, same_shapes, trailing = resolved(_nary_of_constants, tuple(key), op)
     else:
-        out, same_shapes, trailing = _cached_nary(tuple(shapes), op)
-    tensors = [x for x in xs if isinstance(x, cls)]
+        key = tuple(key)
+        plan = _NARY.get(key)
+        if plan is None:
+            plan = _NARY.put(key, _nary_plan(tuple(shapes), op))
+        out, same_shapes, trailing = plan
     if same_shapes:
         first = tensors[0].layout
-        if all(x.layout is first or x.layout == first for x in tensors):
+        for x in tensors:
+            if x.layout is not first and x.layout != first:
+                break
+        else:
+            if len(tensors) == len(xs) == 2:
+                return cls(fn(xs[0].local, xs[1].local), out, first)
             return cls(fn(*[x.local if isinstance(x, cls) else x for x in xs]), out, first)
     if trailing:
         # every operand's dims are the output's last ones in its order (a bias, a scale over the
@@ -112,13 +125,13 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
 _NARY = BoundedCache(4096)
 
 
-def _cached_nary(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool, bool]:
-    plan = _NARY.get(shapes)
-    return _NARY.put(shapes, _nary_plan(shapes, op)) if plan is None else plan
-
-
-def _nary_of_constants(shapes: tuple, op: str) -> tuple[Shape, bool, bool]:
-    return _cached_nary(tuple([None if s is None else Shape(zip(*s)) for s in shapes]), op)
+def _nary_of_constants(key: tuple, op: str) -> tuple[Shape, bool, bool]:
+    """:func:`nary`'s plan from its key (each operand's names and sizes, ``None`` for a scalar)."""
+    plan = _NARY.get(key)
+    if plan is None:
+        shapes = tuple([None if s is None else Shape(zip(*s)) for s in key])
+        plan = _NARY.put(key, _nary_plan(shapes, op))
+    return plan
 
 
 def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool, bool]:

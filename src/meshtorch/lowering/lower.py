@@ -44,13 +44,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from meshtorch.caching import BoundedCache, compiling, constant_result
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
-from meshtorch.lowering.output import tensor_type
+from meshtorch.lowering.output import _registered, tensor_type
 from meshtorch.lowering.overlap import after_forward, overlapped_input, read_later
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
 from meshtorch.mesh import Mesh
@@ -340,7 +341,7 @@ def plan_of(
         (True, 0)
     """
     grad = torch.is_grad_enabled()
-    if compiling():
+    if is_dynamo_compiling():  # (caching.compiling's test, one call less per op)
         # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
         # otherwise trace per op), from constants only
         return resolved(
@@ -348,29 +349,69 @@ def plan_of(
             tuple([x.local.requires_grad for x in inputs]) if grad else None,
             out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
             tuple(sorted(set(whole))), grad, name)
-    return _cached_plan(op, inputs, out_shape, reduced, whole, grad, name)
-
-
-def _cached_plan(op: str, inputs: Sequence, out_shape: Shape, reduced: dict[str, str] | None,
-                 whole: Iterable[str], grad: bool, name: str | None) -> Plan:
+    # eager (and outside the trace): one dict lookup, its key built here rather than in a
+    # function of its own (one Python call less per op, paid cold between large kernels)
     ctx = current()
-    comm = ctx.comm
+    scope = ctx.plan_scope
+    if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
+        scope = _scope_of(ctx)
+    # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
+    # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
+    # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
+    if len(inputs) == 1:
+        a = inputs[0]
+        layouts = (a.layout.key,)
+        needs = (a.local.requires_grad,) if grad else None
+    elif len(inputs) == 2:
+        a, b = inputs
+        layouts = (a.layout.key, b.layout.key)
+        needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
+    else:
+        keys, wants = [], []
+        for x in inputs:
+            keys.append(x.layout.key)
+            wants.append(x.local.requires_grad)
+        layouts, needs = tuple(keys), tuple(wants) if grad else None
     # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
-    whole = frozenset(whole) if whole else frozenset()
     key = (
-        tuple([x.layout for x in inputs]),
-        tuple([x.local.requires_grad for x in inputs]) if grad else None,
-        out_shape,
+        layouts,
+        needs,
+        out_shape.names,
+        out_shape.sizes,
         tuple(reduced.items()) if reduced else (),
-        whole,
-        ctx.rules,
-        comm.mesh,
-        comm.rank,
+        frozenset(whole) if whole else _NO_DIMS,
+        scope[2],
     )
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
     return plan
+
+
+_NO_DIMS: frozenset = frozenset()
+# (rules, mesh, rank) -> a number that stands for them in the plans' keys
+_SCOPES = BoundedCache(1024)
+_SCOPE_SERIAL = itertools.count()
+# this process's mark on the scopes it numbered: a context copied or unpickled elsewhere brings
+# a number from another process's count, which a copy of this object does not vouch for
+_HERE = object()
+
+
+def _scope_of(ctx) -> tuple:
+    """``ctx``'s rules, mesh and rank as one number, kept on ``ctx`` with the rules and
+    communicator it was made for (:attr:`~meshtorch.context.ProcessorContext.plan_scope`).
+
+    Every op's plan key holds them; hashing the three (Python ``__hash__`` methods) on every op
+    cost three Python calls per op, paid cold between a model's large kernels (issue 27). Equal
+    rules, mesh and rank give the same number, so contexts alike (each launch's, each thread
+    processor's of one rank) share plans as before; a number is never given to other ones."""
+    comm = ctx.comm
+    key = (ctx.rules, comm.mesh, comm.rank)
+    n = _SCOPES.get(key)
+    if n is None:
+        n = _SCOPES.put(key, next(_SCOPE_SERIAL))
+    scope = ctx.plan_scope = (ctx.rules, comm, n, _HERE)
+    return scope
 
 
 class _Operand:
@@ -392,8 +433,7 @@ def _plan_of_constants(op: str, layouts: tuple, requires_grad: tuple | None, out
     """:func:`plan_of` from a compiled program's constants (run by :func:`resolved`)."""
     inputs = [_Operand(k, r) for k, r in zip(layouts, requires_grad or (False,) * len(layouts))]
     with torch.set_grad_enabled(grad):  # the traced program's grad mode, not the tracer's
-        return _cached_plan(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole,
-                            grad, name)
+        return plan_of(op, inputs, Shape(zip(out_names, out_sizes)), dict(reduced), whole, name)
 
 
 def resolved(compute: Callable[..., Any], *args: Any) -> Any:
@@ -480,7 +520,8 @@ def lower(
                 return tensor_type()._read_later(later, out_shape, plan.layout, name)
         result = run_steps(result, plan.outputs)
     # the adapters produce the output layout's slice of a result of the checked size
-    return tensor_type()._checked_elsewhere(result, out_shape, plan.layout, name)
+    return (_registered[0] if _registered else tensor_type())._checked_elsewhere(
+        result, out_shape, plan.layout, name)
 
 
 def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
@@ -492,15 +533,30 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
     plan = plan_of(op, inputs, out_shape, reduced, whole, name)
     if plan.shared is not None:
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
-        overlapped = [overlapped_input(x.local, s) if shared else None
-                      for x, s, shared in zip(inputs, plan.inputs, plan.shared)]
-        args = [o if o is not None else run_shared(x.local, x.adapter_memo(), s) if shared
-                else run_steps(x.local, s)
-                for x, s, shared, o in zip(inputs, plan.inputs, plan.shared, overlapped)]
+        # (one loop, no comprehensions: data parallel runs it for every op reading a parameter)
+        args, used = [], []
+        for x, s, shared in zip(inputs, plan.inputs, plan.shared):
+            if shared:
+                o = overlapped_input(x.local, s)
+                if o is None:
+                    o = run_shared(x.local, x.adapter_memo(), s)
+                elif not o.is_leaf:
+                    # a gathered value (a view of its entry's leaf): after_forward may free it. A
+                    # data-parallel read is the leaf itself (or, under autocast, an untagged view
+                    # of it), which after_forward has nothing to do for
+                    used.append(o)
+            else:
+                o = run_steps(x.local, s) if s else x.local
+            args.append(o)
         result = local_fn(plan.view, *args)
-        after_forward([o for o in overlapped if o is not None], result, args)
+        if used:
+            after_forward(used, result, args)
     elif plan.moves:
         result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
+    elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)
+        result = local_fn(plan.view, inputs[0].local)
+    elif len(inputs) == 2:
+        result = local_fn(plan.view, inputs[0].local, inputs[1].local)
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])
     if result.shape != plan.want:

@@ -78,6 +78,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.errors import ArgumentError
@@ -169,11 +170,17 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
     """The value an op uses for the parameter slice ``t`` adapted by ``steps``, run by this
     module (a leaf whose gradient is reduced in buckets), or ``None``: use the per-use path.
     The lowering asks this for every input whose adapters sum its gradient."""
-    if torch.compiler.is_compiling():  # first: a traced step never reads this module's state
+    if is_dynamo_compiling():  # first: a traced step never reads this module's state
         return None
     opts = getattr(_on, "options", None)
-    if (opts is None or not t.requires_grad or not isinstance(t, torch.nn.Parameter)
-            or not torch.is_grad_enabled()):
+    if opts is None or not t.requires_grad or not torch.is_grad_enabled():
+        return None
+    # (a parameter's class looked up, not isinstance: Parameter's metaclass checks instances in
+    # Python, a call per parameter read; torch also counts a tensor marked _is_param)
+    kind = _parameter_types.get(type(t))
+    if kind is None:
+        kind = _parameter_types[type(t)] = issubclass(type(t), torch.nn.Parameter)
+    if not kind and not getattr(t, "_is_param", False):
         return None
     # (the lowering's plans hand the same few step tuples every step: what they ask, kept)
     how = _hows.get(steps, False)
@@ -209,6 +216,7 @@ def read_later(t: torch.Tensor, steps) -> ca.Later | None:
 
 
 MAX_HOWS = 4096  # adapter tuples whose kind overlapped_input keeps
+_parameter_types: dict[type, bool] = {}  # tensor class -> whether it is a torch.nn.Parameter's
 _hows: dict = {}  # adapters (a plan's steps for one input) -> _adapter(steps)
 
 
@@ -240,9 +248,13 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
     backward needs first. Before the op's backward, gather again those it reads that were freed
     since (otherwise they stay until their gradient is taken, as FSDP2 frees after backward,
     which a retained graph may run again)."""
-    if not used or torch.compiler.is_compiling():
+    if not used or is_dynamo_compiling():
         return
-    entries = [e for e in (getattr(v, "_overlap_entry", None) for v in used) if e is not None and e.gathered]
+    entries = []
+    for v in used:  # (a loop: no generator's frames, per op reading parameters)
+        e = getattr(v, "_overlap_entry", None)
+        if e is not None and e.kind == "reduce_scatter":  # gathered
+            entries.append(e)
     if not entries:
         return
     rt = entries[0].runtime

@@ -160,11 +160,17 @@ class Runtime(GradientBuckets):
             if e is None:
                 e = self.entries[key] = self._lasting(param, key, axes)
                 self.order.append(e)
-            # a view, not the leaf: autocast caches its casts of leaves that require grad until the
-            # autocast block ends (the whole forward), which would keep a bf16 copy of every
-            # parameter the step reads alive through a recomputed forward (the per-use path's
-            # values are no leaves); untagged: after_forward has nothing to free of an alias
-            return e.leaf.view_as(e.leaf)
+            # under autocast a view, not the leaf: autocast caches its casts of leaves that require
+            # grad until the autocast block ends (the whole forward), which would keep a bf16 copy
+            # of every parameter the step reads alive through a recomputed forward (the per-use
+            # path's values are no leaves). Otherwise the leaf itself, as DDP's forward reads its
+            # parameters: a view is an op and an autograd node per read, forward and backward
+            # (issue 27); after_forward has nothing to free of an alias
+            # (the planner's meta tensors keep the view: meshtorch's own autocast of meta tensors,
+            # above this module, caches leaves' casts too; a view costs its trace nothing)
+            leaf = e.leaf
+            kind = leaf.device.type
+            return leaf.view_as(leaf) if kind == "meta" or torch.is_autocast_enabled(kind) else leaf
         if e is None or e.param is not param or e.version != param._version:
             e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
@@ -257,11 +257,14 @@ def redistribute(t: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
     """
     if src is dst:
         return t
-    key = (src, dst)
-    steps = None if is_compiling() else _STEPS.get(key)
+    # the layouts by their constants (equal exactly when they are), hashed in C: a Layout's own
+    # __hash__ is a Python call (a rename runs this every step, cold between large kernels)
+    key = (src.key, dst.key)
+    compiled = is_dynamo_compiling()
+    steps = None if compiled else _STEPS.get(key)
     if steps is None:
-        steps = steps_between(src, dst) if is_compiling() else _STEPS.put(key, steps_between(src, dst))
-    return run_steps(t, steps)
+        steps = steps_between(src, dst) if compiled else _STEPS.put(key, steps_between(src, dst))
+    return run_steps(t, steps) if steps else t
 
 
 _STEPS = BoundedCache(4096)

@@ -19,14 +19,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ArgumentError, ShapeError
+from meshtorch.lowering.lower import lower
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import InitFn, MeshParameter
 from meshtorch.ops.array import embedding, embedding_range
-from meshtorch.ops.einsum import einsum
+from meshtorch.ops.einsum import _einsum_plan, _promoted, einsum
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.nn import dropout, layer_norm, rms_norm
 from meshtorch.shape import Dim
@@ -71,21 +72,35 @@ class Dense(Module):
             init_kwargs = {"gain": 1.0, "fan_in": [d.name for d in self.in_dims], **init_kwargs}
         self.kernel = MeshParameter(self.expert_dims + self.in_dims + self.out_dims, init, **init_kwargs)
         self.bias = MeshParameter(self.expert_dims + self.out_dims, "zeros") if bias else None
-        self._out_names = BoundedCache(64)  # input shape -> output dim names
+        # input shape -> (kernel shape, output dim names, einsum's plan)
+        self._out_names = BoundedCache(64)
 
     def forward(self, x: MeshTensor) -> MeshTensor:
         x = as_mesh_tensor(x)
-        out = None if is_compiling() else self._out_names.get(x.shape)
-        if out is None:  # checked once per input shape: a model feeds the same few every step
+        shape = x.shape
+        kernel = self.kernel.mesh_tensor
+        key = (shape.names, shape.sizes)  # (the shape's own hash is a Python call; these hash in C)
+        compiled = is_dynamo_compiling()
+        plan = None if compiled else self._out_names.get(key)
+        if plan is None or plan[0] is not kernel.shape:
+            # checked once per input shape: a model feeds the same few every step
             ins = {d.name for d in self.in_dims}
             for d in self.in_dims + self.expert_dims:
                 if d not in x.shape:
                     what = "expert dim" if d in self.expert_dims else "dim"
                     raise ShapeError(f"Dense expects {what} {d} in its input, got [{x.shape}]")
             out = tuple([n for n in x.names if n not in ins] + [d.name for d in self.out_dims])
-            if not is_compiling():
-                self._out_names.put(x.shape, out)
-        y = einsum(x, self.kernel.mesh_tensor, output_shape=out)
+            if compiled:
+                plan = (kernel.shape, out, None)
+            else:
+                # with einsum's own plan for these operands: each step then lowers the matmul
+                # directly, einsum's call and lookup saved (issue 27: per layer, cold)
+                plan = self._out_names.put(key, (kernel.shape, out, _einsum_plan((x, kernel), out, False)))
+        if plan[2] is None:  # traced: einsum plans outside the trace
+            y = einsum(x, kernel, output_shape=plan[1])
+        else:
+            out_shape, local_fn, reduced = plan[2]
+            y = lower("einsum", _promoted((x, kernel)), out_shape, local_fn, reduced=reduced)
         if self.bias is None:
             return y
         b = self.bias.mesh_tensor

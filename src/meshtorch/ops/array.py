@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from meshtorch.context import current, untraced
+from meshtorch.context import current, traced, untraced
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import lower
 from meshtorch.lowering.scan import cumsum_slice
@@ -213,15 +213,33 @@ def check_ids(ids: MeshTensor, dim: Dim, op: str, what: str = "ids", ignore: int
     t = ids.local
     if t.device.type == "meta" or t.numel() == 0:
         return
+    if not traced:  # (no tracer anywhere: no block to hide the check from, and no call for one)
+        _check_ids(t, dim, op, what, ignore)
+        return
     with untraced():  # a guard, not the program's work: a plan (meta, no values) has no check to price
         _check_ids(t, dim, op, what, ignore)
+
+
+def ids_read_on_host(t: torch.Tensor) -> bool:
+    """Whether the values of ``t`` are read on the host as ops run: a CPU tensor outside any
+    tracer (``make_fx``, ``torch.compile``, which cannot read a value). There an indexing op
+    that bounds-checks every id (``gather``) raises at once for a bad one, so an op can leave
+    :func:`check_ids` to word that failure instead of running it first.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.ops.array import ids_read_on_host
+        >>> ids_read_on_host(torch.tensor([1])), ids_read_on_host(torch.empty(1, device="meta"))
+        (True, False)
+    """
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and get_proxy_mode() is None
 
 
 def _check_ids(t: torch.Tensor, dim: Dim, op: str, what: str, ignore: int | None) -> None:
     if ignore is not None:
         t = torch.where(t == ignore, 0, t)
     # a tracer (make_fx, torch.compile) cannot read a value: it records the assert instead
-    if t.device.type != "cpu" or torch.compiler.is_compiling() or get_proxy_mode() is not None:
+    if not ids_read_on_host(t):
         ok = ((t >= 0) & (t < dim.size)).all()
         torch._assert_async(ok, f"{op}: {what} outside dim {dim.name!r} of size {dim.size}")
         return
@@ -312,8 +330,8 @@ def embedding_range(table: MeshTensor, dim: str | Dim, out: Dim, offset: int = 0
         idx = torch.arange(first, first + size, device=tab.device)
         return _rows(tab, vi, idx, vstart, vsize, whole)
 
-    return lower("embedding", [table], Shape([out]) + table.shape.without([v]), local_fn,
-                 reduced={v: "sum"}, name=name)
+    shape = table.shape.derived(("embedding_range", v, out), lambda: Shape([out]) + table.shape.without([v]))
+    return lower("embedding", [table], shape, local_fn, reduced={v: "sum"}, name=name)
 
 
 def _rows(tab: torch.Tensor, vi: int, idx: torch.Tensor, start: int, size: int, whole: int) -> torch.Tensor:

@@ -29,12 +29,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from meshtorch.caching import compiling
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
 from meshtorch.lowering.lower import align, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
-from meshtorch.shape import Dim, dim_name
+from meshtorch.shape import Dim, Shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
 # SDPA's enable_gqa= (torch >= 2.5); without it the processor's key/value heads are repeated locally
@@ -102,43 +103,15 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
     seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)
     kvh = hd if kv_heads is None else dim_name(kv_heads)
-    if v.shape != k.shape:
-        raise ShapeError(f"attention: values [{v.shape}] must have the keys' shape [{k.shape}]")
-    for what, x, need in (("queries", q, (seq, hd, feat)), ("keys", k, (mem, kvh, feat))):
-        for d in need:
-            if d not in x.shape:
-                raise ShapeError(f"attention: {what} [{x.shape}] have no dim {d!r}; name the dims with "
-                                 "dim=, memory=, heads=, kv_heads= and features=")
-    if seq == mem:
-        raise ShapeError(f"attention: queries and keys both on {seq!r}; give the keys their own dim "
-                         f"(mt.rename(k, {seq!r}, 'memory_length')) or use mt.ring_attention")
-    if k.shape[feat].size != q.shape[feat].size:
-        raise ShapeError(f"attention: {feat!r} is {q.shape[feat].size} in the queries [{q.shape}] and "
-                         f"{k.shape[feat].size} in the keys [{k.shape}]")
-    others = [d for d in q.names if d not in (seq, hd, feat)]
-    k_others = [d for d in k.names if d not in (mem, kvh, feat)]
-    if sorted(others) != sorted(k_others):
-        raise ShapeError(f"attention: queries [{q.shape}] and keys [{k.shape}] must share their other "
-                         f"dims (queries have {others}, keys {k_others})")
-    n_heads, n_kv = q.shape[hd].size, k.shape[kvh].size
-    if n_heads % n_kv:
-        raise ShapeError(f"attention: {kvh!r} ({n_kv}) must divide {hd!r} ({n_heads})")
     if bias is not None:
         bias = as_mesh_tensor(bias)
-        extra = [d for d in bias.names if d not in others + [hd, seq, mem]]
-        if extra:
-            raise ShapeError(f"attention: bias [{bias.shape}] has dims {extra} that are not the "
-                             f"queries' or {mem!r}")
-    scale = q.shape[feat].size ** -0.5 if scale is None else scale
-    grouped = kvh != hd
-    group = n_heads // n_kv
-    q_order = others + [hd, seq, feat]
-    k_order = others + [kvh, mem, feat]
-    q_perm = [q.names.index(d) for d in q_order]
-    k_perm = [k.names.index(d) for d in k_order]
-    back = [q_order.index(d) for d in q.names]
-    target = others + [hd, seq, mem]
-    whole = {mem, feat} | ({kvh} if grouped else set())
+    # the checks and orders are a function of the shapes and dim names: made once per signature
+    # (a model's attention has one; building them is about a hundred Python calls, paid cold
+    # between large kernels, issue 27)
+    plan = (_attention_plan.__wrapped__ if compiling() else _attention_plan)(
+        q.shape, k.shape, v.shape, None if bias is None else bias.shape, seq, mem, feat, hd, kvh)
+    others, q_perm, k_perm, back, target, whole, feat_size, grouped, group = plan
+    scale = feat_size ** -0.5 if scale is None else scale
 
     def local_fn(view, ql, kl, vl, bl=None):
         lead = [view.size(d) for d in others]
@@ -188,6 +161,52 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
 
     inputs = [q, k, v] + ([bias] if bias is not None else [])
     return lower("attention", inputs, q.shape, local_fn, whole=whole, name=name)
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_plan(qs: Shape, ks: Shape, vs: Shape, bs: Shape | None, seq: str, mem: str, feat: str,
+                    hd: str, kvh: str) -> tuple:
+    """:func:`attention`'s checks of its operands' shapes (raising :class:`ShapeError`) and what
+    its local function needs of them: the dims other than heads, sequence and features, the
+    permutations to SDPA's order and back, the bias's target order, the whole dims, the
+    features' size and the query heads per key head."""
+    if vs != ks:
+        raise ShapeError(f"attention: values [{vs}] must have the keys' shape [{ks}]")
+    for what, x, need in (("queries", qs, (seq, hd, feat)), ("keys", ks, (mem, kvh, feat))):
+        for d in need:
+            if d not in x:
+                raise ShapeError(f"attention: {what} [{x}] have no dim {d!r}; name the dims with "
+                                 "dim=, memory=, heads=, kv_heads= and features=")
+    if seq == mem:
+        raise ShapeError(f"attention: queries and keys both on {seq!r}; give the keys their own dim "
+                         f"(mt.rename(k, {seq!r}, 'memory_length')) or use mt.ring_attention")
+    if ks[feat].size != qs[feat].size:
+        raise ShapeError(f"attention: {feat!r} is {qs[feat].size} in the queries [{qs}] and "
+                         f"{ks[feat].size} in the keys [{ks}]")
+    others = [d for d in qs.names if d not in (seq, hd, feat)]
+    k_others = [d for d in ks.names if d not in (mem, kvh, feat)]
+    if sorted(others) != sorted(k_others):
+        raise ShapeError(f"attention: queries [{qs}] and keys [{ks}] must share their other "
+                         f"dims (queries have {others}, keys {k_others})")
+    n_heads, n_kv = qs[hd].size, ks[kvh].size
+    if n_heads % n_kv:
+        raise ShapeError(f"attention: {kvh!r} ({n_kv}) must divide {hd!r} ({n_heads})")
+    if bs is not None:
+        extra = [d for d in bs.names if d not in others + [hd, seq, mem]]
+        if extra:
+            raise ShapeError(f"attention: bias [{bs}] has dims {extra} that are not the "
+                             f"queries' or {mem!r}")
+    grouped = kvh != hd
+    q_order = others + [hd, seq, feat]
+    k_order = others + [kvh, mem, feat]
+    q_perm = tuple(qs.names.index(d) for d in q_order)
+    k_perm = tuple(ks.names.index(d) for d in k_order)
+    back = tuple(q_order.index(d) for d in qs.names)
+    target = tuple(others + [hd, seq, mem])
+    whole = frozenset({mem, feat} | ({kvh} if grouped else set()))
+    # tuples: every call shares them
+    return (tuple(others), q_perm, k_perm, back, target, whole, qs[feat].size, grouped,
+            n_heads // n_kv)
 
 
 def _sdpa(q, k, v, mask, is_causal, scale, gqa) -> torch.Tensor:

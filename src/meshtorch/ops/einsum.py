@@ -25,7 +25,7 @@ import string
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
@@ -82,7 +82,7 @@ def einsum(
         xs = tuple(as_mesh_tensor(x) for x in xs)
         spec = equation
     by_equation = not isinstance(equation, MeshTensor)
-    if is_compiling():  # planned outside the trace, from the shapes' names and sizes
+    if is_dynamo_compiling():  # planned outside the trace, from the shapes' names and sizes
         out, local_fn, reduced = resolved(
             _einsum_of_constants, tuple([(x.shape.names, x.shape.sizes) for x in xs]),
             _spec_constant(spec), by_equation)
@@ -95,7 +95,12 @@ def _einsum_plan(xs: tuple, spec: str | Shape | tuple, by_equation: bool
                  ) -> tuple[Shape, Callable, dict[str, str]]:
     # the plan (and the checks made when building it) depends only on the operand shapes and
     # the equation or output dims, so they are the key
-    key = (tuple([x.shape for x in xs]), spec)
+    # the shapes by their names and sizes (equal exactly when the shapes are), which hash in C
+    if len(xs) == 2:  # (a Dense, an attention product: no comprehension's frame)
+        a, b = xs[0].shape, xs[1].shape
+        key = (((a.names, a.sizes), (b.names, b.sizes)), spec)
+    else:
+        key = (tuple([(x.shape.names, x.shape.sizes) for x in xs]), spec)
     plan = _PLANS.get(key)
     if plan is None:
         if by_equation:
@@ -141,8 +146,13 @@ def _einsum_of_constants(shapes: tuple, spec: tuple, by_equation: bool
 def _promoted(xs: tuple[MeshTensor, ...]) -> tuple[MeshTensor, ...]:
     """The operands in one dtype, ``torch.promote_types`` of theirs, as elementwise ops promote
     (torch's matmuls refuse mixed dtypes). Autocast chooses the matmul's dtype itself."""
-    first = xs[0].dtype
-    if all(x.dtype == first for x in xs) or autocast_enabled(xs[0].local.device.type):
+    first = xs[0].local.dtype
+    for x in xs:  # (a loop, not all() of a generator: no Python frame per operand)
+        if x.local.dtype != first:
+            break
+    else:
+        return xs
+    if autocast_enabled(xs[0].local.device.type):
         return xs
     dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])
     return tuple(x if x.dtype == dtype else cast(x, dtype) for x in xs)

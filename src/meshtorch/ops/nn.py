@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, lower
-from meshtorch.ops.array import check_ids, one_hot
+from meshtorch.ops.array import check_ids, ids_read_on_host, one_hot
 from meshtorch.ops.elementwise import cast, exp, not_equal, rsqrt, square, where
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
 from meshtorch.random import bernoulli
@@ -31,8 +31,16 @@ from meshtorch.tensor import MeshTensor, as_mesh_tensor
 # the lowering still adapts the other dims). A split dim takes the composed path below.
 
 
+def _word_bad_targets(targets: MeshTensor, v: Dim) -> None:
+    """Raise :func:`check_ids`'s error for ``targets`` (after gather refused one), alone."""
+    try:
+        check_ids(targets, v, "cross_entropy", "targets")
+    except ArgumentError as bad:
+        raise bad from None
+
+
 def _whole_in(x: MeshTensor, name: str) -> bool:
-    return not x.layout.axes_of(name)
+    return name not in x.layout.split  # (axes_of's answer, without its call)
 
 
 def softmax(x: MeshTensor, dim: str | Dim, extra_logit: float | MeshTensor | None = None) -> MeshTensor:
@@ -124,12 +132,18 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
         if ignore_index is not None:
             raise ArgumentError("cross_entropy: ignore_index applies to integer class ids, not soft "
                                 "targets; give a position all-zero soft targets to leave it out")
-    else:
+    fused = _whole_in(logits, v.name) and sorted(targets.names) == sorted(
+        (logits.shape if soft else out).names)
+    # Hard targets picked by gather on the host, none ignored: gather checks every id itself
+    # (negative ones too) and raises at once, so check_ids runs only then, to word the error: two
+    # ATen ops and their Python less per step (issue 27)
+    by_gather = fused and not soft and ignore_index is None and ids_read_on_host(targets.local)
+    if not soft and not by_gather:
         check_ids(targets, v, "cross_entropy", "targets", ignore_index)
     # bf16/fp16 logits give an fp32 loss, as F.cross_entropy under autocast: a bf16 loss near 10
     # nats moves in steps of 1/16 (the cast is fused into log_softmax's kernel)
     acc = torch.float32 if logits.dtype in (torch.bfloat16, torch.float16) else logits.dtype
-    if _whole_in(logits, v.name) and sorted(targets.names) == sorted((logits.shape if soft else out).names):
+    if fused:
         i = logits.shape.index(v.name)
 
         def local_fn(view, t, tt):
@@ -143,7 +157,16 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
                 # -log_softmax[target], as F.cross_entropy: log_softmax and its backward are one
                 # vectorised kernel each, where logsumexp - t[target] costs an exp pass forward
                 # and a sub, exp and mul backward over the whole logits
-                picked = -torch.log_softmax(t, i, dtype=acc).gather(i, safe).squeeze(i)
+                logp = torch.log_softmax(t, i, dtype=acc)
+                if by_gather:
+                    try:
+                        picked = logp.gather(i, safe)
+                    except RuntimeError as out_of_bounds:
+                        _word_bad_targets(targets, v)
+                        raise out_of_bounds
+                else:
+                    picked = logp.gather(i, safe)
+                picked = -picked.squeeze(i)
             if z_loss:
                 picked = picked + z_loss * torch.logsumexp(t.to(acc), i).square()
             if ignore_index is None:
@@ -187,9 +210,15 @@ def layer_norm(
     """
     x = as_mesh_tensor(x)
     n = dim_name(dim)
-    params = [p for p in (weight, bias) if p is not None]
-    if _whole_in(x, n) and all(p.names == (n,) for p in params):
-        i, size = x.shape.index(n), x.shape[n].size
+    params, only_dim = [], (n,)
+    fused = n not in x.layout.split  # (_whole_in, and below a loop, without their calls)
+    for p in (weight, bias):
+        if p is not None:
+            params.append(p)
+            fused = fused and p.shape.names == only_dim
+    if fused:
+        i = x.shape.index(n)
+        size = x.shape.sizes[i]
 
         def local_fn(view, t, *ps):
             w = ps[0] if weight is not None else None

@@ -66,11 +66,20 @@ def rename(x: MeshTensor, old: str | Dim, new: str | Dim, name: str | None = Non
         Shape('a:2,c:3')
     """
     x = as_mesh_tensor(x)
-    d = x.shape[old]
+    if isinstance(old, str) and isinstance(new, str):
+        # the same renames every step (attention's keys): the new shape is made once
+        shape = x.shape.derived(("rename", old, new), lambda: _renamed(x.shape, old, new))
+    else:
+        shape = _renamed(x.shape, old, new)
+    return relayout(x, shape, name)
+
+
+def _renamed(shape: Shape, old: str | Dim, new: str | Dim) -> Shape:
+    d = shape[old]
     new_dim = new if isinstance(new, Dim) else Dim(new, d.size)
     if new_dim.size != d.size:
         raise ShapeError(f"rename keeps sizes: {d} cannot become {new_dim}; use mt.reshape")
-    return relayout(x, x.shape.replace(old, new_dim), name)
+    return shape.replace(old, new_dim)
 
 
 def transpose(x: MeshTensor, order: Iterable[str | Dim], name: str | None = None) -> MeshTensor:
