@@ -325,17 +325,17 @@ class Reductions:
 
     def __init__(self) -> None:
         self._fused = Fused()
-        # per handle: (index into the fused results, or the finished value; a divisor for means;
-        # the output_shape order of the dims kept, if one was given)
-        self._entries: list[tuple[int | MeshTensor, int, list[str] | None]] = []
+        # per handle: (index into the fused results, or the finished value; the output_shape
+        # order of the dims kept, if one was given)
+        self._entries: list[tuple[int | MeshTensor, list[str] | None]] = []
         self._done = False
 
-    def _add(self, x, dims, output_shape, how: str, name, count: int = 1) -> int:
+    def _add(self, x, dims, output_shape, how: str, name) -> int:
         if self._done:
             raise MeshTorchError("this mt.Reductions has already run; start a new one for more reductions")
         x = as_mesh_tensor(x)
         r = _reduce(x, dims, output_shape, how, name, lower_fn=self._fused.lower)
-        self._entries.append((r, count, _kept_order(x, output_shape)))
+        self._entries.append((r, _kept_order(x, output_shape)))
         return len(self._entries) - 1
 
     def sum(self, x: MeshTensor, dims=None, *, output_shape=None, name=None) -> int:
@@ -344,12 +344,7 @@ class Reductions:
 
     def mean(self, x: MeshTensor, dims=None, *, output_shape=None, name=None) -> int:
         """Add ``reduce_mean(x, dims)``; returns its index in :meth:`run`'s list."""
-        x = as_mesh_tensor(x)
-        names = _reduced_names(x, dims, output_shape)
-        count = 1
-        for n in names:
-            count *= x.shape[n].size
-        return self._add(x, dims, output_shape, "sum", name, count)
+        return self._add(x, dims, output_shape, "mean", name)
 
     def max(self, x: MeshTensor, dims=None, *, output_shape=None, name=None) -> int:
         """Add ``reduce_max(x, dims)``; returns its index in :meth:`run`'s list."""
@@ -366,9 +361,8 @@ class Reductions:
         self._done = True
         fused = self._fused.run()
         out = []
-        for r, count, order in self._entries:
+        for r, order in self._entries:
             v = fused[r] if isinstance(r, int) else r
-            v = v / count if count != 1 else v
             if order is not None and order != v.names:
                 v = transpose(v, order)
             out.append(v)
