@@ -181,7 +181,9 @@ def test_only_front_ends_print():
 # lowering's engine below MeshTensor (whose operators lower through it; the lowering builds its
 # results through the class the tensor module registers, meshtorch.lowering.output).
 LEVELS = [
-    ("meshtorch.errors", "meshtorch.shape", "meshtorch.mesh", "meshtorch.caching"),
+    # (meta_autocast: the planner's autocast of meta tensors, which imports only torch and errors;
+    # the lowering asks it whether a meta step runs under autocast, as it asks torch for real ones)
+    ("meshtorch.errors", "meshtorch.shape", "meshtorch.mesh", "meshtorch.caching", "meshtorch.meta_autocast"),
     ("meshtorch.layout",),
     ("meshtorch.comm",),
     ("meshtorch.context",),

@@ -18,6 +18,7 @@ import torch
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.comm.grouped import Gathered, Handle
 from meshtorch.lowering.overlap_buckets import GradientBuckets, bytes_per_key
+from meshtorch.meta_autocast import autocast_enabled
 
 MAX_PLANS = 16  # models whose read order one processor keeps
 
@@ -166,11 +167,12 @@ class Runtime(GradientBuckets):
             # path's values are no leaves). Otherwise the leaf itself, as DDP's forward reads its
             # parameters: a view is an op and an autograd node per read, forward and backward
             # (issue 27); after_forward has nothing to free of an alias
-            # (the planner's meta tensors keep the view: meshtorch's own autocast of meta tensors,
-            # above this module, caches leaves' casts too; a view costs its trace nothing)
+            # (the planner's meta tensors: meshtorch's own autocast of them, which caches leaves'
+            # casts too; torch's test asked directly, one Python call less per read)
             leaf = e.leaf
             kind = leaf.device.type
-            return leaf.view_as(leaf) if kind == "meta" or torch.is_autocast_enabled(kind) else leaf
+            amp = autocast_enabled(kind) if kind == "meta" else torch.is_autocast_enabled(kind)
+            return leaf.view_as(leaf) if amp else leaf
         if e is None or e.param is not param or e.version != param._version:
             e = self.entries[key] = self._gathered(param, key, axes, dim)
             self.order.append(e)
