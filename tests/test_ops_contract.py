@@ -24,6 +24,23 @@ def test_einsum_matmul(data):
              mesh, rules)
 
 
+@given(data=st.data(), equation=st.sampled_from(["d h, d h ->", "d h, h d ->", "d h, d h -> h",
+                                                  "d h, d ->", "b d h, d h -> b"]))
+@SET
+def test_einsum_contracting_several_dims_at_once(data, equation):
+    # a contraction of two or more dims of both operands (down to a scalar): one mm of the
+    # flattened dims (a full contraction of two 2-d operands once kept w 2-d: a shape error)
+    mesh = data.draw(meshes())
+    sizes = {n: data.draw(SIZES) for n in "bdh"}
+    rules = data.draw(rules_for(mesh, ["b", "d", "h"]))
+    specs = [part.split() for part in equation.split("->")[0].split(",")]
+    ins = [(rand(*[sizes[n] for n in spec], seed=i + 1), ",".join(f"{n}:{sizes[n]}" for n in spec))
+           for i, spec in enumerate(specs)]
+    torch_eq = equation.replace(" ", "")
+    check_op(lambda x, y: mt.einsum(equation, x, y), lambda x, y: torch.einsum(torch_eq, x, y), ins, mesh,
+             rules)
+
+
 @given(data=st.data())
 @SET
 def test_einsum_three_operands_and_output_shape_form(data):

@@ -242,11 +242,11 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
                 # what is not 2-D already: the mm that torch.matmul folds x @ W into
                 if w_leading:
                     size_k, out = math.prod(w.shape[:k]), (*x.shape[: x.dim() - k], *w.shape[k:])
-                    w2 = w if w.dim() == 2 else w.reshape(size_k, -1)
+                    w2 = w if w.dim() == 2 and k == 1 else w.reshape(size_k, -1)
                 else:
                     size_k, out = math.prod(w.shape[w.dim() - k:]), (*x.shape[: x.dim() - k],
                                                                     *w.shape[: w.dim() - k])
-                    w2 = (w if w.dim() == 2 else w.reshape(-1, size_k)).t()
+                    w2 = (w if w.dim() == 2 and k == 1 else w.reshape(-1, size_k)).t()
                 y = torch.mm(x if x.dim() == 2 and k == 1 else x.reshape(-1, size_k), w2)
                 return y if y.shape == out else y.view(out)
             return torch.tensordot(x, w, dims=dot)
