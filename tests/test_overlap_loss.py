@@ -160,3 +160,30 @@ def test_a_failed_call_raises_where_the_loss_is_read_and_again_after():
         loss.item()
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         loss.nothing  # noqa: B018
+
+
+def compiled_on_an_unread_loss() -> tuple:
+    from meshtorch.compiler import compile_step
+
+    lm = model()
+    with mt.overlap():
+        loss = lm.loss(*batch())
+    unread = loss._later is not None
+    twice = compile_step(lambda t: t * 2 + 1, backend="eager")
+    return unread, twice(loss).item(), loss.item() * 2 + 1
+
+
+def test_a_compiled_step_reads_a_loss_in_flight_first():
+    # Dynamo reads the unset slot as missing (not through __getattr__): compile_step waits for it
+    for unread, got, want in mt.launch(compiled_on_an_unread_loss, mesh="b:2", rules="batch:b"):
+        assert unread and got == want
+
+
+def test_a_thread_that_finds_the_value_filled_meanwhile_reads_it():
+    # the race a second reading thread can meet: its slot lookup failed, then the first thread
+    # filled the value (and dropped the call) before this one asked __getattr__
+    waits: list = []
+    later = all_reduce_sum_later(torch.tensor(2.0), fake(torch.tensor(4.0), waits), "b")
+    loss = MeshTensor._read_later(later, mt.Shape(""), Layout(mt.Shape(""), mt.Mesh("b:2"), {}))
+    assert loss.item() == 4.0 and loss._later is None
+    assert MeshTensor.__getattr__(loss, "local") is later.tensor and waits == [1]

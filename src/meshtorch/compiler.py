@@ -36,6 +36,7 @@ import torch
 from meshtorch.caching import CONSTANT_RESULTS
 from meshtorch.comm.stats import begin_traced, traced_tally
 from meshtorch.context import current
+from meshtorch.tensor import MeshTensor
 
 
 def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: bool = False,
@@ -74,6 +75,7 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
     compiled = torch.compile(traced, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
     def step(*args: Any, **kwargs: Any) -> Any:
+        _values_in((args, kwargs))
         out, tally = compiled(*args, **kwargs)
         stats = current().comm.stats
         for kind, axes, nbytes in traced_tally(tally):
@@ -81,6 +83,21 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
         return out
 
     return step
+
+
+def _values_in(x: Any) -> None:
+    """Wait for the value of every MeshTensor in ``x`` (nested lists, tuples, dicts) whose
+    all_reduce is in flight (a loss inside ``mt.overlap()``): Dynamo reads the unset slot as
+    missing, not through :meth:`~meshtorch.tensor.MeshTensor.__getattr__`."""
+    if isinstance(x, MeshTensor):
+        if x._later is not None:
+            x.local  # noqa: B018 - the read fills it
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _values_in(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _values_in(v)
 
 
 def graph_breaks() -> dict[str, int]:

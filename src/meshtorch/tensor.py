@@ -87,8 +87,11 @@ class MeshTensor:
     def __getattr__(self, name: str):
         # reached only where an attribute is missing: ``local`` of a scalar whose all_reduce is in
         # flight is filled now (a copy or pickle reads it this way too)
-        if name == "local" and self._later is not None:
-            local = self._later.wait()
+        if name == "local":
+            later = self._later
+            if later is None:  # another thread filled it since this one looked
+                return object.__getattribute__(self, "local")
+            local = later.wait()
             self.local, self._later = local, None
             return local
         raise AttributeError(f"'MeshTensor' object has no attribute {name!r}")
