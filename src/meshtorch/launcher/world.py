@@ -63,11 +63,15 @@ def threads_chosen() -> int | None:
         >>> os.environ["OMP_NUM_THREADS"] = "many"
         >>> threads_chosen() is None
         True
+        >>> os.environ["OMP_NUM_THREADS"] = "\u00b2"  # a superscript two: not a number of threads
+        >>> threads_chosen() is None
+        True
         >>> del os.environ["OMP_NUM_THREADS"]
         >>> os.environ.update({} if before is None else {"OMP_NUM_THREADS": before})
     """
     value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    # (isascii: str.isdigit also takes superscripts and other scripts' digits, which int() refuses)
+    return int(value) if value.isascii() and value.isdigit() and int(value) > 0 else None
 
 
 def in_torchrun() -> bool:
