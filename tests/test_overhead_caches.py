@@ -183,3 +183,18 @@ def test_plan_keys_stand_for_rules_mesh_and_rank_by_one_number():
     moved = copy.copy(b)
     moved.plan_scope = (*b.plan_scope[:3], object())  # another process's mark
     assert plan(moved) is plan(b) and moved.plan_scope[3] is b.plan_scope[3]
+
+
+def test_the_dynamo_test_falls_back_to_is_compiling_without_is_dynamo_compiling():
+    # torch.compiler.is_dynamo_compiling is documented as internal: in a torch without it the
+    # lowering's per-op test is torch.compiler.is_compiling (a fresh process: the module is made once)
+    import subprocess
+    import sys
+
+    code = ("import torch; del torch.compiler.is_dynamo_compiling; import meshtorch as mt; "
+            "from meshtorch.lowering import lower; "
+            "assert lower.is_dynamo_compiling is torch.compiler.is_compiling; "
+            "print(mt.einsum('a b, b -> a', mt.ones('a:2,b:3'), mt.ones('b:3')).to_global().tolist())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[3.0, 3.0]"

@@ -57,6 +57,12 @@ from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.layout import piece
 from meshtorch.mesh import Mesh
 
+#: Whether Dynamo is tracing this call, in one call into torch (:func:`meshtorch.caching.compiling`'s
+#: test without its frame: the lowering, ops and layers ask it per op, paid cold between large
+#: kernels). ``torch.compiler.is_dynamo_compiling`` (torch >= 2.3; its docs call it internal), else
+#: ``is_compiling`` should a release drop it.
+is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
+
 # one axis, or a group of axes in mesh order (the collective runs over their sub-mesh)
 AxisGroup = str | tuple[str, ...]
 

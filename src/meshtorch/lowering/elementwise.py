@@ -21,11 +21,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.lower import align, lower, resolved
+from meshtorch.lowering.lower import align, is_dynamo_compiling, lower, resolved
 from meshtorch.lowering.output import _registered, tensor_type
 from meshtorch.shape import Shape
 

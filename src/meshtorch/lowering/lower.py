@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.compiler import is_dynamo_compiling
 
 from meshtorch.caching import BoundedCache, compiling, constant_result
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.adapters import is_dynamo_compiling  # (also the ops' and layers' test)
 from meshtorch.lowering.output import _registered, tensor_type
 from meshtorch.lowering.overlap import after_forward, overlapped_input, read_later
 from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient

@@ -78,11 +78,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from torch.compiler import is_dynamo_compiling
 
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.adapters import is_dynamo_compiling
 from meshtorch.lowering.overlap_reads import unread_by_backward
 from meshtorch.lowering.overlap_runtime import Options, Runtime
 

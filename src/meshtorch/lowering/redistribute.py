@@ -30,13 +30,13 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.compiler import is_dynamo_compiling
 
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Axes, Layout
 from meshtorch.lowering import adapters as ca
+from meshtorch.lowering.adapters import is_dynamo_compiling
 from meshtorch.mesh import Mesh
 
 # One step of a move: an adapter, the axis (or group of axes, in mesh order) it runs over, and

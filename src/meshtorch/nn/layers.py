@@ -19,11 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ArgumentError, ShapeError
-from meshtorch.lowering.lower import lower
+from meshtorch.lowering.lower import is_dynamo_compiling, lower
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import InitFn, MeshParameter
 from meshtorch.ops.array import embedding, embedding_range

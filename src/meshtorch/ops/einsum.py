@@ -25,11 +25,10 @@ import string
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.compiler import is_dynamo_compiling  # one call (is_compiling is two), per op
 
 from meshtorch.caching import BoundedCache
 from meshtorch.errors import ShapeError
-from meshtorch.lowering.lower import align, lower, resolved
+from meshtorch.lowering.lower import align, is_dynamo_compiling, lower, resolved
 from meshtorch.meta_autocast import autocast_enabled
 from meshtorch.ops.elementwise import broadcast_shape, cast
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
