@@ -96,9 +96,15 @@ def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower):
         # each processor divides its partial sum by the global count and the partial means are
         # summed: the all_reduce is the op's last step (inside mt.overlap(), a loss's is read later)
         count = math.prod([x.shape[n].size for n in names])
-
-        def local_fn(view, t):
-            return torch_fn(t, idx) / count
+        if x.dtype.is_floating_point and x.dtype.itemsize < 4:
+            # float16/bfloat16 accumulate in float32, as torch.mean does (131072 twos summed in
+            # float16 overflow to inf); the partial mean, no larger than the elements, goes
+            # back to the input dtype, so the all_reduce and the result keep it
+            def local_fn(view, t):
+                return (t.sum(idx, dtype=torch.float32) / count).to(t.dtype)
+        else:
+            def local_fn(view, t):
+                return torch_fn(t, idx) / count
     else:
         def local_fn(view, t):
             return torch_fn(t, idx)
@@ -231,8 +237,9 @@ def _truth(x, dims, output_shape, how: str, op: str, name) -> MeshTensor:
 
 
 def reduce_mean(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
-    """Mean over ``dims`` (global count, whatever the layout). A mean over no dims is a
-    floating copy of ``x``.
+    """Mean over ``dims`` (global count, whatever the layout). A float16/bfloat16 ``x`` is
+    summed in float32, as ``torch.mean`` does, and its mean returned in its own dtype; a mean
+    over no dims is a floating copy of ``x``.
 
     Example:
         >>> import torch, meshtorch as mt
