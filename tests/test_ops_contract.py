@@ -61,6 +61,27 @@ def test_einsum_equation_errors():
         mt.einsum("a b", x)
 
 
+@pytest.mark.parametrize("form", ["equation", "output_shape"])
+def test_einsum_names_an_operand_that_is_no_mesh_tensor(form):
+    # the form without an equation once read the second operand's .shape.names: a bare
+    # AttributeError for a MeshParameter or a torch tensor; both forms now name the operand
+    d, h = mt.Dim("d", 8), mt.Dim("h", 6)
+    x = mt.from_global(torch.randn(6, 8), "batch:6,d:8")
+    w = mt.nn.MeshParameter(mt.Shape([d, h]), "normal")
+
+    def call(*xs):
+        if form == "equation":
+            return mt.einsum("batch d, d h -> batch h", *xs)
+        return mt.einsum(*xs, output_shape=["batch", "h"])
+
+    for bad, kind in [(w, "MeshParameter"), (torch.randn(8, 6), "Tensor")]:
+        with pytest.raises(mt.errors.ShapeError, match=f"einsum operand 1 is a {kind}, not a MeshTensor"):
+            call(x, bad)
+    with pytest.raises(mt.errors.ShapeError, match="operand 0 is a Tensor.*mt.from_global"):
+        call(torch.randn(6, 8), w.mesh_tensor)
+    torch.testing.assert_close(call(x, w.mesh_tensor).to_global(), x.to_global() @ w.mesh_tensor.to_global())
+
+
 REDUCE = [
     (mt.reduce_sum, lambda t, i: t.sum(i)),
     (mt.reduce_mean, lambda t, i: t.mean(i)),

@@ -32,7 +32,7 @@ from meshtorch.lowering.lower import align, is_dynamo_compiling, lower, resolved
 from meshtorch.meta_autocast import autocast_enabled
 from meshtorch.ops.elementwise import broadcast_shape, cast
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
-from meshtorch.tensor import MeshTensor, as_mesh_tensor
+from meshtorch.tensor import MeshTensor
 
 
 def _parse(equation: str, xs: tuple[MeshTensor, ...]) -> list[str]:
@@ -72,15 +72,15 @@ def einsum(
         >>> mt.einsum(x, output_shape=["b", mt.Dim("c", 2)]).to_global().tolist()  # broadcast
         [[3.0, 3.0], [5.0, 5.0], [7.0, 7.0]]
     """
-    if isinstance(equation, MeshTensor):
+    by_equation = isinstance(equation, str)
+    if by_equation:
+        spec = equation
+    else:  # the first operand: checked with the others below
         xs = (equation,) + xs
         if output_shape is None:
             raise ShapeError("einsum without an equation needs output_shape=")
         spec = output_shape if isinstance(output_shape, (Shape, str)) else tuple(output_shape)
-    else:
-        xs = tuple(as_mesh_tensor(x) for x in xs)
-        spec = equation
-    by_equation = not isinstance(equation, MeshTensor)
+    _check_operands(xs)
     if is_dynamo_compiling():  # planned outside the trace, from the shapes' names and sizes
         out, local_fn, reduced = resolved(
             _einsum_of_constants, tuple([(x.shape.names, x.shape.sizes) for x in xs]),
@@ -88,6 +88,15 @@ def einsum(
     else:
         out, local_fn, reduced = _einsum_plan(xs, spec, by_equation)
     return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name)
+
+
+def _check_operands(xs: tuple) -> None:
+    """Raise a ShapeError naming the first operand of ``xs`` that is not a MeshTensor."""
+    for i, x in enumerate(xs):  # (a loop, not a generator: einsum runs once per layer)
+        if not isinstance(x, MeshTensor):
+            raise ShapeError(
+                f"einsum operand {i} is a {type(x).__name__}, not a MeshTensor; pass a "
+                f"MeshParameter's .mesh_tensor, and wrap a torch tensor with mt.from_global(t, shape)")
 
 
 def _einsum_plan(xs: tuple, spec: str | Shape | tuple, by_equation: bool

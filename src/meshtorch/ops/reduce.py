@@ -88,15 +88,23 @@ def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower):
     out = x.shape.without(names)
     idx = [x.shape.index(n) for n in names]
     if not idx:
-        return _in_order(x, x, output_shape)
+        # a mean over no dims is a new tensor, floating as a mean is (fused or not); a sum, max
+        # or min over none is the tensor itself
+        return _in_order(x / 1 if how == "mean" else x, x, output_shape)
     torch_fn = _LOCAL["sum" if how == "mean" else how]
     if how == "mean":
         # each processor divides its partial sum by the global count and the partial means are
         # summed: the all_reduce is the op's last step (inside mt.overlap(), a loss's is read later)
         count = math.prod([x.shape[n].size for n in names])
-
-        def local_fn(view, t):
-            return torch_fn(t, idx) / count
+        if x.dtype.is_floating_point and x.dtype.itemsize < 4:
+            # float16/bfloat16 accumulate in float32, as torch.mean does (131072 twos summed in
+            # float16 overflow to inf); the partial mean, no larger than the elements, goes
+            # back to the input dtype, so the all_reduce and the result keep it
+            def local_fn(view, t):
+                return (t.sum(idx, dtype=torch.float32) / count).to(t.dtype)
+        else:
+            def local_fn(view, t):
+                return torch_fn(t, idx) / count
     else:
         def local_fn(view, t):
             return torch_fn(t, idx)
@@ -229,16 +237,15 @@ def _truth(x, dims, output_shape, how: str, op: str, name) -> MeshTensor:
 
 
 def reduce_mean(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
-    """Mean over ``dims`` (global count, whatever the layout).
+    """Mean over ``dims`` (global count, whatever the layout). A float16/bfloat16 ``x`` is
+    summed in float32, as ``torch.mean`` does, and its mean returned in its own dtype; a mean
+    over no dims is a floating copy of ``x``.
 
     Example:
         >>> import torch, meshtorch as mt
         >>> mt.reduce_mean(mt.full("a:4", 2.0)).item()
         2.0
     """
-    x = as_mesh_tensor(x)
-    if not _reduced_names(x, dims, output_shape):
-        return _in_order(x / 1, x, output_shape)  # a new tensor, floating as a mean is
     return _reduce(x, dims, output_shape, "mean", name)
 
 
