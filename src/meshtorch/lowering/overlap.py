@@ -100,6 +100,17 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
     parameter gathers and buckets of gradients to reduce-scatter (about a block's parameters,
     FSDP2's unit: what is alive at once under ``reshard_after_forward``).
 
+    A backward that raises (an error caught to skip the batch, on every processor: SPMD) never
+    reaches its end, where the buckets are added into ``p.grad``: the next read of a parameter
+    (the next step's forward) or the block's exit, whichever comes first, waits for its
+    launched buckets and drops them with the rest, so that the next step is a fresh one. Its
+    gradients are partial, as on the per-use path, which keeps whatever it reduced and
+    accumulated before the error: here what was added by then stays (FSDP's buckets waited on
+    during backward, data parallel's none unless ``p.grad`` was accumulating), the rest is
+    dropped. Zero the gradients (``opt.zero_grad()``) before the next step, as a loop that skips
+    a batch does. Call that next backward after a forward inside the block (as a step does), not
+    on another graph made before the failed backward (not found failed before its gradients).
+
     Example:
         >>> import meshtorch as mt
         >>> with mt.overlap(bucket_mb=4, reshard_after_forward=True):
@@ -123,6 +134,8 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
             rt = getattr(current().comm, "_overlap", None)
             if rt is not None and rt.callback_missing:
                 rt.finish()  # a backward whose last gradients never came
+            elif rt is not None and rt.unfinished(at_exit=True):
+                rt.abandon()  # a backward that raised inside the block
 
 
 @contextmanager

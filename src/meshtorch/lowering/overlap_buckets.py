@@ -310,6 +310,40 @@ class GradientBuckets:
         finally:
             self._end_step()
 
+    def unfinished(self, at_exit: bool = False) -> bool:
+        """Whether a backward started (a gradient came, the buckets were cut) but never finished,
+        and no backward runs now: it raised (the engine drops its queued :meth:`finish`), and the
+        caller caught the error. Asked at the next read and at :func:`overlap`'s exit
+        (``at_exit``); with no engine callback (``callback_missing``) :meth:`finish` runs there
+        instead, as before."""
+        if self.buckets is None or self.callback_missing:
+            return False
+        task = getattr(torch._C, "_current_graph_task_id", None)  # private: -1 outside a backward
+        if task is None:  # a read in a backward's recomputed forward looks the same: the exit only
+            return at_exit
+        return task() == -1
+
+    def abandon(self) -> None:
+        """Recover from a backward that raised (:meth:`unfinished`), the same way on every
+        processor (SPMD: every processor's backward raised at the same op, or the program skipped
+        the step on all of them, so all launched the same buckets): wait for the launched
+        buckets and drop their results, drop the unlaunched ones (their packed gradients and
+        slots), and end the step, so that the next one starts as a fresh one. Gradients already
+        added into ``p.grad`` before the error (buckets waited on during backward, FSDP's, and
+        gradients reduced alone) stay there."""
+        self.finishing = True
+        try:
+            inflight, self.pending = self.pending, []
+            for _, work, _ in inflight:
+                work.wait()  # every processor launched it: complete it before its buffers go
+            for e in self.order:
+                e.grad, e.slot = None, None
+                if e.leaf.grad is not None:  # (a hook that never ran)
+                    e.leaf.grad = None
+            self.packs = {}
+        finally:
+            self._end_step()
+
     def _done(self, members: list[Entry], work: Handle, shapes: tuple | None) -> None:
         """Wait for a launched bucket and add its results (``shapes``: the members' shapes and
         sizes, where the call reduced the bucket's flat buffer whole)."""
