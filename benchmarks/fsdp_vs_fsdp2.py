@@ -55,6 +55,7 @@ report. Writes ``benchmarks/results/fsdp_vs_fsdp2.{json,md}``.
 
 Run:
     python benchmarks/fsdp_vs_fsdp2.py [--rounds 8] [--steps 3] [--warmup 2] [--quick] [--out DIR]
+        [--pairs meshtorch_dp/ddp]    # one comparison's variants only (a quick look; about 40 s)
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -120,6 +122,12 @@ PAIRS = {"meshtorch_fsdp/fsdp2": ("meshtorch_fsdp", "fsdp2"),
          "meshtorch_dp/ddp": ("meshtorch_dp", "ddp"),
          "meshtorch_fsdp/meshtorch_fsdp_per_use": ("meshtorch_fsdp", "meshtorch_fsdp_per_use")}
 LR = 1e-3
+
+
+def reference(variants: Sequence[str]) -> str:
+    """The variant whose losses the others' are compared with, and whose model the plain twin
+    copies: the first meshtorch one run (every pair has one)."""
+    return next(n for n in variants if n in RULES)
 
 
 # ---------------------------------------------------------------- the plain twin
@@ -334,20 +342,22 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     rows, length = args.batch, args.length
     shape = f"batch:{rows},length:{length}"
     comm = TorchCommunicator(f"b:{WORLD}")
-    contexts = {name: ProcessorContext(comm, LayoutRules(rules)) for name, rules in RULES.items()}
+    variants = args.variants
+    contexts = {name: ProcessorContext(comm, LayoutRules(RULES[name])) for name in variants if name in RULES}
 
     steps, models = {}, {}
-    for name in VARIANTS:
+    for name in variants:
         if name in RULES:
             steps[name], models[name] = mesh_variant(cfg, contexts[name], shape, OVERLAP[name])
-    with use(contexts["meshtorch_fsdp"]):
-        twin = BlockLM(models["meshtorch_fsdp"])  # gathers the whole weights on each process
-    for name in VARIANTS:
+    first = reference(variants)  # every meshtorch variant starts from the same weights (seed 0)
+    with use(contexts[first]):
+        twin = BlockLM(models[first])  # gathers the whole weights on each process
+    for name in variants:
         if name not in RULES:
             steps[name], models[name] = torch_variant(name, twin)
 
-    losses: dict[str, list[float]] = {n: [] for n in VARIANTS}
-    done = dict.fromkeys(VARIANTS, 0)
+    losses: dict[str, list[float]] = {n: [] for n in variants}
+    done = dict.fromkeys(variants, 0)
 
     def take(name: str) -> tuple[float, float]:
         data = batch(done[name], cfg.vocab, rows, length)  # every variant's k-th step: the same rows
@@ -358,13 +368,13 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         done[name] += 1
         return wall, cpu
 
-    for name in VARIANTS:
+    for name in variants:
         for _ in range(args.warmup):
             take(name)
 
     # one counted step each: what the dispatcher runs, and meshtorch's own counters
     counted: dict[str, dict] = {}
-    for name in VARIANTS:
+    for name in variants:
         comm.stats.reset()
         with Collectives() as seen:
             take(name)
@@ -372,10 +382,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
         if name in RULES:
             counted[name]["comm_stats"] = comm.stats.as_dict()
 
-    wall: dict[str, list[list[float]]] = {n: [] for n in VARIANTS}
-    cpu: dict[str, list[list[float]]] = {n: [] for n in VARIANTS}
+    wall: dict[str, list[list[float]]] = {n: [] for n in variants}
+    cpu: dict[str, list[list[float]]] = {n: [] for n in variants}
     for r in range(args.rounds):
-        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+        for name in variants if r % 2 == 0 else variants[::-1]:
             wall[name].append([])
             cpu[name].append([])
             for _ in range(args.steps):
@@ -387,7 +397,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     # gradients and optimizer state are seen made), two steps, then the measured ones
     peaks: dict[str, int] = {}
     data = batch(10_000, cfg.vocab, rows, length)
-    for name in VARIANTS:
+    for name in variants:
         def setup(name=name):
             if name in RULES:
                 step, _ = mesh_variant(cfg, contexts[name], shape, OVERLAP[name])
@@ -402,18 +412,20 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
     dist.all_gather_object(gathered, {"wall": wall, "cpu": cpu, "losses": losses, "counted": counted,
                                       "peaks": peaks, "matmul_rate_cpu_time": matmul_rate_cpu_time()})
     if rank == 0:
-        queue.put({"per_process": gathered, "parameters": models["meshtorch_fsdp"].num_parameters()})
+        queue.put({"per_process": gathered, "parameters": models[first].num_parameters()})
     dist.barrier()
     dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- summary
-def summarise(per_process: list[dict]) -> dict:
+def summarise(per_process: list[dict], pairs: Sequence[str] = tuple(PAIRS)) -> dict:
     """Per variant: step times (the larger of the processes' for each step), per-round medians,
-    CPU times, collectives, peak memory; the paired ratios per round; the loss differences."""
+    CPU times, collectives, peak memory; the paired ratios per round (of ``pairs``); the loss
+    differences."""
     first = per_process[0]
+    variants = list(first["wall"])  # the variants run, in their order
     out: dict = {"variants": {}}
-    for name in VARIANTS:
+    for name in variants:
         rounds = [[max(ts) for ts in zip(*(p["wall"][name][r] for p in per_process))]
                   for r in range(len(first["wall"][name]))]
         cpu_rounds = [[max(ts) for ts in zip(*(p["cpu"][name][r] for p in per_process))]
@@ -438,7 +450,8 @@ def summarise(per_process: list[dict]) -> dict:
         out["variants"][name]["_rounds"] = {"wall": rounds, "cpu": cpu_rounds}
     for clock, table in (("wall", "ratios"), ("cpu", "cpu_ratios")):
         out[table] = {}
-        for key, (a, b) in PAIRS.items():
+        for key in pairs:
+            a, b = PAIRS[key]
             ra, rb = out["variants"][a]["_rounds"][clock], out["variants"][b]["_rounds"][clock]
             per_round = [statistics.median(x) / statistics.median(y) for x, y in zip(ra, rb)]
             out[table][key] = {"median": statistics.median(per_round), "per_round": per_round,
@@ -448,14 +461,14 @@ def summarise(per_process: list[dict]) -> dict:
     # losses: meshtorch's are global means; the torch variants' are each process's, averaged
     losses = {n: ([sum(p["losses"][n][i] for p in per_process) / len(per_process)
                    for i in range(len(first["losses"][n]))] if n not in RULES else first["losses"][n])
-              for n in VARIANTS}
-    ref = losses["meshtorch_fsdp"]
+              for n in variants}
+    ref = losses[reference(variants)]
     out["losses"] = losses
-    out["loss_max_difference"] = {n: max(abs(a - b) for a, b in zip(losses[n], ref)) for n in VARIANTS}
+    out["loss_max_difference"] = {n: max(abs(a - b) for a, b in zip(losses[n], ref)) for n in variants}
     out["matmul_flops_per_cpu_s"] = max(p["matmul_rate_cpu_time"] for p in per_process)
     out["loss_max_relative_difference"] = {n: max(abs(a - b) / abs(b) for a, b in zip(losses[n], ref))
-                                           for n in VARIANTS}
-    out["loss_first_step_difference"] = {n: abs(losses[n][0] - ref[0]) for n in VARIANTS}
+                                           for n in variants}
+    out["loss_first_step_difference"] = {n: abs(losses[n][0] - ref[0]) for n in variants}
     return out
 
 
@@ -505,15 +518,17 @@ def markdown(report: dict, figures: list[dict]) -> str:
         lines.append(f"- **{key} = {x['median']:.3f}** (rounds {x['min']:.2f}-{x['max']:.2f}: {per}); "
                      f"in the stepping thread's CPU time {c['median']:.3f} ({c['min']:.2f}-{c['max']:.2f})")
 
-    def others(diffs: dict) -> str:
-        return ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if n != "meshtorch_fsdp")
+    ref = reference(list(v))
 
-    lines += ["", f"Losses: every variant's k-th step against meshtorch FSDP's, over "
+    def others(diffs: dict) -> str:
+        return ", ".join(f"{n} {d:.1e}" for n, d in diffs.items() if n != ref)
+
+    lines += ["", f"Losses: every variant's k-th step against {ref}'s, over "
               f"{report['losses_compared']} steps: largest difference "
               f"{others(report['loss_max_difference'])} (relative: "
               f"{others(report['loss_max_relative_difference'])}; first step: "
               f"{others(report['loss_first_step_difference'])}).", ""]
-    for name in RULES:
+    for name in (n for n in v if n in RULES):
         s = v[name]["comm_stats"] or {}
         lines.append(f"- `mt.comm_stats()` of {name}: {sum(e['calls'] for e in s.values())} calls, "
                      f"{sum(e['bytes'] for e in s.values()) / mb:.2f} MB (the dispatcher counted "
@@ -552,8 +567,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"a small LM ({QUICK_CONFIG}), batch {QUICK_BATCH} x {QUICK_LENGTH}, 2 rounds of "
                         "2 steps: checks the benchmark in well under a minute")
+    p.add_argument("--pairs", default=",".join(PAIRS),
+                   help="the paired comparisons to run, comma-separated (their variants only), e.g. "
+                        "--pairs meshtorch_dp/ddp for a quick look at one; default: all of "
+                        + ", ".join(PAIRS))
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the json and md results")
     a = p.parse_args(argv)
+    a.pairs = [k.strip() for k in a.pairs.split(",") if k.strip()]
+    unknown = [k for k in a.pairs if k not in PAIRS]
+    if unknown or not a.pairs:
+        p.error(f"--pairs: {', '.join(unknown) or 'none given'}; choose from {', '.join(PAIRS)}")
+    chosen = {n for k in a.pairs for n in PAIRS[k]}
+    a.variants = [n for n in VARIANTS if n in chosen]
     if a.quick:
         a.rounds, a.steps, a.memory_steps = min(a.rounds, 2), min(a.steps, 2), min(a.memory_steps, 2)
     a.warmup = max(a.warmup, 2)
@@ -575,7 +600,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = queue.get()
     wall_s = time.time() - t0
     load_after = os.getloadavg()[0]
-    summary = summarise(res["per_process"])
+    summary = summarise(res["per_process"], args.pairs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -589,7 +614,7 @@ def main(argv: list[str] | None = None) -> dict:
               "parameters": res["parameters"], "batch": args.batch, "length": args.length,
               "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
               "memory_steps": args.memory_steps, "quick": args.quick, **summary,
-              "losses_compared": len(summary["losses"]["meshtorch_fsdp"]),
+              "losses_compared": len(summary["losses"][reference(args.variants)]),
               "flop_limit_fraction": {f["figure"]: f["flop_fraction"] for f in figures},
               # each process's half of the FLOPs over its stepping thread's CPU time at the CPU-time rate
               "flop_limit_fraction_cpu_time": {

@@ -111,3 +111,26 @@ def test_allocator_peak_lets_an_asynchronous_call_go_at_its_wait():
         torch.testing.assert_close(out, torch.arange(1.0, 5.0))
     finally:
         dist.destroy_process_group()
+
+
+def test_pairs_run_only_their_variants_and_unknown_ones_are_named(tmp_path, capsys):
+    args = bench.parse(["--pairs", "meshtorch_dp/ddp", "--quick"])
+    assert args.variants == ["meshtorch_dp", "ddp"] and args.pairs == ["meshtorch_dp/ddp"]
+    both = bench.parse(["--pairs", "meshtorch_fsdp/meshtorch_fsdp_per_use,meshtorch_dp/ddp"])
+    assert both.variants == ["meshtorch_fsdp", "meshtorch_dp", "ddp", "meshtorch_fsdp_per_use"]
+    assert bench.reference(both.variants) == "meshtorch_fsdp"
+    assert bench.reference(args.variants) == "meshtorch_dp"
+    with pytest.raises(SystemExit):
+        bench.parse(["--pairs", "meshtorch_dp/fsdp2"])
+    assert "--pairs: meshtorch_dp/fsdp2; choose from meshtorch_fsdp/fsdp2" in capsys.readouterr().err
+    # a summary of one pair from two processes' records: its ratio, losses against its meshtorch variant
+    record = {"wall": {"meshtorch_dp": [[0.3, 0.2]], "ddp": [[0.2, 0.2]]},
+              "cpu": {"meshtorch_dp": [[0.1, 0.1]], "ddp": [[0.1, 0.1]]},
+              "losses": {"meshtorch_dp": [1.0, 2.0], "ddp": [1.5, 2.5]},
+              "counted": {n: {"calls": {"all_reduce": 1}, "bytes": {"all_reduce": 4}}
+                          for n in ("meshtorch_dp", "ddp")},
+              "peaks": {"meshtorch_dp": 10, "ddp": 20}, "matmul_rate_cpu_time": 1e11}
+    other = {**record, "losses": {"meshtorch_dp": [1.0, 2.0], "ddp": [0.5, 1.5]}}
+    out = bench.summarise([record, other], ["meshtorch_dp/ddp"])
+    assert list(out["ratios"]) == ["meshtorch_dp/ddp"] and out["ratios"]["meshtorch_dp/ddp"]["median"] == 1.25
+    assert out["loss_max_difference"] == {"meshtorch_dp": 0.0, "ddp": 0.0}  # DDP's averaged over processes
