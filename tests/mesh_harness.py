@@ -155,3 +155,20 @@ def aten_ops(fn) -> tuple[list[str], object]:
     with Ops() as ops:
         out = fn()
     return ops.names, out
+
+
+class FailingBackward(torch.autograd.Function):
+    """The identity (a copy), whose backward raises ``RuntimeError("backward failed on purpose")``
+    where ``fail`` (per call: e.g. every processor's own flag); for tests of a backward that
+    raises midway and the step after it."""
+
+    @staticmethod
+    def forward(ctx, t, fail):
+        ctx.fail = fail
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.fail:
+            raise RuntimeError("backward failed on purpose")
+        return g, None

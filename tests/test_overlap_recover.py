@@ -15,23 +15,9 @@ import pytest
 import torch
 
 import meshtorch as mt
+from mesh_harness import FailingBackward
 
 FSDP, DP = "batch:b; d_model:b", "batch:b"
-
-
-class Boom(torch.autograd.Function):
-    """The identity, whose backward raises where ``boom`` (per call: every processor's own flag)."""
-
-    @staticmethod
-    def forward(ctx, t, boom):
-        ctx.boom = boom
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.boom:
-            raise RuntimeError("boom")
-        return g, None
 
 
 class Net(mt.nn.Module):
@@ -42,7 +28,7 @@ class Net(mt.nn.Module):
 
     def forward(self, x, boom):
         y = self.l2(self.l1(x))
-        y = mt.MeshTensor(Boom.apply(y.local, boom), y.shape, y.layout)  # raises between l2 and l3
+        y = mt.MeshTensor(FailingBackward.apply(y.local, boom), y.shape, y.layout)  # raises between l2 and l3
         return mt.reduce_mean(self.l3(y) ** 2)
 
 
@@ -69,7 +55,7 @@ def steps(fails: bool, outer: bool, bucket_mb: float) -> dict:
                 try:
                     loss.backward()
                 except RuntimeError as e:
-                    assert str(e) == "boom"
+                    assert str(e) == "backward failed on purpose"
             if kind == "fail":
                 out["after_failure"] = after_failure(net)
                 continue

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import meshtorch as mt
+from mesh_harness import FailingBackward
 
 STEPS, B = 10, 8
 
@@ -252,19 +253,6 @@ def test_grads_live_in_the_buckets_and_accumulate_like_one_process(overlap):
         assert ptrs[0] == ptrs[1] == ptrs[2]      # the same bucket slots every step
 
 
-class _FailIf(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fail):
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.fail:
-            raise RuntimeError("backward failed on purpose")
-        return g, None
-
-
 def test_backward_that_raises_midway_leaves_the_next_step_correct():
     """The head's bucket goes out before the body's backward raises, and the
     end-of-backward callback never runs. The next backward must start a fresh round;
@@ -276,7 +264,7 @@ def test_backward_that_raises_midway_leaves_the_next_step_correct():
         return torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 1).double()
 
     def loss(body, head, xb, fail=False):
-        return head(_FailIf.apply(torch.tanh(body(xb)), fail)).pow(2).mean()
+        return head(FailingBackward.apply(torch.tanh(body(xb)), fail)).pow(2).mean()
 
     torch.manual_seed(0)
     body, head = make()
