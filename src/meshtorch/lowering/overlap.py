@@ -132,10 +132,8 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
             from meshtorch.context import current
 
             rt = getattr(current().comm, "_overlap", None)
-            if rt is not None and rt.callback_missing:
-                rt.finish()  # a backward whose last gradients never came
-            elif rt is not None and rt.unfinished(at_exit=True):
-                rt.abandon()  # a backward that raised inside the block
+            if rt is not None:
+                rt.settle(at_exit=True)  # a backward whose last gradients never came, or that raised
 
 
 @contextmanager
@@ -223,7 +221,7 @@ def read_later(t: torch.Tensor, steps) -> ca.Later | None:
     meet in the forward (DDP's loss is each process's own: they meet at the end of backward).
     ``None``: run ``steps`` as usual."""
     if (len(steps) != 1 or steps[0][0] is not ca.all_reduce_sum or steps[0][2]
-            or getattr(_on, "options", None) is None or torch.compiler.is_compiling()):
+            or getattr(_on, "options", None) is None or is_dynamo_compiling()):
         return None
     return ca.all_reduce_sum_later(t, _current().comm, steps[0][1])
 

@@ -310,6 +310,15 @@ class GradientBuckets:
         finally:
             self._end_step()
 
+    def settle(self, at_exit: bool = False) -> None:
+        """Close a backward that did not end through the engine's callback: :meth:`finish` it
+        where the engine has none (``callback_missing``), :meth:`abandon` it where it raised
+        (:meth:`unfinished`). Asked at the next read and at :func:`overlap`'s exit (``at_exit``)."""
+        if self.callback_missing:
+            self.finish()  # a backward ended, without the engine's callback to finish it
+        elif self.unfinished(at_exit):
+            self.abandon()  # a backward raised: its buckets are not the next step's
+
     def unfinished(self, at_exit: bool = False) -> bool:
         """Whether a backward started (a gradient came, the buckets were cut) but never finished,
         and no backward runs now: it raised (the engine drops its queued :meth:`finish`), and the

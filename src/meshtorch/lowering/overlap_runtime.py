@@ -147,11 +147,8 @@ class Runtime(GradientBuckets):
         """The value an op reads for ``param`` adapted by ``steps`` (``how``: their kind, axes and
         dim), in the checkpointed block ``region`` (:func:`~meshtorch.lowering.overlap.unsaved`'s)
         or outside any (``None``)."""
-        if self.buckets is not None:
-            if self.callback_missing:
-                self.finish()  # a backward ended, without the engine's callback to finish it
-            elif self.unfinished():
-                self.abandon()  # a backward raised: its buckets are not this step's
+        if self.buckets is not None:  # (asked here first: no call per read in a normal forward)
+            self.settle()
         if opts is not self.opts:
             self.opts = opts
             self.bucket_bytes = max(1, int(opts.bucket_mb * 2**20))
