@@ -91,21 +91,21 @@ def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower):
         # a mean over no dims is a new tensor, floating as a mean is (fused or not); a sum, max
         # or min over none is the tensor itself
         return _in_order(x / 1 if how == "mean" else x, x, output_shape)
-    torch_fn = _LOCAL["sum" if how == "mean" else how]
     if how == "mean":
         # each processor divides its partial sum by the global count and the partial means are
         # summed: the all_reduce is the op's last step (inside mt.overlap(), a loss's is read later)
         count = math.prod([x.shape[n].size for n in names])
-        if x.dtype.is_floating_point and x.dtype.itemsize < 4:
-            # float16/bfloat16 accumulate in float32, as torch.mean does (131072 twos summed in
-            # float16 overflow to inf); the partial mean, no larger than the elements, goes
-            # back to the input dtype, so the all_reduce and the result keep it
-            def local_fn(view, t):
-                return (t.sum(idx, dtype=torch.float32) / count).to(t.dtype)
-        else:
-            def local_fn(view, t):
-                return torch_fn(t, idx) / count
+        # float16/bfloat16 accumulate in float32, as torch.mean does (131072 twos summed in
+        # float16 overflow to inf); the partial mean, no larger than the elements, goes back to
+        # the input dtype, so the all_reduce and the result keep it
+        acc = torch.float32 if x.dtype.is_floating_point and x.dtype.itemsize < 4 else None
+
+        def local_fn(view, t):
+            m = t.sum(idx, dtype=acc) / count
+            return m if acc is None else m.to(t.dtype)
     else:
+        torch_fn = _LOCAL[how]
+
         def local_fn(view, t):
             return torch_fn(t, idx)
 
