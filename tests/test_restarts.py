@@ -150,10 +150,12 @@ def test_torchruns_workers_get_their_share_of_the_cores_and_no_warning_about_it(
     every meshtorch train/launch --max-restarts: the launcher now gives the workers their share of the
     cores (as the processes launcher does) itself; a value the user chose is theirs."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # each worker's line is one write(2), atomic on a pipe: print's separate writes of the two workers
+    # interleaved under load ("threads 1threads", " 1")
     program = textwrap.dedent("""
         import os, sys
         from meshtorch.launcher.elastic import run_elastic
-        worker = "import os; print('threads', os.environ['OMP_NUM_THREADS'])"
+        worker = "import os; os.write(1, ('threads %s\\\\n' % os.environ['OMP_NUM_THREADS']).encode())"
         run_elastic([sys.executable, "-c", worker], 2, {}, max_restarts=1)
         print("left", os.environ.get("OMP_NUM_THREADS"))  # this process's own is as it was
     """)
