@@ -149,10 +149,12 @@ def _intra_op_threads() -> int:
     return torch.get_num_threads()
 
 
+@pytest.mark.parametrize("backend", ["torch", "threads"])
 @pytest.mark.parametrize("chosen", [True, False])
-def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypatch, chosen):
-    """A user's OMP_NUM_THREADS is each processor's intra-op threads (set after the fork server
-    started: the processors see it), as torchrun's workers keep it; unset, each gets its share."""
+def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypatch, chosen, backend):
+    """A user's OMP_NUM_THREADS is each processor's intra-op threads (for processes: set after the
+    fork server started, the processors see it), as torchrun's workers keep it; unset, each gets its
+    share. The threads launcher lowered a user's value to the share."""
     from meshtorch.launcher.world import threads_per_processor
 
     share = threads_per_processor(2)
@@ -160,7 +162,30 @@ def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypa
         monkeypatch.setenv("OMP_NUM_THREADS", str(share + 2))  # not the share, whatever the cores
     else:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert mt.launch(_intra_op_threads, mesh="m:2", backend="torch") == [share + 2 if chosen else share] * 2
+    before = torch.get_num_threads()
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend=backend) == [share + 2 if chosen else share] * 2
+    assert torch.get_num_threads() == before  # the threads launcher's setting ends with the launch
+
+
+# OMP_NUM_THREADS -> the threads a processor runs (None: its share of the cores): a value that is no
+# positive number of threads is none chosen, for every launcher alike
+OMP_VALUES = {None: None, "3": 3, "4,2": 4, "abc": None, "0": None, "\u00b2": None, "": None, "-1": None}
+
+
+@pytest.mark.parametrize("value", list(OMP_VALUES))
+def test_every_launcher_reads_omp_num_threads_the_same_way(monkeypatch, value):
+    from meshtorch.launcher.elastic import thread_environment
+    from meshtorch.launcher.world import threads_chosen, threads_for, threads_per_processor
+
+    if value is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    want = OMP_VALUES[value] or threads_per_processor(2)
+    assert threads_chosen() == OMP_VALUES[value] and threads_for(2) == want
+    # torchrun's workers: a chosen value passes as it is, anything else is replaced by the share
+    assert thread_environment(2) == ({} if OMP_VALUES[value] else {"OMP_NUM_THREADS": str(want)})
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend="threads") == [want] * 2
 
 
 def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():

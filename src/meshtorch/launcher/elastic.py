@@ -245,25 +245,33 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def thread_environment(nproc: int) -> dict[str, str]:
-    """``OMP_NUM_THREADS`` for ``nproc`` workers on this node where the user did not set it: each
-    worker's share of the cores (:func:`meshtorch.launcher.world.threads_per_processor`, as the
-    threads and processes launchers give theirs). torchrun would set 1 itself and print a warning of
-    six lines about it; a value the user chose is left as it is, and one worker keeps torch's default.
+    """``OMP_NUM_THREADS`` for ``nproc`` workers on this node where the user did not choose a number
+    of threads with it: each worker's :func:`meshtorch.launcher.world.threads_for`, as the threads
+    and processes launchers give theirs. torchrun would set 1 itself where it is unset and print a
+    warning of six lines about it, and would pass a value that is no number of threads (``"0"``,
+    ``"abc"``, ``""``) on to the workers; a value the user chose is left as it is (``4,2`` too), and
+    one worker where it is unset keeps torch's default.
 
     Example:
         >>> import os
         >>> from meshtorch.launcher.world import threads_per_processor
-        >>> thread_environment(2) == ({} if "OMP_NUM_THREADS" in os.environ else
-        ...                           {"OMP_NUM_THREADS": str(threads_per_processor(2))})
-        True
-        >>> thread_environment(1)
+        >>> before = os.environ.pop("OMP_NUM_THREADS", None)
+        >>> thread_environment(2) == {"OMP_NUM_THREADS": str(threads_per_processor(2))}, thread_environment(1)
+        (True, {})
+        >>> os.environ["OMP_NUM_THREADS"] = "3"
+        >>> thread_environment(2)
         {}
+        >>> os.environ["OMP_NUM_THREADS"] = "abc"
+        >>> thread_environment(2) == {"OMP_NUM_THREADS": str(threads_per_processor(2))}
+        True
+        >>> del os.environ["OMP_NUM_THREADS"]
+        >>> os.environ.update({} if before is None else {"OMP_NUM_THREADS": before})
     """
-    from meshtorch.launcher.world import threads_per_processor
+    from meshtorch.launcher.world import threads_chosen, threads_for
 
-    if nproc < 2 or "OMP_NUM_THREADS" in os.environ:
+    if threads_chosen() is not None or (nproc < 2 and "OMP_NUM_THREADS" not in os.environ):
         return {}
-    return {"OMP_NUM_THREADS": str(threads_per_processor(nproc))}
+    return {"OMP_NUM_THREADS": str(threads_for(nproc))}
 
 
 def network_environment(nodes: Nodes, say: str = "meshtorch launch") -> dict[str, str]:
