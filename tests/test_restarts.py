@@ -136,6 +136,17 @@ def test_only_the_launcher_that_holds_out_lets_its_workers_skip_the_lock(tmp_pat
     assert not launcher_holds(out)
 
 
+def test_a_worker_whose_launcher_holds_out_skips_the_lock(tmp_path):
+    # the worker: a child of this process, which holds the lock and is named by the variable and the file
+    out = str(tmp_path / "run")
+    ask = [sys.executable, "-c",
+           f"from meshtorch.recipes.lm.restarts import launcher_holds as h; print(h({out!r}))"]
+    with RunDirLock(TrainConfig.of(out=out), out):
+        assert _run(ask, env={"MESHTORCH_LAUNCHER_PID": str(os.getpid())})[1].split() == ["True"]
+        assert _run(ask, env={"MESHTORCH_LAUNCHER_PID": "1"})[1].split() == ["False"]  # not its parent
+    assert _run(ask, env={"MESHTORCH_LAUNCHER_PID": str(os.getpid())})[1].split() == ["False"]  # released
+
+
 def test_restart_count_is_torchruns_and_only_under_torchrun(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
