@@ -84,26 +84,36 @@ def test_local_launch_listens_on_loopback_only():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_torchrun_rendezvous_listens_only_on_the_master_addr(tmp_path):
-    # --master-addr takes the torchrun path; its static rendezvous store is this launcher's
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # --master-addr takes the torchrun path; its static rendezvous store is this launcher's. Port 0: the
+    # launcher's store picks a free one and holds it from its bind on (it hung: torchrun was given 0)
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(f"""
-        import json, sys
+        import json, os, sys
         import meshtorch as mt
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         from test_launch_processes import listening_addresses
         with open(sys.argv[1] + f"/r{{mt.current().rank}}.json", "w") as f:
-            json.dump(listening_addresses(), f)
+            json.dump([listening_addresses(), os.environ["MASTER_PORT"]], f)
     """))
     p = subprocess.run([sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "--mesh", "m:2",
-                        "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(tmp_path)],
+                        "--master-addr", "127.0.0.1", "--master-port", "0", str(script), str(tmp_path)],
                        capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": SRC})
     assert p.returncode == 0, p.stderr[-3000:]
+    ports = set()
     for r in range(2):
-        addrs = json.loads((tmp_path / f"r{r}.json").read_text())
+        addrs, port = json.loads((tmp_path / f"r{r}.json").read_text())
         assert addrs and all(_is_loopback(a) for a in addrs), f"listening on {addrs}"
+        ports.add(port)
+    assert len(ports) == 1 and int(ports.pop()) > 0
+
+
+def test_master_port_0_is_refused_where_other_nodes_would_need_the_port(tmp_path, capsys):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    assert cli_main(["launch", "--backend", "torch", "--mesh", "m:2", "--nnodes", "2", "-n", "1",
+                     "--master-addr", "127.0.0.1", "--master-port", "0", str(script)]) == 2
+    assert "--master-port 0 lets this node pick a free port, which the other nodes of --nnodes 2 cannot " \
+           "learn" in capsys.readouterr().err
 
 
 def _what_a_processor_inherited(tag: str) -> tuple[int, str | None]:

@@ -194,7 +194,9 @@ def _bind_rendezvous_store(nodes: Nodes) -> tuple[Any, Nodes]:
     """On the node that hosts torchrun's static rendezvous (``--master-addr``/``--master-port``,
     node rank 0), open its store listening on that address only, not on every interface as
     torchrun would; torchrun's own store then shares this server (both are multi-tenant).
-    On one node with no rendezvous option: on the loopback address and a free port.
+    On one node with no rendezvous option: on the loopback address and a free port; on one node
+    with ``--master-port 0``: on a free port of that address (as torchrun's ``--standalone`` takes
+    ``localhost:0``), which torchrun and the workers are given.
     Returns the store (keep it alive while torchrun runs; None where torchrun's rendezvous is not
     static or is hosted elsewhere) and the node options with that address and port."""
     import torch.distributed as dist
@@ -210,6 +212,11 @@ def _bind_rendezvous_store(nodes: Nodes) -> tuple[Any, Nodes]:
     except (ValueError, OSError) as e:
         raise ArgumentError(f"--master-addr {host!r} --master-port {nodes.master_port!r}: not an address "
                             f"this node can listen on ({e}); pass this node's address and a free port") from e
+    free = port == 0  # the kernel picks the port, which only this node learns
+    if free and nodes.counts != (1, 1):
+        raise ArgumentError(f"--master-port {nodes.master_port} lets this node pick a free port, which the "
+                            f"other nodes of --nnodes {nodes.nnodes} cannot learn; pass a free port, the "
+                            "same on every node")
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -220,7 +227,7 @@ def _bind_rendezvous_store(nodes: Nodes) -> tuple[Any, Nodes]:
         raise ArgumentError(f"cannot listen on --master-addr {host!r} --master-port {port} ({e}); node rank "
                             "0 hosts the rendezvous: pass one of its own addresses and a free port") from e
     port = sock.getsockname()[1]
-    if local:
+    if free:  # torchrun and its workers get the port this store holds (from the bind on: no race)
         nodes = dataclasses.replace(nodes, master_addr=host, master_port=str(port))
     # the store owns the socket from here on and closes it
     store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=_RENDEZVOUS_S),
