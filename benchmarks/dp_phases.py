@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from rendezvous import join, serve
 
 import meshtorch as mt
 from meshtorch.comm.torch import TorchCommunicator
@@ -66,9 +66,8 @@ def table(res: dict[str, list[list[float]]], title: str) -> str:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join(port, rank, 2)
     cfg = TransformerConfig(**args.config)
     shape = f"batch:{args.batch},length:{args.length}"
     ctx = ProcessorContext(TorchCommunicator("b:2"), LayoutRules("batch:b"))
@@ -145,9 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                                else (bench.BATCH, bench.LENGTH))
     if args.quick:
         args.rounds = min(args.rounds, 4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = serve()  # held until the workers end: no other run can take its port (rendezvous.py)
+    port = store.port
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_worker, args=(port, args, queue), nprocs=2, start_method="spawn")
     print(table(queue.get(), "Data parallel on 2 gloo processes: median CPU ms of rank 0's stepping thread"))

@@ -65,7 +65,6 @@ import copy
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -80,6 +79,7 @@ import torch.nn.functional as F
 from allocator_peak import step_peaks
 from limits import RESULTS, Work, attach, count, figure, limits, section
 from overhead import PlainLM
+from rendezvous import join, serve
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -335,9 +335,8 @@ def matmul_rate_cpu_time(n: int = 512, repeats: int = 5) -> float:
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join(port, rank, WORLD)
     cfg = TransformerConfig(**args.config)
     rows, length = args.batch, args.length
     shape = f"batch:{rows},length:{length}"
@@ -590,9 +589,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(sys.argv[1:] if argv is None else argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = serve()  # held until the workers end: no other run can take its port (rendezvous.py)
+    port = store.port
     load_before = os.getloadavg()[0]
     t0 = time.time()
     queue = mp.get_context("spawn").SimpleQueue()

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from limits import Work, attach, count, figure, section
+from rendezvous import join, serve
 
 import meshtorch as mt
 from meshtorch.comm.torch import TorchCommunicator
@@ -65,9 +65,8 @@ def step_work(batch: int) -> Work:
 
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(port, rank, world)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(args.batch, 784, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
 
@@ -140,9 +139,8 @@ def main() -> None:
                    help="DDP with gradient_as_bucket_view=True (no copy-out, like the Replicator)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the json and md results")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = serve()  # held until the workers end: no other run can take its port (rendezvous.py)
+    port = store.port
     cpus = os.cpu_count() or 1
     load_before = os.getloadavg()[0]
     t0 = time.time()

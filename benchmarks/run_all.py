@@ -34,7 +34,7 @@ from limits import ENV, RESULTS, measure, save, table
 HERE = Path(__file__).resolve().parent
 
 # modules the benchmarks (and tests) import, not benchmarks themselves
-MODULES = {"limits", "run_all", "allocator_peak"}
+MODULES = {"limits", "run_all", "allocator_peak", "rendezvous"}
 # scripts in benchmarks/ that run_all leaves to others, and why
 BY_HAND = {
     "abort_at_exit": "a loop counting rare aborts (minutes, no speed figure): run by hand",

@@ -117,3 +117,35 @@ def test_the_directory_is_flushed_after_the_replace(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", replace)
     write_atomic(tmp_path / "tokenizer.json", b"{}")
     assert events == ["file", "replace", "dir"], events
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="names a flushed directory by /proc")
+def test_a_checkpoints_version_is_flushed_under_its_name_before_the_pointer_names_it(tmp_path, monkeypatch):
+    """A save's commit: the version directory's rename is fsynced in the checkpoint's directory before
+    the pointer is replaced there, and the pointer's replace is fsynced after (POSIX orders no two
+    renames: with only the last fsync a power loss could keep the new pointer and lose the version)."""
+    root = str(tmp_path / "ckpt")
+    events: list[str] = []
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
+
+    def fsync(fd):
+        if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(root):
+            events.append("fsync root")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        if os.path.dirname(os.fspath(dst)) == root:
+            events.append(f"replace {os.path.basename(os.fspath(dst))}")
+        real_replace(src, dst)
+
+    def rename(src, dst):
+        if os.path.dirname(os.fspath(dst)) == root:
+            events.append(f"rename {os.path.basename(os.fspath(dst))}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
+    mt.save(root, model=mt.nn.Dense(mt.Dim("d", 2), mt.Dim("h", 2)), step=7)
+    commit = events[events.index("rename step-000007"):]
+    assert commit == ["rename step-000007", "fsync root", "replace latest", "fsync root"], events

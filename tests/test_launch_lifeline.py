@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -120,17 +119,11 @@ def test_meshtorch_launch_workers_die_with_the_launcher(script, tmp_path, sig):
     _kill_and_expect_workers_gone(launcher, _worker_pids(tmp_path, 2, launcher), sig)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_meshtorch_launch_through_torchrun_workers_die_with_the_launcher(script, tmp_path, sig):
     # a rendezvous address sends the workers through torchrun, whose agent runs in the launcher
     launcher = _start([sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "--mesh", "m:2",
-                       "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                       "--master-addr", "127.0.0.1", "--master-port", "0",
                        str(script), str(tmp_path)])
     _kill_and_expect_workers_gone(launcher, _worker_pids(tmp_path, 2, launcher), sig)
 

@@ -84,26 +84,36 @@ def test_local_launch_listens_on_loopback_only():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_torchrun_rendezvous_listens_only_on_the_master_addr(tmp_path):
-    # --master-addr takes the torchrun path; its static rendezvous store is this launcher's
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # --master-addr takes the torchrun path; its static rendezvous store is this launcher's. Port 0: the
+    # launcher's store picks a free one and holds it from its bind on (it hung: torchrun was given 0)
     script = tmp_path / "prog.py"
     script.write_text(textwrap.dedent(f"""
-        import json, sys
+        import json, os, sys
         import meshtorch as mt
         sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
         from test_launch_processes import listening_addresses
         with open(sys.argv[1] + f"/r{{mt.current().rank}}.json", "w") as f:
-            json.dump(listening_addresses(), f)
+            json.dump([listening_addresses(), os.environ["MASTER_PORT"]], f)
     """))
     p = subprocess.run([sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "--mesh", "m:2",
-                        "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), str(tmp_path)],
+                        "--master-addr", "127.0.0.1", "--master-port", "0", str(script), str(tmp_path)],
                        capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONPATH": SRC})
     assert p.returncode == 0, p.stderr[-3000:]
+    ports = set()
     for r in range(2):
-        addrs = json.loads((tmp_path / f"r{r}.json").read_text())
+        addrs, port = json.loads((tmp_path / f"r{r}.json").read_text())
         assert addrs and all(_is_loopback(a) for a in addrs), f"listening on {addrs}"
+        ports.add(port)
+    assert len(ports) == 1 and int(ports.pop()) > 0
+
+
+def test_master_port_0_is_refused_where_other_nodes_would_need_the_port(tmp_path, capsys):
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('must not run')\n")
+    assert cli_main(["launch", "--backend", "torch", "--mesh", "m:2", "--nnodes", "2", "-n", "1",
+                     "--master-addr", "127.0.0.1", "--master-port", "0", str(script)]) == 2
+    assert "--master-port 0 lets this node pick a free port, which the other nodes of --nnodes 2 cannot " \
+           "learn" in capsys.readouterr().err
 
 
 def _what_a_processor_inherited(tag: str) -> tuple[int, str | None]:
@@ -149,10 +159,12 @@ def _intra_op_threads() -> int:
     return torch.get_num_threads()
 
 
+@pytest.mark.parametrize("backend", ["torch", "threads"])
 @pytest.mark.parametrize("chosen", [True, False])
-def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypatch, chosen):
-    """A user's OMP_NUM_THREADS is each processor's intra-op threads (set after the fork server
-    started: the processors see it), as torchrun's workers keep it; unset, each gets its share."""
+def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypatch, chosen, backend):
+    """A user's OMP_NUM_THREADS is each processor's intra-op threads (for processes: set after the
+    fork server started, the processors see it), as torchrun's workers keep it; unset, each gets its
+    share. The threads launcher lowered a user's value to the share."""
     from meshtorch.launcher.world import threads_per_processor
 
     share = threads_per_processor(2)
@@ -160,7 +172,30 @@ def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypa
         monkeypatch.setenv("OMP_NUM_THREADS", str(share + 2))  # not the share, whatever the cores
     else:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert mt.launch(_intra_op_threads, mesh="m:2", backend="torch") == [share + 2 if chosen else share] * 2
+    before = torch.get_num_threads()
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend=backend) == [share + 2 if chosen else share] * 2
+    assert torch.get_num_threads() == before  # the threads launcher's setting ends with the launch
+
+
+# OMP_NUM_THREADS -> the threads a processor runs (None: its share of the cores): a value that is no
+# positive number of threads is none chosen, for every launcher alike
+OMP_VALUES = {None: None, "3": 3, "4,2": 4, "abc": None, "0": None, "\u00b2": None, "": None, "-1": None}
+
+
+@pytest.mark.parametrize("value", list(OMP_VALUES))
+def test_every_launcher_reads_omp_num_threads_the_same_way(monkeypatch, value):
+    from meshtorch.launcher.elastic import thread_environment
+    from meshtorch.launcher.world import threads_chosen, threads_for, threads_per_processor
+
+    if value is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", value)
+    want = OMP_VALUES[value] or threads_per_processor(2)
+    assert threads_chosen() == OMP_VALUES[value] and threads_for(2) == want
+    # torchrun's workers: a chosen value passes as it is, anything else is replaced by the share
+    assert thread_environment(2) == ({} if OMP_VALUES[value] else {"OMP_NUM_THREADS": str(want)})
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend="threads") == [want] * 2
 
 
 def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():

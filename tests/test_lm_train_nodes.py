@@ -74,8 +74,10 @@ def test_a_two_node_train_across_two_hosts_trains_as_a_one_node_run_of_the_same_
     assert (summary["steps"], summary["mesh"]) == (4, "b:2")
     # the reference: the same mesh on one node (threads; on a 2-processor mesh the only cross-processor
     # arithmetic is sums of two addends, exact in either order, so the runs agree bitwise), each processor
-    # on one CPU thread as each node's is (OMP_NUM_THREADS=1; the threads backend gives each processor
-    # cores / processors of them, and kernels split over more threads may round otherwise)
+    # on one CPU thread as each node's is (OMP_NUM_THREADS=1, which the threads backend keeps as the
+    # others do; else each processor gets cores / processors; kernels split over more threads may round
+    # otherwise)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     ref = str(tmp_path / "one-node")
     assert cli_main(["train", *TINY, "--rules", "batch:b; d_ff:b", "--data", data, "--out", ref]) == 0

@@ -72,6 +72,8 @@ def replacing(path: str | os.PathLike, temporary: str | None = None) -> Iterator
         tmp = os.fspath(temporary)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # as mkstemp: never another's file
     os.close(fd)
+    # (no fsync of the directory for the temporary name: nothing reads it, and a power loss that
+    # forgets it loses nothing; the one fsync atomicity needs comes after the replace)
     try:
         yield tmp
         fd = os.open(tmp, os.O_RDWR)  # writable: Windows flushes only a handle that may write

@@ -160,16 +160,38 @@ class MeshTensor:
         return redistribute(self.local, self.layout, Layout(self.shape, self.layout.mesh, {}))
 
     def item(self) -> float | int | bool:
+        return self._scalar("item()").item()
+
+    # Python's number conversions, as torch.Tensor's: ``float(loss)`` is ``loss.item()`` (a loss
+    # whose all_reduce is in flight waits for it: ``local`` is read). Only a scalar converts; it is
+    # the same number on every processor, so every processor takes the same branch of an ``if``.
+    def __float__(self) -> float:
+        return float(self._scalar("float()"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int()"))
+
+    def __index__(self) -> int:  # an integer dtype only, as torch's (a float raises TypeError)
+        return self._scalar("operator.index()").__index__()
+
+    def __complex__(self) -> complex:
+        return complex(self._scalar("complex()"))
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar("bool()"))
+
+    def _scalar(self, what: str) -> torch.Tensor:
+        """The local value of this scalar for ``what`` (a conversion to a Python number)."""
         if self.shape.ndim:
-            raise ShapeError(f"item() needs a scalar; this tensor has shape [{self.shape}]")
-        return self.local.item()
+            fix = "mt.reduce_any(x) or mt.reduce_all(x)" if what == "bool()" else "mt.reduce_sum(x)"
+            raise ShapeError(
+                f"{what} needs a scalar MeshTensor (no dims); {self.name or 'this tensor'} has dims "
+                f"[{self.shape}] — reduce them first, e.g. {fix}")
+        return self.local
 
     def __repr__(self) -> str:
         nm = f" {self.name!r}" if self.name else ""
         return f"MeshTensor{nm}([{self.shape}], layout={self.layout}, dtype={self.dtype})"
-
-    def __bool__(self) -> bool:
-        raise ShapeError("a MeshTensor has no truth value; use mt.reduce_any or .item()")
 
     def adapter_memo(self) -> dict:
         """The store in which the uses of this tensor share their adapters' outputs

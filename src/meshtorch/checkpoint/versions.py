@@ -231,6 +231,9 @@ def commit(path: str, tmp: str, step: int | None, keep: int, tag: str) -> str:
     mark_live(pointer_tmp, True)
     try:
         os.rename(tmp, final)
+        # the version's name is on the disk before the pointer names it: the pointer's replace below
+        # is flushed by write_atomic's own fsync of this directory, and POSIX orders no two renames,
+        # so without this one a power loss could keep the new pointer and forget this rename
         fsync_dir(path)
         # a temporary pointer that names its writer: a later save removes one a crash left behind
         write_atomic(os.path.join(path, POINTER), json.dumps({"format": POINTER_FORMAT, "versions": new},

@@ -194,7 +194,9 @@ def _bind_rendezvous_store(nodes: Nodes) -> tuple[Any, Nodes]:
     """On the node that hosts torchrun's static rendezvous (``--master-addr``/``--master-port``,
     node rank 0), open its store listening on that address only, not on every interface as
     torchrun would; torchrun's own store then shares this server (both are multi-tenant).
-    On one node with no rendezvous option: on the loopback address and a free port.
+    On one node with no rendezvous option: on the loopback address and a free port; on one node
+    with ``--master-port 0``: on a free port of that address (as torchrun's ``--standalone`` takes
+    ``localhost:0``), which torchrun and the workers are given.
     Returns the store (keep it alive while torchrun runs; None where torchrun's rendezvous is not
     static or is hosted elsewhere) and the node options with that address and port."""
     import torch.distributed as dist
@@ -210,6 +212,11 @@ def _bind_rendezvous_store(nodes: Nodes) -> tuple[Any, Nodes]:
     except (ValueError, OSError) as e:
         raise ArgumentError(f"--master-addr {host!r} --master-port {nodes.master_port!r}: not an address "
                             f"this node can listen on ({e}); pass this node's address and a free port") from e
+    free = port == 0  # the kernel picks the port, which only this node learns
+    if free and nodes.counts != (1, 1):
+        raise ArgumentError(f"--master-port {nodes.master_port} lets this node pick a free port, which the "
+                            f"other nodes of --nnodes {nodes.nnodes} cannot learn; pass a free port, the "
+                            "same on every node")
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -220,7 +227,7 @@ def _bind_rendezvous_store(nodes: Nodes) -> tuple[Any, Nodes]:
         raise ArgumentError(f"cannot listen on --master-addr {host!r} --master-port {port} ({e}); node rank "
                             "0 hosts the rendezvous: pass one of its own addresses and a free port") from e
     port = sock.getsockname()[1]
-    if local:
+    if free:  # torchrun and its workers get the port this store holds (from the bind on: no race)
         nodes = dataclasses.replace(nodes, master_addr=host, master_port=str(port))
     # the store owns the socket from here on and closes it
     store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=_RENDEZVOUS_S),
@@ -245,25 +252,33 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def thread_environment(nproc: int) -> dict[str, str]:
-    """``OMP_NUM_THREADS`` for ``nproc`` workers on this node where the user did not set it: each
-    worker's share of the cores (:func:`meshtorch.launcher.world.threads_per_processor`, as the
-    threads and processes launchers give theirs). torchrun would set 1 itself and print a warning of
-    six lines about it; a value the user chose is left as it is, and one worker keeps torch's default.
+    """``OMP_NUM_THREADS`` for ``nproc`` workers on this node where the user did not choose a number
+    of threads with it: each worker's :func:`meshtorch.launcher.world.threads_for`, as the threads
+    and processes launchers give theirs. torchrun would set 1 itself where it is unset and print a
+    warning of six lines about it, and would pass a value that is no number of threads (``"0"``,
+    ``"abc"``, ``""``) on to the workers; a value the user chose is left as it is (``4,2`` too), and
+    one worker where it is unset keeps torch's default.
 
     Example:
         >>> import os
         >>> from meshtorch.launcher.world import threads_per_processor
-        >>> thread_environment(2) == ({} if "OMP_NUM_THREADS" in os.environ else
-        ...                           {"OMP_NUM_THREADS": str(threads_per_processor(2))})
-        True
-        >>> thread_environment(1)
+        >>> before = os.environ.pop("OMP_NUM_THREADS", None)
+        >>> thread_environment(2) == {"OMP_NUM_THREADS": str(threads_per_processor(2))}, thread_environment(1)
+        (True, {})
+        >>> os.environ["OMP_NUM_THREADS"] = "3"
+        >>> thread_environment(2)
         {}
+        >>> os.environ["OMP_NUM_THREADS"] = "abc"
+        >>> thread_environment(2) == {"OMP_NUM_THREADS": str(threads_per_processor(2))}
+        True
+        >>> del os.environ["OMP_NUM_THREADS"]
+        >>> os.environ.update({} if before is None else {"OMP_NUM_THREADS": before})
     """
-    from meshtorch.launcher.world import threads_per_processor
+    from meshtorch.launcher.world import threads_chosen, threads_for
 
-    if nproc < 2 or "OMP_NUM_THREADS" in os.environ:
+    if threads_chosen() is not None or (nproc < 2 and "OMP_NUM_THREADS" not in os.environ):
         return {}
-    return {"OMP_NUM_THREADS": str(threads_per_processor(nproc))}
+    return {"OMP_NUM_THREADS": str(threads_for(nproc))}
 
 
 def network_environment(nodes: Nodes, say: str = "meshtorch launch") -> dict[str, str]:

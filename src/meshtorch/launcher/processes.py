@@ -54,8 +54,7 @@ from meshtorch.launcher.world import (
     in_torchrun,
     init_distributed,
     shutdown,
-    threads_chosen,
-    threads_per_processor,
+    threads_for,
 )
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
@@ -227,7 +226,7 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, launcher_p
         fn, args, kwargs, mesh, rules, timeout, check, device = pickle.loads(payload)
         # the user's OMP_NUM_THREADS stands; set here, not left to torch: a forked processor's OpenMP
         # read the environment when the fork server started, not the launch's
-        torch.set_num_threads(threads_chosen() or threads_per_processor(world))
+        torch.set_num_threads(threads_for(world))
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_WORLD_SIZE=str(world))
         # every processor is on this machine: gloo's and NCCL's bootstrap connections

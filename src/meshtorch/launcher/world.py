@@ -36,11 +36,9 @@ RENDEZVOUS_MIN_S = 120.0
 
 
 def threads_per_processor(processors: int) -> int:
-    """The intra-op threads each of ``processors`` processors on this machine runs: its share of the
-    cores (at least one), so that they do not oversubscribe them. The one rule of every launcher:
-    threads and processes set it, and torchrun's workers get it as ``OMP_NUM_THREADS``
-    (:func:`meshtorch.launcher.elastic.thread_environment`); the processes launcher and torchrun's
-    workers keep the user's own ``OMP_NUM_THREADS`` (:func:`threads_chosen`).
+    """Each of ``processors`` processors' share of this machine's cores (at least one), so that they
+    do not oversubscribe them: the intra-op threads it runs where the user chose none
+    (:func:`threads_for`).
 
     Example:
         >>> threads_per_processor(1) == (os.cpu_count() or 1), threads_per_processor(10**6)
@@ -49,10 +47,35 @@ def threads_per_processor(processors: int) -> int:
     return max(1, (os.cpu_count() or 1) // processors)
 
 
+def threads_for(processors: int) -> int:
+    """The intra-op threads each of ``processors`` processors on this machine runs: the user's
+    ``OMP_NUM_THREADS`` where it is a number of threads (:func:`threads_chosen`), else its share of
+    the cores (:func:`threads_per_processor`). The one rule of every launcher: the threads and
+    processes launchers set it, and torchrun's workers get it as ``OMP_NUM_THREADS``
+    (:func:`meshtorch.launcher.elastic.thread_environment`).
+
+    Example:
+        >>> import os
+        >>> before = os.environ.pop("OMP_NUM_THREADS", None)
+        >>> threads_for(2) == threads_per_processor(2)
+        True
+        >>> os.environ["OMP_NUM_THREADS"] = "3"
+        >>> threads_for(2)
+        3
+        >>> os.environ["OMP_NUM_THREADS"] = "0"  # not a number of threads: the share
+        >>> threads_for(2) == threads_per_processor(2)
+        True
+        >>> del os.environ["OMP_NUM_THREADS"]
+        >>> os.environ.update({} if before is None else {"OMP_NUM_THREADS": before})
+    """
+    return threads_chosen() or threads_per_processor(processors)
+
+
 def threads_chosen() -> int | None:
     """The intra-op threads the user chose for each process with ``OMP_NUM_THREADS`` (its first
-    level, as OpenMP reads ``4,2``), or ``None`` where it is unset or not a positive whole number.
-    A launcher gives its processes :func:`threads_per_processor` only where the user chose none.
+    level, as OpenMP reads ``4,2``), or ``None`` where it is unset or not a positive whole number
+    (``""``, ``"0"``, ``"abc"``, ``"\u00b2"``). A launcher gives its processes
+    :func:`threads_per_processor` only where the user chose none (:func:`threads_for`).
 
     Example:
         >>> import os

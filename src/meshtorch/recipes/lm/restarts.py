@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -36,7 +35,7 @@ from meshtorch.errors import CommError, MeshTorchError, ProcessorError, Training
 from meshtorch.launcher.elastic import restart_count
 from meshtorch.launcher.lifeline import ENV_LAUNCHER_PID
 from meshtorch.recipes.lm.config import TrainConfig
-from meshtorch.recipes.lm.guards import LOCK, RunDirLock
+from meshtorch.recipes.lm.guards import RunDirLock, lock_holder
 
 # each worker process runs meshtorch.recipes.lm.trainer.restarting_worker (named, not imported: the
 # trainer imports this module)
@@ -192,25 +191,10 @@ def worker_failed(e: Exception, cfg: TrainConfig) -> str:
 def launcher_holds(out: str) -> bool:
     """Whether ``out`` is held (:class:`RunDirLock`) by the ``meshtorch train`` process that started this
     worker: this process's parent, named in ``MESHTORCH_LAUNCHER_PID`` and in the lock file, and the lock
-    taken. An environment variable alone never skips the lock."""
+    taken (:func:`~meshtorch.recipes.lm.guards.lock_holder`). An environment variable alone never skips
+    the lock."""
     pid = os.environ.get(ENV_LAUNCHER_PID, "")
-    if not pid.isdigit() or int(pid) != os.getppid():
-        return False
-    try:
-        fd = os.open(os.path.join(out, LOCK), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        if os.read(fd, 64).decode(errors="replace").strip() != pid:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True  # held, by the parent the file names
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    return pid.isdigit() and int(pid) == os.getppid() and lock_holder(out) == pid
 
 
 def maybe_crash(step: int, rank: int) -> None:
