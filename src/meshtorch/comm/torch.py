@@ -482,11 +482,12 @@ class TorchCommunicator(Communicator):
                            lambda: dist.all_reduce(x, _REDUCE[op], group=pg, async_op=True),
                            lambda: unpack(x.to(flat.device)))
 
-    # A FlatAllReduce's buffer is reduced in place by the process group itself, its C++ method
-    # (``ProcessGroup.allreduce([t], opts)``, which DDP's reducer calls, and dist.all_reduce after
-    # five Python calls of checks a start). dist.all_reduce where the process group has no such
-    # method, or it takes other arguments (a TypeError, then remembered), and for what it
-    # handles itself: a complex dtype (reduced as real pairs), a tensor subclass.
+    # A FlatAllReduce's buffer is reduced in place by the process group's own C++ method,
+    # ``ProcessGroup.allreduce([t], opts)``: what DDP's reducer calls, and what dist.all_reduce
+    # calls after five Python calls of its own checks per start. dist.all_reduce runs it where
+    # the process group has no such method or it takes other arguments (a TypeError, then
+    # remembered), and for what dist.all_reduce handles itself: a complex dtype (reduced as real
+    # pairs), a tensor subclass.
     def _prepare_all_reduce(self, axes, group, op):
         pg = self._process_group(axes)
         method = None if "ProcessGroup.allreduce" in self._missing else process_group_allreduce(pg)
@@ -651,8 +652,7 @@ def process_group_allreduce(pg) -> Callable | None:
     then ``dist.all_reduce`` runs the call.
 
     Example:
-        >>> import torch.distributed as dist
-        >>> process_group_allreduce(object()) is None
+        >>> process_group_allreduce(object()) is None  # no process group
         True
     """
     method = getattr(pg, "allreduce", None)
