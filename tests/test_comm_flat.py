@@ -45,8 +45,8 @@ def prepared_and_grouped(axes) -> dict:
         watched = (list(seen), len(waited))
         counted = (comm.stats - before).as_dict()
         before = comm.stats.copy()
-        grouped = [comm.all_reduce_grouped([mine(comm.rank)], axes, async_op=True).wait()[0] for _ in range(2)]
-        grouped.append(comm.all_reduce_grouped([torch.tensor(comm.rank + 1.0)], axes, async_op=True).wait()[0])
+        grouped = [comm.all_reduce_grouped([t], axes, async_op=True).wait()[0]
+                   for t in (mine(comm.rank), mine(comm.rank), torch.tensor(comm.rank + 1.0))]
         return {"out": out, "grouped": grouped, "counted": counted, "grouped_counted":
                 (comm.stats - before).as_dict(), "watched": watched, "in_place": out[0] is flats[0],
                 "shapes": [tuple(t.shape) for t in out]}
@@ -88,13 +88,9 @@ def alone_and_misused() -> tuple:
 def test_a_group_of_one_is_its_buffer_uncounted_and_a_wrong_buffer_is_refused():
     alone, calls, errors = mt.launch(alone_and_misused, mesh="b:2,m:1")[0]
     assert alone and calls == 0
-    assert errors == [
-        "all_reduce over ('b',) prepared for 5 contiguous elements of torch.float32, started with a contiguous "
-        "torch.float64[5]",
-        "all_reduce over ('b',) prepared for 5 contiguous elements of torch.float32, started with a contiguous "
-        "torch.float32[4]",
-        "all_reduce over ('b',) prepared for 5 contiguous elements of torch.float32, started with a strided "
-        "torch.float32[5]"]
+    prepared = "all_reduce over ('b',) prepared for 5 contiguous elements of torch.float32, started with a"
+    assert errors == [f"{prepared} contiguous torch.float64[5]", f"{prepared} contiguous torch.float32[4]",
+                      f"{prepared} strided torch.float32[5]"]
 
 
 def mismatched_sizes():
