@@ -79,6 +79,7 @@ def test_a_peer_that_crashed_is_no_mismatch():
         raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53478: Connection reset by peer")
 
     comm = SimpleNamespace(timeout=300.0, rank=0, mesh=Mesh("b:2"))
+    comm._failed = lambda *args: TorchCommunicator._failed(comm, *args)
     with pytest.raises(CommError) as info:
         TorchCommunicator._run(comm, "all_reduce", ("b",), [0, 1], reset)
     msg = str(info.value)

@@ -16,6 +16,7 @@ import torch
 
 import meshtorch as mt
 from mesh_harness import aten_ops
+from meshtorch.comm.grouped import Handle
 from meshtorch.lowering import overlap as ov
 from meshtorch.lowering import overlap_buckets, overlap_reads
 from meshtorch.lowering.overlap_runtime import Runtime
@@ -346,20 +347,40 @@ def test_two_axis_meshes_overlap_with_the_per_use_values(mesh, rules):
 _flats: dict[int, list] = {}  # processor -> weakrefs to the flat results its grouped reductions unpacked
 
 
+def _seen(out: torch.Tensor) -> None:
+    _flats.setdefault(mt.current().comm.rank, []).append(weakref.ref(out.untyped_storage()))
+
+
 def _watch(unpack):
     def watched(out, layout):
-        _flats.setdefault(mt.current().comm.rank, []).append(weakref.ref(out.untyped_storage()))
+        _seen(out)
         return unpack(out, layout)
+    return watched
+
+
+def _watch_start(start):
+    def watched(self, flat):  # a prepared all_reduce's result: the reduced flat buffer, whole
+        work = start(self, flat)
+
+        def finish():
+            out = work.wait()
+            _seen(out[0])
+            return out
+        return Handle(finish, work.is_completed)
     return watched
 
 
 def watch_flat_results(monkeypatch=None) -> None:
     """Record the flat result of every grouped reduction (``monkeypatch``: undone after the test;
-    else for the rest of this process)."""
+    else for the rest of this process): unpacked (grouped reductions), or a prepared all_reduce's
+    (data parallel's whole buckets)."""
     from meshtorch.comm import grouped as gp
+    from meshtorch.comm.base import FlatAllReduce
 
+    put = monkeypatch.setattr if monkeypatch else setattr
     for name in ("unpack_scatter", "unpack_reduce"):
-        (monkeypatch.setattr if monkeypatch else setattr)(gp, name, _watch(getattr(gp, name)))
+        put(gp, name, _watch(getattr(gp, name)))
+    put(FlatAllReduce, "start", _watch_start(FlatAllReduce.start))
 
 
 def gradient_memory(on: bool, micro: int, watch: bool = False) -> list[dict]:

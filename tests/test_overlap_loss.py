@@ -136,7 +136,7 @@ def fake(value: torch.Tensor, waits: list, fail: bool = False):
         return [value]
 
     handle = Handle(finish, done=lambda: False)
-    return types.SimpleNamespace(all_reduce_grouped=lambda tensors, axes, async_op: handle)
+    return types.SimpleNamespace(all_reduce_async=lambda t, axes: handle)
 
 
 def test_backward_from_a_loss_in_flight_waits_for_nothing_and_item_waits_once():

@@ -45,7 +45,8 @@ TINY = TrainConfig.of(batch=4, length=8, d_model=8, heads=2, d_kv=4, d_ff=16, la
                       experts=2, top_k=1, moe_every=1)
 HOST_READS = {"aminmax", "_local_scalar_dense", "lift_fresh"}
 BACKEND_METHODS = ("_all_reduce", "_all_gather", "_reduce_scatter", "_all_to_all", "_permute", "_broadcast",
-                   "_send", "_recv", "_start_all_gather", "_start_reduce_scatter", "_start_all_reduce")
+                   "_send", "_recv", "_start_all_gather", "_start_reduce_scatter", "_start_all_reduce",
+                   "_start_flat_all_reduce")
 
 
 class Recorder(TorchDispatchMode):

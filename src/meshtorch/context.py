@@ -86,8 +86,9 @@ class ProcessorContext:
         return self.comm.device
 
     def __post_init__(self) -> None:
-        # the backend's private copies stay unseen by this processor's tracer
-        self.comm.unseen = untraced
+        # the backend's private copies stay unseen by this processor's tracer (``tracing``: the
+        # dict of contexts with one, empty while nothing traces, for the backend's hot paths)
+        self.comm.unseen, self.comm.tracing = untraced, traced
 
     def next_random_stream(self) -> int:
         """A fresh stream number; the same sequence on every processor (SPMD)."""

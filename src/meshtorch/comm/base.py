@@ -28,7 +28,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -94,6 +94,9 @@ def user_call_site() -> str:
 
 F = TypeVar("F", bound=Callable)
 
+# the prepared all_reduces a communicator keeps for all_reduce_async (a loss's, a few metrics')
+MAX_FLAT_ALL_REDUCES = 64
+
 # the live communicator of each (mesh, rank), for collectives that a compiled graph runs
 LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -155,6 +158,10 @@ class Communicator(ABC):
     #: processor context's ``untraced``, set by the context that takes this communicator (the
     #: communicators sit below the context and never import it)
     unseen: Callable[[], AbstractContextManager[Any]] = nullcontext
+    #: non-empty while some processor of this process has a tracer (the context's ``traced``, set
+    #: with ``unseen``): a hot path enters ``unseen()`` only then (its ``nullcontext`` is three
+    #: Python calls, run between backward's kernels, where Python runs cold)
+    tracing: Any = ()
 
     def __init__(self, mesh: Mesh, rank: int, check: bool = False):
         self.mesh = mesh
@@ -165,6 +172,8 @@ class Communicator(ABC):
         # axes as a grouped call was given them -> (axes, group): looked up once per axes, as
         # data parallel's gradient buckets make the same calls every step
         self._grouped_axes: dict = {}
+        # (axes, op, dtype, shape, device) -> the FlatAllReduce of all_reduce_async's calls
+        self._flat_all_reduces: dict = {}
         if self.backend != "meta":  # the meta backend only shapes what compiled graphs run
             LIVE[(str(mesh), rank)] = self
 
@@ -417,6 +426,67 @@ class Communicator(ABC):
         work = self._start_all_reduce(flat, axes, group, op, call, lambda out: gp.unpack_reduce(out, shapes))
         return self._issued(work) if async_op else work.wait()
 
+    def prepare_all_reduce(self, axes, numel: int, dtype: torch.dtype, op: str = "sum") -> FlatAllReduce:
+        """A grouped all_reduce of one flat buffer of ``numel`` elements of ``dtype``, prepared once
+        and started as often as needed (:meth:`FlatAllReduce.start`): data parallel's gradient
+        buckets, which the same backward launches at every step, a loss's scalar. It is counted,
+        described and run as ``all_reduce_grouped([flat], axes, op, async_op=True)``, with the
+        group, the description and the backend's launch worked out here, once.
+
+        Example:
+            >>> import torch, meshtorch as mt
+            >>> def f():
+            ...     comm = mt.current().comm
+            ...     bucket = comm.prepare_all_reduce("b", 3, torch.float32)
+            ...     out = [bucket.start(torch.full((3,), comm.rank + 1.0)).wait()[0] for _ in range(2)]
+            ...     return [t.tolist() for t in out], comm.stats.calls(), comm.stats.bytes()
+            >>> mt.launch(f, mesh="b:2")[0]
+            ([[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]], 2, 24)
+        """
+        if op not in REDUCE_OPS:
+            raise CommError(f"all_reduce op {op!r} is not one of {REDUCE_OPS}")
+        axes, group = self._grouped("all_reduce", [], axes)
+        return FlatAllReduce(self, axes, group, op, numel, dtype)
+
+    def all_reduce_async(self, t: torch.Tensor, axes, op: str = "sum") -> Handle:
+        """``t`` reduced elementwise over the group, issued asynchronously: a :class:`Handle`
+        whose ``wait()`` gives ``[result]``, of ``t``'s shape. Counted and run as
+        ``all_reduce_grouped([t], axes, op, async_op=True)``, through a :class:`FlatAllReduce`
+        kept per axes, op, dtype, shape and device (a loss's scalar, every step). The backend
+        may reduce ``t`` in place (the ``torch`` backend does): pass a tensor of your own.
+
+        Example:
+            >>> import torch, meshtorch as mt
+            >>> def f():
+            ...     comm = mt.current().comm
+            ...     return comm.all_reduce_async(torch.tensor(comm.rank + 1.0), "b").wait()[0].item()
+            >>> mt.launch(f, mesh="b:2")
+            [3.0, 3.0]
+        """
+        key = (axes, op, t.dtype, t.shape, t.device)
+        try:
+            flat = self._flat_all_reduces.get(key)
+        except TypeError:  # axes given as a list
+            key = (as_axes(axes), *key[1:])
+            flat = self._flat_all_reduces.get(key)
+        if flat is None:
+            if len(self._flat_all_reduces) >= MAX_FLAT_ALL_REDUCES:  # shapes that vary: not kept on
+                self._flat_all_reduces.clear()
+            flat = self._flat_all_reduces[key] = self.prepare_all_reduce(axes, t.numel(), t.dtype, op)
+        return flat.start(t)
+
+    def _prepare_all_reduce(self, axes: tuple[str, ...], group: tuple[int, ...], op: str) -> Any:
+        """What a backend works out once for a :class:`FlatAllReduce` and hands each of its starts
+        (:meth:`_start_flat_all_reduce`): nothing here."""
+        return None
+
+    def _start_flat_all_reduce(self, flat: torch.Tensor, axes, group, op, call, prepared) -> Handle:
+        """A :class:`FlatAllReduce`'s call started on ``flat``: its handle's wait gives ``[result]``
+        (``flat`` itself where reduced in place). This one runs the backend's
+        ``_start_all_reduce``, as :meth:`all_reduce_grouped` does; a backend overrides it (and
+        :meth:`_prepare_all_reduce`) to do less per call."""
+        return self._start_all_reduce(flat, axes, group, op, call, _as_list)
+
     def _issued(self, work: Handle) -> Handle:
         """An asynchronous call's handle, whose wait the stats' watchers are told of (the
         planner prices the compute run until then as overlapping the call)."""
@@ -540,6 +610,46 @@ class Communicator(ABC):
     def _barrier(self, call): ...
 
 
+class FlatAllReduce:
+    """A grouped all_reduce of one flat buffer, prepared once by
+    :meth:`Communicator.prepare_all_reduce` and started at every step: a start is counted
+    (stats, the planner's watchers) and described as ``all_reduce_grouped([flat])``, in a few
+    Python calls instead of some sixty (data parallel's backward launches several, each between
+    two large kernels, where Python runs several times slower than warm). Eager only (a compiled
+    step runs its own collectives). Under ``check`` each start takes ``all_reduce_grouped``, which
+    records its call site."""
+
+    __slots__ = ("comm", "axes", "group", "op", "numel", "dtype", "nbytes", "call", "prepared")
+
+    def __init__(self, comm: Communicator, axes: tuple[str, ...], group: tuple[int, ...], op: str,
+                 numel: int, dtype: torch.dtype):
+        self.comm, self.axes, self.group, self.op = comm, axes, group, op
+        self.numel, self.dtype = numel, dtype
+        self.nbytes = numel * dtype.itemsize
+        self.call = comm._describe("all_reduce", axes, _Like(dtype, (numel,)), op=op)
+        self.prepared = None if len(group) == 1 else comm._prepare_all_reduce(axes, group, op)
+
+    def start(self, flat: torch.Tensor) -> Handle:
+        """Issue the all_reduce of ``flat`` (contiguous, ``numel`` elements of ``dtype``; the
+        backend may reduce it in place): a :class:`Handle` whose ``wait()`` gives ``[result]``,
+        of ``flat``'s shape (``flat`` itself where reduced in place)."""
+        if flat.dtype != self.dtype or flat.numel() != self.numel or not flat.is_contiguous():
+            how = "contiguous" if flat.is_contiguous() else "strided"
+            raise CommError(f"all_reduce over {self.axes} prepared for {self.numel} contiguous elements of "
+                            f"{self.dtype}, started with a {how} {flat.dtype}{list(flat.shape)}")
+        comm = self.comm
+        if len(self.group) == 1:
+            return gp.done([flat])
+        if comm.check:  # its call site recorded per call (a 1-d buffer whole: reduced as it is, no copy)
+            return comm.all_reduce_grouped([flat.view(-1) if flat.dim() == 1 else flat], self.axes, self.op,
+                                           async_op=True)
+        stats = comm.stats
+        stats.record("all_reduce", self.axes, self.nbytes)
+        work = comm._start_flat_all_reduce(flat, self.axes, self.group, self.op, self.call, self.prepared)
+        # (the watchers' list read here: _issued and CommStats.started are two calls more per start)
+        return comm._issued(work) if stats._async_watchers else work
+
+
 class LocalCommunicator(Communicator):
     """The communicator of a one-processor mesh: every group is this processor."""
 
@@ -569,6 +679,17 @@ def _pad(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     size = list(t.shape)
     size[dim] = short
     return torch.cat([t, t.new_zeros(size)], dim)
+
+
+class _Like(NamedTuple):
+    """What :meth:`Communicator._describe` reads of a tensor, for a call prepared before it has one."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _as_list(out: torch.Tensor) -> list[torch.Tensor]:
+    return [out]
 
 
 def _alone(tensors: list[torch.Tensor], async_op: bool, release: bool = False) -> list[torch.Tensor] | Handle:

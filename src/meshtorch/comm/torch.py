@@ -281,28 +281,33 @@ class TorchCommunicator(Communicator):
         except RuntimeError as e:  # gloo/NCCL timeouts and closed peers are RuntimeErrors
             if isinstance(e, CommError):
                 raise
-            text, site = str(e), user_call_site()
-            hint = ("Every processor of a group must make the same collective calls in the same order; "
-                    "run with check=True to compare call sites")
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                within = (f"did not complete within the {self.timeout:g} s timeout" if self.timeout
-                          else "timed out")
-                found = diagnose(kind, tuple(axes), site, list(group), self.rank, self.mesh)
-                if found is None or not found[0]:
-                    why = f"{within}: some processor of the group {list(group)} never joined it"
-                else:
-                    why = f"{within}: {found[0]}"
-                    if not found[1]:  # members simply absent: nothing was mismatched
-                        hint = ("If a processor named is only slow (a long computation between two "
-                                "collectives), pass a larger timeout")
-            elif peer_left(e):
-                why = f"failed because a processor of the group {list(group)} exited or crashed"
-                # nothing was mismatched: the processor that ended says why (or its launcher, how it ended)
-                hint = "Its own error, or its launcher's report of how it ended, says why"
+            raise self._failed(kind, axes, group, e) from e
+
+    def _failed(self, kind: str, axes, group, e: RuntimeError) -> CommError:
+        """The ``CommError`` of collective ``kind`` that ``torch.distributed`` failed with ``e``:
+        the collective, its axes and the user's call site named, and why (a timeout: which
+        processors never joined; a processor that exited or crashed)."""
+        text, site = str(e), user_call_site()
+        hint = ("Every processor of a group must make the same collective calls in the same order; "
+                "run with check=True to compare call sites")
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            within = (f"did not complete within the {self.timeout:g} s timeout" if self.timeout
+                      else "timed out")
+            found = diagnose(kind, tuple(axes), site, list(group), self.rank, self.mesh)
+            if found is None or not found[0]:
+                why = f"{within}: some processor of the group {list(group)} never joined it"
             else:
-                why = "failed"
-            raise CommError(f"{kind} over axes {tuple(axes)} called at {site} {why} ({text.strip()}). "
-                            f"{hint}") from e
+                why = f"{within}: {found[0]}"
+                if not found[1]:  # members simply absent: nothing was mismatched
+                    hint = ("If a processor named is only slow (a long computation between two "
+                            "collectives), pass a larger timeout")
+        elif peer_left(e):
+            why = f"failed because a processor of the group {list(group)} exited or crashed"
+            # nothing was mismatched: the processor that ended says why (or its launcher, how it ended)
+            hint = "Its own error, or its launcher's report of how it ended, says why"
+        else:
+            why = "failed"
+        return CommError(f"{kind} over axes {tuple(axes)} called at {site} {why} ({text.strip()}). {hint}")
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -431,7 +436,10 @@ class TorchCommunicator(Communicator):
 
         def wait() -> list:
             work = held.pop()
-            with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
+            if self.tracing:
+                with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
+                    self._run(kind, axes, group, work.wait)
+            else:
                 self._run(kind, axes, group, work.wait)
             # the work holds the call's input (a packed buffer): let go of it before unpacking, so
             # that a grouped gather's input is not alive beside its result and the result's copies
@@ -473,6 +481,48 @@ class TorchCommunicator(Communicator):
         return self._async("all_reduce", axes, group,
                            lambda: dist.all_reduce(x, _REDUCE[op], group=pg, async_op=True),
                            lambda: unpack(x.to(flat.device)))
+
+    # A FlatAllReduce's buffer is reduced in place by the process group's own C++ method,
+    # ``ProcessGroup.allreduce([t], opts)``: what DDP's reducer calls, and what dist.all_reduce
+    # calls after five Python calls of its own checks per start. dist.all_reduce runs it where
+    # the process group has no such method or it takes other arguments (a TypeError, then
+    # remembered), and for what dist.all_reduce handles itself: a complex dtype (reduced as real
+    # pairs), a tensor subclass.
+    def _prepare_all_reduce(self, axes, group, op):
+        pg = self._process_group(axes)
+        method = None if "ProcessGroup.allreduce" in self._missing else process_group_allreduce(pg)
+        return [pg, method, None if method is None else _allreduce_options(_REDUCE[op])]
+
+    def _start_flat_all_reduce(self, flat, axes, group, op, call, prepared):
+        if flat.device != self.device:  # (moved to where the collective runs and back)
+            return super()._start_flat_all_reduce(flat, axes, group, op, call, prepared)
+        pg, method, opts = prepared
+        try:
+            if method is not None and type(flat) is torch.Tensor and not flat.is_complex():
+                try:
+                    held = [method([flat], opts)]
+                except TypeError:  # another signature: dist.all_reduce from now on
+                    prepared[1] = None
+                    self._missing.add("ProcessGroup.allreduce")
+                    held = [dist.all_reduce(flat, _REDUCE[op], group=pg, async_op=True)]
+            else:
+                held = [dist.all_reduce(flat, _REDUCE[op], group=pg, async_op=True)]
+        except RuntimeError as e:
+            raise self._failed("all_reduce", axes, group, e) from e
+
+        def wait() -> list:
+            work = held.pop()
+            try:
+                if self.tracing:
+                    with self.unseen():
+                        work.wait()
+                else:
+                    work.wait()
+            except RuntimeError as e:
+                raise self._failed("all_reduce", axes, group, e) from e
+            return [flat]
+
+        return Handle(wait, lambda: not held or held[0].is_completed())
 
     @staticmethod
     def _blocks(out: torch.Tensor, t: torch.Tensor, n: int, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -594,6 +644,28 @@ def single_collective(kind: str) -> Callable | None:
         if fn is not None:
             return fn
     return None
+
+
+def process_group_allreduce(pg) -> Callable | None:
+    """``pg``'s own ``allreduce`` method (``ProcessGroup.allreduce(tensors, opts)``, C++), or
+    ``None`` where the installed ``torch.distributed`` has it not, or no ``AllreduceOptions``:
+    then ``dist.all_reduce`` runs the call.
+
+    Example:
+        >>> process_group_allreduce(object()) is None  # no process group
+        True
+    """
+    method = getattr(pg, "allreduce", None)
+    return method if callable(method) and hasattr(dist, "AllreduceOptions") else None
+
+
+def _allreduce_options(op) -> object:
+    """What ``dist.all_reduce(t, op, async_op=True)`` hands the process group."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    if hasattr(opts, "asyncOp"):  # (a field of newer torch's options only)
+        opts.asyncOp = True
+    return opts
 
 
 def _unsupported(e: BaseException) -> bool:

@@ -118,8 +118,8 @@ class _AllReduceSumLater(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, comm, axis, handles):
         # the result's storage, filled where it is read (Later.wait); the call gets its own copy
-        handles.append(comm.all_reduce_grouped([t if t._base is None else t.clone()], axis,
-                                               async_op=True))
+        # (reduced in place on the torch backend), prepared once (a loss's, every step)
+        handles.append(comm.all_reduce_async(t.clone(memory_format=torch.contiguous_format), axis))
         return torch.empty_like(t)
 
     @staticmethod

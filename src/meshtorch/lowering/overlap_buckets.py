@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshtorch.comm.base import Communicator, as_axes
-from meshtorch.comm.grouped import Handle, unpack_reduce
+from meshtorch.comm.grouped import Handle
 from meshtorch.errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -75,13 +75,17 @@ class GradientBuckets:
 
     def __init__(self) -> None:
         # launched gradient buckets: their members, the call, and where it is the bucket's flat
-        # buffer whole, the members' shapes and sizes to unpack its result into
-        self.pending: list[tuple[list[Entry], Handle, tuple | None]] = []
+        # buffer whole, the members' sizes to cut its result into
+        self.pending: list[tuple[list[Entry], Handle, list[int] | None]] = []
         self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
         self.bucket_bytes = 25 * 2**20
-        # the last cut (entries in order, caps, buckets, each entry's bucket): data parallel's entries
-        # last across steps, and a step that reads the same ones in the same order cuts the same buckets
+        # the last cut (entries in order, caps, buckets, each entry's bucket, each bucket's flat
+        # layout): data parallel's entries last across steps, and a step that reads the same ones
+        # in the same order cuts the same buckets
         self.cut: tuple | None = None
+        # per bucket of gradients to all-reduce, [its members' sizes, its prepared call (made at
+        # its first launch of a whole buffer: a FlatAllReduce)], kept with the cut; else None
+        self.layouts: list[list | None] = []
         self._new_backward()
 
     def _new_backward(self) -> None:
@@ -91,8 +95,8 @@ class GradientBuckets:
         self.finishing = False
         self.callback_missing = False  # no engine callback: finish once every gradient has come
         self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
-        # all_reduce bucket -> its flat buffer, its members' places there, their shapes and sizes
-        self.packs: dict[int, tuple[torch.Tensor, dict, tuple]] = {}
+        # all_reduce bucket -> its flat buffer and its members' places there
+        self.packs: dict[int, tuple[torch.Tensor, dict]] = {}
 
     def ready(self, e: Entry, leaf: torch.Tensor | None = None) -> None:
         """``e``'s leaf has its whole local gradient (autograd's post-accumulate hook, which passes
@@ -148,11 +152,13 @@ class GradientBuckets:
             e.grad = self._pack(e, g)
         else:
             e.grad = g if e.grad is None else e.grad + g
+            if e.gathered:
+                e.free()  # its last use has run backward
         del g  # held by the entry (or the bucket it launches) alone: released once packed
         self.arrived.add(e)
-        if e.gathered:
-            e.free()  # its last use has run backward
-        self._launch(flush=False)
+        k = self.launched
+        if k < len(self.buckets) and not self.waiting[k]:  # (the next bucket complete: one call fewer else)
+            self._launch(flush=False)
         if self.callback_missing and len(self.arrived) == len(self.order):
             self.finish()
 
@@ -163,19 +169,19 @@ class GradientBuckets:
     def _pack(self, e: Entry, g: torch.Tensor) -> torch.Tensor:
         """``e``'s gradient ``g`` copied into its place in its bucket's flat buffer (made at the
         bucket's first gradient), as DDP's buckets: the bucket's all_reduce runs on that buffer
-        (:func:`~meshtorch.comm.grouped.pack_reduce` takes consecutive views of one buffer as
-        it is), so its gradients are never held twice, unreduced and packed."""
+        (:meth:`~meshtorch.comm.base.FlatAllReduce.start`), so its gradients are never held
+        twice, unreduced and packed."""
         k = e.bucket
         pack = self.packs.get(k)
         if pack is None:
-            members = self.buckets[k]
-            shapes, sizes = [m.leaf.shape for m in members], [m.leaf.numel() for m in members]
+            sizes = self.layouts[k][0]
             flat = torch.empty(sum(sizes), dtype=g.dtype, device=g.device)
-            slots = dict(zip(members, unpack_reduce(flat, shapes, sizes)))
-            pack = self.packs[k] = (flat, slots, (shapes, sizes))
-            for m, view in slots.items():
+            slots = {}
+            for m, piece in zip(self.buckets[k], flat.split_with_sizes(sizes)):
+                view = slots[m] = piece.view(m.leaf.shape)
                 if m is not e and m.grad is None:
                     m.slot = view  # its first gradient goes straight there (ready's first branch)
+            pack = self.packs[k] = (flat, slots)
         slot = pack[1][e]
         if e.grad is None:
             slot.copy_(g)
@@ -197,7 +203,7 @@ class GradientBuckets:
         if cut is not None and cut[1] == caps and cut[0] == self.order:  # (identity, entry by entry)
             for e, k in zip(self.order, cut[3]):
                 e.bucket = k
-            self.buckets, self.launched = cut[2], 0
+            self.buckets, self.layouts, self.launched = cut[2], cut[4], 0
             self.waiting = [len(b) for b in cut[2]]
             return
         buckets: list[list[Entry]] = []
@@ -222,9 +228,11 @@ class GradientBuckets:
             e.bucket = k
         self.buckets, self.launched = buckets, 0
         self.waiting = [len(b) for b in buckets]
+        self.layouts = [[[m.leaf.numel() for m in b], None] if b[0].kind == "all_reduce" else None
+                        for b in buckets]
         # kept where every entry lasts across steps (data parallel's), which a later step reads
         # again; a step's own entries (gathered values) are not kept beyond it
-        self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order]) if all(
+        self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order], self.layouts) if all(
             e.ref is not None for e in self.order) else None
 
     def _gather_cap(self, total: int) -> int:
@@ -249,20 +257,27 @@ class GradientBuckets:
                     members.append(e)
             pack = self.packs.pop(k, None)  # its views, in the entries, hold the buffer
             if members:
-                if _holds(members):
-                    self._wait_held()  # before packing: two held buckets' buffers are never alive together
                 first = members[0]
+                if first.kind != "all_reduce" or not _adopted(members):  # (_holds, one call fewer)
+                    self._wait_held()  # before packing: two held buckets' buffers are never alive together
                 if pack is not None and len(members) == len(bucket):
-                    # every member packed: the flat buffer, whole, is the call's (a whole view of
-                    # it counts as packed, see pack_reduce), one tensor to check and describe
-                    # instead of one per member; its result is unpacked into the members' shapes
-                    grads, shapes = [pack[0].view(-1)], pack[2]
+                    # every member packed: the flat buffer, whole, is the call's, prepared once per
+                    # cut (the same bucket every step); its result is cut into the members' sizes
+                    layout = self.layouts[k]
+                    flat = pack[0]
+                    if layout[1] is None or layout[1].dtype != flat.dtype:
+                        layout[1] = self.comm.prepare_all_reduce(first.axes, flat.numel(), flat.dtype)
+                    del pack
+                    for e in members:
+                        e.grad = None
+                    self.pending.append((members, layout[1].start(flat), layout[0]))
+                    del flat
                 else:
-                    grads, shapes = [e.grad for e in members], None
-                del pack
-                for e in members:
-                    e.grad = None
-                self.pending.append((members, self._start(first.kind, first.axes, members, grads), shapes))
+                    grads = [e.grad for e in members]
+                    del pack
+                    for e in members:
+                        e.grad = None
+                    self.pending.append((members, self._start(first.kind, first.axes, members, grads), None))
             self.launched += 1
 
     def _wait_held(self) -> None:
@@ -305,8 +320,9 @@ class GradientBuckets:
         try:
             self._launch(flush=True)
             inflight, self.pending = self.pending, []
-            for members, work, shapes in inflight:
-                self._done(members, work, shapes)
+            for members, work, sizes in inflight:  # (_done's, one call fewer a bucket)
+                got = work.wait()
+                self._add(members, got if sizes is None else got[0].split_with_sizes(sizes))
         finally:
             self._end_step()
 
@@ -353,11 +369,11 @@ class GradientBuckets:
         finally:
             self._end_step()
 
-    def _done(self, members: list[Entry], work: Handle, shapes: tuple | None) -> None:
-        """Wait for a launched bucket and add its results (``shapes``: the members' shapes and
-        sizes, where the call reduced the bucket's flat buffer whole)."""
+    def _done(self, members: list[Entry], work: Handle, sizes: list[int] | None) -> None:
+        """Wait for a launched bucket and add its results (``sizes``: the members' sizes, where
+        the call reduced the bucket's flat buffer whole)."""
         got = work.wait()
-        self._add(members, got if shapes is None else unpack_reduce(got[0], *shapes))
+        self._add(members, got if sizes is None else got[0].split_with_sizes(sizes))
 
     def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
         """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat
@@ -367,8 +383,9 @@ class GradientBuckets:
         (accumulation, a parameter twice in the bucket) those added into drop their views and
         the others take copies, so that no flat result lives on for part of its bytes."""
         if members[0].kind == "all_reduce" and _adopted(members):
-            for e, g in zip(members, grads):  # (of the leaves' shapes, which are the parameters')
-                e.param.grad = g
+            for e, g in zip(members, grads):  # (flat pieces, or of the leaves' shapes: the parameters')
+                p = e.param
+                p.grad = g.view(p.shape)
             return
         params, adopt = [e.param for e in members], _adopted(members)
         with torch.no_grad():
