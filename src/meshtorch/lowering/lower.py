@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from meshtorch.caching import BoundedCache, compiling, constant_result
-from meshtorch.context import current
+from meshtorch.context import current, here
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
@@ -319,6 +319,8 @@ def plan_of(
     reduced: dict[str, str] | None = None,
     whole: Iterable[str] = (),
     name: str | None = None,
+    *,
+    compiled: bool | None = None,
 ) -> Plan:
     """The cached :class:`Plan` of an op: a pure function of the inputs' layouts, which of them
     require grad and whether grad mode is on, the output shape, the reduced and whole dims, the
@@ -330,7 +332,8 @@ def plan_of(
     Dynamo calls rather than traces (``assume_constant_result``), and reads the plan back from
     :data:`RESOLVED`. So Dynamo does not trace the planner's Python (the bulk of a trace), a
     compile reuses the eager steps' plans, and the trace calls no builtin ``hash`` (untraceable
-    on torch 2.11).
+    on torch 2.11). ``compiled``: whether Dynamo traces the call, where the caller asked
+    already (:func:`lower`); ``None``: asked here.
 
     Example:
         >>> import meshtorch as mt
@@ -341,7 +344,9 @@ def plan_of(
         (True, 0)
     """
     grad = torch.is_grad_enabled()
-    if is_dynamo_compiling():  # (caching.compiling's test, one call less per op)
+    if compiled is None:
+        compiled = is_dynamo_compiling()  # (caching.compiling's test, one call less per op)
+    if compiled:
         # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
         # otherwise trace per op), from constants only
         return resolved(
@@ -351,7 +356,7 @@ def plan_of(
             tuple(sorted(set(whole))), grad, name)
     # eager (and outside the trace): one dict lookup, its key built here rather than in a
     # function of its own (one Python call less per op, paid cold between large kernels)
-    ctx = current()
+    ctx = here.ctx or current()  # (current() without its frame, inside a launch)
     scope = ctx.plan_scope
     if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
         scope = _scope_of(ctx)
@@ -497,6 +502,8 @@ def lower(
     reduced: dict[str, str] | None = None,
     whole: Iterable[str] = (),
     name: str | None = None,
+    compiled: bool | None = None,
+    outputs: bool = True,
 ) -> MeshTensor:
     """Run ``local_fn(view, *local_inputs)`` as an SPMD op with minimal communication.
 
@@ -511,33 +518,25 @@ def lower(
         reduced: dims of the inputs that are reduced away, with how.
         whole: dims the local function needs unsplit (they are gathered).
         name: the output's name, for error messages.
+        compiled: whether Dynamo traces this call (:func:`is_dynamo_compiling`), where the op
+            asked already; ``None``: asked here. Asked once per op and handed down (to the plan,
+            the overlap), not once per use: each Python frame between a model's large kernels
+            runs cold (issue 27).
+        outputs: ``False``: return ``(plan, local result)`` before the output adapters
+            (``plan.outputs``) run, as :func:`local_result`.
     """
-    plan, result = local_result(op, inputs, out_shape, local_fn, reduced, whole, name)
-    if plan.outputs:
-        if not result.dim():  # a loss inside mt.overlap(): its all_reduce is read later
-            later = read_later(result, plan.outputs)
-            if later is not None:
-                return tensor_type()._read_later(later, out_shape, plan.layout, name)
-        result = run_steps(result, plan.outputs)
-    # the adapters produce the output layout's slice of a result of the checked size
-    return (_registered[0] if _registered else tensor_type())._checked_elsewhere(
-        result, out_shape, plan.layout, name)
-
-
-def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
-                 local_fn: Callable[..., torch.Tensor], reduced: dict[str, str] | None = None,
-                 whole: Iterable[str] = (), name: str | None = None) -> tuple[Plan, torch.Tensor]:
-    """The first half of :func:`lower`: the op's plan and its local result in the computation
-    layout, checked against the plan's size, before the output adapters (``plan.outputs``) run.
-    :mod:`meshtorch.lowering.fused` runs the output adapters of several ops together."""
-    plan = plan_of(op, inputs, out_shape, reduced, whole, name)
+    if compiled is None:
+        compiled = is_dynamo_compiling()
+    plan = plan_of(op, inputs, out_shape, reduced, whole, name, compiled=compiled)
     if plan.shared is not None:
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
-        # (one loop, no comprehensions: data parallel runs it for every op reading a parameter)
+        # (one loop, no comprehensions: data parallel runs it for every op reading a parameter;
+        # traced, the per-use path: a compiled graph schedules its collectives itself)
+        comm = None if compiled else (here.ctx or current()).comm
         args, used = [], []
         for x, s, shared in zip(inputs, plan.inputs, plan.shared):
             if shared:
-                o = overlapped_input(x.local, s)
+                o = None if comm is None else overlapped_input(x.local, s, comm)
                 if o is None:
                     o = run_shared(x.local, x.adapter_memo(), s)
                 elif not o.is_leaf:
@@ -564,7 +563,26 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
             f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
             f"output [{out_shape}] computed as {_describe(plan.computed_as)} needs {list(plan.want)}"
         )
-    return plan, result
+    if not outputs:
+        return plan, result
+    if plan.outputs:
+        if not result.dim() and not compiled:  # a loss inside mt.overlap(): its all_reduce is read later
+            later = read_later(result, plan.outputs)
+            if later is not None:
+                return tensor_type()._read_later(later, out_shape, plan.layout, name)
+        result = run_steps(result, plan.outputs)
+    # the adapters produce the output layout's slice of a result of the checked size
+    return (_registered[0] if _registered else tensor_type())._checked_elsewhere(
+        result, out_shape, plan.layout, name)
+
+
+def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
+                 local_fn: Callable[..., torch.Tensor], reduced: dict[str, str] | None = None,
+                 whole: Iterable[str] = (), name: str | None = None) -> tuple[Plan, torch.Tensor]:
+    """The first half of :func:`lower`: the op's plan and its local result in the computation
+    layout, checked against the plan's size, before the output adapters (``plan.outputs``) run.
+    :mod:`meshtorch.lowering.fused` runs the output adapters of several ops together."""
+    return lower(op, inputs, out_shape, local_fn, reduced=reduced, whole=whole, name=name, outputs=False)
 
 
 def _describe(split: dict[str, tuple[str, ...]]) -> str:
