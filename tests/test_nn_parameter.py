@@ -255,7 +255,8 @@ def test_hooks_and_a_compiled_call_run_on_meshtorch_modules_as_on_torch_ones():
     pre.remove()
     post.remove()
     seen = []
-    hook = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: seen.append(type(m).__name__))
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__))
     try:
         assert torch.equal(mt.nn.Sequential(dense)(x).to_global(), dense(x).to_global())
     finally:
