@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from meshtorch.caching import compiling
+from meshtorch import caching
 from meshtorch.errors import ShapeError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -144,7 +144,7 @@ class Shape:
         # builtin hash() of a tuple is untraceable on torch 2.11 (a graph break): a shape built in
         # a compiled program hashes on use, which nothing there does (its plans are keyed by
         # tuples of names and sizes, resolved outside the trace)
-        self._hash = None if compiling() else hash((self.names, self.sizes))
+        self._hash = None if caching.compiling() else hash((self.names, self.sizes))
         #: shapes made from this one by :meth:`without`, :meth:`replace` and ``+``, by their
         #: arguments: ops make the same few every step (the loss's, the embedding's, a renamed
         #: key), and building one is a dozen Python calls, paid cold between large kernels
@@ -215,7 +215,7 @@ class Shape:
             >>> s.derived(("twice",), lambda: s + Shape("e:4")) is s.derived(("twice",), lambda: s)
             True
         """
-        if compiling():
+        if caching.compiling():
             return make()
         d = self._derived
         if d is None:
@@ -266,7 +266,7 @@ def as_shape(s: Shape | str | Iterable[Dim | tuple[str, int]]) -> Shape:
     """
     if isinstance(s, Shape):
         return s
-    if isinstance(s, str) and not compiling():
+    if isinstance(s, str) and not caching.compiling():
         return _shape_of(s)
     return Shape(s)
 

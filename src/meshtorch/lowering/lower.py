@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshtorch.caching import BoundedCache, compiling, constant_result
+from meshtorch import caching
+from meshtorch.caching import BoundedCache, constant_result
 from meshtorch.context import current, here
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
@@ -458,7 +459,7 @@ def resolved(compute: Callable[..., Any], *args: Any) -> Any:
         >>> resolved(range, 0, 6, 2)
         range(0, 6, 2)
     """
-    if not compiling():
+    if not caching.compiling():
         return compute(*args)
     return getattr(RESOLVED, _resolve(compute, args))
 
@@ -551,7 +552,10 @@ def lower(
         if used:
             after_forward(used, result, args)
     elif plan.moves:
-        result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
+        args = []
+        for x, s in zip(inputs, plan.inputs):  # (a loop: no comprehension's frame)
+            args.append(run_steps(x.local, s) if s else x.local)
+        result = local_fn(plan.view, *args)
     elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)
         result = local_fn(plan.view, inputs[0].local)
     elif len(inputs) == 2:
@@ -599,7 +603,8 @@ def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch
     """Permute and unsqueeze a local tensor with dims ``names`` so it broadcasts
     against dims ``target`` (a superset, any order)."""
     # Dynamo traces the memo's small function itself (it would bypass the lru_cache anyway, warning)
-    perm, where = (_alignment.__wrapped__ if compiling() else _alignment)(tuple(names), tuple(target))
+    memo = _alignment.__wrapped__ if caching.compiling() else _alignment
+    perm, where = memo(tuple(names), tuple(target))
     if perm is not None:
         t = t.permute(perm)
     if where is None:

@@ -100,7 +100,9 @@ class Dense(Module):
             y = einsum(x, kernel, output_shape=plan[1])
         else:
             out_shape, local_fn, reduced = plan[2]
-            y = lower("einsum", _promoted((x, kernel)), out_shape, local_fn, reduced=reduced, compiled=False)
+            # (operands of one dtype, the usual case, without _promoted's call)
+            xs = (x, kernel) if x.local.dtype == kernel.local.dtype else _promoted((x, kernel))
+            y = lower("einsum", xs, out_shape, local_fn, reduced=reduced, compiled=False)
         if self._parameters.get("bias") is None:  # no bias (torch keeps a None one in __dict__)
             return y
         b = self.mesh_view("bias", compiled)
@@ -145,7 +147,8 @@ class Embedding(Module):
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""
-        keep = [n for n in x.names if n not in {d.name for d in self.d_model}]
+        model = {d.name for d in self.d_model}  # (made once, not per name)
+        keep = [n for n in x.names if n not in model]
         table = self.mesh_view("table", is_dynamo_compiling())
         return einsum(x, table, output_shape=keep + [self.vocab.name])
 

@@ -110,8 +110,12 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     # arguments as given (hashed in C where they are strings: no Shape.__hash__ or dim_name frame)
     compiled = is_dynamo_compiling()
     qs, ks, vs, bs = q.shape, k.shape, v.shape, None if bias is None else bias.shape
+    # (a Dim by its name: getattr is a call into C, a Dim's dataclass __hash__ a Python one; a name
+    # is its own, and anything else is kept as it is, for dim_name's error below)
     key = (qs.names, qs.sizes, ks.names, ks.sizes, vs.names, vs.sizes,
-           None if bs is None else (bs.names, bs.sizes), dim, memory, features, heads, kv_heads)
+           None if bs is None else (bs.names, bs.sizes), getattr(dim, "name", dim),
+           getattr(memory, "name", memory), getattr(features, "name", features),
+           getattr(heads, "name", heads), getattr(kv_heads, "name", kv_heads))
     plan = None if compiled else _PLANS.get(key)
     if plan is None:
         seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)

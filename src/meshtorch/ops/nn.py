@@ -218,7 +218,8 @@ def layer_norm(
             params.append(p)
             fused = fused and p.shape.names == only_dim
     if fused:
-        i = x.shape.index(n)
+        names = x.shape.names
+        i = names.index(n) if n in names else x.shape.index(n)  # (the latter raises, naming the dims)
         size = x.shape.sizes[i]
 
         def local_fn(view, t, *ps):
