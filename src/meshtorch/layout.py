@@ -319,11 +319,11 @@ class Layout:
     def slices(self, coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
         """``(start, size)`` of the local slice of each dim at ``coords``."""
         mesh = self.mesh
-        return tuple(
+        return tuple([  # (a list in one frame, not a generator resumed per dim)
             piece(d.size, [(mesh.axis_size(a), coords[a]) for a in self.split[d.name]])
             if d.name in self.split else (0, d.size)
-            for d in self.shape
-        )
+            for d in self.shape.dims
+        ])
 
     def replicated_axes(self) -> tuple[str, ...]:
         """Axes along which this tensor is replicated."""

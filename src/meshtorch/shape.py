@@ -172,7 +172,8 @@ class Shape:
     def __getitem__(self, key: int | str | Dim) -> Dim:
         if isinstance(key, int):
             return self.dims[key]
-        return self.dims[self.index(key)]
+        i = self._index.get(key) if isinstance(key, str) else None  # (a name: index's lookup inline)
+        return self.dims[self.index(key) if i is None else i]
 
     def __contains__(self, d: object) -> bool:
         if isinstance(d, str):

@@ -243,7 +243,8 @@ def local_shape(layout: Layout) -> tuple[int, ...]:
 
 def local_slices(layout: Layout) -> tuple[slice, ...]:
     """Index of this processor's slice within the global tensor."""
-    return tuple(slice(s, s + n) for s, n in layout.slices(current().coords))
+    # (a list made in one frame, not a generator resumed per dim; the context without current()'s)
+    return tuple([slice(s, s + n) for s, n in layout.slices((here.ctx or current()).comm.coords)])
 
 
 def from_global(
@@ -266,7 +267,8 @@ def from_global(
         >>> x.shape, x.local.shape
         (Shape('a:2,b:3'), torch.Size([2, 3]))
     """
-    shape = as_shape(shape)
+    if not isinstance(shape, Shape):
+        shape = as_shape(shape)
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t)
     if tuple(t.shape) != shape.sizes:
@@ -275,10 +277,11 @@ def from_global(
             f"shape [{shape}] needs {list(shape.sizes)}"
         )
     layout = layout_for(shape, name)
-    if current().comm.check:
+    comm = (here.ctx or current()).comm
+    if comm.check:
         _check_same_everywhere(t, shape, name)
     # the slice goes where the processor computes (a GPU's processor reads host data)
-    dev = current().device
+    dev = comm.device
     moved = dev is not None and t.device != dev
     if t.requires_grad:
         local = t[local_slices(layout)]  # a view: gradients flow back into t

@@ -344,54 +344,8 @@ def plan_of(
         >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
         (True, 0)
     """
-    grad = torch.is_grad_enabled()
-    if compiled is None:
-        compiled = is_dynamo_compiling()  # (caching.compiling's test, one call less per op)
-    if compiled:
-        # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
-        # otherwise trace per op), from constants only
-        return resolved(
-            _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
-            tuple([x.local.requires_grad for x in inputs]) if grad else None,
-            out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
-            tuple(sorted(set(whole))), grad, name)
-    # eager (and outside the trace): one dict lookup, its key built here rather than in a
-    # function of its own (one Python call less per op, paid cold between large kernels)
-    ctx = here.ctx or current()  # (current() without its frame, inside a launch)
-    scope = ctx.plan_scope
-    if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
-        scope = _scope_of(ctx)
-    # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
-    # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
-    # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
-    if len(inputs) == 1:
-        a = inputs[0]
-        layouts = (a.layout.key,)
-        needs = (a.local.requires_grad,) if grad else None
-    elif len(inputs) == 2:
-        a, b = inputs
-        layouts = (a.layout.key, b.layout.key)
-        needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
-    else:
-        keys, wants = [], []
-        for x in inputs:
-            keys.append(x.layout.key)
-            wants.append(x.local.requires_grad)
-        layouts, needs = tuple(keys), tuple(wants) if grad else None
-    # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
-    key = (
-        layouts,
-        needs,
-        out_shape.names,
-        out_shape.sizes,
-        tuple(reduced.items()) if reduced else (),
-        frozenset(whole) if whole else _NO_DIMS,
-        scope[2],
-    )
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
-    return plan
+    # (the lookup is lower()'s first part: a lowered op then makes no call for its plan)
+    return lower(op, inputs, out_shape, None, reduced=reduced, whole=whole, name=name, compiled=compiled)
 
 
 _NO_DIMS: frozenset = frozenset()
@@ -498,7 +452,7 @@ def lower(
     op: str,
     inputs: Sequence[MeshTensor],
     out_shape: Shape,
-    local_fn: Callable[..., torch.Tensor],
+    local_fn: Callable[..., torch.Tensor] | None,
     *,
     reduced: dict[str, str] | None = None,
     whole: Iterable[str] = (),
@@ -515,7 +469,8 @@ def lower(
         local_fn: maps the operands' local slices (dims in each operand's shape
             order, sliced as the chosen computation layout says) to the local
             result (dims in ``out_shape`` order). ``view`` gives each dim's
-            ``(start, size)`` in the computation.
+            ``(start, size)`` in the computation. ``None``: only the op's :class:`Plan`
+            (:func:`plan_of`), which the lookup that starts every lowered op finds.
         reduced: dims of the inputs that are reduced away, with how.
         whole: dims the local function needs unsplit (they are gathered).
         name: the output's name, for error messages.
@@ -528,7 +483,54 @@ def lower(
     """
     if compiled is None:
         compiled = is_dynamo_compiling()
-    plan = plan_of(op, inputs, out_shape, reduced, whole, name, compiled=compiled)
+    # The op's Plan (plan_of's). Traced: resolved outside the trace (the planner's Python is much
+    # of what Dynamo would otherwise trace per op), from constants only. Eager (and outside the
+    # trace): one dict lookup, its key built here rather than in a function of its own (one
+    # Python call less per op, paid cold between large kernels, issue 27).
+    grad = torch.is_grad_enabled()
+    if compiled:
+        plan = resolved(
+            _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
+            tuple([x.local.requires_grad for x in inputs]) if grad else None,
+            out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
+            tuple(sorted(set(whole))), grad, name)
+    else:
+        ctx = here.ctx or current()  # (current() without its frame, inside a launch)
+        scope = ctx.plan_scope
+        if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
+            scope = _scope_of(ctx)
+        # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
+        # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
+        # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
+        if len(inputs) == 1:
+            a = inputs[0]
+            layouts = (a.layout.key,)
+            needs = (a.local.requires_grad,) if grad else None
+        elif len(inputs) == 2:
+            a, b = inputs
+            layouts = (a.layout.key, b.layout.key)
+            needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
+        else:
+            keys, wants = [], []
+            for x in inputs:
+                keys.append(x.layout.key)
+                wants.append(x.local.requires_grad)
+            layouts, needs = tuple(keys), tuple(wants) if grad else None
+        # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
+        key = (
+            layouts,
+            needs,
+            out_shape.names,
+            out_shape.sizes,
+            tuple(reduced.items()) if reduced else (),
+            frozenset(whole) if whole else _NO_DIMS,
+            scope[2],
+        )
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
+    if local_fn is None:
+        return plan
     if plan.shared is not None:
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
         # (one loop, no comprehensions: data parallel runs it for every op reading a parameter;
