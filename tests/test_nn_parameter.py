@@ -264,3 +264,41 @@ def test_hooks_and_a_compiled_call_run_on_meshtorch_modules_as_on_torch_ones():
     assert seen == ["Dense", "Sequential", "Dense"]
     dense._compiled_call_impl = lambda *args, **kwargs: ("compiled", args)
     assert dense(x) == ("compiled", (x,))
+
+
+def test_submodule_reads_follow_every_way_torch_changes_a_child():
+    """A submodule is kept in the instance __dict__ beside torch's ``_modules`` (read without
+    __getattr__'s frame, issue 27): every change torch's API makes (set, replace, set to None,
+    delete, add_module/register_module, a parameter or a plain value in its place) reads back as
+    torch.nn.Module's own lookup gives it, and copies read their own children."""
+    def same(net, name):
+        torch_says = torch.nn.Module.__getattr__(net, name) if name in net._modules else "absent"
+        mine = getattr(net, name, "absent")
+        assert mine is torch_says, name
+
+    net = mt.nn.Sequential(mt.nn.Dense(D, H))
+    first, second = mt.nn.Dense(D, H), mt.nn.LayerNorm(D)
+    net.extra = first
+    same(net, "extra")
+    net.extra = second
+    same(net, "extra")
+    assert net.extra is second and dict(net.named_children())["extra"] is second
+    net.extra = None
+    same(net, "extra")
+    net.extra = first
+    del net.extra
+    same(net, "extra")
+    assert "extra" not in dict(net.named_children())
+    net.add_module("more", first)
+    net.register_module("more", second)
+    same(net, "more")
+    net.more = mt.nn.MeshParameter([D], init="ones")  # a parameter takes the child's name
+    assert isinstance(net.more, mt.nn.MeshParameter) and "more" not in net._modules
+    del net.more
+    net.more = first
+    same(net, "more")
+    for twin in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert twin.more is twin._modules["more"] and twin.more is not first
+        assert twin[0] is twin._modules["0"]
+    x = mt.random.normal("batch:2,d:4", seed=3)
+    assert torch.equal(net.more(x).to_global(), first(x).to_global())
