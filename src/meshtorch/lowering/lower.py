@@ -480,6 +480,9 @@ def lower(
             runs cold (issue 27).
         outputs: ``False``: return ``(plan, local result)`` before the output adapters
             (``plan.outputs``) run, as :func:`local_result`.
+
+    Returns the op's result, a MeshTensor (with ``local_fn=None`` its :class:`Plan`, with
+    ``outputs=False`` the pair): one function, so that a lowered op runs in one Python frame.
     """
     if compiled is None:
         compiled = is_dynamo_compiling()
@@ -535,7 +538,7 @@ def lower(
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
         # (one loop, no comprehensions: data parallel runs it for every op reading a parameter;
         # traced, the per-use path: a compiled graph schedules its collectives itself)
-        comm = None if compiled else (here.ctx or current()).comm
+        comm = None if compiled else ctx.comm
         args, used = [], []
         for x, s, shared in zip(inputs, plan.inputs, plan.shared):
             if shared:
