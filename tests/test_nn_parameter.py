@@ -204,3 +204,101 @@ def test_attribute_reads_answer_as_torch_s_and_draw_a_lazy_parameter_once():
     assert net.layer.bias is net.layer._parameters["bias"]
     with pytest.raises(AttributeError, match="'Net' object has no attribute 'missing'"):
         _ = net.missing
+
+
+def test_a_layer_keeps_the_view_of_its_weights_while_they_are_its_own():
+    """Module.mesh_view, a layer's read of its weights in one Python frame (issue 27), keeps the
+    MeshTensor it made while the parameter is the same object, of the same local size, and drawn;
+    otherwise it reads as ``.mesh_tensor`` does: a relabelled parameter drawn again for its new
+    path, a new parameter, a resized storage refused with the constructor's error, and copies
+    with views of their own parameters (and their adapters' memos)."""
+    calls: list[str] = []
+    dense = mt.nn.Dense(D, H, init=counting(calls))
+    v = dense.mesh_view("kernel")
+    assert calls == ["kernel"] and dense.mesh_view("kernel") is v and v.local is dense.kernel
+    assert v.shape == dense.kernel.mesh_shape and v._adapted is dense.kernel._adapted
+    x = mt.random.normal("batch:3,d:4", seed=1)
+    want = x.to_global() @ dense.kernel.detach() + dense.bias.detach()
+    assert torch.equal(dense(x).to_global(), want)
+    # attached under a parent: drawn again, once, for its path there
+    model = mt.nn.Sequential(dense)
+    w = dense.mesh_view("kernel")
+    assert calls == ["kernel", "0.kernel"] and w.local is dense.kernel
+    assert torch.equal(w.local, mt.random.normal(w.shape, seed=0, stream="0.kernel").local)
+    assert torch.equal(model(x).to_global(), x.to_global() @ dense.kernel.detach() + dense.bias.detach())
+    # a new parameter
+    dense.kernel = mt.nn.MeshParameter([D, H], init="ones")
+    assert dense.mesh_view("kernel").local is dense.kernel and dense.mesh_view("kernel").local.sum() == 24
+    # a storage of another size: refused, naming the sizes, as the constructor does
+    dense.kernel.data = torch.zeros(2, 2)
+    with pytest.raises(mt.errors.ShapeError, match=r"needs a local slice of size \[4, 6\], got \[2, 2\]"):
+        dense.mesh_view("kernel")
+    other = mt.nn.Dense(D, H)
+    kept = other.mesh_view("kernel")
+    for twin in (copy.deepcopy(other), pickle.loads(pickle.dumps(other))):
+        t = twin.mesh_view("kernel")
+        assert t is not kept and t.local is twin.kernel and t._adapted is twin.kernel._adapted
+        assert torch.equal(t.local, kept.local)
+    assert mt.nn.Dense(D, H, bias=False).mesh_view("bias") is None
+
+
+def test_hooks_and_a_compiled_call_run_on_meshtorch_modules_as_on_torch_ones():
+    """mt.nn.Module.__call__ calls forward itself only where torch's would do nothing else (issue
+    27: one Python frame per layer, not two): a module's own and global forward hooks, and a
+    compiled call (``module.compile()``), take torch's path."""
+    dense = mt.nn.Dense(D, H)
+    x = mt.random.normal("batch:3,d:4", seed=1)
+    plain = dense(x * 2).to_global() + 1
+    pre = dense.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    post = dense.register_forward_hook(lambda m, args, out: out + 1)
+    assert torch.equal(dense(x).to_global(), plain)
+    pre.remove()
+    post.remove()
+    seen = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        assert torch.equal(mt.nn.Sequential(dense)(x).to_global(), dense(x).to_global())
+    finally:
+        hook.remove()
+    assert seen == ["Dense", "Sequential", "Dense"]
+    dense._compiled_call_impl = lambda *args, **kwargs: ("compiled", args)
+    assert dense(x) == ("compiled", (x,))
+
+
+def test_submodule_reads_follow_every_way_torch_changes_a_child():
+    """A submodule is kept in the instance __dict__ beside torch's ``_modules`` (read without
+    __getattr__'s frame, issue 27): every change torch's API makes (set, replace, set to None,
+    delete, add_module/register_module, a parameter or a plain value in its place) reads back as
+    torch.nn.Module's own lookup gives it, and copies read their own children."""
+    def same(net, name):
+        torch_says = torch.nn.Module.__getattr__(net, name) if name in net._modules else "absent"
+        mine = getattr(net, name, "absent")
+        assert mine is torch_says, name
+
+    net = mt.nn.Sequential(mt.nn.Dense(D, H))
+    first, second = mt.nn.Dense(D, H), mt.nn.LayerNorm(D)
+    net.extra = first
+    same(net, "extra")
+    net.extra = second
+    same(net, "extra")
+    assert net.extra is second and dict(net.named_children())["extra"] is second
+    net.extra = None
+    same(net, "extra")
+    net.extra = first
+    del net.extra
+    same(net, "extra")
+    assert "extra" not in dict(net.named_children())
+    net.add_module("more", first)
+    net.register_module("more", second)
+    same(net, "more")
+    net.more = mt.nn.MeshParameter([D], init="ones")  # a parameter takes the child's name
+    assert isinstance(net.more, mt.nn.MeshParameter) and "more" not in net._modules
+    del net.more
+    net.more = first
+    same(net, "more")
+    for twin in (copy.deepcopy(net), pickle.loads(pickle.dumps(net))):
+        assert twin.more is twin._modules["more"] and twin.more is not first
+        assert twin[0] is twin._modules["0"]
+    x = mt.random.normal("batch:2,d:4", seed=3)
+    assert torch.equal(net.more(x).to_global(), first(x).to_global())

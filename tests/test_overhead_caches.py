@@ -198,3 +198,32 @@ def test_the_dynamo_test_falls_back_to_is_compiling_without_is_dynamo_compiling(
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[3.0, 3.0]"
+
+
+def test_current_without_its_frame_is_current_on_every_thread():
+    """``here.ctx or current()`` (the lowering's per-op read of the context, issue 27) is
+    ``current()``: a thread's own context inside ``use()``, else the process default of the moment
+    (the torch backend's processor), also after a ``use()`` block that began under another default."""
+    from meshtorch import context as C
+    from meshtorch.comm.base import LocalCommunicator
+
+    a, b, c = (C.ProcessorContext(LocalCommunicator()) for _ in range(3))
+    before = C._Local.ctx
+    try:
+        C.set_process_context(a)
+        assert C.here.ctx is C.current() is a
+        with C.use(b):
+            assert C.here.ctx is C.current() is b
+            with C.use(c):
+                assert C.here.ctx is C.current() is c
+            assert C.here.ctx is C.current() is b
+            C.set_process_context(c)
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append((C.here.ctx, C.current())))
+            thread.start()
+            thread.join()
+            assert seen == [(c, c)]
+        assert C.here.ctx is C.current() is c
+    finally:
+        C._Local.ctx = before
+    assert C.current() is (before or C.current())

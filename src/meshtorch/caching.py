@@ -77,7 +77,12 @@ def compiling() -> bool:
     """Whether ``torch.compile`` (Dynamo) is tracing this call; never imports torch.
 
     False in a function Dynamo calls rather than traces (the lowering's plans, resolved
-    outside the trace by :func:`meshtorch.lowering.lower.plan_of`), so its memos work there."""
+    outside the trace by :func:`meshtorch.lowering.lower.plan_of`), so its memos work there.
+
+    Once torch is imported, the first call puts torch's own test in this module's place of
+    ``compiling``: callers that read it as ``caching.compiling()`` then make one Python call,
+    not two (the memos of shapes and layouts ask on every op, paid cold between a model's large
+    kernels, issue 27); a name imported earlier keeps this function, which asks the same test."""
     global _is_dynamo_compiling
     test = _is_dynamo_compiling
     if test is None:
@@ -90,6 +95,7 @@ def compiling() -> bool:
         # between a model's large kernels, issue 27)
         test = _is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling",
                                               torch.compiler.is_compiling)
+        globals()["compiling"] = test  # (this module's name for it from now on)
     return test()
 
 

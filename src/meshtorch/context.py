@@ -97,35 +97,42 @@ class ProcessorContext:
 
 
 class _Local(threading.local):
-    # a thread that never entered use() reads this class default: getattr on a plain
-    # threading.local without the attribute raises and catches an AttributeError inside, ~0.3 us
-    # on every current() of a one-processor program (one per op, and more)
+    #: a thread that never entered use() (or left it) reads this class attribute: the process's
+    #: default context (the torch backend's processor, else the one-processor context, made at
+    #: the first current()), ``None`` before there is one
     ctx: ProcessorContext | None = None
 
 
 _local = _Local()
-_process_default: list[ProcessorContext] = []
+#: this thread's context (``here.ctx``; ``None`` only before the process has any): ``here.ctx or
+#: current()`` is :func:`current` without its Python frame, for the lowering's per-op path (issue
+#: 27: each frame between a model's large kernels runs cold)
+here = _local
+_UNSET = object()
 
 
 def current() -> ProcessorContext:
     """The context of the processor running this code."""
-    ctx = getattr(_local, "ctx", None)
+    ctx = _local.ctx
     if ctx is not None:
         return ctx
-    if not _process_default:
-        _process_default.append(ProcessorContext(LocalCommunicator()))
-    return _process_default[-1]
+    if _Local.ctx is None:
+        _Local.ctx = ProcessorContext(LocalCommunicator())
+    return _Local.ctx
 
 
 @contextmanager
 def use(ctx: ProcessorContext) -> Iterator[ProcessorContext]:
     """Make ``ctx`` current on this thread for the duration of the block."""
-    prev = getattr(_local, "ctx", None)
+    prev = _local.__dict__.get("ctx", _UNSET)  # this thread's own, not the process default
     _local.ctx = ctx
     try:
         yield ctx
     finally:
-        _local.ctx = prev
+        if prev is _UNSET:
+            del _local.ctx  # the process default again, whatever it is by then
+        else:
+            _local.ctx = prev
 
 
 # The contexts that have a tracer now, by id. Empty unless something traces, so the hot path
@@ -238,7 +245,7 @@ def _default_device() -> torch.device:
 
 def set_process_context(ctx: ProcessorContext) -> None:
     """Make ``ctx`` the default of every thread of this process (torch backend)."""
-    _process_default.append(ctx)
+    _Local.ctx = ctx
 
 
 def comm_stats() -> CommStats:

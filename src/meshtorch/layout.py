@@ -28,7 +28,8 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 
-from meshtorch.caching import BoundedCache, compiling
+from meshtorch import caching
+from meshtorch.caching import BoundedCache
 from meshtorch.errors import LayoutError, ShapeError
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Dim, Shape
@@ -150,7 +151,7 @@ class LayoutRules:
         # the lowering's plans are keyed by the rules: hashed once, here, not on first use, which
         # torch.compile would guard on (a recompile once eager code hashed it); rules built in a
         # compiled program hash on use (builtin hash() is untraceable on torch 2.11)
-        self._hash = None if compiling() else hash(tuple(sorted(rules.items())))
+        self._hash = None if caching.compiling() else hash(tuple(sorted(rules.items())))
 
     def axes_of(self, dim: str) -> Axes:
         """The axes a dim name is split over, major first (``()``: no rule)."""
@@ -199,7 +200,7 @@ class LayoutRules:
         # (by names, sizes and mesh axes, equal exactly when the objects are: hashed in C, where
         # the objects' own __hash__ are Python calls, on every op's output)
         key = (shape.names, shape.sizes, mesh.axes)
-        compiled = compiling()
+        compiled = caching.compiling()
         lay = None if compiled else self._layouts.get(key)
         if lay is None:
             lay = self._derive(shape, mesh, name)
@@ -262,7 +263,7 @@ class Layout:
         # every lowered op hashes its inputs' layouts (the plan's key): hashed once, here, not on
         # first use, which torch.compile would guard on (a recompile once eager code hashed it);
         # a layout built in a compiled program hashes on use (hash() is untraceable on torch 2.11)
-        self._hash = None if compiling() else hash(self.key)
+        self._hash = None if caching.compiling() else hash(self.key)
         self._by_axis = {a: d for d, axes in self.split.items() for a in axes}
         if len(self._by_axis) != sum(map(len, self.split.values())):
             raise LayoutError(f"layout {split} splits over one axis twice")
@@ -318,11 +319,11 @@ class Layout:
     def slices(self, coords: dict[str, int]) -> tuple[tuple[int, int], ...]:
         """``(start, size)`` of the local slice of each dim at ``coords``."""
         mesh = self.mesh
-        return tuple(
+        return tuple([  # (a list in one frame, not a generator resumed per dim)
             piece(d.size, [(mesh.axis_size(a), coords[a]) for a in self.split[d.name]])
             if d.name in self.split else (0, d.size)
-            for d in self.shape
-        )
+            for d in self.shape.dims
+        ])
 
     def replicated_axes(self) -> tuple[str, ...]:
         """Axes along which this tensor is replicated."""

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from functools import lru_cache
 
-from meshtorch.caching import compiling
+from meshtorch import caching
 from meshtorch.errors import MeshError
 from meshtorch.shape import named_sizes
 
@@ -105,7 +105,7 @@ class Mesh:
         """The processors that share ``rank``'s coordinates on every axis not in
         ``axes``, ordered row-major over ``axes`` (in mesh order)."""
         # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
-        return (_group.__wrapped__ if compiling() else _group)(
+        return (_group.__wrapped__ if caching.compiling() else _group)(
             self, rank, tuple(sorted(axes, key=self._index.__getitem__)))
 
     def in_order(self, axes: Iterable[str]) -> bool:

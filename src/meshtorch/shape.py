@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from meshtorch.caching import compiling
+from meshtorch import caching
 from meshtorch.errors import ShapeError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -144,7 +144,7 @@ class Shape:
         # builtin hash() of a tuple is untraceable on torch 2.11 (a graph break): a shape built in
         # a compiled program hashes on use, which nothing there does (its plans are keyed by
         # tuples of names and sizes, resolved outside the trace)
-        self._hash = None if compiling() else hash((self.names, self.sizes))
+        self._hash = None if caching.compiling() else hash((self.names, self.sizes))
         #: shapes made from this one by :meth:`without`, :meth:`replace` and ``+``, by their
         #: arguments: ops make the same few every step (the loss's, the embedding's, a renamed
         #: key), and building one is a dozen Python calls, paid cold between large kernels
@@ -172,7 +172,8 @@ class Shape:
     def __getitem__(self, key: int | str | Dim) -> Dim:
         if isinstance(key, int):
             return self.dims[key]
-        return self.dims[self.index(key)]
+        i = self._index.get(key) if isinstance(key, str) else None  # (a name: index's lookup inline)
+        return self.dims[self.index(key) if i is None else i]
 
     def __contains__(self, d: object) -> bool:
         if isinstance(d, str):
@@ -215,7 +216,7 @@ class Shape:
             >>> s.derived(("twice",), lambda: s + Shape("e:4")) is s.derived(("twice",), lambda: s)
             True
         """
-        if compiling():
+        if caching.compiling():
             return make()
         d = self._derived
         if d is None:
@@ -266,7 +267,7 @@ def as_shape(s: Shape | str | Iterable[Dim | tuple[str, int]]) -> Shape:
     """
     if isinstance(s, Shape):
         return s
-    if isinstance(s, str) and not compiling():
+    if isinstance(s, str) and not caching.compiling():
         return _shape_of(s)
     return Shape(s)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from meshtorch.context import current, traced
+from meshtorch.context import current, here, traced
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout
 from meshtorch.lowering import elementwise as ew
@@ -202,73 +202,51 @@ class MeshTensor:
         return memo
 
     # ------------------------------------------------------------ operators
-    def __add__(self, other) -> MeshTensor:
-        return ew.add(self, other)
+    # ``x + y`` is ``add(x, y)``: the op itself is the method, no frame of its own per operator
+    # (issue 27: a model's residual adds and scalings run cold between large kernels); the
+    # reflected ones swap their operands
+    __add__ = ew.add
+    __sub__ = ew.subtract
+    __mul__ = ew.multiply
+    __truediv__ = ew.divide
+    __pow__ = ew.pow
+    __floordiv__ = ew.floordiv
+    __mod__ = ew.mod
+    __neg__ = ew.negative
+    __abs__ = ew.abs
+    __lt__ = ew.less
+    __le__ = ew.less_equal
+    __gt__ = ew.greater
+    __ge__ = ew.greater_equal
 
     def __radd__(self, other) -> MeshTensor:
         return ew.add(other, self)
 
-    def __sub__(self, other) -> MeshTensor:
-        return ew.subtract(self, other)
-
     def __rsub__(self, other) -> MeshTensor:
         return ew.subtract(other, self)
-
-    def __mul__(self, other) -> MeshTensor:
-        return ew.multiply(self, other)
 
     def __rmul__(self, other) -> MeshTensor:
         return ew.multiply(other, self)
 
-    def __truediv__(self, other) -> MeshTensor:
-        return ew.divide(self, other)
-
     def __rtruediv__(self, other) -> MeshTensor:
         return ew.divide(other, self)
-
-    def __pow__(self, other) -> MeshTensor:
-        return ew.pow(self, other)
 
     def __rpow__(self, other) -> MeshTensor:
         return ew.pow(other, self)
 
-    def __floordiv__(self, other) -> MeshTensor:
-        return ew.floordiv(self, other)
-
     def __rfloordiv__(self, other) -> MeshTensor:
         return ew.floordiv(other, self)
 
-    def __mod__(self, other) -> MeshTensor:
-        return ew.mod(self, other)
-
     def __rmod__(self, other) -> MeshTensor:
         return ew.mod(other, self)
-
-    def __neg__(self) -> MeshTensor:
-        return ew.negative(self)
-
-    def __abs__(self) -> MeshTensor:
-        return ew.abs(self)
-
-    def __lt__(self, other) -> MeshTensor:
-        return ew.less(self, other)
-
-    def __le__(self, other) -> MeshTensor:
-        return ew.less_equal(self, other)
-
-    def __gt__(self, other) -> MeshTensor:
-        return ew.greater(self, other)
-
-    def __ge__(self, other) -> MeshTensor:
-        return ew.greater_equal(self, other)
 
     __hash__ = object.__hash__
 
 
 def layout_for(shape: Shape, name: str | None = None) -> Layout:
     """The layout of ``shape`` under the current processor's mesh and rules."""
-    ctx = current()
-    return ctx.rules.layout(shape, ctx.mesh, name)
+    ctx = here.ctx or current()  # (current() and ctx.mesh without their frames: per op's output)
+    return ctx.rules.layout(shape, ctx.comm.mesh, name)
 
 
 def local_shape(layout: Layout) -> tuple[int, ...]:
@@ -287,7 +265,8 @@ def local_shape(layout: Layout) -> tuple[int, ...]:
 
 def local_slices(layout: Layout) -> tuple[slice, ...]:
     """Index of this processor's slice within the global tensor."""
-    return tuple(slice(s, s + n) for s, n in layout.slices(current().coords))
+    # (a list made in one frame, not a generator resumed per dim; the context without current()'s)
+    return tuple([slice(s, s + n) for s, n in layout.slices((here.ctx or current()).comm.coords)])
 
 
 def from_global(
@@ -310,7 +289,8 @@ def from_global(
         >>> x.shape, x.local.shape
         (Shape('a:2,b:3'), torch.Size([2, 3]))
     """
-    shape = as_shape(shape)
+    if not isinstance(shape, Shape):
+        shape = as_shape(shape)
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t)
     if tuple(t.shape) != shape.sizes:
@@ -319,10 +299,11 @@ def from_global(
             f"shape [{shape}] needs {list(shape.sizes)}"
         )
     layout = layout_for(shape, name)
-    if current().comm.check:
+    comm = (here.ctx or current()).comm
+    if comm.check:
         _check_same_everywhere(t, shape, name)
     # the slice goes where the processor computes (a GPU's processor reads host data)
-    dev = current().device
+    dev = comm.device
     moved = dev is not None and t.device != dev
     if t.requires_grad:
         local = t[local_slices(layout)]  # a view: gradients flow back into t

@@ -52,7 +52,7 @@ import threading
 
 import torch
 
-from meshtorch.caching import compiling
+from meshtorch import caching
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.layout import piece
 from meshtorch.mesh import Mesh
@@ -76,7 +76,7 @@ def lengths(mesh: Mesh, axes: str | tuple[str, ...], whole: int) -> list[int] | 
         ([2, 1, 1, 1], None)
     """
     # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
-    return (_lengths.__wrapped__ if compiling() else _lengths)(mesh, as_axes(axes), whole)
+    return (_lengths.__wrapped__ if caching.compiling() else _lengths)(mesh, as_axes(axes), whole)
 
 
 @functools.lru_cache(maxsize=4096)

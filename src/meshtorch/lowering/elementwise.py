@@ -80,7 +80,8 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
             )
-    if is_dynamo_compiling():  # planned outside the trace, from the shapes' names and sizes
+    compiled = is_dynamo_compiling()  # (asked once: lower() is told)
+    if compiled:  # planned outside the trace, from the shapes' names and sizes
         out, same_shapes, trailing = resolved(_nary_of_constants, tuple(key), op)
     else:
         key = tuple(key)
@@ -105,7 +106,7 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
         def local_fn(view, *ls):
             return fn(*ls)
 
-        return lower(op, tensors, out, local_fn)
+        return lower(op, tensors, out, local_fn, compiled=compiled)
     names = out.names
 
     def local_fn(view, *ls):
@@ -116,7 +117,7 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
         want = tuple([view.size(n) for n in names])
         return y if y.shape == want else y.expand(want)
 
-    return lower(op, tensors, out, local_fn)
+    return lower(op, tensors, out, local_fn, compiled=compiled)
 
 
 # The broadcast shape of each combination of operand shapes (None: a scalar), and whether every

@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshtorch.caching import BoundedCache, compiling, constant_result
-from meshtorch.context import current
+from meshtorch import caching
+from meshtorch.caching import BoundedCache, constant_result
+from meshtorch.context import current, here
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
@@ -319,6 +320,8 @@ def plan_of(
     reduced: dict[str, str] | None = None,
     whole: Iterable[str] = (),
     name: str | None = None,
+    *,
+    compiled: bool | None = None,
 ) -> Plan:
     """The cached :class:`Plan` of an op: a pure function of the inputs' layouts, which of them
     require grad and whether grad mode is on, the output shape, the reduced and whole dims, the
@@ -330,7 +333,8 @@ def plan_of(
     Dynamo calls rather than traces (``assume_constant_result``), and reads the plan back from
     :data:`RESOLVED`. So Dynamo does not trace the planner's Python (the bulk of a trace), a
     compile reuses the eager steps' plans, and the trace calls no builtin ``hash`` (untraceable
-    on torch 2.11).
+    on torch 2.11). ``compiled``: whether Dynamo traces the call, where the caller asked
+    already (:func:`lower`); ``None``: asked here.
 
     Example:
         >>> import meshtorch as mt
@@ -340,52 +344,8 @@ def plan_of(
         >>> p is plan_of("sum", [x], mt.Shape(""), reduced={"batch": "sum"}), p.adapters
         (True, 0)
     """
-    grad = torch.is_grad_enabled()
-    if is_dynamo_compiling():  # (caching.compiling's test, one call less per op)
-        # traced: resolved outside the trace (the planner's Python is much of what Dynamo would
-        # otherwise trace per op), from constants only
-        return resolved(
-            _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
-            tuple([x.local.requires_grad for x in inputs]) if grad else None,
-            out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
-            tuple(sorted(set(whole))), grad, name)
-    # eager (and outside the trace): one dict lookup, its key built here rather than in a
-    # function of its own (one Python call less per op, paid cold between large kernels)
-    ctx = current()
-    scope = ctx.plan_scope
-    if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
-        scope = _scope_of(ctx)
-    # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
-    # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
-    # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
-    if len(inputs) == 1:
-        a = inputs[0]
-        layouts = (a.layout.key,)
-        needs = (a.local.requires_grad,) if grad else None
-    elif len(inputs) == 2:
-        a, b = inputs
-        layouts = (a.layout.key, b.layout.key)
-        needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
-    else:
-        keys, wants = [], []
-        for x in inputs:
-            keys.append(x.layout.key)
-            wants.append(x.local.requires_grad)
-        layouts, needs = tuple(keys), tuple(wants) if grad else None
-    # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
-    key = (
-        layouts,
-        needs,
-        out_shape.names,
-        out_shape.sizes,
-        tuple(reduced.items()) if reduced else (),
-        frozenset(whole) if whole else _NO_DIMS,
-        scope[2],
-    )
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
-    return plan
+    # (the lookup is lower()'s first part: a lowered op then makes no call for its plan)
+    return lower(op, inputs, out_shape, None, reduced=reduced, whole=whole, name=name, compiled=compiled)
 
 
 _NO_DIMS: frozenset = frozenset()
@@ -453,7 +413,7 @@ def resolved(compute: Callable[..., Any], *args: Any) -> Any:
         >>> resolved(range, 0, 6, 2)
         range(0, 6, 2)
     """
-    if not compiling():
+    if not caching.compiling():
         return compute(*args)
     return getattr(RESOLVED, _resolve(compute, args))
 
@@ -492,11 +452,13 @@ def lower(
     op: str,
     inputs: Sequence[MeshTensor],
     out_shape: Shape,
-    local_fn: Callable[..., torch.Tensor],
+    local_fn: Callable[..., torch.Tensor] | None,
     *,
     reduced: dict[str, str] | None = None,
     whole: Iterable[str] = (),
     name: str | None = None,
+    compiled: bool | None = None,
+    outputs: bool = True,
 ) -> MeshTensor:
     """Run ``local_fn(view, *local_inputs)`` as an SPMD op with minimal communication.
 
@@ -507,14 +469,113 @@ def lower(
         local_fn: maps the operands' local slices (dims in each operand's shape
             order, sliced as the chosen computation layout says) to the local
             result (dims in ``out_shape`` order). ``view`` gives each dim's
-            ``(start, size)`` in the computation.
+            ``(start, size)`` in the computation. ``None``: only the op's :class:`Plan`
+            (:func:`plan_of`), which the lookup that starts every lowered op finds.
         reduced: dims of the inputs that are reduced away, with how.
         whole: dims the local function needs unsplit (they are gathered).
         name: the output's name, for error messages.
+        compiled: whether Dynamo traces this call (:func:`is_dynamo_compiling`), where the op
+            asked already; ``None``: asked here. Asked once per op and handed down (to the plan,
+            the overlap), not once per use: each Python frame between a model's large kernels
+            runs cold (issue 27).
+        outputs: ``False``: return ``(plan, local result)`` before the output adapters
+            (``plan.outputs``) run, as :func:`local_result`.
+
+    Returns the op's result, a MeshTensor (with ``local_fn=None`` its :class:`Plan`, with
+    ``outputs=False`` the pair): one function, so that a lowered op runs in one Python frame.
     """
-    plan, result = local_result(op, inputs, out_shape, local_fn, reduced, whole, name)
+    if compiled is None:
+        compiled = is_dynamo_compiling()
+    # The op's Plan (plan_of's). Traced: resolved outside the trace (the planner's Python is much
+    # of what Dynamo would otherwise trace per op), from constants only. Eager (and outside the
+    # trace): one dict lookup, its key built here rather than in a function of its own (one
+    # Python call less per op, paid cold between large kernels, issue 27).
+    grad = torch.is_grad_enabled()
+    if compiled:
+        plan = resolved(
+            _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
+            tuple([x.local.requires_grad for x in inputs]) if grad else None,
+            out_shape.names, out_shape.sizes, tuple(reduced.items()) if reduced else (),
+            tuple(sorted(set(whole))), grad, name)
+    else:
+        ctx = here.ctx or current()  # (current() without its frame, inside a launch)
+        scope = ctx.plan_scope
+        if scope is None or scope[0] is not ctx.rules or scope[1] is not ctx.comm or scope[3] is not _HERE:
+            scope = _scope_of(ctx)
+        # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
+        # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
+        # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
+        if len(inputs) == 1:
+            a = inputs[0]
+            layouts = (a.layout.key,)
+            needs = (a.local.requires_grad,) if grad else None
+        elif len(inputs) == 2:
+            a, b = inputs
+            layouts = (a.layout.key, b.layout.key)
+            needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
+        else:
+            keys, wants = [], []
+            for x in inputs:
+                keys.append(x.layout.key)
+                wants.append(x.local.requires_grad)
+            layouts, needs = tuple(keys), tuple(wants) if grad else None
+        # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
+        key = (
+            layouts,
+            needs,
+            out_shape.names,
+            out_shape.sizes,
+            tuple(reduced.items()) if reduced else (),
+            frozenset(whole) if whole else _NO_DIMS,
+            scope[2],
+        )
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _PLANS.put(key, make_plan(op, inputs, out_shape, dict(reduced or {}), set(whole), name))
+    if local_fn is None:
+        return plan
+    if plan.shared is not None:
+        # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
+        # (one loop, no comprehensions: data parallel runs it for every op reading a parameter;
+        # traced, the per-use path: a compiled graph schedules its collectives itself)
+        comm = None if compiled else ctx.comm
+        args, used = [], []
+        for x, s, shared in zip(inputs, plan.inputs, plan.shared):
+            if shared:
+                o = None if comm is None else overlapped_input(x.local, s, comm)
+                if o is None:
+                    o = run_shared(x.local, x.adapter_memo(), s)
+                elif not o.is_leaf:
+                    # a gathered value (a view of its entry's leaf): after_forward may free it. A
+                    # data-parallel read is the leaf itself (or, under autocast, an untagged view
+                    # of it), which after_forward has nothing to do for
+                    used.append(o)
+            else:
+                o = run_steps(x.local, s) if s else x.local
+            args.append(o)
+        result = local_fn(plan.view, *args)
+        if used:
+            after_forward(used, result, args)
+    elif plan.moves:
+        args = []
+        for x, s in zip(inputs, plan.inputs):  # (a loop: no comprehension's frame)
+            args.append(run_steps(x.local, s) if s else x.local)
+        result = local_fn(plan.view, *args)
+    elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)
+        result = local_fn(plan.view, inputs[0].local)
+    elif len(inputs) == 2:
+        result = local_fn(plan.view, inputs[0].local, inputs[1].local)
+    else:
+        result = local_fn(plan.view, *[x.local for x in inputs])
+    if result.shape != plan.want:
+        raise ShapeError(
+            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
+            f"output [{out_shape}] computed as {_describe(plan.computed_as)} needs {list(plan.want)}"
+        )
+    if not outputs:
+        return plan, result
     if plan.outputs:
-        if not result.dim():  # a loss inside mt.overlap(): its all_reduce is read later
+        if not result.dim() and not compiled:  # a loss inside mt.overlap(): its all_reduce is read later
             later = read_later(result, plan.outputs)
             if later is not None:
                 return tensor_type()._read_later(later, out_shape, plan.layout, name)
@@ -530,41 +591,7 @@ def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,
     """The first half of :func:`lower`: the op's plan and its local result in the computation
     layout, checked against the plan's size, before the output adapters (``plan.outputs``) run.
     :mod:`meshtorch.lowering.fused` runs the output adapters of several ops together."""
-    plan = plan_of(op, inputs, out_shape, reduced, whole, name)
-    if plan.shared is not None:
-        # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
-        # (one loop, no comprehensions: data parallel runs it for every op reading a parameter)
-        args, used = [], []
-        for x, s, shared in zip(inputs, plan.inputs, plan.shared):
-            if shared:
-                o = overlapped_input(x.local, s)
-                if o is None:
-                    o = run_shared(x.local, x.adapter_memo(), s)
-                elif not o.is_leaf:
-                    # a gathered value (a view of its entry's leaf): after_forward may free it. A
-                    # data-parallel read is the leaf itself (or, under autocast, an untagged view
-                    # of it), which after_forward has nothing to do for
-                    used.append(o)
-            else:
-                o = run_steps(x.local, s) if s else x.local
-            args.append(o)
-        result = local_fn(plan.view, *args)
-        if used:
-            after_forward(used, result, args)
-    elif plan.moves:
-        result = local_fn(plan.view, *[run_steps(x.local, s) for x, s in zip(inputs, plan.inputs)])
-    elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)
-        result = local_fn(plan.view, inputs[0].local)
-    elif len(inputs) == 2:
-        result = local_fn(plan.view, inputs[0].local, inputs[1].local)
-    else:
-        result = local_fn(plan.view, *[x.local for x in inputs])
-    if result.shape != plan.want:
-        raise ShapeError(
-            f"{op}: the local function returned a slice of size {list(result.shape)}, but the "
-            f"output [{out_shape}] computed as {_describe(plan.computed_as)} needs {list(plan.want)}"
-        )
-    return plan, result
+    return lower(op, inputs, out_shape, local_fn, reduced=reduced, whole=whole, name=name, outputs=False)
 
 
 def _describe(split: dict[str, tuple[str, ...]]) -> str:
@@ -581,7 +608,8 @@ def align(t: torch.Tensor, names: Sequence[str], target: Sequence[str]) -> torch
     """Permute and unsqueeze a local tensor with dims ``names`` so it broadcasts
     against dims ``target`` (a superset, any order)."""
     # Dynamo traces the memo's small function itself (it would bypass the lru_cache anyway, warning)
-    perm, where = (_alignment.__wrapped__ if compiling() else _alignment)(tuple(names), tuple(target))
+    memo = _alignment.__wrapped__ if caching.compiling() else _alignment
+    perm, where = memo(tuple(names), tuple(target))
     if perm is not None:
         t = t.permute(perm)
     if where is None:

@@ -177,12 +177,12 @@ def _adapter(steps) -> tuple[str, str | tuple[str, ...], int | None] | None:
     return None
 
 
-def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
+def overlapped_input(t: torch.Tensor, steps, comm: Communicator) -> torch.Tensor | None:
     """The value an op uses for the parameter slice ``t`` adapted by ``steps``, run by this
     module (a leaf whose gradient is reduced in buckets), or ``None``: use the per-use path.
-    The lowering asks this for every input whose adapters sum its gradient."""
-    if is_dynamo_compiling():  # first: a traced step never reads this module's state
-        return None
+    The lowering asks this, with this processor's ``comm``, for every input whose adapters sum
+    its gradient, never in a call Dynamo traces (a traced step never reads this module's state:
+    :func:`~meshtorch.lowering.lower.lower` asks Dynamo once per op and takes the per-use path)."""
     opts = getattr(_on, "options", None)
     if opts is None or not t.requires_grad or not torch.is_grad_enabled():
         return None
@@ -201,7 +201,6 @@ def overlapped_input(t: torch.Tensor, steps) -> torch.Tensor | None:
         how = _hows[steps] = _adapter(steps)
     if how is None:
         return None
-    comm = _current().comm
     rt = getattr(comm, "_overlap", None) or runtime(comm)
     alone = rt.alone.get(how[1])
     if alone is None:

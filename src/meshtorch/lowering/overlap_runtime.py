@@ -159,7 +159,17 @@ class Runtime(GradientBuckets):
         e = self.entries.get(key)
         if kind == "all_reduce":
             if e is None:
-                e = self.entries[key] = self._lasting(param, key, axes)
+                # its lasting entry (made once per parameter and adapters, _lasting), checked here:
+                # one Python frame less per parameter read of every step (issue 27)
+                e = self.lasting.get(key)
+                leaf = None if e is None else e.leaf
+                # `p.data = ...` (module.to(dtype), .double()) swaps the storage: a new leaf for it
+                if (leaf is None or e.ref() is not param or not torch._C._is_alias_of(leaf, param)
+                        or leaf.shape != param.shape or leaf.stride() != param.stride()
+                        or leaf.dtype != param.dtype):
+                    e = self._lasting(param, key, axes)
+                e.param, e.step = param, self.generation
+                self.entries[key] = e
                 self.order.append(e)
             # under autocast a view, not the leaf: autocast caches its casts of leaves that require
             # grad until the autocast block ends (the whole forward), which would keep a bf16 copy
@@ -189,23 +199,19 @@ class Runtime(GradientBuckets):
         return value
 
     def _lasting(self, param: torch.Tensor, key, axes) -> Entry:
-        """The entry of a parameter whose gradient is all-reduced (data parallel): its leaf is an
-        alias of the parameter, so it stays valid across optimizer steps (which update the
-        storage in place) and is made, with its gradient hook, once per parameter and adapters,
-        not every step, as DDP registers its hooks once. It is kept beside the parameter (weakly:
-        it goes with the parameter) and holds the parameter only while a step reads it."""
-        e = self.lasting.get(key)
-        if e is None or e.ref() is not param:
+        """A new entry of a parameter whose gradient is all-reduced (data parallel), where
+        :meth:`read` found none valid for it in :attr:`lasting`: its leaf is an alias of the
+        parameter, so it stays valid across optimizer steps (which update the storage in place)
+        and is made, with its gradient hook, once per parameter and adapters, not every step, as
+        DDP registers its hooks once (and again where ``p.data = ...`` swapped the storage). It is
+        kept beside the parameter (weakly: it goes with the parameter) and holds the parameter
+        only while a step reads it."""
+        old = self.lasting.get(key)
+        if old is None or old.ref() is not param:  # (a new parameter, perhaps at a freed one's id)
             weakref.finalize(param, _forget, weakref.ref(self), key)
-            e = None
-        leaf = None if e is None else e.leaf
-        # `p.data = ...` (module.to(dtype), .double()) swaps the storage: a new leaf for the new one
-        if (leaf is None or not torch._C._is_alias_of(leaf, param) or leaf.shape != param.shape
-                or leaf.stride() != param.stride() or leaf.dtype != param.dtype):
-            e = self.lasting[key] = Entry(self, param, key, "all_reduce", axes, None, param)
-            e.ref = weakref.ref(param)
-            self.hooks_made += 1
-        e.param, e.step = param, self.generation
+        e = self.lasting[key] = Entry(self, param, key, "all_reduce", axes, None, param)
+        e.ref = weakref.ref(param)
+        self.hooks_made += 1
         return e
 
     def _gathered(self, param, key, axes, dim) -> Entry:

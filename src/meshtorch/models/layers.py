@@ -28,8 +28,7 @@ import math
 
 import torch
 
-from meshtorch import nn
-from meshtorch.caching import compiling
+from meshtorch import caching, nn
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.models.config import TransformerConfig
@@ -63,7 +62,7 @@ def causal_bias(length: int, memory: int | None = None, offset: int = 0,
     """
     memory = length if memory is None else memory
     # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
-    bias = _causal_bias.__wrapped__ if compiling() else _causal_bias
+    bias = _causal_bias.__wrapped__ if caching.compiling() else _causal_bias
     t = bias(length, memory, offset, dtype, current().device)
     return _constant(t, Shape([Dim(LENGTH, length), Dim(MEMORY, memory)]))
 
@@ -108,7 +107,7 @@ def rotary_tables(positions: int, d_kv: int, dim: str, offset: int = 0,
         >>> cos.shape, round(sin.to_global()[1, 0].item(), 4)
         (Shape('length:3,d_kv:4'), 0.8415)
     """
-    tables = _rotary_tables.__wrapped__ if compiling() else _rotary_tables  # as in causal_bias
+    tables = _rotary_tables.__wrapped__ if caching.compiling() else _rotary_tables  # as in causal_bias
     cos, sin = tables(positions, d_kv, offset, base, current().device)
     shape = Shape([Dim(dim, positions), Dim("d_kv", d_kv)])
     return _constant(cos, shape), _constant(sin, shape)

@@ -71,15 +71,20 @@ class Block(nn.Module):
     def forward(self, x: MeshTensor, bias: MeshTensor | None = None, rotary=None, cache: dict | None = None,
                 memory: MeshTensor | None = None, memory_bias: MeshTensor | None = None, ring: bool = False,
                 causal: bool = False):
-        x = x + self._drop(self.attn(self.ln_attn(x), bias=bias, rotary=rotary, cache=cache, ring=ring,
-                                     causal=causal and not ring))
+        # _drop called only where it drops (a Python call per residual, cold between large
+        # kernels, issue 27)
+        drop = self.training and self.rate
+        a = self.attn(self.ln_attn(x), bias=bias, rotary=rotary, cache=cache, ring=ring,
+                      causal=causal and not ring)
+        x = x + (self._drop(a) if drop else a)
         if memory is not None:
-            x = x + self._drop(self.cross(self.ln_cross(x), memory=memory, bias=memory_bias))
+            a = self.cross(self.ln_cross(x), memory=memory, bias=memory_bias)
+            x = x + (self._drop(a) if drop else a)
         y = self.ffn(self.ln_ffn(x))
         aux = None
         if isinstance(y, tuple):
             y, aux = y
-        return x + self._drop(y), aux
+        return x + (self._drop(y) if drop else y), aux
 
 
 class KVCache:

@@ -75,11 +75,12 @@ class Dense(Module):
         self._out_names = BoundedCache(64)
 
     def forward(self, x: MeshTensor) -> MeshTensor:
-        x = as_mesh_tensor(x)
+        if not isinstance(x, MeshTensor):  # (the check's call made only where it fails: per layer)
+            as_mesh_tensor(x)
         shape = x.shape
-        kernel = self.kernel.mesh_tensor
-        key = (shape.names, shape.sizes)  # (the shape's own hash is a Python call; these hash in C)
         compiled = is_dynamo_compiling()
+        kernel = self.mesh_view("kernel", compiled)
+        key = (shape.names, shape.sizes)  # (the shape's own hash is a Python call; these hash in C)
         plan = None if compiled else self._out_names.get(key)
         if plan is None or plan[0] is not kernel.shape:
             # checked once per input shape: a model feeds the same few every step
@@ -99,10 +100,12 @@ class Dense(Module):
             y = einsum(x, kernel, output_shape=plan[1])
         else:
             out_shape, local_fn, reduced = plan[2]
-            y = lower("einsum", _promoted((x, kernel)), out_shape, local_fn, reduced=reduced)
-        if self.bias is None:
+            # (operands of one dtype, the usual case, without _promoted's call)
+            xs = (x, kernel) if x.local.dtype == kernel.local.dtype else _promoted((x, kernel))
+            y = lower("einsum", xs, out_shape, local_fn, reduced=reduced, compiled=False)
+        if self._parameters.get("bias") is None:  # no bias (torch keeps a None one in __dict__)
             return y
-        b = self.bias.mesh_tensor
+        b = self.mesh_view("bias", compiled)
         # under autocast the einsum runs in low precision; keep the bias add there too
         return y + (cast(b, y.dtype) if b.dtype != y.dtype else b)
 
@@ -127,7 +130,7 @@ class Embedding(Module):
         self.table = MeshParameter([self.vocab] + self.d_model, init, **init_kwargs)
 
     def forward(self, ids: MeshTensor) -> MeshTensor:
-        return embedding(self.table.mesh_tensor, as_mesh_tensor(ids), self.vocab.name)
+        return embedding(self.mesh_view("table", is_dynamo_compiling()), as_mesh_tensor(ids), self.vocab.name)
 
     def rows(self, out: Dim, offset: int = 0) -> MeshTensor:
         """The vectors of ids ``offset .. offset + out.size - 1`` over the new dim ``out`` (learned
@@ -140,12 +143,14 @@ class Embedding(Module):
             >>> emb.rows(mt.Dim("length", 3), offset=2).shape
             Shape('length:3,d:2')
         """
-        return embedding_range(self.table.mesh_tensor, self.vocab.name, out, offset)
+        return embedding_range(self.mesh_view("table", is_dynamo_compiling()), self.vocab.name, out, offset)
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""
-        keep = [n for n in x.names if n not in {d.name for d in self.d_model}]
-        return einsum(x, self.table.mesh_tensor, output_shape=keep + [self.vocab.name])
+        model = {d.name for d in self.d_model}  # (made once, not per name)
+        keep = [n for n in x.names if n not in model]
+        table = self.mesh_view("table", is_dynamo_compiling())
+        return einsum(x, table, output_shape=keep + [self.vocab.name])
 
 
 class LayerNorm(Module):
@@ -165,8 +170,9 @@ class LayerNorm(Module):
         self.bias = MeshParameter([self.dim], "zeros") if bias else None
 
     def forward(self, x: MeshTensor) -> MeshTensor:
-        b = None if self.bias is None else self.bias.mesh_tensor
-        return layer_norm(x, self.dim.name, self.weight.mesh_tensor, b, self.eps)
+        compiled = is_dynamo_compiling()
+        return layer_norm(x, self.dim.name, self.mesh_view("weight", compiled),
+                          self.mesh_view("bias", compiled), self.eps)
 
 
 class RMSNorm(Module):
@@ -185,7 +191,7 @@ class RMSNorm(Module):
         self.weight = MeshParameter([self.dim], "ones")
 
     def forward(self, x: MeshTensor) -> MeshTensor:
-        return rms_norm(x, self.dim.name, self.weight.mesh_tensor, self.eps)
+        return rms_norm(x, self.dim.name, self.mesh_view("weight", is_dynamo_compiling()), self.eps)
 
 
 class Dropout(Module):

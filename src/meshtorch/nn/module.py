@@ -32,8 +32,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _torch_module
 
-from meshtorch.context import current
+from meshtorch.context import current, traced
 from meshtorch.layout import Layout
 from meshtorch.nn.parameter import MeshParameter
 from meshtorch.shape import Dim, Shape
@@ -60,6 +61,7 @@ class Module(torch.nn.Module):
         super().__init__()
         self._mt_path = ""
         self._mt_seed = 0
+        self._mt_views: dict[str, tuple[MeshTensor, torch.Size]] = {}  # for mesh_view
 
     # ------------------------------------------------------------ parameters
     def named_mesh_parameters(self, prefix: str = "", recurse: bool = True
@@ -76,6 +78,45 @@ class Module(torch.nn.Module):
                 safe = name.replace(".", "_")
                 shape = Shape([Dim(f"{safe}_dim{i}", s) for i, s in enumerate(p.shape)])
                 yield name, MeshTensor(p, shape, Layout(shape, current().mesh, {}))
+
+    def mesh_view(self, name: str, compiled: bool = False) -> MeshTensor | None:
+        """``self.<name>.mesh_tensor``, or ``None`` where ``self.<name>`` is ``None`` (a layer
+        without a bias), for a layer's forward: the MeshTensor of its own parameter ``name``,
+        made once and kept on the module while the parameter is the same object, of the same
+        local size, and drawn. A read is then one Python call, where the attribute, the
+        property and MeshTensor's constructor are three, per weight of every layer, paid cold
+        between a model's large kernels (issue 27). ``compiled``: Dynamo traces the call (as
+        :func:`~meshtorch.lowering.adapters.is_dynamo_compiling` says): the attribute's path,
+        nothing kept. Kept on the module, not the parameter, which the view holds: a parameter
+        holding its view would be a reference cycle, keeping a dropped model's storage until the
+        garbage collector runs; a copy or pickle of the module starts without them.
+
+        Example:
+            >>> import meshtorch as mt
+            >>> dense = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 2), bias=False)
+            >>> w = dense.mesh_view("kernel")
+            >>> w is dense.mesh_view("kernel"), w.local is dense.kernel, dense.mesh_view("bias")
+            (True, True, None)
+        """
+        p = self._parameters.get(name)
+        if p is None or compiled:
+            value = getattr(self, name)  # (torch's path: its error for a missing name)
+            return None if value is None else value.mesh_tensor
+        kept = self._mt_views.get(name)
+        if kept is not None:
+            view = kept[0]
+            # the same parameter (not replaced: load_state_dict(assign=True), a new parameter),
+            # its local size unchanged (`p.data = ...`: the constructor's check, below) and drawn
+            # (relabel() asks for new values)
+            if view.local is p and p.materialized and p.shape == kept[1]:
+                if traced:  # a tracer sees each read, as it sees each MeshTensor made
+                    tracer = current().tracer
+                    if tracer is not None:
+                        tracer.observe(view)
+                return view
+        view = p.mesh_tensor
+        self._mt_views[name] = (view, p.shape)
+        return view
 
     def mesh_parameters(self, recurse: bool = True) -> Iterator[MeshTensor]:
         """Every parameter as a MeshTensor view; see :meth:`named_mesh_parameters`."""
@@ -105,6 +146,21 @@ class Module(torch.nn.Module):
         for p in self._parameters.values():
             if isinstance(p, MeshParameter) and not p.materialized:
                 p.materialize()
+
+    # ------------------------------------------------------------ calls
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # forward itself where torch's __call__ would only call it (no hooks of this module or
+        # global ones, no compiled_call_impl, no TorchScript trace): one Python frame where
+        # torch's is two (_wrapped_call_impl, _call_impl), per layer of every forward, paid
+        # cold between large kernels (issue 27). Anything else takes torch's path as it is.
+        if (self._compiled_call_impl is None and not (
+                self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
+                or self._backward_hooks or _torch_module._global_forward_pre_hooks
+                or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
+                or _torch_module._global_backward_hooks)
+                and not torch._C._get_tracing_state()):
+            return self.forward(*args, **kwargs)
+        return torch.nn.Module.__call__(self, *args, **kwargs)  # (looked up now: a patched one too)
 
     # ------------------------------------------------------------ first reads draw the values
     def __getattr__(self, name: str) -> Any:
@@ -150,6 +206,16 @@ class Module(torch.nn.Module):
         self._materialize_own()  # drawn in the parameter's dtype and device, then converted
         return super()._apply(fn, recurse)
 
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) makes its own views, of its own parameters and memos
+        state = super().__getstate__()
+        state["_mt_views"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_mt_views", {})  # (a module pickled before there were views)
+
     # ------------------------------------------------------------ paths
     def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
         super().register_parameter(name, param)
@@ -160,11 +226,33 @@ class Module(torch.nn.Module):
         super().__setattr__(name, value)
         if isinstance(value, torch.nn.Module) and "_mt_seed" in self.__dict__:
             self._adopt(name, value)
+        self._mirror(name)
 
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
         super().add_module(name, module)
         if module is not None and "_mt_seed" in self.__dict__:
             self._adopt(name, module)
+        self._mirror(name)
+
+    def __delattr__(self, name: str) -> None:
+        child = name in self.__dict__.get("_modules", ())
+        super().__delattr__(name)
+        if child:
+            self.__dict__.pop(name, None)
+
+    def _mirror(self, name: str) -> None:
+        # A submodule is also kept in the instance __dict__, under its name, beside torch's table
+        # (``_modules``, which stays the one torch and every traversal read): ``self.attn`` is then
+        # found by Python's own lookup, without __getattr__'s frame, per submodule call of every
+        # forward (issue 27). Set, replaced, set to None and deleted through setattr, add_module
+        # and delattr, as torch's API does; a write into ``_modules`` itself is not seen here.
+        modules = self.__dict__.get("_modules")
+        if modules is not None and name in modules:
+            child = modules[name]
+            if child is None:
+                self.__dict__.pop(name, None)
+            else:
+                self.__dict__[name] = child
 
     register_module = add_module
 

@@ -29,10 +29,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from meshtorch.caching import compiling
+from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
-from meshtorch.lowering.lower import align, lower
+from meshtorch.lowering.lower import align, is_dynamo_compiling, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
 from meshtorch.shape import Dim, Shape, dim_name
@@ -100,29 +100,44 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
         >>> torch.allclose(out.to_global(), ref.transpose(1, 2), atol=1e-6)
         True
     """
-    q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
-    seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)
-    kvh = hd if kv_heads is None else dim_name(kv_heads)
-    if bias is not None:
-        bias = as_mesh_tensor(bias)
+    if not (isinstance(q, MeshTensor) and isinstance(k, MeshTensor) and isinstance(v, MeshTensor)):
+        q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)  # (raises, naming the type)
+    if bias is not None and not isinstance(bias, MeshTensor):
+        as_mesh_tensor(bias)
     # the checks and orders are a function of the shapes and dim names: made once per signature
     # (a model's attention has one; building them is about a hundred Python calls, paid cold
-    # between large kernels, issue 27)
-    plan = (_attention_plan.__wrapped__ if compiling() else _attention_plan)(
-        q.shape, k.shape, v.shape, None if bias is None else bias.shape, seq, mem, feat, hd, kvh)
-    others, q_perm, k_perm, back, target, whole, feat_size, grouped, group = plan
+    # between large kernels, issue 27), kept under the shapes' names and sizes and the dim
+    # arguments as given (hashed in C where they are strings: no Shape.__hash__ or dim_name frame)
+    compiled = is_dynamo_compiling()
+    qs, ks, vs, bs = q.shape, k.shape, v.shape, None if bias is None else bias.shape
+    # (a Dim by its name: getattr is a call into C, a Dim's dataclass __hash__ a Python one; a name
+    # is its own, and anything else is kept as it is, for dim_name's error below)
+    key = (qs.names, qs.sizes, ks.names, ks.sizes, vs.names, vs.sizes,
+           None if bs is None else (bs.names, bs.sizes), getattr(dim, "name", dim),
+           getattr(memory, "name", memory), getattr(features, "name", features),
+           getattr(heads, "name", heads), getattr(kv_heads, "name", kv_heads))
+    plan = None if compiled else _PLANS.get(key)
+    if plan is None:
+        seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)
+        plan = _attention_plan(qs, ks, vs, bs, seq, mem, feat, hd,
+                               hd if kv_heads is None else dim_name(kv_heads))
+        if not compiled:
+            _PLANS.put(key, plan)
+    others, q_perm, k_perm, back, target, whole, feat_size, grouped, group, seq, hd = plan
     scale = feat_size ** -0.5 if scale is None else scale
 
     def local_fn(view, ql, kl, vl, bl=None):
-        lead = [view.size(d) for d in others]
-        rows = math.prod(lead)
         qs, ks, vs = ql.permute(q_perm), kl.permute(k_perm), vl.permute(k_perm)
-        if len(others) != 1:  # one other dim (the batch) is the rows already: no view to make
+        one = len(others) == 1  # one other dim (the batch) is the rows already: no view to make
+        if not one or bl is not None:
+            lead = [view.size(d) for d in others]
+            rows = math.prod(lead)
+        if not one:
             qs, ks, vs = (t.reshape(rows, *t.shape[-3:]) for t in (qs, ks, vs))
         n, keys = qs.shape[-2], ks.shape[-2]
         mask, is_causal = None, False
         if causal:
-            first = offset + view.start(seq)
+            first = offset + view.slices[seq][0]  # (view.start's frame saved)
             # keys after the last local query are never seen: leave them out
             if first + n < keys:
                 keys = max(0, first + n)
@@ -157,13 +172,15 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
             out = zero + qs.new_zeros(*qs.shape[:-1], vs.shape[-1])
         else:
             out = _sdpa(qs, ks, vs, mask, is_causal, scale, gqa)
-        return (out if len(others) == 1 else out.reshape(*lead, *out.shape[-3:])).permute(back)
+        return (out if one else out.reshape(*lead, *out.shape[-3:])).permute(back)
 
     inputs = [q, k, v] + ([bias] if bias is not None else [])
-    return lower("attention", inputs, q.shape, local_fn, whole=whole, name=name)
+    return lower("attention", inputs, q.shape, local_fn, whole=whole, name=name, compiled=compiled)
 
 
-@functools.lru_cache(maxsize=256)
+_PLANS = BoundedCache(256)  # attention's signatures (shapes, dim arguments) -> _attention_plan's
+
+
 def _attention_plan(qs: Shape, ks: Shape, vs: Shape, bs: Shape | None, seq: str, mem: str, feat: str,
                     hd: str, kvh: str) -> tuple:
     """:func:`attention`'s checks of its operands' shapes (raising :class:`ShapeError`) and what
@@ -206,7 +223,7 @@ def _attention_plan(qs: Shape, ks: Shape, vs: Shape, bs: Shape | None, seq: str,
     whole = frozenset({mem, feat} | ({kvh} if grouped else set()))
     # tuples: every call shares them
     return (tuple(others), q_perm, k_perm, back, target, whole, qs[feat].size, grouped,
-            n_heads // n_kv)
+            n_heads // n_kv, seq, hd)
 
 
 def _sdpa(q, k, v, mask, is_causal, scale, gqa) -> torch.Tensor:

@@ -81,13 +81,14 @@ def einsum(
             raise ShapeError("einsum without an equation needs output_shape=")
         spec = output_shape if isinstance(output_shape, (Shape, str)) else tuple(output_shape)
     _check_operands(xs)
-    if is_dynamo_compiling():  # planned outside the trace, from the shapes' names and sizes
+    compiled = is_dynamo_compiling()
+    if compiled:  # planned outside the trace, from the shapes' names and sizes
         out, local_fn, reduced = resolved(
             _einsum_of_constants, tuple([(x.shape.names, x.shape.sizes) for x in xs]),
             _spec_constant(spec), by_equation)
     else:
         out, local_fn, reduced = _einsum_plan(xs, spec, by_equation)
-    return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name)
+    return lower("einsum", _promoted(xs), out, local_fn, reduced=reduced, name=name, compiled=compiled)
 
 
 def _check_operands(xs: tuple) -> None:

@@ -208,8 +208,9 @@ def layer_norm(
         >>> [round(v, 3) for v in mt.layer_norm(x, "d").to_global().tolist()]
         [-1.0, 1.0]
     """
-    x = as_mesh_tensor(x)
-    n = dim_name(dim)
+    if not isinstance(x, MeshTensor):  # (the checks' calls made only where they fail: per layer)
+        as_mesh_tensor(x)
+    n = dim if isinstance(dim, str) else dim_name(dim)
     params, only_dim = [], (n,)
     fused = n not in x.layout.split  # (_whole_in, and below a loop, without their calls)
     for p in (weight, bias):
@@ -217,7 +218,8 @@ def layer_norm(
             params.append(p)
             fused = fused and p.shape.names == only_dim
     if fused:
-        i = x.shape.index(n)
+        names = x.shape.names
+        i = names.index(n) if n in names else x.shape.index(n)  # (the latter raises, naming the dims)
         size = x.shape.sizes[i]
 
         def local_fn(view, t, *ps):

@@ -35,15 +35,18 @@ def relayout(x: MeshTensor, shape: Shape | str | Iterable[Dim], name: str | None
         >>> mt.relayout(x, "a:2,c:4").shape
         Shape('a:2,c:4')
     """
-    x = as_mesh_tensor(x)
-    shape = as_shape(shape)
+    if not isinstance(x, MeshTensor):  # (the checks' calls made only where they act: per step)
+        as_mesh_tensor(x)
+    if not isinstance(shape, Shape):
+        shape = as_shape(shape)
     if shape.sizes != x.shape.sizes:
         raise ShapeError(
             f"relayout keeps sizes: [{x.shape}] has sizes {list(x.shape.sizes)}, but the new "
             f"shape [{shape}] has {list(shape.sizes)}; use mt.reshape to change sizes"
         )
     out_layout = layout_for(shape, name)
-    out = MeshTensor(redistribute(x.local, x.layout, out_layout), shape, out_layout, name)
+    # redistribute gives this processor's slice of the new layout: no size check to make again
+    out = MeshTensor._checked_elsewhere(redistribute(x.local, x.layout, out_layout), shape, out_layout, name)
     share_adapted(x, out)
     return out
 
@@ -65,7 +68,8 @@ def rename(x: MeshTensor, old: str | Dim, new: str | Dim, name: str | None = Non
         >>> mt.rename(mt.ones("a:2,b:3"), "b", "c").shape
         Shape('a:2,c:3')
     """
-    x = as_mesh_tensor(x)
+    if not isinstance(x, MeshTensor):
+        as_mesh_tensor(x)
     if isinstance(old, str) and isinstance(new, str):
         # the same renames every step (attention's keys): the new shape is made once
         shape = x.shape.derived(("rename", old, new), lambda: _renamed(x.shape, old, new))
