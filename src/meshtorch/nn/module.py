@@ -226,33 +226,11 @@ class Module(torch.nn.Module):
         super().__setattr__(name, value)
         if isinstance(value, torch.nn.Module) and "_mt_seed" in self.__dict__:
             self._adopt(name, value)
-        self._mirror(name)
 
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
         super().add_module(name, module)
         if module is not None and "_mt_seed" in self.__dict__:
             self._adopt(name, module)
-        self._mirror(name)
-
-    def __delattr__(self, name: str) -> None:
-        child = name in self.__dict__.get("_modules", ())
-        super().__delattr__(name)
-        if child:
-            self.__dict__.pop(name, None)
-
-    def _mirror(self, name: str) -> None:
-        # A submodule is also kept in the instance __dict__, under its name, beside torch's table
-        # (``_modules``, which stays the one torch and every traversal read): ``self.attn`` is then
-        # found by Python's own lookup, without __getattr__'s frame, per submodule call of every
-        # forward (issue 27). Set, replaced, set to None and deleted through setattr, add_module
-        # and delattr, as torch's API does; a write into ``_modules`` itself is not seen here.
-        modules = self.__dict__.get("_modules")
-        if modules is not None and name in modules:
-            child = modules[name]
-            if child is None:
-                self.__dict__.pop(name, None)
-            else:
-                self.__dict__[name] = child
 
     register_module = add_module
 
