@@ -264,3 +264,31 @@ def test_hooks_and_a_compiled_call_run_on_meshtorch_modules_as_on_torch_ones():
     assert seen == ["Dense", "Sequential", "Dense"]
     dense._compiled_call_impl = lambda *args, **kwargs: ("compiled", args)
     assert dense(x) == ("compiled", (x,))
+
+
+def test_a_patched_torch_call_or_an_unknown_one_is_called_not_skipped(monkeypatch):
+    """The one-frame call mirrors torch's ``_wrapped_call_impl``: where ``torch.nn.Module.__call__``
+    is another function (a profiler patched it) or this torch's call is not the one mirrored
+    (``_KNOWN_TORCH_CALL`` None: its hook tables moved), torch's own call runs, so its wrapper sees
+    every meshtorch layer, as it sees torch's."""
+    import meshtorch.nn.module as module
+
+    dense = mt.nn.Dense(D, H)
+    x = mt.random.normal("batch:3,d:4", seed=1)
+    want = dense(x).to_global()
+    assert module._KNOWN_TORCH_CALL is torch.nn.Module._wrapped_call_impl  # this torch: the shortcut
+    seen = []
+    original = torch.nn.Module.__call__
+
+    def wrapper(self, *args, **kwargs):
+        seen.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", wrapper)
+    assert torch.equal(dense(x).to_global(), want) and seen == ["Dense"]
+    monkeypatch.setattr(torch.nn.Module, "__call__", original)
+    monkeypatch.setattr(module, "_KNOWN_TORCH_CALL", None)
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "_call_impl",
+                        lambda self, *a, **k: calls.append(1) or self.forward(*a, **k))
+    assert torch.equal(dense(x).to_global(), want) and calls == [1]

@@ -41,6 +41,23 @@ from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor
 
 
+def _torch_call_is_known() -> Any:
+    """torch's ``Module.__call__`` where it is the function whose no-hook path
+    :meth:`Module.__call__` takes itself (``_wrapped_call_impl``, torch 2.2 on: the compiled call,
+    then ``_call_impl``'s hook tables, every one of them present), else ``None``: every call then
+    goes through torch's own (a torch that moved its hook tables or changed its call)."""
+    call = getattr(torch.nn.Module, "_wrapped_call_impl", None)
+    tables = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+              "_global_backward_hooks")
+    known = (call is not None and torch.nn.Module.__call__ is call
+             and all(isinstance(getattr(_torch_module, t, None), dict) for t in tables)
+             and hasattr(torch._C, "_get_tracing_state"))
+    return call if known else None
+
+
+_KNOWN_TORCH_CALL = _torch_call_is_known()
+
+
 class Module(torch.nn.Module):
     """A ``torch.nn.Module`` over MeshTensors whose parameters are local slices.
 
@@ -152,12 +169,15 @@ class Module(torch.nn.Module):
         # forward itself where torch's __call__ would only call it (no hooks of this module or
         # global ones, no compiled_call_impl, no TorchScript trace): one Python frame where
         # torch's is two (_wrapped_call_impl, _call_impl), per layer of every forward, paid
-        # cold between large kernels (issue 27). Anything else takes torch's path as it is.
-        if (self._compiled_call_impl is None and not (
-                self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
-                or self._backward_hooks or _torch_module._global_forward_pre_hooks
-                or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
-                or _torch_module._global_backward_hooks)
+        # cold between large kernels (issue 27). Anything else takes torch's path as it is: a
+        # torch whose __call__ is not the one this shortcut mirrors (_torch_call_is_known), or
+        # whose Module.__call__ someone patched (a profiler's wrapper), is called, not skipped.
+        if (torch.nn.Module.__call__ is _KNOWN_TORCH_CALL
+                and self.__dict__.get("_compiled_call_impl") is None and not (
+                    self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
+                    or self._backward_hooks or _torch_module._global_forward_pre_hooks
+                    or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
+                    or _torch_module._global_backward_hooks)
                 and not torch._C._get_tracing_state()):
             return self.forward(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)  # (looked up now: a patched one too)
