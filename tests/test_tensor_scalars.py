@@ -104,8 +104,7 @@ def test_float_of_a_loss_in_flight_waits_once_for_the_collective():
         waits.append(1)
         return [torch.tensor(9.5)]
 
-    comm = types.SimpleNamespace(
-        all_reduce_grouped=lambda tensors, axes, async_op: Handle(finish, done=lambda: False))
+    comm = types.SimpleNamespace(all_reduce_async=lambda t, axes: Handle(finish, done=lambda: False))
     later = all_reduce_sum_later(torch.tensor(2.0), comm, "b")
     loss = MeshTensor._read_later(later, mt.Shape(""), Layout(mt.Shape(""), mt.Mesh("b:2"), {}))
     assert waits == []
