@@ -42,7 +42,8 @@ BY_HAND = {
     "dp_phases": "a diagnosis of fsdp_vs_fsdp2's DP/DDP ratio (CPU time per phase): run by hand",
     "cold_python": "a diagnosis of the forward's per-op Python run cold after large kernels: run by hand",
     "heap_faults": "a diagnosis: page faults per step phase (counts, no speed figure): run by hand",
-    "forward_calls": "a diagnosis: Python calls and ATen ops per forward (counts, no speed figure): by hand",
+    "forward_calls": ("a diagnosis: Python frames and ATen ops per forward and backward, meshtorch vs "
+                      "plain and DDP (counts, no speed figure): by hand"),
 }
 
 # name -> (arguments of a full run, arguments of a --quick run)
