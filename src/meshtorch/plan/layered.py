@@ -7,7 +7,9 @@ MoE model whose every second block has an expert feed-forward layer has period
 at ``a`` and ``a + p`` layers (:func:`shallow_depths`), which both end a whole
 number of periods after the same remainder, so their difference is exactly one
 period's cost and :func:`extrapolate` adds ``(L - a) / p`` of them: exact for
-parameters, FLOPs and bytes.
+parameters, FLOPs and bytes. Gradient buckets (``mt.overlap``) are no line in
+depth (a bucket holds at most a quarter of the gradients): they are cut from the
+deep model's gradients by the runtime's own rule (:func:`deep_bucket_calls`).
 
 Example:
     >>> from meshtorch.plan.layered import shallow_depths
