@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import meshtorch as mt
 from mesh_harness import SIZES, aten_ops, check_op, meshes, rand, rules_for
-from meshtorch.ops.array import embedding_range
+from meshtorch.ops.array import add_rows, embedding_range
 
 SET = settings(max_examples=10, deadline=None)
 
@@ -156,6 +156,64 @@ def test_embedding_range_is_the_lookup_of_its_ids_bitwise_with_the_same_collecti
         want = torch.zeros_like(table)
         want[off:off + n] = probe
         torch.testing.assert_close(g1, want, rtol=0, atol=0)
+
+
+@given(data=st.data(), extra=st.integers(0, 3))
+@SET
+def test_add_rows_is_the_sum_of_x_and_the_rows_bitwise(data, extra):
+    """Learned positions added in one op: values and both gradients bitwise those of
+    ``x + embedding_range(...)`` on every layout (a split position dim takes that path itself),
+    and dense torch's ``x + table[offset:]``."""
+    mesh = data.draw(meshes())
+    b, n, d = data.draw(SIZES), data.draw(SIZES), data.draw(SIZES)
+    rows = n + extra
+    off = data.draw(st.integers(0, extra))
+    rules = data.draw(rules_for(mesh, ["batch", "positions", "length", "d_model"]))
+    table, xs, probe = rand(rows, d, seed=8), rand(b, n, d, seed=9), rand(b, n, d, seed=10)
+    shape = f"batch:{b},length:{n},d_model:{d}"
+
+    def prog():
+        got = []
+        for add in (lambda x, w: x + embedding_range(w, "positions", mt.Dim("length", n), off),
+                    lambda x, w: add_rows(x, w, "positions", mt.Dim("length", n), off)):
+            w = mt.from_global(table, f"positions:{rows},d_model:{d}", requires_grad=True)
+            x = mt.from_global(xs, shape, requires_grad=True)
+            y = add(x, w)
+            mt.reduce_sum(y * mt.from_global(probe, shape)).backward()
+            got.append((y.to_global().detach(), x.grad.to_global(), w.grad.to_global()))
+        return got
+
+    for (y0, gx0, gw0), (y1, gx1, gw1) in mt.launch(prog, mesh=mesh, rules=rules):
+        assert torch.equal(y1, y0) and torch.equal(gx1, gx0) and torch.equal(gw1, gw0), (mesh, rules)
+        assert torch.equal(y1, xs + table[off:off + n])
+        want = torch.zeros_like(table)
+        want[off:off + n] = probe.sum(0)
+        torch.testing.assert_close(gw1, want, rtol=1e-12, atol=1e-12)
+
+
+def data_parallel_lm_calls() -> tuple:
+    from meshtorch.models import DecoderLM, TransformerConfig
+
+    lm = DecoderLM(TransformerConfig(vocab=32, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=6,
+                                     positions="learned"), seed=0)
+    data = torch.randint(0, 32, (4, 7), generator=torch.Generator().manual_seed(0))
+    ids, targets = (mt.from_global(t, "batch:4,length:6") for t in (data[:, :-1], data[:, 1:]))
+    with mt.overlap():
+        for _ in range(2):  # the second step: buckets cut by the first
+            lm.zero_grad(set_to_none=True)
+            mt.reset_comm_stats()
+            lm.loss(ids, targets).backward()
+    return mt.comm_stats().calls(kind="all_reduce"), lm.decoder.pos.table.grad.clone()  # replicated
+
+
+def test_learned_positions_gradient_goes_into_the_data_parallel_buckets():
+    # one all_reduce a step for the loss, one for the one bucket of every gradient (a tiny model):
+    # the position table's gradient is summed there, not by a call of its own in backward
+    (calls, g0), (_, g1) = mt.launch(data_parallel_lm_calls, mesh="b:2", rules="batch:b")
+    ((_, dense),) = mt.launch(data_parallel_lm_calls, mesh="b:1", rules="")
+    assert calls == 2
+    assert torch.equal(g0, g1)
+    torch.testing.assert_close(g0, dense, rtol=1e-5, atol=1e-6)
 
 
 def test_embedding_range_outside_the_table_raises():

@@ -57,6 +57,84 @@ def _holds(members: Sequence[Entry]) -> bool:
     return members[0].kind != "all_reduce" or not _adopted(members)
 
 
+def gather_cap(gather_bytes: int, total: int) -> int:
+    """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows the
+    gathers) holds at most, of ``total`` gathered bytes of its kind (``gather_mb``: ``gather_bytes``)."""
+    return min(gather_bytes, max(FIRST_BUCKET, total // GATHER_SHARE))
+
+
+class Cut:
+    """The rule that cuts a backward's gradients into buckets, told them one at a time in backward
+    order: the runtime's (:meth:`GradientBuckets._cut_buckets`) and the planner's, which counts
+    the buckets of a deep model from two shallow traces (:mod:`meshtorch.plan.layered`) with it.
+
+    ``caps``: (``bucket_mb``'s bytes, ``gather_mb``'s, :data:`FIRST_BUCKET`, :data:`MAX_SHARE`,
+    :data:`GATHER_SHARE`); ``totals``: each key's bytes in all. A key is (kind, axes, dtype,
+    device): gradients of one key share buckets, one open at a time; a gradient goes into its
+    key's open bucket unless that would pass the bucket's cap (or it starts a checkpointed block's
+    region, ``edge``, for gradients to reduce-scatter), and then into a new one.
+
+    Example (all-reduce buckets of 1 MB at most, the first one too):
+        >>> from meshtorch.lowering.overlap_buckets import Cut
+        >>> key, mb = ("all_reduce", ("b",), None, None), 2**20
+        >>> rule = Cut((mb, 4 * mb, mb, 4, 3), {key: 3 * mb})
+        >>> [rule.add(key, mb // 2) for _ in range(5)], rule.count
+        ([0, 0, 1, 1, 2], {('all_reduce', ('b',), None, None): 3})
+    """
+
+    def __init__(self, caps: tuple, totals: dict):
+        self.caps, self.totals = caps, totals
+        self.size: dict = {}  # key -> bytes in its open bucket
+        self.count: dict = {}  # key -> its buckets so far
+        self.open: dict = {}  # key -> the index of its open bucket
+        self.buckets = 0  # buckets of every key so far
+
+    def cap(self, key) -> int:
+        """The bytes the open bucket of ``key`` holds at most."""
+        bucket_bytes, gather_bytes, first, share, _ = self.caps
+        if key[0] != "all_reduce":
+            return gather_cap(gather_bytes, self.totals[key])
+        cap = min(bucket_bytes, first) if self.count.get(key) == 1 else bucket_bytes
+        return min(cap, max(first, self.totals[key] // share))
+
+    def add(self, key, nbytes: int, edge: bool = False) -> int:
+        """The bucket (an index, in order of making) of the next gradient, of ``key`` and
+        ``nbytes``; ``edge``: it starts a checkpointed block's region."""
+        size = self.size.get(key)
+        if size is None or (size + nbytes > self.cap(key) or edge) and size:
+            self.open[key], size = self.buckets, 0
+            self.count[key] = self.count.get(key, 0) + 1
+            self.buckets += 1
+        self.size[key] = size + nbytes
+        return self.open[key]
+
+    def room(self, key) -> int:
+        """Bytes of ``key`` that its open bucket takes without a cut, whatever their sizes."""
+        size = self.size.get(key)
+        return 0 if size is None else max(0, self.cap(key) - size)
+
+    def fill(self, key, nbytes: int) -> None:
+        """Put ``nbytes`` of ``key`` into its open bucket (at most :meth:`room`: no cut)."""
+        self.size[key] += nbytes
+
+    def state(self) -> tuple:
+        """What the next cuts depend on (besides the gradients still to come)."""
+        return tuple((key, size, min(self.count[key], 2)) for key, size in self.size.items())
+
+
+def _tell_tracer(items: list, caps: tuple) -> None:
+    """Tell this processor's tracer (the planner's) a backward's gradients as :class:`Cut` took
+    them, ``(key, bytes, edge)`` in backward order, and the caps: what a deeper model's buckets
+    are counted from (:mod:`meshtorch.plan.layered`)."""
+    from meshtorch.context import current, traced  # (above this module: imported when needed)
+
+    if not traced:  # nothing traces (a run): no processor's context to ask
+        return
+    told = getattr(current().tracer, "cut_buckets", None)
+    if told is not None:
+        told(items, caps)
+
+
 class GradientBuckets:
     """The gradient buckets of one processor's :class:`~meshtorch.lowering.overlap_runtime.Runtime`,
     which derives from this class and keeps this step's entries (``order``), its ``generation``
@@ -205,26 +283,24 @@ class GradientBuckets:
                 e.bucket = k
             self.buckets, self.layouts, self.launched = cut[2], cut[4], 0
             self.waiting = [len(b) for b in cut[2]]
+            _tell_tracer(cut[5], caps)
             return
-        buckets: list[list[Entry]] = []
-        open_: dict = {}  # key -> (index of its open bucket, its bytes, buckets of the key so far)
         keys = {e: (e.kind, as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in self.order}
-        totals = bytes_per_key(keys)
+        rule = Cut(caps, bytes_per_key(keys))
+        buckets: list[list[Entry]] = []
+        last: dict = {}  # key -> its last entry so far (a checkpointed block's edge: a new region)
+        items = []
         for e in reversed(self.order):
             key = keys[e]
-            k, size, count = open_.get(key, (None, 0, 0))
-            edge = False
-            if e.kind == "all_reduce":
-                cap = min(self.bucket_bytes, FIRST_BUCKET) if count == 1 else self.bucket_bytes
-                cap = min(cap, max(FIRST_BUCKET, totals[key] // MAX_SHARE))
-            else:
-                cap = self._gather_cap(totals[key])
-                edge = k is not None and bool(buckets[k]) and buckets[k][-1].region != e.region
-            if k is None or (size + e.nbytes > cap or edge) and size:
-                k, size, count = len(buckets), 0, count + 1
+            before = last.get(key)
+            edge = before is not None and e.kind != "all_reduce" and before.region != e.region
+            item = (key, e.nbytes, edge)
+            items.append(item)
+            k = rule.add(*item)
+            if k == len(buckets):
                 buckets.append([])
             buckets[k].append(e)
-            open_[key] = (k, size + e.nbytes, count)
+            last[key] = e
             e.bucket = k
         self.buckets, self.launched = buckets, 0
         self.waiting = [len(b) for b in buckets]
@@ -232,13 +308,14 @@ class GradientBuckets:
                         for b in buckets]
         # kept where every entry lasts across steps (data parallel's), which a later step reads
         # again; a step's own entries (gathered values) are not kept beyond it
-        self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order], self.layouts) if all(
-            e.ref is not None for e in self.order) else None
+        self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order], self.layouts,
+                    items) if all(e.ref is not None for e in self.order) else None
+        _tell_tracer(items, caps)
 
     def _gather_cap(self, total: int) -> int:
         """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows
         the gathers) holds at most, of ``total`` gathered bytes of its kind."""
-        return min(self.gather_bytes, max(FIRST_BUCKET, total // GATHER_SHARE))
+        return gather_cap(self.gather_bytes, total)
 
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what

@@ -160,8 +160,9 @@ class Stack(nn.Module):
                              "TransformerConfig.max_length or pass shorter sequences")
         x = self.table(ids)
         if cfg.positions == "learned":
-            # rows offset.. of the table (a view where it is whole), not a lookup of made ids
-            x = x + self.pos.rows(Dim(LENGTH, n), offset)
+            # rows offset.. of the table (a view where it is whole), not a lookup of made ids,
+            # added in the same op (the table's gradient then goes into overlap's buckets)
+            x = self.pos.add_rows(x, Dim(LENGTH, n), offset)
         rotary = None
         if cfg.positions == "rotary":
             cq, sq = rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base)

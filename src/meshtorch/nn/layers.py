@@ -25,7 +25,7 @@ from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import is_dynamo_compiling, lower
 from meshtorch.nn.module import Module
 from meshtorch.nn.parameter import InitFn, MeshParameter
-from meshtorch.ops.array import embedding, embedding_range
+from meshtorch.ops.array import add_rows, embedding, embedding_range
 from meshtorch.ops.einsum import _einsum_plan, _promoted, einsum
 from meshtorch.ops.elementwise import cast
 from meshtorch.ops.nn import dropout, layer_norm, rms_norm
@@ -144,6 +144,20 @@ class Embedding(Module):
             Shape('length:3,d:2')
         """
         return embedding_range(self.mesh_view("table", is_dynamo_compiling()), self.vocab.name, out, offset)
+
+    def add_rows(self, x: MeshTensor, out: Dim, offset: int = 0) -> MeshTensor:
+        """``x + self.rows(out, offset)`` as one op (see :func:`~meshtorch.ops.array.add_rows`:
+        the table's gradient then goes with the other parameters' under ``mt.overlap()``).
+
+        Example:
+            >>> import meshtorch as mt
+            >>> emb = mt.nn.Embedding(mt.Dim("positions", 8), mt.Dim("d", 2))
+            >>> x = mt.ones("batch:2,length:3,d:2")
+            >>> y = emb.add_rows(x, mt.Dim("length", 3), offset=2)
+            >>> bool(mt.reduce_all(mt.equal(y, x + emb.rows(mt.Dim("length", 3), offset=2))).item())
+            True
+        """
+        return add_rows(x, self.table.mesh_tensor, self.vocab.name, out, offset)
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""

@@ -7,7 +7,9 @@ MoE model whose every second block has an expert feed-forward layer has period
 at ``a`` and ``a + p`` layers (:func:`shallow_depths`), which both end a whole
 number of periods after the same remainder, so their difference is exactly one
 period's cost and :func:`extrapolate` adds ``(L - a) / p`` of them: exact for
-parameters, FLOPs and bytes.
+parameters, FLOPs and bytes. Gradient buckets (``mt.overlap``) are no line in
+depth (a bucket holds at most a quarter of the gradients): they are cut from the
+deep model's gradients by the runtime's own rule (:func:`deep_bucket_calls`).
 
 Example:
     >>> from meshtorch.plan.layered import shallow_depths
@@ -22,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from meshtorch.errors import PlanError
+from meshtorch.lowering.overlap_buckets import Cut
 from meshtorch.plan.program import Program, program_of
 from meshtorch.plan.tracing import KINDS, Trace, trace
 
@@ -53,8 +56,15 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
         return lin(a, b, periods)
 
     comm = t1.comm.copy()
+    # gradient buckets (mt.overlap): counted by cutting the deep model's gradients with the
+    # runtime's rule, whose count is no line in depth (a bucket holds at most a quarter of them)
+    deep = deep_bucket_calls(t1.cuts, t2.cuts, periods)
+    b1, b2 = (bucket_calls(t.cuts) if deep is not None else {} for t in (t1, t2))
+    if any(n > t.comm._calls.get(key, 0) for t, b in ((t1, b1), (t2, b2)) for key, n in b.items()):
+        deep, b1, b2 = None, {}, {}  # buckets cut but not all launched (no gradient came): on a line
     for key in set(t1.comm._calls) | set(t2.comm._calls):
-        comm._calls[key] = lin_(t1.comm._calls.get(key, 0), t2.comm._calls.get(key, 0))
+        comm._calls[key] = lin_(t1.comm._calls.get(key, 0) - b1.get(key, 0),
+                                t2.comm._calls.get(key, 0) - b2.get(key, 0)) + (deep or {}).get(key, 0)
         comm._bytes[key] = lin_(t1.comm._bytes.get(key, 0), t2.comm._bytes.get(key, 0))
     by_kind = {kd: lin_(t1.peak_by_kind[kd], t2.peak_by_kind[kd]) for kd in KINDS}
     flops = {dt: lin_(t1.flops_by_dtype.get(dt, 0), t2.flops_by_dtype.get(dt, 0))
@@ -67,9 +77,137 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
                    flops_by_dtype=flops, flops=sum(flops.values()),
                    parameters=lin_(t1.parameters, t2.parameters), result=result, ops=[], flop_ops=[],
                    param_shapes=[], aten_ops=lin_(t1.aten_ops, t2.aten_ops), aten_names=[],
-                   kernels={k: c for k, c in kernels.items() if c}, timeline=None, end=None,
+                   kernels={k: c for k, c in kernels.items() if c}, timeline=None, end=None, cuts=[],
                    # where collectives overlap compute, what that hides is extrapolated too
                    shallow=(_lean(t1), _lean(t2), periods) if t1.timeline or t2.timeline else None)
+
+
+#: Periods :func:`deep_bucket_calls` walks at most before it finds its cut repeating (else the
+#: buckets are extrapolated on a line, as the other calls)
+MAX_CUT_PERIODS = 100_000
+
+
+def bucket_calls(cuts: list[tuple[list, tuple]]) -> dict[tuple[str, tuple[str, ...]], int]:
+    """The bucket launches (calls per (kind, axes)) of a trace's cuts (:attr:`Trace.cuts`).
+
+    Example (ten gradients of 0.3 MB in all-reduce buckets of 1 MB at most, as ``bucket_mb=1``):
+        >>> from meshtorch.plan.layered import bucket_calls
+        >>> key, mb = ("all_reduce", ("b",), None, None), 2**20
+        >>> caps = (mb, 4 * mb, mb, 4, 3)
+        >>> bucket_calls([([(key, 3 * mb // 10, False)] * 10, caps)])
+        {('all_reduce', ('b',)): 4}
+    """
+    out: dict = {}
+    for items, caps in cuts:
+        rule = Cut(caps, _totals(items))
+        for item in items:
+            rule.add(*item)
+        for key, n in rule.count.items():
+            out[key[:2]] = out.get(key[:2], 0) + n
+    return out
+
+
+def deep_bucket_calls(cuts1: list, cuts2: list,
+                      periods: float) -> dict[tuple[str, tuple[str, ...]], int] | None:
+    """The bucket launches (calls per (kind, axes)) of the model ``periods`` periods deeper than
+    the one whose cuts are ``cuts1``, where ``cuts2`` are those of one period deeper: each
+    backward's gradients are the shallow one's with ``periods`` copies of one period's (the
+    gradients by which ``cuts2``'s exceed ``cuts1``'s) in their place, cut by the runtime's rule
+    (:class:`~meshtorch.lowering.overlap_buckets.Cut`) without making them: whole periods that fit
+    in the open buckets are added at once, and once the cut repeats, its repetitions. None where
+    the cuts do not line up so (then the buckets are extrapolated on a line).
+
+    Example (a period's gradient of 0.3 MB, in buckets of 1 MB: three to a bucket; one and two
+    periods traced, three billion made):
+        >>> from meshtorch.plan.layered import deep_bucket_calls
+        >>> key, mb = ("all_reduce", ("b",), None, None), 2**20
+        >>> caps, grad = (mb, 4 * mb, mb, 4, 3), (key, 3 * mb // 10, False)
+        >>> deep_bucket_calls([([grad], caps)], [([grad] * 2, caps)], periods=3 * 10**9 - 1)
+        {('all_reduce', ('b',)): 1000000000}
+    """
+    if len(cuts1) != len(cuts2) or periods != int(periods) or periods < 0:
+        return None
+    out: dict = {}
+    for (items1, caps1), (items2, caps2) in zip(cuts1, cuts2):
+        split = _split(items1, items2)
+        if caps1 != caps2 or split is None:
+            return None
+        count = _deep_count(*split, int(periods), caps1)
+        if count is None:
+            return None
+        for key, n in count.items():
+            out[key[:2]] = out.get(key[:2], 0) + n
+    return out
+
+
+def _totals(items) -> dict:
+    totals: dict = {}
+    for key, nbytes, _ in items:
+        totals[key] = totals.get(key, 0) + nbytes
+    return totals
+
+
+def _split(items1: list, items2: list) -> tuple[list, list, list] | None:
+    """``items2`` as ``prefix + period + suffix`` where ``items1`` is ``prefix + suffix``."""
+    m = len(items2) - len(items1)
+    if m < 0:
+        return None
+    p = 0
+    while p < len(items1) and items1[p] == items2[p]:
+        p += 1
+    if items1[p:] != items2[p + m:]:
+        return None
+    return items1[:p], items2[p:p + m], items1[p:]
+
+
+def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tuple) -> dict | None:
+    """Buckets per key of ``prefix + period * copies + suffix`` cut by :class:`Cut`."""
+    totals = _totals(prefix + suffix)
+    per = _totals(period)
+    for key, nbytes in per.items():
+        totals[key] = totals.get(key, 0) + copies * nbytes
+    rule = Cut(caps, totals)
+    for item in prefix:
+        rule.add(*item)
+    edged = {key for key, _, edge in period if edge}
+    seen: dict | None = {}  # the cut's state at a period's start -> (period, counts, buckets)
+    j = steps = 0
+    while j < copies:
+        steps += 1
+        if steps > MAX_CUT_PERIODS:
+            return None
+        if seen is not None:
+            state = rule.state()
+            if state in seen:  # the cut repeats from here: add its repetitions that fit
+                j0, count0 = seen[state]
+                length = j - j0
+                times = (copies - j) // length
+                for key in rule.count:
+                    rule.count[key] += times * (rule.count[key] - count0.get(key, 0))
+                j += times * length
+                seen = None  # what is left is shorter than a repetition
+                continue
+            seen[state] = (j, dict(rule.count))
+        # whole periods that fit in every open bucket of the period's keys, at once
+        fit = copies - j
+        for key, nbytes in per.items():
+            if key in edged or key not in rule.size:
+                fit = 0
+            elif nbytes:
+                fit = min(fit, rule.room(key) // nbytes - 1)
+            if fit <= 0:
+                break
+        if fit > 0:
+            for key, nbytes in per.items():
+                rule.fill(key, fit * nbytes)
+            j += fit
+            continue
+        for item in period:
+            rule.add(*item)
+        j += 1
+    for item in suffix:
+        rule.add(*item)
+    return rule.count
 
 
 def _lean(t: Trace) -> Trace:
@@ -156,5 +294,6 @@ def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
     return extrapolate(t1, t2, shallow[2])
 
 
-__all__ = ["MAX_TRACED_LAYERS", "check_pipelined_depth", "extrapolate", "layered_trace", "lin",
+__all__ = ["MAX_CUT_PERIODS", "MAX_TRACED_LAYERS", "bucket_calls", "check_pipelined_depth",
+           "deep_bucket_calls", "extrapolate", "layered_trace", "lin",
            "shallow_depths", "shallow_programs", "whole_trace"]

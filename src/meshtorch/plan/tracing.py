@@ -152,6 +152,10 @@ class Trace:
     end: Mark | None = field(default=None, repr=False)  # the compute counted at the end
     # an extrapolated trace's two shallow traces and the periods added (meshtorch.plan.layered)
     shallow: tuple[Trace, Trace, float] | None = field(default=None, repr=False)
+    # under mt.overlap, each counted backward's gradients as its buckets were cut ((key, bytes,
+    # edge) in backward order) and the caps (meshtorch.lowering.overlap_buckets.Cut): what a deeper
+    # model's bucket launches are counted from (meshtorch.plan.layered)
+    cuts: list[tuple[list, tuple]] = field(default_factory=list, repr=False)
 
     def table(self, limit: int = 40) -> str:
         """The named-dim trace, one MeshTensor per line (the first ``limit``)."""
@@ -208,6 +212,7 @@ class Tracer(TorchDispatchMode):
         self.start_by_kind: dict[str, int] = {}
         self.timeline = Timeline()
         self._epoch = 0  # a wait of a call issued before start_counting is not this step's
+        self.cuts: list[tuple[list, tuple]] = []  # each counted backward's cut of buckets (Trace.cuts)
 
     # -------------------------------------------------------------- storages
     def track(self, t: torch.Tensor) -> int:
@@ -376,6 +381,7 @@ class Tracer(TorchDispatchMode):
         self._pending_flop_ops = []
         self.phases = {}
         self.timeline = Timeline()
+        self.cuts = []
         self._epoch += 1
 
     @property
@@ -389,6 +395,12 @@ class Tracer(TorchDispatchMode):
             self.timeline.events.append((len(self.timeline.calls), False, self.counted()))
             self.timeline.calls.append([kind, axes, int(nbytes), False])
         self._pending_comm.append((kind, axes, int(nbytes)))
+
+    def cut_buckets(self, items: list, caps: tuple) -> None:
+        """A backward's gradient buckets were cut (:class:`meshtorch.lowering.overlap_buckets.Cut`)
+        from ``items``, ``(key, bytes, edge)`` in backward order, with ``caps``."""
+        if self.counting:
+            self.cuts.append((items, caps))
 
     def started(self) -> Callable[[], None]:
         """The call just recorded runs asynchronously (:meth:`meshtorch.comm.stats.CommStats.started`);
@@ -607,7 +619,7 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", comp
                  aten_names=tr.aten_names,
                  kernels=fuse_elementwise(tr.sequence) if compiled else dict(tr.kernels), compiled=compiled,
                  timeline=tr.timeline if tr.timeline.asynchronous and not compiled else None,
-                 end=tr.counted())
+                 end=tr.counted(), cuts=tr.cuts)
 
 
 def staging_for(backend: str = "threads", device: str = "cpu") -> str:
