@@ -55,7 +55,7 @@ report. Writes ``benchmarks/results/fsdp_vs_fsdp2.{json,md}``.
 
 Run:
     python benchmarks/fsdp_vs_fsdp2.py [--rounds 8] [--steps 3] [--warmup 2] [--quick] [--out DIR]
-        [--pairs meshtorch_dp/ddp]    # one comparison's variants only (a quick look; about 40 s)
+        [--pairs meshtorch_dp/ddp]    # one comparison's variants (a quick look, ~40 s; printed only)
 """
 
 from __future__ import annotations
@@ -570,7 +570,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the paired comparisons to run, comma-separated (their variants only), e.g. "
                         "--pairs meshtorch_dp/ddp for a quick look at one; default: all of "
                         + ", ".join(PAIRS))
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the json and md results")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"folder for the json and md results (default {RESULTS}; a run of some of the "
+                        "--pairs writes none unless given one: it does not replace the whole run's)")
     a = p.parse_args(argv)
     a.pairs = [k.strip() for k in a.pairs.split(",") if k.strip()]
     unknown = [k for k in a.pairs if k not in PAIRS]
@@ -585,6 +587,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.batch, a.length = (QUICK_BATCH, QUICK_LENGTH) if a.quick else (BATCH, LENGTH)
     a.command = "python benchmarks/fsdp_vs_fsdp2.py" + (" " + " ".join(argv) if argv else "")
     return a
+
+
+def results_folder(args: argparse.Namespace) -> Path | None:
+    """Where a run writes its json and md: ``--out``, else ``benchmarks/results`` for a run of every
+    pair; ``None`` (printed only) for a run of some of them, which must not replace the whole run's."""
+    if args.out is not None or set(args.pairs) != set(PAIRS):
+        return args.out
+    return RESULTS
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -623,11 +633,16 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": platform.machine(), "cpus": os.cpu_count()}
     note = ("The work of both processes' halves of the step (the plain twin's; meshtorch's math is the "
             f"same), on {WORLD} cores.")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fsdp_vs_fsdp2.json").write_text(json.dumps(attach(report, figures, note), indent=1) + "\n")
     md = markdown(report, figures)
-    (args.out / "fsdp_vs_fsdp2.md").write_text(md)
+    out = results_folder(args)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fsdp_vs_fsdp2.json").write_text(json.dumps(attach(report, figures, note), indent=1) + "\n")
+        (out / "fsdp_vs_fsdp2.md").write_text(md)
     print(md)
+    if out is None:
+        print(f"(--pairs {','.join(args.pairs)}: results printed only; {RESULTS} keeps the whole run's, "
+              "--out DIR writes these)")
     for f in figures:
         print(f"{f['figure']}: {100 * f['flop_fraction']:.1f}% of the FLOP limit ({f['flops'] / 1e9:.3f} "
               f"GFLOP at {limits().flops_per_core / 1e9:.1f} GFLOP/s x {WORLD} cores); in CPU time "

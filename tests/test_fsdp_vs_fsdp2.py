@@ -134,3 +134,13 @@ def test_pairs_run_only_their_variants_and_unknown_ones_are_named(tmp_path, caps
     out = bench.summarise([record, other], ["meshtorch_dp/ddp"])
     assert list(out["ratios"]) == ["meshtorch_dp/ddp"] and out["ratios"]["meshtorch_dp/ddp"]["median"] == 1.25
     assert out["loss_max_difference"] == {"meshtorch_dp": 0.0, "ddp": 0.0}  # DDP's averaged over processes
+
+
+def test_a_run_of_some_pairs_does_not_replace_the_whole_runs_results(tmp_path):
+    """``--pairs meshtorch_dp/ddp`` wrote its one ratio over benchmarks/results/fsdp_vs_fsdp2.*,
+    the committed figures of every comparison: it prints only, unless given ``--out``."""
+    assert bench.results_folder(bench.parse([])) == bench.RESULTS
+    assert bench.results_folder(bench.parse(["--pairs", ",".join(bench.PAIRS)])) == bench.RESULTS
+    assert bench.results_folder(bench.parse(["--pairs", "meshtorch_dp/ddp"])) is None
+    given = bench.parse(["--pairs", "meshtorch_dp/ddp", "--out", str(tmp_path)])
+    assert bench.results_folder(given) == tmp_path
