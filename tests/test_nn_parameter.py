@@ -292,3 +292,36 @@ def test_a_patched_torch_call_or_an_unknown_one_is_called_not_skipped(monkeypatc
     monkeypatch.setattr(torch.nn.Module, "_call_impl",
                         lambda self, *a, **k: calls.append(1) or self.forward(*a, **k))
     assert torch.equal(dense(x).to_global(), want) and calls == [1]
+
+
+def test_torchs_profiler_sees_meshtorch_layers_as_it_sees_torchs():
+    """torch's profiler finds module calls by torch.nn.Module.__call__'s frames (with_stack,
+    with_modules, the memory profiler): while it runs, the one-frame call takes torch's path, so a
+    profile names every meshtorch layer as it names torch's (review: the Dense vanished)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dense, lin = mt.nn.Dense(D, H), torch.nn.Linear(4, 2)
+    x = mt.random.normal("batch:3,d:4", seed=1)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, with_modules=True) as prof:
+        dense(x)
+        lin(torch.ones(3, 4))
+    names = {e.name for e in prof.events() if e.name.startswith("nn.Module: ")}
+    assert {"nn.Module: Dense_0", "nn.Module: Linear_0"} <= names, names
+
+
+def test_a_layer_that_has_run_pickles_and_its_copy_gives_the_same_values():
+    """A layer keeps plans (holding local functions) in BoundedCaches: a copy or pickle starts them
+    empty, so torch.save(model) of a model that has run works (it raised 'Can't pickle local
+    object')."""
+    import io
+    import pickle
+
+    dense = mt.nn.Dense(D, H)
+    x = mt.random.normal("batch:3,d:4", seed=1)
+    want = dense(x).to_global()
+    copy = pickle.loads(pickle.dumps(dense))
+    assert torch.equal(copy(x).to_global(), want)
+    buf = io.BytesIO()
+    torch.save(dense, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False)(x).to_global(), want)

@@ -227,3 +227,32 @@ def test_current_without_its_frame_is_current_on_every_thread():
     finally:
         C._Local.ctx = before
     assert C.current() is (before or C.current())
+
+
+def test_a_use_block_left_on_another_thread_leaves_that_threads_default():
+    """A generator holding ``with mt.use(ctx): yield`` may be finished on another thread, which has
+    no context of its own: leaving the block there keeps that thread's default (it raised
+    AttributeError)."""
+    from meshtorch.context import ProcessorContext, use
+
+    ctx = mt.current()
+
+    def held():
+        with use(ctx):
+            yield
+
+    gen = held()
+    next(gen)
+    errors = []
+
+    def finish():
+        try:
+            gen.close()
+            errors.append(mt.current())
+        except Exception as e:  # noqa: BLE001 (the test reports it)
+            errors.append(e)
+
+    t = threading.Thread(target=finish)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ProcessorContext), errors

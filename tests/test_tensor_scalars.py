@@ -109,3 +109,15 @@ def test_float_of_a_loss_in_flight_waits_once_for_the_collective():
     loss = MeshTensor._read_later(later, mt.Shape(""), Layout(mt.Shape(""), mt.Mesh("b:2"), {}))
     assert waits == []
     assert float(loss) == 9.5 and int(loss) == 9 and bool(loss) and waits == [1]
+
+
+def test_float_of_a_loss_that_requires_grad_warns_nothing():
+    """``float(loss)`` reads the value as ``loss.item()`` does: torch's float(t) of a tensor that
+    requires grad warns once ("Consider using tensor.detach()"), pointing into meshtorch."""
+    import warnings
+
+    w = torch.tensor(1.5, requires_grad=True)
+    loss = mt.from_global(w * 2, "")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(loss) == 3.0 and int(loss) == 3 and bool(loss) and complex(loss) == 3 + 0j

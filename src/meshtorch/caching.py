@@ -38,6 +38,11 @@ class BoundedCache(dict):
         super().__init__()
         self.limit = limit
 
+    def __reduce__(self) -> tuple:
+        # a copy or pickle starts empty: what is kept (plans holding local functions, which do not
+        # pickle) is made again on first use; torch.save(model) of a layer that has run failed
+        return (type(self), (self.limit,))
+
     def put(self, key: Any, value: V) -> V:
         """Store ``value`` under ``key`` (clearing first when full) and return it.
 

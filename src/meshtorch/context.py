@@ -130,7 +130,9 @@ def use(ctx: ProcessorContext) -> Iterator[ProcessorContext]:
         yield ctx
     finally:
         if prev is _UNSET:
-            del _local.ctx  # the process default again, whatever it is by then
+            # the process default again, whatever it is by then (pop: a generator holding this
+            # block may be finished on another thread, which has no context of its own to drop)
+            _local.__dict__.pop("ctx", None)
         else:
             _local.ctx = prev
 

@@ -166,19 +166,19 @@ class MeshTensor:
     # whose all_reduce is in flight waits for it: ``local`` is read). Only a scalar converts; it is
     # the same number on every processor, so every processor takes the same branch of an ``if``.
     def __float__(self) -> float:
-        return float(self._scalar("float()"))
+        return float(self._scalar("float()").item())
 
     def __int__(self) -> int:
-        return int(self._scalar("int()"))
+        return int(self._scalar("int()").item())
 
     def __index__(self) -> int:  # an integer dtype only, as torch's (a float raises TypeError)
         return self._scalar("operator.index()").__index__()
 
     def __complex__(self) -> complex:
-        return complex(self._scalar("complex()"))
+        return complex(self._scalar("complex()").item())
 
     def __bool__(self) -> bool:
-        return bool(self._scalar("bool()"))
+        return bool(self._scalar("bool()").item())
 
     def _scalar(self, what: str) -> torch.Tensor:
         """The local value of this scalar for ``what`` (a conversion to a Python number)."""

@@ -57,6 +57,11 @@ def _torch_call_is_known() -> Any:
 
 _KNOWN_TORCH_CALL = _torch_call_is_known()
 
+# torch's profiler (with_stack, with_modules; the memory profiler) finds module calls by their
+# torch.nn.Module.__call__ frames: while it runs, every call takes torch's path. Where this torch
+# has no such test, every call does.
+_profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", lambda: True)
+
 
 class Module(torch.nn.Module):
     """A ``torch.nn.Module`` over MeshTensors whose parameters are local slices.
@@ -170,15 +175,15 @@ class Module(torch.nn.Module):
         # global ones, no compiled_call_impl, no TorchScript trace): one Python frame where
         # torch's is two (_wrapped_call_impl, _call_impl), per layer of every forward, paid
         # cold between large kernels (issue 27). Anything else takes torch's path as it is: a
-        # torch whose __call__ is not the one this shortcut mirrors (_torch_call_is_known), or
-        # whose Module.__call__ someone patched (a profiler's wrapper), is called, not skipped.
+        # profiler running (it watches for torch's frames), a torch whose __call__ is not the one
+        # this shortcut mirrors (_torch_call_is_known), a patched Module.__call__ (a wrapper).
         if (torch.nn.Module.__call__ is _KNOWN_TORCH_CALL
                 and self.__dict__.get("_compiled_call_impl") is None and not (
                     self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
                     or self._backward_hooks or _torch_module._global_forward_pre_hooks
                     or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
                     or _torch_module._global_backward_hooks)
-                and not torch._C._get_tracing_state()):
+                and not torch._C._get_tracing_state() and not _profiling()):
             return self.forward(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)  # (looked up now: a patched one too)
 
