@@ -162,18 +162,21 @@ def _intra_op_threads() -> int:
 @pytest.mark.parametrize("backend", ["torch", "threads"])
 @pytest.mark.parametrize("chosen", [True, False])
 def test_processors_keep_the_users_omp_num_threads_else_get_their_share(monkeypatch, chosen, backend):
-    """A user's OMP_NUM_THREADS is each processor's intra-op threads (for processes: set after the
-    fork server started, the processors see it), as torchrun's workers keep it; unset, each gets its
-    share. The threads launcher lowered a user's value to the share."""
+    """A user's OMP_NUM_THREADS is a process's intra-op threads: each process's (for processes: set
+    after the fork server started, the processors see it), as torchrun's workers keep it, and
+    split among the processors that share one process (threads); unset, each gets its share of the
+    cores. The threads launcher lowered a user's value to the share of the cores."""
     from meshtorch.launcher.world import threads_per_processor
 
     share = threads_per_processor(2)
-    if chosen:
-        monkeypatch.setenv("OMP_NUM_THREADS", str(share + 2))  # not the share, whatever the cores
+    if chosen:  # not the share, whatever the cores
+        monkeypatch.setenv("OMP_NUM_THREADS", str(2 * (share + 2)))
+        want = 2 * (share + 2) if backend == "torch" else share + 2
     else:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        want = share
     before = torch.get_num_threads()
-    assert mt.launch(_intra_op_threads, mesh="m:2", backend=backend) == [share + 2 if chosen else share] * 2
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend=backend) == [want] * 2
     assert torch.get_num_threads() == before  # the threads launcher's setting ends with the launch
 
 
@@ -195,7 +198,9 @@ def test_every_launcher_reads_omp_num_threads_the_same_way(monkeypatch, value):
     assert threads_chosen() == OMP_VALUES[value] and threads_for(2) == want
     # torchrun's workers: a chosen value passes as it is, anything else is replaced by the share
     assert thread_environment(2) == ({} if OMP_VALUES[value] else {"OMP_NUM_THREADS": str(want)})
-    assert mt.launch(_intra_op_threads, mesh="m:2", backend="threads") == [want] * 2
+    # two processors sharing one process split its threads (the chosen ones, else the cores)
+    sharing = max(1, (OMP_VALUES[value] or threads_per_processor(1)) // 2)
+    assert mt.launch(_intra_op_threads, mesh="m:2", backend="threads") == [sharing] * 2
 
 
 def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():

@@ -30,7 +30,7 @@ from meshtorch.comm.threads import Hub, ThreadsCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import CommError
 from meshtorch.launcher.failures import FAILURE_GRACE_S, is_comm_error, processor_error, root_cause
-from meshtorch.launcher.world import threads_for
+from meshtorch.launcher.world import threads_sharing_process
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
@@ -94,9 +94,9 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
                 hub.leave(rank)
 
     # N processors each running multi-threaded kernels would oversubscribe the cores: each gets its
-    # share, unless the user chose its threads with OMP_NUM_THREADS (as processes and torchrun keep it)
+    # share of the process's threads (the user's OMP_NUM_THREADS, else the cores)
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(threads_for(n))
+    torch.set_num_threads(threads_sharing_process(n))
     try:
         running: list[int] = []
         if n == 1:

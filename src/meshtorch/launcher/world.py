@@ -71,6 +71,26 @@ def threads_for(processors: int) -> int:
     return threads_chosen() or threads_per_processor(processors)
 
 
+def threads_sharing_process(processors: int) -> int:
+    """The intra-op threads each of ``processors`` processors that share this process (the threads
+    backend) runs: the process's threads, the user's ``OMP_NUM_THREADS`` (a process's threads, as
+    OpenMP reads it) else all the cores, split among them, at least one each. A job scheduler that
+    sets ``OMP_NUM_THREADS`` to the cores would otherwise get that many per processor.
+
+    Example:
+        >>> import os
+        >>> before = os.environ.pop("OMP_NUM_THREADS", None)
+        >>> threads_sharing_process(2) == threads_per_processor(2)
+        True
+        >>> os.environ["OMP_NUM_THREADS"] = "8"
+        >>> threads_sharing_process(2), threads_sharing_process(16)
+        (4, 1)
+        >>> del os.environ["OMP_NUM_THREADS"]
+        >>> os.environ.update({} if before is None else {"OMP_NUM_THREADS": before})
+    """
+    return max(1, threads_for(1) // processors)
+
+
 def threads_chosen() -> int | None:
     """The intra-op threads the user chose for each process with ``OMP_NUM_THREADS`` (its first
     level, as OpenMP reads ``4,2``), or ``None`` where it is unset or not a positive whole number
