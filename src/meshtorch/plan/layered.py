@@ -102,7 +102,7 @@ def bucket_calls(cuts: list[tuple[list, tuple]]) -> dict[tuple[str, tuple[str, .
         rule = Cut(caps, _totals(items))
         for item in items:
             rule.add(*item)
-        for key, n in rule.count.items():
+        for key, n in rule.calls().items():
             out[key[:2]] = out.get(key[:2], 0) + n
     return out
 
@@ -142,7 +142,7 @@ def deep_bucket_calls(cuts1: list, cuts2: list,
 
 def _totals(items) -> dict:
     totals: dict = {}
-    for key, nbytes, _ in items:
+    for key, nbytes, *_ in items:
         totals[key] = totals.get(key, 0) + nbytes
     return totals
 
@@ -161,7 +161,8 @@ def _split(items1: list, items2: list) -> tuple[list, list, list] | None:
 
 
 def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tuple) -> dict | None:
-    """Buckets per key of ``prefix + period * copies + suffix`` cut by :class:`Cut`."""
+    """Calls per key (:meth:`Cut.calls`) of ``prefix + period * copies + suffix`` cut by
+    :class:`Cut`."""
     totals = _totals(prefix + suffix)
     per = _totals(period)
     for key, nbytes in per.items():
@@ -169,7 +170,8 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
     rule = Cut(caps, totals)
     for item in prefix:
         rule.add(*item)
-    edged = {key for key, _, edge in period if edge}
+    edged = {key for key, _, edge, *_ in period if edge}
+    marked = {item[0] for item in period if item[3:] and item[3]}  # (gathers again in backward)
     seen: dict | None = {}  # the cut's state at a period's start -> (period, counts, buckets)
     j = steps = 0
     while j < copies:
@@ -179,15 +181,17 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
         if seen is not None:
             state = rule.state()
             if state in seen:  # the cut repeats from here: add its repetitions that fit
-                j0, count0 = seen[state]
+                j0, count0, marked0 = seen[state]
                 length = j - j0
                 times = (copies - j) // length
                 for key in rule.count:
                     rule.count[key] += times * (rule.count[key] - count0.get(key, 0))
+                for key in rule.marked:
+                    rule.marked[key] += times * (rule.marked[key] - marked0.get(key, 0))
                 j += times * length
                 seen = None  # what is left is shorter than a repetition
                 continue
-            seen[state] = (j, dict(rule.count))
+            seen[state] = (j, dict(rule.count), dict(rule.marked))
         # whole periods that fit in every open bucket of the period's keys, at once
         fit = copies - j
         for key, nbytes in per.items():
@@ -199,7 +203,7 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
                 break
         if fit > 0:
             for key, nbytes in per.items():
-                rule.fill(key, fit * nbytes)
+                rule.fill(key, fit * nbytes, key in marked)
             j += fit
             continue
         for item in period:
@@ -207,7 +211,7 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
         j += 1
     for item in suffix:
         rule.add(*item)
-    return rule.count
+    return rule.calls()
 
 
 def _lean(t: Trace) -> Trace:
