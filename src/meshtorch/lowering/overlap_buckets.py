@@ -85,6 +85,13 @@ class Cut:
         >>> rule = Cut((mb, 4 * mb, mb, 4, 3), {key: 3 * mb})
         >>> [rule.add(key, mb // 2) for _ in range(5)], rule.count
         ([0, 0, 1, 1, 2], {('all_reduce', ('b',), None, None): 3})
+
+    Grouped gathers of 1 MB at most (a third of 3 MB), the second one gathered again in backward
+    (one call more):
+        >>> key = ("all_gather", ("b",), None, None)
+        >>> rule = Cut((mb, mb, mb, 4, 3), {key: 3 * mb})
+        >>> [rule.add(key, mb // 2, False, i in (2, 3)) for i in range(6)], rule.calls()
+        ([0, 0, 1, 1, 2, 2], {('all_gather', ('b',), None, None): 4})
     """
 
     def __init__(self, caps: tuple, totals: dict):
@@ -137,7 +144,8 @@ class Cut:
 
     def state(self) -> tuple:
         """What the next cuts depend on (besides the gradients still to come)."""
-        return tuple((key, size, min(self.count[key], 2), self.marks[key]) for key, size in self.size.items())
+        return tuple((key, size, min(self.count[key], 2), self.marks[key])
+                     for key, size in self.size.items())
 
     def calls(self) -> dict:
         """Calls per key so far: a call per bucket, and one more per marked bucket (a gather's
@@ -147,8 +155,9 @@ class Cut:
 
 def _tell_tracer(items: list, caps: tuple) -> None:
     """Tell this processor's tracer (the planner's) a backward's gradients as :class:`Cut` took
-    them, ``(key, bytes, edge)`` in backward order, and the caps: what a deeper model's buckets
-    are counted from (:mod:`meshtorch.plan.layered`)."""
+    them, ``(key, bytes, edge)`` in backward order (or a step's gathered parameters, ``(key,
+    bytes, edge, mark)`` in forward order), and the caps: what a deeper model's buckets are
+    counted from (:mod:`meshtorch.plan.layered`)."""
     from meshtorch.context import current, traced  # (above this module: imported when needed)
 
     if not traced:  # nothing traces (a run): no processor's context to ask
@@ -334,11 +343,6 @@ class GradientBuckets:
         self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order], self.layouts,
                     items) if all(e.ref is not None for e in self.order) else None
         _tell_tracer(items, caps)
-
-    def _gather_cap(self, total: int) -> int:
-        """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows
-        the gathers) holds at most, of ``total`` gathered bytes of its kind."""
-        return gather_cap(self.gather_bytes, total)
 
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what

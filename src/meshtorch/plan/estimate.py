@@ -268,11 +268,12 @@ def _deep_overlap_seconds(t: Trace, mesh: Mesh, spec: DeviceSpec, algorithm: str
     does what it hides: a line through the two overlaps (exact). Where it does not (gradient
     buckets cut at a quarter of the gradients: :mod:`meshtorch.plan.layered` counts them), ``t2``'s
     overlap plus the asynchronous communication that the added periods add, up to the compute
-    they add: their buckets (and prefetched gathers) are issued amid their compute and hide
-    behind it, while what ``t2`` leaves exposed stays as it is (the buckets launched after
-    backward's last op, the loss's reduction). A line was 16% short for a 6-layer LM whose
-    shallowest depth has too little compute to hide its buckets behind and cuts them differently.
-    Blocking calls grow on a line, as counted."""
+    they add: their gradient buckets are issued amid their compute and hide behind it, while
+    what ``t2`` leaves exposed stays as it is (the buckets launched after backward's last op, the
+    loss's reduction); their grouped gathers (FSDP's, and regathers after resharding) hide at the
+    share that ``t2`` hides of its asynchronous communication. A line was 16% short for a
+    6-layer LM whose shallowest depth has too little compute to hide its buckets behind and cuts
+    them differently. Blocking calls grow on a line, as counted."""
     t1, t2, periods = t.shallow
     keys = set(t1.comm._calls) | set(t2.comm._calls)
     if all(t.comm._calls.get(k, 0) == lin(t1.comm._calls.get(k, 0), t2.comm._calls.get(k, 0), periods)

@@ -8,8 +8,9 @@ at ``a`` and ``a + p`` layers (:func:`shallow_depths`), which both end a whole
 number of periods after the same remainder, so their difference is exactly one
 period's cost and :func:`extrapolate` adds ``(L - a) / p`` of them: exact for
 parameters, FLOPs and bytes. Gradient buckets (``mt.overlap``) are no line in
-depth (a bucket holds at most a quarter of the gradients): they are cut from the
-deep model's gradients by the runtime's own rule (:func:`deep_bucket_calls`).
+depth (a bucket holds at most a quarter of the gradients), nor are FSDP's grouped
+gathers (at most a third of the gathered bytes): they are cut from the deep model's
+gradients and gathered parameters by the runtime's own rule (:func:`deep_bucket_calls`).
 
 Example:
     >>> from meshtorch.plan.layered import shallow_depths
@@ -56,8 +57,9 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
         return lin(a, b, periods)
 
     comm = t1.comm.copy()
-    # gradient buckets (mt.overlap): counted by cutting the deep model's gradients with the
-    # runtime's rule, whose count is no line in depth (a bucket holds at most a quarter of them)
+    # gradient buckets and grouped gathers (mt.overlap): counted by cutting the deep model's
+    # gradients and gathered parameters with the runtime's rule, whose count is no line in depth
+    # (a bucket holds at most a quarter of them, a gather a third)
     deep = deep_bucket_calls(t1.cuts, t2.cuts, periods)
     b1, b2 = (bucket_calls(t.cuts) if deep is not None else {} for t in (t1, t2))
     if any(n > t.comm._calls.get(key, 0) for t, b in ((t1, b1), (t2, b2)) for key, n in b.items()):
@@ -88,7 +90,9 @@ MAX_CUT_PERIODS = 100_000
 
 
 def bucket_calls(cuts: list[tuple[list, tuple]]) -> dict[tuple[str, tuple[str, ...]], int]:
-    """The bucket launches (calls per (kind, axes)) of a trace's cuts (:attr:`Trace.cuts`).
+    """The bucket launches (calls per (kind, axes)) of a trace's cuts (:attr:`Trace.cuts`): a
+    call per bucket, and a grouped gather's bucket marked as gathered again in backward one more
+    (:meth:`~meshtorch.lowering.overlap_buckets.Cut.calls`).
 
     Example (ten gradients of 0.3 MB in all-reduce buckets of 1 MB at most, as ``bucket_mb=1``):
         >>> from meshtorch.plan.layered import bucket_calls
