@@ -213,6 +213,12 @@ def test_deep_buckets_are_those_of_the_deep_models_gradients_cut_one_by_one(pref
     every gradient (and gather) of the deep model; any two depths one period apart as the shallow
     ones. A gather's bucket is a call, and one more where a member is marked (gathered again)."""
     caps = (bucket, gather, 2**20, 4, 3)
+    # a gather's mark is its parameter's (gathered again in backward) before the last block, whose
+    # marks differ (its last forward bucket is kept: Runtime's after_forward): the same item, the
+    # same mark, in the prefix and the periods; the suffix's as drawn
+    marks: dict = {}
+    prefix, period = ([(k, n, e, marks.setdefault((k, n, e), m)) for k, n, e, m in part]
+                      for part in (prefix, period))
     items = _items(prefix + period * copies + suffix)
     rule = Cut(caps, {k: sum(it[1] for it in items if it[0] == k) for k in {it[0] for it in items}})
     want: dict = {}

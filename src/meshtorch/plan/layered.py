@@ -152,16 +152,21 @@ def _totals(items) -> dict:
 
 
 def _split(items1: list, items2: list) -> tuple[list, list, list] | None:
-    """``items2`` as ``prefix + period + suffix`` where ``items1`` is ``prefix + suffix``."""
+    """``items2`` as ``prefix + period + suffix`` where ``items1`` is ``prefix + suffix``, compared
+    without a gather's mark (gathered again in backward: not a forward bucket's, but the last one's,
+    which backward needs first, is never freed): the period as early as it goes, so that
+    ``suffix`` holds the last block with its marks, as the deep model's last block has them
+    (each part is ``items2``'s, marks included: its first blocks' are the deep model's)."""
     m = len(items2) - len(items1)
     if m < 0:
         return None
-    p = 0
-    while p < len(items1) and items1[p] == items2[p]:
-        p += 1
-    if items1[p:] != items2[p + m:]:
+    s = 0
+    while s < len(items1) and items1[-1 - s][:3] == items2[-1 - s][:3]:
+        s += 1
+    p = len(items1) - s
+    if any(a[:3] != b[:3] for a, b in zip(items1[:p], items2[:p])):
         return None
-    return items1[:p], items2[p:p + m], items1[p:]
+    return items2[:p], items2[p:p + m], items2[p + m:]
 
 
 def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tuple) -> dict | None:
@@ -203,6 +208,8 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
                 fit = 0
             elif nbytes:
                 fit = min(fit, rule.room(key) // nbytes - 1)
+            elif rule.size[key] > rule.cap(key):  # an empty gradient cuts a bucket already over its cap
+                fit = 0
             if fit <= 0:
                 break
         if fit > 0:
