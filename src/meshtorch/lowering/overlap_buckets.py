@@ -65,14 +65,19 @@ def gather_cap(gather_bytes: int, total: int) -> int:
 
 class Cut:
     """The rule that cuts a backward's gradients into buckets, told them one at a time in backward
-    order: the runtime's (:meth:`GradientBuckets._cut_buckets`) and the planner's, which counts
-    the buckets of a deep model from two shallow traces (:mod:`meshtorch.plan.layered`) with it.
+    order, and a step's gathered parameters into grouped gathers, told them in forward order: the
+    runtime's (:meth:`GradientBuckets._cut_buckets`, ``Runtime._end_step``) and the planner's,
+    which counts the buckets of a deep model from two shallow traces (:mod:`meshtorch.plan.layered`)
+    with it.
 
     ``caps``: (``bucket_mb``'s bytes, ``gather_mb``'s, :data:`FIRST_BUCKET`, :data:`MAX_SHARE`,
     :data:`GATHER_SHARE`); ``totals``: each key's bytes in all. A key is (kind, axes, dtype,
     device): gradients of one key share buckets, one open at a time; a gradient goes into its
     key's open bucket unless that would pass the bucket's cap (or it starts a checkpointed block's
-    region, ``edge``, for gradients to reduce-scatter), and then into a new one.
+    region, ``edge``, for gradients to reduce-scatter and gathers), and then into a new one. A
+    kind other than ``all_reduce`` is capped as gathers (:func:`gather_cap`). ``mark``: the item
+    makes its bucket count in :attr:`marked` (a gather's bucket gathered again in backward once
+    any of its members is: ``Runtime._refetch``).
 
     Example (all-reduce buckets of 1 MB at most, the first one too):
         >>> from meshtorch.lowering.overlap_buckets import Cut
@@ -80,6 +85,13 @@ class Cut:
         >>> rule = Cut((mb, 4 * mb, mb, 4, 3), {key: 3 * mb})
         >>> [rule.add(key, mb // 2) for _ in range(5)], rule.count
         ([0, 0, 1, 1, 2], {('all_reduce', ('b',), None, None): 3})
+
+    Grouped gathers of 1 MB at most (a third of 3 MB), the second one gathered again in backward
+    (one call more):
+        >>> key = ("all_gather", ("b",), None, None)
+        >>> rule = Cut((mb, mb, mb, 4, 3), {key: 3 * mb})
+        >>> [rule.add(key, mb // 2, False, i in (2, 3)) for i in range(6)], rule.calls()
+        ([0, 0, 1, 1, 2, 2], {('all_gather', ('b',), None, None): 4})
     """
 
     def __init__(self, caps: tuple, totals: dict):
@@ -88,6 +100,8 @@ class Cut:
         self.count: dict = {}  # key -> its buckets so far
         self.open: dict = {}  # key -> the index of its open bucket
         self.buckets = 0  # buckets of every key so far
+        self.marked: dict = {}  # key -> its buckets holding a marked item so far
+        self.marks: dict = {}  # key -> whether its open bucket holds a marked item
 
     def cap(self, key) -> int:
         """The bytes the open bucket of ``key`` holds at most."""
@@ -97,35 +111,53 @@ class Cut:
         cap = min(bucket_bytes, first) if self.count.get(key) == 1 else bucket_bytes
         return min(cap, max(first, self.totals[key] // share))
 
-    def add(self, key, nbytes: int, edge: bool = False) -> int:
+    def add(self, key, nbytes: int, edge: bool = False, mark: bool = False) -> int:
         """The bucket (an index, in order of making) of the next gradient, of ``key`` and
-        ``nbytes``; ``edge``: it starts a checkpointed block's region."""
+        ``nbytes``; ``edge``: it starts a checkpointed block's region; ``mark``: see the class."""
         size = self.size.get(key)
         if size is None or (size + nbytes > self.cap(key) or edge) and size:
             self.open[key], size = self.buckets, 0
             self.count[key] = self.count.get(key, 0) + 1
             self.buckets += 1
+            self.marks[key] = False
         self.size[key] = size + nbytes
+        if mark:
+            self._mark(key)
         return self.open[key]
+
+    def _mark(self, key) -> None:
+        if not self.marks[key]:
+            self.marks[key] = True
+            self.marked[key] = self.marked.get(key, 0) + 1
 
     def room(self, key) -> int:
         """Bytes of ``key`` that its open bucket takes without a cut, whatever their sizes."""
         size = self.size.get(key)
         return 0 if size is None else max(0, self.cap(key) - size)
 
-    def fill(self, key, nbytes: int) -> None:
-        """Put ``nbytes`` of ``key`` into its open bucket (at most :meth:`room`: no cut)."""
+    def fill(self, key, nbytes: int, mark: bool = False) -> None:
+        """Put ``nbytes`` of ``key`` into its open bucket (at most :meth:`room`: no cut), marked
+        (``mark``) or not."""
         self.size[key] += nbytes
+        if mark:
+            self._mark(key)
 
     def state(self) -> tuple:
         """What the next cuts depend on (besides the gradients still to come)."""
-        return tuple((key, size, min(self.count[key], 2)) for key, size in self.size.items())
+        return tuple((key, size, min(self.count[key], 2), self.marks[key])
+                     for key, size in self.size.items())
+
+    def calls(self) -> dict:
+        """Calls per key so far: a call per bucket, and one more per marked bucket (a gather's
+        bucket gathered again in backward)."""
+        return {key: n + self.marked.get(key, 0) for key, n in self.count.items()}
 
 
 def _tell_tracer(items: list, caps: tuple) -> None:
     """Tell this processor's tracer (the planner's) a backward's gradients as :class:`Cut` took
-    them, ``(key, bytes, edge)`` in backward order, and the caps: what a deeper model's buckets
-    are counted from (:mod:`meshtorch.plan.layered`)."""
+    them, ``(key, bytes, edge)`` in backward order (or a step's gathered parameters, ``(key,
+    bytes, edge, mark)`` in forward order), and the caps: what a deeper model's buckets are
+    counted from (:mod:`meshtorch.plan.layered`)."""
     from meshtorch.context import current, traced  # (above this module: imported when needed)
 
     if not traced:  # nothing traces (a run): no processor's context to ask
@@ -311,11 +343,6 @@ class GradientBuckets:
         self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order], self.layouts,
                     items) if all(e.ref is not None for e in self.order) else None
         _tell_tracer(items, caps)
-
-    def _gather_cap(self, total: int) -> int:
-        """The bytes a grouped gather (and a bucket of gradients to reduce-scatter, which follows
-        the gathers) holds at most, of ``total`` gathered bytes of its kind."""
-        return gather_cap(self.gather_bytes, total)
 
     def _launch(self, flush: bool) -> None:
         """Launch buckets in order while the next one is complete (``flush``: all, with what

@@ -17,7 +17,15 @@ import torch
 
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.comm.grouped import Gathered, Handle
-from meshtorch.lowering.overlap_buckets import GradientBuckets, bytes_per_key
+from meshtorch.lowering.overlap_buckets import (
+    FIRST_BUCKET,
+    GATHER_SHARE,
+    MAX_SHARE,
+    Cut,
+    GradientBuckets,
+    _tell_tracer,
+    bytes_per_key,
+)
 from meshtorch.meta_autocast import autocast_enabled
 
 MAX_PLANS = 16  # models whose read order one processor keeps
@@ -42,7 +50,7 @@ class Entry:
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
                  "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "step", "ref", "slot",
-                 "__weakref__")
+                 "refetched", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -59,6 +67,7 @@ class Entry:
         self.reads = 0  # forward ops that read it this step
         self.needed = False  # some op's backward reads its value
         self.region: int | None = None  # the checkpointed block (unsaved()) it was first read in
+        self.refetched = False  # gathered again in backward with its forward bucket (Runtime._refetch)
         # never freed: an op's result is a view of it, or it is the parameter's own storage (freeing
         # that would free the parameter; a group of one, which read() never gets, would give it)
         self.pinned = kind == "reduce_scatter" and value.untyped_storage() is param.untyped_storage()
@@ -129,8 +138,12 @@ class Runtime(GradientBuckets):
         self.plan: list[list[tuple]] = []
         self.plan_at: dict = {}  # key -> bucket index
         self.uses: dict = {}  # key -> forward ops that read it in the step the plan is from
-        self.plans: dict = {}  # first read's key -> (plan, plan_at), the newest last
+        self.plans: dict = {}  # first read's key -> (plan, plan_at, uses, cut), the newest last
         self.chosen = False
+        # the chosen plan's cut ((key, bytes, edge) per member in forward order: Cut's items), and
+        # the forward buckets gathered again in backward this step (what the tracer is told)
+        self.plan_items: list = []
+        self.refetch_calls = 0
         self.fetches: dict[int, Handle] = {}  # forward bucket -> its gather in flight (or done)
         self.refetches: dict[int, tuple[list[Entry], Handle]] = {}  # the same, gathered again
         self.gather_bytes = 4 * 2**20
@@ -218,7 +231,7 @@ class Runtime(GradientBuckets):
         """The entry of a gathered parameter: from the bucket the previous step read it in
         (gathered with the bucket, the next one prefetched), or gathered alone."""
         if not self.chosen:
-            self.plan, self.plan_at, self.uses = self.plans.get(key, ([], {}, {}))
+            self.plan, self.plan_at, self.uses, self.plan_items = self.plans.get(key, ([], {}, {}, []))
             self.chosen = True
         k = self.plan_at.get(key)
         if k is None:
@@ -310,6 +323,10 @@ class Runtime(GradientBuckets):
         work = (self.comm.all_gather_grouped([e.param.detach() for e in members], members[0].axes,
                                              [e.dim for e in members], async_op=True, lazy=True)
                 if members else Handle(lambda: []))
+        if members:
+            self.refetch_calls += 1
+            for e in members:
+                e.refetched = True
         self.refetches[k] = (members, work)
 
     def _end_step(self) -> None:
@@ -318,27 +335,39 @@ class Runtime(GradientBuckets):
         for work in [*self.fetches.values(), *(w for _, w in self.refetches.values())]:
             work.wait()  # prefetches nobody read: complete before their buffers go
         self.refetches = {}
-        plan: list[list[tuple]] = []
-        open_: dict = {}
+        # cut into grouped gathers by the rule that cuts gradients (Cut: one place, which the
+        # planner runs on a deep model's gathers too): per (axes, dtype, device), each up to
+        # gather_mb (at most a third of their bytes), ending at a checkpointed block's edges
         gathered = [e for e in self.order if e.kind == "reduce_scatter"]  # (no property call per entry)
-        keys = {e: (as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in gathered}
-        totals = bytes_per_key(keys)
+        keys = {e: ("all_gather", as_axes(e.axes), e.leaf.dtype, e.leaf.device) for e in gathered}
+        caps = (self.bucket_bytes, self.gather_bytes, FIRST_BUCKET, MAX_SHARE, GATHER_SHARE)
+        rule = Cut(caps, bytes_per_key(keys))
+        plan: list[list[tuple]] = []
+        items, marked = [], []
+        last: dict = {}  # key -> its last entry so far
         for e, key in keys.items():
-            cap = self._gather_cap(totals[key])
-            k = open_.get(key)
-            if (k is None or plan[k] and (sum(m[4] for m in plan[k]) + e.nbytes > cap
-                                          or plan[k][-1][5] != e.region)):
-                k = open_[key] = len(plan)
+            before = last.get(key)
+            item = (key, e.nbytes, before is not None and before.region != e.region)
+            items.append(item)
+            k = rule.add(*item, e.refetched)
+            if k == len(plan):
                 plan.append([])
-            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim, e.nbytes, e.region))
+            plan[k].append((weakref.ref(e.param), e.key, e.axes, e.dim))
+            marked.append((*item, e.refetched))
+            last[key] = e
+        if plan and self.plan_items == items and sum(rule.marked.values()) == self.refetch_calls:
+            # this step gathered by this very cut (the plan of the step before, read in the same
+            # order), a call per bucket, and again in backward the marked ones: the tracer is told
+            # it, from which the planner counts a deeper model's gathers (plan.layered)
+            _tell_tracer(marked, caps)
         if plan:
             first = plan[0][0][1]
             self.plans.pop(first, None)
-            self.plans[first] = ([[m[:4] for m in b] for b in plan],
-                                 {m[1]: k for k, b in enumerate(plan) for m in b},
-                                 {e.key: e.reads for e in gathered})
+            self.plans[first] = (plan, {m[1]: k for k, b in enumerate(plan) for m in b},
+                                 {e.key: e.reads for e in gathered}, items)
             while len(self.plans) > MAX_PLANS:
                 del self.plans[next(iter(self.plans))]
+        self.plan_items, self.refetch_calls = [], 0
         self.plan, self.plan_at, self.uses, self.chosen = [], {}, {}, False
         self.fetches = {}
         for e in self.order:

@@ -8,8 +8,9 @@ at ``a`` and ``a + p`` layers (:func:`shallow_depths`), which both end a whole
 number of periods after the same remainder, so their difference is exactly one
 period's cost and :func:`extrapolate` adds ``(L - a) / p`` of them: exact for
 parameters, FLOPs and bytes. Gradient buckets (``mt.overlap``) are no line in
-depth (a bucket holds at most a quarter of the gradients): they are cut from the
-deep model's gradients by the runtime's own rule (:func:`deep_bucket_calls`).
+depth (a bucket holds at most a quarter of the gradients), nor are FSDP's grouped
+gathers (at most a third of the gathered bytes): they are cut from the deep model's
+gradients and gathered parameters by the runtime's own rule (:func:`deep_bucket_calls`).
 
 Example:
     >>> from meshtorch.plan.layered import shallow_depths
@@ -56,8 +57,9 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
         return lin(a, b, periods)
 
     comm = t1.comm.copy()
-    # gradient buckets (mt.overlap): counted by cutting the deep model's gradients with the
-    # runtime's rule, whose count is no line in depth (a bucket holds at most a quarter of them)
+    # gradient buckets and grouped gathers (mt.overlap): counted by cutting the deep model's
+    # gradients and gathered parameters with the runtime's rule, whose count is no line in depth
+    # (a bucket holds at most a quarter of them, a gather a third)
     deep = deep_bucket_calls(t1.cuts, t2.cuts, periods)
     b1, b2 = (bucket_calls(t.cuts) if deep is not None else {} for t in (t1, t2))
     if any(n > t.comm._calls.get(key, 0) for t, b in ((t1, b1), (t2, b2)) for key, n in b.items()):
@@ -88,7 +90,9 @@ MAX_CUT_PERIODS = 100_000
 
 
 def bucket_calls(cuts: list[tuple[list, tuple]]) -> dict[tuple[str, tuple[str, ...]], int]:
-    """The bucket launches (calls per (kind, axes)) of a trace's cuts (:attr:`Trace.cuts`).
+    """The bucket launches (calls per (kind, axes)) of a trace's cuts (:attr:`Trace.cuts`): a
+    call per bucket, and a grouped gather's bucket marked as gathered again in backward one more
+    (:meth:`~meshtorch.lowering.overlap_buckets.Cut.calls`).
 
     Example (ten gradients of 0.3 MB in all-reduce buckets of 1 MB at most, as ``bucket_mb=1``):
         >>> from meshtorch.plan.layered import bucket_calls
@@ -102,7 +106,7 @@ def bucket_calls(cuts: list[tuple[list, tuple]]) -> dict[tuple[str, tuple[str, .
         rule = Cut(caps, _totals(items))
         for item in items:
             rule.add(*item)
-        for key, n in rule.count.items():
+        for key, n in rule.calls().items():
             out[key[:2]] = out.get(key[:2], 0) + n
     return out
 
@@ -142,26 +146,32 @@ def deep_bucket_calls(cuts1: list, cuts2: list,
 
 def _totals(items) -> dict:
     totals: dict = {}
-    for key, nbytes, _ in items:
+    for key, nbytes, *_ in items:
         totals[key] = totals.get(key, 0) + nbytes
     return totals
 
 
 def _split(items1: list, items2: list) -> tuple[list, list, list] | None:
-    """``items2`` as ``prefix + period + suffix`` where ``items1`` is ``prefix + suffix``."""
+    """``items2`` as ``prefix + period + suffix`` where ``items1`` is ``prefix + suffix``, compared
+    without a gather's mark (gathered again in backward: not a forward bucket's, but the last one's,
+    which backward needs first, is never freed): the period as early as it goes, so that
+    ``suffix`` holds the last block with its marks, as the deep model's last block has them
+    (each part is ``items2``'s, marks included: its first blocks' are the deep model's)."""
     m = len(items2) - len(items1)
     if m < 0:
         return None
-    p = 0
-    while p < len(items1) and items1[p] == items2[p]:
-        p += 1
-    if items1[p:] != items2[p + m:]:
+    s = 0
+    while s < len(items1) and items1[-1 - s][:3] == items2[-1 - s][:3]:
+        s += 1
+    p = len(items1) - s
+    if any(a[:3] != b[:3] for a, b in zip(items1[:p], items2[:p])):
         return None
-    return items1[:p], items2[p:p + m], items1[p:]
+    return items2[:p], items2[p:p + m], items2[p + m:]
 
 
 def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tuple) -> dict | None:
-    """Buckets per key of ``prefix + period * copies + suffix`` cut by :class:`Cut`."""
+    """Calls per key (:meth:`Cut.calls`) of ``prefix + period * copies + suffix`` cut by
+    :class:`Cut`."""
     totals = _totals(prefix + suffix)
     per = _totals(period)
     for key, nbytes in per.items():
@@ -169,7 +179,8 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
     rule = Cut(caps, totals)
     for item in prefix:
         rule.add(*item)
-    edged = {key for key, _, edge in period if edge}
+    edged = {key for key, _, edge, *_ in period if edge}
+    marked = {item[0] for item in period if item[3:] and item[3]}  # (gathers again in backward)
     seen: dict | None = {}  # the cut's state at a period's start -> (period, counts, buckets)
     j = steps = 0
     while j < copies:
@@ -179,15 +190,17 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
         if seen is not None:
             state = rule.state()
             if state in seen:  # the cut repeats from here: add its repetitions that fit
-                j0, count0 = seen[state]
+                j0, count0, marked0 = seen[state]
                 length = j - j0
                 times = (copies - j) // length
                 for key in rule.count:
                     rule.count[key] += times * (rule.count[key] - count0.get(key, 0))
+                for key in rule.marked:
+                    rule.marked[key] += times * (rule.marked[key] - marked0.get(key, 0))
                 j += times * length
                 seen = None  # what is left is shorter than a repetition
                 continue
-            seen[state] = (j, dict(rule.count))
+            seen[state] = (j, dict(rule.count), dict(rule.marked))
         # whole periods that fit in every open bucket of the period's keys, at once
         fit = copies - j
         for key, nbytes in per.items():
@@ -195,11 +208,13 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
                 fit = 0
             elif nbytes:
                 fit = min(fit, rule.room(key) // nbytes - 1)
+            elif rule.size[key] > rule.cap(key):  # an empty gradient cuts a bucket already over its cap
+                fit = 0
             if fit <= 0:
                 break
         if fit > 0:
             for key, nbytes in per.items():
-                rule.fill(key, fit * nbytes)
+                rule.fill(key, fit * nbytes, key in marked)
             j += fit
             continue
         for item in period:
@@ -207,7 +222,7 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
         j += 1
     for item in suffix:
         rule.add(*item)
-    return rule.count
+    return rule.calls()
 
 
 def _lean(t: Trace) -> Trace:

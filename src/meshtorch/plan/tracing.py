@@ -153,8 +153,10 @@ class Trace:
     # an extrapolated trace's two shallow traces and the periods added (meshtorch.plan.layered)
     shallow: tuple[Trace, Trace, float] | None = field(default=None, repr=False)
     # under mt.overlap, each counted backward's gradients as its buckets were cut ((key, bytes,
-    # edge) in backward order) and the caps (meshtorch.lowering.overlap_buckets.Cut): what a deeper
-    # model's bucket launches are counted from (meshtorch.plan.layered)
+    # edge) in backward order) and the caps (meshtorch.lowering.overlap_buckets.Cut), and each
+    # counted step's gathered parameters as its grouped gathers were cut ((key, bytes, edge,
+    # gathered again in backward) in forward order): what a deeper model's bucket launches and
+    # gathers are counted from (meshtorch.plan.layered)
     cuts: list[tuple[list, tuple]] = field(default_factory=list, repr=False)
 
     def table(self, limit: int = 40) -> str:
@@ -398,7 +400,8 @@ class Tracer(TorchDispatchMode):
 
     def cut_buckets(self, items: list, caps: tuple) -> None:
         """A backward's gradient buckets were cut (:class:`meshtorch.lowering.overlap_buckets.Cut`)
-        from ``items``, ``(key, bytes, edge)`` in backward order, with ``caps``."""
+        from ``items``, ``(key, bytes, edge)`` in backward order, with ``caps``; or a step's grouped
+        gathers, ``(key, bytes, edge, mark)`` in forward order."""
         if self.counting:
             self.cuts.append((items, caps))
 
