@@ -256,3 +256,15 @@ def test_a_use_block_left_on_another_thread_leaves_that_threads_default():
     t.start()
     t.join()
     assert len(errors) == 1 and isinstance(errors[0], ProcessorContext), errors
+
+
+@pytest.mark.parametrize("scalar", ["float32", "float64", "int64", "int8"])
+def test_numpys_scalars_are_scalars_as_torch_takes_them(scalar):
+    """np.float32(2) * x was refused ("neither a MeshTensor nor a scalar") while np.float64 (a float
+    subclass) worked: every numpy real scalar is a scalar operand, with torch's result."""
+    np = pytest.importorskip("numpy")
+    x = mt.from_global(torch.arange(6.0).reshape(2, 3), "a:2,b:3")
+    s = getattr(np, scalar)(2)
+    plain = x.to_global()
+    for got, want in (((s * x), plain * s), ((x + s), plain + s), ((x - s), plain - s)):
+        assert torch.equal(got.to_global(), want), scalar

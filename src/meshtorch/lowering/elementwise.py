@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,9 @@ Scalar = (int, float, bool)
 
 
 def _is_scalar(v) -> bool:
-    return isinstance(v, Scalar) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+    # numbers.Real: numpy's scalars too (np.float32 is no float subclass; torch takes it as one)
+    return (isinstance(v, Scalar) or (isinstance(v, torch.Tensor) and v.dim() == 0)
+            or isinstance(v, numbers.Real))
 
 
 def unary(fn: Callable[[torch.Tensor], torch.Tensor], x: MeshTensor, op: str = "unary") -> MeshTensor:
