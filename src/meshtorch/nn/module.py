@@ -115,12 +115,15 @@ class Module(torch.nn.Module):
             >>> w is dense.mesh_view("kernel"), w.local is dense.kernel, dense.mesh_view("bias")
             (True, True, None)
         """
-        p = self._parameters.get(name)
+        # (the tables subscripted, asked with `in`: no method call per read, paid cold, issue 27)
+        params = self._parameters
+        p = params[name] if name in params else None
         if p is None or compiled:
             value = getattr(self, name)  # (torch's path: its error for a missing name)
             return None if value is None else value.mesh_tensor
-        kept = self._mt_views.get(name)
-        if kept is not None:
+        views = self._mt_views
+        if name in views:
+            kept = views[name]
             view = kept[0]
             # the same parameter (not replaced: load_state_dict(assign=True), a new parameter),
             # its local size unchanged (`p.data = ...`: the constructor's check, below) and drawn
@@ -172,8 +175,9 @@ class Module(torch.nn.Module):
         # cold between large kernels (issue 27). Anything else takes torch's path as it is: a
         # torch whose __call__ is not the one this shortcut mirrors (_torch_call_is_known), or
         # whose Module.__call__ someone patched (a profiler's wrapper), is called, not skipped.
+        d = self.__dict__  # (compile() sets _compiled_call_impl there; asked with `in`: no call)
         if (torch.nn.Module.__call__ is _KNOWN_TORCH_CALL
-                and self.__dict__.get("_compiled_call_impl") is None and not (
+                and ("_compiled_call_impl" not in d or d["_compiled_call_impl"] is None) and not (
                     self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
                     or self._backward_hooks or _torch_module._global_forward_pre_hooks
                     or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
@@ -188,13 +192,13 @@ class Module(torch.nn.Module):
         # without torch's __getattr__ frame (issue 27: each Python frame between large kernels
         # runs cold); torch keeps a name in one of its tables only, so the answer is the same.
         # Buffers, None entries and missing names take torch's path (its error message).
+        # (submodules asked first: a forward reads them here, its weights through mesh_view)
         d = self.__dict__
         if "_modules" in d:  # (set up by torch's __init__, after _parameters)
+            value = d["_modules"].get(name)
+            if value is not None:
+                return value
             value = d["_parameters"].get(name)
-            if value is None:
-                value = d["_modules"].get(name)
-                if value is not None:
-                    return value
         else:
             value = None
         if value is None:
