@@ -5,7 +5,7 @@ Without it, a parameter read by an op through an adapter whose backward sums its
 (``identity_grad_sum``: data parallel; ``all_gather`` with its ``reduce_scatter`` backward: FSDP
 by rules) runs that adapter as an autograd Function: one blocking collective per use forward and
 one per parameter backward. Inside ``with mt.overlap():`` the lowering hands such a read to this
-module instead (one clear place: :func:`overlapped_input`), for any model written in the language:
+module instead (one clear place: :func:`run_op`), for any model written in the language:
 
 - **Backward.** The op gets the gathered (or, for an identity, the aliased) value as a
   *detached leaf*, so autograd accumulates the unreduced local gradient there (an aliased
