@@ -689,3 +689,33 @@ def test_a_data_parallel_read_is_the_parameter_alias_itself():
     assert torch.equal(y, per_use_y) and torch.equal(g, per_use_g)
     amp_ops = mt.launch(functools.partial(_dense_reads, True), mesh="b:2", rules="batch:b")[0][0]
     assert amp_ops[0] == "view.default", amp_ops
+
+
+def _functions_a_dense_forward_calls():
+    """The Python functions a data-parallel Dense layer's forward calls under mt.overlap(), after
+    two steps (its kernel's lasting entry made), and the result against the per-use path's."""
+    import sys
+
+    layer = mt.nn.Dense(mt.Dim("d", 8), mt.Dim("h", 4), bias=False)
+    x = mt.from_global(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)), "batch:4,d:8")
+    want = layer(x).to_global()
+    called = []
+    with mt.overlap():
+        for _ in range(2):
+            layer.zero_grad(set_to_none=True)
+            mt.reduce_sum(layer(x)).backward()
+        sys.setprofile(lambda frame, event, _: event == "call" and called.append(frame.f_code.co_name))
+        try:
+            y = layer(x)
+        finally:
+            sys.setprofile(None)
+    return called, torch.equal(y.to_global(), want), y.local.grad_fn is not None
+
+
+def test_a_data_parallel_read_after_the_first_step_is_no_call_of_its_own():
+    """Issue 27: once a parameter's lasting entry is made, the op that reads it (overlap.run_op)
+    reads it inline: neither overlapped_input nor Runtime.read runs (each a Python frame per weight,
+    cold between large kernels), and the result is the per-use path's."""
+    called, same, tracked = mt.launch(_functions_a_dense_forward_calls, mesh="b:2", rules="batch:b")[0]
+    assert "run_op" in called and "overlapped_input" not in called and "read" not in called, called
+    assert same and tracked

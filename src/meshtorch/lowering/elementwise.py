@@ -68,17 +68,16 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
     # (one loop, no comprehensions or helper calls: every elementwise op of a model runs this,
     # cold between large kernels, issue 27)
     cls = _registered[0] if _registered else tensor_type()
-    shapes, key, tensors = [], [], []
-    for x in xs:
-        if isinstance(x, cls):
+    # (filled by index, the scalars' places None: no append call per operand)
+    n = len(xs)
+    shapes, key, tensors = [None] * n, [None] * n, []
+    for i, x in zip(range(n), xs):
+        if type(x) is cls or isinstance(x, cls):
             s = x.shape
-            shapes.append(s)
-            key.append((s.names, s.sizes))  # equal exactly when the shapes are; hashed in C
+            shapes[i] = s
+            key[i] = (s.names, s.sizes)  # equal exactly when the shapes are; hashed in C
             tensors.append(x)
-        elif _is_scalar(x):
-            shapes.append(None)
-            key.append(None)
-        else:
+        elif not _is_scalar(x):
             raise ShapeError(
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"

@@ -47,14 +47,14 @@ import torch
 
 from meshtorch import caching
 from meshtorch.caching import BoundedCache, constant_result
-from meshtorch.context import current, here
+from meshtorch.context import current, here, traced
 from meshtorch.errors import ShapeError
 from meshtorch.layout import Layout, format_axes, piece
 from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.adapters import is_dynamo_compiling  # (also the ops' and layers' test)
 from meshtorch.lowering.output import _registered, tensor_type
-from meshtorch.lowering.overlap import after_forward, overlapped_input, read_later
-from meshtorch.lowering.redistribute import Step, group, moves, run_shared, run_steps, sums_gradient
+from meshtorch.lowering.overlap import adapter_kind, read_later, run_op
+from meshtorch.lowering.redistribute import Step, group, moves, run_steps, sums_gradient
 from meshtorch.mesh import Mesh
 from meshtorch.shape import Shape
 
@@ -253,9 +253,13 @@ class Plan:
         shared: per input, whether its adapters are shared by every use of the tensor that runs
             the same ones (:func:`~meshtorch.lowering.redistribute.run_shared`: their backward sums
             the gradient, so it is summed locally and reduced once); ``None`` where none is.
+        overlapped: per input, where ``shared`` is set, what :mod:`~meshtorch.lowering.overlap`
+            runs of its adapters (:func:`~meshtorch.lowering.overlap.adapter_kind`, ``None``: not
+            them), asked once per plan, not per read.
     """
 
-    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as", "moves", "shared")
+    __slots__ = ("inputs", "outputs", "view", "want", "layout", "computed_as", "moves", "shared",
+                 "overlapped")
 
     def __init__(self, inputs, outputs, view, want, layout, computed_as, shared=None):
         self.inputs: tuple[tuple[Step, ...], ...] = inputs
@@ -266,6 +270,8 @@ class Plan:
         self.computed_as: dict[str, tuple[str, ...]] = computed_as
         self.moves = bool(outputs) or any(inputs)
         self.shared: tuple[bool, ...] | None = shared if shared and any(shared) else None
+        self.overlapped: tuple | None = None if self.shared is None else tuple(
+            adapter_kind(s) if on else None for s, on in zip(inputs, self.shared))
 
     @property
     def adapters(self) -> int:
@@ -491,6 +497,7 @@ def lower(
     # trace): one dict lookup, its key built here rather than in a function of its own (one
     # Python call less per op, paid cold between large kernels, issue 27).
     grad = torch.is_grad_enabled()
+    n = len(inputs)  # (asked once: each builtin's call runs cold too)
     if compiled:
         plan = resolved(
             _plan_of_constants, op, tuple([x.layout.key for x in inputs]),
@@ -505,19 +512,18 @@ def lower(
         # Layouts and the output shape by their constants (Layout.key; names and sizes: equal
         # constants, equal objects), which hash and compare in C: the objects' own __hash__ and
         # __eq__ are Python calls, per op. One or two operands (nearly every op) without a loop.
-        if len(inputs) == 1:
+        if n == 1:
             a = inputs[0]
             layouts = (a.layout.key,)
             needs = (a.local.requires_grad,) if grad else None
-        elif len(inputs) == 2:
+        elif n == 2:
             a, b = inputs
             layouts = (a.layout.key, b.layout.key)
             needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
         else:
-            keys, wants = [], []
-            for x in inputs:
-                keys.append(x.layout.key)
-                wants.append(x.local.requires_grad)
+            keys, wants = [None] * n, [None] * n
+            for i, x in zip(range(n), inputs):
+                keys[i], wants[i] = x.layout.key, x.local.requires_grad
             layouts, needs = tuple(keys), tuple(wants) if grad else None
         # whole is a set of dims: frozenset, so the same dims in another order hit the same entry
         key = (
@@ -538,32 +544,15 @@ def lower(
         # parameters inside mt.overlap(): grouped, asynchronous reductions (lowering/overlap.py)
         # (one loop, no comprehensions: data parallel runs it for every op reading a parameter;
         # traced, the per-use path: a compiled graph schedules its collectives itself)
-        comm = None if compiled else ctx.comm
-        args, used = [], []
-        for x, s, shared in zip(inputs, plan.inputs, plan.shared):
-            if shared:
-                o = None if comm is None else overlapped_input(x.local, s, comm)
-                if o is None:
-                    o = run_shared(x.local, x.adapter_memo(), s)
-                elif not o.is_leaf:
-                    # a gathered value (a view of its entry's leaf): after_forward may free it. A
-                    # data-parallel read is the leaf itself (or, under autocast, an untagged view
-                    # of it), which after_forward has nothing to do for
-                    used.append(o)
-            else:
-                o = run_steps(x.local, s) if s else x.local
-            args.append(o)
-        result = local_fn(plan.view, *args)
-        if used:
-            after_forward(used, result, args)
+        result = run_op(plan, inputs, n, local_fn, None if compiled else ctx.comm)
     elif plan.moves:
-        args = []
-        for x, s in zip(inputs, plan.inputs):  # (a loop: no comprehension's frame)
-            args.append(run_steps(x.local, s) if s else x.local)
+        args = [None] * n
+        for i, x, s in zip(range(n), inputs, plan.inputs):  # (a loop: no comprehension's frame)
+            args[i] = run_steps(x.local, s) if s else x.local
         result = local_fn(plan.view, *args)
-    elif len(inputs) == 1:  # (no list built, no comprehension's frame: the usual op)
+    elif n == 1:  # (no list built, no comprehension's frame: the usual op)
         result = local_fn(plan.view, inputs[0].local)
-    elif len(inputs) == 2:
+    elif n == 2:
         result = local_fn(plan.view, inputs[0].local, inputs[1].local)
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])
@@ -580,9 +569,17 @@ def lower(
             if later is not None:
                 return tensor_type()._read_later(later, out_shape, plan.layout, name)
         result = run_steps(result, plan.outputs)
-    # the adapters produce the output layout's slice of a result of the checked size
-    return (_registered[0] if _registered else tensor_type())._checked_elsewhere(
-        result, out_shape, plan.layout, name)
+    # the adapters produce the output layout's slice of a result of the checked size: made as
+    # MeshTensor._checked_elsewhere makes it (its body, here: one Python frame less per op, paid
+    # cold between a model's large kernels, issue 27; tests/test_overhead_caches.py checks the two alike)
+    t = object.__new__(_registered[0] if _registered else tensor_type())
+    t.shape, t.layout, t.local, t.name = out_shape, plan.layout, result, name
+    t._adapted = t._later = None
+    if traced:
+        tracer = current().tracer
+        if tracer is not None:
+            tracer.observe(t)
+    return t
 
 
 def local_result(op: str, inputs: Sequence[MeshTensor], out_shape: Shape,

@@ -5,7 +5,7 @@ Without it, a parameter read by an op through an adapter whose backward sums its
 (``identity_grad_sum``: data parallel; ``all_gather`` with its ``reduce_scatter`` backward: FSDP
 by rules) runs that adapter as an autograd Function: one blocking collective per use forward and
 one per parameter backward. Inside ``with mt.overlap():`` the lowering hands such a read to this
-module instead (one clear place: :func:`overlapped_input`), for any model written in the language:
+module instead (one clear place: :func:`run_op`), for any model written in the language:
 
 - **Backward.** The op gets the gathered (or, for an identity, the aliased) value as a
   *detached leaf*, so autograd accumulates the unreduced local gradient there (an aliased
@@ -85,8 +85,22 @@ from meshtorch.lowering import adapters as ca
 from meshtorch.lowering.adapters import is_dynamo_compiling
 from meshtorch.lowering.overlap_reads import unread_by_backward
 from meshtorch.lowering.overlap_runtime import Options, Runtime
+from meshtorch.lowering.redistribute import run_shared, run_steps
+from meshtorch.meta_autocast import autocast_enabled
 
-_on = threading.local()  # this processor's options, while inside overlap()
+
+class _Here(threading.local):
+    """This thread's (processor's) state: class attributes are the defaults, so that a read asks
+    an attribute, not ``getattr`` (a call per parameter read)."""
+
+    options: Options | None = None  # while inside overlap()
+    unsaved = 0  # depth of unsaved() blocks
+    region = 0  # the last checkpointed block's number
+    comm: Communicator | None = None  # the communicator whose Runtime ``runtime`` is
+    runtime: Runtime | None = None
+
+
+_on = _Here()
 
 
 @contextmanager
@@ -121,13 +135,14 @@ def overlap(enabled: bool = True, *, bucket_mb: float = 25.0, reshard_after_forw
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ArgumentError(f"{name}={value!r} must be a positive, finite number of megabytes, e.g. "
                                 f"{name}=25 (one bucket for everything: a size above the model's, e.g. 1e6)")
-    prev = getattr(_on, "options", None)
+    prev = _on.options
     _on.options = (Options(float(bucket_mb), bool(reshard_after_forward), float(gather_mb)) if enabled
                    else None)
     try:
         yield
     finally:
         _on.options = prev
+        _on.comm = _on.runtime = None  # (kept only inside the block: a runtime holds parameters' leaves)
         if enabled:
             from meshtorch.context import current
 
@@ -149,9 +164,9 @@ def unsaved() -> Iterator[None]:
         >>> with mt.lowering.overlap.unsaved():
         ...     pass
     """
-    _on.unsaved = getattr(_on, "unsaved", 0) + 1
+    _on.unsaved += 1
     if _on.unsaved == 1:
-        _on.region = getattr(_on, "region", 0) + 1  # a new checkpointed block: buckets end at its edges
+        _on.region += 1  # a new checkpointed block: buckets end at its edges
     try:
         yield
     finally:
@@ -160,13 +175,20 @@ def unsaved() -> Iterator[None]:
 
 def options() -> Options | None:
     """The options in force on this processor, or ``None`` outside :func:`overlap`."""
-    return getattr(_on, "options", None)
+    return _on.options
 
 
 # ------------------------------------------------------------------ which reads qualify
-def _adapter(steps) -> tuple[str, str | tuple[str, ...], int | None] | None:
+def adapter_kind(steps) -> tuple[str, str | tuple[str, ...], int | None] | None:
     """``(kind of the gradient reduction, axes, gathered dim)`` for adapters this module runs,
-    else ``None``: one step, an identity (all_reduce) or an even all_gather (reduce_scatter)."""
+    else ``None``: one step, an identity (all_reduce) or an even all_gather (reduce_scatter).
+    A plan asks once per input (:class:`~meshtorch.lowering.lower.Plan`), its reads never.
+
+    Example:
+        >>> from meshtorch.lowering import adapters as ca
+        >>> adapter_kind(((ca.identity_grad_sum, "b", ()),)), adapter_kind(())
+        (('all_reduce', 'b', None), None)
+    """
     if len(steps) != 1:
         return None
     fn, axes, args = steps[0]
@@ -177,40 +199,101 @@ def _adapter(steps) -> tuple[str, str | tuple[str, ...], int | None] | None:
     return None
 
 
-def overlapped_input(t: torch.Tensor, steps, comm: Communicator) -> torch.Tensor | None:
-    """The value an op uses for the parameter slice ``t`` adapted by ``steps``, run by this
-    module (a leaf whose gradient is reduced in buckets), or ``None``: use the per-use path.
-    The lowering asks this, with this processor's ``comm``, for every input whose adapters sum
-    its gradient, never in a call Dynamo traces (a traced step never reads this module's state:
-    :func:`~meshtorch.lowering.lower.lower` asks Dynamo once per op and takes the per-use path)."""
-    opts = getattr(_on, "options", None)
-    if opts is None or not t.requires_grad or not torch.is_grad_enabled():
-        return None
+def run_op(plan, inputs: Sequence, n: int, local_fn, comm: Communicator | None) -> torch.Tensor:
+    """The local result of :func:`~meshtorch.lowering.lower.lower`'s op whose plan shares some
+    input's adapters (``plan.shared``: their backward sums the input's gradient; ``n``: the number
+    of ``inputs``): each such
+    input that :func:`overlapped_input` takes (a parameter inside :func:`overlap`) is read from
+    this module, the others through their adapters, shared by every use of the tensor
+    (:func:`~meshtorch.lowering.redistribute.run_shared`). ``comm``: this processor's, or
+    ``None`` in a call Dynamo traces (the per-use path: a compiled graph schedules its
+    collectives itself, and a traced step never reads this module's state).
+
+    A data-parallel read of a parameter whose lasting entry is made (every step after the
+    first) runs here, not in :func:`overlapped_input` and :meth:`Runtime.read`: one Python frame
+    per op, where the op, the parameter's read and its entry's test were three, for every
+    weight of a model, paid cold between its large kernels (issue 27)."""
+    opts = _on.options
+    rt = None
+    if opts is not None and comm is not None:
+        rt = _on.runtime if _on.comm is comm else _runtime_here(comm)
+        if rt.buckets is not None or opts is not rt.opts:
+            rt = None  # (a backward to settle, new options: Runtime.read's path)
+    args, used = [None] * n, []  # (filled by index: no append call per operand)
+    for i, x, s, shared, how in zip(range(n), inputs, plan.inputs, plan.shared, plan.overlapped):
+        t = x.local
+        if not shared:
+            args[i] = run_steps(t, s) if s else t
+            continue
+        o = None
+        if rt is not None and how is not None and how[0] == "all_reduce":
+            key = (id(t), s)
+            e = rt.lasting.get(key)
+            if e is not None and (e.param is not t or e.step != rt.generation):
+                # its first read in this step (a lasting entry holds its parameter, ``param``, from
+                # its read to the step's end, Runtime._end_step: then it is this step's entry),
+                # if it still serves: lasting_holds's test, inline (its call is a frame per read)
+                leaf = e.leaf
+                if (e.ref() is t and torch._C._is_alias_of(leaf, t) and leaf.shape == t.shape
+                        and leaf.stride() == t.stride() and leaf.dtype == t.dtype):
+                    e.param, e.step = t, rt.generation
+                    rt.entries[key] = e
+                    rt.order.append(e)
+                else:
+                    e = None
+            if e is not None:
+                # Runtime.read's value, the same: under autocast a view, not the leaf
+                leaf = e.leaf
+                kind = leaf.device.type
+                amp = autocast_enabled(kind) if kind == "meta" else torch.is_autocast_enabled(kind)
+                o = leaf.view_as(leaf) if amp else leaf
+        if o is None and opts is not None and comm is not None and how is not None:
+            o = overlapped_input(t, s, how, comm)
+        if o is None:
+            o = run_shared(t, x.adapter_memo(), s)
+        elif not o.is_leaf:
+            # a gathered value (a view of its entry's leaf): after_forward may free it. A
+            # data-parallel read is the leaf itself (or, under autocast, an untagged view
+            # of it), which after_forward has nothing to do for
+            used.append(o)
+        args[i] = o
+    result = local_fn(plan.view, *args)
+    if used:
+        after_forward(used, result, args)
+    return result
+
+
+def overlapped_input(t: torch.Tensor, steps, how, comm: Communicator) -> torch.Tensor | None:
+    """The value an op uses for the slice ``t`` adapted by ``steps`` inside :func:`overlap`,
+    run by this module (a leaf whose gradient is reduced in buckets), or ``None``: use the
+    per-use path (``t`` no parameter, or of a group of this processor alone). ``how``:
+    :func:`adapter_kind` of ``steps``, which the op's plan holds. :func:`run_op` asks it, with
+    this processor's ``comm``, for every input whose adapters sum its gradient (so in grad mode,
+    for ``t`` requiring grad: the plan's key says so)."""
+    rt = _on.runtime if _on.comm is comm else _runtime_here(comm)
     # (a parameter's class looked up, not isinstance: Parameter's metaclass checks instances in
-    # Python, a call per parameter read; torch also counts a tensor marked _is_param)
+    # Python; torch also counts a tensor marked _is_param)
     kind = _parameter_types.get(type(t))
     if kind is None:
         kind = _parameter_types[type(t)] = issubclass(type(t), torch.nn.Parameter)
-    if not kind and not getattr(t, "_is_param", False):
+    if not t.requires_grad or not kind and not getattr(t, "_is_param", False):
         return None
-    # (the lowering's plans hand the same few step tuples every step: what they ask, kept)
-    how = _hows.get(steps, False)
-    if how is False:
-        if len(_hows) > MAX_HOWS:
-            _hows.clear()
-        how = _hows[steps] = _adapter(steps)
-    if how is None:
-        return None
-    rt = getattr(comm, "_overlap", None) or runtime(comm)
     alone = rt.alone.get(how[1])
     if alone is None:
         # a group of one (a rule splitting a dim over an axis of size 1): its collectives return
         # their input, so a "gathered" value would be the parameter itself, which this module
         # frees after backward; nothing moves, so the per-use path costs nothing
-        alone = rt.alone[how[1]] = math.prod(comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1
+        alone = rt.alone[how[1]] = math.prod(rt.comm.mesh.axis_size(a) for a in as_axes(how[1])) == 1
     if alone:
         return None
-    return rt.read(t, steps, how, opts, _on.region if getattr(_on, "unsaved", 0) else None)
+    return rt.read(t, steps, how, _on.options, _on.region if _on.unsaved else None)
+
+
+def _runtime_here(comm: Communicator) -> Runtime:
+    """:func:`runtime` of ``comm``, kept as this thread's (each processor reads its own, per read)."""
+    rt = runtime(comm)
+    _on.comm, _on.runtime = comm, rt
+    return rt
 
 
 def read_later(t: torch.Tensor, steps) -> ca.Later | None:
@@ -220,14 +303,12 @@ def read_later(t: torch.Tensor, steps) -> ca.Later | None:
     meet in the forward (DDP's loss is each process's own: they meet at the end of backward).
     ``None``: run ``steps`` as usual."""
     if (len(steps) != 1 or steps[0][0] is not ca.all_reduce_sum or steps[0][2]
-            or getattr(_on, "options", None) is None or is_dynamo_compiling()):
+            or _on.options is None or is_dynamo_compiling()):
         return None
     return ca.all_reduce_sum_later(t, _current().comm, steps[0][1])
 
 
-MAX_HOWS = 4096  # adapter tuples whose kind overlapped_input keeps
 _parameter_types: dict[type, bool] = {}  # tensor class -> whether it is a torch.nn.Parameter's
-_hows: dict = {}  # adapters (a plan's steps for one input) -> _adapter(steps)
 
 
 def _current():
@@ -274,7 +355,7 @@ def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
         for e in entries:
             e.pinned = True  # the result is a view of a gathered value: it must stay
         return
-    if getattr(_on, "unsaved", 0):
+    if _on.unsaved:
         # a checkpointed forward (mt.nn.checkpoint): its backward keeps nothing of it and
         # recomputes, reading the values again (gathered again if freed), as the per-use path
         unread = [True] * len(entries)

@@ -102,6 +102,15 @@ class Entry:
 
 
 
+def lasting_holds(e: Entry, param: torch.Tensor) -> bool:
+    """Whether ``e``, the lasting entry of ``param`` (data parallel's), still serves it: made for
+    this parameter object, and its leaf still an alias of the parameter's storage, alike. ``p.data
+    = ...`` (``module.to(dtype)``, ``.double()``) swaps the storage, which needs a new leaf."""
+    leaf = e.leaf
+    return (e.ref() is param and torch._C._is_alias_of(leaf, param) and leaf.shape == param.shape
+            and leaf.stride() == param.stride() and leaf.dtype == param.dtype)
+
+
 def _resized(t: torch.Tensor) -> None:
     """Tell this processor's tracer that ``t``'s storage changed size (``resize_`` is no aten op: a
     tracer that follows memory, the planner's, would not see it)."""
@@ -175,11 +184,7 @@ class Runtime(GradientBuckets):
                 # its lasting entry (made once per parameter and adapters, _lasting), checked here:
                 # one Python frame less per parameter read of every step (issue 27)
                 e = self.lasting.get(key)
-                leaf = None if e is None else e.leaf
-                # `p.data = ...` (module.to(dtype), .double()) swaps the storage: a new leaf for it
-                if (leaf is None or e.ref() is not param or not torch._C._is_alias_of(leaf, param)
-                        or leaf.shape != param.shape or leaf.stride() != param.stride()
-                        or leaf.dtype != param.dtype):
+                if e is None or not lasting_holds(e, param):
                     e = self._lasting(param, key, axes)
                 e.param, e.step = param, self.generation
                 self.entries[key] = e

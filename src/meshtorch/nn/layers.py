@@ -186,7 +186,7 @@ class LayerNorm(Module):
     def forward(self, x: MeshTensor) -> MeshTensor:
         compiled = is_dynamo_compiling()
         return layer_norm(x, self.dim.name, self.mesh_view("weight", compiled),
-                          self.mesh_view("bias", compiled), self.eps)
+                          self.mesh_view("bias", compiled), self.eps, compiled=compiled)
 
 
 class RMSNorm(Module):

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.autograd import profiler as _autograd_profiler
 from torch.nn.modules import module as _torch_module
 
 from meshtorch.context import current, traced
@@ -51,16 +52,13 @@ def _torch_call_is_known() -> Any:
               "_global_backward_hooks")
     known = (call is not None and torch.nn.Module.__call__ is call
              and all(isinstance(getattr(_torch_module, t, None), dict) for t in tables)
-             and hasattr(torch._C, "_get_tracing_state"))
+             and hasattr(torch._C, "_get_tracing_state")
+             and isinstance(getattr(_autograd_profiler, "_is_profiler_enabled", None), bool))
     return call if known else None
 
 
 _KNOWN_TORCH_CALL = _torch_call_is_known()
 
-# torch's profiler (with_stack, with_modules; the memory profiler) finds module calls by their
-# torch.nn.Module.__call__ frames: while it runs, every call takes torch's path. Where this torch
-# has no such test, every call does.
-_profiling = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", lambda: True)
 
 
 class Module(torch.nn.Module):
@@ -120,12 +118,15 @@ class Module(torch.nn.Module):
             >>> w is dense.mesh_view("kernel"), w.local is dense.kernel, dense.mesh_view("bias")
             (True, True, None)
         """
-        p = self._parameters.get(name)
+        # (the tables subscripted, asked with `in`: no method call per read, paid cold, issue 27)
+        params = self._parameters
+        p = params[name] if name in params else None
         if p is None or compiled:
             value = getattr(self, name)  # (torch's path: its error for a missing name)
             return None if value is None else value.mesh_tensor
-        kept = self._mt_views.get(name)
-        if kept is not None:
+        views = self._mt_views
+        if name in views:
+            kept = views[name]
             view = kept[0]
             # the same parameter (not replaced: load_state_dict(assign=True), a new parameter),
             # its local size unchanged (`p.data = ...`: the constructor's check, below) and drawn
@@ -175,15 +176,17 @@ class Module(torch.nn.Module):
         # global ones, no compiled_call_impl, no TorchScript trace): one Python frame where
         # torch's is two (_wrapped_call_impl, _call_impl), per layer of every forward, paid
         # cold between large kernels (issue 27). Anything else takes torch's path as it is: a
-        # profiler running (it watches for torch's frames), a torch whose __call__ is not the one
+        # profiler running (it finds module calls by torch's frames; its flag is a module global,
+        # which Dynamo reads as a constant), a torch whose __call__ is not the one
         # this shortcut mirrors (_torch_call_is_known), a patched Module.__call__ (a wrapper).
+        d = self.__dict__  # (compile() sets _compiled_call_impl there; asked with `in`: no call)
         if (torch.nn.Module.__call__ is _KNOWN_TORCH_CALL
-                and self.__dict__.get("_compiled_call_impl") is None and not (
+                and ("_compiled_call_impl" not in d or d["_compiled_call_impl"] is None) and not (
                     self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
                     or self._backward_hooks or _torch_module._global_forward_pre_hooks
                     or _torch_module._global_forward_hooks or _torch_module._global_backward_pre_hooks
                     or _torch_module._global_backward_hooks)
-                and not torch._C._get_tracing_state() and not _profiling()):
+                and not torch._C._get_tracing_state() and not _autograd_profiler._is_profiler_enabled):
             return self.forward(*args, **kwargs)
         return torch.nn.Module.__call__(self, *args, **kwargs)  # (looked up now: a patched one too)
 
@@ -193,13 +196,13 @@ class Module(torch.nn.Module):
         # without torch's __getattr__ frame (issue 27: each Python frame between large kernels
         # runs cold); torch keeps a name in one of its tables only, so the answer is the same.
         # Buffers, None entries and missing names take torch's path (its error message).
+        # (submodules asked first: a forward reads them here, its weights through mesh_view)
         d = self.__dict__
         if "_modules" in d:  # (set up by torch's __init__, after _parameters)
+            value = d["_modules"].get(name)
+            if value is not None:
+                return value
             value = d["_parameters"].get(name)
-            if value is None:
-                value = d["_modules"].get(name)
-                if value is not None:
-                    return value
         else:
             value = None
         if value is None:

@@ -236,12 +236,15 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
         k, na, nb = len(ia), len(xs[0].names), len(xs[1].names)
         x_trailing = ia == list(range(na - k, na))
         w_leading, w_trailing = ib == list(range(k)), ib == list(range(nb - k, nb))
+        # the local slices have the operands' dims, in their order: their ranks are na and nb
+        # (asked here once, not per call with .dim(): each call into C runs cold, issue 27)
+        x_flat, w_flat = na == 2 and k == 1, nb == 2 and k == 1
 
         def local_dot(view, x, w):
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
             # output layer); the local slices keep the shape's dim order, so this holds on any mesh
             if x_trailing and (w_leading or w_trailing):
-                if k == 1 and w.dim() == 2:
+                if w_flat:
                     # x @ W (or x @ Tᵀ) as one call into torch: matmul folds x's leading dims into
                     # the same mm (a view of x, an _unsafe_view of the result) in C++; spelling
                     # the reshape, mm and view out here cost three Python-to-torch calls and a
@@ -250,13 +253,12 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
                 # one mm on [rows, k] x [k, n], reshaping (viewing, where the slices allow) only
                 # what is not 2-D already: the mm that torch.matmul folds x @ W into
                 if w_leading:
-                    size_k, out = math.prod(w.shape[:k]), (*x.shape[: x.dim() - k], *w.shape[k:])
-                    w2 = w if w.dim() == 2 and k == 1 else w.reshape(size_k, -1)
+                    size_k, out = math.prod(w.shape[:k]), (*x.shape[: na - k], *w.shape[k:])
+                    w2 = w if w_flat else w.reshape(size_k, -1)
                 else:
-                    size_k, out = math.prod(w.shape[w.dim() - k:]), (*x.shape[: x.dim() - k],
-                                                                    *w.shape[: w.dim() - k])
-                    w2 = (w if w.dim() == 2 and k == 1 else w.reshape(-1, size_k)).t()
-                y = torch.mm(x if x.dim() == 2 and k == 1 else x.reshape(-1, size_k), w2)
+                    size_k, out = math.prod(w.shape[nb - k:]), (*x.shape[: na - k], *w.shape[: nb - k])
+                    w2 = (w if w_flat else w.reshape(-1, size_k)).t()
+                y = torch.mm(x if x_flat else x.reshape(-1, size_k), w2)
                 return y if y.shape == out else y.view(out)
             return torch.tensordot(x, w, dims=dot)
 

@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, lower
@@ -199,8 +198,13 @@ def layer_norm(
     weight: MeshTensor | None = None,
     bias: MeshTensor | None = None,
     eps: float = 1e-5,
+    *,
+    compiled: bool | None = None,
 ) -> MeshTensor:
     """Normalise over ``dim`` to zero mean and unit variance, then scale and shift.
+
+    ``compiled``: whether Dynamo traces the call, where the caller asked already (a layer's
+    forward: :func:`~meshtorch.lowering.lower.lower`'s argument); ``None``: asked here.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -225,11 +229,14 @@ def layer_norm(
         def local_fn(view, t, *ps):
             w = ps[0] if weight is not None else None
             b = ps[-1] if bias is not None else None
-            if i == t.dim() - 1:  # the usual case: no permute nodes for autograd to walk
-                return F.layer_norm(t, (size,), w, b, eps)
-            return F.layer_norm(t.movedim(i, -1), (size,), w, b, eps).movedim(-1, i)
+            # torch.layer_norm: F.layer_norm's own call, without its two Python frames per layer
+            # (its cudnn_enable argument is unused, deprecated: F's reads of the flag are a frame)
+            if i == last:  # the usual case: no permute nodes for autograd to walk
+                return torch.layer_norm(t, (size,), w, b, eps, True)
+            return torch.layer_norm(t.movedim(i, -1), (size,), w, b, eps, True).movedim(-1, i)
 
-        return lower("layer_norm", [x, *params], x.shape, local_fn, whole=[n])
+        last = len(names) - 1  # (the slice's dims are the shape's)
+        return lower("layer_norm", [x, *params], x.shape, local_fn, whole=[n], compiled=compiled)
     xc = x - reduce_mean(x, n)
     y = xc * rsqrt(reduce_mean(xc * xc, n) + eps)
     if weight is not None:
