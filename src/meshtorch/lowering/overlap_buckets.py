@@ -28,9 +28,6 @@ MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's 
 # flight lives as long as the other processor takes to join it, which the planner cannot know)
 GATHER_SHARE = 3
 MAX_PENDING = 1  # gradient buckets holding bytes in flight (waited on before another one is launched)
-# how many holders a storage has (private, torch 2.0 on): a kept bucket buffer is used again only
-# where nothing but the runtime holds it; without it every step makes its buffers fresh
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 # a flat tensor cut into views of the shapes of a list of tensors, in one call (private: DDP's,
 # through torch._utils._unflatten_dense_tensors); without it, split and a view per piece
 _unflatten = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
@@ -73,10 +70,11 @@ def _no_grads(members: Sequence[Entry]) -> bool:
 
 
 def _pieces(flat: torch.Tensor, layout: list) -> Sequence[torch.Tensor]:
-    """A bucket's flat result cut into its members' gradients (views, of their leaves' shapes)."""
-    if _unflatten is not None:
-        return _unflatten(flat, layout[4])
-    return [g.view(t.shape) for g, t in zip(flat.split_with_sizes(layout[0]), layout[4])]
+    """A bucket's flat buffer (or result) cut into its members' places (views, of their leaves'
+    shapes). (torch's unflatten makes an empty member a new 1-d tensor, not of its shape.)"""
+    if _unflatten is not None and 0 not in layout[0]:
+        return _unflatten(flat, layout[3])
+    return [g.view(t.shape) for g, t in zip(flat.split_with_sizes(layout[0]), layout[3])]
 
 
 def _holds(members: Sequence[Entry]) -> bool:
@@ -190,11 +188,9 @@ class GradientBuckets:
         # in the same order cuts the same buckets
         self.cut: tuple | None = None
         # per bucket of gradients to all-reduce, [its members' sizes, its prepared call (made at
-        # its first launch of a whole buffer: a FlatAllReduce), its kept buffer (_buffer's pack,
-        # its storage and its holders then), whether it holds each parameter once, of its leaf's
-        # dtype (_distinct), its members' leaves], kept with the cut; else None
+        # its first launch of a whole buffer: a FlatAllReduce), whether it holds each parameter
+        # once, of its leaf's dtype (_distinct), its members' leaves], kept with the cut; else None
         self.layouts: list[list | None] = []
-        self.reused = 0  # bucket buffers used again (a count for tests)
         self._new_backward()
 
     def _new_backward(self) -> None:
@@ -289,7 +285,7 @@ class GradientBuckets:
         pack = self.packs.get(k)
         if pack is None:
             pack = self.packs[k] = self._buffer(k, g)
-            for m, view in pack[2]:
+            for m, view in pack[1].items():
                 if m is not e and m.grad is None:
                     m.slot = view  # its first gradient goes straight there (ready's first branch)
         slot = pack[1][e]
@@ -300,35 +296,14 @@ class GradientBuckets:
         return slot
 
     def _buffer(self, k: int, g: torch.Tensor) -> tuple:
-        """Bucket ``k``'s flat buffer for gradients like ``g`` and its members' places there
-        (``(flat, {entry: view}, [(entry, view)])``): the one the bucket had at the last step
-        where nothing else holds it any more, as DDP keeps its buckets (no allocation, no page
-        faults, no views to make: issue 27), else a new one, kept in its place where the cut is
-        kept (data parallel's). Its views became the gradients at that step's end (:meth:`_add`);
-        a gradient still held (kept, accumulated into, ``zero_grad(set_to_none=False)``'s zeros,
-        any view of it) holds the buffer, which is then left to its holder."""
+        """Bucket ``k``'s flat buffer for gradients like ``g`` and its members' places there:
+        ``(flat, {entry: view})``, made afresh each step. (Kept across steps as
+        DDP keeps its buckets, the gradients' bytes are no longer freed at ``zero_grad`` for the
+        forward to use: on the CPU's allocator (glibc) the forward and backward then page-faulted
+        more than the kept buffers saved, +2-3 ms of kernel time a step on issue 27's LM.)"""
         layout = self.layouts[k]
-        kept = layout[2]
-        if kept is not None:
-            layout[2] = None  # (not alive beside a new one)
-            flat = kept[0]
-            if (flat.dtype == g.dtype and flat.device == g.device
-                    and _use_count(kept[3]._cdata) == kept[4]):
-                layout[2] = kept
-                self.reused += 1
-                return kept
-            del flat, kept
-        sizes = layout[0]
-        flat = torch.empty(sum(sizes), dtype=g.dtype, device=g.device)
-        pieces = flat.split_with_sizes(sizes)
-        slots = {m: piece.view(m.leaf.shape) for m, piece in zip(self.buckets[k], pieces)}
-        del pieces  # (not a holder of the buffer that _buffer counts)
-        pack = (flat, slots, list(slots.items()))
-        cut = self.cut
-        if _use_count is not None and cut is not None and cut[4] is self.layouts:
-            storage = flat.untyped_storage()
-            layout[2] = (*pack, storage, _use_count(storage._cdata))  # (its holders: this pack alone)
-        return pack
+        flat = torch.empty(sum(layout[0]), dtype=g.dtype, device=g.device)
+        return flat, dict(zip(self.buckets[k], _pieces(flat, layout)))  # (one call, its members' views)
 
     def _cut_buckets(self) -> None:
         """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
@@ -367,7 +342,7 @@ class GradientBuckets:
             e.bucket = k
         self.buckets, self.launched = buckets, 0
         self.waiting = [len(b) for b in buckets]
-        self.layouts = [[[m.leaf.numel() for m in b], None, None, _distinct(b), [m.leaf for m in b]]
+        self.layouts = [[[m.leaf.numel() for m in b], None, _distinct(b), [m.leaf for m in b]]
                         if b[0].kind == "all_reduce" else None for b in buckets]
         # kept where every entry lasts across steps (data parallel's), which a later step reads
         # again; a step's own entries (gathered values) are not kept beyond it
@@ -397,7 +372,7 @@ class GradientBuckets:
                 # cut into the members' sizes. The cut's own list of members, asked per cut
                 # whether its reduced values can become the gradients (_adopted)
                 layout = self.layouts[k]
-                if not (layout[3] and _no_grads(bucket)):
+                if not (layout[2] and _no_grads(bucket)):
                     self._wait_held()  # before packing: two held buckets' buffers are never alive together
                 flat = pack[0]
                 if layout[1] is None or layout[1].dtype != flat.dtype:
@@ -470,7 +445,7 @@ class GradientBuckets:
                 if layout is None:
                     self._add(members, got)
                 else:
-                    self._add(members, _pieces(got[0], layout), layout[3])
+                    self._add(members, _pieces(got[0], layout), layout[2])
         finally:
             self._end_step()
 
@@ -524,7 +499,7 @@ class GradientBuckets:
         if layout is None:
             self._add(members, got)
         else:
-            self._add(members, _pieces(got[0], layout), layout[3])
+            self._add(members, _pieces(got[0], layout), layout[2])
 
     def _add(self, members: Sequence[Entry], grads: list[torch.Tensor], distinct: bool | None = None) -> None:
         """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat

@@ -1,9 +1,9 @@
-"""Data parallel's gradient buckets kept across steps (as DDP keeps its buckets; issue 27): a
-bucket's flat buffer and its members' places in it are used again at the next step where
-nothing but the runtime holds them any more; the gradients a step hands out are views of it
-(on gloo, which reduces in place), so whatever the user does with them (keeps them, a view of
-them, clips them in place, zeroes them, accumulates into them, runs backward twice, saves them,
-changes the model's dtype) must see the values of the per-use path, bitwise.
+"""Data parallel's gradients under ``mt.overlap()`` are views of their bucket's all-reduced flat
+buffer (on gloo, which reduces in place, the buffer the gradients were packed into; DDP's
+``gradient_as_bucket_view``): whatever the user does with them (keeps them, a view of them,
+saves them, clips them in place, zeroes them, accumulates into them, runs backward twice,
+changes the model's dtype) sees the values of the per-use path, bitwise, and a gradient held
+from an earlier step keeps its values (no buffer is used again under it).
 
 Reference: the same steps with ``mt.overlap(enabled=False)`` (the per-use path, whose equivalence
 with one processor other tests hold), and the values a held gradient had when it was taken.
@@ -18,13 +18,12 @@ import pytest
 import torch
 
 import meshtorch as mt
-from meshtorch.lowering import overlap as ov
 from meshtorch.lowering import overlap_buckets
 from meshtorch.models import DecoderLM, TransformerConfig
 
 BATCH, LENGTH, STEPS = 4, 6, 4
 # one xdist worker runs the module: its fixture launches gloo processes once
-pytestmark = pytest.mark.xdist_group("test_overlap_kept")
+pytestmark = pytest.mark.xdist_group("test_overlap_aliasing")
 CASES = ("plain", "keep", "view", "clip", "zeros", "accumulate", "twice", "double")
 
 
@@ -42,8 +41,7 @@ def batch(seed: int):
 def steps(on: bool, case: str) -> dict:
     """``STEPS`` SGD steps of data parallel, the user doing ``case`` with the gradients: every
     step's local gradients (copies taken right after its backward), the gradients held from
-    step 1 as they are at the end and as they were when taken, and the buffers used again."""
-    start = ov.runtime(mt.current().comm).reused
+    step 1 as they are at the end, as they were when taken and as saved then."""
     model = DecoderLM(config(), seed=0)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.1)
@@ -71,10 +69,8 @@ def steps(on: bool, case: str) -> dict:
         seen.append([p.grad.clone() for p in params])
         if case != "accumulate" or step % 2 == 1:
             opt.step()
-    reused = ov.runtime(mt.current().comm).reused - start
     loaded = torch.load(io.BytesIO(saved)) if saved is not None else []
-    return {"seen": seen, "held": [g.clone() for g in held], "taken": taken, "loaded": loaded,
-            "reused": reused}
+    return {"seen": seen, "held": [g.clone() for g in held], "taken": taken, "loaded": loaded}
 
 
 def _all(on: bool) -> dict:
@@ -83,14 +79,14 @@ def _all(on: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def gloo() -> dict:
-    """Every case on gloo (in place: the gradients are views of the kept buffers), per-use and
+    """Every case on gloo (in place: the gradients are views of the packed buffers), per-use and
     overlapped, processor 0's."""
     return {on: mt.launch(functools.partial(_all, on), mesh="b:2", rules="batch:b", backend="torch",
                           timeout=120)[0] for on in (False, True)}
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_kept_bucket_buffers_give_the_per_use_gradients_whatever_the_user_does(gloo, case):
+def test_gradients_viewing_the_bucket_are_the_per_use_ones_whatever_the_user_does(gloo, case):
     off, on = gloo[False][case], gloo[True][case]
     for step, (a, b) in enumerate(zip(on["seen"], off["seen"])):
         assert len(a) == len(b) > 0
@@ -99,22 +95,15 @@ def test_kept_bucket_buffers_give_the_per_use_gradients_whatever_the_user_does(g
     # a gradient held from step 1 keeps its values: its buffer is not used again under it
     for held, taken, loaded in zip(on["held"], on["taken"], on["loaded"], strict=True):
         assert torch.equal(held, taken) and torch.equal(loaded, taken), case
-    if case in ("plain", "clip", "twice"):  # nothing held past its step: every step after the first
-        assert on["reused"] == STEPS - 1, (case, on["reused"])  # (this model: one bucket)
-    if case == "zeros":
-        # zero_grad(set_to_none=False) keeps the gradients, views of step 0's buffer: step 1 makes
-        # a new one and adds from it into them; nothing holds that one, steps 2 and 3 use it again
-        assert on["reused"] == STEPS - 2
 
 
-def test_without_the_storages_use_count_every_step_makes_its_buffers(monkeypatch):
-    """A torch without ``torch._C._storage_Use_Count``: the buffers are never kept (nothing tells
-    whether a gradient handed out still holds one), the values the same."""
+def test_without_torchs_unflatten_the_gradients_are_the_same(monkeypatch):
+    """Without the private ``torch._C._nn.unflatten_dense_tensors`` a bucket's result is split
+    and viewed piece by piece: the same gradients, bitwise."""
     off = mt.launch(functools.partial(steps, False, "plain"), mesh="b:2", rules="batch:b")[0]
-    kept = mt.launch(functools.partial(steps, True, "plain"), mesh="b:2", rules="batch:b")[0]
-    monkeypatch.setattr(overlap_buckets, "_use_count", None)  # (threads: this process's module)
-    fresh = mt.launch(functools.partial(steps, True, "plain"), mesh="b:2", rules="batch:b")[0]
-    assert kept["reused"] == STEPS - 1 and fresh["reused"] == 0
-    for a, b, c in zip(off["seen"], kept["seen"], fresh["seen"]):
-        for x, y, z in zip(a, b, c):
-            assert torch.equal(x, y) and torch.equal(x, z)
+    on = mt.launch(functools.partial(steps, True, "plain"), mesh="b:2", rules="batch:b")[0]
+    monkeypatch.setattr(overlap_buckets, "_unflatten", None)  # (threads: this process's module)
+    bare = mt.launch(functools.partial(steps, True, "plain"), mesh="b:2", rules="batch:b")[0]
+    for a, b, c in zip(off["seen"], on["seen"], bare["seen"], strict=True):
+        for x, y, z in zip(a, b, c, strict=True):
+            assert torch.equal(x, y) and torch.equal(x, z) and x.shape == z.shape
