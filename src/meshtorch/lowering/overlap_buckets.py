@@ -28,6 +28,9 @@ MAX_SHARE = 4  # an all-reduce bucket holds at most 1 / MAX_SHARE of its kind's 
 # flight lives as long as the other processor takes to join it, which the planner cannot know)
 GATHER_SHARE = 3
 MAX_PENDING = 1  # gradient buckets holding bytes in flight (waited on before another one is launched)
+# a flat tensor cut into views of the shapes of a list of tensors, in one call (private: DDP's,
+# through torch._utils._unflatten_dense_tensors); without it, split and a view per piece
+_unflatten = getattr(getattr(torch._C, "_nn", None), "unflatten_dense_tensors", None)
 
 
 def bytes_per_key(keys: dict) -> dict:
@@ -49,6 +52,29 @@ def _adopted(members: Sequence[Entry]) -> bool:
             return False
         seen.add(id(p))
     return True
+
+
+def _distinct(members: Sequence[Entry]) -> bool:
+    """What :func:`_adopted` asks of a bucket besides ``p.grad`` (fixed with the cut: each
+    parameter once, of its leaf's dtype)."""
+    return len({id(e.param) for e in members}) == len(members) and all(
+        e.leaf.dtype == e.param.dtype for e in members)
+
+
+def _no_grads(members: Sequence[Entry]) -> bool:
+    """Whether no member's parameter has a gradient (the rest of :func:`_adopted`)."""
+    for e in members:  # (a loop: no Python call per member)
+        if e.param.grad is not None:
+            return False
+    return True
+
+
+def _pieces(flat: torch.Tensor, layout: list) -> Sequence[torch.Tensor]:
+    """A bucket's flat buffer (or result) cut into its members' places (views, of their leaves'
+    shapes). (torch's unflatten makes an empty member a new 1-d tensor, not of its shape.)"""
+    if _unflatten is not None and 0 not in layout[0]:
+        return _unflatten(flat, layout[3])
+    return [g.view(t.shape) for g, t in zip(flat.split_with_sizes(layout[0]), layout[3])]
 
 
 def _holds(members: Sequence[Entry]) -> bool:
@@ -185,8 +211,8 @@ class GradientBuckets:
 
     def __init__(self) -> None:
         # launched gradient buckets: their members, the call, and where it is the bucket's flat
-        # buffer whole, the members' sizes to cut its result into
-        self.pending: list[tuple[list[Entry], Handle, list[int] | None]] = []
+        # buffer whole, the bucket's layout (below: the members' sizes to cut its result into)
+        self.pending: list[tuple[list[Entry], Handle, list | None]] = []
         self.waiting: list[int] = []  # per bucket, its members whose gradient has not come yet
         self.bucket_bytes = 25 * 2**20
         # the last cut (entries in order, caps, buckets, each entry's bucket, each bucket's flat
@@ -194,7 +220,8 @@ class GradientBuckets:
         # in the same order cuts the same buckets
         self.cut: tuple | None = None
         # per bucket of gradients to all-reduce, [its members' sizes, its prepared call (made at
-        # its first launch of a whole buffer: a FlatAllReduce)], kept with the cut; else None
+        # its first launch of a whole buffer: a FlatAllReduce), whether it holds each parameter
+        # once, of its leaf's dtype (_distinct), its members' leaves], kept with the cut; else None
         self.layouts: list[list | None] = []
         self._new_backward()
 
@@ -204,7 +231,8 @@ class GradientBuckets:
         self.launched = 0
         self.finishing = False
         self.callback_missing = False  # no engine callback: finish once every gradient has come
-        self.arrived: set[Entry] = set()  # entries whose gradient came in this backward
+        # entries whose gradient came in this backward (kept without the engine's callback alone)
+        self.arrived: set[Entry] = set()
         # all_reduce bucket -> its flat buffer and its members' places there
         self.packs: dict[int, tuple[torch.Tensor, dict]] = {}
 
@@ -228,11 +256,10 @@ class GradientBuckets:
             k = e.bucket
             left = self.waiting[k] - 1
             self.waiting[k] = left
-            self.arrived.add(e)
             if not left and k == self.launched:
                 self._launch(flush=False)
-            if self.callback_missing and len(self.arrived) == len(self.order):
-                self.finish()
+            if self.callback_missing:
+                self._arrive(e)
             return
         if g is None:
             return
@@ -265,11 +292,16 @@ class GradientBuckets:
             if e.gathered:
                 e.free()  # its last use has run backward
         del g  # held by the entry (or the bucket it launches) alone: released once packed
-        self.arrived.add(e)
         k = self.launched
         if k < len(self.buckets) and not self.waiting[k]:  # (the next bucket complete: one call fewer else)
             self._launch(flush=False)
-        if self.callback_missing and len(self.arrived) == len(self.order):
+        if self.callback_missing:
+            self._arrive(e)
+
+    def _arrive(self, e: Entry) -> None:
+        """Without the engine's callback: ``e``'s gradient came; the last one finishes the step."""
+        self.arrived.add(e)
+        if len(self.arrived) == len(self.order):
             self.finish()
 
     def _reduce_alone(self, e: Entry, g: torch.Tensor) -> None:
@@ -284,20 +316,26 @@ class GradientBuckets:
         k = e.bucket
         pack = self.packs.get(k)
         if pack is None:
-            sizes = self.layouts[k][0]
-            flat = torch.empty(sum(sizes), dtype=g.dtype, device=g.device)
-            slots = {}
-            for m, piece in zip(self.buckets[k], flat.split_with_sizes(sizes)):
-                view = slots[m] = piece.view(m.leaf.shape)
+            pack = self.packs[k] = self._buffer(k, g)
+            for m, view in pack[1].items():
                 if m is not e and m.grad is None:
                     m.slot = view  # its first gradient goes straight there (ready's first branch)
-            pack = self.packs[k] = (flat, slots)
         slot = pack[1][e]
         if e.grad is None:
             slot.copy_(g)
         else:
             slot.add_(g)
         return slot
+
+    def _buffer(self, k: int, g: torch.Tensor) -> tuple:
+        """Bucket ``k``'s flat buffer for gradients like ``g`` and its members' places there:
+        ``(flat, {entry: view})``, made afresh each step. (Kept across steps as
+        DDP keeps its buckets, the gradients' bytes are no longer freed at ``zero_grad`` for the
+        forward to use: on the CPU's allocator (glibc) the forward and backward then page-faulted
+        more than the kept buffers saved, +2-3 ms of kernel time a step on issue 27's LM.)"""
+        layout = self.layouts[k]
+        flat = torch.empty(sum(layout[0]), dtype=g.dtype, device=g.device)
+        return flat, dict(zip(self.buckets[k], _pieces(flat, layout)))  # (one call, its members' views)
 
     def _cut_buckets(self) -> None:
         """Buckets in reverse order of forward reads, per (kind, axes, dtype), each up to its cap:
@@ -336,8 +374,8 @@ class GradientBuckets:
             e.bucket = k
         self.buckets, self.launched = buckets, 0
         self.waiting = [len(b) for b in buckets]
-        self.layouts = [[[m.leaf.numel() for m in b], None] if b[0].kind == "all_reduce" else None
-                        for b in buckets]
+        self.layouts = [[[m.leaf.numel() for m in b], None, _distinct(b), [m.leaf for m in b]]
+                        if b[0].kind == "all_reduce" else None for b in buckets]
         # kept where every entry lasts across steps (data parallel's), which a later step reads
         # again; a step's own entries (gathered values) are not kept beyond it
         self.cut = (list(self.order), caps, buckets, [e.bucket for e in self.order], self.layouts,
@@ -354,34 +392,39 @@ class GradientBuckets:
             if not flush and self.waiting[k]:
                 return
             bucket = self.buckets[k]
+            pack = self.packs.pop(k, None)  # its views, in the entries, hold the buffer
+            if pack is not None and not self.waiting[k]:
+                # every member packed (its gradient came, its slot taken): the flat buffer, whole,
+                # is the call's, prepared once per cut (the same bucket every step); its result is
+                # cut into the members' sizes. The cut's own list of members, asked per cut
+                # whether its reduced values can become the gradients (_adopted)
+                layout = self.layouts[k]
+                if not (layout[2] and _no_grads(bucket)):
+                    self._wait_held()  # before packing: two held buckets' buffers are never alive together
+                flat = pack[0]
+                if layout[1] is None or layout[1].dtype != flat.dtype:
+                    layout[1] = self.comm.prepare_all_reduce(bucket[0].axes, flat.numel(), flat.dtype)
+                del pack
+                for e in bucket:
+                    e.grad = None
+                self.pending.append((bucket, layout[1].start(flat), layout))
+                del flat
+                self.launched += 1
+                continue
             members = []
             for e in bucket:
                 e.slot = None  # a gradient that has not come goes into no launched bucket
                 if e.grad is not None:
                     members.append(e)
-            pack = self.packs.pop(k, None)  # its views, in the entries, hold the buffer
             if members:
                 first = members[0]
                 if first.kind != "all_reduce" or not _adopted(members):  # (_holds, one call fewer)
                     self._wait_held()  # before packing: two held buckets' buffers are never alive together
-                if pack is not None and len(members) == len(bucket):
-                    # every member packed: the flat buffer, whole, is the call's, prepared once per
-                    # cut (the same bucket every step); its result is cut into the members' sizes
-                    layout = self.layouts[k]
-                    flat = pack[0]
-                    if layout[1] is None or layout[1].dtype != flat.dtype:
-                        layout[1] = self.comm.prepare_all_reduce(first.axes, flat.numel(), flat.dtype)
-                    del pack
-                    for e in members:
-                        e.grad = None
-                    self.pending.append((members, layout[1].start(flat), layout[0]))
-                    del flat
-                else:
-                    grads = [e.grad for e in members]
-                    del pack
-                    for e in members:
-                        e.grad = None
-                    self.pending.append((members, self._start(first.kind, first.axes, members, grads), None))
+                grads = [e.grad for e in members]
+                del pack
+                for e in members:
+                    e.grad = None
+                self.pending.append((members, self._start(first.kind, first.axes, members, grads), None))
             self.launched += 1
 
     def _wait_held(self) -> None:
@@ -424,9 +467,12 @@ class GradientBuckets:
         try:
             self._launch(flush=True)
             inflight, self.pending = self.pending, []
-            for members, work, sizes in inflight:  # (_done's, one call fewer a bucket)
+            for members, work, layout in inflight:  # (_done's, one call fewer a bucket)
                 got = work.wait()
-                self._add(members, got if sizes is None else got[0].split_with_sizes(sizes))
+                if layout is None:
+                    self._add(members, got)
+                else:
+                    self._add(members, _pieces(got[0], layout), layout[2])
         finally:
             self._end_step()
 
@@ -473,25 +519,37 @@ class GradientBuckets:
         finally:
             self._end_step()
 
-    def _done(self, members: list[Entry], work: Handle, sizes: list[int] | None) -> None:
-        """Wait for a launched bucket and add its results (``sizes``: the members' sizes, where
-        the call reduced the bucket's flat buffer whole)."""
+    def _done(self, members: list[Entry], work: Handle, layout: list | None) -> None:
+        """Wait for a launched bucket and add its results (``layout``: the bucket's, where the
+        call reduced its flat buffer whole)."""
         got = work.wait()
-        self._add(members, got if sizes is None else got[0].split_with_sizes(sizes))
+        if layout is None:
+            self._add(members, got)
+        else:
+            self._add(members, _pieces(got[0], layout), layout[2])
 
-    def _add(self, members: Sequence[Entry], grads: list[torch.Tensor]) -> None:
+    def _add(self, members: Sequence[Entry], grads: list[torch.Tensor], distinct: bool | None = None) -> None:
         """Add a bucket's reduced gradients into ``p.grad``. They are views of the call's one flat
         result (:mod:`meshtorch.comm.grouped`): where every member's ``p.grad`` is ``None`` (the
         step's first backward) the views become the gradients, and the flat result is exactly
         their bytes (DDP's ``gradient_as_bucket_view``, FSDP2's reduce output; no copy); otherwise
         (accumulation, a parameter twice in the bucket) those added into drop their views and
-        the others take copies, so that no flat result lives on for part of its bytes."""
-        if members[0].kind == "all_reduce" and _adopted(members):
+        the others take copies, so that no flat result lives on for part of its bytes.
+        ``distinct``: the bucket's :func:`_distinct`, where the cut knows it (``grads`` are then of
+        the parameters' shapes, :func:`_pieces`)."""
+        if distinct is not None:
+            if distinct and _no_grads(members):
+                for e, g in zip(members, grads):
+                    e.param.grad = g
+                return
+        elif members[0].kind == "all_reduce" and _adopted(members):
             for e, g in zip(members, grads):  # (flat pieces, or of the leaves' shapes: the parameters')
                 p = e.param
                 p.grad = g.view(p.shape)
             return
-        params, adopt = [e.param for e in members], _adopted(members)
+        params = [e.param for e in members]
+        if distinct is None:
+            adopt = _adopted(members)
         with torch.no_grad():
             for p, g in zip(params, grads):
                 g = g.view(p.shape)
