@@ -52,7 +52,10 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_run_ends_bitwise_as_an_uni
                          "--backend", "torch", "--device", "cpu", "--max-restarts", "1"],
                         env={ENV_TEST_KILL: "1:3"}, timeout=220)
     assert code == 0, err[-4000:]
-    assert "failed (exitcode: -9) local_rank: 1" in err  # the kill happened, seen by torchrun's agent
+    # the kill happened: seen by torchrun's agent, or (under load the agent may report processor 0's
+    # SIGTERM from its own teardown first) by processor 0, which names processor 1
+    assert ("failed (exitcode: -9) local_rank: 1" in err
+            or "processor 0 stopped: processor 1 exited or crashed" in err), err[-4000:]
     # processor 0, where it saw processor 1 leave, says so in one line, not ~80 of `[rank0]:` traceback
     assert "Traceback" not in err and "[rank0]" not in err, err[-4000:]
     said = [line for line in err.splitlines() if line.startswith("meshtorch train: processor 0")]
