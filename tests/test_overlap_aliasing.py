@@ -2,7 +2,7 @@
 buffer (on gloo, which reduces in place, the buffer the gradients were packed into; DDP's
 ``gradient_as_bucket_view``): whatever the user does with them (keeps them, a view of them,
 saves them, clips them in place, zeroes them, accumulates into them, runs backward twice,
-changes the model's dtype) sees the values of the per-use path, bitwise, and a gradient held
+changes the model's dtype, sets some gradients) sees the values of the per-use path, bitwise, and a gradient held
 from an earlier step keeps its values (no buffer is used again under it).
 
 Reference: the same steps with ``mt.overlap(enabled=False)`` (the per-use path, whose equivalence
@@ -24,7 +24,7 @@ from meshtorch.models import DecoderLM, TransformerConfig
 BATCH, LENGTH, STEPS = 4, 6, 4
 # one xdist worker runs the module: its fixture launches gloo processes once
 pytestmark = pytest.mark.xdist_group("test_overlap_aliasing")
-CASES = ("plain", "keep", "view", "clip", "zeros", "accumulate", "twice", "double")
+CASES = ("plain", "keep", "view", "clip", "zeros", "accumulate", "twice", "double", "some")
 
 
 def config() -> TransformerConfig:
@@ -51,6 +51,8 @@ def steps(on: bool, case: str) -> dict:
             opt.zero_grad(set_to_none=False)
         elif case != "accumulate" or step % 2 == 0:  # accumulate: two backwards a step
             opt.zero_grad(set_to_none=True)
+        if case == "some":  # one parameter's gradient set (zeros), its bucket's others None
+            params[len(params) // 2].grad = torch.zeros_like(params[len(params) // 2])
         if case == "double" and step == 2:
             model.double()  # `p.data = ...`: new storages, new leaves, a new cut
         with mt.overlap(enabled=on):

@@ -548,8 +548,9 @@ class GradientBuckets:
                 p.grad = g.view(p.shape)
             return
         params = [e.param for e in members]
-        if distinct is None:
-            adopt = _adopted(members)
+        # the views become gradients only where _adopted holds: with ``distinct`` known, that case
+        # returned above (a parameter twice, or one with a gradient to add into: copies)
+        adopt = _adopted(members) if distinct is None else False
         with torch.no_grad():
             for p, g in zip(params, grads):
                 g = g.view(p.shape)
