@@ -130,7 +130,7 @@ class Reset:
     def __init__(self, at: str):
         self.at = at
 
-    def __call__(self, tensors, opts):
+    def __call__(self, pg, tensors, opts):
         if self.at == "start":
             raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53478: Connection reset by peer")
         return self
@@ -156,7 +156,7 @@ def the_process_groups_own_call_and_its_fallbacks() -> dict:
         return [bucket.start(mine(comm.rank)).wait()[0] for _ in range(2)]
 
     def other_signature(pg):
-        def allreduce(tensors, opts):
+        def allreduce(pg, tensors, opts):
             raise TypeError("allreduce(): incompatible function arguments")
         return allreduce
 
@@ -197,3 +197,33 @@ def test_the_torch_backend_runs_the_process_groups_allreduce_and_falls_back_to_d
             msg = got[at]
             assert msg is not None and "all_reduce over axes ('b',) called at" in msg, msg
             assert "exited or crashed" in msg and "Connection reset by peer" in msg, msg
+
+
+def a_prepared_all_reduce_after_leaving() -> tuple:
+    """A prepared all_reduce holds no process group: once the world is left (leave_groups), the
+    groups are gone (a gloo group living on into the interpreter's exit aborted the process), and
+    a start raises CommError."""
+    import gc
+    import weakref
+
+    from meshtorch.launcher.world import shutdown
+
+    comm = mt.current().comm
+    bucket = comm.prepare_all_reduce("b", 5, torch.float32)
+    first = bucket.start(mine(comm.rank)).wait()[0]
+    group = weakref.ref(comm._process_group("b"))
+    shutdown()
+    gc.collect()
+    try:
+        bucket.start(mine(comm.rank))
+        after = None
+    except CommError as e:
+        after = str(e)
+    return first, group() is None, after
+
+
+def test_a_prepared_all_reduce_lets_its_group_die_with_the_world():
+    for first, gone, after in mt.launch(a_prepared_all_reduce_after_leaving, mesh="b:2", backend="torch",
+                                        timeout=60):
+        assert torch.equal(first, summed((0, 1)))
+        assert gone and after is not None and "after this process left" in after, after

@@ -2,8 +2,8 @@
 buffer (on gloo, which reduces in place, the buffer the gradients were packed into; DDP's
 ``gradient_as_bucket_view``): whatever the user does with them (keeps them, a view of them,
 saves them, clips them in place, zeroes them, accumulates into them, runs backward twice,
-changes the model's dtype, sets some gradients) sees the values of the per-use path, bitwise, and a gradient held
-from an earlier step keeps its values (no buffer is used again under it).
+changes the model's dtype, sets some gradients) sees the values of the per-use path, bitwise, and
+a gradient held from an earlier step keeps its values (no buffer is used again under it).
 
 Reference: the same steps with ``mt.overlap(enabled=False)`` (the per-use path, whose equivalence
 with one processor other tests hold), and the values a held gradient had when it was taken.

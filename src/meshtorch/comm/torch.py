@@ -488,19 +488,23 @@ class TorchCommunicator(Communicator):
     # the process group has no such method or it takes other arguments (a TypeError, then
     # remembered), and for what dist.all_reduce handles itself: a complex dtype (reduced as real
     # pairs), a tensor subclass.
+    # What is prepared holds the group's key and the method of its class, not the group: the
+    # groups die with leave_groups (a gloo group living on into the interpreter's exit aborts the
+    # process), and a start after that raises CommError as any collective does.
     def _prepare_all_reduce(self, axes, group, op):
         pg = self._process_group(axes)
         method = None if "ProcessGroup.allreduce" in self._missing else process_group_allreduce(pg)
-        return [pg, method, None if method is None else _allreduce_options(_REDUCE[op])]
+        return [self._key(axes), method, None if method is None else _allreduce_options(_REDUCE[op])]
 
     def _start_flat_all_reduce(self, flat, axes, group, op, call, prepared):
         if flat.device != self.device:  # (moved to where the collective runs and back)
             return super()._start_flat_all_reduce(flat, axes, group, op, call, prepared)
-        pg, method, opts = prepared
+        key, method, opts = prepared
+        pg = self._groups.get(key) or self._process_group(axes)
         try:
             if method is not None and type(flat) is torch.Tensor and not flat.is_complex():
                 try:
-                    held = [method([flat], opts)]
+                    held = [method(pg, [flat], opts)]
                 except TypeError:  # another signature: dist.all_reduce from now on
                     prepared[1] = None
                     self._missing.add("ProcessGroup.allreduce")
@@ -647,15 +651,16 @@ def single_collective(kind: str) -> Callable | None:
 
 
 def process_group_allreduce(pg) -> Callable | None:
-    """``pg``'s own ``allreduce`` method (``ProcessGroup.allreduce(tensors, opts)``, C++), or
-    ``None`` where the installed ``torch.distributed`` has it not, or no ``AllreduceOptions``:
-    then ``dist.all_reduce`` runs the call.
+    """The ``allreduce`` method of ``pg``'s class (``ProcessGroup.allreduce(pg, tensors, opts)``,
+    C++; unbound, so that holding it does not hold the group), or ``None`` where the installed
+    ``torch.distributed`` has it not, or no ``AllreduceOptions``: then ``dist.all_reduce`` runs
+    the call.
 
     Example:
         >>> process_group_allreduce(object()) is None  # no process group
         True
     """
-    method = getattr(pg, "allreduce", None)
+    method = getattr(type(pg), "allreduce", None)
     return method if callable(method) and hasattr(dist, "AllreduceOptions") else None
 
 
