@@ -45,13 +45,7 @@ def _adopted(members: Sequence[Entry]) -> bool:
     """Whether :meth:`GradientBuckets._add` makes a bucket's reduced values its members' gradients
     as they are (views of the call's result, no copy): each parameter once, of its own dtype,
     none with a gradient to add into."""
-    seen = set()
-    for e in members:  # (a loop, not all() of a generator: no Python call per member)
-        p = e.param
-        if p.grad is not None or e.leaf.dtype != p.dtype or id(p) in seen:
-            return False
-        seen.add(id(p))
-    return True
+    return _no_grads(members) and _distinct(members)
 
 
 def _distinct(members: Sequence[Entry]) -> bool:
@@ -418,7 +412,7 @@ class GradientBuckets:
                     members.append(e)
             if members:
                 first = members[0]
-                if first.kind != "all_reduce" or not _adopted(members):  # (_holds, one call fewer)
+                if _holds(members):
                     self._wait_held()  # before packing: two held buckets' buffers are never alive together
                 grads = [e.grad for e in members]
                 del pack
@@ -467,12 +461,8 @@ class GradientBuckets:
         try:
             self._launch(flush=True)
             inflight, self.pending = self.pending, []
-            for members, work, layout in inflight:  # (_done's, one call fewer a bucket)
-                got = work.wait()
-                if layout is None:
-                    self._add(members, got)
-                else:
-                    self._add(members, _pieces(got[0], layout), layout[2])
+            for members, work, layout in inflight:
+                self._done(members, work, layout)
         finally:
             self._end_step()
 
@@ -537,20 +527,17 @@ class GradientBuckets:
         the others take copies, so that no flat result lives on for part of its bytes.
         ``distinct``: the bucket's :func:`_distinct`, where the cut knows it (``grads`` are then of
         the parameters' shapes, :func:`_pieces`)."""
-        if distinct is not None:
-            if distinct and _no_grads(members):
-                for e, g in zip(members, grads):
-                    e.param.grad = g
-                return
-        elif members[0].kind == "all_reduce" and _adopted(members):
+        adopt = _adopted(members) if distinct is None else distinct and _no_grads(members)
+        if adopt and distinct is not None:
+            for e, g in zip(members, grads):
+                e.param.grad = g
+            return
+        if adopt and members[0].kind == "all_reduce":
             for e, g in zip(members, grads):  # (flat pieces, or of the leaves' shapes: the parameters')
                 p = e.param
                 p.grad = g.view(p.shape)
             return
         params = [e.param for e in members]
-        # the views become gradients only where _adopted holds: with ``distinct`` known, that case
-        # returned above (a parameter twice, or one with a gradient to add into: copies)
-        adopt = _adopted(members) if distinct is None else False
         with torch.no_grad():
             for p, g in zip(params, grads):
                 g = g.view(p.shape)
