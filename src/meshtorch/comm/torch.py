@@ -283,6 +283,16 @@ class TorchCommunicator(Communicator):
                 raise
             raise self._failed(kind, axes, group, e) from e
 
+    def _wait_work(self, kind: str, axes, group, work) -> None:
+        """Wait for ``work``, a started collective ``kind``: a failure is its :meth:`_failed`
+        CommError (:meth:`_run`), and a tracer does not see the transport's own work at
+        completion (gloo's copy-out), which is no program's."""
+        if self.tracing:  # (unseen() is three Python calls: entered only while something traces)
+            with self.unseen():
+                self._run(kind, axes, group, work.wait)
+        else:
+            self._run(kind, axes, group, work.wait)
+
     def _failed(self, kind: str, axes, group, e: RuntimeError) -> CommError:
         """The ``CommError`` of collective ``kind`` that ``torch.distributed`` failed with ``e``:
         the collective, its axes and the user's call site named, and why (a timeout: which
@@ -436,11 +446,7 @@ class TorchCommunicator(Communicator):
 
         def wait() -> list:
             work = held.pop()
-            if self.tracing:
-                with self.unseen():  # the transport's own work at completion (gloo's copy-out), no program's
-                    self._run(kind, axes, group, work.wait)
-            else:
-                self._run(kind, axes, group, work.wait)
+            self._wait_work(kind, axes, group, work)
             # the work holds the call's input (a packed buffer): let go of it before unpacking, so
             # that a grouped gather's input is not alive beside its result and the result's copies
             del work
@@ -515,15 +521,7 @@ class TorchCommunicator(Communicator):
             raise self._failed("all_reduce", axes, group, e) from e
 
         def wait() -> list:
-            work = held.pop()
-            try:
-                if self.tracing:
-                    with self.unseen():
-                        work.wait()
-                else:
-                    work.wait()
-            except RuntimeError as e:
-                raise self._failed("all_reduce", axes, group, e) from e
+            self._wait_work("all_reduce", axes, group, held.pop())
             return [flat]
 
         return Handle(wait, lambda: not held or held[0].is_completed())
