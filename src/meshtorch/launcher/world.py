@@ -50,9 +50,10 @@ def threads_per_processor(processors: int) -> int:
 def threads_for(processors: int) -> int:
     """The intra-op threads each of ``processors`` processors on this machine runs: the user's
     ``OMP_NUM_THREADS`` where it is a number of threads (:func:`threads_chosen`), else its share of
-    the cores (:func:`threads_per_processor`). The one rule of every launcher: the threads and
-    processes launchers set it, and torchrun's workers get it as ``OMP_NUM_THREADS``
-    (:func:`meshtorch.launcher.elastic.thread_environment`).
+    the cores (:func:`threads_per_processor`): a process's threads, where each processor is a
+    process. The processes launcher sets it, and torchrun's workers get it as ``OMP_NUM_THREADS``
+    (:func:`meshtorch.launcher.elastic.thread_environment`); processors sharing one process (the
+    threads backend) split it (:func:`threads_sharing_process`).
 
     Example:
         >>> import os

@@ -157,7 +157,7 @@ class Embedding(Module):
             >>> bool(mt.reduce_all(mt.equal(y, x + emb.rows(mt.Dim("length", 3), offset=2))).item())
             True
         """
-        return add_rows(x, self.table.mesh_tensor, self.vocab.name, out, offset)
+        return add_rows(x, self.mesh_view("table", is_dynamo_compiling()), self.vocab.name, out, offset)
 
     def attend(self, x: MeshTensor) -> MeshTensor:
         """Logits ``x · tableᵀ`` over ``vocab`` (``d_model`` contracted)."""
