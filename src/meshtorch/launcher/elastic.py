@@ -253,8 +253,8 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 def thread_environment(nproc: int) -> dict[str, str]:
     """``OMP_NUM_THREADS`` for ``nproc`` workers on this node where the user did not choose a number
-    of threads with it: each worker's :func:`meshtorch.launcher.world.threads_for`, as the threads
-    and processes launchers give theirs. torchrun would set 1 itself where it is unset and print a
+    of threads with it: each worker's :func:`meshtorch.launcher.world.threads_for`, as the
+    processes launcher gives its processes theirs. torchrun would set 1 itself where it is unset and print a
     warning of six lines about it, and would pass a value that is no number of threads (``"0"``,
     ``"abc"``, ``""``) on to the workers; a value the user chose is left as it is (``4,2`` too), and
     one worker where it is unset keeps torch's default.
