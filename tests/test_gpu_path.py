@@ -350,11 +350,18 @@ def _decode():
 @pytest.mark.parametrize("device", ONE_GPU)
 def test_decoding_on_the_device_equals_the_cpu(device):
     """Greedy, sampled and beam-search decoding run on the device (sampling draws its noise
-    from mt.random, not a device generator) and pick the CPU's tokens, on any mesh."""
+    from mt.random, not a device generator) and pick the CPU's tokens."""
     want = mt.launch(_decode)[0]
     assert mt.launch(_decode, mesh="b:1", device=device) == [want]
-    assert mt.launch(_decode, mesh="b:2", rules="batch:b; vocab:b", device=device) == [want] * 2
     assert want[1] != want[0]  # the sampled tokens are not the greedy ones at this seed
+
+
+@pytest.mark.parametrize("device", TWO_GPUS)
+def test_split_decoding_on_the_devices_equals_the_cpu(device):
+    """The same decoding with the batch and the vocabulary split over two processors (two GPUs:
+    the threads backend puts one processor on each) picks the one-processor CPU tokens."""
+    want = mt.launch(_decode)[0]
+    assert mt.launch(_decode, mesh="b:2", rules="batch:b; vocab:b", device=device) == [want] * 2
 
 
 @pytest.mark.parametrize("device", ONE_GPU)

@@ -207,11 +207,14 @@ def test_current_without_its_frame_is_current_on_every_thread():
     from meshtorch import context as C
     from meshtorch.comm.base import LocalCommunicator
 
+    def now():
+        return C.here.ctx or C.current()
+
     a, b, c = (C.ProcessorContext(LocalCommunicator()) for _ in range(3))
-    before = C._Local.ctx
+    before = C._process
     try:
         C.set_process_context(a)
-        assert C.here.ctx is C.current() is a
+        assert now() is C.current() is a
         with C.use(b):
             assert C.here.ctx is C.current() is b
             with C.use(c):
@@ -219,14 +222,30 @@ def test_current_without_its_frame_is_current_on_every_thread():
             assert C.here.ctx is C.current() is b
             C.set_process_context(c)
             seen = []
-            thread = threading.Thread(target=lambda: seen.append((C.here.ctx, C.current())))
+            thread = threading.Thread(target=lambda: seen.append((now(), C.current())))
             thread.start()
             thread.join()
             assert seen == [(c, c)]
-        assert C.here.ctx is C.current() is c
+        assert now() is C.current() is c
     finally:
-        C._Local.ctx = before
+        C._process = before
     assert C.current() is (before or C.current())
+
+
+def test_a_thread_local_context_is_read_inside_a_compiled_program():
+    """The processor's context is a thread's own inside ``use()``: a compiled program reads it there
+    (torch 2.11's Dynamo read a thread-local's class attribute instead, so a compiled step on a
+    thread-processor ran on the one-processor default and failed naming a missing mesh axis)."""
+    import meshtorch as mt
+
+    def prog():  # (one processor: Dynamo is not thread-safe, two threads must not compile at once)
+        x = mt.from_global(torch.arange(8.0).reshape(2, 4), "batch:2,d:4")
+        f = torch.compile(lambda x: (mt.reduce_sum(x * 2, "d").local, mt.current().mesh.axis_names),
+                          fullgraph=True, backend="eager")
+        return f(x)
+
+    [(local, axes)] = mt.launch(prog, mesh="b:1", rules="batch:b")
+    assert local.tolist() == [12.0, 44.0] and axes == ("b",)
 
 
 def test_a_use_block_left_on_another_thread_leaves_that_threads_default():

@@ -97,18 +97,21 @@ class ProcessorContext:
 
 
 class _Local(threading.local):
-    #: a thread that never entered use() (or left it) reads this class attribute: the process's
-    #: default context (the torch backend's processor, else the one-processor context, made at
-    #: the first current()), ``None`` before there is one
-    ctx: ProcessorContext | None = None
+    def __init__(self) -> None:
+        # made per thread, on its first read; no class attribute of the same name: Dynamo (torch
+        # 2.11) reads a thread-local's attribute that its class also defines from the class,
+        # which lost the processor's context inside a compiled step
+        self.ctx: ProcessorContext | None = None  # this thread's use() block's context
 
 
 _local = _Local()
-#: this thread's context (``here.ctx``; ``None`` only before the process has any): ``here.ctx or
-#: current()`` is :func:`current` without its Python frame, for the lowering's per-op path (issue
-#: 27: each frame between a model's large kernels runs cold)
+#: this thread's context inside ``use()``, else ``None``: ``here.ctx or current()`` is
+#: :func:`current` without its Python frame, for the lowering's per-op path (issue 27: each frame
+#: between a model's large kernels runs cold)
 here = _local
-_UNSET = object()
+#: the process's default context (the torch backend's processor, else the one-processor context,
+#: made at the first current()): what a thread outside any ``use()`` block computes in
+_process: ProcessorContext | None = None
 
 
 def current() -> ProcessorContext:
@@ -116,25 +119,22 @@ def current() -> ProcessorContext:
     ctx = _local.ctx
     if ctx is not None:
         return ctx
-    if _Local.ctx is None:
-        _Local.ctx = ProcessorContext(LocalCommunicator())
-    return _Local.ctx
+    if _process is None:
+        set_process_context(ProcessorContext(LocalCommunicator()))
+    return _process
 
 
 @contextmanager
 def use(ctx: ProcessorContext) -> Iterator[ProcessorContext]:
     """Make ``ctx`` current on this thread for the duration of the block."""
-    prev = _local.__dict__.get("ctx", _UNSET)  # this thread's own, not the process default
+    prev = _local.ctx  # this thread's own (None: the process default), not the default itself
     _local.ctx = ctx
     try:
         yield ctx
     finally:
-        if prev is _UNSET:
-            # the process default again, whatever it is by then (pop: a generator holding this
-            # block may be finished on another thread, which has no context of its own to drop)
-            _local.__dict__.pop("ctx", None)
-        else:
-            _local.ctx = prev
+        # (a generator holding this block may be finished on another thread: that thread's own
+        # context becomes the one from before the block, None there as a rule: its default)
+        _local.ctx = prev
 
 
 # The contexts that have a tracer now, by id. Empty unless something traces, so the hot path
@@ -247,7 +247,8 @@ def _default_device() -> torch.device:
 
 def set_process_context(ctx: ProcessorContext) -> None:
     """Make ``ctx`` the default of every thread of this process (torch backend)."""
-    _Local.ctx = ctx
+    global _process
+    _process = ctx
 
 
 def comm_stats() -> CommStats:
