@@ -71,6 +71,14 @@ def test_plan_calibrate_on_a_gpu_writes_the_file_that_plans_and_trains_use(tmp_p
     assert main(["plan", "--calibrate", "--device", "cuda", "--calibrate-out", str(out)]) == 0
     err = capsys.readouterr().err
     assert f"plan with --hardware {out}" in err and out.exists()
+    # the matmul rate printed is the fit's at a shape, not its asymptote (which a large knee puts
+    # above any rate the device reaches)
+    from meshtorch.plan.devices import device
+    from meshtorch.plan.kernels import matmul_efficiency
+
+    spec = device(str(out))
+    at = spec.peak_flops["bfloat16"] * matmul_efficiency(8192, 8192, 8192, spec.matmul_knee) / 1e12
+    assert f"bf16 matmuls fitted at {at:.0f} TFLOP/s at 8192³" in err
     assert not (tmp_path / "cpu.json").exists()   # the host's calibration is not touched
     flags = ["plan", "--layers", "1", "--d-model", "32", "--d-kv", "8", "--d-ff", "64", "--heads", "4",
              "--batch", "4", "--length", "16", "--vocab", "64", "--mesh", "b:1", "--rules", "batch:b",

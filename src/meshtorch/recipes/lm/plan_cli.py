@@ -37,6 +37,7 @@ from meshtorch.plan.devices import calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
 from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind, not_known
+from meshtorch.plan.kernels import matmul_efficiency
 from meshtorch.plan.layered import layered_trace, whole_trace
 from meshtorch.plan.pipeline import PipelineEstimate, estimate_pipeline
 from meshtorch.plan.search import search
@@ -337,8 +338,15 @@ def run(args: argparse.Namespace) -> int:
         spec = measure_gpu("cuda")
         path = args.calibrate_out or gpu_calibration_path(spec.name)
         save_spec(spec, path)
+        # the fit's rate at two shapes, not its asymptote alone: x / (x + knee) per dimension
+        # leaves a large knee's asymptote above any rate the GPU reaches (an H100's fit: 1179
+        # TFLOP/s at knee 512, 983 at 8192³; its data sheet says 989 dense)
+        bf16 = spec.peak_flops["bfloat16"]
         print(f"meshtorch plan: stored {spec.name}'s kernel numbers in {path}: bf16 matmuls "
-              f"{spec.peak_flops['bfloat16'] / 1e12:.0f} TFLOP/s (knee {spec.matmul_knee:g}), fused "
+              f"fitted at {bf16 * matmul_efficiency(8192, 8192, 8192, spec.matmul_knee) / 1e12:.0f} "
+              f"TFLOP/s at 8192³ and {bf16 * matmul_efficiency(8192, 768, 768, spec.matmul_knee) / 1e12:.0f} "
+              f"at [8192, 768] x [768, 768] ({bf16 / 1e12:.0f} x x/(x + {spec.matmul_knee:g}) per "
+              f"dimension), fused "
               f"attention {spec.attention_efficiency:.2f} of it, copies "
               f"{spec.copy_bandwidth / 1e12:.2f} TB/s, {spec.launch_seconds * 1e6:.1f} µs a kernel, "
               f"{spec.op_seconds * 1e6:.1f} µs of host an op, {spec.sync_seconds * 1e6:.1f} µs a sync, "
