@@ -103,14 +103,16 @@ def _loop(step: Callable[[int, Phases], float], n: int, warmup: int) -> Phases:
 
 
 def _meshtorch(cfg, vocab: int, data: list, n: int, warmup: int) -> Phases:
-    """PlainStep.run's body (strategies.py), one phase at a time."""
+    """PlainStep.run's body (strategies.py), one phase at a time, on a PlainStep's model, optimizer
+    and parameter list."""
     from meshtorch import optim
     from meshtorch.recipes.lm.optimizer import make_optimizer, optimizer_step
     from meshtorch.recipes.lm.steps import build_model
-    from meshtorch.recipes.lm.strategies import overlapped, precision_context
+    from meshtorch.recipes.lm.strategies import PlainStep, overlapped, precision_context
 
     model = build_model(cfg, vocab)
-    opt = make_optimizer(cfg, model)
+    plain = PlainStep(cfg, model, make_optimizer(cfg, model))
+    opt = plain.opt
     shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
     meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
 
@@ -121,7 +123,7 @@ def _meshtorch(cfg, vocab: int, data: list, n: int, warmup: int) -> Phases:
             with precision_context(cfg):
                 loss = ph.run("forward", lambda: model.loss(ids, tgt))
             ph.run("backward", loss.backward)
-        ph.run("clip", lambda: optim.clip_grad_norm_(model, cfg.optimizer.clip))
+        ph.run("clip", lambda: optim.clip_grad_norm_(plain.params, cfg.optimizer.clip))
         ph.run("step", lambda: optimizer_step(opt))
         return loss.item()
 
