@@ -554,6 +554,8 @@ def lower(
         result = local_fn(plan.view, inputs[0].local)
     elif n == 2:
         result = local_fn(plan.view, inputs[0].local, inputs[1].local)
+    elif n == 3:  # (layer norms with their weight and bias, attention: no comprehension's frame)
+        result = local_fn(plan.view, inputs[0].local, inputs[1].local, inputs[2].local)
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])
     if result.shape != plan.want:
