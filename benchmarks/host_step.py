@@ -44,7 +44,7 @@ import meshtorch as mt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step as G  # noqa: E402 - the GPU benchmark's variants, which this one mirrors
-from limits import attach, count, figure, section  # noqa: E402
+from limits import Work, attach, count, figure, section  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEM = "host_step"
@@ -171,9 +171,11 @@ def fused_adamw():
         T.device_type = before
 
 
-def measure(size_name: str, precision: str, steps: int, warmup: int) -> dict[str, Any]:
-    """Both variants' per-phase counts and CPU times, and their figures against this machine's limits."""
-    size = SIZES[size_name]
+def measure(size_name: str, precision: str, steps: int, warmup: int, size: dict[str, int] | None = None
+            ) -> dict[str, Any]:
+    """Both variants' per-phase counts and CPU times, and their figures against this machine's limits
+    (``size``: the model's sizes, in place of :data:`SIZES`' entry ``size_name``)."""
+    size = size or SIZES[size_name]
     torch.set_num_threads(1)
     cfg = G.train_config(size, precision, False, "cpu", 3e-4)
     data = G.batches(size["vocab"], size["batch"], size["length"], 8)
@@ -190,10 +192,16 @@ def measure(size_name: str, precision: str, steps: int, warmup: int) -> dict[str
     out["total"] = {k: {m: round(sum(out["phases"][p][k][m] for p in PHASES), 4)
                         for m in ("frames", "c_calls", "cpu_ms")} for k in runs}
     out["ratio_cpu"] = round(out["total"]["meshtorch"]["cpu_ms"] / out["total"]["plain"]["cpu_ms"], 3)
-    # a step's CPU time is the sum of its phases' minima: what the host spends at best
-    figures = [figure(f"{k} step host time ({size_name}, {precision})", out["total"][k]["cpu_ms"] / 1e3,
-                      r.work) for k, r in runs.items()]
-    return attach(out, figures, "CPU time of one thread per step (sum of the phases' minima); the "
+    out["work"] = {k: {"flops": r.work.flops, "bytes": r.work.bytes} for k, r in runs.items()}
+    return out
+
+
+def against_limits(r: dict[str, Any], size_name: str) -> dict[str, Any]:
+    """``r`` with each variant's step against this machine's limits (``limits.py``): a step's CPU
+    time is the sum of its phases' minima, what the host spends at best."""
+    figures = [figure(f"{k} step host time ({size_name}, {r['precision']})", r["total"][k]["cpu_ms"] / 1e3,
+                      Work(**r["work"][k])) for k in r["total"]]
+    return attach(r, figures, "CPU time of one thread per step (sum of the phases' minima); the "
                   "limit is what the step's FLOPs and bytes allow: the rest is host time.")
 
 
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", choices=tuple(SIZES), default="tiny")
     ap.add_argument("--out", default=None, help="directory for host_step.{json,md} (default: results)")
     a = ap.parse_args(argv)
-    r = measure(a.size, a.precision, a.steps, a.warmup)
+    r = against_limits(measure(a.size, a.precision, a.steps, a.warmup), a.size)
     r["torch"] = torch.__version__
     text = markdown(r)
     print(text)
