@@ -87,22 +87,26 @@ class Phases:
         return out
 
 
-def _loop(step: Callable[[int, Phases], float], n: int, warmup: int) -> Phases:
-    """``warmup`` steps, one counted (frames and calls), one counted in FLOPs and bytes
-    (``limits.count``), then ``n`` timed."""
-    ph = Phases()
-    for i in range(warmup):
-        step(i, Phases())
-    ph.counting = True
-    step(warmup, ph)
-    ph.counting = False
-    _, ph.work = count(lambda: step(warmup + 1, Phases()))
+def _loop(steps: dict[str, Callable[[int, Phases], float]], n: int, warmup: int) -> dict[str, Phases]:
+    """For each variant's ``step``: ``warmup`` steps, one counted (frames and calls), one counted in
+    FLOPs and bytes (``limits.count``); then ``n`` timed steps of each, the variants taking turns
+    (a load that comes and goes on a shared machine slows both alike)."""
+    out = {}
+    for name, step in steps.items():
+        ph = out[name] = Phases()
+        for i in range(warmup):
+            step(i, Phases())
+        ph.counting = True
+        step(warmup, ph)
+        ph.counting = False
+        _, ph.work = count(lambda step=step: step(warmup + 1, Phases()))
     for i in range(n):
-        step(warmup + 2 + i, ph)
-    return ph
+        for name, step in steps.items():
+            step(warmup + 2 + i, out[name])
+    return out
 
 
-def _meshtorch(cfg, vocab: int, data: list, n: int, warmup: int) -> Phases:
+def _meshtorch(cfg, vocab: int, data: list) -> Callable[[int, Phases], float]:
     """PlainStep.run's body (strategies.py), one phase at a time, on a PlainStep's model, optimizer
     and parameter list."""
     from meshtorch import optim
@@ -127,10 +131,10 @@ def _meshtorch(cfg, vocab: int, data: list, n: int, warmup: int) -> Phases:
         ph.run("step", lambda: optimizer_step(opt))
         return loss.item()
 
-    return _loop(step, n, warmup)
+    return step
 
 
-def _plain(twin: G.Twin, precision: str, data: list, n: int, warmup: int) -> Phases:
+def _plain(twin: G.Twin, precision: str, data: list) -> Callable[[int, Phases], float]:
     """gpu_step.run_plain's step, one phase at a time."""
     model = copy.deepcopy(twin.model)
     decay = [p for k, p in model.named_parameters() if model.names[k] in twin.decayed]
@@ -153,7 +157,17 @@ def _plain(twin: G.Twin, precision: str, data: list, n: int, warmup: int) -> Pha
         ph.run("step", opt.step)
         return loss.item()
 
-    return _loop(step, n, warmup)
+    return step
+
+
+def _both(cfg, vocab: int, data: list, twin: G.Twin, n: int, warmup: int) -> dict[str, Phases]:
+    """Both variants in one launch (one processor runs in the caller's thread: plain PyTorch's steps
+    run there as outside it), their steps interleaved."""
+    # one intra-op thread: mt.launch gives its processor the process's threads (OMP_NUM_THREADS,
+    # else every core), which the caller's set_num_threads does not set
+    torch.set_num_threads(1)
+    steps = {"meshtorch": _meshtorch(cfg, vocab, data), "plain": _plain(twin, cfg.run.precision, data)}
+    return _loop(steps, n, warmup)
 
 
 @contextlib.contextmanager
@@ -181,9 +195,7 @@ def measure(size_name: str, precision: str, steps: int, warmup: int, size: dict[
     data = G.batches(size["vocab"], size["batch"], size["length"], 8)
     with fused_adamw():
         twin = mt.launch(G._twin_program, cfg, size["vocab"], mesh="b:1", rules="batch:b")[0]
-        runs = {"meshtorch": mt.launch(_meshtorch, cfg, size["vocab"], data, steps, warmup,
-                                       mesh="b:1", rules="batch:b")[0]}
-    runs["plain"] = _plain(twin, precision, data, steps, warmup)
+        runs = mt.launch(_both, cfg, size["vocab"], data, twin, steps, warmup, mesh="b:1", rules="batch:b")[0]
     out: dict[str, Any] = {"size": size, "precision": precision, "steps": steps, "warmup": warmup,
                            "phases": {}}
     for p in PHASES:
