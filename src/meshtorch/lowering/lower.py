@@ -520,6 +520,10 @@ def lower(
             a, b = inputs
             layouts = (a.layout.key, b.layout.key)
             needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
+        elif n == 3:  # (layer norms with their weight and bias, attention)
+            a, b, c = inputs
+            layouts = (a.layout.key, b.layout.key, c.layout.key)
+            needs = (a.local.requires_grad, b.local.requires_grad, c.local.requires_grad) if grad else None
         else:
             keys, wants = [None] * n, [None] * n
             for i, x in zip(range(n), inputs):
