@@ -68,6 +68,7 @@ BENCHMARKS: dict[str, tuple[list[str], list[str]]] = {
     "placement_latency": ([], ["--milp-seconds", "5", "--subgraphs", "1"]),
     # the paper's graphs from ../shared (Inception-v3's row takes minutes); without them it says so
     "placement_interleave": ([], ["--microbatches", "8", "--max-v", "2"]),
+    "host_step": ([], ["--steps", "10"]),
     "gpu_step": ([], ["--quick"]),  # without a GPU it says so and writes nothing (gpu_check.sh runs it)
 }
 

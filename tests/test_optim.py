@@ -95,3 +95,54 @@ def test_weight_decay_groups_by_dim_name():
     names = {id(p): n for n, p in qkv.named_parameters()}
     assert [[names[id(p)] for p in g["params"]] for g in mt.optim.weight_decay_groups(qkv, 0.1)] == [
         ["0.kernel"], ["0.bias"]]
+
+
+def _clip_reference(grads: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """clip_grad_norm_'s arithmetic on replicated gradients, written out: float64 norms per tensor,
+    summed squares, the root in float32, each gradient scaled in its own dtype."""
+    norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
+    total = norms.pow(2.0).sum().pow(0.5).to(torch.float32)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return total, [g * coef.to(g.dtype) for g in grads]
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "mixed-dtypes"])
+@pytest.mark.parametrize("listed", [False, True], ids=["module", "parameter-list"])
+def test_clip_of_replicated_parameters_is_bitwise_the_reference(mixed, listed):
+    """One processor: every gradient replicated, so the clip takes its fast path (no grouping by
+    axes, no Fused); the gradients of a mixed-dtype model take the per-dtype fallback. Values
+    bitwise those of the arithmetic written out; a module and its parameter list alike."""
+    d, h = mt.Dim("d", 6), mt.Dim("h", 5)
+    model = mt.nn.Sequential(mt.nn.Dense(d, h), mt.nn.LayerNorm(h), mt.nn.Dense(d, h))
+    x = mt.random.normal([mt.Dim("batch", 3), d], seed=1)
+    mt.reduce_sum(model[1](model[0](x)) ** 2).backward()
+    if mixed:  # the second Dense in bf16
+        model[2].to(torch.bfloat16)
+        x = mt.cast(x, torch.bfloat16)
+    mt.reduce_sum(model[2](x)).backward()
+    params = list(model.parameters())
+    assert len({p.grad.dtype for p in params}) == (2 if mixed else 1)
+    want_norm, want = _clip_reference([p.grad.clone() for p in params], 0.25)
+    norm = mt.optim.clip_grad_norm_(params if listed else model, 0.25)
+    assert torch.equal(norm, want_norm) and norm.item() > 0.25
+    for p, w in zip(params, want):
+        assert p.grad.dtype == w.dtype and torch.equal(p.grad, w)
+
+
+def test_clip_of_split_and_plain_tensors_takes_the_general_path():
+    """A list mixing a MeshParameter with a MeshTensor (layouts_of's per-item path), split over an
+    axis (grouping by axes, the all-reduce): the norm and gradients of the one-processor clip."""
+    def run():
+        d, h = mt.Dim("d", 4), mt.Dim("h", 2)
+        dense = mt.nn.Dense(d, h, bias=False)
+        extra = mt.ones([h], requires_grad=True)
+        y = dense(mt.random.normal([mt.Dim("batch", 2), d], seed=1)) * extra
+        mt.reduce_sum(y * y).backward()
+        norm = mt.optim.clip_grad_norm_([dense.kernel, extra], 0.5)
+        return norm.item(), dense.kernel.mesh_tensor.to_global(), extra.grad.to_global()
+
+    (want, w0, e0), = mt.launch(run, mesh="", rules="")
+    for norm, w, e in mt.launch(run, mesh="m:2", rules="d:m"):
+        assert math.isclose(norm, want, rel_tol=1e-6) and want > 0.5
+        torch.testing.assert_close(w, w0)
+        torch.testing.assert_close(e, e0)

@@ -520,6 +520,10 @@ def lower(
             a, b = inputs
             layouts = (a.layout.key, b.layout.key)
             needs = (a.local.requires_grad, b.local.requires_grad) if grad else None
+        elif n == 3:  # (layer norms with their weight and bias, attention)
+            a, b, c = inputs
+            layouts = (a.layout.key, b.layout.key, c.layout.key)
+            needs = (a.local.requires_grad, b.local.requires_grad, c.local.requires_grad) if grad else None
         else:
             keys, wants = [None] * n, [None] * n
             for i, x in zip(range(n), inputs):
@@ -554,6 +558,8 @@ def lower(
         result = local_fn(plan.view, inputs[0].local)
     elif n == 2:
         result = local_fn(plan.view, inputs[0].local, inputs[1].local)
+    elif n == 3:  # (layer norms with their weight and bias, attention: no comprehension's frame)
+        result = local_fn(plan.view, inputs[0].local, inputs[1].local, inputs[2].local)
     else:
         result = local_fn(plan.view, *[x.local for x in inputs])
     if result.shape != plan.want:

@@ -39,16 +39,26 @@ def _global_grad_norm(grads_layouts, norm_type: float) -> torch.Tensor:
         return torch.tensor(0.0)
     inf = math.isinf(norm_type)
     groups: dict[tuple[str, ...], list[torch.Tensor]] = {}
-    axis_names = current().mesh.axis_names
-    for p, layout in grads_layouts:
-        axes = tuple(a for a in axis_names if layout.dim_of(a) is not None)
-        groups.setdefault(axes, []).append(p.grad)
+    if any([layout.split for _, layout in grads_layouts]):
+        axis_names = current().mesh.axis_names
+        for p, layout in grads_layouts:
+            axes = tuple([a for a in axis_names if layout.dim_of(a) is not None]) if layout.split else ()
+            groups.setdefault(axes, []).append(p.grad)
+    else:
+        # every gradient replicated (all of them on one processor): one group, listed without
+        # per-parameter calls, host time per step that a GPU waits for at small sizes (issue 25)
+        groups[()] = [p.grad for p, _ in grads_layouts]
     by_axes: dict[tuple[str, ...], torch.Tensor] = {}
     for axes, grads in groups.items():
         # one multi-tensor kernel per group, accumulating in float64 (as the per-tensor loop did)
         with torch.no_grad():
             norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
         by_axes[axes] = norms.max() if inf else norms.pow(norm_type).sum()
+    if len(by_axes) == 1 and () in by_axes:
+        # every gradient replicated (one processor, or no split parameter): nothing to reduce,
+        # the part is the total as Fused would hand it back (no collective, no bucketing)
+        total = by_axes[()]
+        return (total if inf else total.pow(1.0 / norm_type)).to(torch.float32)
     # one collective per axis for all the groups together (not one per group)
     fused = Fused()
     for axes in sorted(by_axes):
@@ -78,9 +88,13 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
         raise MeshTorchError(f"the global gradient {norm_type}-norm is {total.item()}; "
                              "pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    grads = [p.grad for p, _ in views]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p, _ in views:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    if len({g.dtype for g in grads}) == 1:  # (the usual case, without per-gradient calls)
+        by_dtype[grads[0].dtype] = grads
+    else:
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
     with torch.no_grad():  # (gradients are data here, as in torch.nn.utils.clip_grad_norm_)
         for dtype, grads in by_dtype.items():
             torch._foreach_mul_(grads, coef.to(dtype))

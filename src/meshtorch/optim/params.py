@@ -55,6 +55,9 @@ def layouts_of(params: Params) -> list[tuple[torch.Tensor, Layout]]:
     layouts."""
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
+    params = list(params)
+    if all([type(p) is MeshParameter for p in params]):  # (no call per parameter: the usual case)
+        return [(p, p.mesh_layout) for p in params]
     out = []
     for p in params:
         if isinstance(p, MeshParameter):

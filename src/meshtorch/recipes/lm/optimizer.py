@@ -55,12 +55,18 @@ def optimizer_step(opt: torch.optim.Optimizer) -> None:
     with ``torch.tensor``: let factories default to the host while they step
     (their moments follow the parameters' device, meta).
     """
-    from meshtorch.optim import Adafactor
-
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if not params or params[0].device.type != "meta":
+    # the first parameter says where the step runs, read without listing them all or importing
+    # (host time per step, which a GPU waits for at small sizes: issue 25)
+    groups = opt.param_groups
+    first = groups[0]["params"] if groups else ()
+    if not first:  # an empty first group: the first parameter of any
+        first = [p for g in groups for p in g["params"]]
+    if not first or first[0].device.type != "meta":
         opt.step()
         return
+    from meshtorch.optim import Adafactor
+
+    params = [p for g in groups for p in g["params"]]
     if isinstance(opt, Adafactor):
         for p in params:
             if p.grad is not None and "step" not in opt.state[p]:  # made once, as Adafactor does

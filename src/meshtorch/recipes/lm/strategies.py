@@ -103,6 +103,10 @@ class PlainStep:
     def __init__(self, cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer):
         self.cfg, self.model, self.opt = cfg, model, opt
         self.loss = compile_step(model.loss) if cfg.run.compile else model.loss
+        # what the clip reads, in the model's order (its norm sums them in it), listed once as
+        # the optimizer listed its own: walking the modules each step (torch's generators, a
+        # Python frame per module and parameter) was host time a GPU waits for (issue 25)
+        self.params = list(model.parameters())
 
     def resume(self, batches: Any, lead: bool) -> int:
         """Load ``--resume``; the step to continue from."""
@@ -132,7 +136,7 @@ class PlainStep:
                     loss = self.loss(*batch)
                 loss.backward()
             if self.cfg.optimizer.clip:
-                optim.clip_grad_norm_(self.model, self.cfg.optimizer.clip)
+                optim.clip_grad_norm_(self.params, self.cfg.optimizer.clip)
             optimizer_step(self.opt)
         return _value(loss)
 
