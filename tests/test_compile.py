@@ -300,6 +300,45 @@ def test_two_gloo_processes_run_functional_collectives_in_one_graph():
         assert stats == eager_stats and stats["all_reduce@b"]["calls"] > 0
 
 
+def call_while_the_other_processor_fx_traces(compiled, tracing, called) -> float | str:
+    """Processor 1 calls its compiled step while processor 0's compile is inside an FX trace (its
+    backend symbolic-traces, as AOTAutograd's make_fx does, and holds the trace until processor
+    1's call has returned): the value, or what the call raised."""
+    x = torch.ones(4)
+    if mt.current().rank == 0:
+        def backend(gm, inputs):
+            def held(t):
+                tracing.set()
+                called.wait(60)
+                return t
+
+            torch.fx.symbolic_trace(held)  # torch.fx's process-wide tracing flag is set in here
+            return gm.forward
+
+        compiled.wait(60)
+        return compile_step(lambda t: t.sum(), backend)(x).item()
+    step = compile_step(lambda t: (2 * t).sum(), "eager")
+    step(x)  # compiled before processor 0 compiles
+    compiled.set()
+    tracing.wait(60)
+    try:
+        return step(x).item()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        called.set()
+
+
+def test_a_processor_calls_its_compiled_step_while_another_compiles():
+    """torch.fx's 'symbolically tracing' flag is one per process: while one thread-processor's
+    compile traced, torch 2.11 refused another's call of its compiled step ('Detected that you
+    are using FX to symbolically trace a dynamo-optimized function')."""
+    import threading
+
+    events = [threading.Event() for _ in range(3)]
+    assert mt.launch(call_while_the_other_processor_fx_traces, *events, mesh="b:2") == [4.0, 8.0]
+
+
 # thread-processors compile, the launch ends, then the launching process traces again
 AFTER_PROCESSORS_TRACED = """
 import sys, threading, torch, meshtorch as mt
