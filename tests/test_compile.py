@@ -300,6 +300,82 @@ def test_two_gloo_processes_run_functional_collectives_in_one_graph():
         assert stats == eager_stats and stats["all_reduce@b"]["calls"] > 0
 
 
+def call_while_the_other_processor_fx_traces(compiled, tracing, called) -> float | str:
+    """Processor 1 calls its compiled step while processor 0's compile is inside an FX trace (its
+    backend symbolic-traces, as AOTAutograd's make_fx does, and holds the trace until processor
+    1's call has returned): the value, or what the call raised."""
+    x = torch.ones(4)
+    if mt.current().rank == 0:
+        def backend(gm, inputs):
+            def held(t):
+                tracing.set()
+                called.wait(60)
+                return t
+
+            torch.fx.symbolic_trace(held)  # torch.fx's process-wide tracing flag is set in here
+            return gm.forward
+
+        compiled.wait(60)
+        return compile_step(lambda t: t.sum(), backend)(x).item()
+    step = compile_step(lambda t: (2 * t).sum(), "eager")
+    step(x)  # compiled before processor 0 compiles
+    compiled.set()
+    tracing.wait(60)
+    try:
+        return step(x).item()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        called.set()
+
+
+def test_a_processor_calls_its_compiled_step_while_another_compiles():
+    """torch.fx's 'symbolically tracing' flag is one per process: while one thread-processor's
+    compile traced, torch 2.11 refused another's call of its compiled step ('Detected that you
+    are using FX to symbolically trace a dynamo-optimized function')."""
+    import threading
+
+    events = [threading.Event() for _ in range(3)]
+    assert mt.launch(call_while_the_other_processor_fx_traces, *events, mesh="b:2") == [4.0, 8.0]
+
+
+# thread-processors compile, the launch ends, then the launching process traces again
+AFTER_PROCESSORS_TRACED = """
+import sys, threading, torch, meshtorch as mt
+from meshtorch.compiler import compile_step
+
+def step():
+    x = mt.from_global(torch.arange(4.0), "batch:4")
+    return compile_step(mt.reduce_sum, backend="eager")(x).item()
+
+def launch():
+    print(mt.launch(step, mesh="b:2", rules="batch:b"), flush=True)
+
+if sys.argv[1] == "main":
+    launch()
+else:  # launched from a thread that ends before the next trace
+    t = threading.Thread(target=launch)
+    t.start()
+    t.join()
+print(step(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("launched_from", ["main", "thread"])
+def test_a_trace_after_thread_processors_traced_does_not_crash(launched_from):
+    """On a CUDA build of torch without a visible GPU (torch 2.11 CUDA on this CPU), each
+    processor thread's first trace registered a fake CUDA device guard that the thread owns, for
+    the whole process: once the processors ended, the next trace segfaulted in
+    ``FakeTensorMode.__enter__``. In a subprocess, so that a crash fails this test only."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AFTER_PROCESSORS_TRACED, launched_from],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["[6.0,", "6.0]", "6.0"]
+
+
 def test_compile_with_pipeline_stages_is_refused():
     with pytest.raises(mt.errors.MeshTorchError, match="--compile"):
         check_config(TrainConfig.of(compile=True, pipeline_stages=2, mesh="b:2"))

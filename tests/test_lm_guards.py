@@ -267,6 +267,16 @@ def test_a_compiled_run_is_checked_as_the_compiled_step_holds_memory(text, monke
     assert got["total"] == want.peak_bytes < eager["total"]
 
 
+def two_idle_gpus(monkeypatch) -> None:
+    """torch.cuda answers as two GPUs, the CPU standing in, that capture no CUDA graph: torch 2.11's
+    optimizer step asks torch.cuda.is_current_stream_capturing() whenever torch.cuda.is_available()
+    says yes (2.13 asks torch.accelerator, which is not patched), and a CUDA build of torch on a host
+    without a GPU raises there ('CUDA driver version is insufficient')."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
 def test_on_gpus_one_processors_peak_must_fit_the_fullest_gpu(text, tmp_path, monkeypatch):
     from meshtorch.plan import devices
     from meshtorch.plan.allocator import CUDA_CONTEXT_BYTES, FRAGMENTATION
@@ -274,8 +284,7 @@ def test_on_gpus_one_processors_peak_must_fit_the_fullest_gpu(text, tmp_path, mo
     cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=16, mesh="b:2",
                          data=text, steps=2, progress=False, device="cuda")
     free = {}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    two_idle_gpus(monkeypatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 1 << 40))
     free.update({0: 1 << 40, 1: 1 << 40})
     need = check_memory(cfg, 264, processes=2)
@@ -340,8 +349,7 @@ def test_train_on_gpus_that_cannot_hold_the_step_is_refused_naming_the_term_and_
     # 80 GB GPUs whose free memory is what the planned step needs, less a byte on the second
     from types import SimpleNamespace
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    two_idle_gpus(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda *a: SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=80 * 10 ** 9))

@@ -306,7 +306,10 @@ def test_torchs_profiler_sees_meshtorch_layers_as_it_sees_torchs():
         dense(x)
         lin(torch.ones(3, 4))
     names = {e.name for e in prof.events() if e.name.startswith("nn.Module: ")}
-    assert {"nn.Module: Dense_0", "nn.Module: Linear_0"} <= names, names
+    if "nn.Module: Linear_0" not in names:  # torch's own layer, the reference
+        pytest.skip("this torch's profiler names no module, not even torch.nn.Linear (torch 2.11+cu130 "
+                    "on a host without a GPU records no Python events)")
+    assert "nn.Module: Dense_0" in names, names
 
 
 def test_a_layer_that_has_run_pickles_and_its_copy_gives_the_same_values():

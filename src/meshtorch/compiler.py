@@ -67,6 +67,14 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
     n = current().mesh.size
     config.recompile_limit = max(config.recompile_limit, 2 * n)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * n)
+    if n > 1 and current().comm.backend == "threads" and hasattr(config, "force_compile_during_fx_trace"):
+        # thread-processors share torch.fx's process-wide 'symbolic tracing' flag, which one's
+        # compile sets while AOTAutograd traces: torch 2.11 then refused another processor's call of
+        # its compiled step ('Detected that you are using FX to symbolically trace a
+        # dynamo-optimized function'; 2.13 masks the flag by marking the process compiling during
+        # any compile). No processor FX-traces a compiled step, so the refusal only misfires: the
+        # call goes on (a first call's compile waits on Dynamo's compile lock, a compiled one runs)
+        config.force_compile_during_fx_trace = True
 
     def traced(*args: Any, **kwargs: Any) -> tuple[Any, int]:
         tally = begin_traced()  # a constant of the trace: the tally its collectives are noted in

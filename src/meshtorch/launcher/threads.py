@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -102,6 +103,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
         if n == 1:
             run(0)
         else:
+            keep_fake_cuda_guard()
             threads = [threading.Thread(target=run, args=(r,), name=f"meshtorch-{r}", daemon=True)
                        for r in range(n)]
             try:
@@ -129,6 +131,42 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
                         "wait in; pass a larger timeout= if they only need longer")
         raise processor_error(exc, running[0], mesh.coords(running[0]), where="(still running)") from exc
     return results
+
+
+@functools.cache
+def keep_fake_cuda_guard() -> None:
+    """Have a thread that outlives the processors own the process's fake CUDA device guard.
+
+    On a CUDA build of torch with no GPU visible (the GPU image's torch on a CPU host, or
+    ``CUDA_VISIBLE_DEVICES=""``), every ``FakeTensorMode`` entry (each Dynamo trace) calls
+    ``torch._C._ensureCUDADeviceGuardSet``, whose first call on a thread registers a guard
+    that thread owns (c10 keeps it ``thread_local``) for the whole process. A thread-processor
+    that traced first and then ended left the registry pointing at freed memory, and the next
+    trace on any thread segfaulted in ``FakeTensorMode.__enter__`` (torch 2.11 CUDA; a CPU
+    build registers nothing, a visible GPU skips the call). Once a registered fake guard is
+    in place, later calls keep it, so this registers it once per process from the main thread
+    (or from a daemon thread that never ends when launched from another thread) before the
+    processors start. A no-op elsewhere, and where torch lacks the private call.
+
+    Example:
+        >>> from meshtorch.launcher.threads import keep_fake_cuda_guard
+        >>> keep_fake_cuda_guard()  # once per process; later calls return at once
+    """
+    ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if ensure is None or not torch.backends.cuda.is_built() or torch.cuda.is_available():
+        return
+    if threading.current_thread() is threading.main_thread():
+        ensure()
+        return
+    registered = threading.Event()
+
+    def keep() -> None:
+        ensure()
+        registered.set()
+        threading.Event().wait()  # the guard lives as long as this thread: the process
+
+    threading.Thread(target=keep, name="meshtorch-fake-cuda-guard", daemon=True).start()
+    registered.wait()
 
 
 def _wait(hub: Hub, n: int) -> list[int]:

@@ -90,14 +90,18 @@ from meshtorch.meta_autocast import autocast_enabled
 
 
 class _Here(threading.local):
-    """This thread's (processor's) state: class attributes are the defaults, so that a read asks
-    an attribute, not ``getattr`` (a call per parameter read)."""
+    """This thread's (processor's) state, set per thread on its first read, so that a read asks
+    an attribute, not ``getattr`` (a call per parameter read). No class attribute of the same
+    names: Dynamo (torch 2.11) reads a thread-local's attribute that its class also defines as the
+    class's constant, and guarding ``options`` (an ``Options``) as one failed the compile of a step
+    inside ``overlap()`` ('Unexpected type ... Options'); see :mod:`meshtorch.context`."""
 
-    options: Options | None = None  # while inside overlap()
-    unsaved = 0  # depth of unsaved() blocks
-    region = 0  # the last checkpointed block's number
-    comm: Communicator | None = None  # the communicator whose Runtime ``runtime`` is
-    runtime: Runtime | None = None
+    def __init__(self) -> None:
+        self.options: Options | None = None  # while inside overlap()
+        self.unsaved = 0  # depth of unsaved() blocks
+        self.region = 0  # the last checkpointed block's number
+        self.comm: Communicator | None = None  # the communicator whose Runtime ``runtime`` is
+        self.runtime: Runtime | None = None
 
 
 _on = _Here()
