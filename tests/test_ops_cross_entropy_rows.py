@@ -257,3 +257,53 @@ def test_the_planner_traces_the_chunks_and_their_peak(monkeypatch):
     # the former formula: also the float32 log-probabilities and their gradient
     assert former.peak_bytes - rows_trace.peak_bytes >= 2 * n * v * 4, (rows_trace.peak_bytes,
                                                                          former.peak_bytes)
+
+
+def test_the_bf16_lm_step_compiles_once_as_one_graph_with_the_eager_losses(monkeypatch):
+    """The tiny LM under bf16 autocast (its loss on cross_entropy_rows) compiled with
+    ``fullgraph=True`` (``aot_eager``): one forward and one backward graph over three AdamW steps,
+    no break, the eager steps' losses."""
+    from meshtorch import amp
+    from meshtorch.models import DecoderLM, TransformerConfig
+
+    cfg = TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=8,
+                            tie_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    data = [tuple(torch.randint(0, 32, (4, 8), generator=g) for _ in range(2)) for _ in range(3)]
+    graphs = {"forward": 0, "backward": 0}
+
+    def counted(kind):
+        def compiler(gm, _):
+            graphs[kind] += 1
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def train(backend):
+        model = DecoderLM(cfg, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def loss_of(ids, tgt):
+            with amp.autocast(torch.bfloat16):
+                return model.loss(ids, tgt)
+
+        fn = loss_of if backend is None else compile_step(loss_of, backend, fullgraph=True)
+        losses = []
+        for ids, tgt in data:
+            loss = fn(mt.from_global(ids, "batch:4,length:8"), mt.from_global(tgt, "batch:4,length:8"))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    calls = []
+    monkeypatch.setattr(nn_ops, "cross_entropy_rows",
+                        lambda *a, **k: calls.append(1) or cross_entropy_rows(*a, **k))
+    torch._dynamo.reset()
+    eager = train(None)
+    assert len(calls) == len(data)  # (the eager steps' loss is cross_entropy_rows)
+    monkeypatch.undo()
+    compiled = train(aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward")))
+    torch._dynamo.reset()
+    assert graphs == {"forward": 1, "backward": 1} and graph_breaks() == {}
+    assert compiled == pytest.approx(eager, rel=1e-5)
