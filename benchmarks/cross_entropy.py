@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -152,7 +153,9 @@ def main() -> None:
     logit_bytes = x16.numel() * x16.element_size()
     header = (f"{device}, torch {torch.__version__}, logits [{n}, {v}] ({logit_bytes / 2**20:.0f} MiB in "
               f"bf16), forward + backward, median of {args.repeat}; rows' chunk {CHUNK_BYTES / 2**20:.0f} "
-              f"MiB of float32; bandwidth floor = 3 x the logits' bytes at {bw_text}")
+              f"MiB of float32; bandwidth floor = 3 x the logits' bytes at {bw_text}; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end (the CPU's times are only as "
+              f"steady as that)")
     lines = [header, f"{'variant':24s} {'ms':>9s} {'vs formula':>10s} {'peak MiB':>9s} {'vs logits':>9s} "
              f"{'ATen MB':>9s} {'x floor':>8s}"]
     for name, r in results.items():
