@@ -14,6 +14,8 @@ measures a core):
   float32 temporaries, the logits kept for the backward;
 - ``rows fp32`` / ``formula fp32``: the same two on float32 logits (meshtorch keeps fp32 logits on
   the formula unless rows is as fast there);
+- with ``--chunk-mib 16 256``: ``rows`` in chunks of other sizes (on a GPU, a chunk's float32 may
+  stay in L2, and a chunk's rows are its softmax kernels' blocks);
 - with ``--compile``: ``plain``, ``formula`` and ``rows`` under ``torch.compile`` (inductor).
 
 Prints, for each: milliseconds per forward + backward (median of ``--repeat``), the peak memory
@@ -24,7 +26,7 @@ forward and again in the backward and writing their gradient (3 x the logits' by
 device's memory bandwidth (the CPU's measured by ``limits.py`` for one core; a GPU's from
 ``meshtorch.plan.gpus``). Writes ``benchmarks/results/cross_entropy.{json,md}``. No assertion.
 
-    python benchmarks/cross_entropy.py [--rows 4096 --vocab 16384 --repeat 5 --compile]
+    python benchmarks/cross_entropy.py [--rows 4096 --vocab 16384 --repeat 5 --compile --chunk-mib 16 256]
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from allocator_peak import step_peaks
 from limits import attach, count, figure, limits, section  # noqa: E402  (benchmarks/ is the script's folder)
 
+import meshtorch.ops.cross_entropy_rows as rows_module
 from meshtorch.ops.cross_entropy_rows import CHUNK_BYTES, cross_entropy_rows
 from meshtorch.plan.gpus import gpu_kind
 
@@ -58,6 +61,18 @@ def formula(x, y):
 
 def rows(x, y):
     return cross_entropy_rows(x, y).mean()
+
+
+def rows_in(mib: float):
+    """``rows`` in chunks of ``mib`` MiB of float32 (``CHUNK_BYTES`` set for the call)."""
+    def fn(x, y):
+        saved = rows_module.CHUNK_BYTES
+        rows_module.CHUNK_BYTES = int(mib * 2 ** 20)
+        try:
+            return rows(x, y)
+        finally:
+            rows_module.CHUNK_BYTES = saved
+    return fn
 
 
 def sync(device: str) -> None:
@@ -119,6 +134,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="also each under torch.compile (inductor)")
     ap.add_argument("--no-fp32", action="store_true", help="leave out the float32-logits rows")
+    ap.add_argument("--chunk-mib", type=float, nargs="*", default=[],
+                    help="also rows in chunks of these MiB of float32 (the default chunk: CHUNK_BYTES)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.rows or (8192 if device == "cuda" else 4096)
@@ -130,6 +147,7 @@ def main() -> None:
     x16 = x32.bfloat16()
     y = torch.randint(0, v, (n,), device=device, generator=g)
     variants = [("plain (autocast)", plain, x16), ("formula", formula, x16), ("rows", rows, x16)]
+    variants += [(f"rows, {mib:g} MiB chunks", rows_in(mib), x16) for mib in args.chunk_mib]
     if not args.no_fp32:
         variants += [("formula fp32", formula, x32), ("rows fp32", rows, x32)]
     if args.compile:

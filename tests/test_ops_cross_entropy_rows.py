@@ -100,6 +100,18 @@ def test_any_dim_order_and_one_row_chunks():
     torch.testing.assert_close(t.grad.double(), x64.grad.t(), rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
+@pytest.mark.parametrize("ignore_index", [None, -100])
+@pytest.mark.parametrize("bad", [-1, 8])
+def test_a_target_outside_the_vocabulary_raises_the_id_check_s_error(ignore_index, bad):
+    """bf16 logits: the same ArgumentError as float32's path, whether gather finds the bad id
+    (no ignore_index, ids on the host) or check_ids does first; alone, no gather error chained."""
+    logits = mt.from_global(torch.zeros(2, 3, 8, dtype=torch.bfloat16), "batch:2,length:3,vocab:8")
+    ids = mt.from_global(torch.tensor([[1, bad, 0], [3, 5, 2]]), "batch:2,length:3")
+    with pytest.raises(mt.errors.ArgumentError, match=rf"targets hold {bad}, outside dim 'vocab'") as e:
+        mt.cross_entropy(logits, ids, "vocab", ignore_index=ignore_index)
+    assert e.value.__suppress_context__ or e.value.__context__ is None
+
+
 SIZES = st.integers(1, 5)
 
 

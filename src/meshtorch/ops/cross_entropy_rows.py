@@ -67,6 +67,7 @@ class _CrossEntropyRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
                 z_loss: float) -> torch.Tensor:
         whole = is_dynamo_compiling()
+        step = chunk_rows(x.shape[-1])  # (the backward's chunks too)
         if whole:
             # Inductor: one reduction kernel over the bf16 rows; nothing float32 [rows, vocab] is made
             lse = torch.logsumexp(x.float(), -1)
@@ -74,7 +75,6 @@ class _CrossEntropyRows(torch.autograd.Function):
         else:
             picked, lses = [], []
             # split: every chunk's view made in one call (a Python call per kernel is the cost here)
-            step = chunk_rows(x.shape[-1])
             for chunk, at in zip(x.split(step), ids[:, None].split(step)):
                 logp = torch.log_softmax(chunk, -1, dtype=torch.float32)
                 picked.append(logp.gather(-1, at))
@@ -89,7 +89,7 @@ class _CrossEntropyRows(torch.autograd.Function):
             loss = loss + z_loss * lse.square()
         if valid is not None:
             loss = loss.masked_fill(~valid, 0.0)
-        ctx.whole, ctx.z_loss = whole, z_loss
+        ctx.whole, ctx.z_loss, ctx.step = whole, z_loss, step
         ctx.save_for_backward(x, ids, valid, lse if z_loss or whole else None)
         return loss
 
@@ -106,7 +106,7 @@ class _CrossEntropyRows(torch.autograd.Function):
             p = torch.exp(x.float() - lse[:, None])
             return (p * scale[:, None] - hit * g[:, None]).to(x.dtype), None, None, None
         out = torch.empty_like(x)
-        step = chunk_rows(x.shape[-1])
+        step = ctx.step
         if ctx.z_loss:
             minus = (-g[:, None]).split(step)
             for chunk, at, into, by, less in zip(x.split(step), ids[:, None].split(step), out.split(step),
@@ -117,7 +117,7 @@ class _CrossEntropyRows(torch.autograd.Function):
                 into.copy_(p)
                 del p
         else:  # (p - onehot) * g, the product written in x's dtype: one float32 pass less
-            minus_one = torch.full((step, 1), -1.0, device=x.device)
+            minus_one = torch.full((step, 1), -1.0, dtype=torch.float32, device=x.device)
             for chunk, at, into, by in zip(x.split(step), ids[:, None].split(step), out.split(step),
                                            g[:, None].split(step)):
                 p = torch.softmax(chunk, -1, dtype=torch.float32)
