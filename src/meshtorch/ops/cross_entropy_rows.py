@@ -106,7 +106,7 @@ class _CrossEntropyRows(torch.autograd.Function):
             p = torch.exp(x.float() - lse[:, None])
             return (p * scale[:, None] - hit * g[:, None]).to(x.dtype), None, None, None
         out = torch.empty_like(x)
-        step = ctx.step
+        step = min(ctx.step, x.shape[0])  # (rows fewer than a chunk's: minus_one no longer than them)
         if ctx.z_loss:
             minus = (-g[:, None]).split(step)
             for chunk, at, into, by, less in zip(x.split(step), ids[:, None].split(step), out.split(step),
