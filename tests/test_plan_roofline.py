@@ -76,6 +76,20 @@ def test_views_move_nothing_in_place_ops_and_broadcasts_move_what_they_touch():
     assert by["mul"][3] == n + 3 * n
 
 
+def test_an_in_place_scatter_moves_the_elements_it_writes_not_its_target():
+    def step():
+        p, at = _meta(64, 1000, dtype=torch.float32), torch.zeros(64, 1, dtype=torch.int64, device="meta")
+        with mt.plan.measure():
+            p.scatter_add_(-1, at, torch.ones(64, 1, device="meta"))   # the index, the values, 64 writes
+            rows = torch.zeros(8, dtype=torch.int64, device="meta")
+            p.index_put_((rows,), torch.ones(8, 1000, device="meta"))   # 8 rows of values
+
+    _, kernels = _one(step)
+    by = {key[0]: key for key in kernels}
+    assert by["scatter_add_"][3] == 64 * 8 + 64 * 4 + 64 * 4
+    assert by["index_put_"][3] == 8 * 8 + 8 * 1000 * 4 + 8 * 1000 * 4
+
+
 def test_fused_attention_is_priced_as_its_kernel():
     b, h, s, d = 8, 12, 4096, 64
 
