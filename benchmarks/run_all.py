@@ -42,6 +42,8 @@ BY_HAND = {
     "dp_phases": "a diagnosis of fsdp_vs_fsdp2's DP/DDP ratio (CPU time per phase): run by hand",
     "cold_python": "a diagnosis of the forward's per-op Python run cold after large kernels: run by hand",
     "heap_faults": "a diagnosis: page faults per step phase (counts, no speed figure): run by hand",
+    "cross_entropy": ("the loss of LM logits, plain vs meshtorch's former formula vs cross_entropy_rows "
+                      "(fwd+bwd ms, peak, bytes vs the bandwidth floor); [8192, 50304] on a GPU: by hand"),
     "forward_calls": ("a diagnosis: Python frames and ATen ops per forward and backward, meshtorch vs "
                       "plain and DDP (counts, no speed figure): by hand"),
 }

@@ -17,6 +17,7 @@ import torch
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, lower
 from meshtorch.ops.array import check_ids, ids_read_on_host, one_hot
+from meshtorch.ops.cross_entropy_rows import cross_entropy_rows
 from meshtorch.ops.elementwise import cast, exp, not_equal, rsqrt, square, where
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
 from meshtorch.random import bernoulli
@@ -84,6 +85,11 @@ def log_softmax(x: MeshTensor, dim: str | Dim, extra_logit: float | MeshTensor |
 
 
 REDUCTIONS = ("none", "mean", "sum")
+#: logits dtypes whose fused hard-target loss is :func:`~meshtorch.ops.cross_entropy_rows.cross_entropy_rows`
+#: (float32 precision, no float32 [rows, vocab] tensor kept); others take ``log_softmax`` and ``gather``.
+#: float32 stays there: rows was as fast on the CPU (benchmarks/cross_entropy.py) but unmeasured on a
+#: GPU, and an ``aot_eager`` compile of it (one chunk, other kernels) is not bitwise the eager step
+ROWS_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "vocab",
@@ -144,8 +150,20 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
     acc = torch.float32 if logits.dtype in (torch.bfloat16, torch.float16) else logits.dtype
     if fused:
         i = logits.shape.index(v.name)
+        # low-precision logits, hard targets: cross_entropy_rows keeps float32 precision without
+        # the float32 [rows, vocab] log-probabilities (and their gradient) autograd would keep
+        rows = not soft and logits.dtype in ROWS_DTYPES
 
         def local_fn(view, t, tt):
+            if rows:
+                ids = align(tt, targets.names, out.names)
+                if not by_gather:
+                    return cross_entropy_rows(t, ids, i, ignore_index, z_loss)
+                try:
+                    return cross_entropy_rows(t, ids, i, z_loss=z_loss)
+                except RuntimeError as out_of_bounds:
+                    _word_bad_targets(targets, v)
+                    raise out_of_bounds
             if soft:
                 picked = -(torch.log_softmax(t, i, dtype=acc) * align(tt, targets.names, logits.names)).sum(i)
             else:

@@ -8,6 +8,8 @@ device spec with kernel numbers (``launch_seconds > 0``). Per op:
   elements) plus those it writes (its outputs, and the inputs it mutates in place);
   ``copy_``/``fill_``/``zero_`` and the random fills only write their target; ``gather``,
   ``index`` and ``embedding`` read only the rows they pick (as many bytes as they write);
+- ``scatter_``, ``scatter_add_``, ``index_put_`` and the like, in place, read their index and values
+  and write as many elements of their target;
 - views and metadata ops (``view``, ``t``, ``expand``, ``detach``...), ``empty`` and ops
   on host tensors launch nothing and move nothing (their host time still counts);
 - ``_local_scalar_dense`` (``.item()``) of a device tensor is a host sync;
@@ -51,6 +53,9 @@ NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new
 WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_",
                         "exponential_"})
 PICKS = frozenset({"gather", "index", "index_select", "embedding"})
+# in place at the positions an index names: they read the index and the values and write as many
+# elements of their target, not the whole target (a loss's "minus one at the target" of a chunk)
+PUTS = frozenset({"scatter_", "scatter_add_", "scatter_reduce_", "index_put_", "index_add_", "index_copy_"})
 FUSED_OPTIMIZERS = frozenset({"_fused_adam_", "_fused_adamw_"})
 _LIST_TENSORS, _LIST_ELEMENTS = 48, 320 * 65536   # multi_tensor_apply's chunking
 
@@ -110,6 +115,10 @@ def kernel_of(func, args: tuple, kwargs: dict, out: Any, flops: int, dtype: str)
         read = [t for t in ins if not t.is_floating_point()]
         read_bytes = sum(footprint(t) for t in read) + sum(footprint(t) for t in outs)
         return (name, dtype, flops, read_bytes + sum(footprint(t) for t in outs), (), 1, 0)
+    elif name in PUTS and targets:
+        read = [t for t in ins if all(t is not w for w in targets)]
+        written = max(t.numel() for t in read) * targets[0].element_size()
+        return (name, dtype, flops, sum(footprint(t) for t in read) + written, (), 1, 0)
     else:
         read = ins
     nbytes = sum(footprint(t) for t in read) + sum(footprint(t) for t in (*targets, *outs))

@@ -1,0 +1,155 @@
+"""Cross-entropy of low-precision logit rows with float32 precision and no float32 [rows, vocab] tensor
+kept: the local kernel of :func:`~meshtorch.ops.nn.cross_entropy`'s fused hard-target path.
+
+``-log_softmax(t, dtype=float32)[target]`` is the float32 loss of bf16 logits, but autograd keeps its
+float32 [rows, vocab] output for the backward, whose gradient is another: at GPT-2's 8192 x 50304
+each is 1.5 GiB, twice the bf16 logits. Plain PyTorch under CUDA autocast takes bf16
+log-probabilities instead, which a split vocabulary (a float32 ``reduce_logsumexp`` across
+processors) would not reproduce: layouts never change results.
+
+:func:`cross_entropy_rows` keeps float32 and drops the tensors. Forward, chunk by chunk of rows:
+``log_softmax(chunk, dtype=float32)`` and the target's entry (the loss the whole-tensor formula
+gives, row for row); each chunk's float32 block dies before the next one is made. Saved: the logits
+and the ids (plus the [rows] float32 log-sum-exp where ``z_loss`` asks for it). Backward, chunk by
+chunk again: ``softmax(chunk, dtype=float32)``, minus one at the target, times the upstream
+gradient, written in the logits' dtype. Float32 temporaries: a chunk of :data:`CHUNK_BYTES` and
+its cast copy at most, plus a number per row.
+
+Under ``torch.compile`` the rows are one chunk, the backward's softmax is ``exp(x - lse)`` from the
+saved log-sum-exp and the one-hot a compare: Inductor makes the forward one reduction kernel and the
+backward one pointwise kernel, each reading the bf16 logits (and the backward writing their bf16
+gradient), holding no float32 [rows, vocab] block at all.
+
+Example:
+    >>> import torch, torch.nn.functional as F
+    >>> from meshtorch.ops.cross_entropy_rows import cross_entropy_rows
+    >>> t = torch.randn(5, 11, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+    >>> ids = torch.tensor([0, 3, 10, 4, 4])
+    >>> loss = cross_entropy_rows(t, ids)
+    >>> loss.dtype
+    torch.float32
+    >>> torch.allclose(loss, F.cross_entropy(t.float(), ids, reduction="none"), rtol=1e-6, atol=1e-6)
+    True
+    >>> loss.sum().backward(); t.grad.dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from meshtorch.lowering.lower import is_dynamo_compiling
+
+#: float32 bytes of one chunk of rows (forward's log-probabilities, backward's probabilities).
+#: 64 MiB is 333 rows of a 50304-word vocabulary: 25 chunks of GPT-2's 8192-row batch, each a few
+#: kernels (fewer rows would add launches and leave a GPU's SMs idle: a softmax kernel takes a row
+#: per block).
+CHUNK_BYTES = 64 << 20
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows of ``vocab`` float32 entries that fit :data:`CHUNK_BYTES` (at least one).
+
+    Example:
+        >>> from meshtorch.ops.cross_entropy_rows import chunk_rows
+        >>> chunk_rows(50304)
+        333
+    """
+    return max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+
+
+class _CrossEntropyRows(torch.autograd.Function):
+    """``logsumexp_fp32(x) - x[ids]`` (+ ``z_loss * logsumexp**2``) per row of ``x`` [rows, vocab],
+    ``valid`` (a bool per row, or ``None``) zeroing the loss and gradient of ignored rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
+                z_loss: float) -> torch.Tensor:
+        whole = is_dynamo_compiling()
+        step = chunk_rows(x.shape[-1])  # (the backward's chunks too)
+        if whole:
+            # Inductor: one reduction kernel over the bf16 rows; nothing float32 [rows, vocab] is made
+            lse = torch.logsumexp(x.float(), -1)
+            loss = lse - x.gather(-1, ids[:, None]).squeeze(-1).float()
+        else:
+            picked, lses = [], []
+            # split: every chunk's view made in one call (a Python call per kernel is the cost here)
+            for chunk, at in zip(x.split(step), ids[:, None].split(step)):
+                logp = torch.log_softmax(chunk, -1, dtype=torch.float32)
+                picked.append(logp.gather(-1, at))
+                if z_loss:
+                    # log-sum-exp to float32 rounding: the largest log-probability is max - lse,
+                    # made from max - max = 0 exactly
+                    lses.append(chunk.amax(-1).float() - logp.amax(-1))
+                del logp  # (freed before the next chunk's)
+            loss = -torch.cat(picked).squeeze(-1)
+            lse = torch.cat(lses) if z_loss else None
+        if z_loss:
+            loss = loss + z_loss * lse.square()
+        if valid is not None:
+            loss = loss.masked_fill(~valid, 0.0)
+        ctx.whole, ctx.z_loss, ctx.step = whole, z_loss, step
+        ctx.save_for_backward(x, ids, valid, lse if z_loss or whole else None)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, ids, valid, lse = ctx.saved_tensors
+        g = grad.float() if valid is None else grad.float().masked_fill(~valid, 0.0)
+        # d loss / d x = softmax(x) * (1 + 2 z lse) - onehot(ids), times the row's upstream gradient
+        scale = g * (1 + 2 * ctx.z_loss * lse) if ctx.z_loss else g
+        if ctx.whole:
+            # one pointwise kernel for Inductor: softmax from the saved log-sum-exp, no reduction
+            hit = torch.arange(x.shape[-1], device=x.device) == ids[:, None]
+            p = torch.exp(x.float() - lse[:, None])
+            return (p * scale[:, None] - hit * g[:, None]).to(x.dtype), None, None, None
+        out = torch.empty_like(x)
+        step = min(ctx.step, x.shape[0])  # (rows fewer than a chunk's: minus_one no longer than them)
+        if ctx.z_loss:
+            minus = (-g[:, None]).split(step)
+            for chunk, at, into, by, less in zip(x.split(step), ids[:, None].split(step), out.split(step),
+                                                 scale[:, None].split(step), minus):
+                p = torch.softmax(chunk, -1, dtype=torch.float32)
+                p.mul_(by)
+                p.scatter_add_(-1, at, less)
+                into.copy_(p)
+                del p
+        else:  # (p - onehot) * g, the product written in x's dtype: one float32 pass less
+            minus_one = torch.full((step, 1), -1.0, dtype=torch.float32, device=x.device)
+            for chunk, at, into, by in zip(x.split(step), ids[:, None].split(step), out.split(step),
+                                           g[:, None].split(step)):
+                p = torch.softmax(chunk, -1, dtype=torch.float32)
+                p.scatter_add_(-1, at, minus_one[:len(at)])
+                torch.mul(p, by, out=into)
+                del p
+        return out, None, None, None
+
+
+def cross_entropy_rows(t: torch.Tensor, ids: torch.Tensor, dim: int = -1, ignore_index: int | None = None,
+                       z_loss: float = 0.0) -> torch.Tensor:
+    """Per-example float32 ``-log_softmax(t)[ids]`` over ``dim`` of local logits ``t`` (bf16, fp16 or
+    float32: the arithmetic is float32), ``ids`` holding ``t``'s other dims in order; a position whose id is
+    ``ignore_index`` gets loss and gradient 0; ``z_loss`` adds ``z_loss * logsumexp(t)**2``.
+    Autograd keeps ``t``, ``ids`` and at most a float32 number per row (see the module's docstring).
+    Ids must be in range (or ``ignore_index``): the caller checks them.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.ops.cross_entropy_rows import cross_entropy_rows
+        >>> t = torch.zeros(2, 4, dtype=torch.bfloat16)
+        >>> [round(x, 5) for x in cross_entropy_rows(t, torch.tensor([1, -100]), ignore_index=-100).tolist()]
+        [1.38629, 0.0]
+    """
+    x = t.movedim(dim, -1)
+    out_shape = x.shape[:-1]
+    # a view where t's vocabulary is its last, contiguous dim (the LM's logits); else a copy, which
+    # autograd then keeps in place of t
+    x = x.reshape(-1, x.shape[-1])
+    ids = ids.reshape(-1)
+    valid = None
+    if ignore_index is not None:
+        valid = ids != ignore_index
+        ids = ids.clamp(0, x.shape[-1] - 1)  # in bounds for gather; the row's loss is zeroed
+    return _CrossEntropyRows.apply(x, ids, valid, float(z_loss)).reshape(out_shape)

@@ -1,0 +1,321 @@
+"""``cross_entropy_rows``, ``mt.cross_entropy``'s fused hard-target path for bf16/fp16 logits: the
+float32 loss and the gradient of the float64 computation on the same logits, across chunk boundaries,
+with ``ignore_index`` and ``z_loss``, on every layout the strategies draw (a split vocabulary takes
+the composed float32 path: the same numbers); nothing float32 [rows, vocab] saved for the backward
+(saved-tensor hooks), the CPU allocator's peak a chunk's, not the rows', ``torch.compile(fullgraph=True)``
+and the planner's trace."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from functorch.compile import make_boxed_func
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.backends.common import aot_autograd
+
+import meshtorch as mt
+import meshtorch.ops.cross_entropy_rows as rows_module
+import meshtorch.ops.nn as nn_ops
+from bench_harness import load_benchmark
+from mesh_harness import meshes, rules_for
+from meshtorch.compiler import compile_step, graph_breaks
+from meshtorch.ops.cross_entropy_rows import chunk_rows, cross_entropy_rows
+
+ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # the relative step between neighbours
+
+
+@contextlib.contextmanager
+def chunks_of(rows: int, vocab: int):
+    """cross_entropy_rows in chunks of ``rows`` rows of ``vocab`` (a test's size, not 64 MiB)."""
+    saved = rows_module.CHUNK_BYTES
+    rows_module.CHUNK_BYTES = 4 * vocab * rows
+    try:
+        assert chunk_rows(vocab) == rows
+        yield
+    finally:
+        rows_module.CHUNK_BYTES = saved
+
+
+def reference(x: torch.Tensor, ids: torch.Tensor, ignore_index, z_loss: float) -> torch.Tensor:
+    """Per-row loss of ``x`` [rows, vocab] as ``mt.cross_entropy`` defines it, by torch's own ops
+    in whatever dtype ``x`` has (float64 here)."""
+    per = F.cross_entropy(x, ids, ignore_index=-1000 if ignore_index is None else ignore_index,
+                          reduction="none") + z_loss * torch.logsumexp(x, -1).square()
+    return per if ignore_index is None else per.masked_fill(ids == ignore_index, 0.0)
+
+
+def logits_and_ids(n: int, v: int, dtype, ignore_index, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, v, generator=g, dtype=torch.float64) * 3).to(dtype)
+    ids = torch.randint(0, v, (n,), generator=g)
+    if ignore_index is not None:
+        ids[::3] = ignore_index
+    return x, ids, torch.randn(n, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ignore_index", [None, -100, 3])
+@pytest.mark.parametrize("z_loss", [0.0, 0.25])
+def test_rows_are_the_float64_loss_and_gradient_across_chunk_boundaries(dtype, ignore_index, z_loss):
+    """11 rows in chunks of 4 (4, 4, 3): the loss within float32 rounding of the float64 loss of the
+    same low-precision logits (and of meshtorch's former formula, log_softmax in float32), the
+    gradient the float64 gradient rounded to the logits' dtype (within one step of it)."""
+    n, v = 11, 37
+    x, ids, up = logits_and_ids(n, v, dtype, ignore_index)
+    x = x.requires_grad_()
+    with chunks_of(4, v):
+        loss = cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
+        (loss * up.float()).sum().backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == dtype
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, ignore_index, z_loss)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    safe = ids.clamp(0, v - 1)
+    former = -torch.log_softmax(x.detach(), -1, dtype=torch.float32).gather(-1, safe[:, None]).squeeze(-1)
+    former = former + z_loss * torch.logsumexp(x.detach().float(), -1).square()
+    if ignore_index is not None:
+        former = former.masked_fill(ids == ignore_index, 0.0)
+    torch.testing.assert_close(loss, former, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[dtype], atol=1e-6)
+    if ignore_index is not None:
+        assert (x.grad[ids == ignore_index] == 0).all() and (loss[ids == ignore_index] == 0).all()
+
+
+def test_any_dim_order_and_one_row_chunks():
+    """The vocabulary first (a copy to rows, and back), chunks of one row."""
+    x, ids, _ = logits_and_ids(6, 5, torch.bfloat16, None, seed=1)
+    t = x.t().contiguous().requires_grad_()  # [vocab, rows]
+    with chunks_of(1, 5):
+        loss = cross_entropy_rows(t, ids, dim=0)
+        loss.sum().backward()
+    x64 = x.double().requires_grad_()
+    want = reference(x64, ids, None, 0.0)
+    want.sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(t.grad.double(), x64.grad.t(), rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
+@pytest.mark.parametrize("ignore_index", [None, -100])
+@pytest.mark.parametrize("bad", [-1, 8])
+def test_a_target_outside_the_vocabulary_raises_the_id_check_s_error(ignore_index, bad):
+    """bf16 logits: the same ArgumentError as float32's path, whether gather finds the bad id
+    (no ignore_index, ids on the host) or check_ids does first; alone, no gather error chained."""
+    logits = mt.from_global(torch.zeros(2, 3, 8, dtype=torch.bfloat16), "batch:2,length:3,vocab:8")
+    ids = mt.from_global(torch.tensor([[1, bad, 0], [3, 5, 2]]), "batch:2,length:3")
+    with pytest.raises(mt.errors.ArgumentError, match=rf"targets hold {bad}, outside dim 'vocab'") as e:
+        mt.cross_entropy(logits, ids, "vocab", ignore_index=ignore_index)
+    assert e.value.__suppress_context__ or e.value.__context__ is None
+
+
+SIZES = st.integers(1, 5)
+
+
+@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       z_loss=st.sampled_from([0.0, 0.1]), reduction=st.sampled_from(["none", "mean", "sum"]))
+@settings(max_examples=12, deadline=None)
+def test_low_precision_logits_give_the_float32_loss_on_any_layout(data, dtype, z_loss, reduction):
+    """``mt.cross_entropy`` of bf16/fp16 logits on a drawn mesh and rules (the vocabulary whole: rows,
+    in chunks of 2 rows; split: the composed float32 path) is the float64 loss of the same logits
+    within float32 rounding, its gradient the float64 one within a step of the logits' dtype."""
+    mesh = data.draw(meshes())
+    rules = data.draw(rules_for(mesh, ["batch", "length", "vocab"]))
+    b, n, v = data.draw(SIZES), data.draw(SIZES), data.draw(st.integers(2, 9))
+    ignore = data.draw(st.sampled_from([None, -100, v - 1]))
+    x, ids, up = logits_and_ids(b * n, v, dtype, ignore, seed=data.draw(st.integers(0, 99)))
+    ids[0] = 0  # one position counts, so the mean is a number
+    shape = f"batch:{b},length:{n},vocab:{v}"
+
+    def program():
+        lg = mt.from_global(x.reshape(b, n, v), shape, requires_grad=True)
+        per = mt.cross_entropy(lg, mt.from_global(ids.reshape(b, n), f"batch:{b},length:{n}"), "vocab",
+                               ignore_index=ignore, z_loss=z_loss, reduction=reduction)
+        weights = mt.from_global(up.reshape(b, n).float(), f"batch:{b},length:{n}")
+        (mt.reduce_sum(per * weights) if reduction == "none" else per).backward()
+        return per.dtype, per.to_global(), lg.grad.to_global()
+
+    x64 = x.double().requires_grad_()
+    per64 = reference(x64, ids, ignore, z_loss)
+    counted = ids != ignore if ignore is not None else torch.ones_like(ids, dtype=torch.bool)
+    want = {"none": per64, "sum": per64.sum(), "mean": per64.sum() / counted.sum()}[reduction]
+    (want * up).sum().backward() if reduction == "none" else want.backward()
+    with chunks_of(2, v):
+        outs = mt.launch(program, mesh=mesh, rules=rules)
+    for dt, got, grad in outs:
+        assert dt == torch.float32 and grad.dtype == dtype
+        torch.testing.assert_close(got.double().reshape(want.shape), want.detach(), rtol=4e-6, atol=4e-6)
+        torch.testing.assert_close(grad.double().reshape(b * n, v), x64.grad, rtol=ULP[dtype], atol=1e-6)
+
+
+def _saved_by_loss(n: int, v: int) -> list[tuple[torch.dtype, int]]:
+    """(dtype, elements) of every tensor autograd saves for the backward of the mean bf16 loss."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    logits = mt.from_global(torch.randn(2, n // 2, v).bfloat16(), f"batch:2,length:{n // 2},vocab:{v}",
+                            requires_grad=True)
+    ids = mt.from_global(torch.randint(0, v, (2, n // 2)), f"batch:2,length:{n // 2}")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = mt.reduce_mean(mt.cross_entropy(logits, ids, "vocab", ignore_index=-100, z_loss=1e-4))
+    loss.backward()
+    return saved
+
+
+def test_nothing_float32_rows_by_vocab_is_saved_for_the_backward(monkeypatch):
+    """Saved: the bf16 logits and numbers per row. The former formula (``ROWS_DTYPES`` empty) saved
+    the float32 [rows, vocab] log-probabilities: the check sees them there."""
+    n, v = 8, 300
+    saved = _saved_by_loss(n, v)
+    assert (torch.bfloat16, n * v) in saved, saved
+    assert max(k for dt, k in saved if dt == torch.float32) <= n, saved
+    monkeypatch.setattr(nn_ops, "ROWS_DTYPES", ())
+    assert (torch.float32, n * v) in _saved_by_loss(n, v)
+
+
+def test_the_cpu_allocator_peak_is_a_chunk_not_the_rows(monkeypatch):
+    """torch.profiler's allocations (``benchmarks/allocator_peak.py``) over a forward and backward of
+    bf16 logits [250, 1000] in chunks of 32 rows: at most the logits, their gradient and three
+    chunks of float32 (a chunk, its cast copy, the CPU's float32 product before its bf16 copy) and
+    a few KiB; the former formula holds two float32 copies of the rows more."""
+    step_peaks = load_benchmark("allocator_peak").step_peaks
+    n, v = 250, 1000
+    x0, ids, _ = logits_and_ids(n, v, torch.bfloat16, None)
+
+    def step(x):
+        x.grad = None
+        cross_entropy_rows(x, ids).mean().backward()
+
+    def former(x):
+        x.grad = None
+        (-torch.log_softmax(x, -1, dtype=torch.float32).gather(-1, ids[:, None])).mean().backward()
+
+    def made():
+        return x0.clone().requires_grad_()
+
+    with chunks_of(32, v):
+        peak = min(step_peaks(made, step, 2))
+    logits = n * v * 2
+    bound = 2 * logits + 3 * rows_module.CHUNK_BYTES + 16 * 1024
+    assert 2 * logits <= peak <= bound, (peak, bound)
+    assert min(step_peaks(made, former, 2)) >= 2 * logits + 2 * n * v * 4
+
+
+def test_compiled_with_fullgraph_is_the_eager_loss_and_saves_no_float32_rows():
+    """``compile_step(fullgraph=True)`` (Dynamo traces the autograd.Function: one chunk, the
+    backward from the saved log-sum-exp): no break, the eager loss and gradient, and the backward
+    graph takes nothing float32 [rows, vocab]."""
+    backward_inputs = []
+
+    def bw(gm, inputs):
+        backward_inputs.extend((t.dtype, t.numel()) for t in inputs if isinstance(t, torch.Tensor))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=bw)
+    b, n, v = 2, 6, 40
+    x, ids, _ = logits_and_ids(b * n, v, torch.bfloat16, -100)
+
+    def loss_fn(lg, tg):
+        return mt.reduce_mean(mt.cross_entropy(lg, tg, "vocab", ignore_index=-100, z_loss=0.01,
+                                               reduction="none"))
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (loss_fn, compile_step(loss_fn, backend, fullgraph=True)):
+        lg = mt.from_global(x.reshape(b, n, v), f"batch:{b},length:{n},vocab:{v}", requires_grad=True)
+        loss = fn(lg, mt.from_global(ids.reshape(b, n), f"batch:{b},length:{n}"))
+        loss.backward()
+        results.append((loss.item(), lg.grad.to_global()))
+    torch._dynamo.reset()
+    (eager, eager_grad), (compiled, grad) = results
+    assert graph_breaks() == {}
+    assert compiled == pytest.approx(eager, rel=1e-6)
+    torch.testing.assert_close(grad.float(), eager_grad.float(), rtol=ULP[torch.bfloat16], atol=1e-6)
+    assert (torch.bfloat16, b * n * v) in backward_inputs, backward_inputs
+    assert max(k for dt, k in backward_inputs if dt == torch.float32) <= b * n, backward_inputs
+
+
+def test_the_planner_traces_the_chunks_and_their_peak(monkeypatch):
+    """The meta backend's trace (``mt.plan.trace``) of a bf16 loss step runs the chunks: a
+    ``_log_softmax`` forward and a ``_softmax`` backward per chunk; its peak holds a chunk, not the
+    rows, two float32 copies of the rows below the former formula's."""
+    n, v = 64, 512
+
+    def step():  # the logits a product of small factors: the loss is the peak
+        h = mt.cast(mt.random.normal(f"batch:{n},d:4", seed=0), torch.bfloat16).requires_grad_()
+        w = mt.cast(mt.random.normal(f"d:4,vocab:{v}", seed=2), torch.bfloat16).requires_grad_()
+        logits = mt.einsum("batch d, d vocab -> batch vocab", h, w)
+        ids = mt.cast(mt.random.uniform(f"batch:{n}", 0, v, seed=1) * 0.999, torch.int64)
+        mt.reduce_mean(mt.cross_entropy(logits, ids, "vocab")).backward()
+
+    with chunks_of(10, v):  # 7 chunks, the last of 4 rows
+        rows_trace = mt.plan.trace(step, mesh="b:1", rules="batch:b")
+        chunk = rows_module.CHUNK_BYTES
+    counts = {}
+    for key, c in rows_trace.kernels.items():
+        counts[key[0]] = counts.get(key[0], 0) + c
+    assert counts["_log_softmax"] == counts["_softmax"] == 7, counts
+    monkeypatch.setattr(nn_ops, "ROWS_DTYPES", ())
+    former = mt.plan.trace(step, mesh="b:1", rules="batch:b")
+    assert "_softmax" not in {k[0] for k in former.kernels}
+    # the logits and their gradient (bf16), a chunk and its cast copy, the small factors
+    assert rows_trace.peak_bytes <= 2 * n * v * 2 + 3 * chunk + 8192, rows_trace.peak_bytes
+    # the former formula: also the float32 log-probabilities and their gradient
+    assert former.peak_bytes - rows_trace.peak_bytes >= 2 * n * v * 4, (rows_trace.peak_bytes,
+                                                                         former.peak_bytes)
+
+
+def test_the_bf16_lm_step_compiles_once_as_one_graph_with_the_eager_losses(monkeypatch):
+    """The tiny LM under bf16 autocast (its loss on cross_entropy_rows) compiled with
+    ``fullgraph=True`` (``aot_eager``): one forward and one backward graph over three AdamW steps,
+    no break, the eager steps' losses."""
+    from meshtorch import amp
+    from meshtorch.models import DecoderLM, TransformerConfig
+
+    cfg = TransformerConfig(vocab=32, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=8,
+                            tie_embeddings=False)
+    g = torch.Generator().manual_seed(0)
+    data = [tuple(torch.randint(0, 32, (4, 8), generator=g) for _ in range(2)) for _ in range(3)]
+    graphs = {"forward": 0, "backward": 0}
+
+    def counted(kind):
+        def compiler(gm, _):
+            graphs[kind] += 1
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def train(backend):
+        model = DecoderLM(cfg, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def loss_of(ids, tgt):
+            with amp.autocast(torch.bfloat16):
+                return model.loss(ids, tgt)
+
+        fn = loss_of if backend is None else compile_step(loss_of, backend, fullgraph=True)
+        losses = []
+        for ids, tgt in data:
+            loss = fn(mt.from_global(ids, "batch:4,length:8"), mt.from_global(tgt, "batch:4,length:8"))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    calls = []
+    monkeypatch.setattr(nn_ops, "cross_entropy_rows",
+                        lambda *a, **k: calls.append(1) or cross_entropy_rows(*a, **k))
+    torch._dynamo.reset()
+    eager = train(None)
+    assert len(calls) == len(data)  # (the eager steps' loss is cross_entropy_rows)
+    monkeypatch.undo()
+    compiled = train(aot_autograd(fw_compiler=counted("forward"), bw_compiler=counted("backward")))
+    torch._dynamo.reset()
+    assert graphs == {"forward": 1, "backward": 1} and graph_breaks() == {}
+    assert compiled == pytest.approx(eager, rel=1e-5)
