@@ -30,7 +30,7 @@ ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # the relative ste
 
 @contextlib.contextmanager
 def chunks_of(rows: int, vocab: int):
-    """cross_entropy_rows in chunks of ``rows`` rows of ``vocab`` (a test's size, not 64 MiB)."""
+    """cross_entropy_rows in chunks of ``rows`` rows of ``vocab`` (a test's size, not 256 MiB)."""
     saved = rows_module.CHUNK_BYTES
     rows_module.CHUNK_BYTES = 4 * vocab * rows
     try:

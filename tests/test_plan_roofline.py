@@ -218,10 +218,11 @@ def test_the_124m_gpt2_step_on_an_h100_is_planned_within_a_quarter(monkeypatch):
     assert 0.9 <= formula.memory_bytes["total"] / (MEASURED_124M_H100_PEAK_GIB * gib) <= 1.1, formula.table()
     assert 0.9 <= formula_fused.memory_bytes["total"] / (MEASURED_124M_COMPILED_H100_PEAK_GIB * gib) <= 1.1
     # the loss of bf16 logits is cross_entropy_rows now: neither the float32 log-probabilities nor
-    # their gradient (1.5 GiB each) is held, eager (planned 6.14 GiB, to be measured on a GPU); compiled,
-    # plain PyTorch's compiled peak, which meshtorch's missed by about one of them (planned 5.06 GiB)
+    # their gradient (1.5 GiB each) is held, only two float32 chunks of 256 MiB (eager planned 6.51
+    # GiB, to be measured on a GPU); compiled, plain PyTorch's compiled peak, which meshtorch's missed
+    # by about one of them (planned 5.06 GiB)
     rows_fp32 = 8192 * 50304 * 4
-    assert formula.memory_bytes["total"] - est.memory_bytes["total"] >= 1.8 * rows_fp32, est.table()
+    assert formula.memory_bytes["total"] - est.memory_bytes["total"] >= 1.5 * rows_fp32, est.table()
     assert 0.9 <= fused.memory_bytes["total"] / (MEASURED_124M_COMPILED_PLAIN_PEAK_GIB * gib) <= 1.1
 
 
