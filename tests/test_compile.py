@@ -339,6 +339,54 @@ def test_a_processor_calls_its_compiled_step_while_another_compiles():
     assert mt.launch(call_while_the_other_processor_fx_traces, *events, mesh="b:2") == [4.0, 8.0]
 
 
+def test_dynamos_fx_trace_check_is_back_once_the_compiled_steps_return():
+    """The check thread-processors' compiled steps turn off (Dynamo's process-wide
+    ``force_compile_during_fx_trace`` on torch 2.11) is back to its setting after the launch: left
+    on, a user's own FX trace of a compiled function would go through."""
+    config = torch._dynamo.config
+    if not hasattr(config, "force_compile_during_fx_trace"):
+        pytest.skip("this torch's Dynamo has no force_compile_during_fx_trace")
+    before = config.force_compile_during_fx_trace
+
+    def step():
+        x = mt.from_global(torch.arange(4.0), "batch:4")
+        return compile_step(mt.reduce_sum, backend="eager")(x).item()
+
+    assert mt.launch(step, mesh="b:2", rules="batch:b") == [6.0, 6.0]
+    assert config.force_compile_during_fx_trace == before
+    from meshtorch import compiler
+
+    assert compiler._fx_off["calls"] == 0
+
+
+@pytest.mark.parametrize("launched_from", ["main", "thread"])
+def test_a_fake_cuda_guard_that_fails_to_register_leaves_launches_alone(monkeypatch, launched_from):
+    """Registering the fake CUDA guard is only for traces: where torch's call raises, a launch (from
+    the main thread or another) still runs; it hung forever when launched from a thread."""
+    import threading
+
+    from meshtorch.launcher import threads
+
+    def refuse():
+        raise RuntimeError("no fake guard here")
+
+    monkeypatch.setattr(torch._C, "_ensureCUDADeviceGuardSet", refuse, raising=False)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    threads.keep_fake_cuda_guard.cache_clear()
+    try:
+        got = []
+        if launched_from == "main":
+            got.append(mt.launch(lambda: 1, mesh="b:2"))
+        else:
+            t = threading.Thread(target=lambda: got.append(mt.launch(lambda: 1, mesh="b:2")), daemon=True)
+            t.start()
+            t.join(30)
+        assert got == [[1, 1]]
+    finally:
+        threads.keep_fake_cuda_guard.cache_clear()
+
+
 # thread-processors compile, the launch ends, then the launching process traces again
 AFTER_PROCESSORS_TRACED = """
 import sys, threading, torch, meshtorch as mt
@@ -361,6 +409,8 @@ print(step(), flush=True)
 """
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built() or torch.cuda.is_available(),
+                    reason="only a CUDA build of torch without a visible GPU registers a fake CUDA guard")
 @pytest.mark.parametrize("launched_from", ["main", "thread"])
 def test_a_trace_after_thread_processors_traced_does_not_crash(launched_from):
     """On a CUDA build of torch without a visible GPU (torch 2.11 CUDA on this CPU), each

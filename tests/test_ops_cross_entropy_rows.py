@@ -319,3 +319,29 @@ def test_the_bf16_lm_step_compiles_once_as_one_graph_with_the_eager_losses(monke
     torch._dynamo.reset()
     assert graphs == {"forward": 1, "backward": 1} and graph_breaks() == {}
     assert compiled == pytest.approx(eager, rel=1e-5)
+
+
+@pytest.mark.parametrize(("z_loss", "ignore"), [(0.0, None), (1e-2, None), (0.0, -100), (1e-2, -100)])
+def test_a_gradient_penalty_differentiates_the_rows_gradient_again(z_loss, ignore):
+    """A backward with ``create_graph=True`` (a gradient-norm penalty) gives a gradient autograd
+    differentiates again, as the whole-tensor formula's: the second-order term of an earlier weight
+    (it was silently dropped: the first backward's result was a constant)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, dtype=torch.float64, generator=gen)
+    a0 = torch.randn(6, 8, dtype=torch.float64, generator=gen)
+    w0 = torch.randn(8, 11, dtype=torch.float64, generator=gen)
+    ids = torch.tensor([0, 3, 10, -100 if ignore else 4, 4])
+
+    def second_order(loss_of):
+        a, w = a0.clone().requires_grad_(), w0.clone().requires_grad_()
+        g_w, = torch.autograd.grad(loss_of(x @ a @ w).sum(), w, create_graph=True)
+        return torch.autograd.grad(g_w.square().sum(), a)[0]
+
+    def formula(t):
+        kept = ids != -100
+        ce = F.cross_entropy(t, ids.clamp(min=0), reduction="none")
+        return (ce + z_loss * torch.logsumexp(t, -1).square()) * kept
+
+    got = second_order(lambda t: cross_entropy_rows(t, ids, ignore_index=ignore, z_loss=z_loss))
+    want = second_order(formula)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

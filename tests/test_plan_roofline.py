@@ -83,11 +83,21 @@ def test_an_in_place_scatter_moves_the_elements_it_writes_not_its_target():
             p.scatter_add_(-1, at, torch.ones(64, 1, device="meta"))   # the index, the values, 64 writes
             rows = torch.zeros(8, dtype=torch.int64, device="meta")
             p.index_put_((rows,), torch.ones(8, 1000, device="meta"))   # 8 rows of values
+            # indices that broadcast to 8 x 1000 positions, one value for all: 8000 writes, and with
+            # accumulate each position read too
+            r, c = (torch.zeros(8, 1, dtype=torch.int64, device="meta"),
+                    torch.zeros(1, 1000, dtype=torch.int64, device="meta"))
+            p.index_put_((r, c), torch.ones((), device="meta"))
+            p.index_put_((r, c), torch.ones((), device="meta"), accumulate=True)
 
     _, kernels = _one(step)
+    puts = [key for key in kernels if key[0] == "index_put_"]
     by = {key[0]: key for key in kernels}
-    assert by["scatter_add_"][3] == 64 * 8 + 64 * 4 + 64 * 4
-    assert by["index_put_"][3] == 8 * 8 + 8 * 1000 * 4 + 8 * 1000 * 4
+    # scatter_add_ reads the 64 elements it adds to as well as writing them
+    assert by["scatter_add_"][3] == 64 * 8 + 64 * 4 + 2 * 64 * 4
+    assert puts[0][3] == 8 * 8 + 8 * 1000 * 4 + 8 * 1000 * 4
+    assert puts[1][3] == 8 * 8 + 1000 * 8 + 4 + 8000 * 4
+    assert puts[2][3] == 8 * 8 + 1000 * 8 + 4 + 2 * 8000 * 4
 
 
 def test_fused_attention_is_priced_as_its_kernel():

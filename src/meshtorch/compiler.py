@@ -28,7 +28,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -67,14 +69,16 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
     n = current().mesh.size
     config.recompile_limit = max(config.recompile_limit, 2 * n)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * n)
-    if n > 1 and current().comm.backend == "threads" and hasattr(config, "force_compile_during_fx_trace"):
-        # thread-processors share torch.fx's process-wide 'symbolic tracing' flag, which one's
-        # compile sets while AOTAutograd traces: torch 2.11 then refused another processor's call of
-        # its compiled step ('Detected that you are using FX to symbolically trace a
-        # dynamo-optimized function'; 2.13 masks the flag by marking the process compiling during
-        # any compile). No processor FX-traces a compiled step, so the refusal only misfires: the
-        # call goes on (a first call's compile waits on Dynamo's compile lock, a compiled one runs)
-        config.force_compile_during_fx_trace = True
+    # thread-processors share torch.fx's process-wide 'symbolic tracing' flag, which one's compile
+    # sets while AOTAutograd traces: torch 2.11 then refused another processor's call of its
+    # compiled step ('Detected that you are using FX to symbolically trace a dynamo-optimized
+    # function'; 2.13 masks the flag by marking the process compiling during any compile). No
+    # processor FX-traces a compiled step, so the refusal only misfires: Dynamo's
+    # force_compile_during_fx_trace lets the call go on, set only while some processor's compiled
+    # step runs (a process-wide setting on 2.11: left on, it would wave through a user's own FX
+    # trace of a compiled function after the launch)
+    shared = (n > 1 and current().comm.backend == "threads"
+              and hasattr(config, "force_compile_during_fx_trace"))
 
     def traced(*args: Any, **kwargs: Any) -> tuple[Any, int]:
         tally = begin_traced()  # a constant of the trace: the tally its collectives are noted in
@@ -84,13 +88,37 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
 
     def step(*args: Any, **kwargs: Any) -> Any:
         _values_in((args, kwargs))
-        out, tally = compiled(*args, **kwargs)
+        with _fx_trace_check_off(config) if shared else nullcontext():
+            out, tally = compiled(*args, **kwargs)
         stats = current().comm.stats
         for kind, axes, nbytes in traced_tally(tally):
             stats.record(kind, axes, nbytes)
         return out
 
     return step
+
+
+_fx_off_lock = threading.Lock()
+_fx_off = {"calls": 0, "before": False}  # compiled steps running with the check off; its setting before
+
+
+@contextmanager
+def _fx_trace_check_off(config: Any) -> Iterator[None]:
+    """Dynamo's ``force_compile_during_fx_trace`` on while any thread-processor's compiled step
+    runs, back to its value before when the last one returns (counted: one processor's return
+    must not turn it off under another that is still compiling)."""
+    with _fx_off_lock:
+        if _fx_off["calls"] == 0:
+            _fx_off["before"] = config.force_compile_during_fx_trace
+            config.force_compile_during_fx_trace = True
+        _fx_off["calls"] += 1
+    try:
+        yield
+    finally:
+        with _fx_off_lock:
+            _fx_off["calls"] -= 1
+            if _fx_off["calls"] == 0:
+                config.force_compile_during_fx_trace = _fx_off["before"]
 
 
 def _values_in(x: Any) -> None:

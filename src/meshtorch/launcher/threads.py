@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -155,13 +156,20 @@ def keep_fake_cuda_guard() -> None:
     ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
     if ensure is None or not torch.backends.cuda.is_built() or torch.cuda.is_available():
         return
+    # only a trace needs the guard: a failure to register it leaves eager launches alone (a
+    # trace then meets torch's own error)
     if threading.current_thread() is threading.main_thread():
-        ensure()
+        with contextlib.suppress(Exception):
+            ensure()
         return
     registered = threading.Event()
 
     def keep() -> None:
-        ensure()
+        try:
+            ensure()
+        except Exception:  # noqa: BLE001 - as above; the launch must not wait for it forever
+            registered.set()
+            return
         registered.set()
         threading.Event().wait()  # the guard lives as long as this thread: the process
 

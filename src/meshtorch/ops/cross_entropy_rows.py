@@ -37,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from meshtorch.lowering.lower import is_dynamo_compiling
 
@@ -96,9 +95,10 @@ class _CrossEntropyRows(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, ids, valid, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a backward with create_graph=True: a differentiable expression
+            return _differentiable_grad(x, ids, valid, grad, ctx.z_loss), None, None, None
         g = grad.float() if valid is None else grad.float().masked_fill(~valid, 0.0)
         # d loss / d x = softmax(x) * (1 + 2 z lse) - onehot(ids), times the row's upstream gradient
         scale = g * (1 + 2 * ctx.z_loss * lse) if ctx.z_loss else g
@@ -127,6 +127,17 @@ class _CrossEntropyRows(torch.autograd.Function):
                 torch.mul(p, by, out=into)
                 del p
         return out, None, None, None
+
+
+def _differentiable_grad(x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
+                         grad: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """The gradient of the rows' loss as autograd can differentiate again (a gradient penalty's
+    second backward): the whole-tensor formula, float32 [rows, vocab] blocks and all, only then."""
+    g = grad.float() if valid is None else grad.float().masked_fill(~valid, 0.0)
+    xf = x.float()
+    scale = g * (1 + 2 * z_loss * torch.logsumexp(xf, -1)) if z_loss else g
+    hit = torch.arange(x.shape[-1], device=x.device) == ids[:, None]
+    return (torch.softmax(xf, -1) * scale[:, None] - hit * g[:, None]).to(x.dtype)
 
 
 def cross_entropy_rows(t: torch.Tensor, ids: torch.Tensor, dim: int = -1, ignore_index: int | None = None,

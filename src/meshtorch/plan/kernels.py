@@ -56,6 +56,8 @@ PICKS = frozenset({"gather", "index", "index_select", "embedding"})
 # in place at the positions an index names: they read the index and the values and write as many
 # elements of their target, not the whole target (a loss's "minus one at the target" of a chunk)
 PUTS = frozenset({"scatter_", "scatter_add_", "scatter_reduce_", "index_put_", "index_add_", "index_copy_"})
+# of those, the ones that read the target elements they update (read, combine, write)
+ACCUMULATING_PUTS = frozenset({"scatter_add_", "scatter_reduce_", "index_add_"})
 FUSED_OPTIMIZERS = frozenset({"_fused_adam_", "_fused_adamw_"})
 _LIST_TENSORS, _LIST_ELEMENTS = 48, 320 * 65536   # multi_tensor_apply's chunking
 
@@ -117,8 +119,15 @@ def kernel_of(func, args: tuple, kwargs: dict, out: Any, flops: int, dtype: str)
         return (name, dtype, flops, read_bytes + sum(footprint(t) for t in outs), (), 1, 0)
     elif name in PUTS and targets:
         read = [t for t in ins if all(t is not w for w in targets)]
-        written = max(t.numel() for t in read) * targets[0].element_size()
-        return (name, dtype, flops, sum(footprint(t) for t in read) + written, (), 1, 0)
+        try:  # index_put_'s indices and values broadcast to the positions written
+            elements = math.prod(torch.broadcast_shapes(*(t.shape for t in read)))
+        except RuntimeError:  # index_add_/index_copy_: an index along one dim of the source
+            elements = max(t.numel() for t in read)
+        written = elements * targets[0].element_size()
+        accumulates = name in ACCUMULATING_PUTS or (name == "index_put_" and bool(
+            kwargs.get("accumulate", len(args) > 3 and args[3])))
+        return (name, dtype, flops, sum(footprint(t) for t in read) + written * (2 if accumulates else 1),
+                (), 1, 0)
     else:
         read = ins
     nbytes = sum(footprint(t) for t in read) + sum(footprint(t) for t in (*targets, *outs))
