@@ -48,7 +48,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _frames(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+def frames_of(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     """``fn()``, and the Python frames and calls into C it ran."""
     n = [0, 0]
 
@@ -79,8 +79,8 @@ def step_counts(loss: Callable[[], Any], zero_grad: Callable[[], None]) -> tuple
         zero_grad()
         loss().backward()
     zero_grad()
-    made, f_frames, f_calls = _frames(loss)
-    _, b_frames, b_calls = _frames(made.backward)
+    made, f_frames, f_calls = frames_of(loss)
+    _, b_frames, b_calls = frames_of(made.backward)
     zero_grad()
     made, f_ops = _aten(loss)
     _, b_ops = _aten(made.backward)

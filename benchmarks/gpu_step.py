@@ -249,17 +249,23 @@ def run_meshtorch(cfg: TrainConfig, vocab: int, data: list, device: torch.device
                      device=device.type)[0]
 
 
-def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: list, device: torch.device
-              ) -> dict[str, Any]:
-    """The same step in plain PyTorch: the twin's weights, ``AdamW(fused=True)``, optional compile."""
+def plain_twin(twin: Twin, device: torch.device | str
+               ) -> tuple[PlainLM, torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """A copy of the twin on ``device``, its ``AdamW(fused=True)`` over the recipe's weight-decay
+    groups (lr, betas, eps, decay), and its parameters in order (what the clip reads)."""
     model = copy.deepcopy(twin.model).to(device)
     decay = [p for n, p in model.named_parameters() if model.names[n] in twin.decayed]
     keep = [p for n, p in model.named_parameters() if model.names[n] not in twin.decayed]
     opts = {k: v for k, v in twin.options.items() if k != "weight_decay"}
     groups = [g for g in ({"params": decay, "weight_decay": twin.options["weight_decay"]},
                           {"params": keep, "weight_decay": 0.0}) if g["params"]]
-    opt = torch.optim.AdamW(groups, fused=True, **opts)
-    params = list(model.parameters())
+    return model, torch.optim.AdamW(groups, fused=True, **opts), list(model.parameters())
+
+
+def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: list, device: torch.device
+              ) -> dict[str, Any]:
+    """The same step in plain PyTorch: the twin's weights, ``AdamW(fused=True)``, optional compile."""
+    model, opt, params = plain_twin(twin, device)
     loss_fn = torch.compile(model.loss, backend=backend) if compiled else model.loss
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16" else (
         contextlib.nullcontext)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import sys
 import time
@@ -44,6 +43,7 @@ import meshtorch as mt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step as G  # noqa: E402 - the GPU benchmark's variants, which this one mirrors
+from forward_calls import frames_of  # noqa: E402 - one way to count a step's Python
 from limits import Work, attach, count, figure, section  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,19 +68,10 @@ class Phases:
 
     def run(self, phase: str, fn: Callable[[], Any]) -> Any:
         if self.counting:
-            n = self.counts[phase]
-
-            def profile(frame, event, arg):
-                if event == "call":
-                    n[0] += 1
-                elif event == "c_call":
-                    n[1] += 1
-
-            sys.setprofile(profile)
-            try:
-                return fn()
-            finally:
-                sys.setprofile(None)
+            out, frames, calls = frames_of(fn)
+            self.counts[phase][0] += frames
+            self.counts[phase][1] += calls
+            return out
         t = time.thread_time()
         out = fn()
         self.times[phase].append(time.thread_time() - t)
@@ -136,14 +127,7 @@ def _meshtorch(cfg, vocab: int, data: list) -> Callable[[int, Phases], float]:
 
 def _plain(twin: G.Twin, precision: str, data: list) -> Callable[[int, Phases], float]:
     """gpu_step.run_plain's step, one phase at a time."""
-    model = copy.deepcopy(twin.model)
-    decay = [p for k, p in model.named_parameters() if model.names[k] in twin.decayed]
-    keep = [p for k, p in model.named_parameters() if model.names[k] not in twin.decayed]
-    opts = {k: v for k, v in twin.options.items() if k != "weight_decay"}
-    groups = [g for g in ({"params": decay, "weight_decay": twin.options["weight_decay"]},
-                          {"params": keep, "weight_decay": 0.0}) if g["params"]]
-    opt = torch.optim.AdamW(groups, fused=True, **opts)
-    params = list(model.parameters())
+    model, opt, params = G.plain_twin(twin, "cpu")
     autocast = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16"
                 else contextlib.nullcontext)
 
