@@ -205,3 +205,36 @@ def test_attention_projections_are_one_matmul_bitwise_as_the_mm_of_flattened_ope
         ours = torch.autograd.grad(out, (a.local, w), upstream)
         theirs = torch.autograd.grad(ref, leaves, upstream.reshape(ref.shape))
         assert all(torch.equal(p, r) for p, r in zip(ours, theirs))
+
+
+def test_dense_of_bf16_activations_under_autocast_calls_no_promotion():
+    """Under torch's autocast a Dense layer of bf16 activations and a float32 kernel (every layer
+    after the first of a bf16 step) hands both to torch, which casts them itself: no promotion's
+    Python frames (``_promoted``, ``autocast_enabled``: issue 25), torch's autocast values; outside
+    autocast the operands are promoted as elementwise ops promote them, as before."""
+    import sys
+
+    from meshtorch.nn import Dense
+
+    dense = Dense(mt.Dim("d", D), mt.Dim("h", 5), bias=False)
+    x16 = X.to(torch.bfloat16)
+    x = mt.from_global(x16, "batch:4,length:6,d:8")
+    w = dense.kernel.detach()
+    dense(x)  # (draws the kernel, plans the op)
+    called: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sys.setprofile(profile)
+        try:
+            y = dense(x)
+        finally:
+            sys.setprofile(None)
+        ref = x16 @ w
+    assert not {"_promoted", "autocast_enabled"} & set(called), called
+    assert y.dtype == torch.bfloat16 and torch.equal(y.to_global(), ref)
+    y = dense(x)  # no autocast: bf16 and float32 promote to float32
+    assert y.dtype == torch.float32 and torch.equal(y.to_global(), x16.float() @ w)
