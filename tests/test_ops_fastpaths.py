@@ -5,6 +5,8 @@ composed path), where only other dims are split, and where a LayerNorm weight is
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,3 +142,99 @@ def test_causal_attention_hands_sdpa_its_inputs_as_views_of_permutes_only():
                                                 "permute.default"], names
     ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
     assert torch.equal(out.to_global(), ref.transpose(1, 2))
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    """The torch functions and methods a block calls from Python (attribute reads left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func.__name__ != "__get__":
+            self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_attention_projections_are_one_matmul_bitwise_as_the_mm_of_flattened_operands(autocast):
+    """Dense layers whose kernel has several contracted or several free dims (attention's
+    [d] -> [heads, d_kv] and [heads, d_kv] -> [d]; x · Tᵀ of a [heads, d_kv, d] table) on one
+    processor: a flatten or two, torch.matmul and at most one view (issue 25: the spelled-out
+    reshape, reshape, mm and view were four Python calls into torch, 48 of them a 124M forward),
+    values and gradients bitwise those of the mm on the flattened operands, in float32 and bf16
+    autocast."""
+    from meshtorch.nn import Dense
+
+    g = torch.Generator().manual_seed(9)
+    x32 = torch.randn(B, T, D, generator=g)
+    ctx32 = torch.randn(B, 3, T, 4, generator=g).transpose(1, 2)  # attention's output: a permute
+    up = torch.randn(B, T, 3, 4, generator=g)
+    heads, kv, d = mt.Dim("heads", 3), mt.Dim("d_kv", 4), mt.Dim("d", D)
+    q, o = Dense(d, [heads, kv], bias=False), Dense([heads, kv], d, bias=False)
+    table = mt.nn.MeshParameter([heads, kv, d], "normal")
+    x = mt.from_global(x32.clone().requires_grad_(), "batch:4,length:6,d:8")
+    ctx = mt.from_global(ctx32.clone().requires_grad_(), "batch:4,length:6,heads:3,d_kv:4")
+
+    def mm(a, w, k, w_leading):  # the mm the old path ran, on leaves of their own
+        a, w = a.detach().requires_grad_(), w.detach().requires_grad_()
+        size_k = math.prod(w.shape[:k] if w_leading else w.shape[w.dim() - k:])
+        w2 = w.reshape(size_k, -1) if w_leading else w.reshape(-1, size_k).t()
+        return torch.mm(a.reshape(-1, size_k), w2), (a, w)
+
+    # (meshtorch's call, the input leaf, the kernel, contracted dims, kernel's leading, torch calls)
+    cases = [
+        (lambda: q(x), x, q.kernel, 1, True, ["flatten", "matmul", "view"]),
+        (lambda: o(ctx), ctx, o.kernel, 2, True, ["flatten", "flatten", "matmul"]),
+        (lambda: mt.einsum(x, table.mesh_tensor, output_shape=["batch", "length", "heads", "d_kv"]),
+         x, table, 1, False, ["flatten", "t", "matmul", "view"]),
+    ]
+    for run, a, w, k, w_leading, names in cases:
+        run()  # (the first call draws the kernel's values and plans the op)
+        calls = _TorchCalls()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with calls:
+                y = run()
+            ref, leaves = mm(a.local, w, k, w_leading)
+        assert calls.names == names, calls.names
+        out = y.local
+        assert out.dtype == ref.dtype and torch.equal(out.reshape(ref.shape), ref)
+        # distinct upstream values for every output element (the output has at most up's)
+        upstream = up.reshape(-1)[: out.numel()].reshape(out.shape).to(out.dtype)
+        ours = torch.autograd.grad(out, (a.local, w), upstream)
+        theirs = torch.autograd.grad(ref, leaves, upstream.reshape(ref.shape))
+        assert all(torch.equal(p, r) for p, r in zip(ours, theirs))
+
+
+def test_dense_of_bf16_activations_under_autocast_calls_no_promotion():
+    """Under torch's autocast a Dense layer of bf16 activations and a float32 kernel (every layer
+    after the first of a bf16 step) hands both to torch, which casts them itself: no promotion's
+    Python frames (``_promoted``, ``autocast_enabled``: issue 25), torch's autocast values; outside
+    autocast the operands are promoted as elementwise ops promote them, as before."""
+    import sys
+
+    from meshtorch.nn import Dense
+
+    dense = Dense(mt.Dim("d", D), mt.Dim("h", 5), bias=False)
+    x16 = X.to(torch.bfloat16)
+    x = mt.from_global(x16, "batch:4,length:6,d:8")
+    w = dense.kernel.detach()
+    dense(x)  # (draws the kernel, plans the op)
+    called: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(frame.f_code.co_name)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sys.setprofile(profile)
+        try:
+            y = dense(x)
+        finally:
+            sys.setprofile(None)
+        ref = x16 @ w
+    assert not {"_promoted", "autocast_enabled"} & set(called), called
+    assert y.dtype == torch.bfloat16 and torch.equal(y.to_global(), ref)
+    y = dense(x)  # no autocast: bf16 and float32 promote to float32
+    assert y.dtype == torch.float32 and torch.equal(y.to_global(), x16.float() @ w)

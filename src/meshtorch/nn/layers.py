@@ -100,8 +100,16 @@ class Dense(Module):
             y = einsum(x, kernel, output_shape=plan[1])
         else:
             out_shape, local_fn, reduced = plan[2]
-            # (operands of one dtype, the usual case, without _promoted's call)
-            xs = (x, kernel) if x.local.dtype == kernel.local.dtype else _promoted((x, kernel))
+            # (operands of one dtype, the usual case, or of two under torch's autocast, which
+            # casts them itself (bf16 activations into a float32 kernel): without _promoted's
+            # and autocast_enabled's calls, two Python frames per layer, paid cold, issue 25)
+            xl = x.local
+            if xl.dtype == kernel.local.dtype:
+                xs = (x, kernel)
+            else:
+                kind = xl.device.type
+                amp = kind != "meta" and torch.is_autocast_enabled(kind)  # (meta: MetaAutocast's)
+                xs = (x, kernel) if amp else _promoted((x, kernel))
             y = lower("einsum", xs, out_shape, local_fn, reduced=reduced, compiled=False)
         if self._parameters.get("bias") is None:  # no bias (torch keeps a None one in __dict__)
             return y

@@ -164,7 +164,7 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
             else:
                 pick = torch.arange(start, start + size, device=ql.device) // group
                 ks, vs = ks.index_select(1, pick), vs.index_select(1, pick)
-        if qs.numel() == 0 or ks.numel() == 0:
+        if 0 in qs.shape or 0 in ks.shape:  # (empty: asked of the sizes, no numel() calls into C)
             # an empty slice (uneven pieces): SDPA's result would hang off none of the inputs, and
             # every processor needs a gradient (zeros here) for the same tensors
             zero = sum(t.sum() for t in (qs, ks, vs) + (() if mask is None or mask.dtype == torch.bool

@@ -239,6 +239,8 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
         # the local slices have the operands' dims, in their order: their ranks are na and nb
         # (asked here once, not per call with .dim(): each call into C runs cold, issue 27)
         x_flat, w_flat = na == 2 and k == 1, nb == 2 and k == 1
+        # w's contracted dims or its free ones (not both) several, x with dims besides the contracted
+        one_side = na > k and nb > k and (k == 1) != (nb - k == 1)
 
         def local_dot(view, x, w):
             # the layouts PyTorch code would use need no permute at all: x @ W (Dense), x @ Tᵀ (tied
@@ -250,6 +252,19 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
                     # the reshape, mm and view out here cost three Python-to-torch calls and a
                     # torch.Size per layer, which run cold between large kernels (issue 27)
                     return torch.matmul(x, w if w_leading else w.t())
+                if one_side and (w.requires_grad or x.is_contiguous()):
+                    # contracted or free dims of w several, not both (attention's projections:
+                    # [d] x [d, heads, kv] and [heads, kv] x [heads, kv, d]): one flatten of w
+                    # (and of x's contracted dims), then torch.matmul, whose fold is the mm
+                    # below on the same operands (it folds whenever w needs a gradient, and for
+                    # a contiguous x): the same values in two to three calls into torch, where
+                    # the mm path makes five (issue 25: 48 of them a 124M forward)
+                    if k == 1:
+                        if w_leading:
+                            return torch.matmul(x, w.flatten(1)).view(*x.shape[:-1], *w.shape[1:])
+                        return torch.matmul(x, w.flatten(0, -2).t()).view(*x.shape[:-1], *w.shape[:-1])
+                    return torch.matmul(x.flatten(na - k), w.flatten(0, k - 1) if w_leading
+                                        else w.flatten(1).t())
                 # one mm on [rows, k] x [k, n], reshaping (viewing, where the slices allow) only
                 # what is not 2-D already: the mm that torch.matmul folds x @ W into
                 if w_leading:
