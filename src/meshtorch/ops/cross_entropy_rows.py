@@ -97,16 +97,15 @@ class _CrossEntropyRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, ids, valid, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a backward with create_graph=True: a differentiable expression
-            return _differentiable_grad(x, ids, valid, grad, ctx.z_loss), None, None, None
         g = grad.float() if valid is None else grad.float().masked_fill(~valid, 0.0)
+        if torch.is_grad_enabled():
+            # a backward with create_graph=True (a gradient penalty's second backward): the whole
+            # formula, which autograd differentiates again, its log-sum-exp made differentiably
+            return _whole_grad(x, ids, g, torch.logsumexp(x.float(), -1), ctx.z_loss), None, None, None
+        if ctx.whole:  # one pointwise kernel for Inductor: the saved log-sum-exp, no reduction
+            return _whole_grad(x, ids, g, lse, ctx.z_loss), None, None, None
         # d loss / d x = softmax(x) * (1 + 2 z lse) - onehot(ids), times the row's upstream gradient
         scale = g * (1 + 2 * ctx.z_loss * lse) if ctx.z_loss else g
-        if ctx.whole:
-            # one pointwise kernel for Inductor: softmax from the saved log-sum-exp, no reduction
-            hit = torch.arange(x.shape[-1], device=x.device) == ids[:, None]
-            p = torch.exp(x.float() - lse[:, None])
-            return (p * scale[:, None] - hit * g[:, None]).to(x.dtype), None, None, None
         out = torch.empty_like(x)
         step = min(ctx.step, x.shape[0])  # (rows fewer than a chunk's: minus_one no longer than them)
         if ctx.z_loss:
@@ -129,15 +128,15 @@ class _CrossEntropyRows(torch.autograd.Function):
         return out, None, None, None
 
 
-def _differentiable_grad(x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
-                         grad: torch.Tensor, z_loss: float) -> torch.Tensor:
-    """The gradient of the rows' loss as autograd can differentiate again (a gradient penalty's
-    second backward): the whole-tensor formula, float32 [rows, vocab] blocks and all, only then."""
-    g = grad.float() if valid is None else grad.float().masked_fill(~valid, 0.0)
-    xf = x.float()
-    scale = g * (1 + 2 * z_loss * torch.logsumexp(xf, -1)) if z_loss else g
+def _whole_grad(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, lse: torch.Tensor,
+                z_loss: float) -> torch.Tensor:
+    """``(softmax(x) * (1 + 2 z lse) - onehot(ids)) * g`` over the whole rows, softmax as
+    ``exp(x - lse)``, written in ``x``'s dtype: the compiled backward (``lse`` saved) and a
+    ``create_graph`` one (``lse`` remade differentiably), float32 [rows, vocab] blocks and all."""
+    scale = g * (1 + 2 * z_loss * lse) if z_loss else g
     hit = torch.arange(x.shape[-1], device=x.device) == ids[:, None]
-    return (torch.softmax(xf, -1) * scale[:, None] - hit * g[:, None]).to(x.dtype)
+    p = torch.exp(x.float() - lse[:, None])
+    return (p * scale[:, None] - hit * g[:, None]).to(x.dtype)
 
 
 def cross_entropy_rows(t: torch.Tensor, ids: torch.Tensor, dim: int = -1, ignore_index: int | None = None,
