@@ -174,7 +174,6 @@ def measure(size_name: str, precision: str, steps: int, warmup: int, size: dict[
     """Both variants' per-phase counts and CPU times, and their figures against this machine's limits
     (``size``: the model's sizes, in place of :data:`SIZES`' entry ``size_name``)."""
     size = size or SIZES[size_name]
-    torch.set_num_threads(1)
     cfg = G.train_config(size, precision, False, "cpu", 3e-4)
     data = G.batches(size["vocab"], size["batch"], size["length"], 8)
     with fused_adamw():
