@@ -45,7 +45,9 @@ def test_dry_run_trains_meshtorch_and_plain_alike_without_cuda(tmp_path, monkeyp
     assert mesh["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert mesh["losses_agree"] and mesh["loss_reference"] == "plain-eager"
     assert mesh["peak_memory_gib"] is None and mesh["step_ms"] > 0
-    assert tiny["ratios"]["eager"] == pytest.approx(mesh["step_ms"] / plain["step_ms"], rel=1e-3)
+    # (the ratio is stored to 4 decimals: a relative tolerance missed it when a slow plain step,
+    # under load, made it 0.015)
+    assert tiny["ratios"]["eager"] == round(mesh["step_ms"] / plain["step_ms"], 4)
     # tiny: 2 layers, d_model 64, 4 heads x 16, vocab 512, length 64; N = parameters - 64·64 positions
     assert tiny["parameters"] == 512 * 64 + 64 * 64 + 2 * (4 * 64 * 64 + 2 * 64 * 256 + 4 * 64) + 2 * 64
     assert tiny["flops_per_token"] == 6 * (tiny["parameters"] - 64 * 64) + 12 * 2 * 4 * 16 * 64
