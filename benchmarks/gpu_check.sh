@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-GPU check, in under 5 minutes on one H100: the CUDA tests; `meshtorch plan --calibrate --device cuda`
 # (this GPU's kernel numbers, to $RESULTS/gpu-calibration.json); benchmarks/gpu_step.py --quick (meshtorch
-# eager and compiled vs plain PyTorch with SDPA and fused AdamW, at 124M and ~1.3B); then planned vs
+# eager and compiled vs plain PyTorch with SDPA and fused AdamW, at 124M and ~1.3B, each profiled for two more
+# steps: GPU busy/idle time and top kernels); then planned vs
 # measured (benchmarks/plan_vs_gpu_step.py: every variant gpu_step measured, planned on the built-in spec
 # of the GPU's kind and on the calibrated file, to $RESULTS/plan_vs_gpu_step.md).
 #
@@ -77,8 +78,9 @@ echo "== calibration took $((SECONDS - t0)) s"
 left=$((BUDGET - (SECONDS - start) - 30))
 if [ "$gpu" = "1" ]; then
     [ $left -lt 60 ] && { echo "gpu_check: only $left s left for the benchmark; not started"; exit 3; }
-    echo "== benchmark: gpu_step.py --quick (${left} s left; no variant starts after $((left - 75)) s)"
-    timeout -k 10 "$left" "$PY" benchmarks/gpu_step.py --quick --budget-s $((left - 75)) --out "$RESULTS"
+    echo "== benchmark: gpu_step.py --quick --profile 2 (${left} s left; no variant starts after $((left - 75)) s)"
+    # --profile 2: two more steps per variant under torch.profiler, GPU busy/idle and top kernels
+    timeout -k 10 "$left" "$PY" benchmarks/gpu_step.py --quick --profile 2 --budget-s $((left - 75)) --out "$RESULTS"
     rc=$?
 else
     echo "== benchmark: no GPU, so gpu_step.py --dry-run (the tiny model on the CPU, eager variants)"

@@ -218,8 +218,10 @@ def _peak(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def run_steps(step: Callable[[int], float], n: int, device: torch.device) -> dict[str, Any]:
-    """Run ``step(i)`` for i < n (each returns the loss as a float), timing each to a synchronize."""
+def run_steps(step: Callable[[int], float], n: int, device: torch.device, profile: int = 0
+              ) -> dict[str, Any]:
+    """Run ``step(i)`` for i < n (each returns the loss as a float), timing each to a synchronize;
+    then ``profile`` more steps under ``torch.profiler`` (:func:`profile_steps`), after the peak is read."""
     times, losses = [], []
     for i in range(n):
         _sync(device)
@@ -227,10 +229,76 @@ def run_steps(step: Callable[[int], float], n: int, device: torch.device) -> dic
         losses.append(step(i))
         _sync(device)
         times.append(time.perf_counter() - t)
-    return {"times": times, "losses": losses, "peak_bytes": _peak(device)}
+    out = {"times": times, "losses": losses, "peak_bytes": _peak(device)}
+    if profile:
+        out["profile"] = profile_steps(lambda i: step((n + i) % n), profile, device)
+    return out
 
 
-def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str) -> dict[str, Any]:
+def covered(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the intervals ``spans`` (kernels on several streams at once count once).
+
+    Example:
+        >>> covered([(0, 4), (2, 6), (10, 11)]), covered([])
+        (7.0, 0.0)
+    """
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def profile_steps(step: Callable[[int], float], n: int, device: torch.device, top: int = 8) -> dict[str, Any]:
+    """Where ``n`` steps' time goes, from ``torch.profiler`` (CPU, and CUDA on a GPU): the wall time
+    per step (to a synchronize, the profiler's own overhead included), the time per step at least one
+    GPU kernel or copy ran (``device_busy_ms``, the union of their intervals) and the rest
+    (``device_idle_ms``: the GPU waiting for the host, or for a sync), and the ``top`` kernels by GPU
+    time per step (on the CPU: the ops by self CPU time). Issue 25 used this to find that a 124M
+    step's GPU waited ~4 ms on meshtorch's host and spent 2.6 ms in a float32 log-softmax.
+
+    Example (the CPU: no device figures):
+        >>> import torch
+        >>> r = profile_steps(lambda i: float(torch.ones(64, 64).matmul(torch.ones(64, 64)).sum()), 2,
+        ...                   torch.device("cpu"))
+        >>> r["steps"], r["device_busy_ms"], r["top"][0]["name"]
+        (2, None, 'aten::mm')
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        _sync(device)
+        t = time.perf_counter()
+        for i in range(n):
+            step(i)
+        _sync(device)
+        wall = time.perf_counter() - t
+    out: dict[str, Any] = {"steps": n, "wall_ms": round(1e3 * wall / n, 3), "device_busy_ms": None,
+                           "device_idle_ms": None}
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = covered([(e.time_range.start, e.time_range.end) for e in kernels])
+        out["device_busy_ms"] = round(busy / 1e3 / n, 3)
+        out["device_idle_ms"] = round(max(out["wall_ms"] - out["device_busy_ms"], 0.0), 3)
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            acc = by_name.setdefault(e.name, [0.0, 0])
+            acc[0] += e.time_range.end - e.time_range.start
+            acc[1] += 1
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+        out["top"] = [{"name": k[:120], "ms": round(v[0] / 1e3 / n, 3), "calls": round(v[1] / n, 1)}
+                      for k, v in ranked[:top]]
+    else:
+        rows = sorted(prof.key_averages(), key=lambda r: -r.self_cpu_time_total)
+        out["top"] = [{"name": r.key[:120], "ms": round(r.self_cpu_time_total / 1e3 / n, 3),
+                       "calls": round(r.count / n, 1)} for r in rows[:top]]
+    return out
+
+
+def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str, profile: int = 0) -> dict[str, Any]:
     device = mt.current().device or torch.get_default_device()
     model = build_model(cfg, vocab)
     step = PlainStep(cfg, model, make_optimizer(cfg, model))
@@ -239,13 +307,14 @@ def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str) -> dic
     shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
     meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
     _reset_peak(device)
-    return run_steps(lambda i: step.run([meshed[i]], i), len(meshed), device)
+    return run_steps(lambda i: step.run([meshed[i]], i), len(meshed), device, profile)
 
 
-def run_meshtorch(cfg: TrainConfig, vocab: int, data: list, device: torch.device, backend: str = "inductor"
-                  ) -> dict[str, Any]:
-    """The recipe's step of ``cfg`` on one processor, as ``meshtorch train`` launches it."""
-    return mt.launch(_mesh_program, cfg, vocab, data, backend, mesh="b:1", rules="batch:b",
+def run_meshtorch(cfg: TrainConfig, vocab: int, data: list, device: torch.device, backend: str = "inductor",
+                  profile: int = 0) -> dict[str, Any]:
+    """The recipe's step of ``cfg`` on one processor, as ``meshtorch train`` launches it (``profile``:
+    that many more steps under the profiler, :func:`profile_steps`)."""
+    return mt.launch(_mesh_program, cfg, vocab, data, backend, profile, mesh="b:1", rules="batch:b",
                      device=device.type)[0]
 
 
@@ -262,8 +331,8 @@ def plain_twin(twin: Twin, device: torch.device | str
     return model, torch.optim.AdamW(groups, fused=True, **opts), list(model.parameters())
 
 
-def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: list, device: torch.device
-              ) -> dict[str, Any]:
+def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: list, device: torch.device,
+              profile: int = 0) -> dict[str, Any]:
     """The same step in plain PyTorch: the twin's weights, ``AdamW(fused=True)``, optional compile."""
     model, opt, params = plain_twin(twin, device)
     loss_fn = torch.compile(model.loss, backend=backend) if compiled else model.loss
@@ -282,7 +351,7 @@ def run_plain(twin: Twin, compiled: bool, backend: str, precision: str, data: li
         return loss.item()
 
     _reset_peak(device)
-    return run_steps(step, len(data), device)
+    return run_steps(step, len(data), device, profile)
 
 
 def compile_counters() -> dict[str, int] | None:
@@ -323,6 +392,8 @@ def summarise(raw: dict[str, Any], warmup: int, work: Work, nominal: float | Non
            "first_step_s": round(raw["times"][0], 3), "warmup_excess_s": round(extra, 2),
            "compile_s": round(extra, 1) if compiled else None,
            "losses": [round(v, 6) for v in raw["losses"]]}
+    if "profile" in raw:
+        out["profile"] = raw["profile"]
     return out
 
 
@@ -409,6 +480,18 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['step_ms']:.2f} | {r['tokens_per_s']:,.0f} | "
                          f"{rate(r['flops_per_s'])} | {_pct(r['mfu_nominal'])} | "
                          f"{_pct(r['mfu_measured_matmul'])} | {mem} | {comp} | {graphs} | {agree} |")
+        profiled = [(n, r["profile"]) for n, r in s["variants"].items() if r.get("profile")]
+        if profiled:
+            lines += ["", f"Profile ({profiled[0][1]['steps']} more steps each, under `torch.profiler`; wall "
+                      "includes its overhead): *busy* is the time some GPU kernel or copy ran, *idle* the "
+                      "rest (the GPU waiting for the host or a sync); top kernels by GPU time per step "
+                      "(on the CPU: ops by self CPU time).", "",
+                      "| variant | wall ms | GPU busy ms | GPU idle ms | top |", "|---|---:|---:|---:|---|"]
+            for n, p in profiled:
+                top = "; ".join(f"{k['name'][:60]} {k['ms']:.2f} ms ({k['calls']:g}x)" for k in p["top"][:5])
+                busy = "n/a" if p["device_busy_ms"] is None else f"{p['device_busy_ms']:.2f}"
+                idle = "n/a" if p["device_idle_ms"] is None else f"{p['device_idle_ms']:.2f}"
+                lines.append(f"| {n} | {p['wall_ms']:.2f} | {busy} | {idle} | {top} |")
         q = s["ratios"]
         fmt = (lambda x, t: "n/a" if x is None else f"**{x:.3f}** ({'meets' if x <= t else 'misses'} <= {t})")
         lines += ["", f"meshtorch / plain step: eager {fmt(q['eager'], TARGETS['eager'])}, compiled "
@@ -450,6 +533,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="relative loss tolerance against plain-eager (default 1e-2 in bf16, 1e-4 in fp32)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no variant after this many seconds (the rest are marked skipped)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="N more steps per variant under torch.profiler: GPU busy and idle time per step, "
+                    "top kernels (the report's profile section)")
     ap.add_argument("--dry-run", action="store_true", help="the tiny model on the CPU; no CUDA call")
     ap.add_argument("--out", default=None,
                     help="directory for gpu_step.{json,md} (default benchmarks/results)")
@@ -491,9 +577,9 @@ def run_variant(v: str, size: dict[str, int], a: argparse.Namespace, twin: Twin,
     try:
         if v.startswith("meshtorch"):
             raw = run_meshtorch(train_config(size, a.precision, compiled, device.type, a.lr), size["vocab"],
-                                data, device, a.compile_backend)
+                                data, device, a.compile_backend, a.profile)
         else:
-            raw = run_plain(twin, compiled, a.compile_backend, a.precision, data, device)
+            raw = run_plain(twin, compiled, a.compile_backend, a.precision, data, device, a.profile)
         r = {"status": "ok", **summarise(raw, a.warmup, work, nominal, measured, compiled)}
         if compiled:
             r["compile"] = compile_counters()

@@ -57,6 +57,22 @@ def test_dry_run_trains_meshtorch_and_plain_alike_without_cuda(tmp_path, monkeyp
     assert "| meshtorch-eager |" in md and "| plain-eager |" in md and "ok (max" in md
 
 
+def test_profile_reports_each_variants_top_ops(tmp_path):
+    """``--profile N``: N more steps per variant under torch.profiler; on the CPU no GPU figures, the
+    top ops by self CPU time (matmuls among them: the step runs its Dense layers), in the JSON and
+    the markdown."""
+    assert gpu_step.main([*EAGER, "--profile", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu_step.json").read_text())["sizes"]["tiny"]["variants"]
+    for name in ("meshtorch-eager", "plain-eager"):
+        p = rows[name]["profile"]
+        assert p["steps"] == 1 and p["wall_ms"] > 0 and p["device_busy_ms"] is None
+        names = [k["name"] for k in p["top"]]
+        assert len(names) == len(set(names)) > 0 and "aten::mm" in names, names
+        assert all(k["ms"] >= 0 and k["calls"] > 0 for k in p["top"])
+    md = (tmp_path / "gpu_step.md").read_text()
+    assert "| meshtorch-eager |" in md and "GPU idle ms" in md
+
+
 def test_loss_check_catches_a_plain_model_that_differs(tmp_path, monkeypatch):
     # attention that sees the future: the plain twin no longer computes meshtorch's model
     monkeypatch.setattr(gpu_step.PlainLM, "_attend",
