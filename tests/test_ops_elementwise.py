@@ -155,3 +155,112 @@ def test_broadcast_size_mismatch_names_dim():
 def test_operand_type_error_suggests_from_global():
     with pytest.raises(mt.errors.ShapeError, match="mt.from_global"):
         mt.ones("p:2") + torch.ones(2)
+
+
+class Recorder:
+    """A foreign operand that defines every reflected arithmetic method and the comparisons,
+    recording which ran (and with which operand)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _record(name):
+        def method(self, other):
+            self.calls.append((name, other))
+            return name
+
+        return method
+
+    for _name in ("radd", "rsub", "rmul", "rtruediv", "rpow", "rfloordiv", "rmod", "rmatmul",
+                  "add", "sub", "mul", "truediv", "pow", "floordiv", "mod", "lt", "le", "gt", "ge"):
+        locals()[f"__{_name}__"] = _record(f"__{_name}__")
+    del _name, _record
+
+
+OPERATORS = [  # (expression, the foreign operand's method Python runs)
+    (lambda x, f: x + f, "__radd__"), (lambda x, f: x - f, "__rsub__"), (lambda x, f: x * f, "__rmul__"),
+    (lambda x, f: x / f, "__rtruediv__"), (lambda x, f: x ** f, "__rpow__"),
+    (lambda x, f: x // f, "__rfloordiv__"), (lambda x, f: x % f, "__rmod__"),
+    (lambda x, f: x @ f, "__rmatmul__"),  # (MeshTensor has no @: Python goes to the other's)
+    (lambda x, f: x < f, "__gt__"), (lambda x, f: x <= f, "__ge__"), (lambda x, f: x > f, "__lt__"),
+    (lambda x, f: x >= f, "__le__"),
+]
+
+
+@pytest.mark.parametrize("expr,method", OPERATORS)
+def test_operators_defer_to_a_foreign_operands_reflected_method(expr, method):
+    x, foreign = mt.ones("p:2"), Recorder()
+    assert expr(x, foreign) == method
+    assert len(foreign.calls) == 1 and foreign.calls[0][0] == method and foreign.calls[0][1] is x
+
+
+@pytest.mark.parametrize("expr,method", [
+    (lambda f, x: f + x, "__add__"), (lambda f, x: f - x, "__sub__"), (lambda f, x: f * x, "__mul__"),
+    (lambda f, x: f / x, "__truediv__"), (lambda f, x: f ** x, "__pow__"),
+    (lambda f, x: f // x, "__floordiv__"), (lambda f, x: f % x, "__mod__"), (lambda f, x: f < x, "__lt__")])
+def test_foreign_left_operand_runs_its_own_method(expr, method):
+    x, foreign = mt.ones("p:2"), Recorder()
+    assert expr(foreign, x) == method and [c[0] for c in foreign.calls] == [method]
+
+
+class Declines:
+    """Defines the arithmetic methods but returns NotImplemented: Python's TypeError follows."""
+
+    def __add__(self, other):
+        return NotImplemented
+
+    def __radd__(self, other):
+        return NotImplemented
+
+
+class Plain:
+    """No arithmetic methods at all."""
+
+
+def test_operand_errors_for_types_without_the_reflected_method_are_meshtorchs():
+    x = mt.ones("p:2")
+    wrap = "neither a MeshTensor nor a scalar; wrap torch tensors with mt.from_global"
+    # a torch tensor, a list, a str (each has reflected methods: their errors would mislead)
+    for bad, name in [(torch.ones(2), "Tensor"), ([1.0, 2.0], "list"), ("ab", "str"), (Plain(), "Plain")]:
+        for expr, op in [(lambda a, b: a + b, "add"), (lambda a, b: a * b, "multiply"),
+                         (lambda a, b: b * a, "multiply"), (lambda a, b: a < b, "less"),
+                         (lambda a, b: b - a, "subtract")]:
+            with pytest.raises(mt.errors.ShapeError, match=f"{op}: operand of type {name} is {wrap}"):
+                expr(x, bad)
+    # a type that declines both ways: Python's own error
+    with pytest.raises(TypeError, match="unsupported operand"):
+        x + Declines()
+    with pytest.raises(TypeError, match="unsupported operand"):
+        Declines() + x
+
+
+def test_operators_cost_no_frame_beyond_the_ops_own_function():
+    """``x + y`` and ``2 * x`` run as many Python frames as ``mt.add(x, y)`` and
+    ``mt.multiply(2, x)`` (issue 27: operators run per op of every forward), and never
+    the foreign-type check."""
+    import sys
+
+    x, y = mt.ones("p:2,q:3"), mt.ones("p:2,q:3")
+
+    def frames(fn):
+        fn()  # (plans the op)
+        called: list[str] = []
+
+        def profile(frame, event, arg):
+            if event == "call":
+                called.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        return called
+
+    for op, via_operator in [(lambda: mt.add(x, y), lambda: x + y),
+                             (lambda: mt.multiply(2, x), lambda: 2 * x),
+                             (lambda: mt.subtract(2.5, x), lambda: 2.5 - x),
+                             (lambda: mt.less(x, y), lambda: x < y)]:
+        theirs, ours = frames(op), frames(via_operator)
+        assert len(ours) == len(theirs) and "defers_to" not in ours, (ours, theirs)
+    assert (2 - x).to_global().tolist() == [[1.0] * 3] * 2 and (x ** 3 // 2 % 2).to_global().sum() == 0

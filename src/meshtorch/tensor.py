@@ -202,43 +202,32 @@ class MeshTensor:
         return memo
 
     # ------------------------------------------------------------ operators
-    # ``x + y`` is ``add(x, y)``: the op itself is the method, no frame of its own per operator
-    # (issue 27: a model's residual adds and scalings run cold between large kernels); the
-    # reflected ones swap their operands
-    __add__ = ew.add
-    __sub__ = ew.subtract
-    __mul__ = ew.multiply
-    __truediv__ = ew.divide
-    __pow__ = ew.pow
-    __floordiv__ = ew.floordiv
-    __mod__ = ew.mod
+    # ``x + y`` is ``add(x, y)``: each method calls the op's nary() itself, no frame of its own
+    # per operator (issue 27: a model's residual adds and scalings run cold between large
+    # kernels); the reflected ones swap their operands. An operand of a foreign type with the
+    # matching method (``__radd__`` for ``__add__``) gets NotImplemented, so Python runs that
+    # (lowering.elementwise.operator); ``==`` is identity (``mt.equal`` compares values)
+    __add__ = ew.operator(ew.add, "__radd__")
+    __radd__ = ew.operator(ew.add, "__add__", swap=True)
+    __sub__ = ew.operator(ew.subtract, "__rsub__")
+    __rsub__ = ew.operator(ew.subtract, "__sub__", swap=True)
+    __mul__ = ew.operator(ew.multiply, "__rmul__")
+    __rmul__ = ew.operator(ew.multiply, "__mul__", swap=True)
+    __truediv__ = ew.operator(ew.divide, "__rtruediv__")
+    __rtruediv__ = ew.operator(ew.divide, "__truediv__", swap=True)
+    __pow__ = ew.operator(ew.pow, "__rpow__")
+    __rpow__ = ew.operator(ew.pow, "__pow__", swap=True)
+    __floordiv__ = ew.operator(ew.floordiv, "__rfloordiv__")
+    __rfloordiv__ = ew.operator(ew.floordiv, "__floordiv__", swap=True)
+    __mod__ = ew.operator(ew.mod, "__rmod__")
+    __rmod__ = ew.operator(ew.mod, "__mod__", swap=True)
+    # (a comparison's reflection is the mirrored comparison: ``x < y`` is ``y > x``)
+    __lt__ = ew.operator(ew.less, "__gt__")
+    __le__ = ew.operator(ew.less_equal, "__ge__")
+    __gt__ = ew.operator(ew.greater, "__lt__")
+    __ge__ = ew.operator(ew.greater_equal, "__le__")
     __neg__ = ew.negative
     __abs__ = ew.abs
-    __lt__ = ew.less
-    __le__ = ew.less_equal
-    __gt__ = ew.greater
-    __ge__ = ew.greater_equal
-
-    def __radd__(self, other) -> MeshTensor:
-        return ew.add(other, self)
-
-    def __rsub__(self, other) -> MeshTensor:
-        return ew.subtract(other, self)
-
-    def __rmul__(self, other) -> MeshTensor:
-        return ew.multiply(other, self)
-
-    def __rtruediv__(self, other) -> MeshTensor:
-        return ew.divide(other, self)
-
-    def __rpow__(self, other) -> MeshTensor:
-        return ew.pow(other, self)
-
-    def __rfloordiv__(self, other) -> MeshTensor:
-        return ew.floordiv(other, self)
-
-    def __rmod__(self, other) -> MeshTensor:
-        return ew.mod(other, self)
 
     __hash__ = object.__hash__
 

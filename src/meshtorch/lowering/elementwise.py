@@ -63,8 +63,9 @@ def broadcast_shape(*shapes: Shape) -> Shape:
     return Shape(dims.values())
 
 
-def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
-    """Apply an elementwise torch function to operands broadcast by dim name."""
+def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op", defer: str | None = None) -> MeshTensor:
+    """Apply an elementwise torch function to operands broadcast by dim name. ``defer``: the
+    method of a foreign operand that a MeshTensor operator (:func:`operator`) gives way to."""
     # (one loop, no comprehensions or helper calls: every elementwise op of a model runs this,
     # cold between large kernels, issue 27)
     cls = _registered[0] if _registered else tensor_type()
@@ -78,6 +79,8 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op") -> MeshTensor:
             key[i] = (s.names, s.sizes)  # equal exactly when the shapes are; hashed in C
             tensors.append(x)
         elif not _is_scalar(x):
+            if defer is not None and defers_to(x, defer):
+                return NotImplemented
             raise ShapeError(
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
@@ -150,14 +153,64 @@ def _nary_plan(shapes: tuple[Shape | None, ...], op: str) -> tuple[Shape, bool, 
     return out, all(s == out for s in present), trailing
 
 
-def binary_op(fn: Callable[..., torch.Tensor], op: str) -> Callable[..., MeshTensor]:
+def binary_op(fn: Callable[..., torch.Tensor], op: str, doc: str | None = None) -> Callable[..., MeshTensor]:
     """The elementwise op ``op`` of two operands (MeshTensors or scalars) computing ``fn``."""
     def f(x, y) -> MeshTensor:
         return nary(fn, x, y, op=op)
 
     f.__name__ = op
-    f.__doc__ = f"Elementwise ``{op}`` with broadcasting by dim name."
+    f.__doc__ = doc or f"Elementwise ``{op}`` with broadcasting by dim name."
+    f.local_fn = fn  # (for operator())
     return f
+
+
+def operator(op_fn: Callable[..., MeshTensor], defer: str, swap: bool = False) -> Callable[..., MeshTensor]:
+    """MeshTensor's operator method computing the binary op ``op_fn`` (made by :func:`binary_op`):
+    ``self op other``, or with ``swap`` (a reflected method, ``__radd__``) ``other op self``.
+    An operand that is neither a MeshTensor nor a scalar, whose type has the method ``defer``
+    (for ``__add__`` the other's ``__radd__``, for ``__radd__`` its ``__add__``, for ``__lt__``
+    its ``__gt__``), gets ``NotImplemented``, so that Python runs that method, as its data model
+    asks (:func:`defers_to`); other operands raise the op's error. The method calls :func:`nary`
+    itself: one frame between the operator and the op, as the op's own function (issue 27).
+
+    Example (a type that knows how to add itself to a MeshTensor):
+        >>> import meshtorch as mt
+        >>> class Offset:
+        ...     def __radd__(self, other):
+        ...         return other + 1
+        >>> (mt.ones("a:2") + Offset()).to_global().tolist()
+        [2.0, 2.0]
+    """
+    fn, op = op_fn.local_fn, op_fn.__name__
+    if swap:
+        def method(x, y) -> MeshTensor:
+            return nary(fn, y, x, op=op, defer=defer)
+    else:
+        def method(x, y) -> MeshTensor:
+            return nary(fn, x, y, op=op, defer=defer)
+    method.__doc__ = f"``{op}``, or ``NotImplemented`` for an operand whose type defines ``{defer}``."
+    return method
+
+
+def defers_to(other, method: str) -> bool:
+    """Whether a MeshTensor operator gives way (``NotImplemented``) to ``other``, neither a
+    MeshTensor nor a scalar: its type defines ``method`` (not ``object``'s), and it is not data
+    meshtorch asks to wrap with ``mt.from_global`` (a torch tensor, an array, a builtin such as a
+    list or str, whose own methods would fail or repeat a sequence), which keeps the op's error.
+
+    Example:
+        >>> import torch
+        >>> class Foo:
+        ...     def __radd__(self, other):
+        ...         return "foo"
+        >>> defers_to(Foo(), "__radd__"), defers_to(Foo(), "__rmul__"), defers_to(torch.ones(2), "__radd__")
+        (True, False, False)
+    """
+    cls = type(other)
+    if isinstance(other, torch.Tensor) or cls.__module__ == "builtins" or hasattr(cls, "__array__"):
+        return False
+    found = getattr(cls, method, None)
+    return found is not None and found is not getattr(object, method, None)
 
 
 def unary_op(fn: Callable[[torch.Tensor], torch.Tensor], op: str, doc: str | None = None
@@ -183,37 +236,34 @@ abs = unary_op(torch.abs, "abs")  # noqa: A001 - mirrors torch.abs
 negative = unary_op(torch.neg, "negative")
 
 
-def floordiv(x, y) -> MeshTensor:
-    """``floor(x / y)`` elementwise, broadcast by dim name (Mesh-TF ``floordiv``, Python ``//``).
-    It is piecewise constant, so, as in Mesh-TF, no gradient flows through it.
-
-    Example:
-        >>> import torch, meshtorch as mt
-        >>> x = mt.from_global(torch.tensor([7.0, -7.0]), "a:2")
-        >>> mt.floordiv(x, 2).to_global().tolist(), (x // 2).to_global().tolist()
-        ([3.0, -4.0], [3.0, -4.0])
-    """
+def _floor_divide(a, b) -> torch.Tensor:
     # detached: torch has no derivative for floor_divide and would fail in backward
-    return nary(lambda a, b: torch.floor_divide(_detach(a), _detach(b)), x, y, op="floordiv")
+    return torch.floor_divide(_detach(a), _detach(b))
 
 
 def _detach(v):
     return v.detach() if isinstance(v, torch.Tensor) else v
 
 
-def mod(x, y) -> MeshTensor:
-    """``x - y * floor(x / y)`` elementwise: the remainder takes the sign of ``y``, as Python's
-    ``%`` and Mesh-TF's ``mod`` (``torch.remainder``, not ``torch.fmod``).
+floordiv = binary_op(_floor_divide, "floordiv", """``floor(x / y)`` elementwise, broadcast by dim name
+    (Mesh-TF ``floordiv``, Python ``//``). It is piecewise constant, so, as in Mesh-TF, no gradient
+    flows through it.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> x = mt.from_global(torch.tensor([7.0, -7.0]), "a:2")
+        >>> mt.floordiv(x, 2).to_global().tolist(), (x // 2).to_global().tolist()
+        ([3.0, -4.0], [3.0, -4.0])
+    """)
+
+mod = binary_op(torch.remainder, "mod", """``x - y * floor(x / y)`` elementwise: the remainder takes the
+    sign of ``y``, as Python's ``%`` and Mesh-TF's ``mod`` (``torch.remainder``, not ``torch.fmod``).
 
     Example:
         >>> import torch, meshtorch as mt
         >>> x = mt.from_global(torch.tensor([7.0, -7.0]), "a:2")
         >>> mt.mod(x, 3).to_global().tolist(), (x % -3).to_global().tolist()
         ([1.0, 2.0], [-2.0, -1.0])
-    """
-    return nary(torch.remainder, x, y, op="mod")
+    """)
 
-
-def pow(x, y) -> MeshTensor:  # noqa: A001 - mirrors torch.pow
-    """``x ** y`` elementwise; either may be a scalar."""
-    return nary(torch.pow, x, y, op="pow")
+pow = binary_op(torch.pow, "pow", "``x ** y`` elementwise; either may be a scalar.")  # noqa: A001 - mirrors torch.pow

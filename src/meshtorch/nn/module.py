@@ -37,7 +37,8 @@ from torch.nn.modules import module as _torch_module
 
 from meshtorch.context import current, traced
 from meshtorch.layout import Layout
-from meshtorch.nn.parameter import MeshParameter
+from meshtorch.lowering.redistribute import LastingMemo
+from meshtorch.nn.parameter import MeshParameter, as_mesh_parameter, mesh_state
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor
 
@@ -228,11 +229,49 @@ class Module(torch.nn.Module):
             if isinstance(p, MeshParameter) and prefix + name in state_dict:
                 p.materialized = True
         self._materialize_own()
+        # torch's swap flag swaps each parameter with a plain Parameter, and assign=True puts one
+        # in its place: made MeshParameters again, as after a conversion (_apply)
+        held = [(self, name, mesh_state(p)) for name, p in self._parameters.items()
+                if isinstance(p, MeshParameter)]
+        self._mt_views.clear()
         super()._load_from_state_dict(state_dict, prefix, *args)
+        _remade(held)
+
+    def load_state_dict(self, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        # MeshParameters held by plain torch.nn modules below (a ParameterList), which torch loads
+        # with its own _load_from_state_dict: those the state dict holds are loaded, not drawn
+        # later, and stay MeshParameters (swap flag, assign=True), as this module's own do
+        held = []
+        for prefix, m in self.named_modules():
+            if not isinstance(m, Module):
+                for name, p in m._parameters.items():
+                    if isinstance(p, MeshParameter):
+                        p.materialized = p.materialized or _join(prefix, name) in state_dict
+                        held.append((m, name, mesh_state(p)))
+        out = super().load_state_dict(state_dict, *args, **kwargs)
+        _remade(held)
+        return out
 
     def _apply(self, fn: Any, recurse: bool = True) -> Module:
-        self._materialize_own()  # drawn in the parameter's dtype and device, then converted
-        return super()._apply(fn, recurse)
+        # torch converts a parameter one of three ways (Module._apply): `param.data = ...` (by
+        # default), torch.utils.swap_tensors with a new plain Parameter (the swap flag of
+        # torch.__future__: the same object, with a plain Parameter's class and __dict__), or a
+        # new plain Parameter in its place (the overwrite flag, a move to or from meta). Each
+        # MeshParameter of this module, and of the plain torch.nn modules below it (a
+        # ParameterList), is made one again after the last two, with its metadata. (Nested
+        # mt.nn.Modules do their own, called by torch's recursion.)
+        held = []
+        for m in _this_and_plain_below(self, recurse):
+            for name, p in m._parameters.items():
+                if isinstance(p, MeshParameter):
+                    if not p.materialized:  # drawn in the parameter's dtype and device, then converted
+                        p.materialize()
+                    p._adapted = LastingMemo()  # the adapters of the old values, not kept alive
+                    held.append((m, name, mesh_state(p)))
+        self._mt_views.clear()  # (views of the old parameters, or of the old values)
+        super()._apply(fn if getattr(fn, "_mt_detaches", False) else _detaching(fn), recurse)
+        _remade(held)
+        return self
 
     def __getstate__(self) -> dict:
         # a copy (deepcopy, pickle) makes its own views, of its own parameters and memos
@@ -274,6 +313,36 @@ class Module(torch.nn.Module):
                     for pname, p in m._parameters.items():
                         if isinstance(p, MeshParameter):
                             p.relabel(_join(path, pname), self._mt_seed)
+
+
+def _detaching(fn: Any) -> Any:
+    """``fn`` for ``Module._apply``, giving back a MeshParameter it returns (a conversion that
+    changes nothing: ``.to(its dtype)``, ``.cpu()`` on the CPU) detached: torch's swap and
+    overwrite paths wrap the result in a new ``nn.Parameter``, which refuses a tensor subclass
+    whose ``detach()`` is of another type (a MeshParameter's is a plain tensor). The same values,
+    sharing the storage, as torch's default path's ``param.data = param``."""
+    def applied(t: torch.Tensor) -> torch.Tensor:
+        out = fn(t)
+        return out.detach() if isinstance(out, MeshParameter) else out
+    applied._mt_detaches = True  # (torch's recursion hands it to the children: wrapped once)
+    return applied
+
+
+def _this_and_plain_below(module: Module, recurse: bool) -> list[torch.nn.Module]:
+    """``module``, and with ``recurse`` the plain ``torch.nn`` modules below it reached without
+    passing an ``mt.nn.Module`` (each of those converts its own)."""
+    found, todo = [], [module]
+    while todo:
+        m = todo.pop()
+        found.append(m)
+        if recurse:
+            todo.extend(c for c in m._modules.values() if c is not None and not isinstance(c, Module))
+    return found
+
+
+def _remade(held: list[tuple[torch.nn.Module, str, dict]]) -> None:
+    for m, name, state in held:
+        as_mesh_parameter(m._parameters.get(name), state)
 
 
 def _join(path: str, name: str) -> str:

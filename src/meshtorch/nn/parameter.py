@@ -232,6 +232,38 @@ for _types in (_optim_foreach_types, _util_foreach_types):
         _types.append(MeshParameter)
 
 
+def mesh_state(p: MeshParameter) -> dict[str, Any]:
+    """What makes ``p`` a MeshParameter beyond its values (mesh shape, layout, initializer, seed,
+    stream, materialized flag, and any attribute set on it), kept across a conversion that may
+    leave a plain ``nn.Parameter`` in its place: :func:`as_mesh_parameter` puts it back."""
+    return dict(p.__dict__)
+
+
+def as_mesh_parameter(p: torch.Tensor | None, state: dict[str, Any]) -> None:
+    """Make ``p`` a MeshParameter again, with ``state`` (:func:`mesh_state`), where torch made it a
+    plain ``nn.Parameter``: ``torch.utils.swap_tensors`` (the swap flag of
+    ``torch.__future__``: the same object, with a new Parameter's class and ``__dict__``), or a new
+    Parameter in its place (the overwrite flag, a move to or from meta, ``load_state_dict(assign=
+    True)``). The class is set on the object, as :class:`plain_parameters` does: its storage,
+    ``requires_grad`` and gradient stay. Anything else (a MeshParameter, ``None``, a tensor
+    subclass torch made, such as a DTensor) is left as it is.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> p = mt.nn.MeshParameter("d:2", init="ones")
+        >>> state = mt.nn.parameter.mesh_state(p.materialize())
+        >>> q = torch.nn.Parameter(p.detach().double())
+        >>> mt.nn.parameter.as_mesh_parameter(q, state)
+        >>> type(q).__name__, q.mesh_shape, q.mesh_tensor.to_global().tolist()
+        ('MeshParameter', Shape('d:2'), [1.0, 1.0])
+    """
+    if type(p) is not torch.nn.Parameter:
+        return
+    p.__class__ = MeshParameter
+    p.__dict__.update(state)
+    p._adapted = LastingMemo()  # the old values' adapters are not this tensor's
+
+
 def _rebuild(data: torch.Tensor, requires_grad: bool, shape: Shape, layout: Layout, seed: int,
              stream: str) -> MeshParameter:
     p = torch.Tensor._make_subclass(MeshParameter, data, requires_grad)
