@@ -290,7 +290,12 @@ class Runtime(GradientBuckets):
             for i, e in enumerate(members):
                 e.fill(got, i)
             if k > 0:
-                self._refetch(k - 1, read)
+                # prefetched as the block before reads it: whole for a recomputed forward (a
+                # non-recomputed bucket before a recomputed one took only the members its backward
+                # reads, so the recomputation gathered the rest alone), else what backward reads
+                # (a recomputed forward's read took a whole non-recomputed bucket before it, which
+                # backward may not read at all: learned positions)
+                self._refetch(k - 1, self._recomputed(k - 1))
         groups: dict = {}
         for e in todo:
             if e.freed:  # not in a bucket: gathered with the others of its axes and dtype
@@ -318,6 +323,12 @@ class Runtime(GradientBuckets):
         is late, this one would wait for it at the next bucket anyway."""
         for _, work in self.refetches.values():
             work.wait()
+
+    def _recomputed(self, k: int) -> bool:
+        """Whether forward bucket ``k`` is in a checkpointed block, which backward reads in a
+        recomputed forward (all its members: :meth:`_refetch`'s ``read``), not only where an op's
+        backward needs a value."""
+        return any(e.fwd == k and e.region is not None for e in self.order)
 
     def _refetch(self, k: int, read: bool = False) -> None:
         """Start gathering the freed members of forward bucket ``k`` again (once): those that

@@ -65,12 +65,8 @@ def extrapolate(t1: Trace, t2: Trace, periods: float) -> Trace:
     if any(n > t.comm._calls.get(key, 0) for t, b in ((t1, b1), (t2, b2)) for key, n in b.items()):
         deep, b1, b2 = None, {}, {}  # buckets cut but not all launched (no gradient came): on a line
     for key in set(t1.comm._calls) | set(t2.comm._calls):
-        # the calls outside buckets on a line, unless fewer at the deeper depth: a shallow model's
-        # quirk (FSDP recomputed with resharding gathers one parameter alone at one block, as the
-        # runtime's backward prefetch misses it there), not a count that falls with depth, which
-        # the line would take below zero
-        o1, o2 = t1.comm._calls.get(key, 0) - b1.get(key, 0), t2.comm._calls.get(key, 0) - b2.get(key, 0)
-        comm._calls[key] = (lin_(o1, o2) if o2 >= o1 else o2) + (deep or {}).get(key, 0)
+        comm._calls[key] = lin_(t1.comm._calls.get(key, 0) - b1.get(key, 0),
+                                t2.comm._calls.get(key, 0) - b2.get(key, 0)) + (deep or {}).get(key, 0)
         comm._bytes[key] = lin_(t1.comm._bytes.get(key, 0), t2.comm._bytes.get(key, 0))
     by_kind = {kd: lin_(t1.peak_by_kind[kd], t2.peak_by_kind[kd]) for kd in KINDS}
     flops = {dt: lin_(t1.flops_by_dtype.get(dt, 0), t2.flops_by_dtype.get(dt, 0))
