@@ -14,8 +14,10 @@ measures a core):
   float32 temporaries, the logits kept for the backward;
 - ``rows fp32`` / ``formula fp32``: the same two on float32 logits (meshtorch keeps fp32 logits on
   the formula unless rows is as fast there);
-- with ``--chunk-mib 16 256``: ``rows`` in chunks of other sizes (on a GPU, a chunk's float32 may
-  stay in L2, and a chunk's rows are its softmax kernels' blocks);
+- with ``--chunk-mib 1 4 16 256``: ``rows`` in chunks of other sizes (``chunk_bytes``; ``rows`` has
+  the device's default, ``CHUNK_BYTES``: on the CPU 2 MiB, in the caches, measured at a few shapes;
+  on CUDA 256 MiB, not measured yet: there a chunk's float32 may stay in L2, and a chunk's rows are
+  its softmax kernels' blocks);
 - with ``--compile``: ``plain``, ``formula`` and ``rows`` under ``torch.compile`` (inductor).
 
 Prints, for each: milliseconds per forward + backward (median of ``--repeat``), the peak memory
@@ -26,7 +28,7 @@ forward and again in the backward and writing their gradient (3 x the logits' by
 device's memory bandwidth (the CPU's measured by ``limits.py`` for one core; a GPU's from
 ``meshtorch.plan.gpus``). Writes ``benchmarks/results/cross_entropy.{json,md}``. No assertion.
 
-    python benchmarks/cross_entropy.py [--rows 4096 --vocab 16384 --repeat 5 --compile --chunk-mib 16 256]
+    python benchmarks/cross_entropy.py [--rows 4096 --vocab 16384 --repeat 5 --compile --chunk-mib 1 4 16 256]
 """
 
 from __future__ import annotations
