@@ -14,8 +14,10 @@ measures a core):
   float32 temporaries, the logits kept for the backward;
 - ``rows fp32`` / ``formula fp32``: the same two on float32 logits (meshtorch keeps fp32 logits on
   the formula unless rows is as fast there);
-- with ``--chunk-mib 16 256``: ``rows`` in chunks of other sizes (on a GPU, a chunk's float32 may
-  stay in L2, and a chunk's rows are its softmax kernels' blocks);
+- with ``--chunk-mib 1 4 16 256``: ``rows`` in chunks of other sizes (``chunk_bytes``; ``rows`` has
+  the device's default, ``CHUNK_BYTES``: on the CPU 2 MiB, in the caches, measured at a few shapes;
+  on CUDA 256 MiB, not measured yet: there a chunk's float32 may stay in L2, and a chunk's rows are
+  its softmax kernels' blocks);
 - with ``--compile``: ``plain``, ``formula`` and ``rows`` under ``torch.compile`` (inductor).
 
 Prints, for each: milliseconds per forward + backward (median of ``--repeat``), the peak memory
@@ -26,7 +28,7 @@ forward and again in the backward and writing their gradient (3 x the logits' by
 device's memory bandwidth (the CPU's measured by ``limits.py`` for one core; a GPU's from
 ``meshtorch.plan.gpus``). Writes ``benchmarks/results/cross_entropy.{json,md}``. No assertion.
 
-    python benchmarks/cross_entropy.py [--rows 4096 --vocab 16384 --repeat 5 --compile --chunk-mib 16 256]
+    python benchmarks/cross_entropy.py [--rows 4096 --vocab 16384 --repeat 5 --compile --chunk-mib 1 4 16 256]
 """
 
 from __future__ import annotations
@@ -43,8 +45,7 @@ import torch.nn.functional as F
 from allocator_peak import step_peaks
 from limits import attach, count, figure, limits, section  # noqa: E402  (benchmarks/ is the script's folder)
 
-import meshtorch.ops.cross_entropy_rows as rows_module
-from meshtorch.ops.cross_entropy_rows import CHUNK_BYTES, cross_entropy_rows
+from meshtorch.ops.cross_entropy_rows import CHUNK_BYTES, chunk_bytes, cross_entropy_rows
 from meshtorch.plan.gpus import gpu_kind
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,14 +65,10 @@ def rows(x, y):
 
 
 def rows_in(mib: float):
-    """``rows`` in chunks of ``mib`` MiB of float32 (``CHUNK_BYTES`` set for the call)."""
+    """``rows`` in chunks of ``mib`` MiB of float32 (``chunk_bytes`` for the call)."""
     def fn(x, y):
-        saved = rows_module.CHUNK_BYTES
-        rows_module.CHUNK_BYTES = int(mib * 2 ** 20)
-        try:
+        with chunk_bytes(int(mib * 2 ** 20)):
             return rows(x, y)
-        finally:
-            rows_module.CHUNK_BYTES = saved
     return fn
 
 
@@ -135,7 +132,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also each under torch.compile (inductor)")
     ap.add_argument("--no-fp32", action="store_true", help="leave out the float32-logits rows")
     ap.add_argument("--chunk-mib", type=float, nargs="*", default=[],
-                    help="also rows in chunks of these MiB of float32 (the default chunk: CHUNK_BYTES)")
+                    help="also rows in chunks of these MiB of float32 (the default: CHUNK_BYTES[device])")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = args.rows or (8192 if device == "cuda" else 4096)
@@ -170,8 +167,9 @@ def main() -> None:
     base = results["formula"]
     logit_bytes = x16.numel() * x16.element_size()
     header = (f"{device}, torch {torch.__version__}, logits [{n}, {v}] ({logit_bytes / 2**20:.0f} MiB in "
-              f"bf16), forward + backward, median of {args.repeat}; rows' chunk {CHUNK_BYTES / 2**20:.0f} "
-              f"MiB of float32; bandwidth floor = 3 x the logits' bytes at {bw_text}; load average "
+              f"bf16), forward + backward, median of {args.repeat}; rows' chunk "
+              f"{CHUNK_BYTES[device] / 2**20:g} MiB of float32; bandwidth floor = 3 x the logits' bytes at "
+              f"{bw_text}; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end (the CPU's times are only as "
               f"steady as that)")
     lines = [header, f"{'variant':24s} {'ms':>9s} {'vs formula':>10s} {'peak MiB':>9s} {'vs logits':>9s} "
@@ -192,8 +190,8 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     stem = "cross_entropy" if device == "cpu" else "cross_entropy_gpu"
     (RESULTS / f"{stem}.md").write_text(md)
-    report = {"config": {**vars(args), "rows": n, "vocab": v, "chunk_bytes": CHUNK_BYTES}, "device": device,
-              "torch": torch.__version__, "bandwidth": bw_text, "results": results}
+    report = {"config": {**vars(args), "rows": n, "vocab": v, "chunk_bytes": CHUNK_BYTES[device]},
+              "device": device, "torch": torch.__version__, "bandwidth": bw_text, "results": results}
     (RESULTS / f"{stem}.json").write_text(json.dumps(attach(report, figures) if figures else report, indent=1)
                                           + "\n")
 

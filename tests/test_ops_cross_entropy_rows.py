@@ -7,8 +7,6 @@ and the planner's trace."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,26 +16,13 @@ from hypothesis import strategies as st
 from torch._dynamo.backends.common import aot_autograd
 
 import meshtorch as mt
-import meshtorch.ops.cross_entropy_rows as rows_module
 import meshtorch.ops.nn as nn_ops
 from bench_harness import load_benchmark
-from mesh_harness import meshes, rules_for
+from mesh_harness import aten_ops, meshes, rules_for
 from meshtorch.compiler import compile_step, graph_breaks
-from meshtorch.ops.cross_entropy_rows import chunk_rows, cross_entropy_rows
+from meshtorch.ops.cross_entropy_rows import CHUNK_BYTES, chunk_bytes, chunk_rows, cross_entropy_rows
 
 ULP = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # the relative step between neighbours
-
-
-@contextlib.contextmanager
-def chunks_of(rows: int, vocab: int):
-    """cross_entropy_rows in chunks of ``rows`` rows of ``vocab`` (a test's size, not 256 MiB)."""
-    saved = rows_module.CHUNK_BYTES
-    rows_module.CHUNK_BYTES = 4 * vocab * rows
-    try:
-        assert chunk_rows(vocab) == rows
-        yield
-    finally:
-        rows_module.CHUNK_BYTES = saved
 
 
 def reference(x: torch.Tensor, ids: torch.Tensor, ignore_index, z_loss: float) -> torch.Tensor:
@@ -67,7 +52,7 @@ def test_rows_are_the_float64_loss_and_gradient_across_chunk_boundaries(dtype, i
     n, v = 11, 37
     x, ids, up = logits_and_ids(n, v, dtype, ignore_index)
     x = x.requires_grad_()
-    with chunks_of(4, v):
+    with chunk_bytes(4 * v * 4):
         loss = cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
         (loss * up.float()).sum().backward()
     assert loss.dtype == torch.float32 and x.grad.dtype == dtype
@@ -90,7 +75,7 @@ def test_any_dim_order_and_one_row_chunks():
     """The vocabulary first (a copy to rows, and back), chunks of one row."""
     x, ids, _ = logits_and_ids(6, 5, torch.bfloat16, None, seed=1)
     t = x.t().contiguous().requires_grad_()  # [vocab, rows]
-    with chunks_of(1, 5):
+    with chunk_bytes(4 * 5 * 1):
         loss = cross_entropy_rows(t, ids, dim=0)
         loss.sum().backward()
     x64 = x.double().requires_grad_()
@@ -98,6 +83,93 @@ def test_any_dim_order_and_one_row_chunks():
     want.sum().backward()
     torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(t.grad.double(), x64.grad.t(), rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
+def whole_float32(x: torch.Tensor, ids: torch.Tensor, ignore_index, z_loss: float) -> torch.Tensor:
+    """The whole-tensor float32 formula (meshtorch's before ``cross_entropy_rows``): per-row
+    ``-log_softmax(x, dtype=float32)[ids] + z_loss * logsumexp**2``, ignored rows 0."""
+    safe = ids.clamp(0, x.shape[-1] - 1)
+    per = -torch.log_softmax(x, -1, dtype=torch.float32).gather(-1, safe[:, None]).squeeze(-1)
+    per = per + z_loss * torch.logsumexp(x.float(), -1).square()
+    return per if ignore_index is None else per.masked_fill(ids == ignore_index, 0.0)
+
+
+@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       ignore_index=st.sampled_from([None, -100]), z_loss=st.sampled_from([0.0, 0.1]))
+@settings(max_examples=25, deadline=None)
+def test_any_chunk_size_gives_the_whole_tensor_float32_loss_and_gradient(data, dtype, ignore_index, z_loss):
+    """Chunks of a drawn number of bytes (below one row's: a row a chunk; rows that do not divide
+    evenly: a shorter last chunk; more than all rows: one chunk): the loss of the whole-tensor
+    float32 formula within float32 rounding, its gradient the formula's float32 gradient within a
+    step of the logits' dtype."""
+    n, v = data.draw(st.integers(1, 13), "rows"), data.draw(st.integers(2, 40), "vocab")
+    row = 4 * v
+    size = data.draw(st.one_of(st.integers(1, row - 1), st.integers(row, row * (n + 2))), "chunk bytes")
+    x, ids, up = logits_and_ids(n, v, dtype, ignore_index, seed=data.draw(st.integers(0, 99), "seed"))
+    x = x.requires_grad_()
+    with chunk_bytes(size):
+        assert chunk_rows(v, "cpu") == max(1, size // row)
+        loss = cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
+        (loss * up.float()).sum().backward()
+    ref_x = x.detach().float().requires_grad_()  # (a float32 leaf: its gradient rounded nowhere)
+    want = whole_float32(ref_x, ids, ignore_index, z_loss)
+    (want * up.float()).sum().backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == dtype
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.float(), ref_x.grad, rtol=ULP.get(dtype, 1e-6), atol=1e-6)
+
+
+def _softmax_kernels(n: int, v: int) -> int:
+    """How many ``_log_softmax`` kernels (one per chunk) a forward and backward of cross_entropy_rows
+    over CPU bf16 logits [n, v] runs."""
+    x, ids, _ = logits_and_ids(n, v, torch.bfloat16, None)
+    x.requires_grad_()
+    names, _ = aten_ops(lambda: cross_entropy_rows(x, ids).sum().backward())
+    assert names.count("_softmax.default") == names.count("_log_softmax.default"), names
+    return names.count("_log_softmax.default")
+
+
+def test_the_chunk_size_is_per_device_type_and_restored_after_the_block():
+    """``chunk_bytes(n, "cuda")`` leaves the CPU's chunks as they were, ``chunk_bytes(n, "cpu")``
+    and ``chunk_bytes(n)`` change them; each block's exit (an error's too) restores the sizes."""
+    n, v = 10, 16
+    before = dict(CHUNK_BYTES)
+    assert CHUNK_BYTES["cpu"] >= 4 * v * n and _softmax_kernels(n, v) == 1  # the default: one chunk
+    with chunk_bytes(4 * v * 3, "cuda"):
+        assert _softmax_kernels(n, v) == 1 and chunk_rows(v, "cuda") == 3
+        assert chunk_rows(v, "xpu") == 3  # (other accelerators: CUDA's)
+    with chunk_bytes(4 * v * 3, "cpu"):
+        assert _softmax_kernels(n, v) == 4  # 3, 3, 3, 1
+        assert chunk_rows(v, "cuda") == before["cuda"] // (4 * v)
+    with pytest.raises(RuntimeError, match="inside"), chunk_bytes(4 * v * 5):
+        assert _softmax_kernels(n, v) == 2 and chunk_rows(v, "cuda") == 5
+        raise RuntimeError("inside")
+    assert CHUNK_BYTES == before
+
+
+def test_a_meta_trace_chunks_as_the_device_it_plans_for():
+    """The planner's meta logits take the chunk of the device a trace prices (``trace(device=)``)."""
+    def rows():
+        return chunk_rows(100, "meta")
+
+    with chunk_bytes(400 * 3, "cpu"), chunk_bytes(400 * 7, "cuda"):
+        assert mt.plan.trace(rows, mesh="b:1", device="cpu").result == 3
+        assert mt.plan.trace(rows, mesh="b:1", device="cuda").result == 7
+        assert rows() == 7  # (no trace: a GPU's, as any accelerator's)
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True, "16"])
+def test_a_chunk_size_that_is_not_a_positive_whole_number_raises(n):
+    with pytest.raises(mt.errors.ArgumentError, match=r"positive whole number of bytes"), chunk_bytes(n):
+        pass
+
+
+@pytest.mark.parametrize("device_type", ["gpu", "cuda:0", 3])
+def test_a_chunk_size_s_device_type_must_be_one(device_type):
+    before = dict(CHUNK_BYTES)
+    with pytest.raises(mt.errors.ArgumentError, match=r"device type"), chunk_bytes(1024, device_type):
+        pass
+    assert CHUNK_BYTES == before
 
 
 @pytest.mark.parametrize("ignore_index", [None, -100])
@@ -143,7 +215,7 @@ def test_low_precision_logits_give_the_float32_loss_on_any_layout(data, dtype, z
     counted = ids != ignore if ignore is not None else torch.ones_like(ids, dtype=torch.bool)
     want = {"none": per64, "sum": per64.sum(), "mean": per64.sum() / counted.sum()}[reduction]
     (want * up).sum().backward() if reduction == "none" else want.backward()
-    with chunks_of(2, v):
+    with chunk_bytes(4 * v * 2):
         outs = mt.launch(program, mesh=mesh, rules=rules)
     for dt, got, grad in outs:
         assert dt == torch.float32 and grad.dtype == dtype
@@ -199,10 +271,11 @@ def test_the_cpu_allocator_peak_is_a_chunk_not_the_rows(monkeypatch):
     def made():
         return x0.clone().requires_grad_()
 
-    with chunks_of(32, v):
+    chunk = 4 * v * 32
+    with chunk_bytes(chunk):
         peak = min(step_peaks(made, step, 2))
     logits = n * v * 2
-    bound = 2 * logits + 3 * rows_module.CHUNK_BYTES + 16 * 1024
+    bound = 2 * logits + 3 * chunk + 16 * 1024
     assert 2 * logits <= peak <= bound, (peak, bound)
     assert min(step_peaks(made, former, 2)) >= 2 * logits + 2 * n * v * 4
 
@@ -254,9 +327,9 @@ def test_the_planner_traces_the_chunks_and_their_peak(monkeypatch):
         ids = mt.cast(mt.random.uniform(f"batch:{n}", 0, v, seed=1) * 0.999, torch.int64)
         mt.reduce_mean(mt.cross_entropy(logits, ids, "vocab")).backward()
 
-    with chunks_of(10, v):  # 7 chunks, the last of 4 rows
+    chunk = 4 * v * 10
+    with chunk_bytes(chunk):  # 7 chunks, the last of 4 rows
         rows_trace = mt.plan.trace(step, mesh="b:1", rules="batch:b")
-        chunk = rows_module.CHUNK_BYTES
     counts = {}
     for key, c in rows_trace.kernels.items():
         counts[key[0]] = counts.get(key[0], 0) + c

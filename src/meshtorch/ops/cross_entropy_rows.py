@@ -12,8 +12,8 @@ processors) would not reproduce: layouts never change results.
 gives, row for row); each chunk's float32 block dies before the next one is made. Saved: the logits
 and the ids (plus the [rows] float32 log-sum-exp where ``z_loss`` asks for it). Backward, chunk by
 chunk again: ``softmax(chunk, dtype=float32)``, minus one at the target, times the upstream
-gradient, written in the logits' dtype. Float32 temporaries: a chunk of :data:`CHUNK_BYTES` and
-its cast copy at most, plus a number per row.
+gradient, written in the logits' dtype. Float32 temporaries: a chunk of :data:`CHUNK_BYTES` (by
+device type; :func:`chunk_bytes` sets it) and its cast copy at most, plus a number per row.
 
 Under ``torch.compile`` the rows are one chunk, the backward's softmax is ``exp(x - lse)`` from the
 saved log-sum-exp and the one-hot a compare: Inductor makes the forward one reduction kernel and the
@@ -36,28 +36,95 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
+from meshtorch.context import current
+from meshtorch.errors import ArgumentError
 from meshtorch.lowering.lower import is_dynamo_compiling
 
-#: float32 bytes of one chunk of rows (forward's log-probabilities, backward's probabilities).
-#: 256 MiB is 1334 rows of a 50304-word vocabulary: 7 chunks of GPT-2's 8192-row batch. Each chunk
-#: costs a few kernels and their Python; on a GPU whose 124M step already waits for the host
-#: (measured on an H100: busy 31.1 ms of a 35.2 ms step) more, smaller chunks would add host time
-#: where it binds, while 2 x 256 MiB of float32 blocks is small beside the 1.5 GiB [N, V] float32
-#: tensors the whole-tensor formula keeps
-CHUNK_BYTES = 256 << 20
+#: float32 bytes of one chunk of rows (forward's log-probabilities, backward's probabilities) by the
+#: logits' device type; any other type takes CUDA's (an accelerator's: few, large chunks), a meta
+#: tensor of a planner's trace the type the plan prices. Read-only: set it with :func:`chunk_bytes`.
+#:
+#: - ``"cpu"``: 2 MiB, 10 rows of a 50304-word vocabulary: a chunk, its bf16 rows and the backward's
+#:   product stay in the caches (here a core's 1 MiB L2, a shared 32 MiB L3). Measured on this
+#:   project's shared 2-core CPU, one thread, bf16 forward + backward, the least of 7 runs of each
+#:   size interleaved: 1 to 4 MiB within the noise of each other and the fastest at every shape; 2
+#:   MiB vs 256 MiB: [2048, 50304] 249 vs 1213 ms, [4096, 16384] 125 vs 706, [512, 50304] 34 vs
+#:   211, [64, 128256] 16 vs 20, [8, 50304] the same (one chunk); 16 MiB 1.1x to 2.7x 2 MiB's time.
+#:   Again: ``python benchmarks/cross_entropy.py --rows 2048 --vocab 50304 --chunk-mib 1 2 4 16 256``
+#: - ``"cuda"``: 256 MiB, 1334 rows of a 50304-word vocabulary, 7 chunks of GPT-2's 8192-row batch,
+#:   chosen, not measured: each chunk costs a few kernels and their Python, and on a GPU whose 124M
+#:   step already waits for the host (an H100: busy 31.1 ms of a 35.2 ms step) more, smaller chunks
+#:   would add host time where it binds, while 2 x 256 MiB of float32 blocks is small beside the
+#:   1.5 GiB [N, V] float32 tensors the whole-tensor formula keeps. To be measured on a GPU:
+#:   ``python benchmarks/cross_entropy.py --chunk-mib 16 64 256 1024`` (8192 x 50304 bf16 there).
+CHUNK_BYTES: dict[str, int] = {"cpu": 2 << 20, "cuda": 256 << 20}
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows of ``vocab`` float32 entries that fit :data:`CHUNK_BYTES` (at least one).
+@contextlib.contextmanager
+def chunk_bytes(n: int, device_type: str | None = None) -> Iterator[None]:
+    """Chunks of ``n`` bytes of float32 rows for :func:`cross_entropy_rows` on ``device_type``
+    (``"cpu"``, ``"cuda"``, ...; ``None``: every device) inside the block, the sizes before restored at
+    its exit. Smaller chunks hold less float32 at once (about two chunks beside the logits and their
+    gradient) and, on a CPU, stay in its caches; each costs a few kernel launches. Values do not
+    depend on it: every row's loss and gradient is its own. The setting is the process's (a
+    thread-processor's program runs with the one made around :func:`meshtorch.launch`); under
+    ``torch.compile`` the rows are one chunk whatever it says.
+
+    Example:
+        >>> import torch
+        >>> from meshtorch.ops.cross_entropy_rows import chunk_bytes, chunk_rows
+        >>> with chunk_bytes(4 * 1000 * 3, "cpu"):  # 3 rows of a 1000-word vocabulary
+        ...     chunk_rows(1000, "cpu"), chunk_rows(1000, "cuda")
+        (3, 67108)
+        >>> with chunk_bytes(1):  # below a row: a row a chunk, on every device
+        ...     chunk_rows(1000, "cpu"), chunk_rows(1000, "cuda")
+        (1, 1)
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ArgumentError(f"chunk_bytes({n!r}): the chunk size must be a positive whole number of bytes, "
+                            f"e.g. chunk_bytes(16 << 20) for 16 MiB of float32 rows")
+    if device_type is not None and _device_type(device_type) != device_type:
+        raise ArgumentError(f"chunk_bytes(..., device_type={device_type!r}): give a device type as "
+                            f"torch.device(...).type names it, e.g. 'cpu' or 'cuda' (None: every device)")
+    before = dict(CHUNK_BYTES)
+    if device_type is None:
+        CHUNK_BYTES.update(dict.fromkeys(CHUNK_BYTES, n))
+    else:
+        CHUNK_BYTES[device_type] = n
+    try:
+        yield
+    finally:
+        CHUNK_BYTES.clear()
+        CHUNK_BYTES.update(before)
+
+
+def _device_type(name: object) -> str | None:
+    """``torch.device(name).type``, or None where ``name`` is no device torch knows."""
+    if not isinstance(name, str):
+        return None
+    try:
+        return torch.device(name).type
+    except (RuntimeError, ValueError):
+        return None
+
+
+def chunk_rows(vocab: int, device_type: str) -> int:
+    """Rows of ``vocab`` float32 entries that fit a chunk of :data:`CHUNK_BYTES` on ``device_type``
+    (at least one).
 
     Example:
         >>> from meshtorch.ops.cross_entropy_rows import chunk_rows
-        >>> chunk_rows(50304)
+        >>> chunk_rows(50304, "cuda")
         1334
     """
-    return max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+    if device_type == "meta":  # a planner's trace: the device it prices (plan.tracing.device_type)
+        device_type = getattr(current().tracer, "device", "cuda")
+    return max(1, CHUNK_BYTES.get(device_type, CHUNK_BYTES["cuda"]) // (4 * max(vocab, 1)))
 
 
 class _CrossEntropyRows(torch.autograd.Function):
@@ -68,12 +135,13 @@ class _CrossEntropyRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
                 z_loss: float) -> torch.Tensor:
         whole = is_dynamo_compiling()
-        step = chunk_rows(x.shape[-1])  # (the backward's chunks too)
+        step = 0
         if whole:
             # Inductor: one reduction kernel over the bf16 rows; nothing float32 [rows, vocab] is made
             lse = torch.logsumexp(x.float(), -1)
             loss = lse - x.gather(-1, ids[:, None]).squeeze(-1).float()
         else:
+            step = chunk_rows(x.shape[-1], x.device.type)  # (the backward's chunks too)
             picked, lses = [], []
             # split: every chunk's view made in one call (a Python call per kernel is the cost here)
             for chunk, at in zip(x.split(step), ids[:, None].split(step)):
