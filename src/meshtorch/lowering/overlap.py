@@ -51,8 +51,17 @@ has one use or is replicated).
 
 Where it does not apply the per-use path runs: under ``torch.compile`` (a compiled graph
 schedules its collectives itself), outside grad mode, for adapters of uneven pieces or of
-several steps. ``torch.autograd.grad`` with respect to parameters cannot see gradients that
-go to a detached leaf: call it outside :func:`overlap`.
+several steps.
+
+``torch.autograd.grad`` with respect to activations or inputs works inside (a gradient penalty:
+the input's gradient with ``create_graph=True`` in the loss, then ``backward()``). With respect
+to *parameters* call it outside :func:`overlap`: an op reads this module's leaf, not the
+parameter, so autograd finds the parameter unused (``None`` with ``allow_unused=True``, else
+torch's "appears to not have been used in the graph"), or, for a parameter that some op also
+reads directly (a tied table's row lookup under FSDP rules), returns only that op's part. No
+meshtorch code runs in such a call to raise an error of its own (the engine runs only the nodes
+that lead to the parameters, none of this module's); seeing the gradients would put a node of
+this module between each parameter and its reads, a Python frame per gradient of every step.
 
 Example (data parallel: three parameters' gradients in one all_reduce, the same values):
     >>> import torch, meshtorch as mt
