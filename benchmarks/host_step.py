@@ -22,8 +22,15 @@ Against the limit (the README's rule): the step's FLOPs (``gpu_step.work_of``: 6
 at this machine's matmul rate (``limits.json``) take microseconds: the rest is host time, which is
 what this measures; the target is meshtorch's host time <= 1.1x plain's.
 
+With ``--compile`` both sides compile the loss as ``gpu_step.py``'s compiled variants do
+(``meshtorch.compiler.compile_step(model.loss)`` vs ``torch.compile(model.loss)``; backward through
+AOTAutograd, clip and step eager): the forward phase is then one compiled call (guards, the wrappers,
+Inductor's kernels), the backward the compiled backward's. ``--size ce`` keeps the tiny model's ops
+but GPT-2's vocabulary over 256 rows, where the loss's float32 [rows, vocab] passes dominate (the
+CPU's picture of a cross-entropy that costs GPU time, issue 25).
+
 Run:
-    python benchmarks/host_step.py [--steps 30] [--precision bf16|fp32] [--size tiny|small]
+    python benchmarks/host_step.py [--steps 30] [--precision bf16|fp32] [--size tiny|small|ce] [--compile]
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ PHASES = ("zero_grad", "forward", "backward", "clip", "step")
 SIZES = {
     "tiny": dict(layers=12, d_model=48, heads=12, d_kv=4, d_ff=192, vocab=512, batch=1, length=16),
     "small": dict(layers=2, d_model=48, heads=4, d_kv=12, d_ff=192, vocab=512, batch=1, length=16),
+    "ce": dict(layers=12, d_model=48, heads=12, d_kv=4, d_ff=192, vocab=50304, batch=1, length=256),
 }
 TARGET = 1.10  # issue 25 (host12): meshtorch host time per step <= 1.1x plain
 
@@ -90,7 +98,9 @@ def _loop(steps: dict[str, Callable[[int, Phases], float]], n: int, warmup: int)
         ph.counting = True
         step(warmup, ph)
         ph.counting = False
-        _, ph.work = count(lambda step=step: step(warmup + 1, Phases()))
+        # (a compiled loss runs eagerly while FLOPs are counted: Dynamo refuses the counter's mode)
+        with torch.compiler.set_stance("force_eager"):
+            _, ph.work = count(lambda step=step: step(warmup + 1, Phases()))
     for i in range(n):
         for name, step in steps.items():
             step(warmup + 2 + i, out[name])
@@ -106,7 +116,7 @@ def _meshtorch(cfg, vocab: int, data: list) -> Callable[[int, Phases], float]:
     from meshtorch.recipes.lm.strategies import PlainStep, overlapped, precision_context
 
     model = build_model(cfg, vocab)
-    plain = PlainStep(cfg, model, make_optimizer(cfg, model))
+    plain = PlainStep(cfg, model, make_optimizer(cfg, model))  # (compile_step(model.loss) with --compile)
     opt = plain.opt
     shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
     meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
@@ -116,7 +126,7 @@ def _meshtorch(cfg, vocab: int, data: list) -> Callable[[int, Phases], float]:
         ph.run("zero_grad", lambda: opt.zero_grad(set_to_none=True))
         with overlapped(cfg):
             with precision_context(cfg):
-                loss = ph.run("forward", lambda: model.loss(ids, tgt))
+                loss = ph.run("forward", lambda: plain.loss(ids, tgt))
             ph.run("backward", loss.backward)
         ph.run("clip", lambda: optim.clip_grad_norm_(plain.params, cfg.optimizer.clip))
         ph.run("step", lambda: optimizer_step(opt))
@@ -125,9 +135,11 @@ def _meshtorch(cfg, vocab: int, data: list) -> Callable[[int, Phases], float]:
     return step
 
 
-def _plain(twin: G.Twin, precision: str, data: list) -> Callable[[int, Phases], float]:
+def _plain(twin: G.Twin, precision: str, data: list, compiled: bool = False
+           ) -> Callable[[int, Phases], float]:
     """gpu_step.run_plain's step, one phase at a time."""
     model, opt, params = G.plain_twin(twin, "cpu")
+    loss_fn = torch.compile(model.loss) if compiled else model.loss
     autocast = ((lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16"
                 else contextlib.nullcontext)
 
@@ -135,7 +147,7 @@ def _plain(twin: G.Twin, precision: str, data: list) -> Callable[[int, Phases], 
         ids, tgt = data[i % len(data)]
         ph.run("zero_grad", lambda: opt.zero_grad(set_to_none=True))
         with autocast():
-            loss = ph.run("forward", lambda: model.loss(ids, tgt))
+            loss = ph.run("forward", lambda: loss_fn(ids, tgt))
         ph.run("backward", loss.backward)
         ph.run("clip", lambda: torch.nn.utils.clip_grad_norm_(params, twin.clip))
         ph.run("step", opt.step)
@@ -150,7 +162,8 @@ def _both(cfg, vocab: int, data: list, twin: G.Twin, n: int, warmup: int) -> dic
     # one intra-op thread: mt.launch gives its processor the process's threads (OMP_NUM_THREADS,
     # else every core), which the caller's set_num_threads does not set
     torch.set_num_threads(1)
-    steps = {"meshtorch": _meshtorch(cfg, vocab, data), "plain": _plain(twin, cfg.run.precision, data)}
+    steps = {"meshtorch": _meshtorch(cfg, vocab, data),
+             "plain": _plain(twin, cfg.run.precision, data, cfg.run.compile)}
     return _loop(steps, n, warmup)
 
 
@@ -169,18 +182,19 @@ def fused_adamw():
         T.device_type = before
 
 
-def measure(size_name: str, precision: str, steps: int, warmup: int, size: dict[str, int] | None = None
-            ) -> dict[str, Any]:
+def measure(size_name: str, precision: str, steps: int, warmup: int, size: dict[str, int] | None = None,
+            compiled: bool = False) -> dict[str, Any]:
     """Both variants' per-phase counts and CPU times, and their figures against this machine's limits
-    (``size``: the model's sizes, in place of :data:`SIZES`' entry ``size_name``)."""
+    (``size``: the model's sizes, in place of :data:`SIZES`' entry ``size_name``; ``compiled``: both
+    losses compiled, the first of the ``warmup`` steps compiling)."""
     size = size or SIZES[size_name]
-    cfg = G.train_config(size, precision, False, "cpu", 3e-4)
+    cfg = G.train_config(size, precision, compiled, "cpu", 3e-4)
     data = G.batches(size["vocab"], size["batch"], size["length"], 8)
     with fused_adamw():
         twin = mt.launch(G._twin_program, cfg, size["vocab"], mesh="b:1", rules="batch:b")[0]
         runs = mt.launch(_both, cfg, size["vocab"], data, twin, steps, warmup, mesh="b:1", rules="batch:b")[0]
-    out: dict[str, Any] = {"size": size, "precision": precision, "steps": steps, "warmup": warmup,
-                           "phases": {}}
+    out: dict[str, Any] = {"size": size, "precision": precision, "compiled": compiled, "steps": steps,
+                           "warmup": warmup, "phases": {}}
     for p in PHASES:
         out["phases"][p] = {k: {"frames": r.counts[p][0], "c_calls": r.counts[p][1],
                                 "cpu_ms": round(1e3 * min(r.times[p]), 4)} for k, r in runs.items()}
@@ -202,7 +216,8 @@ def against_limits(r: dict[str, Any], size_name: str) -> dict[str, Any]:
 
 def markdown(r: dict[str, Any]) -> str:
     s = r["size"]
-    lines = [f"# Host time per step, meshtorch vs plain PyTorch ({r['precision']}, one CPU thread)", "",
+    how = ", compiled loss" if r.get("compiled") else ""
+    lines = [f"# Host time per step, meshtorch vs plain PyTorch ({r['precision']}{how}, one CPU thread)", "",
              f"`python benchmarks/host_step.py`: the one-GPU step's op structure ({s['layers']} layers, "
              f"{s['heads']} heads) at d_model {s['d_model']}, vocab {s['vocab']}, batch {s['batch']} x "
              f"{s['length']}, where the step is host time. Frames and C calls of one step (sys.setprofile); "
@@ -227,16 +242,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    ap.add_argument("--compile", action="store_true",
+                    help="compile both losses (compile_step vs torch.compile) as gpu_step's compiled ones")
     ap.add_argument("--out", default=None, help="directory for host_step.{json,md} (default: results)")
     a = ap.parse_args(argv)
-    r = against_limits(measure(a.size, a.precision, a.steps, a.warmup), a.size)
+    r = against_limits(measure(a.size, a.precision, a.steps, a.warmup, compiled=a.compile), a.size)
     r["torch"] = torch.__version__
     text = markdown(r)
     print(text)
     out = Path(a.out) if a.out else RESULTS
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{STEM}.json").write_text(json.dumps(r, indent=1) + "\n")
-    (out / f"{STEM}.md").write_text(text)
+    # (the runs before these options keep their files' names)
+    stem = STEM + ("_compiled" if a.compile else "") + ("_ce" if a.size == "ce" else "")
+    (out / f"{stem}.json").write_text(json.dumps(r, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text)
 
 
 if __name__ == "__main__":
