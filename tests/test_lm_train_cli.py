@@ -27,6 +27,17 @@ def _metrics(out):
         return [json.loads(line) for line in f]
 
 
+def test_the_heldout_line_says_how_far_below_or_above_the_unigram_entropy():
+    from meshtorch.recipes.lm.report import against_unigram
+
+    assert against_unigram(7.492, 6.174, "token") == (
+        "held-out loss 7.492 nats/token vs token-unigram entropy 6.174 (1.318 above: not yet 1 nat/token "
+        "below it)")
+    assert against_unigram(5.0, 6.174, "byte") == (
+        "held-out loss 5.000 nats/byte vs byte-unigram entropy 6.174 (1.174 below: learned)")
+    assert against_unigram(5.5, 6.174, "token").endswith("(0.674 below: not yet 1 nat/token below it)")
+
+
 def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert cli.main(["train", "--steps", "4", "--out", a, "--data", text, *TINY]) == 0
@@ -34,6 +45,13 @@ def test_train_writes_its_files_and_resume_continues_exactly(text, tmp_path, cap
     assert f"run directory: {os.path.abspath(a)}" in printed
     # the default tokenizer: a BPE fitted to the corpus, saved with the run (a rerun fits the same one)
     assert "token-unigram entropy" in printed and "sample:" in printed
+    # 4 steps leave the loss above the unigram entropy: the line says "above" with a positive gap
+    line = re.search(r"held-out loss ([\d.]+) nats/token vs token-unigram entropy ([\d.]+) "
+                     r"\(([\d.]+) (below|above): ", printed)
+    assert line, printed
+    loss, entropy, gap = (float(line.group(i)) for i in (1, 2, 3))
+    assert line.group(4) == ("below" if loss <= entropy else "above")
+    assert gap == pytest.approx(abs(entropy - loss), abs=2e-3)
     assert os.path.exists(os.path.join(a, "tokenizer", "tokenizer.json"))
     for f in ("checkpoint/latest", "checkpoint/step-000004/index.json", "metrics.jsonl", "summary.json"):
         assert os.path.exists(os.path.join(a, f)), f

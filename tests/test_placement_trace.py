@@ -192,6 +192,38 @@ def test_paper_graphs_small_ones_exact_against_milp():
     assert dp.max_load <= expert.max_load
 
 
+class Conv(nn.Module):
+    """A net with no example_inputs(): the CLI traces it on --input-shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_cli_names_an_input_shape_the_model_cannot_take(capsys):
+    """A wrong rank (8,3,32 for a Conv2d: read as one unbatched 8-channel image) and a size that is
+    no integer are the CLI's one-line error naming --input-shape, the layer's wanted input and the
+    fix, not torch.fx's ShapeProp traceback or a bare ValueError; the right shape places."""
+    spec = "tests.test_placement_trace:Conv"
+    assert main(["place", spec, "--input-shape", "8,3,32", "--devices", "2", "--memory", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshtorch place: error: {spec} cannot run on --input-shape 8,3,32: its layer "
+                          "'body.0' (Conv2d) takes (batch, 3, H, W); torch says: ")
+    assert "3 channels, but got 8" in err and "Give --input-shape the sizes" in err
+    assert "ShapeProp" not in err and "Traceback" not in err
+    for bad in ("8,3,x2", "8,0,32,32", ""):
+        assert main(["place", spec, "--input-shape", bad, "--devices", "2"]) == 2
+        assert capsys.readouterr().err == (
+            f"meshtorch place: error: --input-shape {bad!r} is not a list of positive integers: give the "
+            "input's sizes, batch first, separated by commas, e.g. --input-shape 8,3,32,32\n")
+    assert main(["place", spec, "--input-shape", "2,3,8,8", "--devices", "2", "--memory", "1GiB"]) == 0
+    assert "max load" in capsys.readouterr().out
+
+
 def test_bad_inputs():
     with pytest.raises(PlacementError, match="no such graph file"):
         OpGraph.from_json("/nonexistent/graph.json")

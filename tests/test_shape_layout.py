@@ -119,6 +119,40 @@ def test_earlier_dim_takes_shared_axis():
     assert rules.layout(mt.Shape("d_model:4,batch:4"), mesh).split == {"d_model": ("b",)}
 
 
+def test_unused_names_the_rules_no_tensor_of_a_model_has():
+    """A rule for a dim no tensor has (a typo: dff for d_ff) splits nothing, silently; unused() is how
+    to see it: over a module's parameters, an input's shape, a MeshTensor."""
+    d, f = mt.Dim("d_model", 8), mt.Dim("d_ff", 16)
+
+    def step(rules):
+        ff = mt.nn.Sequential(mt.nn.Dense(d, f), mt.nn.Dense(f, d))
+        x = mt.ones("batch:4,d_model:8")
+        ff(x)
+        r = LayoutRules(rules)
+        kernel = next(iter(ff.mesh_parameters()))  # the first Dense's [d_model, d_ff]
+        return r.unused(ff), r.unused(ff, x), r.unused(ff, "batch:4"), str(kernel.layout)
+
+    typo = "batch:b; dff:m; heads:m"
+    params, with_x, with_text, kernel = mt.launch(step, typo, mesh="b:2,m:2", rules=typo)[0]
+    assert kernel == "replicated"  # the typo split nothing, and raised nothing
+    assert params == ["batch:b", "dff:m", "heads:m"]  # parameters have no batch
+    assert with_x == with_text == ["dff:m", "heads:m"]
+    right = "batch:b; d_ff:m"
+    assert mt.launch(step, right, mesh="b:2,m:2", rules=right)[0][1:] == ([], [], "d_ff:m")
+    assert LayoutRules("").unused("a:2") == [] and LayoutRules("a:(x,y)").unused() == ["a:(x,y)"]
+    with pytest.raises(ShapeError, match="unused.. takes Shapes"):
+        LayoutRules("a:x").unused(torch.ones(2))
+
+
+@given(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["x", "y"])),
+       st.lists(st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=3, unique=True), max_size=3))
+@settings(max_examples=30, deadline=None)
+def test_unused_is_the_rules_whose_dim_no_shape_has(rule_map, shapes):
+    used = {n for names in shapes for n in names}
+    got = LayoutRules(rule_map).unused(*(mt.Shape([(n, 2) for n in names]) for names in shapes))
+    assert got == [f"{k}:{v}" for k, v in rule_map.items() if k not in used]
+
+
 @given(
     st.lists(st.sampled_from(["a", "b", "c", "d"]), min_size=1, max_size=4, unique=True),
     st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["x", "y"])),

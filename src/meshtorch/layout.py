@@ -192,6 +192,32 @@ class LayoutRules:
                         "to the mesh"
                     )
 
+    def unused(self, *of: object) -> list[str]:
+        """The rules whose dim none of ``of`` has: a typo (``dff`` for ``d_ff``) or a rule for
+        another model. Rules are global and a rule naming a dim no tensor has splits nothing, which
+        is no error (one rule set may serve several models): this is how to see it.
+
+        Each of ``of`` is a :class:`~meshtorch.shape.Shape` or its text (``"batch:8,d_model:16"``),
+        a MeshTensor (its ``.shape``), or a module (the dims of its ``named_mesh_parameters()``).
+        Parameters have no ``batch`` or ``length``: pass an input's shape for the activations' dims.
+
+        Example:
+            >>> rules = LayoutRules("batch:b; dff:m; heads:m")
+            >>> rules.unused("batch:8,d_model:16", "d_model:16,d_ff:64")
+            ['dff:m', 'heads:m']
+        """
+        dims: set[str] = set()
+        for x in of:
+            if hasattr(x, "named_mesh_parameters"):  # a module (duck-typed: nn sits above this file)
+                for _, p in x.named_mesh_parameters():
+                    dims.update(p.shape.names)
+                continue
+            shape = x.shape if hasattr(x, "shape") and isinstance(x.shape, Shape) else x
+            if not isinstance(shape, (Shape, str)):
+                raise ShapeError(f"unused() takes Shapes, their text, MeshTensors or modules, got {x!r}")
+            dims.update(Shape(shape).names)
+        return [f"{d}:{format_axes(a)}" for d, a in self.rules.items() if d not in dims]
+
     def layout(self, shape: Shape, mesh: Mesh, name: str | None = None) -> Layout:
         """The layout of ``shape`` on ``mesh`` under these rules (see docs/design.md, Vocabulary)."""
         # A model asks for the same few layouts on every op of every step. Shape and Mesh are

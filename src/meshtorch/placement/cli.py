@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from meshtorch.errors import PlacementError
 from meshtorch.placement.graph import OpGraph
@@ -98,14 +99,91 @@ def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: b
     except (ImportError, AttributeError) as e:
         raise PlacementError(f"cannot import {spec}: {e}") from None
     module = obj() if isinstance(obj, type) else obj
-    if input_shape:
-        shape = [int(x) for x in input_shape.split(",")]
-        inputs = (torch.randn(*shape),)
+    if input_shape is not None:
+        inputs = (torch.randn(*parse_input_shape(input_shape)),)
+        source = f"--input-shape {input_shape}"
     elif hasattr(module, "example_inputs"):
         inputs = tuple(module.example_inputs())
+        source = f"{spec}.example_inputs()"
     else:
         raise PlacementError(f"{spec} has no example_inputs(); give --input-shape B,...")
+    check_forward(module, inputs, spec, source)
     return trace(module, *inputs, training=training, profile=profile)
+
+
+def parse_input_shape(text: str) -> list[int]:
+    """``--input-shape``'s sizes, batch first, or a PlacementError naming the flag.
+
+    Example:
+        >>> parse_input_shape("8,3,32,32")
+        [8, 3, 32, 32]
+        >>> parse_input_shape("8,3,x")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshtorch.errors.PlacementError: --input-shape '8,3,x' is not a list of positive integers: ...
+    """
+    try:
+        shape = [int(x) for x in text.split(",")]
+    except ValueError:
+        shape = []
+    if not shape or min(shape) < 1:
+        raise PlacementError(
+            f"--input-shape {text!r} is not a list of positive integers: give the input's sizes, batch "
+            "first, separated by commas, e.g. --input-shape 8,3,32,32")
+    return shape
+
+
+def check_forward(module: Any, inputs: tuple, spec: str, source: str) -> None:
+    """Run ``module`` once on ``inputs``, so that an input it cannot take is named here, with the
+    layer that refused it, rather than as torch.fx's ShapeProp traceback from inside the tracer.
+
+    Example (the error is one line):
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())
+        >>> check_forward(net, (torch.randn(8, 4),), "m:Net", "--input-shape 8,4")
+        >>> bad = (torch.randn(8, 3),)
+        >>> check_forward(net, bad, "m:Net", "--input-shape 8,3")  # doctest: +NORMALIZE_WHITESPACE
+        Traceback (most recent call last):
+        ...
+        meshtorch.errors.PlacementError: m:Net cannot run on --input-shape 8,3: its layer '0' (Linear)
+        takes (batch, ..., 4); torch says: mat1 and mat2 shapes cannot be multiplied (8x3 and 4x2).
+        Give --input-shape the sizes the model's forward takes, batch first
+    """
+    import torch
+
+    running: list[tuple[str, torch.nn.Module]] = []  # the leaf layers entered and not yet left
+    names = {m: name for name, m in module.named_modules()} if isinstance(module, torch.nn.Module) else {}
+    hooks = []
+    for m in names:
+        if next(m.children(), None) is None:
+            hooks.append(m.register_forward_pre_hook(lambda m, a: running.append((names[m], m))))
+            hooks.append(m.register_forward_hook(lambda m, a, o: running.pop() and None))  # None: keep o
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        where = f"{_wants(*running[-1])}; " if running else ""
+        said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PlacementError(
+            f"{spec} cannot run on {source}: {where}torch says: {said}. Give --input-shape the sizes "
+            "the model's forward takes, batch first") from None
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _wants(name: str, layer: Any) -> str:
+    """The input a layer takes, where its type says it: a convolution's channels, a Linear's features."""
+    import torch
+
+    kind = type(layer).__name__
+    who = f"its layer {name!r} ({kind})" if name else f"the model ({kind})"
+    if isinstance(layer, torch.nn.modules.conv._ConvNd):
+        space = {1: "L", 2: "H, W", 3: "D, H, W"}.get(len(layer.kernel_size), "...")
+        return f"{who} takes (batch, {layer.in_channels}, {space})"
+    if isinstance(layer, torch.nn.Linear):
+        return f"{who} takes (batch, ..., {layer.in_features})"
+    return f"it failed in {who}"
 
 
 def run(args: argparse.Namespace) -> int:

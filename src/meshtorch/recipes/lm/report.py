@@ -159,6 +159,26 @@ def bits_per_byte(loss: float, heldout: Any, n: int, tok: Tokenizer) -> float:
     return loss * tokens / math.log(2) / max(1, nbytes)
 
 
+def against_unigram(loss: float, entropy: float, unit: str) -> str:
+    """The held-out loss against the unigram entropy (the loss of a model that learned only how often
+    each token occurs), with how far it is below (or above) it and whether that is the 1 nat a model
+    that learned context reaches.
+
+    Example:
+        >>> print(against_unigram(4.5, 6.174, "token"))
+        held-out loss 4.500 nats/token vs token-unigram entropy 6.174 (1.674 below: learned)
+        >>> print(against_unigram(5.5, 6.174, "byte"))
+        held-out loss 5.500 nats/byte vs byte-unigram entropy 6.174 (0.674 below: not yet 1 nat/byte below it)
+        >>> print(against_unigram(7.492, 6.174, "byte"))
+        held-out loss 7.492 nats/byte vs byte-unigram entropy 6.174 (1.318 above: not yet 1 nat/byte below it)
+    """
+    gap = entropy - loss
+    where = f"{gap:.3f} below" if gap >= 0 else f"{-gap:.3f} above"
+    verdict = "learned" if loss <= entropy - 1.0 else f"not yet 1 nat/{unit} below it"
+    return (f"held-out loss {loss:.3f} nats/{unit} vs {unit}-unigram entropy {entropy:.3f} "
+            f"({where}: {verdict})")
+
+
 def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpus | None, tok: Tokenizer,
            lead: bool) -> dict[str, Any]:
     """Held-out evaluation and a generated sample (printed by processor 0)."""
@@ -182,8 +202,6 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
     sample = tok.decode(prompt + new)
     if lead:
         unit = "byte" if tok.name == "bytes" else "token"
-        verdict = "learned" if loss <= entropy - 1.0 else f"not yet 1 nat/{unit} below it"
-        print(f"held-out loss {loss:.3f} nats/{unit} vs {unit}-unigram entropy {entropy:.3f} "
-              f"({entropy - loss:+.3f} below: {verdict}); {bpb:.3f} bits/byte")
+        print(f"{against_unigram(loss, entropy, unit)}; {bpb:.3f} bits/byte")
         print("sample:\n" + "-" * 40 + "\n" + sample + "\n" + "-" * 40)
     return {"heldout_loss": loss, "heldout_bits_per_byte": bpb, "unigram_entropy": entropy, "sample": sample}
