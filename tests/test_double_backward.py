@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import meshtorch as mt
 from meshtorch.errors import MeshTorchError
+from meshtorch.lowering import adapters as ca
 
 B, L, D, F, H, K = 6, 4, 6, 10, 2, 3  # 6 and 10 over 4 processors: uneven pieces
 
@@ -215,3 +216,30 @@ def ring_penalty() -> None:
 def test_ring_attention_raises_for_a_second_order_gradient(mesh, rules):
     with pytest.raises(MeshTorchError, match="ring_attention has no second-order gradient"):
         mt.launch(ring_penalty, mesh=mesh, rules=rules)
+
+
+def cubed(kind: str) -> list:
+    """Each processor's own loss ``c·Σy³`` (``c`` = rank + 1, the Replicator's convention: the losses
+    add up) of a broadcast from member 1 or a max over the axis (``grad_sum``), its input's gradient
+    squared added, differentiated twice."""
+    comm = mt.current().comm
+    x = torch.tensor([1.0 + comm.rank, 2.0 - comm.rank], requires_grad=True)
+    if kind == "broadcast":
+        y = ca.broadcast(x, comm, "b", 1, grad_sum=True)
+    else:
+        y = ca.all_reduce_extreme(x, comm, "b", "max", grad_sum=True)
+    loss = ((1.0 + comm.rank) * y ** 3).sum()
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    (loss + (g ** 2).sum()).backward()
+    return x.grad.tolist()
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "max"])
+def test_the_replicators_broadcast_and_max_differentiate_twice(kind):
+    # the losses add to 3·Σy³, whose gradient 9y² goes to y's source alone; with its square 81y⁴
+    # there: d/dy = 9y² + 324y³ (broadcast: y = member 1's [2, 1]; max: [2, 2], from 1 then 0)
+    def d(y):
+        return 9 * y ** 2 + 324 * y ** 3
+
+    want = [[0.0, 0.0], [d(2.0), d(1.0)]] if kind == "broadcast" else [[0.0, d(2.0)], [d(2.0), 0.0]]
+    assert mt.launch(cubed, kind, mesh="b:2") == want
