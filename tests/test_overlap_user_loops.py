@@ -282,9 +282,7 @@ def dense(loop: str) -> dict:
     return mt.launch(run, loop, ("off",))[0]["off"]
 
 
-# (not a penalty under FSDP rules: the per-use path's collectives have backwards that are not
-# differentiable, so a second-order gradient through them is missing there, with or without overlap)
-CASES = [(loop, rules) for loop in LOOPS for rules in (DP, FSDP) if not (loop == "penalty" and rules == FSDP)]
+CASES = [(loop, rules) for loop in LOOPS for rules in (DP, FSDP)]
 
 
 @pytest.mark.parametrize("loop,rules", CASES)

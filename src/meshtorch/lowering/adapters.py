@@ -19,6 +19,15 @@ depends on which thread runs it.
 | ``permute``              | permute (sources)  | the inverse permutation  |
 | ``broadcast``            | broadcast from src | to src, zeros elsewhere  |
 
+**Higher-order gradients.** A backward run with ``create_graph=True`` (a gradient penalty, a
+Hessian-vector product) runs in grad mode, and there each backward above computes its result
+with the Function of its own adjoint collective (``.apply``), whose backward is the forward
+collective again, so the backward is differentiable: a reduce_scatter by ``_ReduceScatter``, an
+all_gather by ``_AllGather``, a local slice by ``_LocalSlice``, an identity (``all_reduce_sum``'s)
+by ``identity_grad_sum`` and an all_reduce (``identity_grad_sum``'s) by ``all_reduce_sum``, a
+shift or permutation by the reversed one. The usual backward (grad mode off) takes the raw
+collective, one ``torch.is_grad_enabled()`` test more and no Python call.
+
 The backward rules above assume the gradient arriving at a replicated output
 is itself replicated (the same on every processor of the axis), as in the
 lowering. Code where each processor has a loss of its own (data-parallel
@@ -109,9 +118,18 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():  # create_graph: the adjoint differentiable (module docstring)
+            return _sum_grad(g, ctx.comm, ctx.axis, ctx.grad_sum), None, None, None
         if ctx.grad_sum:
             g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
         return g, None, None, None
+
+
+def _sum_grad(g: torch.Tensor, comm, axis, grad_sum: bool) -> torch.Tensor:
+    """A replicated output's gradient as its input's, differentiably (``create_graph``): with
+    ``grad_sum`` summed over ``axis`` (an all_reduce, whose adjoint is itself), else passed on (an
+    identity, whose adjoint sums the second-order gradient over ``axis``: ``identity_grad_sum``)."""
+    return _AllReduceSum.apply(g, comm, axis, True) if grad_sum else _IdentityGradSum.apply(g, comm, axis)
 
 
 class _AllReduceSumLater(torch.autograd.Function):
@@ -120,10 +138,13 @@ class _AllReduceSumLater(torch.autograd.Function):
         # the result's storage, filled where it is read (Later.wait); the call gets its own copy
         # (reduced in place on the torch backend), prepared once (a loss's, every step)
         handles.append(comm.all_reduce_async(t.clone(memory_format=torch.contiguous_format), axis))
+        ctx.comm, ctx.axis = comm, axis
         return torch.empty_like(t)
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            return _IdentityGradSum.apply(g, ctx.comm, ctx.axis), None, None, None
         return g, None, None, None
 
 
@@ -135,6 +156,8 @@ class _IdentityGradSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            return _AllReduceSum.apply(g, ctx.comm, ctx.axis, False), None, None
         return ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum"), None, None
 
 
@@ -149,7 +172,9 @@ class _AllReduceExtreme(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (hit,) = ctx.saved_tensors
-        if ctx.grad_sum:
+        if torch.is_grad_enabled():
+            g = _sum_grad(g, ctx.comm, ctx.axis, ctx.grad_sum)
+        elif ctx.grad_sum:
             g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
         hits = ctx.comm.all_reduce(hit.to(g.dtype), ctx.axis, "sum")
         # ties across processors share the gradient evenly, as torch.amax does
@@ -165,6 +190,12 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            # zeros off the source still from the summed gradient: its backward's collective
+            # runs on every member
+            g = _sum_grad(g, ctx.comm, ctx.axis, ctx.grad_sum)
+            return (g if ctx.mine else torch.where(torch.zeros((), dtype=torch.bool, device=g.device), g, 0)
+                    ), None, None, None, None
         if ctx.grad_sum:
             g = ctx.comm.all_reduce(g.contiguous(), ctx.axis, "sum")
         # only the source's value reached the output
@@ -193,7 +224,15 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            g = _AllGather.apply(g, ctx.comm, ctx.axis, ctx.dim, False, _whole(ctx.sizes), ())
+            return g, None, None, None
         return _gather(ctx.comm, g, ctx.axis, ctx.dim, ctx.sizes), None, None, None
+
+
+def _whole(sizes: list[int] | None) -> int | None:
+    # the gathered length that gives _AllGather these uneven pieces (as its ``total``, no prefix)
+    return None if sizes is None else sum(sizes)
 
 
 class _AllGather(torch.autograd.Function):
@@ -205,7 +244,9 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.sliced:
+        if torch.is_grad_enabled():
+            g = (_LocalSlice if ctx.sliced else _ReduceScatter).apply(g, ctx.comm, ctx.axis, ctx.dim)
+        elif ctx.sliced:
             g = _slice(g, ctx.comm, ctx.axis, ctx.dim)
         else:
             g = _scatter(ctx.comm, g, ctx.axis, ctx.dim, ctx.sizes)
@@ -221,6 +262,9 @@ class _LocalSlice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            g = _AllGather.apply(g, ctx.comm, ctx.axis, ctx.dim, True, _whole(ctx.sizes), ())
+            return g, None, None, None
         return _gather(ctx.comm, g, ctx.axis, ctx.dim, ctx.sizes), None, None, None
 
 
@@ -237,6 +281,9 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         splits, concats = ctx.sizes
+        if torch.is_grad_enabled():
+            out = _AllToAll.apply(g, ctx.comm, ctx.axis, ctx.concat, ctx.split, _whole(splits), ())
+            return out, None, None, None, None, None, None
         out = ctx.comm.all_to_all(g.contiguous(), ctx.axis, ctx.concat, ctx.split, concats, splits)
         return out, None, None, None, None, None, None
 
@@ -249,6 +296,8 @@ class _Shift(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            return _Shift.apply(g, ctx.comm, ctx.axis, -ctx.offset, ctx.wrap), None, None, None, None
         return ctx.comm.shift(g.contiguous(), ctx.axis, -ctx.offset, ctx.wrap), None, None, None, None
 
 
@@ -260,6 +309,8 @@ class _Permute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            return _Permute.apply(g, ctx.comm, ctx.axis, tuple(ctx.inverse)), None, None, None
         return ctx.comm.permute(g.contiguous(), ctx.axis, ctx.inverse), None, None, None
 
 

@@ -62,6 +62,9 @@ reads directly (a tied table's row lookup under FSDP rules), returns only that o
 meshtorch code runs in such a call to raise an error of its own (the engine runs only the nodes
 that lead to the parameters, none of this module's); seeing the gradients would put a node of
 this module between each parameter and its reads, a Python frame per gradient of every step.
+``backward(create_graph=True)`` (a Hessian-vector product through the parameters' gradients)
+raises a :class:`~meshtorch.errors.MeshTorchError` at the first such gradient: the buckets'
+collectives are not differentiable; outside :func:`overlap` every adapter is.
 
 Example (data parallel: three parameters' gradients in one all_reduce, the same values):
     >>> import torch, meshtorch as mt

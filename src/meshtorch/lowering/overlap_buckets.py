@@ -15,7 +15,7 @@ import torch
 
 from meshtorch.comm.base import Communicator, as_axes
 from meshtorch.comm.grouped import Handle
-from meshtorch.errors import ArgumentError
+from meshtorch.errors import ArgumentError, MeshTorchError
 
 if TYPE_CHECKING:
     from meshtorch.lowering.overlap_runtime import Entry
@@ -187,6 +187,18 @@ def _tell_tracer(items: list, caps: tuple) -> None:
         told(items, caps)
 
 
+def _second_order(e: Entry) -> None:
+    """A gradient with an autograd graph of its own (``backward(create_graph=True)``) came to ``e``'s
+    leaf: the buckets' collectives are not differentiable, so its second-order gradient would be lost."""
+    raise MeshTorchError(
+        f"backward(create_graph=True) inside mt.overlap(): the gradient of a parameter reduced by "
+        f"{e.kind} over {e.axes!r} has a graph, which mt.overlap()'s bucketed {e.kind} cannot "
+        "differentiate (its second-order gradient would be lost). Run the higher-order gradient "
+        "(a Hessian-vector product, a penalty on parameters' gradients) outside mt.overlap(), or "
+        "with mt.overlap(enabled=False), where every layout's collectives are differentiable; "
+        "torch.autograd.grad(..., create_graph=True) with respect to activations or inputs works inside")
+
+
 class GradientBuckets:
     """The gradient buckets of one processor's :class:`~meshtorch.lowering.overlap_runtime.Runtime`,
     which derives from this class and keeps this step's entries (``order``), its ``generation``
@@ -235,6 +247,8 @@ class GradientBuckets:
         the leaf) in the step that last read ``e`` (``e.step``)."""
         leaf = e.leaf  # (the hook's argument, the same leaf)
         g = leaf.grad
+        if g is not None and g.requires_grad:
+            _second_order(e)
         leaf.grad = None
         slot = e.slot
         if slot is not None and g is not None and e.step == self.generation:

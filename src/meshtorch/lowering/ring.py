@@ -45,6 +45,7 @@ import torch
 
 from meshtorch.comm.base import Communicator
 from meshtorch.context import current
+from meshtorch.errors import MeshTorchError
 from meshtorch.lowering import adapters as ca
 
 # a masked score: exp() of it minus any real score is exactly 0, and no row goes NaN
@@ -252,6 +253,13 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if torch.is_grad_enabled():
+            # create_graph: this backward's kernels and shifts are not differentiable again
+            raise MeshTorchError(
+                "ring_attention has no second-order gradient (a backward with create_graph=True: a "
+                "gradient penalty, a Hessian-vector product); use mt.attention there (attention=\"gather\" "
+                "in TransformerConfig) under torch.nn.attention.sdpa_kernel(SDPBackend.MATH): torch's "
+                "fused attention kernels have no second-order gradient either")
         q, k, v, out, lse = ctx.saved_tensors
         comm, axis, causal, scale = ctx.comm, ctx.axis, ctx.causal, ctx.scale
         n = 1 if axis is None else comm.mesh.axis_size(axis)
