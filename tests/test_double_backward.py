@@ -166,7 +166,7 @@ def hessian_vector(on: bool) -> dict:
     net = Mlp()
     with mt.overlap(enabled=on):
         loss = mt.reduce_mean(net(data("mlp")) ** 2)
-        loss.local.backward(create_graph=True)
+        loss.backward(create_graph=True)  # (MeshTensor.backward passes it on, as torch's)
         norm = mt.add_n([mt.reduce_sum(p.grad ** 2) for p in net.mesh_parameters()])
         net.zero_grad()
         norm.backward()
