@@ -51,6 +51,7 @@ class _Pinned:
     def __init__(self, version: OpenVersion, index: dict):
         self.version, self.index = version, index
         self.fds: dict[str, int] = {}
+        self.tensors: dict[str, str] = {}  # a tensor each open file holds, to name in its errors
 
     def pin(self, fname: str, tensor: str) -> int:
         """Open ``fname``; ``FileNotFoundError`` if it vanished because its version was pruned."""
@@ -74,6 +75,7 @@ class _Pinned:
             raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, which is not a file; "
                                   f"the checkpoint {self.version.dir!r} is incomplete")
         self.fds[fname] = fd
+        self.tensors[fname] = tensor
         return fd
 
     def close(self) -> None:
@@ -179,6 +181,11 @@ class _Reader:
         self.handles[fname] = handle
         return handle
 
+    def open_all(self) -> None:
+        """Open (and with ``verify`` check the checksum of) every file this processor reads."""
+        for fname, tensor in list(self.pinned.tensors.items()):
+            self.open(fname, tensor)
+
     def read_into(self, name: str, entry: dict, out: torch.Tensor, start: list[int]) -> None:
         """Fill ``out`` (the region at ``start``) from the pieces of tensor ``name``."""
         size = list(out.shape)
@@ -248,6 +255,11 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     changes nothing (an open file stays readable). So a load never fails, nor
     mixes two versions, because the run it reads saved meanwhile.
 
+    Every check (each tensor's presence, shape and dtype, the optimizer's
+    class and groups, the scheduler's state, with ``verify`` every file's
+    checksum) passes on every processor before anything is copied: a load
+    that raises leaves the model, optimizer and scheduler as they were.
+
     Returns:
         ``{"step", "data", "extra", "bytes_read"}``: the saved step, data
         position and extra values, and how many tensor bytes this processor read.
@@ -263,20 +275,39 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         index = pinned.index
         reader = _Reader(pinned, verify)
         coords = current().coords
+        plan, opt_plan, error = [], None, None
+        try:  # everything that can refuse the checkpoint, before anything is copied
+            plan = [(name, view, _entry(index, path, name, view.shape, view.dtype))
+                    for name, view in model_tensors(model)]
+            if optimizer is not None:
+                opt_plan = _optimizer_plan(optimizer, model, index, path)
+            if scheduler is not None and index.get("scheduler") is None:
+                raise CheckpointError(f"checkpoint {path!r} holds no scheduler state; load without "
+                                      "scheduler= or save one with mt.save(..., scheduler=sched)")
+            reader.open_all()
+        except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+            error = e
+        # the lowest failing processor's error, on every processor: all refuse, none copied anything
+        size = current().mesh.size
+        agreed = processors_agree(0 if error is None else size - current().rank)
+        if agreed:
+            failed = size - agreed
+            text = from_rank0(f"{type(error).__name__}: {error}" if error is not None else "", failed)
+            if error is not None:
+                raise error
+            raise CheckpointError(f"loading checkpoint {path!r} failed on processor {failed} ({text}); "
+                                  "nothing was loaded")
         with torch.no_grad():
-            for name, view in model_tensors(model):
-                entry = _entry(index, path, name, view.shape, view.dtype)
+            for name, view, entry in plan:
                 start = [s for s, _ in view.layout.slices(coords)]
                 buf = torch.empty_like(view.local, device="cpu")
                 reader.read_into(name, entry, buf, start)
                 view.local.copy_(buf)
-            if optimizer is not None:
-                _load_optimizer(optimizer, model, index, path, reader, coords)
+            if opt_plan is not None:
+                _load_optimizer(optimizer, opt_plan, index, reader, coords)
     finally:
         pinned.close()
     if scheduler is not None:
-        if index.get("scheduler") is None:
-            raise CheckpointError(f"checkpoint {path!r} holds no scheduler state")
         scheduler.load_state_dict(from_json(index["scheduler"]))
     saved_data = from_json(index.get("data"))
     if data is not None and hasattr(data, "load_state_dict"):
@@ -289,7 +320,8 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             "bytes_read": reader.bytes_read}
 
 
-def _load_optimizer(optimizer, model, index, path, reader, coords) -> None:
+def _optimizer_plan(optimizer, model, index, path) -> list[list[tuple]]:
+    """Check the saved optimizer state fits ``optimizer``; per group, ``(param, name)`` pairs."""
     saved = index.get("optimizer")
     if saved is None:
         raise CheckpointError(f"checkpoint {path!r} holds no optimizer state; load without "
@@ -301,19 +333,30 @@ def _load_optimizer(optimizer, model, index, path, reader, coords) -> None:
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint {path!r} has {len(saved['param_groups'])} optimizer "
                               f"groups, this optimizer {len(optimizer.param_groups)}")
+    plan = []
+    for gi, (group, sgroup) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        mine = [names.get(id(p)) for p in group["params"]]
+        if mine != sgroup["params"]:
+            raise CheckpointError(f"optimizer group {gi} holds parameters {mine} here but "
+                                  f"{sgroup['params']} in checkpoint {path!r}")
+        plan.append(list(zip(group["params"], mine)))
+    for tname, entry in index["tensors"].items():
+        if tname.startswith("optim/"):
+            layout_for(shape_from_json(entry["dims"]))  # a layout the rules refuse raises here
+    return plan
+
+
+def _load_optimizer(optimizer, plan, index, reader, coords) -> None:
+    saved = index["optimizer"]
     keys: dict[str, list[str]] = {}  # parameter name -> its sharded state tensors in the index
     for tname in index["tensors"]:
         if tname.startswith("optim/"):
             pname, key = tname.removeprefix("optim/").rsplit("/", 1)
             keys.setdefault(pname, []).append(key)
     groups, state, order = [], {}, 0
-    for gi, (group, sgroup) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
-        mine = [names.get(id(p)) for p in group["params"]]
-        if mine != sgroup["params"]:
-            raise CheckpointError(f"optimizer group {gi} holds parameters {mine} here but "
-                                  f"{sgroup['params']} in checkpoint {path!r}")
+    for pairs, sgroup in zip(plan, saved["param_groups"]):
         ids = []
-        for p, name in zip(group["params"], mine):
+        for p, name in pairs:
             st = {}
             for key, val in saved["scalars"].get(name, {}).items():
                 st[key] = from_json(val["json"]) if "json" in val else scalar_from_json(val)

@@ -126,14 +126,14 @@ def _commit_index(path: str, tmp: str, index: dict, digests: dict[int, str | Non
     return commit(path, tmp, step, keep, tag)
 
 
-def from_rank0(text: str) -> str:
-    """Processor 0's ``text`` (at most 512 bytes), on every processor (every processor calls it)."""
+def from_rank0(text: str, src: int = 0) -> str:
+    """Processor ``src``'s ``text`` (at most 512 bytes), on every processor (every processor calls it)."""
     comm = current().comm
     raw = text.encode()[:512]
     t = torch.zeros(512, dtype=torch.uint8)
     t[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    t = comm.broadcast(t, comm.mesh.axis_names, 0)
-    return bytes(t.tolist()).rstrip(b"\0").decode()
+    t = comm.broadcast(t, comm.mesh.axis_names, src)
+    return bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def processors_agree(state: int) -> int:
