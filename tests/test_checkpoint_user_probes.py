@@ -1,5 +1,5 @@
 """What a demanding user's checkpoints met: a failed ``mt.load`` leaves the model and optimizer as they
-were, on every processor."""
+were, and a checkpoint of another model is refused also when it holds tensors the model lacks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import meshtorch as mt
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import CheckpointError, ProcessorError
 
 RULES = "d_ff:m"
 
@@ -115,3 +115,22 @@ def test_every_processor_raises_when_one_finds_its_file_corrupt(tmp_path):
     assert "failed on processor 1 (CheckpointError: checksum mismatch" in got[0][0]
     assert "checksum mismatch" in got[1][0]
     assert got[0][1] and got[1][1]
+
+
+def test_a_checkpoint_holding_tensors_the_model_lacks_is_refused_unless_strict_false(tmp_path):
+    """A 3-layer checkpoint loaded into a 2-layer model loaded silently (its first two layers); it is
+    another model's checkpoint, so it is an error naming the tensors and strict=False, which loads
+    the model's tensors and ignores the rest (a subset on purpose: fine-tuning, 2BW's previous.*)."""
+    path = str(tmp_path / "ckpt")
+    saved = make_model(depth=3).reset_parameters(seed=4)
+    mt.save(path, model=saved, step=1)
+    model = make_model().reset_parameters(seed=5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError, match=r"'model/4.kernel'.* not in the model.*strict=False"):
+        mt.load(path, model=model)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert mt.load(path, model=model, strict=False)["step"] == 1
+    for n, p in model.named_parameters():
+        assert torch.equal(p, dict(saved.named_parameters())[n]), n
+    with pytest.raises(ProcessorError):  # the same on a mesh: every processor refuses it
+        mt.launch(lambda: mt.load(path, model=make_model()), mesh="m:2", rules=RULES)

@@ -239,7 +239,7 @@ def _entry(index: dict, path: str, name: str, shape, dtype: torch.dtype) -> dict
 
 def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = None,
          scheduler: Any = None, data: Any = None, restore_rng_state: bool = True,
-         verify: bool = True) -> dict:
+         verify: bool = True, strict: bool = True) -> dict:
     """Load a checkpoint written by :func:`~meshtorch.checkpoint.save` (every processor calls it).
 
     Works on any mesh and rules: each processor reads, from the files that
@@ -260,14 +260,20 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     checksum) passes on every processor before anything is copied: a load
     that raises leaves the model, optimizer and scheduler as they were.
 
+    Args:
+        strict: the checkpoint's model tensors must be the model's; ``False``
+            loads the model's and ignores the checkpoint's others (a checkpoint
+            of a larger model on purpose, e.g. 2BW's ``previous.*`` weights).
+
     Returns:
         ``{"step", "data", "extra", "bytes_read"}``: the saved step, data
         position and extra values, and how many tensor bytes this processor read.
 
     Raises:
-        CheckpointError: missing checkpoint or tensor, shape or dtype mismatch,
-            a malformed or modified index (naming the field), checksum mismatch
-            of a slice file (with ``verify``) — naming the tensor and the file.
+        CheckpointError: missing checkpoint or tensor, a tensor the model lacks
+            (``strict``), shape or dtype mismatch, a malformed or modified index
+            (naming the field), checksum mismatch of a slice file (with
+            ``verify``) — naming the tensor and the file.
     """
     pinned = _pin(os.fspath(path), model, optimizer)
     path = pinned.version.dir
@@ -279,6 +285,8 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         try:  # everything that can refuse the checkpoint, before anything is copied
             plan = [(name, view, _entry(index, path, name, view.shape, view.dtype))
                     for name, view in model_tensors(model)]
+            if strict:
+                _check_no_others(index, path, {name for name, _, _ in plan})
             if optimizer is not None:
                 opt_plan = _optimizer_plan(optimizer, model, index, path)
             if scheduler is not None and index.get("scheduler") is None:
@@ -318,6 +326,16 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     current().comm.barrier()
     return {"step": index.get("step"), "data": saved_data, "extra": from_json(index.get("extra")),
             "bytes_read": reader.bytes_read}
+
+
+def _check_no_others(index: dict, path: str, mine: set[str]) -> None:
+    """Refuse a checkpoint holding model tensors that ``mine`` (the model's) lacks."""
+    others = sorted(n for n in index["tensors"] if n.startswith("model/") and n not in mine)
+    if others:
+        raise CheckpointError(f"checkpoint {os.path.join(path, INDEX)} holds tensors {others[:8]}"
+                              f"{' ...' if len(others) > 8 else ''} ({len(others)}) that are not in the "
+                              "model; was it saved from a different model? Build the model it was saved "
+                              "from, or load only this model's tensors with mt.load(..., strict=False)")
 
 
 def _optimizer_plan(optimizer, model, index, path) -> list[list[tuple]]:
