@@ -134,3 +134,19 @@ def test_a_checkpoint_holding_tensors_the_model_lacks_is_refused_unless_strict_f
         assert torch.equal(p, dict(saved.named_parameters())[n]), n
     with pytest.raises(ProcessorError):  # the same on a mesh: every processor refuses it
         mt.launch(lambda: mt.load(path, model=make_model()), mesh="m:2", rules=RULES)
+
+
+@pytest.mark.parametrize("change, message", [("deeper", r"'4.kernel' \(key '4.kernel'\) is not in"),
+                                             ("another last layer", "'2.kernel' has shape")])
+def test_a_failed_import_consolidated_leaves_the_model_as_it_was(tmp_path, change, message):
+    """import_consolidated, too, checks every parameter against the files before it copies any."""
+    mt.export_consolidated(str(tmp_path), make_model().reset_parameters(seed=1))
+    if change == "deeper":
+        model = make_model(depth=3)
+    else:
+        model = mt.nn.Sequential(make_model()[0], mt.relu, mt.nn.Dense(mt.Dim("d_ff", 8), mt.Dim("out", 6)))
+    model.reset_parameters(seed=9)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CheckpointError, match=message):
+        mt.import_consolidated(str(tmp_path), model)
+    assert [n for n, p in model.named_parameters() if not torch.equal(before[n], p)] == []
