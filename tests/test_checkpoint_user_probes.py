@@ -112,7 +112,7 @@ def test_every_processor_raises_when_one_finds_its_file_corrupt(tmp_path):
         return None
 
     got = mt.launch(load, mesh="m:2", rules=RULES)
-    assert "failed on processor 1 (CheckpointError: checksum mismatch" in got[0][0]
+    assert "failed on processor 1: CheckpointError: checksum mismatch" in got[0][0]
     assert "checksum mismatch" in got[1][0]
     assert got[0][1] and got[1][1]
 
@@ -150,3 +150,26 @@ def test_a_failed_import_consolidated_leaves_the_model_as_it_was(tmp_path, chang
     with pytest.raises(CheckpointError, match=message):
         mt.import_consolidated(str(tmp_path), model)
     assert [n for n, p in model.named_parameters() if not torch.equal(before[n], p)] == []
+
+
+def test_a_save_refused_before_writing_says_why_on_every_processor(tmp_path):
+    """The message said only 'failed before writing; nothing was changed': the reason (a data value
+    JSON cannot store, a path that is a file) was in the chained exception only, which a log of
+    str(error) or another processor never shows."""
+    path = str(tmp_path / "ckpt")
+
+    def save():
+        data = {"pos": 3, "sampler": object()} if mt.current().rank == 1 else {"pos": 3}
+        try:
+            mt.save(path, model=make_model(), data=data)
+        except CheckpointError as e:
+            return str(e)
+        return None
+
+    got = mt.launch(save, mesh="m:2", rules=RULES)
+    assert "processor 1" in got[0] and all("data holds object" in text for text in got), got
+    assert not os.path.exists(path) or not os.listdir(path)
+    open(tmp_path / "file", "w").close()
+    with pytest.raises(CheckpointError, match="exists and is not a directory"):
+        mt.save(str(tmp_path / "file"), model=make_model())
+

@@ -31,7 +31,13 @@ from meshtorch.checkpoint.format import DTYPES, INDEX, overlap, sha256_fd, shape
 from meshtorch.checkpoint.index import missing_index, read_version_index
 from meshtorch.checkpoint.state import from_json, restore_rng, scalar_from_json
 from meshtorch.checkpoint.versions import ATTEMPTS, OpenVersion, inside, latest
-from meshtorch.checkpoint.writer import from_rank0, model_tensors, param_names, processors_agree
+from meshtorch.checkpoint.writer import (
+    first_failure,
+    from_rank0,
+    model_tensors,
+    param_names,
+    processors_agree,
+)
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, MeshTorchError
 from meshtorch.tensor import layout_for, local_shape
@@ -296,15 +302,11 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
             error = e
         # the lowest failing processor's error, on every processor: all refuse, none copied anything
-        size = current().mesh.size
-        agreed = processors_agree(0 if error is None else size - current().rank)
-        if agreed:
-            failed = size - agreed
-            text = from_rank0(f"{type(error).__name__}: {error}" if error is not None else "", failed)
+        why = first_failure(error)
+        if why is not None:
             if error is not None:
                 raise error
-            raise CheckpointError(f"loading checkpoint {path!r} failed on processor {failed} ({text}); "
-                                  "nothing was loaded")
+            raise CheckpointError(f"loading checkpoint {path!r} failed on {why}; nothing was loaded")
         with torch.no_grad():
             for name, view, entry in plan:
                 start = [s for s, _ in view.layout.slices(coords)]
