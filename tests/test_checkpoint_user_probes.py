@@ -173,3 +173,8 @@ def test_a_save_refused_before_writing_says_why_on_every_processor(tmp_path):
     with pytest.raises(CheckpointError, match="exists and is not a directory"):
         mt.save(str(tmp_path / "file"), model=make_model())
 
+
+def test_loading_a_consolidated_export_names_import_consolidated(tmp_path):
+    mt.export_consolidated(str(tmp_path), make_model())
+    with pytest.raises(CheckpointError, match=r"model.safetensors.*mt.import_consolidated"):
+        mt.load(str(tmp_path), model=make_model())
