@@ -191,34 +191,37 @@ def import_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
 
     ``rename`` maps a parameter name to the key in the files. Values are cast to
     each parameter's dtype. With ``strict``, a parameter missing from the files
-    is an error. Returns the names of the parameters loaded.
+    is an error. Every parameter is checked (present, same shape) before any is
+    copied, so an import that raises leaves ``model`` as it was. Returns the
+    names of the parameters loaded.
     """
     path = os.fspath(path)
     wmap = weight_map(path)
     key_of = rename if callable(rename) else (lambda n: (rename or {}).get(n, n))
     coords = current().coords
-    loaded = []
     handles: dict[str, object] = {}
+    plan = []  # every parameter is checked against the files before any is copied
+    for name, view in _views(model):
+        key = key_of(name)
+        fpath = wmap.get(key)
+        if fpath is None:
+            if strict:
+                raise CheckpointError(f"parameter {name!r} (key {key!r}) is not in {path!r}; "
+                                      "pass rename= to map names, or strict=False")
+            continue
+        if fpath not in handles:
+            handles[fpath] = open_safetensors(fpath)
+        sl = handles[fpath].get_slice(key)
+        if list(sl.get_shape()) != list(view.shape.sizes):
+            raise CheckpointError(f"parameter {name!r} has shape [{view.shape}] but {fpath} holds "
+                                  f"{key!r} with shape {sl.get_shape()}")
+        plan.append((name, view, key, fpath, sl))
     with torch.no_grad():
-        for name, view in _views(model):
-            key = key_of(name)
-            fpath = wmap.get(key)
-            if fpath is None:
-                if strict:
-                    raise CheckpointError(f"parameter {name!r} (key {key!r}) is not in {path!r}; "
-                                          "pass rename= to map names, or strict=False")
-                continue
-            if fpath not in handles:
-                handles[fpath] = open_safetensors(fpath)
-            sl = handles[fpath].get_slice(key)
-            if list(sl.get_shape()) != list(view.shape.sizes):
-                raise CheckpointError(f"parameter {name!r} has shape [{view.shape}] but {fpath} holds "
-                                      f"{key!r} with shape {sl.get_shape()}")
+        for _, view, key, fpath, sl in plan:
             region = tuple(slice(s, s + n) for s, n in view.layout.slices(coords))
             part = sl[region] if region else handles[fpath].get_tensor(key)
             view.local.copy_(part.to(view.dtype))
-            loaded.append(name)
-    return loaded
+    return [name for name, *_ in plan]
 
 
 def _deprecated(old: str, new: Callable) -> Callable:

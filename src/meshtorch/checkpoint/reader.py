@@ -31,7 +31,13 @@ from meshtorch.checkpoint.format import DTYPES, INDEX, overlap, sha256_fd, shape
 from meshtorch.checkpoint.index import missing_index, read_version_index
 from meshtorch.checkpoint.state import from_json, restore_rng, scalar_from_json
 from meshtorch.checkpoint.versions import ATTEMPTS, OpenVersion, inside, latest
-from meshtorch.checkpoint.writer import from_rank0, model_tensors, param_names, processors_agree
+from meshtorch.checkpoint.writer import (
+    first_failure,
+    from_rank0,
+    model_tensors,
+    param_names,
+    processors_agree,
+)
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, MeshTorchError
 from meshtorch.tensor import layout_for, local_shape
@@ -51,6 +57,7 @@ class _Pinned:
     def __init__(self, version: OpenVersion, index: dict):
         self.version, self.index = version, index
         self.fds: dict[str, int] = {}
+        self.tensors: dict[str, str] = {}  # a tensor each open file holds, to name in its errors
 
     def pin(self, fname: str, tensor: str) -> int:
         """Open ``fname``; ``FileNotFoundError`` if it vanished because its version was pruned."""
@@ -74,6 +81,7 @@ class _Pinned:
             raise CheckpointError(f"tensor {tensor!r} is stored in {fpath}, which is not a file; "
                                   f"the checkpoint {self.version.dir!r} is incomplete")
         self.fds[fname] = fd
+        self.tensors[fname] = tensor
         return fd
 
     def close(self) -> None:
@@ -179,6 +187,11 @@ class _Reader:
         self.handles[fname] = handle
         return handle
 
+    def open_all(self) -> None:
+        """Open (and with ``verify`` check the checksum of) every file this processor reads."""
+        for fname, tensor in list(self.pinned.tensors.items()):
+            self.open(fname, tensor)
+
     def read_into(self, name: str, entry: dict, out: torch.Tensor, start: list[int]) -> None:
         """Fill ``out`` (the region at ``start``) from the pieces of tensor ``name``."""
         size = list(out.shape)
@@ -232,7 +245,7 @@ def _entry(index: dict, path: str, name: str, shape, dtype: torch.dtype) -> dict
 
 def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = None,
          scheduler: Any = None, data: Any = None, restore_rng_state: bool = True,
-         verify: bool = True) -> dict:
+         verify: bool = True, strict: bool = True) -> dict:
     """Load a checkpoint written by :func:`~meshtorch.checkpoint.save` (every processor calls it).
 
     Works on any mesh and rules: each processor reads, from the files that
@@ -248,14 +261,25 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     changes nothing (an open file stays readable). So a load never fails, nor
     mixes two versions, because the run it reads saved meanwhile.
 
+    Every check (each tensor's presence, shape and dtype, the optimizer's
+    class and groups, the scheduler's state, with ``verify`` every file's
+    checksum) passes on every processor before anything is copied: a load
+    that raises leaves the model, optimizer and scheduler as they were.
+
+    Args:
+        strict: the checkpoint's model tensors must be the model's; ``False``
+            loads the model's and ignores the checkpoint's others (a checkpoint
+            of a larger model on purpose, e.g. 2BW's ``previous.*`` weights).
+
     Returns:
         ``{"step", "data", "extra", "bytes_read"}``: the saved step, data
         position and extra values, and how many tensor bytes this processor read.
 
     Raises:
-        CheckpointError: missing checkpoint or tensor, shape or dtype mismatch,
-            a malformed or modified index (naming the field), checksum mismatch
-            of a slice file (with ``verify``) — naming the tensor and the file.
+        CheckpointError: missing checkpoint or tensor, a tensor the model lacks
+            (``strict``), shape or dtype mismatch, a malformed or modified index
+            (naming the field), checksum mismatch of a slice file (with
+            ``verify``) — naming the tensor and the file.
     """
     pinned = _pin(os.fspath(path), model, optimizer)
     path = pinned.version.dir
@@ -263,20 +287,37 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         index = pinned.index
         reader = _Reader(pinned, verify)
         coords = current().coords
+        plan, opt_plan, error = [], None, None
+        try:  # everything that can refuse the checkpoint, before anything is copied
+            plan = [(name, view, _entry(index, path, name, view.shape, view.dtype))
+                    for name, view in model_tensors(model)]
+            if strict:
+                _check_no_others(index, path, {name for name, _, _ in plan})
+            if optimizer is not None:
+                opt_plan = _optimizer_plan(optimizer, model, index, path)
+            if scheduler is not None and index.get("scheduler") is None:
+                raise CheckpointError(f"checkpoint {path!r} holds no scheduler state; load without "
+                                      "scheduler= or save one with mt.save(..., scheduler=sched)")
+            reader.open_all()
+        except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+            error = e
+        # the lowest failing processor's error, on every processor: all refuse, none copied anything
+        why = first_failure(error)
+        if why is not None:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"loading checkpoint {path!r} failed on {why}; nothing was loaded")
         with torch.no_grad():
-            for name, view in model_tensors(model):
-                entry = _entry(index, path, name, view.shape, view.dtype)
+            for name, view, entry in plan:
                 start = [s for s, _ in view.layout.slices(coords)]
                 buf = torch.empty_like(view.local, device="cpu")
                 reader.read_into(name, entry, buf, start)
                 view.local.copy_(buf)
-            if optimizer is not None:
-                _load_optimizer(optimizer, model, index, path, reader, coords)
+            if opt_plan is not None:
+                _load_optimizer(optimizer, opt_plan, index, reader, coords)
     finally:
         pinned.close()
     if scheduler is not None:
-        if index.get("scheduler") is None:
-            raise CheckpointError(f"checkpoint {path!r} holds no scheduler state")
         scheduler.load_state_dict(from_json(index["scheduler"]))
     saved_data = from_json(index.get("data"))
     if data is not None and hasattr(data, "load_state_dict"):
@@ -289,7 +330,18 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             "bytes_read": reader.bytes_read}
 
 
-def _load_optimizer(optimizer, model, index, path, reader, coords) -> None:
+def _check_no_others(index: dict, path: str, mine: set[str]) -> None:
+    """Refuse a checkpoint holding model tensors that ``mine`` (the model's) lacks."""
+    others = sorted(n for n in index["tensors"] if n.startswith("model/") and n not in mine)
+    if others:
+        raise CheckpointError(f"checkpoint {os.path.join(path, INDEX)} holds tensors {others[:8]}"
+                              f"{' ...' if len(others) > 8 else ''} ({len(others)}) that are not in the "
+                              "model; was it saved from a different model? Build the model it was saved "
+                              "from, or load only this model's tensors with mt.load(..., strict=False)")
+
+
+def _optimizer_plan(optimizer, model, index, path) -> list[list[tuple]]:
+    """Check the saved optimizer state fits ``optimizer``; per group, ``(param, name)`` pairs."""
     saved = index.get("optimizer")
     if saved is None:
         raise CheckpointError(f"checkpoint {path!r} holds no optimizer state; load without "
@@ -301,19 +353,30 @@ def _load_optimizer(optimizer, model, index, path, reader, coords) -> None:
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint {path!r} has {len(saved['param_groups'])} optimizer "
                               f"groups, this optimizer {len(optimizer.param_groups)}")
+    plan = []
+    for gi, (group, sgroup) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        mine = [names.get(id(p)) for p in group["params"]]
+        if mine != sgroup["params"]:
+            raise CheckpointError(f"optimizer group {gi} holds parameters {mine} here but "
+                                  f"{sgroup['params']} in checkpoint {path!r}")
+        plan.append(list(zip(group["params"], mine)))
+    for tname, entry in index["tensors"].items():
+        if tname.startswith("optim/"):
+            layout_for(shape_from_json(entry["dims"]))  # a layout the rules refuse raises here
+    return plan
+
+
+def _load_optimizer(optimizer, plan, index, reader, coords) -> None:
+    saved = index["optimizer"]
     keys: dict[str, list[str]] = {}  # parameter name -> its sharded state tensors in the index
     for tname in index["tensors"]:
         if tname.startswith("optim/"):
             pname, key = tname.removeprefix("optim/").rsplit("/", 1)
             keys.setdefault(pname, []).append(key)
     groups, state, order = [], {}, 0
-    for gi, (group, sgroup) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
-        mine = [names.get(id(p)) for p in group["params"]]
-        if mine != sgroup["params"]:
-            raise CheckpointError(f"optimizer group {gi} holds parameters {mine} here but "
-                                  f"{sgroup['params']} in checkpoint {path!r}")
+    for pairs, sgroup in zip(plan, saved["param_groups"]):
         ids = []
-        for p, name in zip(group["params"], mine):
+        for p, name in pairs:
             st = {}
             for key, val in saved["scalars"].get(name, {}).items():
                 st[key] = from_json(val["json"]) if "json" in val else scalar_from_json(val)

@@ -129,8 +129,13 @@ def latest(path: str | os.PathLike) -> str:
         versions = read_pointer(path) if os.path.isdir(path) else []
         if not versions:
             hint = " (it is not a directory)" if os.path.exists(path) and not os.path.isdir(path) else ""
+            fix = "save one with mt.save(path, model=...)"
+            if any(os.path.exists(os.path.join(path, f)) for f in ("model.safetensors",
+                                                                    "model.safetensors.index.json")):
+                fix = ("it holds a consolidated model.safetensors (mt.export_consolidated, export_hf): "
+                       "read that with mt.import_consolidated or meshtorch.models.from_hf")
             raise CheckpointError(f"no checkpoint at {path!r}{hint}: it has neither a {POINTER} pointer nor "
-                                  f"an {INDEX}; save one with mt.save(path, model=...)")
+                                  f"an {INDEX}; {fix}")
         if versions[0] == LEGACY:
             return path
         target = os.path.join(path, versions[0])

@@ -126,14 +126,14 @@ def _commit_index(path: str, tmp: str, index: dict, digests: dict[int, str | Non
     return commit(path, tmp, step, keep, tag)
 
 
-def from_rank0(text: str) -> str:
-    """Processor 0's ``text`` (at most 512 bytes), on every processor (every processor calls it)."""
+def from_rank0(text: str, src: int = 0) -> str:
+    """Processor ``src``'s ``text`` (at most 512 bytes), on every processor (every processor calls it)."""
     comm = current().comm
     raw = text.encode()[:512]
     t = torch.zeros(512, dtype=torch.uint8)
     t[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    t = comm.broadcast(t, comm.mesh.axis_names, 0)
-    return bytes(t.tolist()).rstrip(b"\0").decode()
+    t = comm.broadcast(t, comm.mesh.axis_names, src)
+    return bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def processors_agree(state: int) -> int:
@@ -141,6 +141,19 @@ def processors_agree(state: int) -> int:
     comm = current().comm
     flag = torch.tensor([float(state)])
     return int(comm.all_reduce(flag, comm.mesh.axis_names, "max").item())
+
+
+def first_failure(error: BaseException | None) -> str | None:
+    """``None`` where no processor failed, else ``"processor R: <its error>"`` of the lowest failing
+    processor R, on every processor (every processor calls it), so each can say why."""
+    ctx = current()
+    size = ctx.mesh.size
+    agreed = processors_agree(0 if error is None else size - ctx.rank)
+    if not agreed:
+        return None
+    failed = size - agreed
+    text = from_rank0(f"{type(error).__name__}: {error}" if error is not None else "", failed)
+    return f"processor {failed}: {text}"
 
 
 def _token() -> str:
@@ -271,13 +284,15 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     error: BaseException | None = None
     digest = torch.zeros(33, dtype=torch.uint8)
     index: dict = {}
+    # a collective: before anything that may fail on some processors only (their data= values)
+    rng = rng_state(gather=True)
     try:
         entries = model_tensors(model)
         opt_json = None
         if optimizer is not None:
             opt_entries, opt_json = optimizer_content(optimizer, model)
             entries += opt_entries
-        index = _index(entries, mesh, ctx.rules, step, data, extra, scheduler, opt_json)
+        index = _index(entries, mesh, ctx.rules, step, data, extra, scheduler, opt_json, rng)
         if ctx.rank == 0:
             _make_dirs(path)
             mark_live(tmp, True)
@@ -285,9 +300,10 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
         error = e
     try:
-        if not _all_ok(error is None):
-            raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
-                                  "changed") from error
+        why = first_failure(error)
+        if why is not None:
+            raise CheckpointError(f"saving checkpoint {path!r} failed before writing on {why}; nothing "
+                                  "was changed") from error
         return _write_and_commit(ctx, path, tmp, tag, entries, index, step, keep, background, digest)
     except BaseException:
         # a failure, or a collective that raised on the way (the launch abandoned, Ctrl-C: also the
@@ -370,7 +386,7 @@ def _discard(tmp: str) -> None:
         mark_live(tmp, False)
 
 
-def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json) -> dict:
+def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json, rng) -> dict:
     tensors = {}
     for name, view in entries:
         pieces = []
@@ -387,7 +403,7 @@ def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json) -> dict
     return {
         "format": FORMAT, "version": VERSION, "mesh": str(mesh), "rules": str(rules),
         "step": step, "data": to_json(data_state, "data"), "extra": to_json(extra, "extra"),
-        "rng": rng_state(gather=True),
+        "rng": rng,
         "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
         "optimizer": opt_json, "tensors": tensors, "files": {},
     }

@@ -81,7 +81,9 @@ def load_lm(path: str) -> DecoderLM:
     if kind == "seq2seq":
         raise CheckpointError(f"checkpoint {path!r} is a seq2seq model; only LM checkpoints hold a DecoderLM")
     model = DecoderLM(cfg)
-    load(path, model=model, restore_rng_state=False)
+    # strict=False: a 2BW run's checkpoint also holds W(t-1) (model/previous.*); the model is built
+    # from the run's own config, so the rest are its tensors
+    load(path, model=model, restore_rng_state=False, strict=False)
     return model
 
 

@@ -285,8 +285,11 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
     # loading restores the saved param groups: put back the ones cfg built (--weight-decay etc. given
     # now), so the options the checkpoint will record are the ones in effect
     given = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    # strict=False: a 2BW run's checkpoint holds W(t-1) (model/previous.*) too, which a run of another
+    # schedule ignores; the model itself is the run's (the resume guards compare every config field)
     state = checkpoint.load(os.path.join(cfg.run.resume, "checkpoint"),
-                            model=model if saved is None else saved, optimizer=opt, data=batches)
+                            model=model if saved is None else saved, optimizer=opt, data=batches,
+                            strict=False)
     # the hyperparameters that differ (numbers: not fused= and the like, which follow the device)
     changed = sorted({k for g, mine in zip(opt.param_groups, given) for k, v in mine.items()
                       if k != "lr" and isinstance(v, (int, float, tuple)) and not isinstance(v, bool)
