@@ -1,5 +1,7 @@
 """Elementwise ops on drawn meshes and rules equal dense torch, values and grads."""
 
+import decimal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,11 +229,17 @@ def test_operand_errors_for_types_without_the_reflected_method_are_meshtorchs():
                          (lambda a, b: b - a, "subtract")]:
             with pytest.raises(mt.errors.ShapeError, match=f"{op}: operand of type {name} is {wrap}"):
                 expr(x, bad)
-    # a type that declines both ways: Python's own error
+    # a type that declines both ways: Python's own error where meshtorch gave way first; where
+    # Python calls the reflected method (after the other's own declined), meshtorch's error
     with pytest.raises(TypeError, match="unsupported operand"):
         x + Declines()
-    with pytest.raises(TypeError, match="unsupported operand"):
+    with pytest.raises(mt.errors.ShapeError, match=f"add: operand of type Declines is {wrap}"):
         Declines() + x
+    # numbers of other kinds know only numbers: meshtorch's error both ways
+    for number in (decimal.Decimal(1),):
+        for expr in (lambda a, b: a + b, lambda a, b: b + a):
+            with pytest.raises(mt.errors.ShapeError, match=f"add: operand of type {type(number).__name__}"):
+                expr(x, number)
 
 
 def test_operators_cost_no_frame_beyond_the_ops_own_function():

@@ -164,13 +164,16 @@ def binary_op(fn: Callable[..., torch.Tensor], op: str, doc: str | None = None) 
     return f
 
 
-def operator(op_fn: Callable[..., MeshTensor], defer: str, swap: bool = False) -> Callable[..., MeshTensor]:
+def operator(op_fn: Callable[..., MeshTensor], defer: str | None, swap: bool = False
+             ) -> Callable[..., MeshTensor]:
     """MeshTensor's operator method computing the binary op ``op_fn`` (made by :func:`binary_op`):
     ``self op other``, or with ``swap`` (a reflected method, ``__radd__``) ``other op self``.
     An operand that is neither a MeshTensor nor a scalar, whose type has the method ``defer``
-    (for ``__add__`` the other's ``__radd__``, for ``__radd__`` its ``__add__``, for ``__lt__``
-    its ``__gt__``), gets ``NotImplemented``, so that Python runs that method, as its data model
-    asks (:func:`defers_to`); other operands raise the op's error. The method calls :func:`nary`
+    (for ``__add__`` the other's ``__radd__``, for ``__lt__`` its ``__gt__``), gets
+    ``NotImplemented``, so that Python runs that method, as its data model asks
+    (:func:`defers_to`); other operands raise the op's error. A reflected method passes ``None``:
+    Python calls it only once the other's own method gave way, so giving way again would end in
+    a bare ``TypeError`` where the op's error says what to do. The method calls :func:`nary`
     itself: one frame between the operator and the op, as the op's own function (issue 27).
 
     Example (a type that knows how to add itself to a MeshTensor):
@@ -188,7 +191,8 @@ def operator(op_fn: Callable[..., MeshTensor], defer: str, swap: bool = False) -
     else:
         def method(x, y) -> MeshTensor:
             return nary(fn, x, y, op=op, defer=defer)
-    method.__doc__ = f"``{op}``, or ``NotImplemented`` for an operand whose type defines ``{defer}``."
+    method.__doc__ = (f"``{op}``" if defer is None else
+                      f"``{op}``, or ``NotImplemented`` for an operand whose type defines ``{defer}``.")
     return method
 
 
@@ -196,7 +200,9 @@ def defers_to(other, method: str) -> bool:
     """Whether a MeshTensor operator gives way (``NotImplemented``) to ``other``, neither a
     MeshTensor nor a scalar: its type defines ``method`` (not ``object``'s), and it is not data
     meshtorch asks to wrap with ``mt.from_global`` (a torch tensor, an array, a builtin such as a
-    list or str, whose own methods would fail or repeat a sequence), which keeps the op's error.
+    list or str, whose own methods would fail or repeat a sequence) or a number of another kind
+    (a ``Decimal``, a ``Fraction``: :class:`numbers.Number`, whose methods know only numbers),
+    which keep the op's error.
 
     Example:
         >>> import torch
@@ -207,7 +213,8 @@ def defers_to(other, method: str) -> bool:
         (True, False, False)
     """
     cls = type(other)
-    if isinstance(other, torch.Tensor) or cls.__module__ == "builtins" or hasattr(cls, "__array__"):
+    if (isinstance(other, (torch.Tensor, numbers.Number)) or cls.__module__ == "builtins"
+            or hasattr(cls, "__array__")):
         return False
     found = getattr(cls, method, None)
     return found is not None and found is not getattr(object, method, None)
