@@ -250,6 +250,25 @@ def covered(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def device_kernels(events: list) -> list:
+    """The GPU kernels and copies of a profile's events: its CUDA events less the user annotations
+    Kineto also gives a CUDA device type (``record_function`` ranges: ``ProfilerStep``,
+    ``Optimizer.step#AdamW.step``, torch.compile's regions), which span the gaps between kernels;
+    torch's own totals leave them out the same way (``is_user_annotation``).
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> cuda = torch.autograd.DeviceType.CUDA
+        >>> events = [E(name="sgemm", device_type=cuda, is_user_annotation=False),
+        ...           E(name="Optimizer.step#AdamW.step", device_type=cuda, is_user_annotation=True),
+        ...           E(name="aten::mm", device_type=torch.autograd.DeviceType.CPU, is_user_annotation=False)]
+        >>> [e.name for e in device_kernels(events)]
+        ['sgemm']
+    """
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
 def profile_steps(step: Callable[[int], float], n: int, device: torch.device, top: int = 8) -> dict[str, Any]:
     """Where ``n`` steps' time goes, from ``torch.profiler`` (CPU, and CUDA on a GPU): the wall time
     per step (to a synchronize, the profiler's own overhead included), the time per step at least one
@@ -279,7 +298,7 @@ def profile_steps(step: Callable[[int], float], n: int, device: torch.device, to
     out: dict[str, Any] = {"steps": n, "wall_ms": round(1e3 * wall / n, 3), "device_busy_ms": None,
                            "device_idle_ms": None}
     if cuda:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = device_kernels(prof.events())
         busy = covered([(e.time_range.start, e.time_range.end) for e in kernels])
         out["device_busy_ms"] = round(busy / 1e3 / n, 3)
         out["device_idle_ms"] = round(max(out["wall_ms"] - out["device_busy_ms"], 0.0), 3)
@@ -393,7 +412,11 @@ def summarise(raw: dict[str, Any], warmup: int, work: Work, nominal: float | Non
            "compile_s": round(extra, 1) if compiled else None,
            "losses": [round(v, 6) for v in raw["losses"]]}
     if "profile" in raw:
-        out["profile"] = raw["profile"]
+        out["profile"] = p = dict(raw["profile"])
+        # the profiler's own per-op cost lengthens a host-bound step: the idle time of the timed
+        # (unprofiled) steps is their median less the profiled busy time
+        busy = p.get("device_busy_ms")
+        p["device_idle_unprofiled_ms"] = None if busy is None else round(max(out["step_ms"] - busy, 0.0), 3)
     return out
 
 
@@ -484,14 +507,16 @@ def markdown(report: dict[str, Any]) -> str:
         if profiled:
             lines += ["", f"Profile ({profiled[0][1]['steps']} more steps each, under `torch.profiler`; wall "
                       "includes its overhead): *busy* is the time some GPU kernel or copy ran, *idle* the "
-                      "rest (the GPU waiting for the host or a sync); top kernels by GPU time per step "
-                      "(on the CPU: ops by self CPU time).", "",
-                      "| variant | wall ms | GPU busy ms | GPU idle ms | top |", "|---|---:|---:|---:|---|"]
+                      "rest (the GPU waiting for the host or a sync); *idle of the timed steps* is the "
+                      "median step less that busy time (the profiler's per-op cost lengthens a host-bound "
+                      "step); top kernels by GPU time per step (on the CPU: ops by self CPU time).", "",
+                      "| variant | wall ms | GPU busy ms | GPU idle ms | idle of the timed steps ms | top |",
+                      "|---|---:|---:|---:|---:|---|"]
             for n, p in profiled:
                 top = "; ".join(f"{k['name'][:60]} {k['ms']:.2f} ms ({k['calls']:g}x)" for k in p["top"][:5])
-                busy = "n/a" if p["device_busy_ms"] is None else f"{p['device_busy_ms']:.2f}"
-                idle = "n/a" if p["device_idle_ms"] is None else f"{p['device_idle_ms']:.2f}"
-                lines.append(f"| {n} | {p['wall_ms']:.2f} | {busy} | {idle} | {top} |")
+                busy, idle, timed = ("n/a" if p.get(k) is None else f"{p[k]:.2f}" for k in
+                                     ("device_busy_ms", "device_idle_ms", "device_idle_unprofiled_ms"))
+                lines.append(f"| {n} | {p['wall_ms']:.2f} | {busy} | {idle} | {timed} | {top} |")
         q = s["ratios"]
         fmt = (lambda x, t: "n/a" if x is None else f"**{x:.3f}** ({'meets' if x <= t else 'misses'} <= {t})")
         lines += ["", f"meshtorch / plain step: eager {fmt(q['eager'], TARGETS['eager'])}, compiled "

@@ -66,6 +66,7 @@ def test_profile_reports_each_variants_top_ops(tmp_path):
     for name in ("meshtorch-eager", "plain-eager"):
         p = rows[name]["profile"]
         assert p["steps"] == 1 and p["wall_ms"] > 0 and p["device_busy_ms"] is None
+        assert "device_idle_unprofiled_ms" in p and p["device_idle_unprofiled_ms"] is None
         names = [k["name"] for k in p["top"]]
         assert len(names) == len(set(names)) > 0 and "aten::mm" in names, names
         assert all(k["ms"] >= 0 and k["calls"] > 0 for k in p["top"])
