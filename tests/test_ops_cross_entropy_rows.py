@@ -147,6 +147,35 @@ def test_the_chunk_size_is_per_device_type_and_restored_after_the_block():
     assert CHUNK_BYTES == before
 
 
+def _sizes_seen(set_here: bool) -> list[int]:
+    """This processor's CPU chunk rows of a 16-word vocabulary at three points: processor 0
+    sets 3 rows inside the program when ``set_here``; the barriers order the reads."""
+    rank, seen = mt.current().rank, []
+    if set_here and rank == 0:
+        with chunk_bytes(4 * 16 * 3, "cpu"):
+            mt.current().comm.barrier()
+            seen.append(chunk_rows(16, "cpu"))
+            mt.current().comm.barrier()
+    else:
+        mt.current().comm.barrier()
+        seen.append(chunk_rows(16, "cpu"))
+        mt.current().comm.barrier()
+    seen.append(chunk_rows(16, "cpu"))
+    return seen
+
+
+def test_a_chunk_size_set_in_a_program_is_that_processors_and_one_around_a_launch_every_ones():
+    """Inside a thread-processor's program the setting is its own (the others keep theirs, and
+    none outlives the block: review15 saw a setting made on two processors left in the process's
+    table after the launch); around mt.launch the process's, which every thread-processor reads."""
+    before, default = dict(CHUNK_BYTES), CHUNK_BYTES["cpu"] // (4 * 16)
+    assert mt.launch(_sizes_seen, True, mesh="b:2") == [[3, default], [default, default]]
+    assert CHUNK_BYTES == before
+    with chunk_bytes(4 * 16 * 5, "cpu"):
+        assert mt.launch(_sizes_seen, False, mesh="b:2") == [[5, 5], [5, 5]]
+    assert CHUNK_BYTES == before
+
+
 def test_a_meta_trace_chunks_as_the_device_it_plans_for():
     """The planner's meta logits take the chunk of the device a trace prices (``trace(device=)``)."""
     def rows():

@@ -37,11 +37,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
-from meshtorch.context import current
+from meshtorch.context import current, here
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering.lower import is_dynamo_compiling
 
@@ -71,9 +72,11 @@ def chunk_bytes(n: int, device_type: str | None = None) -> Iterator[None]:
     (``"cpu"``, ``"cuda"``, ...; ``None``: every device) inside the block, the sizes before restored at
     its exit. Smaller chunks hold less float32 at once (about two chunks beside the logits and their
     gradient) and, on a CPU, stay in its caches; each costs a few kernel launches. Values do not
-    depend on it: every row's loss and gradient is its own. The setting is the process's (a
-    thread-processor's program runs with the one made around :func:`meshtorch.launch`); under
-    ``torch.compile`` the rows are one chunk whatever it says.
+    depend on it: every row's loss and gradient is its own. Inside a processor's program it is that
+    processor's (each thread-processor its own, none leaking past the block); outside one it is the
+    process's, which thread-processors launched in the block read (processes of the ``torch``
+    backend run their own: set it in the program); under ``torch.compile`` the rows are one chunk
+    whatever it says.
 
     Example:
         >>> import torch
@@ -91,16 +94,30 @@ def chunk_bytes(n: int, device_type: str | None = None) -> Iterator[None]:
     if device_type is not None and _device_type(device_type) != device_type:
         raise ArgumentError(f"chunk_bytes(..., device_type={device_type!r}): give a device type as "
                             f"torch.device(...).type names it, e.g. 'cpu' or 'cuda' (None: every device)")
-    before = dict(CHUNK_BYTES)
-    if device_type is None:
-        CHUNK_BYTES.update(dict.fromkeys(CHUNK_BYTES, n))
-    else:
-        CHUNK_BYTES[device_type] = n
+    new = dict.fromkeys(CHUNK_BYTES, n) if device_type is None else {device_type: n}
+    if here.ctx is not None:  # a thread-processor's program (inside use()): its own sizes
+        before = _thread.sizes
+        _thread.sizes = {**(before or CHUNK_BYTES), **new}
+        try:
+            yield
+        finally:
+            _thread.sizes = before
+        return
+    before = {k: CHUNK_BYTES[k] for k in new}
+    CHUNK_BYTES.update(new)  # (key by key: a processor reading meanwhile finds every key)
     try:
         yield
     finally:
-        CHUNK_BYTES.clear()
         CHUNK_BYTES.update(before)
+
+
+class _Sizes(threading.local):
+    def __init__(self) -> None:
+        # (set per thread, no class attribute of the name: see meshtorch.context._Local)
+        self.sizes: dict[str, int] | None = None  # this thread's chunk_bytes block's, else None
+
+
+_thread = _Sizes()
 
 
 def _device_type(name: object) -> str | None:
@@ -124,7 +141,8 @@ def chunk_rows(vocab: int, device_type: str) -> int:
     """
     if device_type == "meta":  # a planner's trace: the device it prices (plan.tracing.device_type)
         device_type = getattr(current().tracer, "device", "cuda")
-    return max(1, CHUNK_BYTES.get(device_type, CHUNK_BYTES["cuda"]) // (4 * max(vocab, 1)))
+    sizes = _thread.sizes or CHUNK_BYTES
+    return max(1, sizes.get(device_type, sizes["cuda"]) // (4 * max(vocab, 1)))
 
 
 class _CrossEntropyRows(torch.autograd.Function):
