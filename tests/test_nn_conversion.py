@@ -238,3 +238,39 @@ def test_module_with_buffer_converts_under_each_flag(flag):
     assert "count" in m._buffers and m.state_dict()["count"].dtype == torch.float64
     out = m(mt.cast(mt.ones("d:4"), torch.float64))
     assert out.to_global().tolist() == [3.0] * 4 and out.local.dtype == torch.float64
+
+
+def overlap_steps_around_a_conversion(flag: str) -> list:
+    """Two steps inside mt.overlap() (which holds the parameters weakly, its lasting entries and
+    gather plans), ``.double()`` and a state-dict round trip under ``flag``, then a step more:
+    the gradients of each step after the first conversion, globally."""
+    torch.manual_seed(0)
+    net = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 6))
+    x = mt.random.normal("batch:4,d:4", seed=1)
+    grads = []
+    for step in range(4):
+        if step == 2:
+            with conversion_flag(flag):
+                net.double()
+                net.load_state_dict(net.state_dict())
+            x = mt.cast(x, torch.float64)
+        net.zero_grad()
+        with mt.overlap():
+            mt.reduce_sum(net(x) ** 2).backward()
+        grads.append({n: p.grad.to_global() for n, p in net.named_mesh_parameters()})
+    return [type(p).__name__ for p in net.parameters()], grads[2:]
+
+
+@pytest.mark.parametrize("rules", ["batch:b", "batch:b; h:b"])
+def test_a_model_trained_inside_overlap_converts_and_loads_under_each_flag(flag, rules):
+    """torch.utils.swap_tensors (the swap flag) refuses a tensor with a weak reference, which
+    mt.overlap()'s runtime keeps to each parameter it read: it lets go before a conversion or a
+    load swaps them (review15: "Couldn't swap Dense.kernel"), and the steps after are the
+    default path's, data parallel and FSDP."""
+    ref = mt.launch(overlap_steps_around_a_conversion, "default", mesh="b:2", rules=rules)[0]
+    kinds, grads = mt.launch(overlap_steps_around_a_conversion, flag, mesh="b:2", rules=rules)[0]
+    assert kinds == ["MeshParameter", "MeshParameter"]
+    for got, want in zip(grads, ref[1]):
+        for k in want:
+            assert got[k].dtype == torch.float64
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)

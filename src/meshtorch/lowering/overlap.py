@@ -345,6 +345,22 @@ def runtime(comm: Communicator) -> Runtime:
     return rt
 
 
+def release_parameters(params: Sequence[torch.Tensor]) -> None:
+    """Before ``params`` are swapped (``torch.utils.swap_tensors``, as torch's swap flag converts
+    and loads modules): this processor's :class:`Runtime` lets go of its weak references to them
+    (:meth:`Runtime.release`), which swapping refuses; nothing where no step ran inside
+    :func:`overlap` here.
+
+    Example:
+        >>> import torch, meshtorch as mt
+        >>> from meshtorch.lowering.overlap import release_parameters
+        >>> release_parameters([torch.nn.Parameter(torch.ones(2))])
+    """
+    rt = getattr(_current().comm, "_overlap", None)
+    if rt is not None:
+        rt.release(params)
+
+
 def after_forward(used: Sequence[torch.Tensor], result: torch.Tensor,
                   args: Sequence[torch.Tensor] = ()) -> None:
     """After an op ran forward on ``used`` (values from :func:`overlapped_input`; ``args``: all

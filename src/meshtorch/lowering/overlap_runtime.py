@@ -50,7 +50,7 @@ class Entry:
 
     __slots__ = ("runtime", "param", "key", "kind", "axes", "dim", "leaf", "grad", "bucket", "freed",
                  "nbytes", "version", "fwd", "pinned", "reads", "needed", "region", "step", "ref", "slot",
-                 "refetched", "__weakref__")
+                 "refetched", "finalizer", "__weakref__")
 
     def __init__(self, runtime: Runtime, param: torch.Tensor, key, kind: str, axes, dim: int | None,
                  value: torch.Tensor):
@@ -74,6 +74,7 @@ class Entry:
         self.nbytes = self.leaf.numel() * self.leaf.element_size()
         self.step = runtime.generation  # the step that last read it (a lasting entry: each step)
         self.ref = None  # a lasting entry's parameter, weakly (``param`` only while a step reads it)
+        self.finalizer: weakref.finalize | None = None  # a lasting entry's: forgets it with its parameter
         # (a partial, not a lambda: one Python frame fewer per gradient)
         self.leaf.register_post_accumulate_grad_hook(functools.partial(runtime.ready, self))
 
@@ -226,11 +227,32 @@ class Runtime(GradientBuckets):
         only while a step reads it."""
         old = self.lasting.get(key)
         if old is None or old.ref() is not param:  # (a new parameter, perhaps at a freed one's id)
-            weakref.finalize(param, _forget, weakref.ref(self), key)
+            finalizer = weakref.finalize(param, _forget, weakref.ref(self), key)
+        else:
+            finalizer = old.finalizer
         e = self.lasting[key] = Entry(self, param, key, "all_reduce", axes, None, param)
-        e.ref = weakref.ref(param)
+        e.ref, e.finalizer = weakref.ref(param), finalizer
         self.hooks_made += 1
         return e
+
+    def release(self, params: Sequence[torch.Tensor]) -> None:
+        """Let go of every weak reference this runtime holds to ``params``: their lasting entries
+        (with their finalizers) and the plans and cut that name them, which the next step makes
+        again as for new parameters. ``torch.utils.swap_tensors`` (torch's swap flag, in module
+        conversions and loads) refuses a tensor with a weak reference."""
+        ids = {id(p) for p in params}
+        for key, e in list(self.lasting.items()):
+            if key[0] in ids:
+                if e.finalizer is not None:
+                    e.finalizer.detach()
+                # (the entry and its leaf refer to each other: the weak reference goes now, not
+                # when the garbage collector finds the pair)
+                e.ref = e.finalizer = None
+                del self.lasting[key]
+        for first, (plan, *_) in list(self.plans.items()):
+            if any(id(member[0]()) in ids for bucket in plan for member in bucket):
+                del self.plans[first]
+        self.cut = None
 
     def _gathered(self, param, key, axes, dim) -> Entry:
         """The entry of a gathered parameter: from the bucket the previous step read it in

@@ -37,6 +37,7 @@ from torch.nn.modules import module as _torch_module
 
 from meshtorch.context import current, traced
 from meshtorch.layout import Layout
+from meshtorch.lowering.overlap import release_parameters
 from meshtorch.lowering.redistribute import LastingMemo
 from meshtorch.nn.parameter import MeshParameter, as_mesh_parameter, mesh_state
 from meshtorch.shape import Dim, Shape
@@ -234,6 +235,8 @@ class Module(torch.nn.Module):
         held = [(self, name, mesh_state(p)) for name, p in self._parameters.items()
                 if isinstance(p, MeshParameter)]
         self._mt_views.clear()
+        if torch.__future__.get_swap_module_params_on_conversion():
+            release_parameters([p for p in self._parameters.values() if p is not None])
         super()._load_from_state_dict(state_dict, prefix, *args)
         _remade(held)
 
@@ -269,6 +272,9 @@ class Module(torch.nn.Module):
                     p._adapted = LastingMemo()  # the adapters of the old values, not kept alive
                     held.append((m, name, mesh_state(p)))
         self._mt_views.clear()  # (views of the old parameters, or of the old values)
+        # (swapping refuses a parameter that mt.overlap()'s runtime holds weakly; it lets go)
+        release_parameters([p for m in _this_and_plain_below(self, recurse)
+                            for p in m._parameters.values() if p is not None])
         super()._apply(fn if getattr(fn, "_mt_detaches", False) else _detaching(fn), recurse)
         _remade(held)
         return self
