@@ -109,6 +109,12 @@ class GradientSync:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.overlap = overlap
         self._no_sync = no_sync_flag if no_sync_flag is not None else threading.local()
+        # wrapped again (a helper wrapped it already, or a new bucket size): the old hooks would
+        # divide every gradient a second time, so the new averaging replaces the old
+        previous = getattr(optimizer, "_meshtorch_gradient_sync", None)
+        if previous is not None:
+            previous.remove()
+        optimizer._meshtorch_gradient_sync = self
         self._grad_hooks: list = []
         self._build_buckets()
         self._reset_round()
@@ -186,6 +192,8 @@ class GradientSync:
             h.remove()
         self._grad_hooks.clear()
         self._step_hooks.clear()
+        if getattr(self.optimizer, "_meshtorch_gradient_sync", None) is self:
+            del self.optimizer._meshtorch_gradient_sync
 
     # -------------------------------------------------------------- rounds
     def _reset_round(self) -> None:

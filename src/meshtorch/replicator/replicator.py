@@ -158,7 +158,7 @@ class Replicator:
         """Make ``optimizer.step()`` use gradients averaged over all replicas.
 
         Returns the same optimizer object (so LR schedulers and ``state_dict``
-        work unchanged). Gradients live in flat buckets of ``bucket_mb`` MiB
+        work unchanged). Wrapping it again replaces the earlier wrapping. Gradients live in flat buckets of ``bucket_mb`` MiB
         (``p.grad`` becomes a view into one: clone a gradient to keep it past the
         next backward); with ``overlap`` each bucket is all-reduced while backward
         still runs. Unused parameters and :meth:`no_sync` accumulation are
@@ -174,7 +174,8 @@ class Replicator:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CommError(f"wrap_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         sync = GradientSync(optimizer, self.channel, self.axes, bucket_mb, overlap, self._no_sync)
-        self._syncs.append(sync)
+        # a second wrap of the same optimizer replaces the first (GradientSync removes its hooks)
+        self._syncs = [s for s in self._syncs if s.optimizer is not optimizer] + [sync]
         params = [p for b in sync.buckets for p in b.params]
         if self.channel.building:
             self._to_broadcast.extend(params)

@@ -1,0 +1,200 @@
+"""Plain torch.nn code a user writes, under the Replicator, against one process.
+
+Each model is tiny and float64; replica r takes the r-th block of every global
+batch, and one process trains on the whole batch with the loss averaged over the
+blocks (the same objective). Parameters and losses must match to 1e-9.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshtorch as mt
+
+N, B, STEPS = 2, 4, 3   # replicas, examples per replica, steps
+
+
+def launch(prog, n: int = N):
+    return mt.replicator.launch_replicas(prog, num_replicas=n, timeout=60)
+
+
+def assert_states_equal(got: dict, want: dict, tol: float = 1e-9) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=tol, atol=tol, msg=k)
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, padding_idx=0)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(self.emb(x)).pow(2).mean()
+
+
+class Recurrent(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.rnn = kind(3, 4, batch_first=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1]).pow(2).mean()
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x):
+        return F.cross_entropy(self.out(torch.tanh(self.emb(x))).flatten(0, 1), x.flatten())
+
+
+class FrozenBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(5, 5).requires_grad_(False)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x))).pow(2).mean()
+
+
+class Scaled(nn.Module):
+    """A custom module with a buffer drawn at construction (seeded: equal everywhere)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 1)
+        self.register_buffer("scale", torch.randn(5))
+
+    def forward(self, x):
+        return self.lin(x * self.scale).pow(2).mean()
+
+
+def _floats(g, shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _tokens(g, shape):
+    return torch.randint(0, 7, (*shape, 3), generator=g)
+
+
+MODELS = {
+    "layernorm": (lambda: nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Linear(6, 1), nn.Flatten(0)),
+                  lambda g, s: _floats(g, (*s, 5))),
+    "embedding_padding_idx": (Embed, _tokens),
+    "gru": (lambda: Recurrent(nn.GRU), lambda g, s: _floats(g, (*s, 5, 3))),
+    "lstm": (lambda: Recurrent(nn.LSTM), lambda g, s: _floats(g, (*s, 5, 3))),
+    "tied_weights": (Tied, _tokens),
+    "frozen_submodule": (FrozenBody, lambda g, s: _floats(g, (*s, 5))),
+    "custom_buffer": (Scaled, lambda g, s: _floats(g, (*s, 5))),
+}
+
+
+def _loss(model, x):
+    y = model(x)
+    return y if y.dim() == 0 else y.pow(2).mean()
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_module_kinds_match_one_process(kind):
+    make, inputs = MODELS[kind]
+    x = inputs(torch.Generator().manual_seed(1), (STEPS, N * B))
+
+    def build():
+        return make().double()
+
+    def opt_for(model):
+        return torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    ref = build()
+    ref_opt = opt_for(ref)
+    ref_losses = []
+    for k in range(STEPS):
+        ref_opt.zero_grad()
+        loss = sum(_loss(ref, x[k, r * B:(r + 1) * B]) for r in range(N)) / N
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = build()
+            opt = repl.wrap_optimizer(opt_for(model))
+        r, losses = repl.replica_id, []
+        for k in range(STEPS):
+            opt.zero_grad()
+            loss = _loss(model, x[k, r * B:(r + 1) * B])
+            loss.backward()
+            opt.step()
+            losses.append(repl.reduce("mean", loss).item())
+        return model.state_dict(), losses
+
+    for state, losses in launch(prog):
+        assert_states_equal(state, ref.state_dict())
+        assert losses == pytest.approx(ref_losses, rel=1e-9, abs=1e-12)
+
+
+# ---------------------------------------------------------------- shared helpers
+def _data(steps: int = STEPS):
+    return torch.randn(steps, N * B, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+
+def _one_process(x, loss_fn, before_step=None, make=_mlp, change=None) -> dict:
+    """One process on the global batch: the mean over the replica blocks of ``loss_fn``."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for k in range(x.shape[0]):
+        if change is not None:
+            change(k, model, opt)
+        opt.zero_grad()
+        (sum(loss_fn(model, x[k, r * B:(r + 1) * B], r) for r in range(N)) / N).backward()
+        if before_step is not None:
+            before_step(model)
+        opt.step()
+    return model.state_dict()
+
+
+def _plain_loss(model, xb, r):
+    return model(xb).pow(2).mean()
+
+
+def test_wrapping_an_optimizer_twice_still_averages_once():
+    """A second wrap_optimizer on the same optimizer (a helper that wraps, then the
+    script wraps again; or a new bucket size) used to hook every parameter twice: the
+    second hook divided the already divided gradient again, so steps were 1/N too
+    small, silently. Now the second wrap replaces the first."""
+    x = _data()
+    ref = _one_process(x, _plain_loss)
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = _mlp()
+            opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+            assert repl.wrap_optimizer(opt, bucket_mb=1e-4) is opt
+        r = repl.replica_id
+        for k in range(STEPS):
+            opt.zero_grad()
+            _plain_loss(model, x[k, r * B:(r + 1) * B], r).backward()
+            opt.step()
+        return model.state_dict()
+
+    for state in launch(prog):
+        assert_states_equal(state, ref)
