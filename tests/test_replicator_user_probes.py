@@ -198,3 +198,49 @@ def test_wrapping_an_optimizer_twice_still_averages_once():
 
     for state in launch(prog):
         assert_states_equal(state, ref)
+
+
+def _unfreeze_at_1(k, model, opt):
+    if k == 0:
+        model[0].requires_grad_(False)
+    if k == 1:
+        model[0].requires_grad_(True)
+
+
+def _add_group_at_1(k, model, opt):
+    if k == 0:
+        opt.param_groups[0]["params"] = list(model[2].parameters())
+        opt.state.clear()
+    if k == 1:
+        opt.add_param_group({"params": list(model[0].parameters())})
+
+
+@pytest.mark.parametrize("change", [_unfreeze_at_1, _add_group_at_1], ids=["unfreeze", "add_param_group"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_parameters_that_become_trainable_after_wrapping_are_averaged(change, overlap):
+    """Gradual unfreezing (requires_grad_(True) on a frozen body) and
+    opt.add_param_group after wrap_optimizer: the buckets held only the parameters
+    trainable at wrapping time, so the new ones stepped on their replica's own
+    gradient and the replicas drifted apart, silently. The optimizer step now
+    notices the changed set and re-buckets (and broadcasts the new parameters)."""
+    x = _data()
+    ref = _one_process(x, _plain_loss, change=change)
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = _mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            change(0, model, opt)
+            repl.wrap_optimizer(opt, overlap=overlap)
+        r = repl.replica_id
+        for k in range(STEPS):
+            if k:
+                change(k, model, opt)
+            opt.zero_grad()
+            _plain_loss(model, x[k, r * B:(r + 1) * B], r).backward()
+            opt.step()
+        return model.state_dict()
+
+    for state in launch(prog):
+        assert_states_equal(state, ref)

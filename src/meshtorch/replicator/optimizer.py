@@ -32,7 +32,8 @@ skips it, exactly as in one process). Inside ``repl.no_sync()`` nothing is
 reduced and gradients accumulate locally; the next synchronised backward
 averages the accumulated sums. ``optimizer.step()`` averages anything not
 yet averaged first, so ``overlap=False`` (or a backward that reached no
-parameter) is still correct.
+parameter) is still correct. When the optimizer's trainable parameters change (a
+frozen module unfrozen, ``add_param_group``) ``step()`` re-buckets first.
 
 As with DDP's ``gradient_as_bucket_view``, a gradient tensor kept across
 steps is overwritten by the next synchronised backward; ``.clone()`` it to
@@ -55,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -99,6 +101,7 @@ class GradientSync:
         bucket_mb: float = 25.0,
         overlap: bool = True,
         no_sync_flag: threading.local | None = None,
+        broadcast: Callable[[list[torch.Tensor]], None] | None = None,
     ):
         if bucket_mb <= 0:
             raise CommError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
@@ -109,6 +112,8 @@ class GradientSync:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.overlap = overlap
         self._no_sync = no_sync_flag if no_sync_flag is not None else threading.local()
+        # makes parameters that join after wrapping equal on every replica (see _before_step)
+        self._broadcast = broadcast
         # wrapped again (a helper wrapped it already, or a new bucket size): the old hooks would
         # divide every gradient a second time, so the new averaging replaces the old
         previous = getattr(optimizer, "_meshtorch_gradient_sync", None)
@@ -151,7 +156,9 @@ class GradientSync:
         groups: dict[tuple, list[list[torch.nn.Parameter]]] = {}
         filled: dict[tuple, int] = {}
         order: list[tuple[tuple, int]] = []
-        for p in reversed(self._params()):
+        params = self._params()
+        self._bucketed = [id(p) for p in params]
+        for p in reversed(params):
             if p.is_sparse:
                 raise CommError("wrap_optimizer averages dense gradients; a parameter is sparse")
             key = (p.device, p.dtype)
@@ -324,9 +331,27 @@ class GradientSync:
         self.synced = True
 
     # ---------------------------------------------------------- step hooks
+    def _rebucket_if_changed(self) -> bool:
+        """Re-bucket when the trainable parameters differ from the buckets' (a frozen
+        module unfrozen, ``add_param_group``): their gradients would otherwise stay local
+        and the replicas drift apart. Every replica runs the same code, so all notice it
+        at the same step. Parameters new to the buckets are broadcast from replica 0."""
+        params = self._params()
+        if [id(p) for p in params] == self._bucketed:
+            return False
+        before = set(self._bucketed)
+        self.refresh()
+        if self._broadcast is not None and self.num_replicas > 1:
+            self._broadcast([p for p in params if id(p) not in before])
+        return True
+
     def _before_step(self, optimizer, args, kwargs) -> None:
         # torch passes the bound call's args: (optimizer,) or (optimizer, closure)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if self._rebucket_if_changed() and closure is None:
+            # gradients already averaged stay the mean when averaged again; the new ones join
+            self.sync()
+            return
         if closure is not None:
             if not self.overlap:
                 raise CommError(

@@ -173,7 +173,8 @@ class Replicator:
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CommError(f"wrap_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        sync = GradientSync(optimizer, self.channel, self.axes, bucket_mb, overlap, self._no_sync)
+        sync = GradientSync(optimizer, self.channel, self.axes, bucket_mb, overlap, self._no_sync,
+                            broadcast=self._broadcast_params)
         # a second wrap of the same optimizer replaces the first (GradientSync removes its hooks)
         self._syncs = [s for s in self._syncs if s.optimizer is not optimizer] + [sync]
         params = [p for b in sync.buckets for p in b.params]
