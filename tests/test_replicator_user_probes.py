@@ -244,3 +244,47 @@ def test_parameters_that_become_trainable_after_wrapping_are_averaged(change, ov
 
     for state in launch(prog):
         assert_states_equal(state, ref)
+
+
+def _uneven_loss(model, xb, r):
+    # replica-dependent scale: the local gradient norms differ from the global one
+    return (model(xb) * (1 + 5 * r)).pow(2).mean()
+
+
+def _clip(model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["one_backward", "no_sync_micro_batches"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gradient_clipping_between_backward_and_step_sees_the_average(overlap, accumulate):
+    """clip_grad_norm_ between backward() and step() is what one process does to
+    the global gradient. With overlap=False the gradients were averaged only at
+    step(), so each replica clipped its own gradient and the average of the
+    clipped gradients was applied, silently. Now every synchronised backward ends
+    with averaged gradients, overlapped or not."""
+    x = _data()
+    ref = _one_process(x, _uneven_loss, before_step=_clip)
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = _mlp()
+            opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      overlap=overlap)
+        r = repl.replica_id
+        for k in range(STEPS):
+            opt.zero_grad()
+            xb = x[k, r * B:(r + 1) * B]
+            if accumulate:
+                with repl.no_sync():
+                    (_uneven_loss(model, xb[:B // 2], r) / 2).backward()
+                (_uneven_loss(model, xb[B // 2:], r) / 2).backward()
+            else:
+                _uneven_loss(model, xb, r).backward()
+            _clip(model)
+            opt.step()
+        return model.state_dict()
+
+    for state in launch(prog):
+        assert_states_equal(state, ref)

@@ -7,7 +7,7 @@ gradient slots followed by one "has a gradient" flag per parameter. After
 the first synchronised backward every ``p.grad`` *is* a view into its
 bucket's buffer, so averaging needs no copy-in/copy-out.
 
-With ``overlap=True`` a post-accumulate-grad hook on every parameter writes
+With ``overlap=True`` (the default) a post-accumulate-grad hook on every parameter writes
 ``grad / num_replicas`` into the parameter's slot (one pass over the
 gradient; nothing when the gradient already lives there), points ``p.grad``
 at the slot, and, once a bucket and every bucket before it are complete,
@@ -23,6 +23,11 @@ sends the bucket off:
   ordered :class:`~meshtorch.replicator.channel.Channel`, on its background
   thread.
 
+With ``overlap=False`` the hooks only queue that callback, which then sends
+every bucket at the end of backward: nothing is in flight while backward
+runs, yet code between ``backward()`` and ``step()`` (``clip_grad_norm_``)
+sees averaged gradients either way, as in one process.
+
 Buckets always go out in index order, so every replica issues the same
 collectives in the same order even when a parameter is unused on some
 replicas: at the end of backward the remaining buckets go out, with zeros
@@ -31,8 +36,7 @@ a parameter unused on every replica keeps ``grad = None`` (the optimizer
 skips it, exactly as in one process). Inside ``repl.no_sync()`` nothing is
 reduced and gradients accumulate locally; the next synchronised backward
 averages the accumulated sums. ``optimizer.step()`` averages anything not
-yet averaged first, so ``overlap=False`` (or a backward that reached no
-parameter) is still correct. When the optimizer's trainable parameters change (a
+yet averaged first (a backward that reached no parameter). When the optimizer's trainable parameters change (a
 frozen module unfrozen, ``add_param_group``) ``step()`` re-buckets first.
 
 As with DDP's ``gradient_as_bucket_view``, a gradient tensor kept across
@@ -182,8 +186,10 @@ class GradientSync:
             first += len(b.params)
         self._num_params = first
         self._group = self._async_group(self.buckets[0].buffer.device) if self.buckets else None
-        # one replica: its gradients are already the average; nothing to hook
-        if self.overlap and self.num_replicas > 1:
+        # one replica: its gradients are already the average; nothing to hook. Without overlap
+        # the hooks only queue the end-of-backward averaging: code between backward() and
+        # step() (clip_grad_norm_) must see the average, as in one process
+        if self.num_replicas > 1:
             for b in self.buckets:
                 for p in b.params:
                     self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -241,6 +247,8 @@ class GradientSync:
                 self._reset_round()
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if not self.overlap:
+            return
         b, i, view = self._slot[id(p)]
         self._prepared[i] = self._put(p, view)
         self._ready[b] += 1
@@ -250,7 +258,7 @@ class GradientSync:
             self._next += 1
 
     def _launch(self, b: _Bucket, background: bool) -> None:
-        # parameters whose hook did not run this round: unused in this backward (their
+        # parameters whose hook did not put them this round: unused in this backward (their
         # gradient may still hold no_sync sums), or overlap=False
         present = True
         flags = []
@@ -353,11 +361,6 @@ class GradientSync:
             self.sync()
             return
         if closure is not None:
-            if not self.overlap:
-                raise CommError(
-                    "optimizer.step(closure) with overlap=False cannot average the gradients the "
-                    "closure computes; wrap the optimizer with overlap=True"
-                )
             return  # the closure's backward averages through the hooks
         if not self.synced:
             self.sync()

@@ -158,11 +158,14 @@ class Replicator:
         """Make ``optimizer.step()`` use gradients averaged over all replicas.
 
         Returns the same optimizer object (so LR schedulers and ``state_dict``
-        work unchanged). Wrapping it again replaces the earlier wrapping. Gradients live in flat buckets of ``bucket_mb`` MiB
-        (``p.grad`` becomes a view into one: clone a gradient to keep it past the
-        next backward); with ``overlap`` each bucket is all-reduced while backward
-        still runs. Unused parameters and :meth:`no_sync` accumulation are
-        handled; see :mod:`meshtorch.replicator.optimizer`.
+        work unchanged); wrapping it again replaces the earlier wrapping.
+        Gradients live in flat buckets of ``bucket_mb`` MiB (``p.grad`` becomes a
+        view into one: clone a gradient to keep it past the next backward); with
+        ``overlap`` each bucket is all-reduced while backward still runs, without
+        it all at the end of backward: either way gradients are averaged when
+        ``backward()`` returns (clip them there as in one process). Unused
+        parameters, :meth:`no_sync` accumulation and parameters that become
+        trainable later are handled; see :mod:`meshtorch.replicator.optimizer`.
 
         Example:
             >>> import torch, meshtorch as mt
