@@ -288,3 +288,40 @@ def test_gradient_clipping_between_backward_and_step_sees_the_average(overlap, a
 
     for state in launch(prog):
         assert_states_equal(state, ref)
+
+
+def _bn_net():
+    return nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+
+def test_checkpoint_loaded_on_replica_0_inside_context_reaches_every_replica():
+    """docs/replicator.md: the broadcast on leaving repl.context() makes the replicas
+    equal "even when a checkpoint was loaded on replica 0 only". Only the
+    optimizer's parameters were broadcast: BatchNorm's running statistics (and
+    any buffer) kept each replica's own values, so eval outputs and saved
+    state differed per replica. Buffers of modules built in the block now go too."""
+    torch.manual_seed(7)
+    saved = _bn_net()
+    with torch.no_grad():
+        saved[1].running_mean.uniform_(-1, 1)
+        saved[1].running_var.uniform_(1, 2)
+        saved[1].num_batches_tracked.fill_(12)
+    checkpoint = {k: v.clone() for k, v in saved.state_dict().items()}
+    x = _data(1)[0]
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = _bn_net()
+            model.register_buffer("flag", torch.tensor(repl.replica_id == 0))
+            if repl.replica_id == 0:
+                model.load_state_dict({**checkpoint, "flag": torch.tensor(True)})
+            repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model.eval()
+        return model.state_dict(), model(x).detach()
+
+    saved.eval()
+    for state, y in launch(prog):
+        assert state.pop("flag").item() is True
+        assert_states_equal(state, checkpoint, tol=0)
+        torch.testing.assert_close(y, saved(x), rtol=0, atol=0)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_buffer_registration_hook
 
 from meshtorch.comm.base import as_axes
 from meshtorch.context import current
@@ -107,8 +108,8 @@ class Replicator:
         mode covers only this block; the steps run without one. Thread-replicas share
         one process-wide generator, so they take turns through the block; it
         must therefore not call collectives (they raise ``CommError``). On
-        leaving, the parameters of optimizers wrapped inside are broadcast from
-        replica 0, as DDP does: seeding makes the weights reproducible (equal to
+        leaving, the parameters of optimizers wrapped inside and the buffers of
+        modules built inside are broadcast from replica 0, as DDP does: seeding makes the weights reproducible (equal to
         a one-process run with the same seed), the broadcast makes them equal
         even when construction is not deterministic or a checkpoint was loaded
         on replica 0 only.
@@ -122,8 +123,17 @@ class Replicator:
             >>> a, b = mt.launch(f, mesh="replica:2"); a == b
             True
         """
+        builder = threading.get_ident()
+        registered: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
+
+        def record(module: torch.nn.Module, name: str, _buffer: torch.Tensor | None) -> None:
+            # the hook is process-wide: keep only this replica's buffers
+            if threading.get_ident() == builder:
+                registered[(id(module), name)] = (module, name)
+
         with _BUILD_LOCK:
             self.channel.building = True
+            hook = register_module_buffer_registration_hook(record)
             try:
                 torch.manual_seed(self.seed)
                 if self.device.type == "cpu":
@@ -132,9 +142,18 @@ class Replicator:
                     with self.device, host_random():
                         yield self.replica_context
             finally:
+                hook.remove()
                 self.channel.building = False
+        # the buffers as they are now (.double(), .to() and load_state_dict replace or fill them)
+        seen: set[int] = set()
+        buffers = []
+        for module, name in registered.values():
+            b = module._buffers.get(name)
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                buffers.append(b)
         # also a barrier: no replica draws random numbers while another still builds
-        self._broadcast_params(self._to_broadcast)
+        self._broadcast_params(self._to_broadcast + buffers)
         self._to_broadcast = []
 
     def _broadcast_params(self, params: list[torch.Tensor]) -> None:
@@ -144,6 +163,8 @@ class Replicator:
         if not groups:
             groups[(self.device, torch.float32)] = []
         for (dev, dtype), ps in groups.items():
+            # bool buffers travel as bytes (not every backend reduces or sends bool)
+            ps = [p.view(torch.uint8) if p.dtype == torch.bool else p for p in ps]
             flat = torch.cat([p.detach().reshape(-1) for p in ps]) if ps else torch.zeros(0, dtype=dtype,
                                                                                         device=dev)
             flat = self.channel.call(lambda f=flat: self.channel.broadcast(f, self.axes, 0))
