@@ -325,3 +325,31 @@ def test_checkpoint_loaded_on_replica_0_inside_context_reaches_every_replica():
         assert state.pop("flag").item() is True
         assert_states_equal(state, checkpoint, tol=0)
         torch.testing.assert_close(y, saved(x), rtol=0, atol=0)
+
+
+def _dropout_masks():
+    # module level: the gloo processes unpickle it
+    repl = mt.Replicator(device="cpu", seed=3)
+    with repl.context():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    masks = [model[1](torch.ones(64)) for _ in range(2)]
+    return repl.comm.backend, [m.tolist() for m in masks]
+
+
+@pytest.mark.timeout(120)
+def test_dropout_masks_are_independent_across_gloo_replicas():
+    """One process on the global batch draws an independent dropout mask for every
+    example. On the torch backend every replica was seeded alike and built the same
+    model, so all drew the *same* masks: replica r's example i always dropped what
+    replica 0's example i dropped. Replicas past 0 now continue on their own stream
+    (replica 0 keeps the one-process stream, so one replica is one process)."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    out = mt.replicator.launch_replicas(_dropout_masks, num_replicas=2, backend="torch", timeout=60)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    alone = [model[1](torch.ones(64)).tolist() for _ in range(2)]
+    (backend0, masks0), (_, masks1) = out
+    assert backend0 == "torch"
+    assert masks0 == alone
+    assert masks1[0] != masks0[0] and masks1[1] != masks0[1]

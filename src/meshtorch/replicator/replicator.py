@@ -109,10 +109,11 @@ class Replicator:
         one process-wide generator, so they take turns through the block; it
         must therefore not call collectives (they raise ``CommError``). On
         leaving, the parameters of optimizers wrapped inside and the buffers of
-        modules built inside are broadcast from replica 0, as DDP does: seeding makes the weights reproducible (equal to
-        a one-process run with the same seed), the broadcast makes them equal
-        even when construction is not deterministic or a checkpoint was loaded
-        on replica 0 only.
+        modules built inside are broadcast from replica 0, as DDP does: seeding
+        makes the weights reproducible (equal to a one-process run with the same
+        seed), the broadcast makes them equal even when construction is not
+        deterministic or a checkpoint was loaded on replica 0 only. Then replicas
+        past 0 get random streams of their own (independent dropout masks).
 
         Example:
             >>> import torch, meshtorch as mt
@@ -144,6 +145,7 @@ class Replicator:
             finally:
                 hook.remove()
                 self.channel.building = False
+                self._own_random_stream()
         # the buffers as they are now (.double(), .to() and load_state_dict replace or fill them)
         seen: set[int] = set()
         buffers = []
@@ -155,6 +157,17 @@ class Replicator:
         # also a barrier: no replica draws random numbers while another still builds
         self._broadcast_params(self._to_broadcast + buffers)
         self._to_broadcast = []
+
+    def _own_random_stream(self) -> None:
+        """After building, each replica past 0 draws (dropout) from a stream of its own.
+
+        One process per replica (torch backend), all seeded alike, would otherwise
+        draw the same dropout masks on every replica, where one process on the global
+        batch draws independent ones. Replica 0 keeps the stream one process with
+        ``seed`` has. Thread-replicas share one generator, whose draws already differ.
+        """
+        if self.replica_id > 0 and self.comm.backend != "threads":
+            torch.manual_seed((self.seed * 1_000_003 + self.replica_id) % 2**63)
 
     def _broadcast_params(self, params: list[torch.Tensor]) -> None:
         groups: dict[tuple, list[torch.Tensor]] = {}
