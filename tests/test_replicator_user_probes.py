@@ -353,3 +353,111 @@ def test_dropout_masks_are_independent_across_gloo_replicas():
     assert backend0 == "torch"
     assert masks0 == alone
     assert masks1[0] != masks0[0] and masks1[1] != masks0[1]
+
+
+def test_step_with_a_closure_and_overlap_off_matches_one_process():
+    """LBFGS calls its closure several times a step; with overlap=False that used to
+    raise. Each closure's backward now ends averaged, overlapped or not."""
+    x = _data(1)[0]
+
+    def closure_for(model, opt, xs):
+        def closure():
+            opt.zero_grad()
+            loss = sum(model(xb).pow(2).mean() for xb in xs) / len(xs)
+            loss.backward()
+            return loss
+        return closure
+
+    torch.manual_seed(0)
+    ref = _mlp()
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=4)
+    for _ in range(2):
+        ref_opt.step(closure_for(ref, ref_opt, [x[r * B:(r + 1) * B] for r in range(N)]))
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = _mlp()
+            opt = repl.wrap_optimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4),
+                                      overlap=False)
+        r = repl.replica_id
+        local = closure_for(model, opt, [x[r * B:(r + 1) * B]])
+        for _ in range(2):
+            opt.step(lambda: repl.reduce("mean", local()))
+        return model.state_dict()
+
+    for state in launch(prog):
+        assert_states_equal(state, ref.state_dict())
+
+
+class DictNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 6)
+        self.b = nn.Linear(6, 1)
+
+    def forward(self, x, scale=1.0):
+        h = torch.tanh(self.a(x))
+        return {"y": self.b(h) * scale, "h": h}
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float64", "autocast_bf16"])
+def test_a_full_user_loop_matches_one_process(amp):
+    """AdamW + StepLR + clip_grad_norm_, a dict batch with a non-tensor entry, dict
+    outputs reduced with repl.reduce, eval between steps, a forward that raises
+    (wrong shape) before a step, autocast(bf16) on the CPU, and the checkpoint
+    loaded into a plain model: all as one process on the global batch."""
+    dtype = torch.float32 if amp else torch.float64
+    x = _data(4).to(dtype)
+    tol = 2e-2 if amp else 1e-9     # bf16 matmuls over 4 or 8 rows round differently
+
+    def build():
+        torch.manual_seed(0)
+        model = DictNet().to(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def train_step(model, opt, sched, batch):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = model(batch["x"], scale=batch["scale"])["y"].to(dtype).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        return {"loss": loss.detach(), "examples": batch["x"].shape[0]}
+
+    ref, ref_opt, ref_sched = build()
+    ref_losses, ref_evals = [], []
+    for k in range(4):
+        ref_losses.append(train_step(ref, ref_opt, ref_sched, {"x": x[k], "scale": 2.0})["loss"].item())
+        with torch.no_grad():
+            ref_evals.append(ref.eval()(x[0])["y"].sum().item())
+        ref.train()
+
+    def prog():
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model, opt, sched = build()
+            repl.wrap_optimizer(opt)
+        r = repl.replica_id
+        batches = iter([{"x": x[k, r * B:(r + 1) * B], "scale": 2.0} for k in range(4)])
+        outs, evals = [], []
+        for k in range(4):
+            if k == 2:
+                with pytest.raises(RuntimeError):
+                    model(torch.zeros(3, 7, dtype=dtype))
+            outs.append(repl.reduce("mean", repl.run(lambda b: train_step(model, opt, sched, b), batches)))
+            with torch.no_grad():
+                evals.append(model.eval()(x[0])["y"].sum().item())
+            model.train()
+        return model.state_dict(), outs, evals, opt.param_groups[0]["lr"]
+
+    for state, outs, evals, lr in launch(prog):
+        plain = DictNet().to(dtype)
+        plain.load_state_dict(state)
+        assert_states_equal(plain.state_dict(), ref.state_dict(), tol)
+        assert [o["loss"].item() for o in outs] == pytest.approx(ref_losses, rel=tol, abs=tol)
+        assert [o["examples"] for o in outs] == [float(B)] * 4
+        assert evals == pytest.approx(ref_evals, rel=tol, abs=tol)
+        assert lr == ref_opt.param_groups[0]["lr"]
