@@ -461,3 +461,38 @@ def test_a_full_user_loop_matches_one_process(amp):
         assert [o["examples"] for o in outs] == [float(B)] * 4
         assert evals == pytest.approx(ref_evals, rel=tol, abs=tol)
         assert lr == ref_opt.param_groups[0]["lr"]
+
+
+def test_torch_syncbatchnorm_on_thread_replicas_raises_naming_the_fix():
+    """torch.nn.SyncBatchNorm (DDP's recipe) needs torch.distributed's process group;
+    thread-replicas have none, so it silently normalised with each replica's own
+    batch. Built in repl.context() on thread-replicas, its training forward now
+    raises, naming repl.convert_sync_batchnorm, which converts it and matches
+    one process."""
+    x = _data(1)[0]
+
+    def make():
+        return nn.Sequential(nn.Linear(5, 4), nn.SyncBatchNorm(4), nn.Linear(4, 1)).double()
+
+    def prog(convert):
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = make()
+            if convert:
+                model = repl.convert_sync_batchnorm(model)
+            opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        r = repl.replica_id
+        model(x[r * B:(r + 1) * B]).pow(2).mean().backward()
+        opt.step()
+        return model.state_dict()
+
+    with pytest.raises(mt.errors.ProcessorError, match="convert_sync_batchnorm"):
+        mt.replicator.launch_replicas(prog, False, num_replicas=N, timeout=60)
+    torch.manual_seed(0)
+    ref = make()
+    ref[1] = nn.BatchNorm1d(4).double()   # one process: plain BatchNorm (its init draws nothing)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    for state in mt.replicator.launch_replicas(prog, True, num_replicas=N, timeout=60):
+        assert_states_equal(state, ref.state_dict())

@@ -51,6 +51,15 @@ from meshtorch.replicator.optimizer import GradientSync
 _BUILD_LOCK = threading.Lock()
 
 
+def _refuse_local_torch_syncbn(module: torch.nn.Module, args: tuple) -> None:
+    if module.training:
+        raise CommError(
+            f"torch.nn.SyncBatchNorm({module.num_features}) needs torch.distributed's default process "
+            "group, which these replicas (threads backend) do not have: it would normalise with each "
+            "replica's own batch, silently. Convert it with model = repl.convert_sync_batchnorm(model) "
+            "(inside repl.context()), whose statistics span every replica's batch")
+
+
 @dataclass(frozen=True)
 class ReplicaContext:
     """What ``input_fn`` is told about the replica it feeds."""
@@ -146,6 +155,7 @@ class Replicator:
                 hook.remove()
                 self.channel.building = False
                 self._own_random_stream()
+        self._refuse_local_torch_syncbn(module for module, _ in registered.values())
         # the buffers as they are now (.double(), .to() and load_state_dict replace or fill them)
         seen: set[int] = set()
         buffers = []
@@ -157,6 +167,20 @@ class Replicator:
         # also a barrier: no replica draws random numbers while another still builds
         self._broadcast_params(self._to_broadcast + buffers)
         self._to_broadcast = []
+
+    def _refuse_local_torch_syncbn(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Make a ``torch.nn.SyncBatchNorm`` that would fall back to local statistics raise.
+
+        Without torch.distributed's default process group (thread-replicas) its training
+        forward normalises with the replica's own batch, silently. A pre-hook on each one
+        built in :meth:`context` raises instead, when (and only if) it is run in training,
+        so one converted away by :meth:`convert_sync_batchnorm` costs nothing.
+        """
+        dist = torch.distributed
+        if self.num_replicas == 1 or (dist.is_available() and dist.is_initialized()):
+            return
+        for module in {id(m): m for m in modules if isinstance(m, torch.nn.SyncBatchNorm)}.values():
+            module.register_forward_pre_hook(_refuse_local_torch_syncbn)
 
     def _own_random_stream(self) -> None:
         """After building, each replica past 0 draws (dropout) from a stream of its own.
