@@ -496,3 +496,14 @@ def test_torch_syncbatchnorm_on_thread_replicas_raises_naming_the_fix():
     ref_opt.step()
     for state in mt.replicator.launch_replicas(prog, True, num_replicas=N, timeout=60):
         assert_states_equal(state, ref.state_dict())
+
+
+@pytest.mark.parametrize("n, size, fits", [(4, 2, "4"), (3, 4, "3 or 6"), (4, 6, "4 or 8"), (2, 0, "2")])
+def test_a_batch_the_replicas_do_not_divide_names_sizes_that_fit(n, size, fits):
+    """A global batch smaller than the replica count, or not a multiple of it, is an
+    error (every replica must get the same batch shape) that names sizes that work."""
+    def prog():
+        mt.Replicator(device="cpu").distribute(torch.zeros(10, 2), global_batch_size=size)
+
+    with pytest.raises(mt.errors.ProcessorError, match=f"multiple of the {n} replicas.*use {fits}"):
+        mt.replicator.launch_replicas(prog, num_replicas=n, timeout=60)
