@@ -507,3 +507,51 @@ def test_a_batch_the_replicas_do_not_divide_names_sizes_that_fit(n, size, fits):
 
     with pytest.raises(mt.errors.ProcessorError, match=f"multiple of the {n} replicas.*use {fits}"):
         mt.replicator.launch_replicas(prog, num_replicas=n, timeout=60)
+
+
+class MaxNormEmbed(nn.Module):
+    def __init__(self, max_norm):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, max_norm=max_norm)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids)).pow(2).mean()
+
+
+def test_embedding_max_norm_raises_naming_the_replicated_renorm():
+    """nn.Embedding(max_norm=...) renormalises, in place in forward, the rows its
+    input looks up: each replica renormalised only its own rows, so the replicas'
+    weights drifted apart, silently. Built in repl.context() it now raises; the
+    fix it names (renormalise the rows of every replica's ids, gathered, then
+    look up with max_norm=None) matches one process on the global batch."""
+    ids = torch.randint(0, 7, (STEPS, N * B, 3), generator=torch.Generator().manual_seed(5))
+
+    def prog(fixed):
+        repl = mt.Replicator(device="cpu")
+        with repl.context():
+            model = MaxNormEmbed(None if fixed else 0.5).double()
+            opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        r = repl.replica_id
+        for k in range(STEPS):
+            mine = ids[k, r * B:(r + 1) * B]
+            if fixed:
+                with torch.no_grad():
+                    torch.embedding_renorm_(model.emb.weight, repl.all_gather(mine).flatten(), 0.5, 2.0)
+            opt.zero_grad()
+            model(mine).backward()
+            opt.step()
+        return model.state_dict()
+
+    with pytest.raises(mt.errors.ProcessorError, match="max_norm.*embedding_renorm_"):
+        mt.replicator.launch_replicas(prog, False, num_replicas=N, timeout=60)
+    torch.manual_seed(0)
+    ref = MaxNormEmbed(0.5).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for k in range(STEPS):
+        ref_opt.zero_grad()
+        ref.emb(ids[k])    # one process renormalises every row of the global batch first
+        (sum(ref(ids[k, r * B:(r + 1) * B]) for r in range(N)) / N).backward()
+        ref_opt.step()
+    for state in mt.replicator.launch_replicas(prog, True, num_replicas=N, timeout=60):
+        assert_states_equal(state, ref.state_dict())

@@ -35,7 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.modules.module import register_module_buffer_registration_hook
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from meshtorch.comm.base import as_axes
 from meshtorch.context import current
@@ -58,6 +61,17 @@ def _refuse_local_torch_syncbn(module: torch.nn.Module, args: tuple) -> None:
             "group, which these replicas (threads backend) do not have: it would normalise with each "
             "replica's own batch, silently. Convert it with model = repl.convert_sync_batchnorm(model) "
             "(inside repl.context()), whose statistics span every replica's batch")
+
+
+def _refuse_max_norm(module: torch.nn.Embedding | torch.nn.EmbeddingBag, args: tuple) -> None:
+    raise CommError(
+        f"nn.{type(module).__name__}({module.num_embeddings}, {module.embedding_dim}, "
+        f"max_norm={module.max_norm}) "
+        "renormalises in place, in forward, the rows its input looks up: each replica would renormalise "
+        "only its own rows and the replicas' weights drift apart. Build it with max_norm=None and "
+        "before the forward renormalise the rows of every replica's ids: with torch.no_grad(): "
+        "torch.embedding_renorm_(emb.weight, repl.all_gather(ids).flatten(), max_norm, norm_type) "
+        "(what one process on the global batch does)")
 
 
 @dataclass(frozen=True)
@@ -135,15 +149,22 @@ class Replicator:
         """
         builder = threading.get_ident()
         registered: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
+        modules: dict[int, torch.nn.Module] = {}
 
         def record(module: torch.nn.Module, name: str, _buffer: torch.Tensor | None) -> None:
             # the hook is process-wide: keep only this replica's buffers
             if threading.get_ident() == builder:
                 registered[(id(module), name)] = (module, name)
+                modules[id(module)] = module
+
+        def record_module(module: torch.nn.Module, _name: str, _param: torch.Tensor | None) -> None:
+            if threading.get_ident() == builder:
+                modules[id(module)] = module
 
         with _BUILD_LOCK:
             self.channel.building = True
-            hook = register_module_buffer_registration_hook(record)
+            hooks = [register_module_buffer_registration_hook(record),
+                     register_module_parameter_registration_hook(record_module)]
             try:
                 torch.manual_seed(self.seed)
                 if self.device.type == "cpu":
@@ -152,10 +173,11 @@ class Replicator:
                     with self.device, host_random():
                         yield self.replica_context
             finally:
-                hook.remove()
+                for hook in hooks:
+                    hook.remove()
                 self.channel.building = False
                 self._own_random_stream()
-        self._refuse_local_torch_syncbn(module for module, _ in registered.values())
+        self._guard_unsupported(modules.values())
         # the buffers as they are now (.double(), .to() and load_state_dict replace or fill them)
         seen: set[int] = set()
         buffers = []
@@ -168,19 +190,25 @@ class Replicator:
         self._broadcast_params(self._to_broadcast + buffers)
         self._to_broadcast = []
 
-    def _refuse_local_torch_syncbn(self, modules: Iterable[torch.nn.Module]) -> None:
-        """Make a ``torch.nn.SyncBatchNorm`` that would fall back to local statistics raise.
+    def _guard_unsupported(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Modules built in :meth:`context` that would make replicas silently differ raise
+        when run (a forward pre-hook, so one converted away or never run costs nothing):
 
-        Without torch.distributed's default process group (thread-replicas) its training
-        forward normalises with the replica's own batch, silently. A pre-hook on each one
-        built in :meth:`context` raises instead, when (and only if) it is run in training,
-        so one converted away by :meth:`convert_sync_batchnorm` costs nothing.
+        - ``torch.nn.SyncBatchNorm`` without torch.distributed's default process group
+          (thread-replicas): its training forward uses the replica's own batch;
+        - ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm``: its forward renormalises
+          the replica's own rows.
         """
-        dist = torch.distributed
-        if self.num_replicas == 1 or (dist.is_available() and dist.is_initialized()):
+        if self.num_replicas == 1:
             return
-        for module in {id(m): m for m in modules if isinstance(m, torch.nn.SyncBatchNorm)}.values():
-            module.register_forward_pre_hook(_refuse_local_torch_syncbn)
+        dist = torch.distributed
+        local_syncbn = not (dist.is_available() and dist.is_initialized())
+        for module in modules:
+            if local_syncbn and isinstance(module, torch.nn.SyncBatchNorm):
+                module.register_forward_pre_hook(_refuse_local_torch_syncbn)
+            elif (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                  and module.max_norm is not None):
+                module.register_forward_pre_hook(_refuse_max_norm)
 
     def _own_random_stream(self) -> None:
         """After building, each replica past 0 draws (dropout) from a stream of its own.
