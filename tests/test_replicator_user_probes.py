@@ -299,7 +299,8 @@ def test_checkpoint_loaded_on_replica_0_inside_context_reaches_every_replica():
     equal "even when a checkpoint was loaded on replica 0 only". Only the
     optimizer's parameters were broadcast: BatchNorm's running statistics (and
     any buffer) kept each replica's own values, so eval outputs and saved
-    state differed per replica. Buffers of modules built in the block now go too."""
+    state differed per replica. Buffers of the models the block's optimizers
+    train now go too."""
     torch.manual_seed(7)
     saved = _bn_net()
     with torch.no_grad():
@@ -316,6 +317,9 @@ def test_checkpoint_loaded_on_replica_0_inside_context_reaches_every_replica():
             model.register_buffer("flag", torch.tensor(repl.replica_id == 0))
             if repl.replica_id == 0:
                 model.load_state_dict({**checkpoint, "flag": torch.tensor(True)})
+                # no optimizer trains it: left alone (a broadcast here would have no partner)
+                evaluation_copy = _bn_net()
+                evaluation_copy.load_state_dict(checkpoint)
             repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         model.eval()
         return model.state_dict(), model(x).detach()

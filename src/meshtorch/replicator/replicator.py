@@ -35,16 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_parameter_registration_hook,
-)
 
 from meshtorch.comm.base import as_axes
 from meshtorch.context import current
 from meshtorch.errors import CommError
 from meshtorch.replicator import collectives
 from meshtorch.replicator.batchnorm import convert_sync_batchnorm
+from meshtorch.replicator.building import BuiltModules
 from meshtorch.replicator.channel import channel_for
 from meshtorch.replicator.data import ReplicaLoader
 from meshtorch.replicator.device import host_random, resolve_device, to_device
@@ -131,11 +128,12 @@ class Replicator:
         mode covers only this block; the steps run without one. Thread-replicas share
         one process-wide generator, so they take turns through the block; it
         must therefore not call collectives (they raise ``CommError``). On
-        leaving, the parameters of optimizers wrapped inside and the buffers of
-        modules built inside are broadcast from replica 0, as DDP does: seeding
-        makes the weights reproducible (equal to a one-process run with the same
-        seed), the broadcast makes them equal even when construction is not
-        deterministic or a checkpoint was loaded on replica 0 only. Then replicas
+        leaving, the parameters of optimizers wrapped inside and the buffers of the
+        models they train, built inside (:mod:`~meshtorch.replicator.building`), are
+        broadcast from replica 0, as DDP does: seeding makes the weights
+        reproducible (equal to a one-process run with the same seed), the
+        broadcast makes them equal even when construction is not deterministic
+        or a checkpoint was loaded on replica 0 only. Then replicas
         past 0 get random streams of their own (independent dropout masks).
 
         Example:
@@ -147,47 +145,25 @@ class Replicator:
             >>> a, b = mt.launch(f, mesh="replica:2"); a == b
             True
         """
-        builder = threading.get_ident()
-        registered: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
-        modules: dict[int, torch.nn.Module] = {}
-
-        def record(module: torch.nn.Module, name: str, _buffer: torch.Tensor | None) -> None:
-            # the hook is process-wide: keep only this replica's buffers
-            if threading.get_ident() == builder:
-                registered[(id(module), name)] = (module, name)
-                modules[id(module)] = module
-
-        def record_module(module: torch.nn.Module, _name: str, _param: torch.Tensor | None) -> None:
-            if threading.get_ident() == builder:
-                modules[id(module)] = module
-
         with _BUILD_LOCK:
             self.channel.building = True
-            hooks = [register_module_buffer_registration_hook(record),
-                     register_module_parameter_registration_hook(record_module)]
             try:
-                torch.manual_seed(self.seed)
-                if self.device.type == "cpu":
-                    yield self.replica_context
-                else:
-                    with self.device, host_random():
+                with BuiltModules() as built:
+                    torch.manual_seed(self.seed)
+                    if self.device.type == "cpu":
                         yield self.replica_context
+                    else:
+                        with self.device, host_random():
+                            yield self.replica_context
             finally:
-                for hook in hooks:
-                    hook.remove()
                 self.channel.building = False
                 self._own_random_stream()
-        self._guard_unsupported(modules.values())
-        # the buffers as they are now (.double(), .to() and load_state_dict replace or fill them)
-        seen: set[int] = set()
-        buffers = []
-        for module, name in registered.values():
-            b = module._buffers.get(name)
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                buffers.append(b)
+        # the models the optimizers wrapped here train (not, say, an evaluation copy built on
+        # replica 0 only: every replica must make the same broadcasts)
+        models = built.trained(self._to_broadcast)
+        self._guard_unsupported(models)
         # also a barrier: no replica draws random numbers while another still builds
-        self._broadcast_params(self._to_broadcast + buffers)
+        self._broadcast_params(self._to_broadcast + built.buffers(models))
         self._to_broadcast = []
 
     def _guard_unsupported(self, modules: Iterable[torch.nn.Module]) -> None:
