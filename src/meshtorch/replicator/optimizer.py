@@ -7,9 +7,9 @@ gradient slots followed by one "has a gradient" flag per parameter. After
 the first synchronised backward every ``p.grad`` *is* a view into its
 bucket's buffer, so averaging needs no copy-in/copy-out.
 
-With ``overlap=True`` (the default) a post-accumulate-grad hook on every parameter writes
-``grad / num_replicas`` into the parameter's slot (one pass over the
-gradient; nothing when the gradient already lives there), points ``p.grad``
+With ``overlap=True`` (the default) a post-accumulate-grad hook on every
+parameter writes ``grad / num_replicas`` into the parameter's slot (one pass
+over the gradient; nothing when the gradient already lives there), points ``p.grad``
 at the slot, and, once a bucket and every bucket before it are complete,
 sends the bucket off:
 
@@ -36,8 +36,9 @@ a parameter unused on every replica keeps ``grad = None`` (the optimizer
 skips it, exactly as in one process). Inside ``repl.no_sync()`` nothing is
 reduced and gradients accumulate locally; the next synchronised backward
 averages the accumulated sums. ``optimizer.step()`` averages anything not
-yet averaged first (a backward that reached no parameter). When the optimizer's trainable parameters change (a
-frozen module unfrozen, ``add_param_group``) ``step()`` re-buckets first.
+yet averaged first (a backward that reached no parameter). When the
+optimizer's trainable parameters change (a frozen module unfrozen,
+``add_param_group``) ``step()`` re-buckets first.
 
 As with DDP's ``gradient_as_bucket_view``, a gradient tensor kept across
 steps is overwritten by the next synchronised backward; ``.clone()`` it to
