@@ -134,7 +134,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed step pairs first")
     p.add_argument("--batch", type=int, default=64, help="per process")
     p.add_argument("--bucket-mb", type=float, default=4.0)
-    p.add_argument("--no-overlap", action="store_true", help="Replicator averages at step() only")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="Replicator averages at the end of backward, not during it")
     p.add_argument("--ddp-bucket-view", action="store_true",
                    help="DDP with gradient_as_bucket_view=True (no copy-out, like the Replicator)")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the json and md results")

@@ -53,9 +53,11 @@ class ReplicaLoader:
     def __init__(self, dataset: Any, global_batch_size: int, replica_id: int = 0, num_replicas: int = 1,
                  shuffle: bool = False, seed: int = 0, device: torch.device | str = "cpu"):
         if global_batch_size < 1 or global_batch_size % num_replicas:
+            below = global_batch_size // num_replicas * num_replicas
+            fits = " or ".join(str(v) for v in (below, below + num_replicas) if v > 0)
             raise MeshError(
                 f"global_batch_size={global_batch_size} must be a positive multiple of the "
-                f"{num_replicas} replicas, so every replica gets the same batch shape"
+                f"{num_replicas} replicas, so every replica gets the same batch shape: use {fits}"
             )
         self.dataset = dataset
         self.num_examples = self._length(dataset)

@@ -7,9 +7,9 @@ gradient slots followed by one "has a gradient" flag per parameter. After
 the first synchronised backward every ``p.grad`` *is* a view into its
 bucket's buffer, so averaging needs no copy-in/copy-out.
 
-With ``overlap=True`` a post-accumulate-grad hook on every parameter writes
-``grad / num_replicas`` into the parameter's slot (one pass over the
-gradient; nothing when the gradient already lives there), points ``p.grad``
+With ``overlap=True`` (the default) a post-accumulate-grad hook on every
+parameter writes ``grad / num_replicas`` into the parameter's slot (one pass
+over the gradient; nothing when the gradient already lives there), points ``p.grad``
 at the slot, and, once a bucket and every bucket before it are complete,
 sends the bucket off:
 
@@ -23,6 +23,11 @@ sends the bucket off:
   ordered :class:`~meshtorch.replicator.channel.Channel`, on its background
   thread.
 
+With ``overlap=False`` the hooks only queue that callback, which then sends
+every bucket at the end of backward: nothing is in flight while backward
+runs, yet code between ``backward()`` and ``step()`` (``clip_grad_norm_``)
+sees averaged gradients either way, as in one process.
+
 Buckets always go out in index order, so every replica issues the same
 collectives in the same order even when a parameter is unused on some
 replicas: at the end of backward the remaining buckets go out, with zeros
@@ -31,8 +36,9 @@ a parameter unused on every replica keeps ``grad = None`` (the optimizer
 skips it, exactly as in one process). Inside ``repl.no_sync()`` nothing is
 reduced and gradients accumulate locally; the next synchronised backward
 averages the accumulated sums. ``optimizer.step()`` averages anything not
-yet averaged first, so ``overlap=False`` (or a backward that reached no
-parameter) is still correct.
+yet averaged first (a backward that reached no parameter). When the
+optimizer's trainable parameters change (a frozen module unfrozen,
+``add_param_group``) ``step()`` re-buckets first.
 
 As with DDP's ``gradient_as_bucket_view``, a gradient tensor kept across
 steps is overwritten by the next synchronised backward; ``.clone()`` it to
@@ -55,6 +61,7 @@ Example:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -99,6 +106,7 @@ class GradientSync:
         bucket_mb: float = 25.0,
         overlap: bool = True,
         no_sync_flag: threading.local | None = None,
+        broadcast: Callable[[list[torch.Tensor]], None] | None = None,
     ):
         if bucket_mb <= 0:
             raise CommError(f"bucket_mb={bucket_mb} must be > 0 (MiB per gradient bucket)")
@@ -109,6 +117,14 @@ class GradientSync:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.overlap = overlap
         self._no_sync = no_sync_flag if no_sync_flag is not None else threading.local()
+        # makes parameters that join after wrapping equal on every replica (see _before_step)
+        self._broadcast = broadcast
+        # wrapped again (a helper wrapped it already, or a new bucket size): the old hooks would
+        # divide every gradient a second time, so the new averaging replaces the old
+        previous = getattr(optimizer, "_meshtorch_gradient_sync", None)
+        if previous is not None:
+            previous.remove()
+        optimizer._meshtorch_gradient_sync = self
         self._grad_hooks: list = []
         self._build_buckets()
         self._reset_round()
@@ -145,7 +161,9 @@ class GradientSync:
         groups: dict[tuple, list[list[torch.nn.Parameter]]] = {}
         filled: dict[tuple, int] = {}
         order: list[tuple[tuple, int]] = []
-        for p in reversed(self._params()):
+        params = self._params()
+        self._bucketed = [id(p) for p in params]
+        for p in reversed(params):
             if p.is_sparse:
                 raise CommError("wrap_optimizer averages dense gradients; a parameter is sparse")
             key = (p.device, p.dtype)
@@ -169,8 +187,10 @@ class GradientSync:
             first += len(b.params)
         self._num_params = first
         self._group = self._async_group(self.buckets[0].buffer.device) if self.buckets else None
-        # one replica: its gradients are already the average; nothing to hook
-        if self.overlap and self.num_replicas > 1:
+        # one replica: its gradients are already the average; nothing to hook. Without overlap
+        # the hooks only queue the end-of-backward averaging: code between backward() and
+        # step() (clip_grad_norm_) must see the average, as in one process
+        if self.num_replicas > 1:
             for b in self.buckets:
                 for p in b.params:
                     self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -186,6 +206,8 @@ class GradientSync:
             h.remove()
         self._grad_hooks.clear()
         self._step_hooks.clear()
+        if getattr(self.optimizer, "_meshtorch_gradient_sync", None) is self:
+            del self.optimizer._meshtorch_gradient_sync
 
     # -------------------------------------------------------------- rounds
     def _reset_round(self) -> None:
@@ -226,6 +248,8 @@ class GradientSync:
                 self._reset_round()
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        if not self.overlap:
+            return
         b, i, view = self._slot[id(p)]
         self._prepared[i] = self._put(p, view)
         self._ready[b] += 1
@@ -235,7 +259,7 @@ class GradientSync:
             self._next += 1
 
     def _launch(self, b: _Bucket, background: bool) -> None:
-        # parameters whose hook did not run this round: unused in this backward (their
+        # parameters whose hook did not put them this round: unused in this backward (their
         # gradient may still hold no_sync sums), or overlap=False
         present = True
         flags = []
@@ -316,15 +340,28 @@ class GradientSync:
         self.synced = True
 
     # ---------------------------------------------------------- step hooks
+    def _rebucket_if_changed(self) -> bool:
+        """Re-bucket when the trainable parameters differ from the buckets' (a frozen
+        module unfrozen, ``add_param_group``): their gradients would otherwise stay local
+        and the replicas drift apart. Every replica runs the same code, so all notice it
+        at the same step. Parameters new to the buckets are broadcast from replica 0."""
+        params = self._params()
+        if [id(p) for p in params] == self._bucketed:
+            return False
+        before = set(self._bucketed)
+        self.refresh()
+        if self._broadcast is not None and self.num_replicas > 1:
+            self._broadcast([p for p in params if id(p) not in before])
+        return True
+
     def _before_step(self, optimizer, args, kwargs) -> None:
         # torch passes the bound call's args: (optimizer,) or (optimizer, closure)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if self._rebucket_if_changed() and closure is None:
+            # gradients already averaged stay the mean when averaged again; the new ones join
+            self.sync()
+            return
         if closure is not None:
-            if not self.overlap:
-                raise CommError(
-                    "optimizer.step(closure) with overlap=False cannot average the gradients the "
-                    "closure computes; wrap the optimizer with overlap=True"
-                )
             return  # the closure's backward averages through the hooks
         if not self.synced:
             self.sync()

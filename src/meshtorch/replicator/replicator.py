@@ -41,6 +41,7 @@ from meshtorch.context import current
 from meshtorch.errors import CommError
 from meshtorch.replicator import collectives
 from meshtorch.replicator.batchnorm import convert_sync_batchnorm
+from meshtorch.replicator.building import BuiltModules
 from meshtorch.replicator.channel import channel_for
 from meshtorch.replicator.data import ReplicaLoader
 from meshtorch.replicator.device import host_random, resolve_device, to_device
@@ -48,6 +49,26 @@ from meshtorch.replicator.optimizer import GradientSync
 
 # thread-replicas share torch's default generator: they build their models one at a time
 _BUILD_LOCK = threading.Lock()
+
+
+def _refuse_local_torch_syncbn(module: torch.nn.Module, args: tuple) -> None:
+    if module.training:
+        raise CommError(
+            f"torch.nn.SyncBatchNorm({module.num_features}) needs torch.distributed's default process "
+            "group, which these replicas (threads backend) do not have: it would normalise with each "
+            "replica's own batch, silently. Convert it with model = repl.convert_sync_batchnorm(model) "
+            "(inside repl.context()), whose statistics span every replica's batch")
+
+
+def _refuse_max_norm(module: torch.nn.Embedding | torch.nn.EmbeddingBag, args: tuple) -> None:
+    raise CommError(
+        f"nn.{type(module).__name__}({module.num_embeddings}, {module.embedding_dim}, "
+        f"max_norm={module.max_norm}) "
+        "renormalises in place, in forward, the rows its input looks up: each replica would renormalise "
+        "only its own rows and the replicas' weights drift apart. Build it with max_norm=None and "
+        "before the forward renormalise the rows of every replica's ids: with torch.no_grad(): "
+        "torch.embedding_renorm_(emb.weight, repl.all_gather(ids).flatten(), max_norm, norm_type) "
+        "(what one process on the global batch does)")
 
 
 @dataclass(frozen=True)
@@ -107,11 +128,13 @@ class Replicator:
         mode covers only this block; the steps run without one. Thread-replicas share
         one process-wide generator, so they take turns through the block; it
         must therefore not call collectives (they raise ``CommError``). On
-        leaving, the parameters of optimizers wrapped inside are broadcast from
-        replica 0, as DDP does: seeding makes the weights reproducible (equal to
-        a one-process run with the same seed), the broadcast makes them equal
-        even when construction is not deterministic or a checkpoint was loaded
-        on replica 0 only.
+        leaving, the parameters of optimizers wrapped inside and the buffers of the
+        models they train, built inside (:mod:`~meshtorch.replicator.building`), are
+        broadcast from replica 0, as DDP does: seeding makes the weights
+        reproducible (equal to a one-process run with the same seed), the
+        broadcast makes them equal even when construction is not deterministic
+        or a checkpoint was loaded on replica 0 only. Then replicas
+        past 0 get random streams of their own (independent dropout masks).
 
         Example:
             >>> import torch, meshtorch as mt
@@ -125,17 +148,54 @@ class Replicator:
         with _BUILD_LOCK:
             self.channel.building = True
             try:
-                torch.manual_seed(self.seed)
-                if self.device.type == "cpu":
-                    yield self.replica_context
-                else:
-                    with self.device, host_random():
+                with BuiltModules() as built:
+                    torch.manual_seed(self.seed)
+                    if self.device.type == "cpu":
                         yield self.replica_context
+                    else:
+                        with self.device, host_random():
+                            yield self.replica_context
             finally:
                 self.channel.building = False
+                self._own_random_stream()
+        # the models the optimizers wrapped here train (not, say, an evaluation copy built on
+        # replica 0 only: every replica must make the same broadcasts)
+        models = built.trained(self._to_broadcast)
+        self._guard_unsupported(models)
         # also a barrier: no replica draws random numbers while another still builds
-        self._broadcast_params(self._to_broadcast)
+        self._broadcast_params(self._to_broadcast + built.buffers(models))
         self._to_broadcast = []
+
+    def _guard_unsupported(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Modules built in :meth:`context` that would make replicas silently differ raise
+        when run (a forward pre-hook, so one converted away or never run costs nothing):
+
+        - ``torch.nn.SyncBatchNorm`` without torch.distributed's default process group
+          (thread-replicas): its training forward uses the replica's own batch;
+        - ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm``: its forward renormalises
+          the replica's own rows.
+        """
+        if self.num_replicas == 1:
+            return
+        dist = torch.distributed
+        local_syncbn = not (dist.is_available() and dist.is_initialized())
+        for module in modules:
+            if local_syncbn and isinstance(module, torch.nn.SyncBatchNorm):
+                module.register_forward_pre_hook(_refuse_local_torch_syncbn)
+            elif (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                  and module.max_norm is not None):
+                module.register_forward_pre_hook(_refuse_max_norm)
+
+    def _own_random_stream(self) -> None:
+        """After building, each replica past 0 draws (dropout) from a stream of its own.
+
+        One process per replica (torch backend), all seeded alike, would otherwise
+        draw the same dropout masks on every replica, where one process on the global
+        batch draws independent ones. Replica 0 keeps the stream one process with
+        ``seed`` has. Thread-replicas share one generator, whose draws already differ.
+        """
+        if self.replica_id > 0 and self.comm.backend != "threads":
+            torch.manual_seed((self.seed * 1_000_003 + self.replica_id) % 2**63)
 
     def _broadcast_params(self, params: list[torch.Tensor]) -> None:
         groups: dict[tuple, list[torch.Tensor]] = {}
@@ -144,6 +204,8 @@ class Replicator:
         if not groups:
             groups[(self.device, torch.float32)] = []
         for (dev, dtype), ps in groups.items():
+            # bool buffers travel as bytes (not every backend reduces or sends bool)
+            ps = [p.view(torch.uint8) if p.dtype == torch.bool else p for p in ps]
             flat = torch.cat([p.detach().reshape(-1) for p in ps]) if ps else torch.zeros(0, dtype=dtype,
                                                                                         device=dev)
             flat = self.channel.call(lambda f=flat: self.channel.broadcast(f, self.axes, 0))
@@ -158,11 +220,14 @@ class Replicator:
         """Make ``optimizer.step()`` use gradients averaged over all replicas.
 
         Returns the same optimizer object (so LR schedulers and ``state_dict``
-        work unchanged). Gradients live in flat buckets of ``bucket_mb`` MiB
-        (``p.grad`` becomes a view into one: clone a gradient to keep it past the
-        next backward); with ``overlap`` each bucket is all-reduced while backward
-        still runs. Unused parameters and :meth:`no_sync` accumulation are
-        handled; see :mod:`meshtorch.replicator.optimizer`.
+        work unchanged); wrapping it again replaces the earlier wrapping.
+        Gradients live in flat buckets of ``bucket_mb`` MiB (``p.grad`` becomes a
+        view into one: clone a gradient to keep it past the next backward); with
+        ``overlap`` each bucket is all-reduced while backward still runs, without
+        it all at the end of backward: either way gradients are averaged when
+        ``backward()`` returns (clip them there as in one process). Unused
+        parameters, :meth:`no_sync` accumulation and parameters that become
+        trainable later are handled; see :mod:`meshtorch.replicator.optimizer`.
 
         Example:
             >>> import torch, meshtorch as mt
@@ -173,8 +238,10 @@ class Replicator:
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise CommError(f"wrap_optimizer needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        sync = GradientSync(optimizer, self.channel, self.axes, bucket_mb, overlap, self._no_sync)
-        self._syncs.append(sync)
+        sync = GradientSync(optimizer, self.channel, self.axes, bucket_mb, overlap, self._no_sync,
+                            broadcast=self._broadcast_params)
+        # a second wrap of the same optimizer replaces the first (GradientSync removes its hooks)
+        self._syncs = [s for s in self._syncs if s.optimizer is not optimizer] + [sync]
         params = [p for b in sync.buckets for p in b.params]
         if self.channel.building:
             self._to_broadcast.extend(params)
