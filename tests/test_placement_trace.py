@@ -296,3 +296,20 @@ def test_milp_agrees_with_dp_on_traced_times_in_nanoseconds():
         assert ilp.max_load == pytest.approx(dp.max_load, rel=1e-6)
         assert ilp.info["objective"] == pytest.approx(dp.max_load, rel=1e-6)
     assert [(s.kind, s.replicas) for s in ilp.stages] == [("acc", 3)]
+
+
+def test_the_input_check_changes_no_statistics_nor_the_random_stream():
+    """``meshtorch place``'s run of the model before tracing (cli.check_forward) leaves a
+    BatchNorm's running statistics, the global random stream (dropout) and the training mode as
+    they were: the trace that follows sees the model the user gave."""
+    from meshtorch.placement.cli import check_forward
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5))
+    net.train()
+    stats = net[1].running_mean.clone(), net[1].num_batches_tracked.clone()
+    x = torch.randn(8, 4) + 3
+    rng = torch.get_rng_state()
+    check_forward(net, (x,), "m:Net", "--input-shape 8,4")
+    assert net.training and net[1].training
+    assert torch.equal(net[1].running_mean, stats[0]) and torch.equal(net[1].num_batches_tracked, stats[1])
+    assert torch.equal(torch.get_rng_state(), rng)

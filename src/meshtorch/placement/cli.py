@@ -158,8 +158,13 @@ def check_forward(module: Any, inputs: tuple, spec: str, source: str) -> None:
         if next(m.children(), None) is None:
             hooks.append(m.register_forward_pre_hook(lambda m, a: running.append((names[m], m))))
             hooks.append(m.register_forward_hook(lambda m, a, o: running.pop() and None))  # None: keep o
+    # in eval mode, on a forked random stream: the check changes no BatchNorm statistics and
+    # draws no dropout mask from the stream the trace that follows uses
+    training = module.training if isinstance(module, torch.nn.Module) else None
     try:
-        with torch.no_grad():
+        if training is not None:
+            module.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             module(*inputs)
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         where = f"{_wants(*running[-1])}; " if running else ""
@@ -170,6 +175,8 @@ def check_forward(module: Any, inputs: tuple, spec: str, source: str) -> None:
     finally:
         for h in hooks:
             h.remove()
+        if training is not None:
+            module.train(training)
 
 
 def _wants(name: str, layer: Any) -> str:
@@ -178,7 +185,9 @@ def _wants(name: str, layer: Any) -> str:
 
     kind = type(layer).__name__
     who = f"its layer {name!r} ({kind})" if name else f"the model ({kind})"
-    if isinstance(layer, torch.nn.modules.conv._ConvNd):
+    nn = torch.nn
+    if isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                          nn.ConvTranspose3d)):
         space = {1: "L", 2: "H, W", 3: "D, H, W"}.get(len(layer.kernel_size), "...")
         return f"{who} takes (batch, {layer.in_channels}, {space})"
     if isinstance(layer, torch.nn.Linear):
