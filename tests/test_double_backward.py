@@ -12,6 +12,7 @@ differentiate twice it raises: a ``backward(create_graph=True)`` whose parameter
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -77,13 +78,17 @@ def data(model: str) -> mt.MeshTensor:
     return mt.from_global(x, f"batch:{B},length:{L},d_model:{D}")
 
 
-def penalized(model: str, wrt: str) -> dict:
+def penalized(model: str, wrt: str, own_kernel: bool = False) -> dict:
     """Every parameter's global gradient of ``loss + ½ Σ g²`` (``g``: the loss's gradient with
-    respect to the parameters, or ``(g - 0.1)²`` with respect to the input), and ``g`` itself."""
+    respect to the parameters, or ``(g - 0.1)²`` with respect to the input), and ``g`` itself.
+    Attention takes torch's math kernel (the fused ones have no double backward): the caller sets
+    it around a launch of thread-processors, ``own_kernel`` a process of its own. sdpa_kernel sets
+    process-wide flags, so thread-processors entering and leaving it each left MATH set after the
+    launch, for every later test of the worker (fused attention gone, calibrations changed)."""
     torch.manual_seed(0)
     net = MODELS[model]()
     x = data(model)
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH) if own_kernel else contextlib.nullcontext():
         if wrt == "input":
             x.requires_grad_(True)
         loss = mt.reduce_mean(net(x) ** 2)
@@ -104,11 +109,14 @@ def penalized(model: str, wrt: str) -> dict:
 
 @functools.cache
 def dense(model: str, wrt: str) -> dict:
-    return mt.launch(penalized, model, wrt)[0]
+    with sdpa_kernel(SDPBackend.MATH):
+        return mt.launch(penalized, model, wrt)[0]
 
 
 def check(model: str, wrt: str, mesh: str, rules: str, backend: str = "threads") -> None:
-    got = mt.launch(penalized, model, wrt, mesh=mesh, rules=rules, backend=backend, timeout=60)
+    with sdpa_kernel(SDPBackend.MATH):
+        got = mt.launch(penalized, model, wrt, backend == "torch", mesh=mesh, rules=rules, backend=backend,
+                        timeout=60)
     ref = dense(model, wrt)
     for out in got:  # every processor's global values
         assert out.keys() == ref.keys()
@@ -152,7 +160,8 @@ def test_shifts_and_relayouts_penalty_has_the_one_processor_gradients(rules, wrt
         penalized("moves", wrt)
         return {k: v - before[k] for k, v in calls().items()}
 
-    made = mt.launch(counted, mesh="b:2,m:2", rules=rules)[0]
+    with sdpa_kernel(SDPBackend.MATH):
+        made = mt.launch(counted, mesh="b:2,m:2", rules=rules)[0]
     assert made["permute"] and made["all_to_all"]  # (the collectives this test is for)
     check("moves", wrt, "b:2,m:2", rules)
 

@@ -258,8 +258,9 @@ class _RingAttention(torch.autograd.Function):
             raise MeshTorchError(
                 "ring_attention has no second-order gradient (a backward with create_graph=True: a "
                 "gradient penalty, a Hessian-vector product); use mt.attention there (attention=\"gather\" "
-                "in TransformerConfig) under torch.nn.attention.sdpa_kernel(SDPBackend.MATH): torch's "
-                "fused attention kernels have no second-order gradient either")
+                "in TransformerConfig) under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), entered "
+                "around mt.launch (its switch is process-wide): torch's fused attention kernels have no "
+                "second-order gradient either")
         q, k, v, out, lse = ctx.saved_tensors
         comm, axis, causal, scale = ctx.comm, ctx.axis, ctx.causal, ctx.scale
         n = 1 if axis is None else comm.mesh.axis_size(axis)
