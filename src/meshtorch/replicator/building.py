@@ -1,12 +1,12 @@
 """What one replica builds inside ``repl.context()``: the modules, how they nest, and which
-module owns which parameter, seen through torch's global module/parameter/buffer
-registration hooks.
+module owns which parameter, seen through torch's global module and parameter registration
+hooks.
 
-The Replicator is never handed the model, only optimizers. On leaving the block it
-broadcasts the buffers (BatchNorm's running statistics) of the models an optimizer
-wrapped there trains: the modules connected, by nesting, to a module that owns one of
-its parameters. A module built on one replica only (an evaluation copy on replica 0)
-is left alone, so the replicas still make the same collective calls.
+The Replicator is never handed the model, only optimizers. On leaving the block it puts its
+guards (``torch.nn.SyncBatchNorm`` on thread-replicas, ``Embedding(max_norm=...)``) on the
+models an optimizer wrapped there trains: the modules connected, by nesting, to a module
+that owns one of its parameters. (Their buffers are not broadcast: a module built on one
+replica only that wraps or ties the model would be counted there alone.)
 
 Example:
     >>> import torch
@@ -14,8 +14,8 @@ Example:
     >>> with BuiltModules() as built:
     ...     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     ...     other = torch.nn.BatchNorm1d(3)
-    >>> [tuple(b.shape) for b in built.buffers(built.trained([model[0].weight]))]
-    [(2,), (2,), ()]
+    >>> [type(m).__name__ for m in built.trained([model[0].weight])]
+    ['Linear', 'BatchNorm1d', 'Sequential']
 """
 
 from __future__ import annotations
@@ -87,16 +87,3 @@ class BuiltModules:
         """The modules built here that are nested together with an owner of ``params``."""
         roots = {self._root(self._owner[id(p)]) for p in params if id(p) in self._owner}
         return [m for i, m in self._modules.items() if self._root(i) in roots]
-
-    def buffers(self, modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
-        """The buffers of ``modules`` registered here, as they are now (``.double()``,
-        ``.to()`` and ``load_state_dict`` replace or fill them), each tensor once."""
-        ids = {id(m) for m in modules}
-        seen: set[int] = set()
-        out = []
-        for (i, name) in self._buffers:
-            b = self._modules[i]._buffers.get(name) if i in ids else None
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                out.append(b)
-        return out

@@ -128,13 +128,15 @@ class Replicator:
         mode covers only this block; the steps run without one. Thread-replicas share
         one process-wide generator, so they take turns through the block; it
         must therefore not call collectives (they raise ``CommError``). On
-        leaving, the parameters of optimizers wrapped inside and the buffers of the
-        models they train, built inside (:mod:`~meshtorch.replicator.building`), are
-        broadcast from replica 0, as DDP does: seeding makes the weights
-        reproducible (equal to a one-process run with the same seed), the
-        broadcast makes them equal even when construction is not deterministic
-        or a checkpoint was loaded on replica 0 only. Then replicas
-        past 0 get random streams of their own (independent dropout masks).
+        leaving, the trainable parameters of optimizers wrapped inside are broadcast
+        from replica 0, as DDP does: seeding makes the weights reproducible (equal to
+        a one-process run with the same seed), the broadcast makes them equal even
+        when construction is not deterministic or their values were loaded on
+        replica 0 only. Buffers (BatchNorm's statistics) and frozen parameters are
+        not broadcast: load a checkpoint on every replica. Then replicas past 0 get
+        random streams of their own (independent dropout masks; on the torch backend
+        everything drawn from torch's global generator after the block differs per
+        replica: shard data with a generator of your own, as :meth:`distribute` does).
 
         Example:
             >>> import torch, meshtorch as mt
@@ -158,12 +160,13 @@ class Replicator:
             finally:
                 self.channel.building = False
                 self._own_random_stream()
-        # the models the optimizers wrapped here train (not, say, an evaluation copy built on
-        # replica 0 only: every replica must make the same broadcasts)
-        models = built.trained(self._to_broadcast)
-        self._guard_unsupported(models)
+        # the models the optimizers wrapped here train get the guards (local forward hooks). Their
+        # buffers are not broadcast: which modules belong to a model is a guess (a module built on
+        # replica 0 only that wraps or ties the model joins it there alone), and a guess that
+        # differs between replicas makes mismatched collectives, a hang on gloo (review15b)
+        self._guard_unsupported(built.trained(self._to_broadcast))
         # also a barrier: no replica draws random numbers while another still builds
-        self._broadcast_params(self._to_broadcast + built.buffers(models))
+        self._broadcast_params(self._to_broadcast)
         self._to_broadcast = []
 
     def _guard_unsupported(self, modules: Iterable[torch.nn.Module]) -> None:
