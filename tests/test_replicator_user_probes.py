@@ -7,6 +7,8 @@ blocks (the same objective). Parameters and losses must match to 1e-9.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -549,3 +551,37 @@ def test_embedding_max_norm_raises_naming_the_replicated_renorm():
         ref_opt.step()
     for state in mt.replicator.launch_replicas(prog, True, num_replicas=N, timeout=60):
         assert_states_equal(state, ref.state_dict())
+
+
+def _checkpointed_grads(reentrant: bool, overlap: bool, bucket_mb: float):
+    from torch.utils.checkpoint import checkpoint
+
+    repl = mt.Replicator(device="cpu")
+    with repl.context():
+        torch.manual_seed(1)
+        m = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        repl.wrap_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), overlap=overlap, bucket_mb=bucket_mb)
+    r = repl.replica_id
+    x = _CKPT_X[r * 4:(r + 1) * 4].clone().requires_grad_(True)  # reentrant checkpointing needs it
+    h = checkpoint(m[1], m[0](x), use_reentrant=reentrant)
+    m[2](h).square().mean().backward()
+    return [p.grad.clone() for p in m.parameters()]
+
+
+_CKPT_X = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("overlap,bucket_mb", [(True, 25.0), (True, 1e-5), (False, 25.0)])
+def test_activation_checkpointing_reentrant_or_not_gives_one_process_gradients(reentrant, overlap, bucket_mb):
+    """Reentrant checkpointing (HF's gradient_checkpointing_enable default) runs the segment's
+    backward as a nested backward with a graph task of its own: the hooks took it for a new round
+    and put the parameters already in their slots again, halving the last layer's gradients on
+    every replica alike (review15b). Nested backwards now join the round."""
+    torch.manual_seed(1)
+    ref = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    ref[2](ref[1](ref[0](_CKPT_X))).square().mean().backward()
+    want = [p.grad for p in ref.parameters()]
+    for got in launch(functools.partial(_checkpointed_grads, reentrant, overlap, bucket_mb)):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

@@ -216,6 +216,7 @@ class GradientSync:
         self._next = 0
         # the backward (autograd graph task) whose end-of-backward callback is queued
         self._task: int | None = None
+        self._heard: set[int] = set()  # ids of the parameters whose hook ran this round
 
     def _put(self, p: torch.Tensor, view: torch.Tensor) -> bool:
         """Move ``p``'s gradient, divided by the replica count, into its bucket slot."""
@@ -242,12 +243,18 @@ class GradientSync:
         if getattr(self._no_sync, "on", False):
             return
         task = torch._C._current_graph_task_id()
-        if task != self._task:
+        if task != self._task and (self._task is None or id(p) in self._heard):
             if self._task is not None:
-                # the backward that queued the last callback raised before its end: start afresh
+                # a parameter heard again in another backward: the one that queued the last
+                # callback raised before its end; start afresh
                 self._reset_round()
             self._task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        # (another backward whose parameters are not heard yet is nested in the round's:
+        # reentrant activation checkpointing runs the segment's backward as one; its gradients
+        # join the round, whose callback comes at the outer backward's end. Starting afresh
+        # there put the parameters already in their slots again: their gradients halved, review15b)
+        self._heard.add(id(p))
         if not self.overlap:
             return
         b, i, view = self._slot[id(p)]
