@@ -178,3 +178,33 @@ def test_loading_a_consolidated_export_names_import_consolidated(tmp_path):
     mt.export_consolidated(str(tmp_path), make_model())
     with pytest.raises(CheckpointError, match=r"model.safetensors.*mt.import_consolidated"):
         mt.load(str(tmp_path), model=make_model())
+
+
+class _LoaderRefusingOnOne:
+    """A data= object whose state only processor 0 takes back (another dataset on processor 1)."""
+
+    def state_dict(self) -> dict:
+        return {"pos": 3}
+
+    def load_state_dict(self, state: dict) -> None:
+        if mt.current().rank == 1:
+            raise ValueError("loader of another dataset")
+
+
+def _load_refused_by_one_loader(path: str) -> str:
+    torch.manual_seed(0)
+    mt.save(path, model=torch.nn.Linear(2, 2), data=_LoaderRefusingOnOne())
+    try:
+        mt.load(path, model=torch.nn.Linear(2, 2), data=_LoaderRefusingOnOne())
+    except Exception as e:  # noqa: BLE001 - what each processor raised is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_data_state_one_processor_refuses_raises_on_every_processor(tmp_path):
+    """After the model's load agreed, a loader that refuses its state on one processor only made
+    that one raise while the others waited for it at the final barrier (review15b): every
+    processor now raises, the others naming the one that failed."""
+    out = mt.launch(_load_refused_by_one_loader, str(tmp_path / "ck"), mesh="b:2")
+    assert out[1] == "ValueError: loader of another dataset"
+    assert out[0].startswith("CheckpointError") and "processor 1" in out[0] and "loader of another" in out[0]

@@ -317,13 +317,27 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
                 _load_optimizer(optimizer, opt_plan, index, reader, coords)
     finally:
         pinned.close()
-    if scheduler is not None:
-        scheduler.load_state_dict(from_json(index["scheduler"]))
-    saved_data = from_json(index.get("data"))
-    if data is not None and hasattr(data, "load_state_dict"):
-        data.load_state_dict(saved_data)
-    if restore_rng_state:
-        restore_rng(index["rng"])
+    # the scheduler's, the data's and the random state: each processor's own objects may refuse on
+    # one processor only (a loader's per-processor state); every processor learns of it, as above,
+    # rather than the others waiting at the barrier for one that raised
+    error = None
+    saved_data = None
+    try:
+        if scheduler is not None:
+            scheduler.load_state_dict(from_json(index["scheduler"]))
+        saved_data = from_json(index.get("data"))
+        if data is not None and hasattr(data, "load_state_dict"):
+            data.load_state_dict(saved_data)
+        if restore_rng_state:
+            restore_rng(index["rng"])
+    except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+        error = e
+    why = first_failure(error)
+    if why is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(f"loading checkpoint {path!r}: the model and optimizer were loaded, but "
+                              f"restoring the scheduler, data or random state failed on {why}")
     # threads share torch's generator: nobody draws from it before everyone has restored it
     current().comm.barrier()
     return {"step": index.get("step"), "data": saved_data, "extra": from_json(index.get("extra")),
