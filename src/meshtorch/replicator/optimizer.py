@@ -352,9 +352,11 @@ class GradientSync:
         module unfrozen, ``add_param_group``): their gradients would otherwise stay local
         and the replicas drift apart. Every replica runs the same code, so all notice it
         at the same step. Parameters new to the buckets are broadcast from replica 0."""
-        params = self._params()
-        if [id(p) for p in params] == self._bucketed:
+        # (one comprehension per step, no dict: torch refuses a parameter in two groups)
+        groups = self.optimizer.param_groups
+        if [id(p) for g in groups for p in g["params"] if p.requires_grad] == self._bucketed:
             return False
+        params = self._params()
         before = set(self._bucketed)
         self.refresh()
         if self._broadcast is not None and self.num_replicas > 1:
