@@ -206,12 +206,18 @@ def test_foreign_left_operand_runs_its_own_method(expr, method):
 
 
 class Declines:
-    """Defines the arithmetic methods but returns NotImplemented: Python's TypeError follows."""
+    """Defines the arithmetic methods and comparisons but returns NotImplemented from each."""
 
     def __add__(self, other):
         return NotImplemented
 
     def __radd__(self, other):
+        return NotImplemented
+
+    def __lt__(self, other):
+        return NotImplemented
+
+    def __gt__(self, other):
         return NotImplemented
 
 
@@ -229,12 +235,12 @@ def test_operand_errors_for_types_without_the_reflected_method_are_meshtorchs():
                          (lambda a, b: b - a, "subtract")]:
             with pytest.raises(mt.errors.ShapeError, match=f"{op}: operand of type {name} is {wrap}"):
                 expr(x, bad)
-    # a type that declines both ways: Python's own error where meshtorch gave way first; where
-    # Python calls the reflected method (after the other's own declined), meshtorch's error
-    with pytest.raises(TypeError, match="unsupported operand"):
-        x + Declines()
-    with pytest.raises(mt.errors.ShapeError, match=f"add: operand of type Declines is {wrap}"):
-        Declines() + x
+    # a type that declines both ways: meshtorch's error either way (Python's would be a bare
+    # TypeError), comparisons too (review15b: Num() < x)
+    for expr, op in [(lambda a, b: a + b, "add"), (lambda a, b: b + a, "add"),
+                     (lambda a, b: a < b, "less"), (lambda a, b: b < a, "greater")]:
+        with pytest.raises(mt.errors.ShapeError, match=f"{op}: operand of type Declines is {wrap}"):
+            expr(x, Declines())
     # numbers of other kinds know only numbers: meshtorch's error both ways
     for number in (decimal.Decimal(1),):
         for expr in (lambda a, b: a + b, lambda a, b: b + a):

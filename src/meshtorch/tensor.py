@@ -222,9 +222,9 @@ class MeshTensor:
     # ``x + y`` is ``add(x, y)``: each method calls the op's nary() itself, no frame of its own
     # per operator (issue 27: a model's residual adds and scalings run cold between large
     # kernels); the reflected ones swap their operands. An operand of a foreign type with the
-    # matching method (``__radd__`` for ``__add__``) gets NotImplemented, so Python runs that
+    # matching method (``__radd__`` for ``__add__``) has it run, meshtorch's error where it declines
     # (lowering.elementwise.operator; a reflected method never gives way: Python calls it after the
-    # other's own method did); ``==`` is identity (``mt.equal`` compares values)
+    # other's own method declined); ``==`` is identity (``mt.equal`` compares values)
     __add__ = ew.operator(ew.add, "__radd__")
     __radd__ = ew.operator(ew.add, None, swap=True)
     __sub__ = ew.operator(ew.subtract, "__rsub__")

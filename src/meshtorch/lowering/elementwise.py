@@ -80,7 +80,11 @@ def nary(fn: Callable[..., torch.Tensor], *xs, op: str = "op", defer: str | None
             tensors.append(x)
         elif not _is_scalar(x):
             if defer is not None and defers_to(x, defer):
-                return NotImplemented
+                # its own method, called here rather than by Python after NotImplemented: where
+                # it declines too, the error below says what to do (Python's: a bare TypeError)
+                result = getattr(x, defer)(xs[1 - i])
+                if result is not NotImplemented:
+                    return result
             raise ShapeError(
                 f"{op}: operand of type {type(x).__name__} is neither a MeshTensor nor a scalar; "
                 "wrap torch tensors with mt.from_global(t, shape)"
@@ -169,12 +173,13 @@ def operator(op_fn: Callable[..., MeshTensor], defer: str | None, swap: bool = F
     """MeshTensor's operator method computing the binary op ``op_fn`` (made by :func:`binary_op`):
     ``self op other``, or with ``swap`` (a reflected method, ``__radd__``) ``other op self``.
     An operand that is neither a MeshTensor nor a scalar, whose type has the method ``defer``
-    (for ``__add__`` the other's ``__radd__``, for ``__lt__`` its ``__gt__``), gets
-    ``NotImplemented``, so that Python runs that method, as its data model asks
-    (:func:`defers_to`); other operands raise the op's error. A reflected method passes ``None``:
-    Python calls it only once the other's own method gave way, so giving way again would end in
-    a bare ``TypeError`` where the op's error says what to do. The method calls :func:`nary`
-    itself: one frame between the operator and the op, as the op's own function (issue 27).
+    (for ``__add__`` the other's ``__radd__``, for ``__lt__`` its ``__gt__``), has that method
+    run, as Python's data model would after ``NotImplemented`` (:func:`defers_to`), but called
+    here: where it declines too (``NotImplemented``), the op's error says what to do, where
+    Python's would be a bare ``TypeError``; other operands raise the op's error. A reflected
+    method passes ``None``: Python calls it only once the other's own method declined. The method
+    calls :func:`nary` itself: one frame between the operator and the op, as the op's own
+    function (issue 27).
 
     Example (a type that knows how to add itself to a MeshTensor):
         >>> import meshtorch as mt
@@ -192,12 +197,12 @@ def operator(op_fn: Callable[..., MeshTensor], defer: str | None, swap: bool = F
         def method(x, y) -> MeshTensor:
             return nary(fn, x, y, op=op, defer=defer)
     method.__doc__ = (f"``{op}``" if defer is None else
-                      f"``{op}``, or ``NotImplemented`` for an operand whose type defines ``{defer}``.")
+                      f"``{op}``, or the result of ``{defer}`` of an operand whose type defines it.")
     return method
 
 
 def defers_to(other, method: str) -> bool:
-    """Whether a MeshTensor operator gives way (``NotImplemented``) to ``other``, neither a
+    """Whether a MeshTensor operator gives way (runs ``other``'s ``method``) to ``other``, neither a
     MeshTensor nor a scalar: its type defines ``method`` (not ``object``'s), and it is not data
     meshtorch asks to wrap with ``mt.from_global`` (a torch tensor, an array, a builtin such as a
     list or str, whose own methods would fail or repeat a sequence) or a number of another kind
