@@ -263,18 +263,18 @@ class Module(torch.nn.Module):
         # MeshParameter of this module, and of the plain torch.nn modules below it (a
         # ParameterList), is made one again after the last two, with its metadata. (Nested
         # mt.nn.Modules do their own, called by torch's recursion.)
-        held = []
+        held, params = [], []
         for m in _this_and_plain_below(self, recurse):
             for name, p in m._parameters.items():
+                if p is not None:
+                    params.append(p)
                 if isinstance(p, MeshParameter):
                     if not p.materialized:  # drawn in the parameter's dtype and device, then converted
                         p.materialize()
                     p._adapted = LastingMemo()  # the adapters of the old values, not kept alive
                     held.append((m, name, mesh_state(p)))
         self._mt_views.clear()  # (views of the old parameters, or of the old values)
-        # (swapping refuses a parameter that mt.overlap()'s runtime holds weakly; it lets go)
-        release_parameters([p for m in _this_and_plain_below(self, recurse)
-                            for p in m._parameters.values() if p is not None])
+        release_parameters(params)  # (swapping refuses a parameter mt.overlap()'s runtime holds weakly)
         super()._apply(fn if getattr(fn, "_mt_detaches", False) else _detaching(fn), recurse)
         _remade(held)
         return self
