@@ -44,7 +44,6 @@ class BuiltModules:
         self._modules: dict[int, torch.nn.Module] = {}
         self._parent: dict[int, int] = {}          # union-find over module ids: nesting
         self._owner: dict[int, int] = {}           # id(parameter) -> id(module)
-        self._buffers: dict[tuple[int, str], None] = {}
         self._hooks: list = []
 
     def __enter__(self) -> BuiltModules:
@@ -65,9 +64,8 @@ class BuiltModules:
         self._modules.setdefault(id(module), module)
         return True
 
-    def _on_buffer(self, module: torch.nn.Module, name: str, _buffer) -> None:
-        if self._mine(module):
-            self._buffers[(id(module), name)] = None
+    def _on_buffer(self, module: torch.nn.Module, _name: str, _buffer) -> None:
+        self._mine(module)  # (a module with buffers only, a BatchNorm without affine: it nests too)
 
     def _on_parameter(self, module: torch.nn.Module, _name: str, param) -> None:
         if self._mine(module) and param is not None:

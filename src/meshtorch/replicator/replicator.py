@@ -207,8 +207,6 @@ class Replicator:
         if not groups:
             groups[(self.device, torch.float32)] = []
         for (dev, dtype), ps in groups.items():
-            # bool buffers travel as bytes (not every backend reduces or sends bool)
-            ps = [p.view(torch.uint8) if p.dtype == torch.bool else p for p in ps]
             flat = torch.cat([p.detach().reshape(-1) for p in ps]) if ps else torch.zeros(0, dtype=dtype,
                                                                                         device=dev)
             flat = self.channel.call(lambda f=flat: self.channel.broadcast(f, self.axes, 0))
