@@ -177,6 +177,18 @@ def _plain_loss(model, xb, r):
     return model(xb).pow(2).mean()
 
 
+def _replica_steps(model, opt, x, r, loss_fn=_plain_loss, change=None) -> dict:
+    """Replica ``r``'s side of :func:`_one_process`: each step on its block of the batch
+    (``change`` from the second step on: the first is made before wrapping)."""
+    for k in range(x.shape[0]):
+        if change is not None and k:
+            change(k, model, opt)
+        opt.zero_grad()
+        loss_fn(model, x[k, r * B:(r + 1) * B], r).backward()
+        opt.step()
+    return model.state_dict()
+
+
 def test_wrapping_an_optimizer_twice_still_averages_once():
     """A second wrap_optimizer on the same optimizer (a helper that wraps, then the
     script wraps again; or a new bucket size) used to hook every parameter twice: the
@@ -191,12 +203,7 @@ def test_wrapping_an_optimizer_twice_still_averages_once():
             model = _mlp()
             opt = repl.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
             assert repl.wrap_optimizer(opt, bucket_mb=1e-4) is opt
-        r = repl.replica_id
-        for k in range(STEPS):
-            opt.zero_grad()
-            _plain_loss(model, x[k, r * B:(r + 1) * B], r).backward()
-            opt.step()
-        return model.state_dict()
+        return _replica_steps(model, opt, x, repl.replica_id)
 
     for state in launch(prog):
         assert_states_equal(state, ref)
@@ -235,14 +242,7 @@ def test_parameters_that_become_trainable_after_wrapping_are_averaged(change, ov
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             change(0, model, opt)
             repl.wrap_optimizer(opt, overlap=overlap)
-        r = repl.replica_id
-        for k in range(STEPS):
-            if k:
-                change(k, model, opt)
-            opt.zero_grad()
-            _plain_loss(model, x[k, r * B:(r + 1) * B], r).backward()
-            opt.step()
-        return model.state_dict()
+        return _replica_steps(model, opt, x, repl.replica_id, change=change)
 
     for state in launch(prog):
         assert_states_equal(state, ref)
