@@ -32,7 +32,7 @@ from meshtorch.checkpoint.index import missing_index, read_version_index
 from meshtorch.checkpoint.state import from_json, restore_rng, scalar_from_json
 from meshtorch.checkpoint.versions import ATTEMPTS, OpenVersion, inside, latest
 from meshtorch.checkpoint.writer import (
-    first_failure,
+    agree,
     from_rank0,
     model_tensors,
     param_names,
@@ -302,7 +302,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
             error = e
         # the lowest failing processor's error, on every processor: all refuse, none copied anything
-        _agree(error, f"loading checkpoint {path!r} failed on {{why}}; nothing was loaded")
+        agree(error, f"loading checkpoint {path!r} failed on {{why}}; nothing was loaded")
         with torch.no_grad():
             for name, view, entry in plan:
                 start = [s for s, _ in view.layout.slices(coords)]
@@ -328,22 +328,12 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             restore_rng(index["rng"])
     except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
         error = e
-    _agree(error, f"loading checkpoint {path!r}: the model and optimizer were loaded, but restoring the "
+    agree(error, f"loading checkpoint {path!r}: the model and optimizer were loaded, but restoring the "
                   "scheduler, data or random state failed on {why}")
     # threads share torch's generator: nobody draws from it before everyone has restored it
     current().comm.barrier()
     return {"step": index.get("step"), "data": saved_data, "extra": from_json(index.get("extra")),
             "bytes_read": reader.bytes_read}
-
-
-def _agree(error: BaseException | None, message: str) -> None:
-    """Every processor learns whether any failed (:func:`first_failure`, a collective): the failing
-    one raises its own error, the others a CheckpointError of ``message`` naming it (``{why}``)."""
-    why = first_failure(error)
-    if why is not None:
-        if error is not None:
-            raise error
-        raise CheckpointError(message.replace("{why}", str(why)))  # (a path may hold braces)
 
 
 def _check_no_others(index: dict, path: str, mine: set[str]) -> None:

@@ -156,6 +156,16 @@ def first_failure(error: BaseException | None) -> str | None:
     return f"processor {failed}: {text}"
 
 
+def agree(error: BaseException | None, message: str) -> None:
+    """Every processor learns whether any failed (:func:`first_failure`, a collective): the failing
+    one raises its own error, the others a CheckpointError of ``message`` naming it (``{why}``)."""
+    why = first_failure(error)
+    if why is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(message.replace("{why}", str(why)))  # (a path may hold braces)
+
+
 def _token() -> str:
     """A fresh temp-file token chosen by processor 0 and broadcast to all."""
     return from_rank0(secrets.token_hex(8))
