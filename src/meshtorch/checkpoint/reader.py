@@ -310,14 +310,20 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             error = e
         # the lowest failing processor's error, on every processor: all refuse, none copied anything
         agree(error, f"loading checkpoint {path!r} failed on {{why}}; nothing was loaded")
-        with torch.no_grad():
-            for name, view, entry in plan:
-                start = [s for s, _ in view.layout.slices(coords)]
-                buf = torch.empty_like(view.local, device="cpu")
-                reader.read_into(name, entry, buf, start)
-                view.local.copy_(buf)
-            if opt_plan is not None:
-                _load_optimizer(optimizer, opt_plan, index, reader, coords)
+        error = None
+        try:
+            with torch.no_grad():
+                for name, view, entry in plan:
+                    start = [s for s, _ in view.layout.slices(coords)]
+                    buf = torch.empty_like(view.local, device="cpu")
+                    reader.read_into(name, entry, buf, start)
+                    view.local.copy_(buf)
+                if opt_plan is not None:
+                    _load_optimizer(optimizer, opt_plan, index, reader, coords)
+        except BaseException as e:  # noqa: BLE001 - e.g. a damaged piece found only now (verify=False)
+            error = e
+        agree(error, f"loading checkpoint {path!r}: reading the checked files failed on {{why}}; the model "
+                     "and optimizer are partly loaded, load again")
     finally:
         pinned.close()
     # the scheduler's, the data's and the random state: each processor's own objects may refuse on
