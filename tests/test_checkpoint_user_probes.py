@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import meshtorch as mt
 from meshtorch.errors import CheckpointError, ProcessorError
@@ -208,3 +210,29 @@ def test_a_data_state_one_processor_refuses_raises_on_every_processor(tmp_path):
     out = mt.launch(_load_refused_by_one_loader, str(tmp_path / "ck"), mesh="b:2")
     assert out[1] == "ValueError: loader of another dataset"
     assert out[0].startswith("CheckpointError") and "processor 1" in out[0] and "loader of another" in out[0]
+
+
+def _load_unverified(path: str) -> str:
+    try:
+        mt.load(path, model=make_model().reset_parameters(seed=9), verify=False)
+    except Exception as e:  # noqa: BLE001 - what each processor raised is the result
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_a_read_failing_on_one_processor_after_the_checks_raises_on_every_processor(tmp_path, backend):
+    """With verify=False a damaged piece is found only while it is read, after the agreement: processor
+    1 raised it while processor 0 loaded its slices and met a bare CommError ("processor 1 left")
+    at the next collective. Every processor now raises the reason, saying the model is partly loaded."""
+    path = str(tmp_path / "ckpt")
+    mt.launch(lambda: mt.save(path, model=make_model().reset_parameters(seed=1)), mesh="m:2", rules=RULES)
+    fname = os.path.join(mt.checkpoint.latest(path), "slices-00001.safetensors")
+    with safe_open(fname, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model/2.kernel@4,0"] = torch.zeros(17)  # the index says [4, 4]
+    save_file(tensors, fname)
+    got = mt.launch(_load_unverified, path, mesh="m:2", rules=RULES, backend=backend)
+    assert got[1].startswith("CheckpointError: tensor 'model/2.kernel'"), got
+    assert got[0].startswith("CheckpointError") and "processor 1" in got[0] and "partly loaded" in got[0], got
+    assert "'model/2.kernel'" in got[0]

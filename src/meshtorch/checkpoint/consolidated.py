@@ -33,12 +33,14 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from meshtorch.checkpoint.format import shape_json
+from meshtorch.checkpoint.format import shape_from_json, shape_json
+from meshtorch.checkpoint.writer import agree
 from meshtorch.context import current
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import CheckpointError, MeshTorchError
 from meshtorch.files import replacing, write_atomic
 from meshtorch.nn.module import Module
 from meshtorch.optim.params import view_of
+from meshtorch.shape import Shape
 
 SINGLE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -187,20 +189,47 @@ def import_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
                         rename: Callable[[str], str] | dict[str, str] | None = None,
                         strict: bool = True) -> list[str]:
     """Load consolidated safetensors (a file, or a directory with ``model.safetensors``
-    or a sharded index) into ``model``; each processor reads only its slices.
+    or a sharded index) into ``model``; each processor reads only its slices
+    (every processor calls it).
 
     ``rename`` maps a parameter name to the key in the files. Values are cast to
     each parameter's dtype. With ``strict``, a parameter missing from the files
-    is an error. Every parameter is checked (present, same shape) before any is
-    copied, so an import that raises leaves ``model`` as it was. Returns the
-    names of the parameters loaded.
+    is an error. A file written by :func:`export_consolidated` records each
+    tensor's named dims (``meshtorch_dims``): they must be the parameter's, names
+    and order too; other files are checked by sizes. Every parameter is checked
+    on every processor before any is copied, so an import that raises (on every
+    processor, where one processor's files fail) leaves ``model`` as it was.
+    Returns the names of the parameters loaded.
     """
     path = os.fspath(path)
+    plan, error = [], None
+    try:
+        plan = _import_plan(path, model, rename, strict)
+    except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+        error = e
+    # each processor may read its own copy of the files (one per host): all refuse, or all copy
+    agree(error, f"importing {path!r} failed on {{why}}; nothing was loaded")
+    coords = current().coords
+    try:
+        with torch.no_grad():
+            for _, view, handle, key, sl in plan:
+                region = tuple(slice(s, s + n) for s, n in view.layout.slices(coords))
+                part = sl[region] if region else handle.get_tensor(key)
+                view.local.copy_(part.to(view.dtype))
+    except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+        error = e
+    agree(error, f"importing {path!r}: reading the checked files failed on {{why}}; the model is partly "
+                 "loaded, import again")
+    return [name for name, *_ in plan]
+
+
+def _import_plan(path: str, model: torch.nn.Module, rename, strict: bool) -> list[tuple]:
+    """``(name, view, file handle, key, slice)`` of each parameter to load, checked against the files."""
     wmap = weight_map(path)
     key_of = rename if callable(rename) else (lambda n: (rename or {}).get(n, n))
-    coords = current().coords
     handles: dict[str, object] = {}
-    plan = []  # every parameter is checked against the files before any is copied
+    dims_of: dict[str, dict] = {}  # file -> its meshtorch_dims ({} for files other tools wrote)
+    plan = []
     for name, view in _views(model):
         key = key_of(name)
         fpath = wmap.get(key)
@@ -211,17 +240,58 @@ def import_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
             continue
         if fpath not in handles:
             handles[fpath] = open_safetensors(fpath)
-        sl = handles[fpath].get_slice(key)
+            dims_of[fpath] = _saved_dims(handles[fpath], fpath)
+        try:
+            sl = handles[fpath].get_slice(key)
+        except Exception:  # safetensors' SafetensorError has no stable import path across versions
+            raise CheckpointError(f"parameter {name!r}: the index of {path!r} puts {key!r} in {fpath}, which "
+                                  "does not hold it; the shards are not the index's (a partial copy?), "
+                                  "fetch or export them again") from None
+        saved = dims_of[fpath].get(key)
+        if saved is not None:
+            _check_dims(name, key, view.shape, saved, fpath)
         if list(sl.get_shape()) != list(view.shape.sizes):
             raise CheckpointError(f"parameter {name!r} has shape [{view.shape}] but {fpath} holds "
                                   f"{key!r} with shape {sl.get_shape()}")
-        plan.append((name, view, key, fpath, sl))
-    with torch.no_grad():
-        for _, view, key, fpath, sl in plan:
-            region = tuple(slice(s, s + n) for s, n in view.layout.slices(coords))
-            part = sl[region] if region else handles[fpath].get_tensor(key)
-            view.local.copy_(part.to(view.dtype))
-    return [name for name, *_ in plan]
+        plan.append((name, view, handles[fpath], key, sl))
+    return plan
+
+
+def _saved_dims(handle, fpath: str) -> dict[str, Shape]:
+    """The named shapes a file's ``meshtorch_dims`` metadata records, by key (``{}`` without it)."""
+    text = (handle.metadata() or {}).get("meshtorch_dims")
+    if text is None:
+        return {}
+    try:
+        recorded = json.loads(text)
+    except ValueError:
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{fpath}: its meshtorch_dims metadata is not JSON of "
+                              "{tensor key: [[dim, size], ...]}; export the file again")
+    out = {}
+    for key, dims in recorded.items():
+        try:
+            out[key] = shape_from_json(dims)
+        except (ValueError, TypeError, MeshTorchError):
+            raise CheckpointError(f"{fpath}: its meshtorch_dims metadata gives {key!r} the dims "
+                                  f"{json.dumps(dims)[:80]}, not [[dim, size], ...]; export the file "
+                                  "again") from None
+    return out
+
+
+def _check_dims(name: str, key: str, mine: Shape, saved: Shape, fpath: str) -> None:
+    """Refuse a file's tensor whose recorded dims are not the parameter's (saying so where only the
+    order differs)."""
+    if saved == mine:
+        return
+    if sorted(saved.names) == sorted(mine.names) and all(saved[n].size == mine[n].size for n in mine.names):
+        fix = ("the same dims in another order: the file's values are laid out in its order, so build the "
+               "parameter with its dims in that order")
+    else:
+        fix = "build the model with the exported dims, or map the name to the right key with rename="
+    raise CheckpointError(f"parameter {name!r} has shape [{mine}] but {fpath} holds {key!r} "
+                          f"with dims [{saved}] (its meshtorch_dims); {fix}")
 
 
 def _deprecated(old: str, new: Callable) -> Callable:

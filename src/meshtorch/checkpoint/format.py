@@ -36,7 +36,10 @@ from meshtorch.shape import Shape
 INDEX = "index.json"
 FORMAT = "meshtorch-checkpoint"
 # version 2: the index records its own sha256 (``index_sha256``); version 1 indexes load without it
-VERSION = 2
+# version 3: each processor's own data position (``data_per_processor``), where they differ; an index
+# without them is still written as version 2, which meshtorch before version 3 reads alike
+VERSION = 3
+SHARED_DATA_VERSION = 2
 
 DTYPES = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,

@@ -135,6 +135,12 @@ def check_index(index: Any, ipath: str) -> None:
     for key in ("data", "extra"):
         if key not in index:
             raise c.fail(repr(key), "is missing")
+    if "data_per_processor" in index:
+        positions = c.get(index, "data_per_processor", "'data_per_processor'", (list,), "a list")
+        size = Mesh(index["mesh"]).size
+        if len(positions) != size:
+            raise c.fail("'data_per_processor'", f"must hold one position per processor of the mesh "
+                         f"{index['mesh']} ({size}), got {len(positions)}")
     c.get(index, "scheduler", "'scheduler'", (dict, type(None)), "an object or null")
     _check_rng(c, c.get(index, "rng", "'rng'", (dict,), "an object"))
     opt = c.get(index, "optimizer", "'optimizer'", (dict, type(None)), "an object or null")

@@ -32,7 +32,7 @@ from meshtorch.checkpoint.index import missing_index, read_version_index
 from meshtorch.checkpoint.state import from_json, restore_rng, scalar_from_json
 from meshtorch.checkpoint.versions import ATTEMPTS, OpenVersion, inside, latest
 from meshtorch.checkpoint.writer import (
-    first_failure,
+    agree,
     from_rank0,
     model_tensors,
     param_names,
@@ -272,14 +272,19 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             of a larger model on purpose, e.g. 2BW's ``previous.*`` weights).
 
     Returns:
-        ``{"step", "data", "extra", "bytes_read"}``: the saved step, data
-        position and extra values, and how many tensor bytes this processor read.
+        ``{"step", "data", "extra", "bytes_read"}``: the saved step, this
+        processor's data position and the extra values, and how many tensor
+        bytes this processor read. Where the processors saved different data
+        positions (each read its own rows), each gets its own back: on a mesh
+        of as many processors, by rank; on another count ``data=`` is refused
+        and ``"data"`` is ``None``.
 
     Raises:
         CheckpointError: missing checkpoint or tensor, a tensor the model lacks
             (``strict``), shape or dtype mismatch, a malformed or modified index
             (naming the field), checksum mismatch of a slice file (with
-            ``verify``) — naming the tensor and the file.
+            ``verify``) — naming the tensor and the file; ``data=`` with
+            per-processor positions saved on another number of processors.
     """
     pinned = _pin(os.fspath(path), model, optimizer)
     path = pinned.version.dir
@@ -295,6 +300,8 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
                 _check_no_others(index, path, {name for name, _, _ in plan})
             if optimizer is not None:
                 opt_plan = _optimizer_plan(optimizer, model, index, path)
+            if data is not None:
+                _check_positions_fit(index, path)
             if scheduler is not None and index.get("scheduler") is None:
                 raise CheckpointError(f"checkpoint {path!r} holds no scheduler state; load without "
                                       "scheduler= or save one with mt.save(..., scheduler=sched)")
@@ -302,15 +309,21 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
             error = e
         # the lowest failing processor's error, on every processor: all refuse, none copied anything
-        _agree(error, f"loading checkpoint {path!r} failed on {{why}}; nothing was loaded")
-        with torch.no_grad():
-            for name, view, entry in plan:
-                start = [s for s, _ in view.layout.slices(coords)]
-                buf = torch.empty_like(view.local, device="cpu")
-                reader.read_into(name, entry, buf, start)
-                view.local.copy_(buf)
-            if opt_plan is not None:
-                _load_optimizer(optimizer, opt_plan, index, reader, coords)
+        agree(error, f"loading checkpoint {path!r} failed on {{why}}; nothing was loaded")
+        error = None
+        try:
+            with torch.no_grad():
+                for name, view, entry in plan:
+                    start = [s for s, _ in view.layout.slices(coords)]
+                    buf = torch.empty_like(view.local, device="cpu")
+                    reader.read_into(name, entry, buf, start)
+                    view.local.copy_(buf)
+                if opt_plan is not None:
+                    _load_optimizer(optimizer, opt_plan, index, reader, coords)
+        except BaseException as e:  # noqa: BLE001 - e.g. a damaged piece found only now (verify=False)
+            error = e
+        agree(error, f"loading checkpoint {path!r}: reading the checked files failed on {{why}}; the model "
+                     "and optimizer are partly loaded, load again")
     finally:
         pinned.close()
     # the scheduler's, the data's and the random state: each processor's own objects may refuse on
@@ -321,14 +334,14 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
     try:
         if scheduler is not None:
             scheduler.load_state_dict(from_json(index["scheduler"]))
-        saved_data = from_json(index.get("data"))
+        saved_data = _data_position(index)
         if data is not None and hasattr(data, "load_state_dict"):
             data.load_state_dict(saved_data)
         if restore_rng_state:
             restore_rng(index["rng"])
     except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
         error = e
-    _agree(error, f"loading checkpoint {path!r}: the model and optimizer were loaded, but restoring the "
+    agree(error, f"loading checkpoint {path!r}: the model and optimizer were loaded, but restoring the "
                   "scheduler, data or random state failed on {why}")
     # threads share torch's generator: nobody draws from it before everyone has restored it
     current().comm.barrier()
@@ -336,14 +349,26 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             "bytes_read": reader.bytes_read}
 
 
-def _agree(error: BaseException | None, message: str) -> None:
-    """Every processor learns whether any failed (:func:`first_failure`, a collective): the failing
-    one raises its own error, the others a CheckpointError of ``message`` naming it (``{why}``)."""
-    why = first_failure(error)
-    if why is not None:
-        if error is not None:
-            raise error
-        raise CheckpointError(message.replace("{why}", str(why)))  # (a path may hold braces)
+def _data_position(index: dict) -> Any:
+    """This processor's saved data position: its own where each processor's was saved
+    (``data_per_processor``), ``None`` where those were of another processor count; else the one."""
+    ctx = current()
+    positions = index.get("data_per_processor")
+    if positions is None:
+        return from_json(index.get("data"))
+    return from_json(positions[ctx.rank]) if len(positions) == ctx.mesh.size else None
+
+
+def _check_positions_fit(index: dict, path: str) -> None:
+    """Refuse to restore data positions saved per processor on another number of processors."""
+    positions, size = index.get("data_per_processor"), current().mesh.size
+    if positions is not None and len(positions) != size:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds a data position per processor (the {len(positions)} processors of "
+            f"mesh {index['mesh']} each read their own rows), but this mesh has {size} processors: no rule "
+            f"gives those positions to {size} processors. Resume on {len(positions)} processors, or load "
+            "without data= and place the loaders yourself (read_index(path)['data_per_processor'] lists "
+            "the positions)")
 
 
 def _check_no_others(index: dict, path: str, mine: set[str]) -> None:

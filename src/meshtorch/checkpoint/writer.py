@@ -27,6 +27,7 @@ from meshtorch.checkpoint.background import collect, start_background, wait_mark
 from meshtorch.checkpoint.format import (
     FORMAT,
     INDEX,
+    SHARED_DATA_VERSION,
     VERSION,
     dtype_name,
     piece_key,
@@ -136,6 +137,17 @@ def from_rank0(text: str, src: int = 0) -> str:
     return bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
+def all_texts(text: str) -> list[str]:
+    """Every processor's ``text``, in rank order, on every processor (every processor calls it)."""
+    comm = current().comm
+    everyone = comm.mesh.axis_names
+    raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+    sizes = [int(n) for n in comm.all_gather(torch.tensor([raw.numel()]), everyone, 0).tolist()]
+    joined = comm.all_gather(raw, everyone, 0, sizes=sizes).numpy().tobytes()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [joined[s:s + n].decode() for s, n in zip(starts, sizes)]
+
+
 def processors_agree(state: int) -> int:
     """The largest ``state`` of all processors (every processor calls it): 0 where all are fine."""
     comm = current().comm
@@ -154,6 +166,16 @@ def first_failure(error: BaseException | None) -> str | None:
     failed = size - agreed
     text = from_rank0(f"{type(error).__name__}: {error}" if error is not None else "", failed)
     return f"processor {failed}: {text}"
+
+
+def agree(error: BaseException | None, message: str) -> None:
+    """Every processor learns whether any failed (:func:`first_failure`, a collective): the failing
+    one raises its own error, the others a CheckpointError of ``message`` naming it (``{why}``)."""
+    why = first_failure(error)
+    if why is not None:
+        if error is not None:
+            raise error
+        raise CheckpointError(message.replace("{why}", str(why)))  # (a path may hold braces)
 
 
 def _token() -> str:
@@ -254,7 +276,9 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         scheduler: anything with a JSON-able ``state_dict()`` (LR schedulers).
         step: the training step, returned by :func:`~meshtorch.checkpoint.load`
             and naming the version directory (``step-000300``).
-        data: the data position: a JSON value or an object with ``state_dict()``.
+        data: the data position: a JSON value or an object with ``state_dict()``,
+            each processor's own (where processors read their own rows, their
+            positions differ, and each is saved; see :func:`~meshtorch.checkpoint.load`).
         extra: more JSON values (e.g. ``{"scaler": scaler.state_dict()}``).
         keep: how many versions to keep, newest first; older ones are deleted
             once this one is committed, as are temporary directories of crashed
@@ -292,7 +316,8 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         if optimizer is not None:
             opt_entries, opt_json = optimizer_content(optimizer, model)
             entries += opt_entries
-        index = _index(entries, mesh, ctx.rules, step, data, extra, scheduler, opt_json, rng)
+        position = to_json(data.state_dict() if hasattr(data, "state_dict") else data, "data")
+        index = _index(entries, mesh, ctx.rules, step, extra, scheduler, opt_json, rng)
         if ctx.rank == 0:
             _make_dirs(path)
             mark_live(tmp, True)
@@ -304,6 +329,7 @@ def save(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
         if why is not None:
             raise CheckpointError(f"saving checkpoint {path!r} failed before writing on {why}; nothing "
                                   "was changed") from error
+        index.update(_data_fields(position))  # a collective: every processor's own position
         return _write_and_commit(ctx, path, tmp, tag, entries, index, step, keep, background, digest)
     except BaseException:
         # a failure, or a collective that raised on the way (the launch abandoned, Ctrl-C: also the
@@ -386,7 +412,17 @@ def _discard(tmp: str) -> None:
         mark_live(tmp, False)
 
 
-def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json, rng) -> dict:
+def _data_fields(position: Any) -> dict:
+    """The index's data fields from every processor's ``position`` (every processor calls it):
+    ``"data"``, processor 0's; and where the positions differ (each processor reads its own rows),
+    ``"data_per_processor"``, each processor's in rank order, in an index of format version 3."""
+    positions = [json.loads(t) for t in all_texts(json.dumps(position))]
+    if len({json.dumps(p, sort_keys=True) for p in positions}) == 1:
+        return {"data": positions[0]}
+    return {"data": positions[0], "data_per_processor": positions, "version": VERSION}
+
+
+def _index(entries, mesh, rules, step, extra, scheduler, opt_json, rng) -> dict:
     tensors = {}
     for name, view in entries:
         pieces = []
@@ -399,10 +435,9 @@ def _index(entries, mesh, rules, step, data, extra, scheduler, opt_json, rng) ->
                                "start": start, "size": [n for _, n in sl]})
         tensors[name] = {"dims": shape_json(view.shape), "dtype": dtype_name(view.dtype),
                          "pieces": pieces}
-    data_state = data.state_dict() if hasattr(data, "state_dict") else data
     return {
-        "format": FORMAT, "version": VERSION, "mesh": str(mesh), "rules": str(rules),
-        "step": step, "data": to_json(data_state, "data"), "extra": to_json(extra, "extra"),
+        "format": FORMAT, "version": SHARED_DATA_VERSION, "mesh": str(mesh), "rules": str(rules),
+        "step": step, "extra": to_json(extra, "extra"),
         "rng": rng,
         "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
         "optimizer": opt_json, "tensors": tensors, "files": {},
