@@ -136,6 +136,13 @@ def _call(module: Callable, value: Any) -> Any:
 
 
 
+def refuse_inference_mode() -> None:
+    """A training step builds autograd graphs, which ``torch.inference_mode()`` forbids: say so."""
+    if torch.is_inference_mode_enabled():
+        raise PipelineError("a training step cannot run under torch.inference_mode(): it builds autograd "
+                            "graphs; step outside it, or evaluate with Pipeline.loss()")
+
+
 def _marked_update(on_update: Callable[[int], None], batch: int) -> None:
     """``on_update(batch)`` marked as the "update" phase: the planner prices it apart from the
     micro-batches (:func:`meshtorch.context.phase`)."""
@@ -290,7 +297,14 @@ class Executor:
             return out
         if self.loss_fn is None:
             raise PipelineError("the last stage needs a loss_fn(output, target) to start the backward")
-        return self.loss_fn(out, target)
+        loss = self.loss_fn(out, target)
+        value = loss.local if isinstance(loss, MeshTensor) else loss
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            got = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else \
+                f"a {type(loss).__name__}"
+            raise PipelineError(f"loss_fn returned {got}; it must return a scalar tensor, the mean over the "
+                                "micro-batch (e.g. reduction='mean')")
+        return loss
 
     def run(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
             train: bool = True, on_update: Callable[[int], None] | None = None,
@@ -312,6 +326,13 @@ class Executor:
         if not train:
             with torch.no_grad():
                 return self._evaluate(schedule, inputs, targets)
+        refuse_inference_mode()
+        with torch.enable_grad():  # a step trains even inside the caller's torch.no_grad()
+            return self._train(schedule, inputs, targets, on_update, bind)
+
+    def _train(self, schedule: Schedule, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
+               on_update: Callable[[int], None] | None, bind: Callable[[int], None] | None
+               ) -> torch.Tensor | None:
         comm = current().comm
         s, m, nb = self.stage, schedule.microbatches, schedule.batches
         n = self.stages * len(self.chunks)  # model chunks

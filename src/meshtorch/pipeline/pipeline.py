@@ -52,6 +52,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -60,7 +61,7 @@ import torch
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
 from meshtorch.nn.parameter import MeshParameter
-from meshtorch.pipeline.executor import Executor
+from meshtorch.pipeline.executor import Executor, refuse_inference_mode
 from meshtorch.pipeline.schedule import LOOP, SCHEDULES, Schedule, model_chunk_of
 from meshtorch.pipeline.schedule import build as build_schedule
 from meshtorch.shape import Dim
@@ -105,6 +106,15 @@ def split_microbatches(value: Any, m: int, batch_dim: str = "batch") -> list[Any
                         f"{type(value).__name__}")
 
 
+# torch.fx's tracer patches nn.Module.__call__ for every thread while it runs: thread-processors trace
+# one at a time, and none runs a stage before all have traced (a barrier)
+_TRACE_LOCK = threading.Lock()
+
+
+def _is_sequence(stages: Any) -> bool:
+    return isinstance(stages, (Sequence, torch.nn.ModuleList))
+
+
 def _stage_modules(stages, placement) -> Callable[[int], Any]:
     """Model chunk ``i`` (stage ``i`` without virtual stages) of what :class:`Pipeline` was given."""
     if placement is not None:
@@ -112,13 +122,20 @@ def _stage_modules(stages, placement) -> Callable[[int], Any]:
             raise PipelineError("with a placement, pass the whole module (traced or traceable by torch.fx)")
         from meshtorch.placement.trace import split
 
-        gm = stages if isinstance(stages, torch.fx.GraphModule) else torch.fx.symbolic_trace(stages)
-        parts = split(gm, placement)
+        traced = not isinstance(stages, torch.fx.GraphModule)
+        with _TRACE_LOCK:
+            parts = split(torch.fx.symbolic_trace(stages) if traced else stages, placement)
+        if traced:
+            current().comm.barrier()
         return lambda i: getattr(parts, f"submod_{i}")
     if callable(stages) and not isinstance(stages, (torch.nn.Module, Sequence)):
         return stages  # a factory: build only this processor's stage (its chunks)
-    if isinstance(stages, Sequence):
+    if _is_sequence(stages):
         return lambda i: stages[i]
+    if isinstance(stages, torch.nn.Module):
+        raise PipelineError(f"stages is one {type(stages).__name__} and no placement: pass one module per "
+                            "stage (e.g. list(model) for an nn.Sequential whose items are the stages), a "
+                            "function of the stage index, or the whole module with placement=place(...)")
     raise PipelineError("stages must be a sequence of modules (one per stage), a function of the stage "
                         "index, or a module together with a placement")
 
@@ -126,7 +143,25 @@ def _stage_modules(stages, placement) -> Callable[[int], Any]:
 def _num_stages(stages, placement) -> int | None:
     if placement is not None:
         return len(placement.stages)
-    return len(stages) if isinstance(stages, Sequence) else None
+    return len(stages) if _is_sequence(stages) else None
+
+
+def _check_unshared(stages: Sequence[Any], where: Callable[[int], tuple[int, int]]) -> None:
+    """A trainable parameter in model chunks on two stages would be trained by each stage on its own
+    (processes: two copies drift apart; threads: two optimizers step one tensor): refuse it."""
+    owner: dict[int, tuple[int, int]] = {}
+    for c, chunk in enumerate(stages):
+        if not isinstance(chunk, torch.nn.Module):
+            continue
+        for name, p in chunk.named_parameters():
+            s, first = where(c)[0], owner.setdefault(id(p), (where(c)[0], c))
+            if p.requires_grad and first[0] != s:
+                raise PipelineError(
+                    f"parameter {name!r} of model chunk {c} (stage {s}) is also in model chunk {first[1]} "
+                    f"(stage {first[0]}): a stage trains only its own parameters. Give each stage its own "
+                    "copy (Pipeline(lambda i: copy.deepcopy(stages[i]), ...)) and sum the shared "
+                    "parameter's gradient over the stages in pipe.after_backward (docs/pipeline.md, "
+                    "'Weights shared by stages')")
 
 
 def stage_chunks(build: Callable[[int], Any], stage: int, stages: int, virtual_stages: int = 1,
@@ -150,7 +185,8 @@ class Pipeline:
     """A model split into stages along mesh axis ``axis``.
 
     Args:
-        stages: one module (or callable) per stage, a function ``i -> stage i``
+        stages: one module (or callable) per stage (a list, tuple or ``nn.ModuleList``;
+            a trainable parameter must not be in two stages), a function ``i -> stage i``
             (builds only this processor's stage), or a whole module with
             ``placement`` (a contiguous :class:`~meshtorch.placement.Placement`;
             the module is cut with :func:`meshtorch.placement.trace.split`).
@@ -191,14 +227,21 @@ class Pipeline:
                                 f"use a mesh like '{axis}:2,...' or pass axis=<one of "
                                 f"{list(ctx.mesh.axis_names)}>")
         p, v = ctx.mesh.axis_size(axis), virtual_stages
+        self.schedule: Schedule = build_schedule(schedule, p, microbatches, virtual_stages=v)
         n = _num_stages(stages, placement)
         if n is not None and n != p * v:
-            chunks = f" × {v} virtual stages" if v > 1 else ""
-            raise PipelineError(f"{n} stages but axis {axis!r} has {p} processors{chunks}; split the model "
-                                f"into {p * v} {'chunks' if v > 1 else 'stages'} or use a mesh with "
-                                f"'{axis}:{n // v if n % v == 0 else n}'")
+            what = "model chunks" if v > 1 else "stages"
+            has = f"{p} processors" + (f" × {v} virtual stages" if v > 1 else "")
+            mesh = f"use a mesh with '{axis}:{n // v}'" if n % v == 0 else ""
+            if placement is not None:  # its chunks are what the placer found fastest: fit the mesh to them
+                raise PipelineError(f"the placement has {n} {what} but axis {axis!r} has {has} (the placer "
+                                    "uses fewer stages than devices where more are no faster); "
+                                    f"{mesh or f'place with Problem(devices={p})'}")
+            raise PipelineError(f"{n} {what} but axis {axis!r} has {has}; split the model into {p * v} "
+                                f"{what}{f' or {mesh}' if mesh else ''}")
+        if placement is None and _is_sequence(stages):
+            _check_unshared(stages, self.schedule.where)
         self.axis, self.stage, self.num_stages = axis, ctx.coords[axis], p
-        self.schedule: Schedule = build_schedule(schedule, p, microbatches, virtual_stages=v)
         self.virtual_stages = v
         self.microbatches, self.batch_dim = microbatches, batch_dim
         self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v,
@@ -329,6 +372,7 @@ class Pipeline:
         if self.optimizer is None and self.parameters():
             raise PipelineError("Pipeline.train/step needs optimizer=<params -> torch.optim.Optimizer>; or "
                                 "call forward_backward() and step your own optimizer")
+        refuse_inference_mode()  # before 2BW's weight versions are made (as inference tensors)
         self._unbind()
         for p in self.parameters():
             p.grad = None

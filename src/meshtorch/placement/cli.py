@@ -98,7 +98,12 @@ def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: b
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise PlacementError(f"cannot import {spec}: {e}") from None
-    module = obj() if isinstance(obj, type) else obj
+    try:
+        module = obj() if isinstance(obj, type) else obj
+    except TypeError as e:  # a constructor that needs arguments
+        raise PlacementError(f"cannot build {spec} without arguments ({e}): give its arguments defaults, "
+                             "or name a module instance built in that file (module:net, net = Net(...))"
+                             ) from None
     if input_shape is not None:
         inputs = (torch.randn(*parse_input_shape(input_shape)),)
         source = f"--input-shape {input_shape}"
@@ -147,7 +152,8 @@ def check_forward(module: Any, inputs: tuple, spec: str, source: str) -> None:
         ...
         meshtorch.errors.PlacementError: m:Net cannot run on --input-shape 8,3: its layer '0' (Linear)
         takes (batch, ..., 4); torch says: mat1 and mat2 shapes cannot be multiplied (8x3 and 4x2).
-        Give --input-shape the sizes the model's forward takes, batch first
+        Give --input-shape the sizes the model's forward takes, batch first (it makes one float tensor:
+        for other inputs, e.g. token ids, give the model an example_inputs() method)
     """
     import torch
 
@@ -171,7 +177,8 @@ def check_forward(module: Any, inputs: tuple, spec: str, source: str) -> None:
         said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PlacementError(
             f"{spec} cannot run on {source}: {where}torch says: {said}. Give --input-shape the sizes "
-            "the model's forward takes, batch first") from None
+            "the model's forward takes, batch first (it makes one float tensor: for other inputs, e.g. "
+            "token ids, give the model an example_inputs() method)") from None
     finally:
         for h in hooks:
             h.remove()
