@@ -252,7 +252,8 @@ def test_virtual_stages_refuse_what_they_cannot_do():
     def build(n, **kw):
         return Pipeline(chunks[:n], microbatches=2, loss_fn=torch.nn.functional.mse_loss, **kw)
 
-    with pytest.raises(PipelineError, match=r"3 model chunks but axis 'stage' has 2 processors × 2 virtual stages"):
+    with pytest.raises(PipelineError,
+                       match=r"3 model chunks but axis 'stage' has 2 processors × 2 virtual stages"):
         mt.launch(build, 3, schedule="interleaved", virtual_stages=2, mesh="stage:2")
     with pytest.raises(PipelineError, match="needs schedule='interleaved'"):
         mt.launch(build, 4, schedule="1f1b", virtual_stages=2, mesh="stage:2")
