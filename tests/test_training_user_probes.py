@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import meshtorch as mt
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import ArgumentError, CheckpointError
 
 B, DM, DF, CLS = 8, 8, 10, 4
 LAYOUTS = {
@@ -332,4 +332,70 @@ def test_adafactor_takes_the_generator_model_parameters_gives():
     assert want[0] != want[-1]
     for how in ("parameters", "group"):
         assert mt.launch(adafactor_losses, how, mesh=mesh, rules=rules)[0] == want, how
+
+
+def scaled_then_clipped(env, unscale: str) -> list[float]:
+    """SGD with momentum, fp32 compute scaled by powers of two (so unscaling is exact): torch's
+    GradScaler recipe for clipping, ``unscale_`` before ``clip_grad_norm_``, then ``step``."""
+    p = env.params
+    opt = torch.optim.SGD(list(p.values()), lr=0.1, momentum=0.9)
+    scaler = mt.amp.LossScaler(init_scale=2.0 ** 10, growth_interval=2) if unscale else None
+    log = []
+    for step in range(5):
+        opt.zero_grad()
+        loss = env.loss(step)
+        if scaler is None:  # the dense reference: no scaling at all
+            loss.backward()
+            log.append(float(env.clip(list(p.values()), 0.5)))
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt if unscale == "optimizer" else list(p.values()))
+            log.append(float(env.clip(list(p.values()), 0.5)))
+            assert scaler.step(opt)
+        log.append(loss.item())
+    if scaler is not None:
+        assert scaler.scale_value == 2.0 ** 12  # grew twice: no step was skipped
+    return log
+
+
+def scaled_on_mesh(unscale: str) -> list[float]:
+    return scaled_then_clipped(MeshEnv("on"), unscale)
+
+
+@pytest.mark.parametrize("unscale", ["optimizer", "parameters"])
+def test_loss_scaler_unscale_then_clip_then_step_divides_the_gradients_once(unscale):
+    """Seen: ``scaler.unscale_(params)``, clipping, then ``scaler.step(opt)`` divided the gradients by
+    the scale a second time (updates 1024x too small, silently); ``scaler.unscale_(opt)``, torch's
+    GradScaler spelling, raised "'SGD' object is not iterable"."""
+    mesh, rules = LAYOUTS["fsdp_tp"]
+    got = mt.launch(scaled_on_mesh, unscale, mesh=mesh, rules=rules)[0]
+    close(got, scaled_then_clipped(DenseEnv(), ""), f"unscale_({unscale}) then clip")
+
+
+def test_loss_scaler_unscale_twice_in_a_step_is_an_error_and_an_overflow_it_found_skips_the_step():
+    def run():
+        env = MeshEnv()
+        opt = torch.optim.SGD(env.model.parameters(), lr=0.1)
+        scaler = mt.amp.LossScaler(init_scale=4.0)
+        scaler.scale(env.loss(0)).backward()
+        scaler.unscale_(opt)
+        with pytest.raises(ArgumentError, match="unscale_.* already .* since the last update"):
+            scaler.unscale_(opt)
+        before = [t.detach().clone() for t in env.model.parameters()]
+        stepped = scaler.step(opt)
+        moved = any(not torch.equal(a, b) for a, b in zip(before, env.model.parameters()))
+        opt.zero_grad()
+        scaler.scale(env.loss(1)).backward()
+        if mt.current().rank == 1:  # an overflow one processor alone sees
+            env.params["2.kernel"].grad.view(-1)[0] = math.inf
+        found = scaler.unscale_(opt)
+        before = [t.detach().clone() for t in env.model.parameters()]
+        skipped = not scaler.step(opt)
+        kept = all(torch.equal(a, b) for a, b in zip(before, env.model.parameters()))
+        return stepped, moved, found, skipped, kept, scaler.scale_value
+
+    for out in mt.launch(run, mesh="b:2,m:2", rules=LAYOUTS["tp"][1]):
+        assert out == (True, True, True, True, True, 2.0)
+
 
