@@ -399,3 +399,9 @@ def test_loss_scaler_unscale_twice_in_a_step_is_an_error_and_an_overflow_it_foun
         assert out == (True, True, True, True, True, 2.0)
 
 
+def test_weight_decay_groups_of_parameters_instead_of_the_module_says_so():
+    """Seen: an AttributeError ("'generator' object has no attribute 'named_parameters'")."""
+    model = make_model()
+    with pytest.raises(ArgumentError, match="weight_decay_groups.*module.*model.parameters"):
+        mt.optim.weight_decay_groups(model.parameters(), 0.1)
+
