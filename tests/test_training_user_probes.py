@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import meshtorch as mt
+from meshtorch.checkpoint import writer
 from meshtorch.errors import ArgumentError, CheckpointError
 
 B, DM, DF, CLS = 8, 8, 10, 4
@@ -405,3 +407,32 @@ def test_weight_decay_groups_of_parameters_instead_of_the_module_says_so():
     with pytest.raises(ArgumentError, match="weight_decay_groups.*module.*model.parameters"):
         mt.optim.weight_decay_groups(model.parameters(), 0.1)
 
+
+def background_save(path: str) -> None:
+    mt.save(path, model=make_model(), step=1, background=True)  # the program ends with it in flight
+
+
+def test_a_background_save_a_program_ends_with_is_committed_before_the_launch_returns(tmp_path, monkeypatch):
+    """Seen: ``mt.launch`` returned while a processor's background save was still being written, so
+    the next launch's ``mt.load`` found no checkpoint (a notebook's train-then-resume cells), and a
+    failed write was only a warning when Python exited."""
+    path, real = str(tmp_path / "ckpt"), writer._write_slices
+
+    def slow(tmp, rank, mine):
+        import time
+
+        time.sleep(0.3)
+        return real(tmp, rank, mine)
+
+    monkeypatch.setattr(writer, "_write_slices", slow)
+    mt.launch(background_save, path, mesh="b:2", rules="batch:b; d_ff:b")
+    assert mt.checkpoint.latest(path) == os.path.join(path, "step-000001")
+
+    def failing(tmp, rank, mine):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        return real(tmp, rank, mine)
+
+    monkeypatch.setattr(writer, "_write_slices", failing)
+    with pytest.raises(CheckpointError, match="background save .* No space left on device"):
+        mt.launch(background_save, str(tmp_path / "full"), mesh="b:2", rules="batch:b; d_ff:b")
