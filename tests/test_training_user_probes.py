@@ -436,3 +436,18 @@ def test_a_background_save_a_program_ends_with_is_committed_before_the_launch_re
     monkeypatch.setattr(writer, "_write_slices", failing)
     with pytest.raises(CheckpointError, match="background save .* No space left on device"):
         mt.launch(background_save, str(tmp_path / "full"), mesh="b:2", rules="batch:b; d_ff:b")
+
+
+def test_loading_into_an_optimizer_of_another_model_says_so(tmp_path):
+    """Seen: "optimizer group 0 holds parameters [None, None, ...] here but ['0.kernel', ...]" for
+    a model built again whose old optimizer was passed to ``mt.load``."""
+    path = str(tmp_path / "ckpt")
+
+    def run():
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters())
+        mt.save(path, model=model, optimizer=opt, step=1)
+        mt.load(path, model=make_model(), optimizer=opt)
+
+    with pytest.raises(CheckpointError, match="group 0 holds 8 parameter.*not in the model given; build"):
+        mt.launch(run, mesh="b:2", rules=LAYOUTS["fsdp"][1])
