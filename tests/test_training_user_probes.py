@@ -451,3 +451,20 @@ def test_loading_into_an_optimizer_of_another_model_says_so(tmp_path):
 
     with pytest.raises(CheckpointError, match="group 0 holds 8 parameter.*not in the model given; build"):
         mt.launch(run, mesh="b:2", rules=LAYOUTS["fsdp"][1])
+
+
+def test_clip_grad_norm_takes_the_inf_spelled_as_torch_takes_it():
+    """Seen: ``norm_type="inf"``, which ``torch.nn.utils.clip_grad_norm_`` takes, raised "must be real
+    number, not str"."""
+    def norms():
+        env = MeshEnv()
+        env.loss(0).backward()
+        clipped = mt.optim.clip_grad_norm_(env.model, 1e3, "inf")
+        return [float(clipped), float(mt.optim.global_grad_norm(env.model, "inf"))]
+
+    dense_env = DenseEnv()
+    dense_env.loss(0).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(list(dense_env.params.values()), 1e3, "inf"))
+    mesh, rules = LAYOUTS["fsdp_tp"]
+    for got in mt.launch(norms, mesh=mesh, rules=rules):
+        close(got, [want, want], "inf-norm")
