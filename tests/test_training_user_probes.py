@@ -3,8 +3,9 @@ dense single-process torch (same initial values, same data): torch.optim SGD (Ne
 and AdamW (amsgrad, fused) with weight decay in param groups, LR schedulers, ``mt.optim.
 clip_grad_norm_`` (2-, 1- and inf-norm), gradient accumulation with ``zero_grad(set_to_none=False)``,
 frozen parameters unfrozen into a param group added mid-run, under FSDP, tensor-parallel, 2-D and
-uneven layouts, with and without ``mt.overlap``; a run saved under one layout and resumed under
-another (optimizer, scheduler, data position, loss scaler) continues as the uninterrupted run.
+uneven layouts, with and without ``mt.overlap``, on threads and gloo; a run saved under one layout
+and resumed under another (model, optimizer state and groups, scheduler) continues as the
+uninterrupted run. Then the bugs these probes found, each with the user's code that met it.
 
 Each loop is written once, against an ``env`` that is either the meshtorch model (inside
 ``mt.launch``) or the dense parameters, so the user code under test is the reference's too.
