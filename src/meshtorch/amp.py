@@ -28,9 +28,9 @@ import contextlib
 import torch
 
 from meshtorch.context import current, processor_device
-from meshtorch.errors import MeshTorchError
+from meshtorch.errors import ArgumentError, MeshTorchError
 from meshtorch.meta_autocast import MetaAutocast
-from meshtorch.optim.params import Params, mesh_views
+from meshtorch.optim.params import Params, layouts_of
 from meshtorch.tensor import MeshTensor
 
 
@@ -72,6 +72,9 @@ class LossScaler:
     gradients, all-reduces whether any is inf/NaN, and steps only if none is;
     ``update()`` halves the scale after an overflow and doubles it after
     ``growth_interval`` clean steps. ``state_dict()`` is JSON-able, for ``mt.save(extra=)``.
+    To clip, unscale first, as with torch's ``GradScaler``: ``scaler.unscale_(optimizer)``,
+    ``mt.optim.clip_grad_norm_(...)``, then ``scaler.step(optimizer)``, which does not divide
+    those gradients again.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -90,31 +93,50 @@ class LossScaler:
         self.growth_interval, self.enabled = growth_interval, enabled
         self.good_steps = 0
         self.found_inf = False
+        self._unscaled: set[int] = set()  # ids of the parameters unscale_ divided since update()
 
     def scale(self, loss: MeshTensor | torch.Tensor) -> MeshTensor | torch.Tensor:
         """``loss * scale`` (unchanged when disabled)."""
         return loss * self.scale_value if self.enabled else loss
 
-    def unscale_(self, params: Params) -> bool:
-        """Divide the gradients by the scale; return whether any processor found inf/NaN."""
+    def unscale_(self, params: Params | torch.optim.Optimizer) -> bool:
+        """Divide the gradients of ``params`` (or of an optimizer's parameters) by the scale, once
+        per step: before clipping, so that :meth:`step` then leaves them as they are. Returns
+        whether any processor found inf/NaN in them (or in those unscaled before in this step)."""
         if not self.enabled:
             return False
+        if isinstance(params, torch.optim.Optimizer):
+            params = [p for g in params.param_groups for p in g["params"]]
+        views = layouts_of(params)
+        again = [p for p, _ in views if id(p) in self._unscaled]
+        if again:
+            raise ArgumentError(f"LossScaler.unscale_() was already called on {len(again)} of these "
+                                "parameters since the last update(): their gradients would be divided by "
+                                "the scale twice; call it once per step, before clipping (step() unscales "
+                                "the others)")
         # the flags stay on the grads' device: one host sync (the .item() below), not one per grad
         bad = torch.zeros(1, device=current().device)
-        for p, _ in mesh_views(params):
+        for p, _ in views:
+            self._unscaled.add(id(p))
             if p.grad is not None:
                 p.grad.detach().div_(self.scale_value)
                 bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().to(bad.device, bad.dtype))
         comm = current().comm
-        self.found_inf = bool(comm.all_reduce(bad, comm.mesh.axis_names, "max").item())
+        found = bool(comm.all_reduce(bad, comm.mesh.axis_names, "max").item())
+        self.found_inf = self.found_inf or found
         return self.found_inf
 
     def step(self, optimizer: torch.optim.Optimizer, params: Params | None = None) -> bool:
-        """Unscale the gradients of ``params`` (default: the optimizer's), step unless
-        there was an overflow anywhere, then :meth:`update`. Returns whether it stepped."""
+        """Unscale the gradients of ``params`` (default: the optimizer's) that :meth:`unscale_`
+        has not, step unless there was an overflow anywhere, then :meth:`update`. Returns
+        whether it stepped."""
         if params is None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self.unscale_(params):
+        todo = [p for p, _ in layouts_of(params) if id(p) not in self._unscaled]
+        # (the same on every processor: unscale_ was called alike everywhere, as every collective is)
+        if self.enabled and (todo or not self._unscaled):
+            self.unscale_(todo)
+        if self.found_inf:
             self.update()
             return False
         optimizer.step()
@@ -134,6 +156,7 @@ class LossScaler:
                 self.scale_value *= self.growth_factor
                 self.good_steps = 0
         self.found_inf = False
+        self._unscaled.clear()
 
     def state_dict(self) -> dict:
         return {"scale": self.scale_value, "good_steps": self.good_steps}

@@ -397,6 +397,10 @@ def _optimizer_plan(optimizer, model, index, path) -> list[list[tuple]]:
     plan = []
     for gi, (group, sgroup) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
         mine = [names.get(id(p)) for p in group["params"]]
+        if None in mine:
+            raise CheckpointError(f"optimizer group {gi} holds {mine.count(None)} parameter(s) that are not "
+                                  "in the model given; build the optimizer over the parameters of the model "
+                                  "you load into (a model built again needs its optimizer built again)")
         if mine != sgroup["params"]:
             raise CheckpointError(f"optimizer group {gi} holds parameters {mine} here but "
                                   f"{sgroup['params']} in checkpoint {path!r}")

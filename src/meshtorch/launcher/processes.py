@@ -49,6 +49,7 @@ from meshtorch.context import current
 from meshtorch.errors import CommError, MeshError, MeshTorchError, ProcessorError
 from meshtorch.launcher.failures import FAILURE_GRACE_S, RemoteTraceback, processor_error, root_cause
 from meshtorch.launcher.lifeline import EXIT_PARENT_DIED, die_with_parent
+from meshtorch.launcher.program import run_program
 from meshtorch.launcher.world import (
     RENDEZVOUS_MIN_S,
     in_torchrun,
@@ -121,7 +122,7 @@ def _run_in_world(fn, args, kwargs, mesh, rules, timeout, check, device) -> list
     else:
         ctx.rules = rules
     try:
-        out = fn(*args, **kwargs)
+        out = run_program(fn, args, kwargs)
     except BaseException as e:
         raise processor_error(e, ctx.rank, mesh.coords(ctx.rank)) from e
     return gather_results(out)
@@ -239,7 +240,7 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, launcher_p
         store.set_timeout(datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
         init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
                          world_size=world, device=device)
-        out = fn(*args, **kwargs)
+        out = run_program(fn, args, kwargs)
         q.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
         tb = traceback.format_exc()

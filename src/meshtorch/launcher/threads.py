@@ -32,6 +32,7 @@ from meshtorch.comm.threads import Hub, ThreadsCommunicator
 from meshtorch.context import ProcessorContext, use
 from meshtorch.errors import CommError
 from meshtorch.launcher.failures import FAILURE_GRACE_S, is_comm_error, processor_error, root_cause
+from meshtorch.launcher.program import run_program
 from meshtorch.launcher.world import threads_sharing_process
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
@@ -84,7 +85,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
         try:
             comm.device = resolve_device(device, comm)  # also this thread's current CUDA device
             with use(ctx):  # no device mode: meshtorch's factories put tensors on comm.device
-                out = fn(*args, **kwargs)
+                out = run_program(fn, args, kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller below
             with hub.cond:
                 errors[rank] = e

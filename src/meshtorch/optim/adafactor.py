@@ -29,7 +29,7 @@ import torch
 from meshtorch.ops.elementwise import maximum, rsqrt, sqrt
 from meshtorch.ops.reduce import Reductions
 from meshtorch.ops.reshape import relayout_like
-from meshtorch.optim.params import Params, mesh_views, torch_params, view_of
+from meshtorch.optim.params import Params, listed, mesh_views, torch_params, view_of
 from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor, layout_for, local_shape
 
@@ -54,6 +54,7 @@ class Adafactor(torch.optim.Optimizer):
                  decay_rate: float = 0.8, clipping_threshold: float | None = 1.0,
                  multiply_by_parameter_scale: bool = True, eps1: float = 1e-30, eps2: float = 1e-3,
                  min_dim_size_to_factor: int = 128, weight_decay: float = 0.0):
+        params = listed(params)  # model.parameters() is read twice: for the views, then by torch
         self._views = {id(p): v for p, v in mesh_views(params)}
         defaults = dict(lr=lr, beta1=beta1, decay_rate=decay_rate,
                         clipping_threshold=clipping_threshold,

@@ -28,10 +28,10 @@ from meshtorch.lowering.fused import Fused
 from meshtorch.optim.params import Params, layouts_of
 
 
-def global_grad_norm(params: Params, norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(params: Params, norm_type: float | str = 2.0) -> torch.Tensor:
     """The norm of all gradients as one global vector; the same on every processor."""
     return _global_grad_norm([(p, lay) for p, lay in layouts_of(params) if p.grad is not None],
-                             norm_type)
+                             float(norm_type))
 
 
 def _global_grad_norm(grads_layouts, norm_type: float) -> torch.Tensor:
@@ -70,7 +70,7 @@ def _global_grad_norm(grads_layouts, norm_type: float) -> torch.Tensor:
     return norm.to(torch.float32)
 
 
-def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(params: Params, max_norm: float, norm_type: float | str = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale all gradients so that their global norm is at most ``max_norm``, in place.
 
@@ -82,6 +82,7 @@ def clip_grad_norm_(params: Params, max_norm: float, norm_type: float = 2.0,
     norm where the training loop logs, not every step; ``error_if_nonfinite=True`` reads the
     norm on every call to raise at once (a host sync each step on a GPU, as torch's does).
     """
+    norm_type = float(norm_type)  # (torch's takes "inf" too)
     views = [(p, lay) for p, lay in layouts_of(params) if p.grad is not None]
     total = _global_grad_norm(views, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
+from meshtorch.errors import ArgumentError
 from meshtorch.optim.params import view_of
 from meshtorch.shape import Dim, dim_name
 
@@ -34,6 +35,10 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float, *,
     to spare embeddings). Empty groups are left out. ``group_options``
     (``lr=...``) go into both groups.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise ArgumentError(f"weight_decay_groups takes the module (it reads the parameters' names: biases "
+                            f"are not decayed), got {type(model).__name__}; pass model, not "
+                            "model.parameters()")
     skip = {dim_name(d) for d in no_decay_dims}
     decay, keep = [], []
     for name, p in model.named_parameters():

@@ -67,6 +67,16 @@ def layouts_of(params: Params) -> list[tuple[torch.Tensor, Layout]]:
     return out
 
 
+def listed(params: Params) -> Params:
+    """``params`` with every iterator made a list (a group's too), so that it can be read twice: an
+    optimizer reads its parameters' named views, then hands them to ``torch.optim``, and
+    ``model.parameters()`` is a generator that the first reading would spend."""
+    if isinstance(params, (torch.nn.Module, torch.Tensor, MeshTensor)):
+        return params  # (a lone tensor: torch.optim says what it takes)
+    return [{**p, "params": [p["params"]] if isinstance(p["params"], (torch.Tensor, MeshTensor))
+             else list(p["params"])} if isinstance(p, dict) else p for p in params]
+
+
 def torch_params(params: Params) -> list | list[dict]:
     """What ``torch.optim.Optimizer`` takes: local tensors, or groups of them."""
     if isinstance(params, torch.nn.Module):
