@@ -62,6 +62,9 @@ class TransformerConfig:
         top_k: experts per token (1 or 2); ``capacity_factor``: an expert takes
             at most ``capacity_factor * tokens * top_k / experts`` tokens per group;
             ``aux_loss``: weight of the load-balancing loss.
+        extra: what an imported model carries that the model itself does not use
+            (:func:`~meshtorch.models.from_hf` keeps the HF config's token ids there under
+            ``"hf_config"``, and :func:`~meshtorch.models.export_hf` writes them back).
     """
 
     vocab: int = 264

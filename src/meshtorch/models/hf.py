@@ -52,6 +52,11 @@ ARCHITECTURES: dict[str, ModuleType] = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE:
 CONFIG = "config.json"
 # TransformerConfig fields a loaded model may set freely: how it runs, not what its weights mean
 RUN_OPTIONS = ("dropout", "attention")
+# HF config fields the model does not use but its users do (transformers' generate stops at
+# eos_token_id): from_hf keeps them in TransformerConfig.extra[HF_EXTRA], export_hf writes them
+# back, so that a fine-tune's export is not given transformers' class defaults (a Llama's eos=2)
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HF_EXTRA = "hf_config"
 
 
 def _architecture(config: Mapping[str, Any] | None, src: Source) -> ModuleType:
@@ -169,7 +174,20 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
         _check_types(hf_config, where)
     arch = _architecture(hf_config, src)
     src.strip = arch.PREFIX
-    return arch, arch.config_from_hf(hf_config, src, heads), src
+    named = arch.FIELDS["heads"]
+    if heads is not None and hf_config is not None and hf_config.get(named, heads) != heads:
+        raise CheckpointError(f"from_hf(heads={heads}) but {where} has {named}={hf_config[named]}: the "
+                              "weights were made for the config's heads; drop heads= (it is for a GPT-2 "
+                              "state dict without a config)")
+    cfg = arch.config_from_hf(hf_config, src, heads)
+    if not cfg.tie_embeddings and not src.has(arch.HEAD):
+        raise CheckpointError(f"{where} has tie_word_embeddings=False, so the output layer is its own "
+                              f"weight {arch.HEAD!r}, which {src.where} lacks (a bare {arch.BARE_CLASS} "
+                              f"holds none); pass the {arch.LM_CLASS}, its state dict or its directory")
+    kept = {k: hf_config[k] for k in TOKEN_IDS if hf_config is not None and hf_config.get(k) is not None}
+    if kept:
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, HF_EXTRA: kept})
+    return arch, cfg, src
 
 
 def hf_config(path: str | os.PathLike) -> tuple[str, TransformerConfig, dict[str, str]]:
@@ -212,17 +230,18 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
     Args:
         source: a directory written by ``save_pretrained`` (``config.json`` and
             safetensors, sharded or not), a ``GPT2LMHeadModel`` / ``LlamaForCausalLM``
-            (or their bare ``*Model``), or a state dict of one.
+            (or, with tied embeddings, their bare ``*Model``), or a state dict of one.
         config: the HF config (object or dict); by default from the directory or the
             model object. A GPT-2 state dict without one has its sizes inferred
             (see :func:`meshtorch.models.gpt2.gpt2_config`).
         heads: number of attention heads, for a GPT-2 state dict without config
-            (default ``d_model / 64``).
+            (default ``d_model / 64``); one that contradicts the config is an error.
         options: :class:`TransformerConfig` fields that do not change what the weights
             compute, to set on the model (:data:`RUN_OPTIONS`: ``dropout``, ``attention``).
 
     Parameters are float32 (whatever the source dtype); train or run in bf16
-    with :func:`meshtorch.autocast`.
+    with :func:`meshtorch.autocast`. The config's token ids (:data:`TOKEN_IDS`) are kept in
+    ``model.cfg.extra`` for :func:`export_hf`.
 
     Raises:
         LayoutError: the rules split a dim its axis does not divide (e.g. ``n_head=12``
@@ -341,6 +360,7 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
                 params[name] = (list(view.shape.names), full.to(dtype) if dtype is not None else full)
     tensors = assemble(arch.pieces(cfg), params) if rank0 else {}
     config = arch.config_to_hf(cfg)
+    config.update({k: v for k, v in cfg.extra.get(HF_EXTRA, {}).items() if k in TOKEN_IDS})
     config["torch_dtype"] = str(dtype or torch.float32).removeprefix("torch.")
     return write_consolidated(path, tensors, max_shard_bytes=max_shard_bytes,
                               files={CONFIG: json.dumps(config, indent=2)})

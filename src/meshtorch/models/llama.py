@@ -24,6 +24,8 @@ from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf_map import HF_ACTIVATIONS, OUR_ACTIVATIONS, Piece, Source
 
 MODEL_TYPE = "llama"
+# the transformers class of the LM, the bare model below its head, and the head's weight
+LM_CLASS, BARE_CLASS, HEAD = "LlamaForCausalLM", "LlamaModel", "lm_head.weight"
 # LlamaForCausalLM's keys; a LlamaModel's lack this prefix
 PREFIX = "model."
 # our dim -> the LlamaConfig field that sizes it (for errors)
@@ -86,7 +88,7 @@ def misfits(cfg: TransformerConfig) -> list[str]:
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
     """The ``config.json`` of a Llama that is ``cfg``."""
     rope = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
-    return {"model_type": MODEL_TYPE, "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab,
+    return {"model_type": MODEL_TYPE, "architectures": [LM_CLASS], "vocab_size": cfg.vocab,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.layers,
             "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.dim("kv_heads").size,
             "head_dim": cfg.d_kv, "max_position_embeddings": cfg.max_length,
@@ -101,7 +103,7 @@ def pieces(cfg: TransformerConfig) -> dict[str, Piece]:
     out = {"embed.table": Piece(PREFIX + "embed_tokens.weight", (("vocab",), ("d_model",))),
            "decoder.ln_f.weight": Piece(PREFIX + "norm.weight", (("d_model",),))}
     if not cfg.tie_embeddings:
-        out["head.kernel"] = Piece("lm_head.weight", (("vocab",), ("d_model",)))
+        out["head.kernel"] = Piece(HEAD, (("vocab",), ("d_model",)))
     dense = {"attn.q": ("self_attn.q_proj", ("heads", "d_kv"), ("d_model",)),
              "attn.k": ("self_attn.k_proj", (kv, "d_kv"), ("d_model",)),
              "attn.v": ("self_attn.v_proj", (kv, "d_kv"), ("d_model",)),
