@@ -20,7 +20,7 @@ from meshtorch import cli
 from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models import beam_search, export_hf, from_hf, generate
 from run_harness import write_corpus
-from test_models_hf import check_against_hf, small_llama
+from test_models_hf import check_against_hf, data, small_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,3 +135,41 @@ def test_a_bare_model_needs_tied_embeddings():
         want = tied(ids).logits
     got = mt.launch(lambda: from_hf(tied.model)(named(ids)).to_global())[0]
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_pad_tokens_lookups_train_nothing_as_in_transformers(tie):
+    """Seen: a Llama with pad_token_id (transformers' nn.Embedding(padding_idx=pad_token_id)) gets no
+    gradient in the pad row from lookups of that id; ours got 0.8 there. Tied, the output layer's
+    share of that row still trains, in both."""
+    pad = int(data()[0][0, 0])  # an id the batch holds
+    hf = small_llama(pad_token_id=pad, tie_word_embeddings=tie)
+    check_against_hf(hf, hf, "b:2,m:2", "batch:b; vocab:m; d_model:b; heads:m")
+
+
+def test_a_pipelined_llama_has_its_rope_theta_and_padding():
+    """Seen: the pipeline's stages built rotary tables at the default base 10000 whatever
+    rope_theta said: a Llama with rope_theta=50 gave a loss off by 2e-2 when pipelined, silently
+    (every Llama 3 has rope_theta=500000)."""
+    from meshtorch.pipeline.lm import lm_pipeline
+
+    ids, tgt = data()
+    hf = small_llama(rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+                     pad_token_id=int(ids[0, 0]))
+    hf.zero_grad()
+    logits = hf(ids).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    want.backward()
+
+    def prog():
+        model = from_hf(hf)
+        # one SGD step at lr 1 takes the gradient off the weights: the table holds old - grad after it
+        pipe = lm_pipeline(model.cfg, model=model, microbatches=1,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=1))
+        loss = pipe.step(named(ids), named(tgt))
+        return loss, dict(model.named_mesh_parameters())["embed.table"].to_global()
+
+    (loss, table), _ = mt.launch(prog, mesh="stage:2")
+    assert abs(loss - want.item()) < 1e-5
+    emb = hf.model.embed_tokens.weight
+    torch.testing.assert_close(emb.detach() - table, emb.grad, rtol=1e-4, atol=1e-6)
