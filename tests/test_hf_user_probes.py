@@ -173,3 +173,20 @@ def test_a_pipelined_llama_has_its_rope_theta_and_padding():
     assert abs(loss - want.item()) < 1e-5
     emb = hf.model.embed_tokens.weight
     torch.testing.assert_close(emb.detach() - table, emb.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_directory_from_hf_cannot_read_says_what_to_do(tmp_path):
+    """Seen: a save_pretrained(safe_serialization=False) directory (pytorch_model.bin) got "export one
+    with mt.export_consolidated"; one without config.json was called "a Llama state dict"."""
+    hf = small_llama()
+    (tmp_path / "bin").mkdir()
+    torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    hf.config.save_pretrained(tmp_path / "bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin .*save_pretrained\(path\) .*model.safetensors"):
+        from_hf(str(tmp_path / "bin"))
+    with pytest.raises(CheckpointError, match="no such directory"):
+        from_hf(str(tmp_path / "absent"))
+    hf.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"bare' has no config.json.*num_attention_heads"):
+        from_hf(str(tmp_path / "bare"))

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.checkpoint.consolidated import write_consolidated
+from meshtorch.checkpoint.consolidated import HF_INDEX, SINGLE, write_consolidated
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, LayoutError
 from meshtorch.layout import format_axes
@@ -155,11 +155,27 @@ def _check_types(config: Mapping[str, Any], where: str) -> None:
             raise bad(field, "an object or null", '{"rope_type": "default", "rope_theta": 10000.0}')
 
 
+def _check_directory(path: str) -> None:
+    """Name what a directory that from_hf cannot read is, and what to do with it."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"from_hf: no such directory {path!r}; pass a directory save_pretrained wrote "
+                              "(config.json + model.safetensors), or a model object")
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in (SINGLE, HF_INDEX)):
+        return
+    pickles = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin"))
+    held = f"holds {pickles[0]} (a PyTorch pickle), and from_hf reads safetensors only" if pickles else \
+        f"has no {SINGLE} or {HF_INDEX}"
+    raise CheckpointError(f"{path!r} {held}: load it with transformers and re-save it, "
+                          "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (which writes "
+                          f"{SINGLE}), or pass that model object to from_hf")
+
+
 def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, TransformerConfig, Source]:
     """The architecture, our config and the weights of ``source`` (see :func:`from_hf`)."""
-    where = "the config"
+    where, path = "the config", None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        _check_directory(path)
         cfile = os.path.join(path, CONFIG)
         if config is None and os.path.isfile(cfile):
             config, where = _config_file(cfile), cfile
@@ -174,6 +190,10 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
         _check_types(hf_config, where)
     arch = _architecture(hf_config, src)
     src.strip = arch.PREFIX
+    if hf_config is None and path is not None and arch is llama:
+        raise CheckpointError(f"{path!r} has no {CONFIG}, where alone a Llama records num_attention_heads, "
+                              f"num_key_value_heads and rope_theta: put the model's {CONFIG} beside its "
+                              "weights, or pass config=")
     named = arch.FIELDS["heads"]
     if heads is not None and hf_config is not None and hf_config.get(named, heads) != heads:
         raise CheckpointError(f"from_hf(heads={heads}) but {where} has {named}={hf_config[named]}: the "
