@@ -182,7 +182,8 @@ def test_a_directory_from_hf_cannot_read_says_what_to_do(tmp_path):
     (tmp_path / "bin").mkdir()
     torch.save(hf.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     hf.config.save_pretrained(tmp_path / "bin")
-    with pytest.raises(CheckpointError, match=r"pytorch_model.bin .*save_pretrained\(path\) .*model.safetensors"):
+    resave = r"pytorch_model.bin .*save_pretrained\(path\) .*model.safetensors"
+    with pytest.raises(CheckpointError, match=resave):
         from_hf(str(tmp_path / "bin"))
     with pytest.raises(CheckpointError, match="no such directory"):
         from_hf(str(tmp_path / "absent"))
