@@ -129,7 +129,7 @@ def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same
     base = dict(model=kind, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, length=16, resume="/r")
     record = {"model": kind, "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
     new = {"positions": "rotary", "norm": "rms", "activation": "relu", "top_k": 1, "dropout": 0.1,
-           "attention": "gather"}
+           "attention": "gather", "padding_id": 3}
     others = {}
     for f in dataclasses.fields(ModelSection):
         old = getattr(TrainConfig.of(**base).model, f.name)

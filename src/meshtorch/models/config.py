@@ -54,6 +54,9 @@ class TransformerConfig:
         gated: the feed-forward layer is gated, ``wo(act(wg(x)) * wi(x))``
             (SwiGLU with ``activation="silu"``, as in Llama).
         rotary_base: base of the rotary angles (Llama's ``rope_theta``).
+        padding_id: an id whose embedding lookups send no gradient to the table (the row
+            still trains through a tied output layer), as transformers' ``nn.Embedding``
+            ``padding_idx`` (a Llama's ``pad_token_id``); -1: none.
         recompute: activation recomputation: in training, each block keeps only its
             input and runs its forward again during backward (``mt.nn.checkpoint``),
             trading one more forward's FLOPs (and collectives) for its activations.
@@ -62,6 +65,9 @@ class TransformerConfig:
         top_k: experts per token (1 or 2); ``capacity_factor``: an expert takes
             at most ``capacity_factor * tokens * top_k / experts`` tokens per group;
             ``aux_loss``: weight of the load-balancing loss.
+        extra: what an imported model carries that the model itself does not use
+            (:func:`~meshtorch.models.from_hf` keeps the HF config's token ids there under
+            ``"hf_config"``, and :func:`~meshtorch.models.export_hf` writes them back).
     """
 
     vocab: int = 264
@@ -88,6 +94,7 @@ class TransformerConfig:
     kv_heads: int = 0
     gated: bool = False
     rotary_base: float = 10000.0
+    padding_id: int = -1
     recompute: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -105,6 +112,9 @@ class TransformerConfig:
             raise ShapeError(f"activation={self.activation!r}; use one of {ACTIVATIONS}")
         if self.attention not in ATTENTIONS:
             raise ShapeError(f"attention={self.attention!r}; use one of {ATTENTIONS}")
+        if not -1 <= self.padding_id < self.vocab:
+            raise ShapeError(f"padding_id={self.padding_id} is not an id of vocab={self.vocab}; use -1 for "
+                             "none")
         if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
             raise ShapeError(f"kv_heads={self.kv_heads} must divide heads={self.heads} (each key/value head "
                              "serves heads/kv_heads query heads); use 0 for plain multi-head attention")

@@ -40,6 +40,8 @@ from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf_map import HF_ACTIVATIONS, OUR_ACTIVATIONS, Piece, Source, config_dict
 
 MODEL_TYPE = "gpt2"
+# the transformers class of the LM, the bare model below its head, and the head's weight
+LM_CLASS, BARE_CLASS, HEAD = "GPT2LMHeadModel", "GPT2Model", "lm_head.weight"
 # GPT2LMHeadModel's keys; a GPT2Model's lack this prefix
 PREFIX = "transformer."
 # our dim -> the GPT2Config field that sizes it (for errors)
@@ -50,7 +52,7 @@ CONFIG_FIELDS = {**FIELDS, "layers": "n_layer", "max_length": "n_positions", "d_
                  "tie_embeddings": "tie_word_embeddings", "activation": "activation_function",
                  "eps": "layer_norm_epsilon", "positions": "model_type", "norm": "model_type",
                  "bias": "model_type", "gated": "model_type", "kv_heads": "model_type",
-                 "rotary_base": "model_type"}
+                 "rotary_base": "model_type", "padding_id": "model_type"}
 # released GPT-2 checkpoints (small .. xl) all have 64-dim heads
 HEAD_SIZE = 64
 
@@ -85,8 +87,8 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source,
         heads = config["n_head"] if heads is None else heads
         tie = config.get("tie_word_embeddings", True)
     else:
-        tie = not src.has("lm_head.weight") or torch.equal(
-            src.read("lm_head.weight", (slice(None),)), src.read(PREFIX + "wte.weight", (slice(None),)))
+        tie = not src.has(HEAD) or torch.equal(
+            src.read(HEAD, (slice(None),)), src.read(PREFIX + "wte.weight", (slice(None),)))
     if activation not in HF_ACTIVATIONS:
         raise CheckpointError(f"GPT-2 activation_function={activation!r} is not supported; "
                               f"supported: {sorted(HF_ACTIVATIONS)}")
@@ -140,7 +142,7 @@ def misfits(cfg: TransformerConfig) -> list[str]:
 
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
     """The ``config.json`` of a GPT-2 that is ``cfg``."""
-    return {"model_type": MODEL_TYPE, "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab,
+    return {"model_type": MODEL_TYPE, "architectures": [LM_CLASS], "vocab_size": cfg.vocab,
             "n_embd": cfg.d_model, "n_layer": cfg.layers, "n_head": cfg.heads, "n_inner": cfg.d_ff,
             "n_positions": cfg.max_length, "activation_function": OUR_ACTIVATIONS[cfg.activation],
             "layer_norm_epsilon": cfg.eps, "tie_word_embeddings": cfg.tie_embeddings,
@@ -155,7 +157,7 @@ def pieces(cfg: TransformerConfig) -> dict[str, Piece]:
            "decoder.ln_f.weight": Piece(t + "ln_f.weight", (("d_model",),)),
            "decoder.ln_f.bias": Piece(t + "ln_f.bias", (("d_model",),))}
     if not cfg.tie_embeddings:
-        out["head.kernel"] = Piece("lm_head.weight", (("vocab",), ("d_model",)))  # nn.Linear is (out, in)
+        out["head.kernel"] = Piece(HEAD, (("vocab",), ("d_model",)))  # nn.Linear is (out, in)
     for i in range(cfg.layers):
         src, dst = f"{t}h.{i}.", f"decoder.blocks.{i}."
         # Conv1D is (in, out); the fused out dim is [q | k | v], each head-major (heads, d_kv)

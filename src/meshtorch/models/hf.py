@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.checkpoint.consolidated import write_consolidated
+from meshtorch.checkpoint.consolidated import HF_INDEX, SINGLE, write_consolidated
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, LayoutError
 from meshtorch.layout import format_axes
@@ -52,6 +52,11 @@ ARCHITECTURES: dict[str, ModuleType] = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE:
 CONFIG = "config.json"
 # TransformerConfig fields a loaded model may set freely: how it runs, not what its weights mean
 RUN_OPTIONS = ("dropout", "attention")
+# HF config fields the model does not use but its users do (transformers' generate stops at
+# eos_token_id): from_hf keeps them in TransformerConfig.extra[HF_EXTRA], export_hf writes them
+# back, so that a fine-tune's export is not given transformers' class defaults (a Llama's eos=2)
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HF_EXTRA = "hf_config"
 
 
 def _architecture(config: Mapping[str, Any] | None, src: Source) -> ModuleType:
@@ -150,11 +155,27 @@ def _check_types(config: Mapping[str, Any], where: str) -> None:
             raise bad(field, "an object or null", '{"rope_type": "default", "rope_theta": 10000.0}')
 
 
+def _check_directory(path: str) -> None:
+    """Name what a directory that from_hf cannot read is, and what to do with it."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"from_hf: no such directory {path!r}; pass a directory save_pretrained wrote "
+                              "(config.json + model.safetensors), or a model object")
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in (SINGLE, HF_INDEX)):
+        return
+    pickles = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin"))
+    held = f"holds {pickles[0]} (a PyTorch pickle), and from_hf reads safetensors only" if pickles else \
+        f"has no {SINGLE} or {HF_INDEX}"
+    raise CheckpointError(f"{path!r} {held}: load it with transformers and re-save it, "
+                          "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (which writes "
+                          f"{SINGLE}), or pass that model object to from_hf")
+
+
 def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, TransformerConfig, Source]:
     """The architecture, our config and the weights of ``source`` (see :func:`from_hf`)."""
-    where = "the config"
+    where, path = "the config", None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        _check_directory(path)
         cfile = os.path.join(path, CONFIG)
         if config is None and os.path.isfile(cfile):
             config, where = _config_file(cfile), cfile
@@ -169,7 +190,24 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
         _check_types(hf_config, where)
     arch = _architecture(hf_config, src)
     src.strip = arch.PREFIX
-    return arch, arch.config_from_hf(hf_config, src, heads), src
+    if hf_config is None and path is not None and arch is llama:
+        raise CheckpointError(f"{path!r} has no {CONFIG}, where alone a Llama records num_attention_heads, "
+                              f"num_key_value_heads and rope_theta: put the model's {CONFIG} beside its "
+                              "weights, or pass config=")
+    named = arch.FIELDS["heads"]
+    if heads is not None and hf_config is not None and hf_config.get(named, heads) != heads:
+        raise CheckpointError(f"from_hf(heads={heads}) but {where} has {named}={hf_config[named]}: the "
+                              "weights were made for the config's heads; drop heads= (it is for a GPT-2 "
+                              "state dict without a config)")
+    cfg = arch.config_from_hf(hf_config, src, heads)
+    if not cfg.tie_embeddings and not src.has(arch.HEAD):
+        raise CheckpointError(f"{where} has tie_word_embeddings=False, so the output layer is its own "
+                              f"weight {arch.HEAD!r}, which {src.where} lacks (a bare {arch.BARE_CLASS} "
+                              f"holds none); pass the {arch.LM_CLASS}, its state dict or its directory")
+    kept = {k: hf_config[k] for k in TOKEN_IDS if hf_config is not None and hf_config.get(k) is not None}
+    if kept:
+        cfg = dataclasses.replace(cfg, extra={**cfg.extra, HF_EXTRA: kept})
+    return arch, cfg, src
 
 
 def hf_config(path: str | os.PathLike) -> tuple[str, TransformerConfig, dict[str, str]]:
@@ -212,17 +250,18 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
     Args:
         source: a directory written by ``save_pretrained`` (``config.json`` and
             safetensors, sharded or not), a ``GPT2LMHeadModel`` / ``LlamaForCausalLM``
-            (or their bare ``*Model``), or a state dict of one.
+            (or, with tied embeddings, their bare ``*Model``), or a state dict of one.
         config: the HF config (object or dict); by default from the directory or the
             model object. A GPT-2 state dict without one has its sizes inferred
             (see :func:`meshtorch.models.gpt2.gpt2_config`).
         heads: number of attention heads, for a GPT-2 state dict without config
-            (default ``d_model / 64``).
+            (default ``d_model / 64``); one that contradicts the config is an error.
         options: :class:`TransformerConfig` fields that do not change what the weights
             compute, to set on the model (:data:`RUN_OPTIONS`: ``dropout``, ``attention``).
 
     Parameters are float32 (whatever the source dtype); train or run in bf16
-    with :func:`meshtorch.autocast`.
+    with :func:`meshtorch.autocast`. The config's token ids (:data:`TOKEN_IDS`) are kept in
+    ``model.cfg.extra`` for :func:`export_hf`.
 
     Raises:
         LayoutError: the rules split a dim its axis does not divide (e.g. ``n_head=12``
@@ -341,6 +380,7 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
                 params[name] = (list(view.shape.names), full.to(dtype) if dtype is not None else full)
     tensors = assemble(arch.pieces(cfg), params) if rank0 else {}
     config = arch.config_to_hf(cfg)
+    config.update({k: v for k, v in cfg.extra.get(HF_EXTRA, {}).items() if k in TOKEN_IDS})
     config["torch_dtype"] = str(dtype or torch.float32).removeprefix("torch.")
     return write_consolidated(path, tensors, max_shard_bytes=max_shard_bytes,
                               files={CONFIG: json.dumps(config, indent=2)})

@@ -24,6 +24,8 @@ from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf_map import HF_ACTIVATIONS, OUR_ACTIVATIONS, Piece, Source
 
 MODEL_TYPE = "llama"
+# the transformers class of the LM, the bare model below its head, and the head's weight
+LM_CLASS, BARE_CLASS, HEAD = "LlamaForCausalLM", "LlamaModel", "lm_head.weight"
 # LlamaForCausalLM's keys; a LlamaModel's lack this prefix
 PREFIX = "model."
 # our dim -> the LlamaConfig field that sizes it (for errors)
@@ -33,7 +35,8 @@ FIELDS = {"heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "d_
 CONFIG_FIELDS = {**FIELDS, "layers": "num_hidden_layers", "max_length": "max_position_embeddings",
                  "tie_embeddings": "tie_word_embeddings", "activation": "hidden_act",
                  "bias": "attention_bias", "eps": "rms_norm_eps", "rotary_base": "rope_theta",
-                 "positions": "model_type", "norm": "model_type", "gated": "model_type"}
+                 "padding_id": "pad_token_id", "positions": "model_type", "norm": "model_type",
+                 "gated": "model_type"}
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float:
@@ -61,6 +64,10 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
     if bool(config.get("mlp_bias", False)) != bias:
         raise CheckpointError(f"LlamaConfig attention_bias={bias} but mlp_bias={not bias}: DecoderLM's dense "
                               "layers all have biases or none")
+    pad = config.get("pad_token_id")
+    if pad is not None and not (isinstance(pad, int) and 0 <= pad < config["vocab_size"]):
+        raise CheckpointError(f"LlamaConfig pad_token_id={pad!r} is not an id of vocab_size="
+                              f"{config['vocab_size']}; transformers' embedding needs one (or null)")
     n_heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or n_heads
     d_model = config["hidden_size"]
@@ -71,7 +78,8 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
         max_length=config.get("max_position_embeddings", 2048), positions="rotary",
         tie_embeddings=bool(config.get("tie_word_embeddings", False)), norm="rms",
         activation=HF_ACTIVATIONS[act], bias=bias, eps=config.get("rms_norm_eps", 1e-6),
-        kv_heads=0 if kv == n_heads else kv, gated=True, rotary_base=_rope_theta(config))
+        kv_heads=0 if kv == n_heads else kv, gated=True, rotary_base=_rope_theta(config),
+        padding_id=-1 if pad is None else pad)
 
 
 # the TransformerConfig fields a Llama has these values of
@@ -86,13 +94,14 @@ def misfits(cfg: TransformerConfig) -> list[str]:
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
     """The ``config.json`` of a Llama that is ``cfg``."""
     rope = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
-    return {"model_type": MODEL_TYPE, "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab,
+    pad = {"pad_token_id": cfg.padding_id} if cfg.padding_id >= 0 else {}
+    return {"model_type": MODEL_TYPE, "architectures": [LM_CLASS], "vocab_size": cfg.vocab,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.layers,
             "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.dim("kv_heads").size,
             "head_dim": cfg.d_kv, "max_position_embeddings": cfg.max_length,
             "hidden_act": OUR_ACTIVATIONS[cfg.activation], "rms_norm_eps": cfg.eps,
             "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
-            "attention_dropout": cfg.dropout, "rope_parameters": rope, "rope_theta": cfg.rotary_base}
+            "attention_dropout": cfg.dropout, "rope_parameters": rope, "rope_theta": cfg.rotary_base, **pad}
 
 
 def pieces(cfg: TransformerConfig) -> dict[str, Piece]:
@@ -101,7 +110,7 @@ def pieces(cfg: TransformerConfig) -> dict[str, Piece]:
     out = {"embed.table": Piece(PREFIX + "embed_tokens.weight", (("vocab",), ("d_model",))),
            "decoder.ln_f.weight": Piece(PREFIX + "norm.weight", (("d_model",),))}
     if not cfg.tie_embeddings:
-        out["head.kernel"] = Piece("lm_head.weight", (("vocab",), ("d_model",)))
+        out["head.kernel"] = Piece(HEAD, (("vocab",), ("d_model",)))
     dense = {"attn.q": ("self_attn.q_proj", ("heads", "d_kv"), ("d_model",)),
              "attn.k": ("self_attn.k_proj", (kv, "d_kv"), ("d_model",)),
              "attn.v": ("self_attn.v_proj", (kv, "d_kv"), ("d_model",)),

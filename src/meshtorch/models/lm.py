@@ -35,7 +35,7 @@ from meshtorch.models.layers import (
     make_norm,
     rotary_tables,
 )
-from meshtorch.ops.elementwise import add
+from meshtorch.ops.elementwise import add, equal, where
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.shape import Dim
@@ -158,17 +158,12 @@ class Stack(nn.Module):
         elif n > cfg.max_length:
             raise ShapeError(f"sequence length {n} exceeds max_length={cfg.max_length}; raise "
                              "TransformerConfig.max_length or pass shorter sequences")
-        x = self.table(ids)
+        x = embed_ids(self.table, ids, cfg)
         if cfg.positions == "learned":
             # rows offset.. of the table (a view where it is whole), not a lookup of made ids,
             # added in the same op (the table's gradient then goes into overlap's buckets)
             x = self.pos.add_rows(x, Dim(LENGTH, n), offset)
-        rotary = None
-        if cfg.positions == "rotary":
-            cq, sq = rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base)
-            # keys are computed for the new positions only, also when they go into a cache
-            ck, sk = rotary_tables(n, cfg.d_kv, MEMORY, offset, cfg.rotary_base)
-            rotary = (cq, sq, ck, sk)
+        rotary = rotary_of(cfg, n, offset)
         ring = causal and cache is None and self_bias is None and self.uses_ring(ids)
         # causal masking is a flag of the fused attention (no [length, memory_length] bias tensor)
         bias = self_bias
@@ -187,6 +182,35 @@ class Stack(nn.Module):
         if cache is not None:
             cache.advance(n)
         return self.ln_f(x), aux
+
+
+def embed_ids(table: nn.Embedding, ids: MeshTensor, cfg: TransformerConfig) -> MeshTensor:
+    """The embeddings of token ``ids`` from ``table``; lookups of ``cfg.padding_id`` send the
+    table no gradient (transformers' ``padding_idx``), its other uses (a tied output layer) do.
+    :class:`Stack` and the pipeline's first stage both embed with it."""
+    x = table(ids)
+    if cfg.padding_id >= 0:
+        x = where(equal(ids, cfg.padding_id), x.detach(), x)
+    return x
+
+
+def rotary_of(cfg: TransformerConfig, n: int, offset: int = 0) -> tuple[MeshTensor, ...] | None:
+    """The rotary tables ``(cos_q, sin_q, cos_k, sin_k)`` of ``n`` positions from ``offset`` at
+    ``cfg.rotary_base`` (``None`` without rotary positions): queries on ``length``, keys on
+    ``memory_length``, computed for the new positions only, also when they go into a cache.
+    :class:`Stack` and the pipeline's stages both take them from here.
+
+    Example:
+        >>> from meshtorch.models import TransformerConfig
+        >>> from meshtorch.models.lm import rotary_of
+        >>> cfg = TransformerConfig(d_model=8, heads=2, d_kv=4, positions="rotary", rotary_base=50.0)
+        >>> [t.shape.names for t in rotary_of(cfg, 3)]
+        [('length', 'd_kv'), ('length', 'd_kv'), ('memory_length', 'd_kv'), ('memory_length', 'd_kv')]
+    """
+    if cfg.positions != "rotary":
+        return None
+    return (rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base)
+            + rotary_tables(n, cfg.d_kv, MEMORY, offset, cfg.rotary_base))
 
 
 def output_layer(cfg: TransformerConfig) -> nn.Dense:

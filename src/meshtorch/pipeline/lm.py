@@ -45,7 +45,8 @@ import torch
 from meshtorch.context import current, processor_device
 from meshtorch.errors import PipelineError
 from meshtorch.models import DecoderLM, TransformerConfig
-from meshtorch.models.layers import LENGTH, MEMORY, rotary_tables
+from meshtorch.models.layers import LENGTH
+from meshtorch.models.lm import embed_ids, rotary_of
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
 from meshtorch.pipeline.executor import chunks_of
@@ -115,14 +116,12 @@ class LMStage(torch.nn.Module):
         n = x.shape[LENGTH].size
         if self.first:
             ids = x
-            x = self.embed(ids)
+            x = embed_ids(self.embed, ids, cfg)
             if cfg.positions == "learned":
                 x = x + self.pos(from_global(torch.arange(n, device=processor_device()), [Dim(LENGTH, n)]))
             if self.training and cfg.dropout:
                 x = dropout(x, cfg.dropout)
-        rotary = None
-        if cfg.positions == "rotary":
-            rotary = rotary_tables(n, cfg.d_kv, LENGTH) + rotary_tables(n, cfg.d_kv, MEMORY)
+        rotary = rotary_of(cfg, n)
         for block in self.blocks:
             x, _ = block(x, rotary=rotary, causal=True)
         if self.last:

@@ -48,6 +48,7 @@ RANGES: dict[str, tuple[float, bool, str]] = {
     "moe_every": (1, False, ""), "top_k": (1, False, ""), "dropout": (0, False, ""), "eps": (0, True, ""),
     "capacity_factor": (0, True, ""), "aux_loss": (0, False, ""),
     "kv_heads": (0, False, " (0: one key/value head per query head)"), "rotary_base": (0, True, ""),
+    "padding_id": (-1, False, " (-1: none)"),
     "pipeline_stages": (1, False, " (1: no pipeline)"), "microbatches": (1, False, ""),
     "virtual_stages": (1, False, " (1: one model chunk per stage)"),
     "timeout": (0, True, " seconds"), "max_restarts": (0, False, " (0: a failed worker ends the run)"),

@@ -52,6 +52,8 @@ HELP = {
     "tensorboard": "also write the metrics as TensorBoard event files in --out/tensorboard/ "
                    "(pip install 'meshtorch[tensorboard]')",
     "encoder_layers": "encoder blocks (--model seq2seq)",
+    "padding_id": "a token id whose embedding lookups train nothing, as transformers' padding_idx (with "
+                  "--init-from: a Llama's pad_token_id); -1: none",
     "experts": "experts per MoE layer (--model moe)",
     "moe_every": "every n-th block is an MoE layer (--model moe)",
     "pipeline_stages": "pipeline stages along a 'stage' mesh axis (added in front of --mesh if absent)",

@@ -63,10 +63,14 @@ def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
                                 f"({kind}) has {field} -> {f.name}={theirs!r}; drop {flag}, the model's "
                                 "architecture comes from --init-from")
         wanted[f.name] = theirs
-    if hf.positions == "learned" and cfg.run.length > hf.max_length:
+    if cfg.run.length > hf.max_length:
+        # learned positions have no row past the table; rotary ones would, but the model (and its
+        # KV cache) is built for max_position_embeddings, which the run keeps for its export
+        more = "" if hf.positions == "learned" else (
+            f", or raise {fields['max_length']} in its config.json to train on longer sequences")
         raise ArgumentError(f"--length {cfg.run.length} is longer than the {hf.max_length} positions of "
                             f"--init-from {path!r} ({fields['max_length']}={hf.max_length}); pass --length "
-                            f"{hf.max_length} or less")
+                            f"{hf.max_length} or less{more}")
     return cfg.replace(**wanted)
 
 
