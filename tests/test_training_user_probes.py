@@ -545,3 +545,25 @@ def test_clip_grad_norm_takes_the_inf_spelled_as_torch_takes_it():
     mesh, rules = LAYOUTS["fsdp_tp"]
     for got in mt.launch(norms, mesh=mesh, rules=rules):
         close(got, [want, want], "inf-norm")
+
+
+def clipped_with_an_empty_piece(norm_type) -> tuple[tuple[int, ...], float, list[float]]:
+    w = mt.from_global(torch.tensor([3.0, -4.0]), "d:2", requires_grad=True)
+    mt.reduce_sum(w * w).backward()   # grad = [6, -8], in pieces of 1, 1 and 0 over m:3
+    norm = float(mt.optim.clip_grad_norm_([w], 2.0, norm_type))
+    return tuple(w.local.shape), norm, w.grad.to_global().tolist()
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+@pytest.mark.parametrize("norm_type", ["inf", 2.0])
+def test_clip_grad_norm_with_an_empty_piece_on_a_processor(norm_type, backend):
+    """Seen: ``norm_type="inf"`` raised "_foreach_norm cannot compute the infinity norm on an empty
+    tensor" on the processor whose piece of an uneven layout was empty (d:2 over m:3)."""
+    g = torch.tensor([6.0, -8.0], requires_grad=True)
+    g.grad = g.detach().clone()
+    want = float(torch.nn.utils.clip_grad_norm_([g], 2.0, norm_type))
+    kw = dict(backend="torch", nprocs=3) if backend == "gloo" else {}
+    out = mt.launch(clipped_with_an_empty_piece, norm_type, mesh="m:3", rules="d:m", timeout=60, **kw)
+    assert [shape for shape, _, _ in out] == [(1,), (1,), (0,)]
+    for _, norm, grad in out:
+        close([norm] + grad, [want] + g.grad.tolist(), f"{norm_type}-norm on {backend}")

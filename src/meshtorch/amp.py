@@ -148,9 +148,9 @@ class LossScaler:
                     "iteration, before clipping" if stage == "unscaled" else
                     "LossScaler.unscale_() after step() on this optimizer: unscale_ before step, and "
                     "call scaler.scale(loss) (or update()) before the next iteration's")
-            self._opt_found[key] = found = self._unscale(_local_params(params), False)
+            self._opt_found[key] = self._unscale(_local_params(params), False)
             self._stage[key] = "unscaled"
-            return found or self._found_any
+            return self._found_any
         tensors = [p for p, _ in layouts_of(params)]
         again = [p for p in tensors if id(p) in self._param_found]
         if again:
@@ -158,7 +158,8 @@ class LossScaler:
                                 "parameters since the last update(): their gradients would be divided by "
                                 "the scale twice; call it once per iteration, before clipping (step() "
                                 "unscales the others)")
-        return self._unscale(tensors, False) or self._found_any
+        self._unscale(tensors, False)
+        return self._found_any
 
     def _unscale(self, tensors: list[torch.Tensor], seen_before: bool) -> bool:
         """Divide the gradients of these local tensors by the scale and agree over the mesh whether
