@@ -515,6 +515,35 @@ def test_a_background_save_a_program_ends_with_is_committed_before_the_launch_re
         mt.launch(background_save, str(tmp_path / "full"), mesh="b:2", rules="batch:b; d_ff:b")
 
 
+def background_save_then_raise(path: str) -> None:
+    mt.save(path, model=make_model(), step=1, background=True)
+    if mt.current().rank == 0:
+        raise ValueError("a bug on processor 0")
+
+
+def test_a_launch_that_fails_on_threads_returns_with_its_background_saves_ended(tmp_path, monkeypatch):
+    """Seen: processor 0 raised with its background save in flight; the launch raised at once while
+    its writer thread was still writing (no checkpoint yet), and the job stayed registered under the
+    context's ``id()``, which a later processor context could be given."""
+    from meshtorch.checkpoint import background
+
+    path, real = str(tmp_path / "ckpt"), writer._write_slices
+
+    def slow(tmp, rank, mine):
+        import time
+
+        time.sleep(0.3)
+        return real(tmp, rank, mine)
+
+    monkeypatch.setattr(writer, "_write_slices", slow)
+    with pytest.raises(ValueError, match="a bug on processor 0"):
+        mt.launch(background_save_then_raise, path, mesh="b:2", rules="batch:b; d_ff:b")
+    assert mt.checkpoint.latest(path) == os.path.join(path, "step-000001")  # written and committed
+    assert not background._jobs
+    keys = mt.launch(lambda: mt.current().key, mesh="b:2")
+    assert len(set(keys)) == 2 and keys != mt.launch(lambda: mt.current().key, mesh="b:2")
+
+
 def test_loading_into_an_optimizer_of_another_model_says_so(tmp_path):
     """Seen: "optimizer group 0 holds parameters [None, None, ...] here but ['0.kernel', ...]" for
     a model built again whose old optimizer was passed to ``mt.load``."""
