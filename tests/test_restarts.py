@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from meshtorch.checkpoint import latest
 from meshtorch.cli import main as cli_main
 from meshtorch.launcher.elastic import failure_text, restart_count
 from meshtorch.recipes.lm.config import TrainConfig
@@ -286,3 +287,32 @@ def test_a_worker_that_failed_on_its_own_says_why_and_a_bug_keeps_its_traceback(
     assert code == 1 and err.startswith("Traceback (most recent call last):") and 'line' in err, err
     assert err.endswith("\nmeshtorch train: processor 0 {'b': 0} raised KeyError: 'vocab'\n"), err
 
+
+
+def test_meshtorch_launch_with_restarts_waits_for_the_scripts_background_save(tmp_path):
+    """Seen: under torchrun (``--max-restarts``, ``--nnodes``) the workers did not wait for their
+    background save at the script's end: a failed write was only a warning at exit (exit status 0),
+    where ``meshtorch launch`` without them waits for it and raises."""
+    script = tmp_path / "save.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import meshtorch as mt
+        from meshtorch.checkpoint import writer
+        real = writer._write_slices
+        def slow(tmp, rank, mine):
+            time.sleep(0.5)
+            if sys.argv[2] == "fail" and rank == 1:
+                raise OSError(28, "No space left on device")
+            return real(tmp, rank, mine)
+        writer._write_slices = slow
+        mt.save(sys.argv[1], model=mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 4)), step=1, background=True)
+    """))
+    base = [sys.executable, "-m", "meshtorch", "launch", "--backend", "torch", "--device", "cpu",
+            "--mesh", "b:2", "--rules", "d:b", "--max-restarts", "1", str(script)]
+    code, _, err = _run(base + [str(tmp_path / "ok"), "ok"])
+    assert code == 0, err[-3000:]
+    assert latest(str(tmp_path / "ok")) == str(tmp_path / "ok" / "step-000001")
+    code, _, err = _run(base + [str(tmp_path / "full"), "fail"])
+    assert code == 1, err[-3000:]
+    assert "raised CheckpointError: the background save of checkpoint" in err, err[-3000:]
+    assert "No space left on device" in err and not (tmp_path / "full" / "step-000001").exists()

@@ -402,6 +402,82 @@ def test_loss_scaler_unscale_twice_in_a_step_is_an_error_and_an_overflow_it_foun
         assert out == (True, True, True, True, True, 2.0)
 
 
+def two_optimizers(env, recipe: str, overflow: bool) -> list[float]:
+    """torch's GradScaler recipes with two optimizers (SGD with momentum on the kernels, Adam on the
+    rest) or one, scales powers of two; ``overflow``: infs in a piece of a kernel's gradient at
+    step 2 (on half the processors of the mesh). The dense side runs ``torch.amp.GradScaler``, the mesh side
+    ``mt.amp.LossScaler``; ``no_update`` is meshtorch's loop that never calls ``update()``."""
+    p = env.params
+    kernels = [v for n, v in p.items() if n.endswith("kernel")]
+    vectors = [v for n, v in p.items() if not n.endswith("kernel")]
+    if recipe == "one":
+        opts = [torch.optim.SGD([{"params": kernels}, {"params": vectors}], lr=0.1, momentum=0.9)]
+    else:
+        opts = [torch.optim.SGD(kernels, lr=0.1, momentum=0.9), torch.optim.Adam(vectors, lr=0.01)]
+    kw = dict(init_scale=2.0 ** 10, growth_interval=2)
+    dense = isinstance(env, DenseEnv)
+    scaler = torch.amp.GradScaler("cpu", **kw) if dense else mt.amp.LossScaler(**kw)
+    log = []
+    for step in range(6):
+        for opt in opts:
+            opt.zero_grad()
+        loss = env.loss(step)
+        scaler.scale(loss).backward()
+        if overflow and step == 2:  # the second half of d_ff: the processors at m=1 see it
+            if dense:
+                p["2.kernel"].grad[DF // 2:].fill_(math.inf)
+            elif mt.current().coords["m"] == 1:
+                p["2.kernel"].grad.fill_(math.inf)
+        if recipe == "clip":
+            for opt in opts:
+                scaler.unscale_(opt)
+            log.append(float(env.clip(list(p.values()), 0.5)))
+        for opt in opts:
+            scaler.step(opt)
+        if recipe != "no_update":
+            scaler.update()
+        log += [loss.item(), scaler.get_scale() if dense else scaler.scale_value]
+    return log
+
+
+def two_optimizers_on_mesh(recipe: str, overflow: bool) -> list[float]:
+    return two_optimizers(MeshEnv(), recipe, overflow)
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+@pytest.mark.parametrize("recipe", ["steps", "clip", "no_update", "one"])
+def test_loss_scaler_with_two_optimizers_matches_torchs_grad_scaler(recipe, overflow):
+    """Seen: torch's recipe ``unscale_(oa); unscale_(ob); clip; step(oa); step(ob); update()`` divided
+    ob's gradients twice (step(oa) updated the scale and forgot ob was unscaled), and the scale
+    changed at each ``step`` and again at ``update()``: twice per iteration with two optimizers, and
+    with one optimizer and ``update()`` too (growth twice as fast as torch's). An overflow in one
+    optimizer's gradients skips that optimizer's step only, and halves the scale once, as torch's."""
+    mesh, rules = LAYOUTS["tp"]
+    want = two_optimizers(DenseEnv(), "steps" if recipe == "no_update" else recipe, overflow)
+    for got in mt.launch(two_optimizers_on_mesh, recipe, overflow, mesh=mesh, rules=rules):
+        close(got, want, f"{recipe}, overflow={overflow}")
+    assert want[-1] == (2.0 ** 11 if overflow else 2.0 ** 13)  # (torch backed off once)
+
+
+def test_loss_scaler_step_communicates_on_every_processor_whatever_unscale_was_given():
+    """Each processor holds other parameters (as a pipeline's stages do) and unscales those it clips:
+    processor 0 leaves one of its parameters to ``step``, processor 1 none. ``step`` decided whether
+    to all-reduce the overflow flag on what was left locally, so processor 0 waited alone."""
+    def run():
+        rank = mt.current().rank
+        w = torch.nn.Parameter(torch.full((2,), 1.0))
+        params = [torch.nn.Parameter(torch.full((2,), 2.0)), w] if rank == 0 else [w]
+        opt = torch.optim.SGD(params, lr=0.25)
+        scaler = mt.amp.LossScaler(init_scale=2.0 ** 10)
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        scaler.unscale_([w])
+        mt.optim.clip_grad_norm_([w], 100.0)
+        return scaler.step(opt), [p.tolist() for p in params]
+
+    out = mt.launch(run, mesh="b:2", timeout=20)
+    assert out == [(True, [[1.0, 1.0], [0.5, 0.5]]), (True, [[0.5, 0.5]])]
+
+
 def test_weight_decay_groups_of_parameters_instead_of_the_module_says_so():
     """Seen: an AttributeError ("'generator' object has no attribute 'named_parameters'")."""
     model = make_model()
@@ -439,6 +515,35 @@ def test_a_background_save_a_program_ends_with_is_committed_before_the_launch_re
         mt.launch(background_save, str(tmp_path / "full"), mesh="b:2", rules="batch:b; d_ff:b")
 
 
+def background_save_then_raise(path: str) -> None:
+    mt.save(path, model=make_model(), step=1, background=True)
+    if mt.current().rank == 0:
+        raise ValueError("a bug on processor 0")
+
+
+def test_a_launch_that_fails_on_threads_returns_with_its_background_saves_ended(tmp_path, monkeypatch):
+    """Seen: processor 0 raised with its background save in flight; the launch raised at once while
+    its writer thread was still writing (no checkpoint yet), and the job stayed registered under the
+    context's ``id()``, which a later processor context could be given."""
+    from meshtorch.checkpoint import background
+
+    path, real = str(tmp_path / "ckpt"), writer._write_slices
+
+    def slow(tmp, rank, mine):
+        import time
+
+        time.sleep(0.3)
+        return real(tmp, rank, mine)
+
+    monkeypatch.setattr(writer, "_write_slices", slow)
+    with pytest.raises(ValueError, match="a bug on processor 0"):
+        mt.launch(background_save_then_raise, path, mesh="b:2", rules="batch:b; d_ff:b")
+    assert mt.checkpoint.latest(path) == os.path.join(path, "step-000001")  # written and committed
+    assert not background._jobs
+    keys = mt.launch(lambda: mt.current().key, mesh="b:2")
+    assert len(set(keys)) == 2 and keys != mt.launch(lambda: mt.current().key, mesh="b:2")
+
+
 def test_loading_into_an_optimizer_of_another_model_says_so(tmp_path):
     """Seen: "optimizer group 0 holds parameters [None, None, ...] here but ['0.kernel', ...]" for
     a model built again whose old optimizer was passed to ``mt.load``."""
@@ -469,3 +574,25 @@ def test_clip_grad_norm_takes_the_inf_spelled_as_torch_takes_it():
     mesh, rules = LAYOUTS["fsdp_tp"]
     for got in mt.launch(norms, mesh=mesh, rules=rules):
         close(got, [want, want], "inf-norm")
+
+
+def clipped_with_an_empty_piece(norm_type) -> tuple[tuple[int, ...], float, list[float]]:
+    w = mt.from_global(torch.tensor([3.0, -4.0]), "d:2", requires_grad=True)
+    mt.reduce_sum(w * w).backward()   # grad = [6, -8], in pieces of 1, 1 and 0 over m:3
+    norm = float(mt.optim.clip_grad_norm_([w], 2.0, norm_type))
+    return tuple(w.local.shape), norm, w.grad.to_global().tolist()
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+@pytest.mark.parametrize("norm_type", ["inf", 2.0])
+def test_clip_grad_norm_with_an_empty_piece_on_a_processor(norm_type, backend):
+    """Seen: ``norm_type="inf"`` raised "_foreach_norm cannot compute the infinity norm on an empty
+    tensor" on the processor whose piece of an uneven layout was empty (d:2 over m:3)."""
+    g = torch.tensor([6.0, -8.0], requires_grad=True)
+    g.grad = g.detach().clone()
+    want = float(torch.nn.utils.clip_grad_norm_([g], 2.0, norm_type))
+    kw = dict(backend="torch", nprocs=3) if backend == "gloo" else {}
+    out = mt.launch(clipped_with_an_empty_piece, norm_type, mesh="m:3", rules="d:m", timeout=60, **kw)
+    assert [shape for shape, _, _ in out] == [(1,), (1,), (0,)]
+    for _, norm, grad in out:
+        close([norm] + grad, [want] + g.grad.tolist(), f"{norm_type}-norm on {backend}")

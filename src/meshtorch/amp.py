@@ -68,13 +68,17 @@ def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True,
 class LossScaler:
     """Dynamic loss scaling for fp16, agreed across the mesh.
 
-    ``scale(loss)`` multiplies the loss; ``step(optimizer)`` unscales the
-    gradients, all-reduces whether any is inf/NaN, and steps only if none is;
-    ``update()`` halves the scale after an overflow and doubles it after
-    ``growth_interval`` clean steps. ``state_dict()`` is JSON-able, for ``mt.save(extra=)``.
-    To clip, unscale first, as with torch's ``GradScaler``: ``scaler.unscale_(optimizer)``,
-    ``mt.optim.clip_grad_norm_(...)``, then ``scaler.step(optimizer)``, which does not divide
-    those gradients again.
+    ``scale(loss)`` multiplies the loss; ``step(optimizer)`` unscales the optimizer's
+    gradients, all-reduces whether any is inf/NaN, and steps only if none is; the scale is
+    then halved after an overflow, doubled after ``growth_interval`` clean iterations.
+    ``state_dict()`` is JSON-able, for ``mt.save(extra=)``.
+
+    As with torch's ``GradScaler``, the overflow check is per optimizer (an optimizer whose
+    gradients overflowed skips its step; the others step) and the scale changes once per
+    iteration, after the last ``step``: at :meth:`update`, which torch's recipe calls at the end of
+    every iteration, or, in a loop that never calls it, at the next :meth:`scale`. To clip,
+    unscale first: ``scaler.unscale_(optimizer)``, ``mt.optim.clip_grad_norm_(...)``, then
+    ``scaler.step(optimizer)``, which does not divide those gradients again.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -88,78 +92,155 @@ class LossScaler:
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):
-        self.scale_value = float(init_scale)
+        self._scale = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.enabled = growth_interval, enabled
         self.good_steps = 0
-        self.found_inf = False
-        self._unscaled: set[int] = set()  # ids of the parameters unscale_ divided since update()
+        self._explicit_update = False  # the caller calls update() (torch's recipe): never implied
+        self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        # what happened since the last update(), as torch's GradScaler._per_optimizer_states: the
+        # stage of each optimizer, by id() ("unscaled" / "stepped"; alike on every processor, as
+        # the calls are) with the agreed overflow flag it found, and of each parameter unscale_
+        # divided (it also takes parameters, which torch's does not)
+        self._stage: dict[int, str] = {}
+        self._opt_found: dict[int, bool] = {}
+        self._param_found: dict[int, bool] = {}
+        self._found_any = False
+
+    @property
+    def scale_value(self) -> float:
+        """The scale the next :meth:`scale` multiplies by."""
+        return self._next()[0] if self._update_due() else self._scale
+
+    @scale_value.setter
+    def scale_value(self, value: float) -> None:
+        self._scale = float(value)
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether a processor found inf/NaN in the gradients unscaled since the last update."""
+        return self._found_any
 
     def scale(self, loss: MeshTensor | torch.Tensor) -> MeshTensor | torch.Tensor:
-        """``loss * scale`` (unchanged when disabled)."""
-        return loss * self.scale_value if self.enabled else loss
+        """``loss * scale`` (unchanged when disabled). Starts the next iteration: a loop that
+        does not call :meth:`update` has the scale updated here, after its last ``step``."""
+        if not self.enabled:
+            return loss
+        if self._update_due():
+            self._apply_update()
+        return loss * self._scale
 
     def unscale_(self, params: Params | torch.optim.Optimizer) -> bool:
-        """Divide the gradients of ``params`` (or of an optimizer's parameters) by the scale, once
-        per step: before clipping, so that :meth:`step` then leaves them as they are. Returns
-        whether any processor found inf/NaN in them (or in those unscaled before in this step)."""
+        """Divide the gradients of an optimizer's parameters (or of ``params``) by the scale, once
+        per iteration: before clipping, so that :meth:`step` then leaves them as they are. Returns
+        whether any processor found inf/NaN in them (or in those unscaled before in this iteration)."""
         if not self.enabled:
             return False
         if isinstance(params, torch.optim.Optimizer):
-            params = [p for g in params.param_groups for p in g["params"]]
-        views = layouts_of(params)
-        again = [p for p, _ in views if id(p) in self._unscaled]
+            key = id(params)
+            stage = self._stage.get(key)
+            if stage is not None:
+                raise ArgumentError(
+                    "LossScaler.unscale_() was already called on this optimizer since the last "
+                    "update(): its gradients would be divided by the scale twice; call it once per "
+                    "iteration, before clipping" if stage == "unscaled" else
+                    "LossScaler.unscale_() after step() on this optimizer: unscale_ before step, and "
+                    "call scaler.scale(loss) (or update()) before the next iteration's")
+            self._opt_found[key] = self._unscale(_local_params(params), False)
+            self._stage[key] = "unscaled"
+            return self._found_any
+        tensors = [p for p, _ in layouts_of(params)]
+        again = [p for p in tensors if id(p) in self._param_found]
         if again:
             raise ArgumentError(f"LossScaler.unscale_() was already called on {len(again)} of these "
                                 "parameters since the last update(): their gradients would be divided by "
-                                "the scale twice; call it once per step, before clipping (step() unscales "
-                                "the others)")
+                                "the scale twice; call it once per iteration, before clipping (step() "
+                                "unscales the others)")
+        self._unscale(tensors, False)
+        return self._found_any
+
+    def _unscale(self, tensors: list[torch.Tensor], seen_before: bool) -> bool:
+        """Divide the gradients of these local tensors by the scale and agree over the mesh whether
+        any (or ``seen_before``, this processor's earlier finding) is inf/NaN. Every processor calls
+        it alike, whatever its tensors (it communicates)."""
         # the flags stay on the grads' device: one host sync (the .item() below), not one per grad
-        bad = torch.zeros(1, device=current().device)
-        for p, _ in views:
-            self._unscaled.add(id(p))
+        bad = torch.full((1,), float(seen_before), device=current().device)
+        for p in tensors:
             if p.grad is not None:
-                p.grad.detach().div_(self.scale_value)
+                p.grad.detach().div_(self._scale)
                 bad = torch.maximum(bad, (~torch.isfinite(p.grad)).any().to(bad.device, bad.dtype))
         comm = current().comm
         found = bool(comm.all_reduce(bad, comm.mesh.axis_names, "max").item())
-        self.found_inf = self.found_inf or found
-        return self.found_inf
+        for p in tensors:
+            self._param_found[id(p)] = found
+        self._found_any = self._found_any or found
+        return found
 
     def step(self, optimizer: torch.optim.Optimizer, params: Params | None = None) -> bool:
         """Unscale the gradients of ``params`` (default: the optimizer's) that :meth:`unscale_`
-        has not, step unless there was an overflow anywhere, then :meth:`update`. Returns
-        whether it stepped."""
-        if params is None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-        todo = [p for p, _ in layouts_of(params) if id(p) not in self._unscaled]
-        # (the same on every processor: unscale_ was called alike everywhere, as every collective is)
-        if self.enabled and (todo or not self._unscaled):
-            self.unscale_(todo)
-        if self.found_inf:
-            self.update()
+        has not, and step unless a processor found inf/NaN in them. Returns whether it stepped.
+        The scale is updated once all optimizers have stepped (see the class)."""
+        if not self.enabled:
+            optimizer.step()
+            return True
+        key = id(optimizer)
+        stage = self._stage.get(key)
+        if stage == "stepped":
+            raise ArgumentError("LossScaler.step() was already called on this optimizer since the last "
+                                "update(): call scaler.scale(loss) for the next iteration (or update(), "
+                                "as torch's GradScaler recipe does)")
+        if stage == "unscaled":  # unscale_(optimizer) agreed on its overflow: nothing to communicate
+            found = self._opt_found[key]
+        else:
+            # (decided on the optimizer's stage, alike everywhere: every processor reaches the
+            # all-reduce even where none of its own gradients is left to divide)
+            tensors = _local_params(optimizer) if params is None else [p for p, _ in layouts_of(params)]
+            found_before = self._param_found
+            todo = [p for p in tensors if id(p) not in found_before]
+            seen = any([found_before[id(p)] for p in tensors if id(p) in found_before])
+            found = self._unscale(todo, seen)
+        self._stage[key] = "stepped"
+        if found:
             return False
         optimizer.step()
-        self.update()
         return True
 
     def update(self) -> None:
-        """Adjust the scale after a step (called by :meth:`step`)."""
+        """Adjust the scale from what this iteration's :meth:`unscale_` and :meth:`step` calls
+        found: once, after every optimizer's step, as torch's ``GradScaler.update``. A loop that
+        never calls it has the scale updated at the next :meth:`scale`."""
         if not self.enabled:
             return
-        if self.found_inf:
-            self.scale_value *= self.backoff_factor
-            self.good_steps = 0
-        else:
-            self.good_steps += 1
-            if self.good_steps >= self.growth_interval:
-                self.scale_value *= self.growth_factor
-                self.good_steps = 0
-        self.found_inf = False
-        self._unscaled.clear()
+        self._explicit_update = True
+        if self._stage or self._param_found:
+            self._apply_update()
+
+    def _update_due(self) -> bool:
+        return not self._explicit_update and "stepped" in self._stage.values()
+
+    def _next(self) -> tuple[float, int]:
+        """The scale and clean-iteration count after this iteration's update."""
+        if self._found_any:
+            return self._scale * self.backoff_factor, 0
+        if self.good_steps + 1 >= self.growth_interval:
+            return self._scale * self.growth_factor, 0
+        return self._scale, self.good_steps + 1
+
+    def _apply_update(self) -> None:
+        self._scale, self.good_steps = self._next()
+        self._reset_iteration()
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale_value, "good_steps": self.good_steps}
+        scale, good = self._next() if self._update_due() else (self._scale, self.good_steps)
+        return {"scale": scale, "good_steps": good}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale_value, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self._scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self._reset_iteration()
+
+
+def _local_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's local tensors (what it steps), listed without their layouts."""
+    return [p for g in optimizer.param_groups for p in g["params"]]

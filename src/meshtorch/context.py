@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -56,6 +57,9 @@ class ProcessorTracer(Protocol):
         update, which runs after the schedule's micro-batches instead of between them)."""
 
 
+_keys = itertools.count(1)  # (next() on it is atomic: contexts made on several threads differ)
+
+
 @dataclass
 class ProcessorContext:
     """What one processor knows: its communicator, the mesh and the layout rules."""
@@ -64,6 +68,9 @@ class ProcessorContext:
     rules: LayoutRules = field(default_factory=LayoutRules)
     random_calls: int = 0
     tracer: ProcessorTracer | None = None
+    #: this context's number, never another's in the process (``id()`` may name a later context
+    #: once this one is gone): the key of what is kept for it elsewhere (its background save)
+    key: int = field(default_factory=lambda: next(_keys), compare=False, repr=False)
     #: the lowering's stand-in for (rules, mesh, rank) in its plans' keys, with the rules and
     #: communicator it was made for (:func:`meshtorch.lowering.lower._scope_of`); not a field
     plan_scope: ClassVar[tuple | None] = None

@@ -44,7 +44,7 @@ from meshtorch.files import write_atomic
 MARKER_TIMEOUT_S = 1800.0
 _MARKER = ".done-{:05d}"
 
-_jobs: dict[int, Job] = {}  # id(processor context) -> its save in flight (or finished, not yet collected)
+_jobs: dict[int, Job] = {}  # processor context's key -> its save in flight (or finished, not yet collected)
 _jobs_lock = threading.Lock()
 
 
@@ -84,6 +84,16 @@ def collect(owner: int) -> Job | None:
     with _jobs_lock:
         _jobs.pop(owner, None)
     return job
+
+
+def drop(owner: int) -> None:
+    """Wait for processor ``owner``'s save in flight to end, and forget it, without the agreement
+    on its outcome :func:`~meshtorch.checkpoint.wait` makes: for a processor whose program raised,
+    so that its launch returns with nothing left writing. A failure of the save is warned about,
+    as one that nothing collected is at exit."""
+    job = collect(owner)
+    if job is not None and job.error is not None:
+        _warn_uncollected(job)
 
 
 def in_flight(owner: int) -> bool:
@@ -127,5 +137,9 @@ def _report_uncollected() -> None:
     with _jobs_lock:
         failed = [job for job in _jobs.values() if job.error is not None]
     for job in failed:
-        warnings.warn(f"a background checkpoint save failed and no later save or mt.checkpoint.wait() "
-                      f"reported it: {type(job.error).__name__}: {job.error}", RuntimeWarning, stacklevel=1)
+        _warn_uncollected(job)
+
+
+def _warn_uncollected(job: Job) -> None:
+    warnings.warn(f"a background checkpoint save failed and no later save or mt.checkpoint.wait() "
+                  f"reported it: {type(job.error).__name__}: {job.error}", RuntimeWarning, stacklevel=1)

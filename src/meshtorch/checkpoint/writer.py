@@ -201,7 +201,7 @@ def wait() -> str | None:
         >>> os.path.basename(mt.checkpoint.wait()), mt.checkpoint.wait()
         ('step-000003', None)
     """
-    job = collect(id(current()))
+    job = collect(current().key)
     if job is None:
         return None
     if not _all_ok(job.error is None):
@@ -366,7 +366,7 @@ def _write_and_commit(ctx, path: str, tmp: str, tag: str, entries, index: dict, 
             raise CheckpointError(f"saving checkpoint {path!r} failed before writing; nothing was "
                                   "changed") from error
         work = _BackgroundWrite(path, tmp, ctx.rank, mesh.size, mine, index, step, keep, tag)
-        start_background(id(ctx), work)
+        start_background(ctx.key, work)
         return None
     ok = _all_ok(error is None)
     if ok:

@@ -35,6 +35,7 @@ from meshtorch.launcher.elastic import Nodes, check_max_restarts, run_elastic
 from meshtorch.launcher.failures import RemoteTraceback
 from meshtorch.launcher.lifeline import ENV_LAUNCHER_PID, die_with_launcher
 from meshtorch.launcher.processes import launch_processes
+from meshtorch.launcher.program import run_program
 from meshtorch.launcher.threads import run_threads
 from meshtorch.launcher.world import (
     DEFAULT_TIMEOUT,
@@ -92,8 +93,9 @@ def _as_main_script(script: str, argv: list[str]) -> Iterator[None]:
 
 
 def bootstrap() -> None:
-    """Entry of each worker process ``meshtorch launch --backend torch`` starts:
-    join the world, then run the script as ``__main__``.
+    """Entry of each worker process ``meshtorch launch --backend torch`` starts through torchrun
+    (``--nnodes``, ``--max-restarts``): join the world, then run the script as ``__main__``, and
+    wait for its background checkpoint save as :func:`mt.launch <meshtorch.launch>` does.
 
     Example (what torchrun runs in each worker):
         $ python -c "from meshtorch.launcher.cli import bootstrap; bootstrap()" train.py --lr 1e-3
@@ -104,7 +106,9 @@ def bootstrap() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     ctx = init_distributed()
     try:
-        _run_script(script)
+        # as every launch runs a program: its background save committed (or its failure raised)
+        # before the worker ends
+        run_program(_run_script, (script,), {})
     except BaseException as e:
         print(f"meshtorch: processor {ctx.rank} {ctx.coords} raised {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)

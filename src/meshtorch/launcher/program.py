@@ -26,7 +26,7 @@ def run_program(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     of the launch calls it, so the save's agreement on its outcome meets)."""
     out = fn(*args, **kwargs)
     background = sys.modules.get("meshtorch.checkpoint.background")  # (no save without it imported)
-    if background is not None and background.in_flight(id(current())):
+    if background is not None and background.in_flight(current().key):
         from meshtorch.checkpoint.writer import wait
 
         wait()

@@ -19,6 +19,7 @@ import functools
 import itertools
 import math
 import os
+import sys
 import threading
 import time
 import weakref
@@ -78,10 +79,12 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
     results: list[Any] = [None] * n
     errors: dict[int, BaseException] = {}
     order: list[int] = []
+    keys: list[int] = [0] * n  # each processor context's key
 
     def run(rank: int) -> None:
         comm = ThreadsCommunicator(hub, rank, check=check)
         ctx = ProcessorContext(comm, rules)
+        keys[rank] = ctx.key
         try:
             comm.device = resolve_device(device, comm)  # also this thread's current CUDA device
             with use(ctx):  # no device mode: meshtorch's factories put tensors on comm.device
@@ -125,6 +128,7 @@ def run_threads(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, r
     finally:
         torch.set_num_threads(prev_threads)
     if failures:
+        _join_saves([keys[r] for r in failures])
         rank = root_cause(first, lambda r: is_comm_error(failures[r]))
         exc = failures[rank]
         raise processor_error(exc, rank, mesh.coords(rank), note=note) from exc
@@ -176,6 +180,16 @@ def keep_fake_cuda_guard() -> None:
 
     threading.Thread(target=keep, name="meshtorch-fake-cuda-guard", daemon=True).start()
     registered.wait()
+
+
+def _join_saves(keys: list[int]) -> None:
+    """Wait for the background saves in flight of processors whose program raised (those that
+    returned waited for theirs, :func:`~meshtorch.launcher.program.run_program`), without their
+    agreement: the launch then returns with nothing left writing, and nothing kept for them."""
+    background = sys.modules.get("meshtorch.checkpoint.background")  # (no save without it imported)
+    if background is not None:
+        for key in keys:
+            background.drop(key)
 
 
 def _wait(hub: Hub, n: int) -> list[int]:

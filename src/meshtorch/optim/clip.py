@@ -51,6 +51,13 @@ def _global_grad_norm(grads_layouts, norm_type: float) -> torch.Tensor:
     by_axes: dict[tuple[str, ...], torch.Tensor] = {}
     for axes, grads in groups.items():
         # one multi-tensor kernel per group, accumulating in float64 (as the per-tensor loop did)
+        if inf:
+            # the max has no identity: an empty piece (an uneven layout's) would make
+            # _foreach_norm raise on this processor alone, and the others wait at the collective
+            device, grads = grads[0].device, [g for g in grads if g.numel()]
+            if not grads:
+                by_axes[axes] = torch.zeros((), dtype=torch.float64, device=device)
+                continue
         with torch.no_grad():
             norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64))
         by_axes[axes] = norms.max() if inf else norms.pow(norm_type).sum()
