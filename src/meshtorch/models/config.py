@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshtorch.errors import ShapeError
+from meshtorch.models.rope import check_rope_scaling
 from meshtorch.shape import Dim
 
 POSITIONS = ("learned", "rotary")
@@ -54,6 +55,12 @@ class TransformerConfig:
         gated: the feed-forward layer is gated, ``wo(act(wg(x)) * wi(x))``
             (SwiGLU with ``activation="silu"``, as in Llama).
         rotary_base: base of the rotary angles (Llama's ``rope_theta``).
+        rope_scaling: the rotary frequencies rescaled, in transformers' names (a Llama 3.1+
+            ``config.json``'s ``rope_parameters`` less ``rope_theta``): ``{"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}`` or ``{"rope_type": "linear", "factor": 2.0}``
+            (see :mod:`meshtorch.models.rope`); ``None``: plain rotary positions. Only with
+            ``positions="rotary"``.
         padding_id: an id whose embedding lookups send no gradient to the table (the row
             still trains through a tied output layer), as transformers' ``nn.Embedding``
             ``padding_idx`` (a Llama's ``pad_token_id``); -1: none.
@@ -94,6 +101,7 @@ class TransformerConfig:
     kv_heads: int = 0
     gated: bool = False
     rotary_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
     padding_id: int = -1
     recompute: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +114,10 @@ class TransformerConfig:
             raise ShapeError(f"positions={self.positions!r}; use one of {POSITIONS}")
         if self.positions == "rotary" and self.d_kv % 2:
             raise ShapeError(f"rotary positions rotate pairs of d_kv; d_kv={self.d_kv} must be even")
+        check_rope_scaling(self.rope_scaling, "TransformerConfig.rope_scaling")
+        if self.rope_scaling is not None and self.positions != "rotary":
+            raise ShapeError(f"rope_scaling={self.rope_scaling} rescales rotary positions, but positions="
+                             f"{self.positions!r}; set positions='rotary' or rope_scaling=None")
         if self.norm not in NORMS:
             raise ShapeError(f"norm={self.norm!r}; use one of {NORMS}")
         if self.activation not in ACTIVATIONS:
