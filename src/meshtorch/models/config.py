@@ -25,6 +25,8 @@ POSITIONS = ("learned", "rotary")
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 ATTENTIONS = ("auto", "ring", "gather")
+# the key of TransformerConfig.extra under which an imported model keeps its HF config's token ids
+HF_EXTRA = "hf_config"
 
 
 @dataclass
@@ -163,6 +165,19 @@ class TransformerConfig:
 
     def num_experts_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def token_ids(self, name: str) -> list[int]:
+        """The ids of an imported model's HF config field ``name`` (``"eos_token_id"``: one id or a
+        list, as Llama 3 lists its end-of-turn ids) kept in :attr:`extra`; ``[]`` if it has none.
+
+        Example:
+            >>> TransformerConfig(extra={"hf_config": {"eos_token_id": [1, 7]}}).token_ids("eos_token_id")
+            [1, 7]
+            >>> TransformerConfig().token_ids("eos_token_id")
+            []
+        """
+        ids = self.extra.get(HF_EXTRA, {}).get(name)
+        return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
