@@ -19,6 +19,7 @@ import meshtorch as mt
 from meshtorch import cli
 from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models import beam_search, export_hf, from_hf, generate
+from meshtorch.models.decode import until_eos
 from run_harness import write_corpus
 from test_models_hf import check_against_hf, data, small_llama
 
@@ -54,10 +55,75 @@ def test_greedy_and_beam_decoding_equal_transformers_generate():
 
     def prog():
         model = from_hf(hf)
-        return generate(model, prompts.tolist(), 12), beam_search(model, prompts.tolist(), 6, beams=3)
+        # ignore_eos: transformers' generate above was told eos_token_id=None
+        return (generate(model, prompts.tolist(), 12, ignore_eos=True),
+                beam_search(model, prompts.tolist(), 6, beams=3))
 
     for got_greedy, got_beams in mt.launch(prog, mesh="a:2,b:2", rules="heads:a; d_ff:a; batch:b; d_model:b"):
         assert got_greedy == greedy and got_beams == beams
+
+
+@pytest.mark.parametrize("pad", [3, None], ids=["pad_token_id", "no-pad"])
+def test_generation_stops_at_the_configs_eos_as_transformers_generate(pad):
+    """Seen: generate ran max_new_tokens past the model's eos_token_id, where transformers' generate
+    ends each sequence at its eos (finished rows get pad_token_id, else the first eos id) and stops
+    once all have ended."""
+    hf = small_llama(num_key_value_heads=1)
+    prompts = torch.randint(0, hf.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=12)
+    with torch.no_grad():
+        full = hf.generate(prompts, eos_token_id=None, pad_token_id=0, **kw)[:, 5:].tolist()
+    # a list of eos ids, as Llama 3 has: each row meets one, at different steps
+    eos = [full[0][2], full[1][6], full[2][1]]
+    hf.config.eos_token_id, hf.config.pad_token_id = eos, pad
+    with torch.no_grad():
+        want = hf.generate(prompts, eos_token_id=eos, pad_token_id=eos[0] if pad is None else pad,
+                           **kw)[:, 5:].tolist()
+    assert len(want[0]) < 12 and any(len(until_eos(row, eos)) < len(row) for row in want)  # rows padded
+
+    def prog():
+        model = from_hf(hf)
+        rows = prompts.tolist()
+        # sampled: the same draws as without eos, up to each row's eos
+        free = generate(model, rows, 12, temperature=1.0, seed=3, ignore_eos=True)
+        stops = [free[0][4], free[1][2], free[2][7]]
+        sampled = generate(model, rows, 12, temperature=1.0, seed=3, eos=stops)
+        return generate(model, rows, 12), generate(model, rows, 12, ignore_eos=True), free, stops, sampled
+
+    for greedy, ignoring, free, stops, sampled in mt.launch(prog, mesh="b:2", rules="batch:b; heads:b"):
+        assert greedy == want and ignoring == full
+        n, filler = max(len(until_eos(row, stops)) for row in free), stops[0] if pad is None else pad
+        assert sampled == [until_eos(row, stops) + [filler] * (n - len(until_eos(row, stops)))
+                           for row in free] and n < 12
+
+
+def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, capsys):
+    from meshtorch.data import ByteTokenizer
+    from meshtorch.recipes.lm.generate import prompt_ids
+
+    (tmp_path / "corpus").mkdir()
+    write_corpus(tmp_path / "corpus", files=4)
+    hf = small_llama(vocab_size=304, num_hidden_layers=1)
+    tok = ByteTokenizer()
+    ids = prompt_ids(tok, "def f")
+    with torch.no_grad():  # the greedy continuation, over the ids the byte tokenizer may emit
+        full = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, suppress_tokens=list(range(tok.sample_limit, 304)),
+                           attention_mask=torch.ones(1, len(ids), dtype=torch.int64))[0, len(ids):].tolist()
+    k = full.index(full[3])
+    hf.config.eos_token_id = full[3]
+    hf.save_pretrained(tmp_path / "llama")
+    # a step at lr 1e-12 moves no float32 weight: the checkpoint is transformers' model, with its eos
+    assert cli.main(["train", "--init-from", str(tmp_path / "llama"), "--data", str(tmp_path / "corpus"),
+                     "--steps", "1", "--lr", "1e-12", "--batch", "2", "--length", "16", "--eval-batches", "1",
+                     "--sample-tokens", "0", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    run = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def f", "--temperature", "0",
+           "--tokens", "8"]
+    assert cli.main(run) == 0
+    assert capsys.readouterr().out == tok.decode(ids + full[:k + 1]) + "\n"
+    assert cli.main([*run, "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids + full) + "\n" != tok.decode(ids + full[:k + 1]) + "\n"
 
 
 def _token_ids(config) -> tuple:

@@ -219,8 +219,8 @@ def test_default_models_keep_their_parameters():
 
 
 def test_what_cannot_be_expressed_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match="rope_type='linear'"):
-        from_hf(small_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))
+    with pytest.raises(CheckpointError, match="rope_type='dynamic' is not supported"):
+        from_hf(small_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
     with pytest.raises(CheckpointError, match="mlp_bias"):
         from_hf(small_llama(attention_bias=True))
     with pytest.raises(CheckpointError, match="pass config="):

@@ -127,9 +127,8 @@ def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same
     from meshtorch.recipes.lm.run_files import SAME_FUNCTION, check_resumed_model, model_changes
 
     base = dict(model=kind, d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, length=16, resume="/r")
-    record = {"model": kind, "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
     new = {"positions": "rotary", "norm": "rms", "activation": "relu", "top_k": 1, "dropout": 0.1,
-           "attention": "gather", "padding_id": 3}
+           "attention": "gather", "padding_id": 3, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     others = {}
     for f in dataclasses.fields(ModelSection):
         old = getattr(TrainConfig.of(**base).model, f.name)
@@ -137,7 +136,9 @@ def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same
         if f.name != "name" and not (f.name == "gated" and kind == "moe"):  # MoE experts are never gated
             others[f.name] = value
     for name, value in others.items():
-        cfg = TrainConfig.of(**{**base, name: value})
+        run = {**base, "positions": "rotary"} if name == "rope_scaling" else base  # it rescales rotary ones
+        record = {"model": kind, "model_config": TrainConfig.of(**run).model_config(264).to_dict()}
+        cfg = TrainConfig.of(**{**run, name: value})
         changed = [c[0] for c in model_changes(cfg, record)]
         relevant = {"encoder_layers": kind == "seq2seq", "experts": kind == "moe"}.get(name, True)
         if name in SAME_FUNCTION or not relevant:

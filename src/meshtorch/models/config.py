@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshtorch.errors import ShapeError
+from meshtorch.models.rope import check_rope_scaling
 from meshtorch.shape import Dim
 
 POSITIONS = ("learned", "rotary")
 NORMS = ("layer", "rms")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 ATTENTIONS = ("auto", "ring", "gather")
+# the key of TransformerConfig.extra under which an imported model keeps its HF config's token ids
+HF_EXTRA = "hf_config"
 
 
 @dataclass
@@ -54,6 +57,12 @@ class TransformerConfig:
         gated: the feed-forward layer is gated, ``wo(act(wg(x)) * wi(x))``
             (SwiGLU with ``activation="silu"``, as in Llama).
         rotary_base: base of the rotary angles (Llama's ``rope_theta``).
+        rope_scaling: the rotary frequencies rescaled, in transformers' names (a Llama 3.1+
+            ``config.json``'s ``rope_parameters`` less ``rope_theta``): ``{"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}`` or ``{"rope_type": "linear", "factor": 2.0}``
+            (see :mod:`meshtorch.models.rope`); ``None``: plain rotary positions. Only with
+            ``positions="rotary"``.
         padding_id: an id whose embedding lookups send no gradient to the table (the row
             still trains through a tied output layer), as transformers' ``nn.Embedding``
             ``padding_idx`` (a Llama's ``pad_token_id``); -1: none.
@@ -94,6 +103,7 @@ class TransformerConfig:
     kv_heads: int = 0
     gated: bool = False
     rotary_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
     padding_id: int = -1
     recompute: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +116,10 @@ class TransformerConfig:
             raise ShapeError(f"positions={self.positions!r}; use one of {POSITIONS}")
         if self.positions == "rotary" and self.d_kv % 2:
             raise ShapeError(f"rotary positions rotate pairs of d_kv; d_kv={self.d_kv} must be even")
+        check_rope_scaling(self.rope_scaling, "TransformerConfig.rope_scaling")
+        if self.rope_scaling is not None and self.positions != "rotary":
+            raise ShapeError(f"rope_scaling={self.rope_scaling} rescales rotary positions, but positions="
+                             f"{self.positions!r}; set positions='rotary' or rope_scaling=None")
         if self.norm not in NORMS:
             raise ShapeError(f"norm={self.norm!r}; use one of {NORMS}")
         if self.activation not in ACTIVATIONS:
@@ -151,6 +165,19 @@ class TransformerConfig:
 
     def num_experts_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.layers))
+
+    def token_ids(self, name: str) -> list[int]:
+        """The ids of an imported model's HF config field ``name`` (``"eos_token_id"``: one id or a
+        list, as Llama 3 lists its end-of-turn ids) kept in :attr:`extra`; ``[]`` if it has none.
+
+        Example:
+            >>> TransformerConfig(extra={"hf_config": {"eos_token_id": [1, 7]}}).token_ids("eos_token_id")
+            [1, 7]
+            >>> TransformerConfig().token_ids("eos_token_id")
+            []
+        """
+        ids = self.extra.get(HF_EXTRA, {}).get(name)
+        return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -113,11 +113,56 @@ def length_whole() -> Iterator[None]:
         ctx.random_calls = inner.random_calls  # random streams stay in step with the other processors
 
 
+def stop_ids(model, eos: int | Sequence[int] | None = None,
+             ignore_eos: bool = False) -> tuple[list[int], int]:
+    """The ids :func:`generate` stops a sequence at and the id it pads finished sequences with:
+    ``eos`` if given, else the model's config's ``eos_token_id`` (:meth:`TransformerConfig.token_ids`:
+    a model loaded by :func:`~meshtorch.models.from_hf`, or a checkpoint of one, knows it); the pad
+    is the config's ``pad_token_id``, else the first eos id, as in transformers' ``generate``.
+    ``ignore_eos`` (or no eos known): ``([], -1)``, no stop.
+
+    Example:
+        >>> from meshtorch.models import DecoderLM, TransformerConfig
+        >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1,
+        ...                         extra={"hf_config": {"eos_token_id": [3, 5]}})
+        >>> model = DecoderLM(cfg)
+        >>> stop_ids(model), stop_ids(model, eos=9), stop_ids(model, ignore_eos=True)
+        (([3, 5], 3), ([9], 9), ([], -1))
+    """
+    if ignore_eos:
+        return [], -1
+    ids = model.cfg.token_ids("eos_token_id") if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not ids:
+        return [], -1
+    pads = model.cfg.token_ids("pad_token_id")
+    return ids, pads[0] if pads else ids[0]
+
+
+def until_eos(tokens: Sequence[int], eos: Sequence[int]) -> list[int]:
+    """``tokens`` up to and including the first of the ids ``eos`` (the padding :func:`generate`
+    puts after it dropped); all of them if none is there.
+
+    Example:
+        >>> until_eos([4, 9, 2, 0, 0], [2]), until_eos([4, 9], [2])
+        ([4, 9, 2], [4, 9])
+    """
+    out = list(tokens)
+    at = next((i for i, t in enumerate(out) if t in eos), None)
+    return out if at is None else out[: at + 1]
+
+
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, use_cache: bool = True, limit: int | None = None,
-             stop: int | None = None) -> list[list[int]]:
-    """Continue each prompt by ``max_new_tokens`` tokens (fewer if ``max_length`` is reached).
+             eos: int | Sequence[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
+    """Continue each prompt by ``max_new_tokens`` tokens (fewer if ``max_length`` is reached, or
+    once every sequence has ended).
+
+    A sequence ends at an end-of-sequence id (:func:`stop_ids`: ``eos``, else the model's
+    config's ``eos_token_id``, e.g. a Llama's from :func:`~meshtorch.models.from_hf`), which it
+    emits; from then on it gets the pad id (the config's ``pad_token_id``, else the first eos
+    id), as transformers' ``generate`` pads finished rows, and decoding stops once every
+    sequence has ended. :func:`until_eos` cuts a row after its eos.
 
     Args:
         model: a :class:`~meshtorch.models.DecoderLM` (anything with ``new_cache``
@@ -127,10 +172,12 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
         use_cache: reuse keys/values (else recompute the whole prefix each step;
             the results are the same).
         limit: never emit ids ``>= limit`` (e.g. padding entries of the vocab).
-        stop: stop once every sequence has emitted this id.
+        eos: the end-of-sequence id(s) (default: the config's; none for a model trained from
+            scratch, which then runs ``max_new_tokens``).
+        ignore_eos: never stop at an end-of-sequence id (``meshtorch generate --ignore-eos``).
 
     Returns:
-        The new tokens of each prompt.
+        The new tokens of each prompt (all rows of one length).
     """
     if not 0 <= temperature < float("inf") or top_k < 0 or max_new_tokens < 0:
         raise ArgumentError(f"generate: temperature={temperature} must be >= 0 (0: greedy), top_k={top_k} "
@@ -138,11 +185,13 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1 or 0 in lengths:
         raise ShapeError(f"generate needs non-empty prompts of one length, got lengths {sorted(lengths)}")
+    stops, pad = stop_ids(model, eos, ignore_eos)
     with length_whole():
-        return _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cache, limit, stop)
+        return _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cache, limit, stops,
+                         pad)
 
 
-def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cache, limit, stop):
+def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cache, limit, stops, pad):
     lengths = {len(p) for p in prompts}
     was_training = model.training
     model.eval()
@@ -150,7 +199,8 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
     rows = len(prompts)
     # the tokens live on the processor's device: one copy of the prompts there, none per token
-    seq = torch.tensor([list(p) for p in prompts], dtype=torch.int64, device=processor_device())
+    dev = processor_device()
+    seq = torch.tensor([list(p) for p in prompts], dtype=torch.int64, device=dev)
     # the rules may split batch: repeat the prompts up to a multiple of that axis, keep the first rows
     ctx = current()
     seq = _pad_rows(seq, ctx.rules.pieces("batch", ctx.mesh))
@@ -158,14 +208,20 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     cache = model.new_cache(batch) if use_cache else None
     ids = seq
     out: list[torch.Tensor] = []
+    stop = torch.tensor(stops, dtype=torch.int64, device=dev)
+    done = torch.zeros(seq.shape[0], dtype=torch.bool, device=dev)
     try:
         for step in range(max_new_tokens):
             x = from_global(ids, [batch, Dim("length", ids.shape[1])])
             nxt = pick(_last(model(x, cache)), temperature, top_k, seed=seed, stream=step, limit=limit)
+            if stops:
+                # a finished row gets the pad id; one that emits an eos id finishes
+                nxt = torch.where(done, pad, nxt)
+                done |= torch.isin(nxt, stop)
             out.append(nxt)
             seq = torch.cat([seq, nxt[:, None]], 1)
             ids = nxt[:, None] if use_cache else seq
-            if stop is not None and bool((torch.stack(out, 1) == stop).any(1).all()):
+            if stops and bool(done[:rows].all()):  # the repeated rows past `rows` are not returned
                 break
     finally:
         model.train(was_training)

@@ -52,7 +52,8 @@ CONFIG_FIELDS = {**FIELDS, "layers": "n_layer", "max_length": "n_positions", "d_
                  "tie_embeddings": "tie_word_embeddings", "activation": "activation_function",
                  "eps": "layer_norm_epsilon", "positions": "model_type", "norm": "model_type",
                  "bias": "model_type", "gated": "model_type", "kv_heads": "model_type",
-                 "rotary_base": "model_type", "padding_id": "model_type"}
+                 "rotary_base": "model_type", "rope_scaling": "model_type",
+                 "padding_id": "model_type"}
 # released GPT-2 checkpoints (small .. xl) all have 64-dim heads
 HEAD_SIZE = 64
 

@@ -44,7 +44,7 @@ from meshtorch.context import current
 from meshtorch.errors import CheckpointError, LayoutError
 from meshtorch.layout import format_axes
 from meshtorch.models import gpt2, llama
-from meshtorch.models.config import TransformerConfig
+from meshtorch.models.config import HF_EXTRA, TransformerConfig
 from meshtorch.models.hf_map import Piece, Source, assemble, config_dict, read_slice
 from meshtorch.models.lm import DecoderLM
 
@@ -56,7 +56,6 @@ RUN_OPTIONS = ("dropout", "attention")
 # eos_token_id): from_hf keeps them in TransformerConfig.extra[HF_EXTRA], export_hf writes them
 # back, so that a fine-tune's export is not given transformers' class defaults (a Llama's eos=2)
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-HF_EXTRA = "hf_config"
 
 
 def _architecture(config: Mapping[str, Any] | None, src: Source) -> ModuleType:

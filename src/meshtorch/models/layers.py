@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ from meshtorch import caching, nn
 from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.models.config import TransformerConfig
+from meshtorch.models.rope import inverse_frequencies
 from meshtorch.ops.attention import attention, ring_attention
 from meshtorch.ops.einsum import einsum
 from meshtorch.ops.elementwise import cast, gelu, gelu_tanh, relu, silu
@@ -94,31 +97,36 @@ def padding_bias(mask: MeshTensor) -> MeshTensor:
     return (cast(mask, torch.float32) - 1.0) * -NEG
 
 
-def rotary_tables(positions: int, d_kv: int, dim: str, offset: int = 0,
-                  base: float = 10000.0) -> tuple[MeshTensor, MeshTensor]:
+def rotary_tables(positions: int, d_kv: int, dim: str, offset: int = 0, base: float = 10000.0,
+                  scaling: Mapping[str, Any] | None = None) -> tuple[MeshTensor, MeshTensor]:
     """``cos`` and ``sin`` tables ``[dim, d_kv]`` for rotary positions ``offset ..``.
 
-    The two halves of ``d_kv`` rotate as pairs (GPT-NeoX layout). Computed once per (sizes,
-    offset, base, device) on the processor's device; each call views its slice.
+    The two halves of ``d_kv`` rotate as pairs (GPT-NeoX layout), at the inverse frequencies of
+    :func:`~meshtorch.models.rope.inverse_frequencies` (``base``, rescaled by ``scaling``, a
+    ``TransformerConfig.rope_scaling``). Computed once per (sizes, offset, base, scaling, device)
+    on the processor's device; each call views its slice.
 
     Example:
         >>> from meshtorch.models.layers import rotary_tables
         >>> cos, sin = rotary_tables(3, 4, "length")
         >>> cos.shape, round(sin.to_global()[1, 0].item(), 4)
         (Shape('length:3,d_kv:4'), 0.8415)
+        >>> round(rotary_tables(3, 4, "length", scaling={"rope_type": "linear", "factor": 2.0})[1]
+        ...       .to_global()[2, 0].item(), 4)
+        0.8415
     """
     tables = _rotary_tables.__wrapped__ if caching.compiling() else _rotary_tables  # as in causal_bias
-    cos, sin = tables(positions, d_kv, offset, base, current().device)
+    key = None if scaling is None else tuple(sorted(scaling.items()))  # hashable, for the memo
+    cos, sin = tables(positions, d_kv, offset, base, key, current().device)
     shape = Shape([Dim(dim, positions), Dim("d_kv", d_kv)])
     return _constant(cos, shape), _constant(sin, shape)
 
 
 @functools.lru_cache(maxsize=64)
-def _rotary_tables(positions: int, d_kv: int, offset: int, base: float,
+def _rotary_tables(positions: int, d_kv: int, offset: int, base: float, scaling: tuple | None,
                    device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-    half = d_kv // 2
+    inv = inverse_frequencies(d_kv, base, None if scaling is None else dict(scaling))
     # float64 angles on the host (exact positions), moved to the device once
-    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
     ang = (torch.arange(positions, dtype=torch.float64) + offset).unsqueeze(1) * inv
     ang = torch.cat([ang, ang], 1)
     return ang.cos().float().to(device), ang.sin().float().to(device)

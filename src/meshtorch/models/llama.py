@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf_map import HF_ACTIVATIONS, OUR_ACTIVATIONS, Piece, Source
+from meshtorch.models.rope import check_rope_scaling
 
 MODEL_TYPE = "llama"
 # the transformers class of the LM, the bare model below its head, and the head's weight
@@ -35,18 +36,27 @@ FIELDS = {"heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "d_
 CONFIG_FIELDS = {**FIELDS, "layers": "num_hidden_layers", "max_length": "max_position_embeddings",
                  "tie_embeddings": "tie_word_embeddings", "activation": "hidden_act",
                  "bias": "attention_bias", "eps": "rms_norm_eps", "rotary_base": "rope_theta",
+                 "rope_scaling": "rope_parameters",
                  "padding_id": "pad_token_id", "positions": "model_type", "norm": "model_type",
                  "gated": "model_type"}
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
+def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``rope_theta`` and our ``rope_scaling`` (None: plain) of a LlamaConfig."""
     # transformers 5 keeps rope settings in rope_parameters; 4.x in rope_theta / rope_scaling
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise CheckpointError(f"LlamaConfig rope_type={kind!r} (rope scaling) is not supported; DecoderLM "
-                              "has plain rotary positions (rope_type='default')")
-    return float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, None
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")} | {"rope_type": kind}
+    if kind == "llama3":  # as transformers: the pretraining length defaults to max_position_embeddings
+        scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings", 2048))
+    try:
+        check_rope_scaling(scaling, "LlamaConfig rope_parameters")
+    except ArgumentError as e:
+        raise CheckpointError(str(e)) from None
+    return theta, scaling
 
 
 def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
@@ -71,6 +81,7 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
     n_heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or n_heads
     d_model = config["hidden_size"]
+    theta, scaling = _rope(config)
     return TransformerConfig(
         vocab=config["vocab_size"], d_model=d_model, heads=n_heads,
         d_kv=config.get("head_dim") or d_model // n_heads,
@@ -78,7 +89,7 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
         max_length=config.get("max_position_embeddings", 2048), positions="rotary",
         tie_embeddings=bool(config.get("tie_word_embeddings", False)), norm="rms",
         activation=HF_ACTIVATIONS[act], bias=bias, eps=config.get("rms_norm_eps", 1e-6),
-        kv_heads=0 if kv == n_heads else kv, gated=True, rotary_base=_rope_theta(config),
+        kv_heads=0 if kv == n_heads else kv, gated=True, rotary_base=theta, rope_scaling=scaling,
         padding_id=-1 if pad is None else pad)
 
 
@@ -93,7 +104,9 @@ def misfits(cfg: TransformerConfig) -> list[str]:
 
 def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
     """The ``config.json`` of a Llama that is ``cfg``."""
-    rope = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
+    rope = {"rope_theta": cfg.rotary_base, "rope_type": "default", **(cfg.rope_scaling or {})}
+    # transformers 4.x reads its scaling from rope_scaling (5.x from rope_parameters)
+    scaled = {"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {}
     pad = {"pad_token_id": cfg.padding_id} if cfg.padding_id >= 0 else {}
     return {"model_type": MODEL_TYPE, "architectures": [LM_CLASS], "vocab_size": cfg.vocab,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.layers,
@@ -101,7 +114,8 @@ def config_to_hf(cfg: TransformerConfig) -> dict[str, Any]:
             "head_dim": cfg.d_kv, "max_position_embeddings": cfg.max_length,
             "hidden_act": OUR_ACTIVATIONS[cfg.activation], "rms_norm_eps": cfg.eps,
             "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
-            "attention_dropout": cfg.dropout, "rope_parameters": rope, "rope_theta": cfg.rotary_base, **pad}
+            "attention_dropout": cfg.dropout, "rope_parameters": rope, "rope_theta": cfg.rotary_base,
+            **scaled, **pad}
 
 
 def pieces(cfg: TransformerConfig) -> dict[str, Piece]:

@@ -196,8 +196,9 @@ def embed_ids(table: nn.Embedding, ids: MeshTensor, cfg: TransformerConfig) -> M
 
 def rotary_of(cfg: TransformerConfig, n: int, offset: int = 0) -> tuple[MeshTensor, ...] | None:
     """The rotary tables ``(cos_q, sin_q, cos_k, sin_k)`` of ``n`` positions from ``offset`` at
-    ``cfg.rotary_base`` (``None`` without rotary positions): queries on ``length``, keys on
-    ``memory_length``, computed for the new positions only, also when they go into a cache.
+    ``cfg.rotary_base``, rescaled by ``cfg.rope_scaling`` (``None`` without rotary positions):
+    queries on ``length``, keys on ``memory_length``, computed for the new positions only, also
+    when they go into a cache.
     :class:`Stack` and the pipeline's stages both take them from here.
 
     Example:
@@ -209,8 +210,8 @@ def rotary_of(cfg: TransformerConfig, n: int, offset: int = 0) -> tuple[MeshTens
     """
     if cfg.positions != "rotary":
         return None
-    return (rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base)
-            + rotary_tables(n, cfg.d_kv, MEMORY, offset, cfg.rotary_base))
+    return (rotary_tables(n, cfg.d_kv, LENGTH, offset, cfg.rotary_base, cfg.rope_scaling)
+            + rotary_tables(n, cfg.d_kv, MEMORY, offset, cfg.rotary_base, cfg.rope_scaling))
 
 
 def output_layer(cfg: TransformerConfig) -> nn.Dense:

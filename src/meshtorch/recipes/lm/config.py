@@ -27,6 +27,7 @@ from meshtorch.errors import ArgumentError, LayoutError, MeshError, MeshTorchErr
 from meshtorch.layout import LayoutRules, format_axes
 from meshtorch.mesh import Mesh
 from meshtorch.models.config import ACTIVATIONS, ATTENTIONS, NORMS, POSITIONS, TransformerConfig
+from meshtorch.models.rope import check_rope_scaling
 
 MODELS = ("lm", "seq2seq", "moe")
 OPTIMIZERS = ("adamw", "adafactor")
@@ -80,6 +81,8 @@ def check_fields(section: Any) -> None:
             raise ArgumentError(f"{flag} must be {what}, got {value!r}")
         if kind in ("str", "str | None") and not isinstance(value, str) and value is not None:
             raise ArgumentError(f"{flag} must be text, got {value!r}")
+        if kind.startswith("dict") and not isinstance(value, dict) and value is not None:
+            raise ArgumentError(f"{flag} must be a JSON object (a TOML table in --config), got {value!r}")
         if name not in RANGES:
             continue
         low, strict, note = RANGES[name]
@@ -98,6 +101,7 @@ MODEL_DEFAULTS: dict[str, Any] = {"encoder_layers": 2, "experts": 4}
 
 def _model_post_init(self: Any) -> None:
     check_fields(self)
+    check_rope_scaling(self.rope_scaling, "--rope-scaling")  # with --positions: check_config (--init-from)
 
 
 def _model_config(self: Any, vocab: int, length: int) -> TransformerConfig:
@@ -567,6 +571,9 @@ def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -
         if section == "model" and name != "model":
             cfg.model_config(vocab)  # the model config's own error, e.g. activation='tanh'
         raise MeshTorchError(f"{flag} {value!r} is not one of {allowed}")
+    if cfg.model.rope_scaling is not None and cfg.model.positions != "rotary":
+        raise ArgumentError(f"--rope-scaling rescales rotary positions, but --positions is "
+                            f"{cfg.model.positions!r}; add --positions rotary or drop --rope-scaling")
     par, mesh = cfg.parallelism, cfg.parallelism.parsed.mesh
     if world is not None and world != mesh.size:
         staged, want = "", f"a --mesh of {world} processors"

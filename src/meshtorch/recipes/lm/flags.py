@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from meshtorch.errors import ArgumentError, MeshTorchError
@@ -52,6 +53,10 @@ HELP = {
     "tensorboard": "also write the metrics as TensorBoard event files in --out/tensorboard/ "
                    "(pip install 'meshtorch[tensorboard]')",
     "encoder_layers": "encoder blocks (--model seq2seq)",
+    "rope_scaling": "the rotary frequencies rescaled, as JSON in transformers' names: "
+                    "'{\"rope_type\": \"linear\", \"factor\": 2.0}' or rope_type llama3 with factor, "
+                    "low_freq_factor, high_freq_factor, original_max_position_embeddings (with --init-from: "
+                    "a Llama 3.1+ config's rope_parameters); needs --positions rotary",
     "padding_id": "a token id whose embedding lookups train nothing, as transformers' padding_idx (with "
                   "--init-from: a Llama's pad_token_id); -1: none",
     "experts": "experts per MoE layer (--model moe)",
@@ -124,9 +129,21 @@ def add_train_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
         if f.type == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=h)
         else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            text = _json_object if str(f.type).startswith("dict") else str
+            kind = {"int": int, "float": float}.get(str(f.type), text)
             group.add_argument(flag, type=kind, default=None, help=h, dest=name, choices=CHOICES.get(name))
     p.add_argument("--config", default=None, help=HELP["config"])
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (``--rope-scaling '{"rope_type": "linear", "factor": 2.0}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
+    return value
 
 
 def _toml_options(path: str) -> dict[str, Any]:

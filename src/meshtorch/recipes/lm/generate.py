@@ -3,6 +3,7 @@
 Example:
     $ meshtorch generate --checkpoint runs/20250101-120000 --prompt "import "
     $ meshtorch generate --checkpoint runs/20250101-120000 --prompt "import " --beams 4
+    $ meshtorch generate --checkpoint runs/llama-fine-tune --prompt "def " --ignore-eos
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from meshtorch.data import ByteTokenizer
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import CheckpointError
 from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
+from meshtorch.models.decode import stop_ids, until_eos
 
 
 def checkpoint_dir(path: str) -> str:
@@ -89,9 +91,11 @@ def load_lm(path: str) -> DecoderLM:
 
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
-                             beams: int = 0) -> str:
+                             beams: int = 0, ignore_eos: bool = False) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
-    or with ``beams >= 1`` the best of a beam search of that width)."""
+    or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
+    end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
+    Face model), unless ``ignore_eos``; a beam search runs ``max_new_tokens`` whatever it emits."""
     from meshtorch.launcher import launch
 
     path = checkpoint_dir(path)
@@ -104,7 +108,8 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
             new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit)[0]
         else:
             new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                           limit=tok.sample_limit)[0]
+                           limit=tok.sample_limit, ignore_eos=ignore_eos)[0]
+            new = until_eos(new, stop_ids(model, ignore_eos=ignore_eos)[0])
         return tok.decode(ids + new)
 
     return launch(prog, mesh=mesh, rules=rules)[0]

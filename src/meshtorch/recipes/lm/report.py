@@ -24,6 +24,7 @@ from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import TrainingError
 from meshtorch.files import save_figure
 from meshtorch.models import TransformerConfig, generate
+from meshtorch.models.decode import stop_ids, until_eos
 from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm.config import TrainConfig
 from meshtorch.recipes.lm.generate import prompt_ids
@@ -199,6 +200,7 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
     prompt = prompt_ids(tok, cfg.run.prompt)
     new = generate(model, [prompt], cfg.run.sample_tokens, temperature=cfg.run.temperature, top_k=40,
                    seed=cfg.run.seed, limit=tok.sample_limit)[0]
+    new = until_eos(new, stop_ids(model)[0])  # the padding after the model's eos, if it emitted one
     sample = tok.decode(prompt + new)
     if lead:
         unit = "byte" if tok.name == "bytes" else "token"
