@@ -150,3 +150,74 @@ def test_a_shard_lacking_a_tensor_its_index_names_is_named(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"'2.kernel'.* puts '2.kernel' in .*which does not hold it"):
         mt.import_consolidated(str(tmp_path), make_model())
+
+
+class PlainDense(torch.nn.Module):
+    """A plain torch module of mt.nn.Dense's parameter names and sizes (its dims are made up:
+    dim0, dim1)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.kernel = torch.nn.Parameter(torch.randn(4, 6, generator=g))
+        self.bias = torch.nn.Parameter(torch.randn(6, generator=g))
+
+
+def _mt_dense(seed: int) -> mt.nn.Dense:
+    return mt.nn.Dense(mt.Dim("d", 4), mt.Dim("out", 6)).reset_parameters(seed=seed)
+
+
+def _import_into_mt(path: str):
+    model = _mt_dense(9)
+    names = mt.import_consolidated(path, model)
+    return names, {n: view.to_global() for n, view in model.named_mesh_parameters()}
+
+
+def _import_into_plain(path: str):
+    model = PlainDense(9)
+    return mt.import_consolidated(path, model), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mesh", ["", "m:2"])
+def test_files_move_between_plain_torch_and_mt_parameters_both_ways(tmp_path, mesh):
+    """A plain torch parameter's dims are made-up names (dim0, dim1): its file was refused by an
+    mt.nn parameter of the same sizes, and an mt.nn export by a plain parameter ([dim0:4,dim1:6] but
+    [d:4,out:6]), which loaded before the dims were checked. Made-up names on either side say nothing,
+    so the sizes are checked; two real name lists still must match (the tests above)."""
+    kw = {"mesh": mesh, "rules": "out:m"} if mesh else {}
+    plain, mine = PlainDense(1), _mt_dense(2)
+    want_plain = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    want_mt = {n: p.detach().clone() for n, p in mine.named_parameters()}
+    mt.export_consolidated(str(tmp_path / "plain"), plain)
+    mt.export_consolidated(str(tmp_path / "mt"), mine)
+    assert "dim0" in tensors_of(str(tmp_path / "plain"))[1]["meshtorch_dims"]
+    for names, got in mt.launch(_import_into_mt, str(tmp_path / "plain"), **kw):
+        assert names == ["kernel", "bias"]
+        assert all(torch.equal(got[n], want_plain[n]) for n in names)
+    for names, got in mt.launch(_import_into_plain, str(tmp_path / "mt"), **kw):
+        assert names == ["kernel", "bias"]
+        assert all(torch.equal(got[n], want_mt[n]) for n in names)
+
+
+class WithLinear(mt.nn.Module):
+    """An mt.nn module holding a plain torch layer: its dims are made up as lin_weight_dim0, ..."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+
+def test_a_plain_layer_inside_an_mt_module_moves_to_a_plain_module_both_ways(tmp_path):
+    """Inside an mt.nn module a plain parameter's made-up dims are <name>_dim<i>; a plain module's
+    are dim<i>: the two were refused as other dims, both ways."""
+    torch.manual_seed(0)
+    mixed, plain = WithLinear(), torch.nn.Sequential()
+    plain.lin = torch.nn.Linear(4, 3)
+    mt.export_consolidated(str(tmp_path / "mixed"), mixed)
+    mt.export_consolidated(str(tmp_path / "plain"), plain)
+    into_plain, into_mixed = torch.nn.Sequential(), WithLinear()
+    into_plain.lin = torch.nn.Linear(4, 3)
+    assert mt.import_consolidated(str(tmp_path / "mixed"), into_plain) == ["lin.weight", "lin.bias"]
+    assert mt.import_consolidated(str(tmp_path / "plain"), into_mixed) == ["lin.weight", "lin.bias"]
+    for got, want in ((into_plain, mixed), (into_mixed, plain)):
+        assert torch.equal(got.lin.weight, want.lin.weight) and torch.equal(got.lin.bias, want.lin.bias)

@@ -166,3 +166,44 @@ def test_an_index_with_positions_for_another_processor_count_is_refused(tmp_path
     message = r"data_per_processor.*one position per processor of the mesh b:2 \(2\), got 3"
     with pytest.raises(CheckpointError, match=message):
         read_index(path)
+
+
+def _save_per_dp(path: str) -> None:
+    """Each data-parallel replica reads its own shard: its position is its dp coordinate."""
+    model = mt.nn.Dense(mt.Dim("d", D), mt.Dim("out", 2)).reset_parameters(seed=3)
+    mt.save(path, model=model, data={"dp_shard": mt.current().coords["dp"]}, step=1)
+
+
+def _load_per_dp(path: str, with_data: bool):
+    model = mt.nn.Dense(mt.Dim("d", D), mt.Dim("out", 2)).reset_parameters(seed=9)
+    before = model.kernel.detach().clone()
+    state = {}
+
+    class Loader:
+        def load_state_dict(self, s):
+            state.update(s)
+
+    try:
+        info = mt.load(path, model=model, data=Loader() if with_data else None)
+    except CheckpointError as e:
+        return dict(mt.current().coords), str(e), torch.equal(before, model.kernel), state
+    return dict(mt.current().coords), info["data"], torch.equal(before, model.kernel), state
+
+
+def test_positions_per_processor_on_another_mesh_of_as_many_processors_are_refused(tmp_path):
+    """Saved on dp:2,tp:2, the positions were handed out by rank on tp:2,dp:2 and dp:4 (as many
+    processors): rank 1 is dp 0 on dp:2,tp:2 but dp 1 on tp:2,dp:2, so replicas resumed on another
+    replica's shard. A position belongs to a processor's coordinates: on another mesh (other axes,
+    sizes or order) data= is refused on every processor before anything is copied, naming both
+    meshes, and a load without data= gives info["data"] None; on the saved mesh each gets its own."""
+    path = str(tmp_path / "ckpt")
+    mt.launch(_save_per_dp, path, mesh="dp:2,tp:2")
+    for mesh in ("tp:2,dp:2", "dp:4"):
+        for _, error, unchanged, state in mt.launch(_load_per_dp, path, True, mesh=mesh):
+            assert "data position per processor" in error, error
+            assert "'dp:2,tp:2'" in error and f"'{mesh}'" in error, error
+            assert unchanged and state == {}
+        for _, data, unchanged, _ in mt.launch(_load_per_dp, path, False, mesh=mesh):
+            assert data is None and not unchanged
+    for coords, data, unchanged, state in mt.launch(_load_per_dp, path, True, mesh="dp:2,tp:2"):
+        assert data == state == {"dp_shard": coords["dp"]} and not unchanged

@@ -159,8 +159,9 @@ def tied_stages() -> list[torch.nn.Module]:
             torch.nn.Sequential(_linear(6, 6, g), Head(emb))]
 
 
-def _tied(stages, ids, targets, schedule):
-    pipe = Pipeline(lambda i: copy.deepcopy(stages[i]), microbatches=2, schedule=schedule,
+def _tied(stages, ids, targets, schedule, given="factory"):
+    built = stages if given == "list" else lambda i: copy.deepcopy(stages[i])
+    pipe = Pipeline(built, microbatches=2, schedule=schedule,
                     loss_fn=F.cross_entropy, optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1))
     table = pipe.module[0].weight if pipe.stage == 0 else pipe.module[1].emb.weight
 
@@ -172,8 +173,8 @@ def _tied(stages, ids, targets, schedule):
     return [pipe.step(ids, targets) for _ in range(3)], table.detach().clone()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_weights_tied_across_stages(schedule):
+def _tied_case():
+    """The tied stages, their data, and the unsplit model's losses and trained table."""
     stages = tied_stages()
     g = torch.Generator().manual_seed(3)
     ids, targets = torch.randint(0, 10, (8,), generator=g), torch.randint(0, 10, (8,), generator=g)
@@ -186,13 +187,32 @@ def test_weights_tied_across_stages(schedule):
         loss.backward()
         opt.step()
         want.append(loss.item())
+    return stages, ids, targets, want, ref[0][0].weight.detach()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_weights_tied_across_stages(schedule):
+    stages, ids, targets, want, want_table = _tied_case()
     for losses, table in mt.launch(_tied, stages, ids, targets, schedule, mesh="stage:2"):
         assert losses == pytest.approx(want, rel=1e-12)
-        torch.testing.assert_close(table, ref[0][0].weight.detach(), rtol=1e-10, atol=1e-12)
-    # the list itself, whose stages share the table, would train two copies (or race on threads)
-    with pytest.raises(ProcessorError, match=r"parameter '1.emb.weight' of model chunk 1 \(stage 1\) is also "
-                                             r"in model chunk 0 \(stage 0\).*after_backward"):
+        torch.testing.assert_close(table, want_table, rtol=1e-10, atol=1e-12)
+    # the list itself, whose stages share the table: on threads both stages' optimizers would step it
+    shared = (r"parameter '1.emb.weight' of model chunk 1 \(stage 1\) is also '0.weight' of model chunk 0 "
+              r"\(stage 0\): on the threads backend .*lambda i: copy.deepcopy\(stages\[i\]\).*after_backward")
+    with pytest.raises(ProcessorError, match=shared):
         mt.launch(lambda: Pipeline(stages, microbatches=2, loss_fn=F.cross_entropy), mesh="stage:2")
+
+
+def test_weights_tied_across_stages_of_a_list_on_processes():
+    """Each process holds its own copy of the list, and runs only its own stage: the documented
+    after_backward recipe is right there, and the list was refused as on threads."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    stages, ids, targets, want, want_table = _tied_case()
+    out = mt.launch(_tied, stages, ids, targets, "1f1b", "list", mesh="stage:2", backend="torch", timeout=120)
+    for losses, table in out:
+        assert losses == pytest.approx(want, rel=1e-12)
+        torch.testing.assert_close(table, want_table, rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------------ accumulation, checkpoints
@@ -296,6 +316,104 @@ def test_a_placed_plain_module_runs_on_thread_processors(monkeypatch):
         mt.launch(lambda: Pipeline(model, placement, microbatches=2), mesh="stage:2")
 
 
+def test_a_placement_of_too_few_chunks_for_virtual_stages_names_a_problem_that_fits():
+    """The hint was Problem(devices=p), which gives p chunks where p·v are needed; following it
+    failed again. The interleaved problem cuts exactly p·v chunks, and the pipeline takes them."""
+    from meshtorch.placement import Problem, place
+    from meshtorch.placement.trace import DeviceSpec, trace
+
+    model, data = _replica_model_and_data()
+    graph = trace(torch.fx.symbolic_trace(model), data[0][0], spec=DeviceSpec(link_bandwidth=1e18))
+    three = place(graph, Problem(devices=3))
+    assert len(three.stages) == 3
+    hint = (r"the placement has 3 model chunks but axis 'stage' has 2 processors × 2 virtual stages .*; "
+            r"place with Problem\(devices=2, schedule='interleaved', virtual_stages=2, "
+            r"microbatches=<a multiple of 2>\), which cuts exactly 4 chunks "
+            r"\(Problem\(devices=4\) may return fewer")
+    with pytest.raises(ProcessorError, match=hint):
+        mt.launch(lambda: Pipeline(model, three, microbatches=2, schedule="interleaved", virtual_stages=2),
+                  mesh="stage:2")
+    four = place(graph, Problem(devices=2, schedule="interleaved", virtual_stages=2, microbatches=2))
+    assert len(four.stages) == 4
+    want, _ = _dense_sgd(model, data)
+
+    def train():
+        pipe = Pipeline(copy.deepcopy(model), four, microbatches=2, schedule="interleaved", virtual_stages=2,
+                        loss_fn=F.mse_loss, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        return [pipe.step(x, y) for x, y in data]
+
+    for losses in mt.launch(train, mesh="stage:2"):
+        assert losses == pytest.approx(want, rel=1e-12)
+
+
+# ------------------------------------------------------------------ data-parallel replicas on threads
+def _dense_sgd(model, data, lr=0.1):
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    return want, ref.state_dict()
+
+
+def _replicated(stages, placement, data):
+    dp = mt.current().coords["dp"]
+    pipe = Pipeline(stages, placement, microbatches=2, loss_fn=F.mse_loss, data_axes=("dp",),
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    losses = [pipe.step(x.chunk(2)[dp], y.chunk(2)[dp]) for x, y in data]
+    return losses, {n: p.detach().clone() for n, p in pipe.module.named_parameters()}
+
+
+def _replica_model_and_data():
+    g = torch.Generator().manual_seed(5)
+    model = torch.nn.Sequential(_linear(4, 6, g), torch.nn.Tanh(), _linear(6, 6, g), torch.nn.Tanh(),
+                                _linear(6, 1, g))
+    data = [(torch.randn(8, 4, generator=g, dtype=torch.float64),
+             torch.randn(8, 1, generator=g, dtype=torch.float64)) for _ in range(3)]
+    return model, data
+
+
+def test_data_parallel_replicas_of_a_list_train_like_the_unsplit_model_on_threads():
+    """On stage:2,dp:2 threads, both dp replicas of a stage got the list's one module object, so two
+    optimizers stepped the same tensors (each replica's averaged gradient applied twice): the losses
+    left the unsplit model's from the second step. Each replica but the first now trains its own copy,
+    made before training (the first trains the objects given, as on one replica)."""
+    model, data = _replica_model_and_data()
+    want, state = _dense_sgd(model, data)
+    stages = [model[:2], model[2:]]
+    out = mt.launch(_replicated, stages, None, data, mesh="stage:2,dp:2")
+    for losses, _ in out:
+        assert losses == pytest.approx(want, rel=1e-12)
+    got = {**out[0][1], **out[2][1]}  # a Sequential's slices keep its names: stage 1 holds "2.weight", ...
+    assert sorted(got) == sorted(state)
+    for name, t in state.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(model.state_dict()[name], t, rtol=1e-10, atol=1e-12, msg=name)
+    for a, b in ((0, 1), (2, 3)):  # the replicas hold equal weights
+        assert all(torch.equal(out[a][1][n], out[b][1][n]) for n in out[a][1])
+
+
+def test_data_parallel_replicas_of_a_placed_module_train_like_the_unsplit_model_on_threads():
+    """A placed module is traced on every thread: the stage's cut parts held the module's own
+    parameters on both dp replicas, stepped twice per step."""
+    from meshtorch.placement import Problem, place
+    from meshtorch.placement.trace import DeviceSpec, trace
+
+    model, data = _replica_model_and_data()
+    want, state = _dense_sgd(model, data)
+    placement = place(trace(torch.fx.symbolic_trace(model), data[0][0], spec=DeviceSpec(link_bandwidth=1e18)),
+                      Problem(devices=2))
+    assert len(placement.stages) == 2
+    for losses, _ in mt.launch(_replicated, model, placement, data, mesh="stage:2,dp:2"):
+        assert losses == pytest.approx(want, rel=1e-12)
+    for name, t in state.items():
+        torch.testing.assert_close(model.state_dict()[name], t, rtol=1e-10, atol=1e-12, msg=name)
+
+
 # ------------------------------------------------------------------ what cannot work
 def _make(stages, v=1, schedule="1f1b", loss_fn=F.mse_loss, m=2):
     return Pipeline(stages, microbatches=m, schedule=schedule, virtual_stages=v, loss_fn=loss_fn,
@@ -347,6 +465,17 @@ class NeedsArgs(torch.nn.Module):
         return self.lin(x)
 
 
+class BuggyInit(torch.nn.Module):
+    """Builds without arguments, but its own constructor has a bug (Linear's out_features missing)."""
+
+    def __init__(self, width: int = 4):
+        super().__init__()
+        self.lin = torch.nn.Linear(width)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
 class TokenModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -367,6 +496,10 @@ def test_place_cli_names_what_a_model_needs(capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"meshtorch place: error: cannot build {here}:NeedsArgs without arguments (")
     assert "'width'" in err and "module:net, net = Net(...)" in err and "Traceback" not in err
+    # a TypeError the constructor's own code raises was reported as missing arguments: it is its own
+    with pytest.raises(TypeError, match=r"Linear.__init__\(\) missing 1 required positional argument: "
+                                        r"'out_features'"):
+        main(["place", f"{here}:BuggyInit", "--input-shape", "4,4", "--devices", "2"])
     # token ids: --input-shape makes floats; the error points at example_inputs()
     assert main(["place", f"{here}:TokenModel", "--input-shape", "4,8", "--devices", "2"]) == 2
     err = capsys.readouterr().err

@@ -196,7 +196,8 @@ def import_consolidated(path: str | os.PathLike, model: torch.nn.Module, *,
     each parameter's dtype. With ``strict``, a parameter missing from the files
     is an error. A file written by :func:`export_consolidated` records each
     tensor's named dims (``meshtorch_dims``): they must be the parameter's, names
-    and order too; other files are checked by sizes. Every parameter is checked
+    and order too, where both have real names; a plain torch parameter's (made-up
+    ``dim0, dim1, ...``) on either side, and other files, are checked by sizes. Every parameter is checked
     on every processor before any is copied, so an import that raises (on every
     processor, where one processor's files fail) leaves ``model`` as it was.
     Returns the names of the parameters loaded.
@@ -248,7 +249,7 @@ def _import_plan(path: str, model: torch.nn.Module, rename, strict: bool) -> lis
                                   "does not hold it; the shards are not the index's (a partial copy?), "
                                   "fetch or export them again") from None
         saved = dims_of[fpath].get(key)
-        if saved is not None:
+        if saved is not None and not _generated(view.shape, name) and not _generated(saved, key):
             _check_dims(name, key, view.shape, saved, fpath)
         if list(sl.get_shape()) != list(view.shape.sizes):
             raise CheckpointError(f"parameter {name!r} has shape [{view.shape}] but {fpath} holds "
@@ -278,6 +279,14 @@ def _saved_dims(handle, fpath: str) -> dict[str, Shape]:
                                   f"{json.dumps(dims)[:80]}, not [[dim, size], ...]; export the file "
                                   "again") from None
     return out
+
+
+def _generated(shape: Shape, name: str) -> bool:
+    """Whether ``shape``'s dim names are the ones meshtorch makes up for a plain torch parameter
+    ``name`` (``dim0, dim1, ...``, or ``<name>_dim0, ...`` inside an ``mt.nn`` module): they say
+    nothing of what the dims are, so a file moves between a plain and an ``mt.nn`` parameter."""
+    safe = name.replace(".", "_")
+    return any(shape.names == tuple(f"{p}dim{i}" for i in range(len(shape.names))) for p in ("", f"{safe}_"))
 
 
 def _check_dims(name: str, key: str, mine: Shape, saved: Shape, fpath: str) -> None:

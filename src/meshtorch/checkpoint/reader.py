@@ -40,6 +40,7 @@ from meshtorch.checkpoint.writer import (
 )
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, MeshTorchError
+from meshtorch.mesh import Mesh
 from meshtorch.tensor import layout_for, local_shape
 
 # a file opened by descriptor is reopened through this path on Linux: the same file, even once deleted
@@ -284,7 +285,7 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
             (``strict``), shape or dtype mismatch, a malformed or modified index
             (naming the field), checksum mismatch of a slice file (with
             ``verify``) — naming the tensor and the file; ``data=`` with
-            per-processor positions saved on another number of processors.
+            per-processor positions saved on another mesh.
     """
     pinned = _pin(os.fspath(path), model, optimizer)
     path = pinned.version.dir
@@ -351,24 +352,33 @@ def load(path: str | os.PathLike, *, model: torch.nn.Module, optimizer: Any = No
 
 def _data_position(index: dict) -> Any:
     """This processor's saved data position: its own where each processor's was saved
-    (``data_per_processor``), ``None`` where those were of another processor count; else the one."""
+    (``data_per_processor``) on this very mesh, ``None`` where they were saved on another mesh;
+    else the one."""
     ctx = current()
     positions = index.get("data_per_processor")
     if positions is None:
         return from_json(index.get("data"))
-    return from_json(positions[ctx.rank]) if len(positions) == ctx.mesh.size else None
+    return from_json(positions[ctx.rank]) if _same_mesh(index) else None
+
+
+def _same_mesh(index: dict) -> bool:
+    """Whether the checkpoint was saved on this mesh: the same axes, sizes and order, so each
+    rank holds the same coordinates (a rank of ``tp:2,dp:2`` or ``dp:4`` is another processor
+    of ``dp:2,tp:2``, reading other rows)."""
+    return Mesh(index["mesh"]) == current().mesh
 
 
 def _check_positions_fit(index: dict, path: str) -> None:
-    """Refuse to restore data positions saved per processor on another number of processors."""
-    positions, size = index.get("data_per_processor"), current().mesh.size
-    if positions is not None and len(positions) != size:
+    """Refuse to restore data positions saved per processor on another mesh."""
+    positions, mesh = index.get("data_per_processor"), current().mesh
+    if positions is not None and not _same_mesh(index):
         raise CheckpointError(
             f"checkpoint {path!r} holds a data position per processor (the {len(positions)} processors of "
-            f"mesh {index['mesh']} each read their own rows), but this mesh has {size} processors: no rule "
-            f"gives those positions to {size} processors. Resume on {len(positions)} processors, or load "
-            "without data= and place the loaders yourself (read_index(path)['data_per_processor'] lists "
-            "the positions)")
+            f"mesh '{index['mesh']}' each read their own rows), but this mesh is '{mesh}': a position "
+            "belongs to a processor's coordinates, and no rule gives them to the processors of another "
+            f"mesh (other axes, sizes or order). Resume on mesh '{index['mesh']}', or load without data= "
+            "and place the loaders yourself (read_index(path)['data_per_processor'] lists the positions, "
+            "in rank order of the saved mesh)")
 
 
 def _check_no_others(index: dict, path: str, mine: set[str]) -> None:

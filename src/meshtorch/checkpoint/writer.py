@@ -38,6 +38,7 @@ from meshtorch.checkpoint.format import (
 from meshtorch.checkpoint.index import CHECKSUM, index_checksum
 from meshtorch.checkpoint.state import rng_state, scalar_json, to_json
 from meshtorch.checkpoint.versions import commit, latest, mark_live, temp_path, writer_tag
+from meshtorch.comm.base import all_texts
 from meshtorch.context import current
 from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.files import fsync_dir, replacing, write_atomic
@@ -135,17 +136,6 @@ def from_rank0(text: str, src: int = 0) -> str:
     t[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     t = comm.broadcast(t, comm.mesh.axis_names, src)
     return bytes(t.tolist()).rstrip(b"\0").decode(errors="replace")
-
-
-def all_texts(text: str) -> list[str]:
-    """Every processor's ``text``, in rank order, on every processor (every processor calls it)."""
-    comm = current().comm
-    everyone = comm.mesh.axis_names
-    raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-    sizes = [int(n) for n in comm.all_gather(torch.tensor([raw.numel()]), everyone, 0).tolist()]
-    joined = comm.all_gather(raw, everyone, 0, sizes=sizes).numpy().tobytes()
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [joined[s:s + n].decode() for s, n in zip(starts, sizes)]
 
 
 def processors_agree(state: int) -> int:
@@ -416,7 +406,7 @@ def _data_fields(position: Any) -> dict:
     """The index's data fields from every processor's ``position`` (every processor calls it):
     ``"data"``, processor 0's; and where the positions differ (each processor reads its own rows),
     ``"data_per_processor"``, each processor's in rank order, in an index of format version 3."""
-    positions = [json.loads(t) for t in all_texts(json.dumps(position))]
+    positions = [json.loads(t) for t in all_texts(current().comm, json.dumps(position))]
     if len({json.dumps(p, sort_keys=True) for p in positions}) == 1:
         return {"data": positions[0]}
     return {"data": positions[0], "data_per_processor": positions, "version": VERSION}

@@ -136,6 +136,23 @@ def as_axes(axes: str | Iterable[str]) -> tuple[str, ...]:
     return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def all_texts(comm: Communicator, text: str) -> list[str]:
+    """Every processor's ``text``, in rank order, on every processor (every processor calls it).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> mt.launch(lambda: all_texts(mt.current().comm, "p" * mt.current().rank), mesh="b:3")[0]
+        ['', 'p', 'pp']
+    """
+    everyone = comm.mesh.axis_names
+    data = bytearray(text.encode())
+    raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    sizes = [int(n) for n in comm.all_gather(torch.tensor([raw.numel()]), everyone, 0).tolist()]
+    joined = comm.all_gather(raw, everyone, 0, sizes=sizes).numpy().tobytes()
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [joined[s:s + n].decode() for s, n in zip(starts, sizes)]
+
+
 class Communicator(ABC):
     """One processor's view of the mesh and its collectives.
 

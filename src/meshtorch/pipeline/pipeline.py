@@ -52,12 +52,15 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
+from meshtorch.comm.base import all_texts
 from meshtorch.context import current
 from meshtorch.errors import PipelineError
 from meshtorch.nn.parameter import MeshParameter
@@ -146,22 +149,54 @@ def _num_stages(stages, placement) -> int | None:
     return len(stages) if _is_sequence(stages) else None
 
 
-def _check_unshared(stages: Sequence[Any], where: Callable[[int], tuple[int, int]]) -> None:
-    """A trainable parameter in model chunks on two stages would be trained by each stage on its own
-    (processes: two copies drift apart; threads: two optimizers step one tensor): refuse it."""
-    owner: dict[int, tuple[int, int]] = {}
-    for c, chunk in enumerate(stages):
-        if not isinstance(chunk, torch.nn.Module):
-            continue
-        for name, p in chunk.named_parameters():
-            s, first = where(c)[0], owner.setdefault(id(p), (where(c)[0], c))
-            if p.requires_grad and first[0] != s:
+def _held(module: Any, chunks: list[int]) -> list[list]:
+    """``[id, model chunk, name, trainable]`` of each parameter and buffer of ``module``, a stage
+    holding model chunks ``chunks`` (one chunk: the module itself; more: a list of them)."""
+    rows = []
+    for c, chunk in zip(chunks, module if len(chunks) > 1 else [module]):
+        if isinstance(chunk, torch.nn.Module):
+            rows += [[id(p), c, name, p.requires_grad] for name, p in chunk.named_parameters()]
+            rows += [[id(b), c, name, False] for name, b in chunk.named_buffers()]
+    return rows
+
+
+def _own_on_threads(module: Any, chunks: list[int], axis: str) -> Any:
+    """``module`` (this stage's model chunks ``chunks``), or a copy of it where it is another
+    thread-processor's too (every processor calls it, on the threads backend).
+
+    Thread-processors share one process, so the stage objects of a list, of a module placed and
+    traced on each thread, or of a factory returning the same module, are the same objects on every
+    processor that holds that stage: data-parallel replicas would each step them with their own
+    optimizer. Each replica but the first gets its own deep copy instead, made before anyone trains
+    (equal to the first's, as processes' copies are). A trainable parameter in the chunks of two
+    stages would be stepped by both stages' optimizers: that is refused.
+    """
+    ctx = current()
+    tables = [json.loads(t) for t in all_texts(ctx.comm, json.dumps(_held(module, chunks)))]
+    first: dict[int, tuple[int, int, str]] = {}  # id -> (rank, model chunk, name) of its first holder
+    copying: set[int] = set()
+    for rank, rows in enumerate(tables):
+        stage = ctx.mesh.coords(rank)[axis]
+        for key, c, name, trainable in rows:
+            r0, c0, name0 = first.setdefault(key, (rank, c, name))
+            if r0 == rank:  # this processor's own chunks may share (ZB-V's chunks 0 and 2p-1: a tied table)
+                continue
+            s0 = ctx.mesh.coords(r0)[axis]
+            if s0 == stage:
+                copying.add(rank)
+            elif trainable:
                 raise PipelineError(
-                    f"parameter {name!r} of model chunk {c} (stage {s}) is also in model chunk {first[1]} "
-                    f"(stage {first[0]}): a stage trains only its own parameters. Give each stage its own "
-                    "copy (Pipeline(lambda i: copy.deepcopy(stages[i]), ...)) and sum the shared "
-                    "parameter's gradient over the stages in pipe.after_backward (docs/pipeline.md, "
-                    "'Weights shared by stages')")
+                    f"parameter {name!r} of model chunk {c} (stage {stage}) is also {name0!r} of model chunk "
+                    f"{c0} (stage {s0}): on the threads backend the stages run in one process, so both "
+                    "stages' optimizers would step the one tensor. Give each stage its own copy "
+                    "(Pipeline(lambda i: copy.deepcopy(stages[i]), ...)) and sum the shared parameter's "
+                    "gradient over the stages in pipe.after_backward (docs/pipeline.md, 'Weights shared by "
+                    "stages')")
+    if ctx.rank in copying:
+        module = copy.deepcopy(module)
+    if copying:  # nobody changes the originals (trains, loads) before every copy is made
+        ctx.comm.barrier()
+    return module
 
 
 def stage_chunks(build: Callable[[int], Any], stage: int, stages: int, virtual_stages: int = 1,
@@ -185,13 +220,15 @@ class Pipeline:
     """A model split into stages along mesh axis ``axis``.
 
     Args:
-        stages: one module (or callable) per stage (a list, tuple or ``nn.ModuleList``;
-            a trainable parameter must not be in two stages), a function ``i -> stage i``
-            (builds only this processor's stage), or a whole module with
-            ``placement`` (a contiguous :class:`~meshtorch.placement.Placement`;
-            the module is cut with :func:`meshtorch.placement.trace.split`).
-            Each stage takes the previous stage's output (a tuple is unpacked
-            into arguments); stage 0 takes the micro-batch of ``inputs``.
+        stages: one module (or callable) per stage (a list, tuple or ``nn.ModuleList``),
+            a function ``i -> stage i`` (builds only this processor's stage), or a
+            whole module with ``placement`` (a contiguous
+            :class:`~meshtorch.placement.Placement`; the module is cut with
+            :func:`meshtorch.placement.trace.split`). Each stage takes the
+            previous stage's output (a tuple is unpacked into arguments); stage 0
+            takes the micro-batch of ``inputs``. On the threads backend a trainable
+            parameter must not be in two stages, and replicas given one stage
+            object each train their own copy of it (docs/pipeline.md).
         placement: see ``stages``.
         axis: the mesh axis the stages lie along (its size = number of stages).
         microbatches: ``m``, micro-batches per batch.
@@ -234,18 +271,23 @@ class Pipeline:
             has = f"{p} processors" + (f" × {v} virtual stages" if v > 1 else "")
             mesh = f"use a mesh with '{axis}:{n // v}'" if n % v == 0 else ""
             if placement is not None:  # its chunks are what the placer found fastest: fit the mesh to them
+                # Problem(devices=p·v) may again give fewer; the interleaved problem cuts exactly p·v chunks
+                again = (f"place with Problem(devices={p}, schedule='interleaved', virtual_stages={v}, "
+                         f"microbatches=<a multiple of {p}>), which cuts exactly {p * v} chunks "
+                         f"(Problem(devices={p * v}) may return fewer, where more are no faster)")
                 raise PipelineError(f"the placement has {n} {what} but axis {axis!r} has {has} (the placer "
                                     "uses fewer stages than devices where more are no faster); "
-                                    f"{mesh or f'place with Problem(devices={p})'}")
+                                    f"{f'{mesh}, or {again}' if mesh and v > 1 else mesh or again}")
             raise PipelineError(f"{n} {what} but axis {axis!r} has {has}; split the model into {p * v} "
                                 f"{what}{f' or {mesh}' if mesh else ''}")
-        if placement is None and _is_sequence(stages):
-            _check_unshared(stages, self.schedule.where)
         self.axis, self.stage, self.num_stages = axis, ctx.coords[axis], p
         self.virtual_stages = v
         self.microbatches, self.batch_dim = microbatches, batch_dim
         self.module = stage_chunks(_stage_modules(stages, placement), self.stage, p, v,
                                    self.schedule.placement)
+        if ctx.comm.backend == "threads" and ctx.mesh.size > 1:
+            chunks = [model_chunk_of(self.stage, k, p, self.schedule.placement) for k in range(v)]
+            self.module = _own_on_threads(self.module, chunks, axis)
         # the stage holding the last model chunk: it applies the loss (stage 0 under ZB-V's V)
         self.last_stage = self.schedule.where(p * v - 1)[0]
         self.executor = Executor(self.module, axis, loss_fn, recompute)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import re
 import sys
@@ -98,12 +99,11 @@ def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: b
         obj = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
         raise PlacementError(f"cannot import {spec}: {e}") from None
-    try:
-        module = obj() if isinstance(obj, type) else obj
-    except TypeError as e:  # a constructor that needs arguments
-        raise PlacementError(f"cannot build {spec} without arguments ({e}): give its arguments defaults, "
-                             "or name a module instance built in that file (module:net, net = Net(...))"
-                             ) from None
+    if isinstance(obj, type):
+        _check_builds_without_arguments(obj, spec)
+        module = obj()  # a TypeError from the constructor's own code shows as itself, with its traceback
+    else:
+        module = obj
     if input_shape is not None:
         inputs = (torch.randn(*parse_input_shape(input_shape)),)
         source = f"--input-shape {input_shape}"
@@ -114,6 +114,30 @@ def load_graph(spec: str, *, training: bool, input_shape: str | None, profile: b
         raise PlacementError(f"{spec} has no example_inputs(); give --input-shape B,...")
     check_forward(module, inputs, spec, source)
     return trace(module, *inputs, training=training, profile=profile)
+
+
+def _check_builds_without_arguments(cls: type, spec: str) -> None:
+    """Refuse a class whose constructor has required parameters, naming them (its signature is
+    asked, not the constructor run: a TypeError the constructor raises is the model's own bug).
+
+    Example:
+        >>> class Net:
+        ...     def __init__(self, width, depth=2): ...
+        >>> _check_builds_without_arguments(Net, "m:Net")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        meshtorch.errors.PlacementError: cannot build m:Net without arguments (missing ... 'width'): ...
+    """
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read (a builtin): building it will tell
+        return
+    try:
+        signature.bind()
+    except TypeError as e:
+        raise PlacementError(f"cannot build {spec} without arguments ({e}): give its arguments defaults, "
+                             "or name a module instance built in that file (module:net, net = Net(...))"
+                             ) from None
 
 
 def parse_input_shape(text: str) -> list[int]:
