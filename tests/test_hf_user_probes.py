@@ -257,3 +257,88 @@ def test_a_directory_from_hf_cannot_read_says_what_to_do(tmp_path):
     (tmp_path / "bare" / "config.json").unlink()
     with pytest.raises(CheckpointError, match=r"bare' has no config.json.*num_attention_heads"):
         from_hf(str(tmp_path / "bare"))
+
+
+def test_a_pad_token_id_counted_from_the_end_is_the_last_id(tmp_path):
+    """Seen: pad_token_id=-1 (legacy LLaMA conversions) was refused as "not an id of vocab_size";
+    transformers' nn.Embedding(padding_idx=-1) takes it as the last id, vocab_size - 1. The
+    export writes it back as the source spelled it."""
+    hf = small_llama(pad_token_id=-1)
+    assert hf.model.embed_tokens.padding_idx == hf.config.vocab_size - 1
+    assert int((data()[0] == hf.config.vocab_size - 1).sum()) > 0  # the batch looks that id up
+    check_against_hf(hf, hf, "b:2,m:2", "batch:b; vocab:m; d_model:b; heads:m")
+    assert mt.launch(lambda: from_hf(hf).cfg.padding_id)[0] == hf.config.vocab_size - 1
+    mt.launch(lambda: export_hf(tmp_path, from_hf(hf)))
+    assert json.loads((tmp_path / "config.json").read_text())["pad_token_id"] == -1
+    with pytest.raises(CheckpointError, match=r"pad_token_id=-97 is not an id of vocab_size=96"):
+        from_hf(small_llama(), config={**small_llama().config.to_dict(), "pad_token_id": -97})
+
+
+def test_the_models_padding_id_is_the_exports_pad_token_id(tmp_path):
+    """Seen: export_hf wrote the pad_token_id from_hf had kept in cfg.extra over the model's own
+    padding_id: a model given another padding_id exported the source's, and transformers then
+    froze another row than the model had."""
+    import dataclasses
+
+    from meshtorch.models import DecoderLM, TransformerConfig
+
+    kept = {"hf_config": {"eos_token_id": 7, "pad_token_id": 3}}
+    cfg = TransformerConfig(vocab=32, d_model=8, heads=2, kv_heads=1, d_kv=4, d_ff=16, layers=1, max_length=8,
+                            positions="rotary", norm="rms", activation="silu", gated=True, extra=kept)
+    for padding_id, want in ((5, 5), (-1, None), (3, 3)):
+        out, model_cfg = tmp_path / str(padding_id), dataclasses.replace(cfg, padding_id=padding_id)
+        mt.launch(lambda out=out, model_cfg=model_cfg: export_hf(out, DecoderLM(model_cfg)))
+        back = transformers.AutoConfig.from_pretrained(out)
+        assert (back.pad_token_id, back.eos_token_id) == (want, 7)
+
+
+def test_a_gpt2_with_a_padding_id_is_not_exported_as_one():
+    """Seen: a GPT-2-shaped model with padding_id exported as a GPT-2 without it: transformers'
+    GPT-2 embedding has no padding_idx (its config's pad_token_id freezes nothing), so the export
+    would train another model; now the export names padding_id among GPT-2's misfits."""
+    import dataclasses
+
+    from meshtorch.models import DecoderLM, gpt2, hf
+
+    gpt = mt.launch(lambda: from_hf(small_gpt2()).cfg)[0]
+    cfg = dataclasses.replace(gpt, padding_id=3)
+    assert hf.train_flags(cfg, gpt2) == ["--padding-id -1"]
+    with pytest.raises(CheckpointError, match=r"not gpt2: padding_id=3 \(GPT-2: -1\)"):
+        mt.launch(lambda: export_hf("/nonexistent", DecoderLM(cfg)))
+
+
+def test_a_directory_without_weights_is_named_as_such(tmp_path):
+    """Seen: an empty directory, or one holding only a config and a tokenizer, was told to "load it
+    with transformers and re-save it", which fails there too: nothing holds weights."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"'[^']*empty' holds no model weights .*it is empty\)"):
+        from_hf(str(tmp_path / "empty"))
+    small_llama().config.save_pretrained(tmp_path / "config_only")
+    (tmp_path / "config_only" / "tokenizer.json").write_text("{}")
+    held = r"no model weights .*it holds config.json, tokenizer.json\)"
+    with pytest.raises(CheckpointError, match=held) as e:
+        from_hf(str(tmp_path / "config_only"))
+    assert "re-save" not in str(e.value)
+
+
+@pytest.mark.parametrize("mesh, rules", [("b:1", ""), ("m:2", "vocab:m"), ("b:2", "d_model:b"),
+                                         ("a:2,b:2", "vocab:a; d_model:b"), ("a:2,b:2", "vocab:(a,b)")])
+def test_the_pad_row_starts_at_zero_as_in_transformers(mesh, rules):
+    """Seen: a model with padding_id drew the pad row like any other, where transformers'
+    nn.Embedding(padding_idx) starts it at zero (a pad token then embeds to nothing until its
+    other uses train it). The row may lie in any processor's piece of vocab (21 of 32: the
+    second half, the third quarter); every other row is the model without padding_id's, bitwise."""
+    from meshtorch.models import DecoderLM, TransformerConfig
+
+    assert torch.nn.Embedding(32, 8, padding_idx=21).weight[21].abs().sum() == 0  # the reference
+    base = dict(vocab=32, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8)
+
+    def tables():
+        return [DecoderLM(TransformerConfig(**base, padding_id=p), seed=3).embed.table.mesh_tensor.to_global()
+                for p in (21, -1)]
+
+    padded, plain = mt.launch(tables, mesh=mesh, rules=rules)[0]
+    want = plain.clone()
+    want[21] = 0
+    assert plain[21].abs().sum() > 0 and torch.equal(padded, want)
+    assert torch.equal(plain, mt.launch(tables)[0][1])  # the default draws as on one processor

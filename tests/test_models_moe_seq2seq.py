@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -138,3 +139,34 @@ def test_meshtorch_plan_counts_the_untied_seq2seq_output_layer(capsys):
         assert main(args + [flag]) == 0
         counts[flag] = json.loads(capsys.readouterr().out)["parameters"]
     assert counts["--no-tie-embeddings"] - counts["--tie-embeddings"] == 32 * 8
+
+
+def test_seq2seq_masks_its_padding_id_out_of_the_source():
+    """Seen: EncoderDecoder masked out the source id ``pad`` (256) whatever cfg.padding_id said: a
+    model with padding_id=5 stopped training the lookups of 5 but attended to them. Its source
+    padding is now padding_id where set (trailing pads then change nothing), and a ``pad`` that
+    contradicts it is refused."""
+    cfg = TransformerConfig(vocab=40, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, encoder_layers=1,
+                            max_length=8, padding_id=5)
+    tgt = mt.from_global(torch.tensor([[1, 2, 3]]), "batch:1,length:3")
+
+    def logits(src):
+        return EncoderDecoder(cfg, seed=1)(mt.from_global(torch.tensor([src]), f"batch:1,length:{len(src)}"),
+                                           tgt).to_global()
+
+    torch.testing.assert_close(logits([7, 8, 5, 5]), logits([7, 8]), rtol=0, atol=1e-6)
+    assert (logits([7, 8, 9, 9]) - logits([7, 8])).abs().max() > 1e-4  # (other ids do count)
+    assert EncoderDecoder(dataclasses.replace(cfg, padding_id=-1)).pad == 256
+    with pytest.raises(mt.errors.ArgumentError, match=r"pad=31\) but cfg.padding_id=5"):
+        EncoderDecoder(cfg, pad=31)
+
+
+def test_train_seq2seq_takes_only_its_tasks_padding_id():
+    from meshtorch.recipes.lm import TrainConfig
+    from meshtorch.recipes.lm.config import check_model_flags
+
+    with pytest.raises(mt.errors.ArgumentError, match=r"--padding-id 5: --model seq2seq's spelling task pads "
+                                                      r"with id 256.*pass --padding-id 256"):
+        check_model_flags(TrainConfig.of(model="seq2seq", padding_id=5))
+    check_model_flags(TrainConfig.of(model="seq2seq", padding_id=256))
+    check_model_flags(TrainConfig.of(model="lm", padding_id=5))

@@ -14,7 +14,7 @@ import torch
 from meshtorch.errors import ArgumentError
 from meshtorch.recipes.lm import TrainConfig, train
 from meshtorch.recipes.lm.run_files import recorded
-from run_harness import checkpoint_tensors, write_corpus
+from run_harness import assert_same_bits, checkpoint_tensors, write_corpus
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -439,3 +439,72 @@ def test_resuming_a_run_in_progress_before_its_first_checkpoint_says_it_runs(tex
             train(TrainConfig.of(steps=2, resume=str(out), data=text, **TINY))
     with pytest.raises(MeshTorchError, match="stopped before its first checkpoint: rerun it in place"):
         train(TrainConfig.of(steps=2, resume=str(out), data=text, **TINY))
+
+
+def _forget_padding_id(out: str) -> None:
+    """Make ``out``'s checkpoint one a meshtorch from before ``padding_id`` wrote: no such field."""
+    import meshtorch as mt
+    from meshtorch.checkpoint.index import CHECKSUM, index_checksum
+
+    path = os.path.join(mt.checkpoint.latest(os.path.join(out, "checkpoint")), "index.json")
+    with open(path) as f:
+        index = json.load(f)
+    for part in ("model_config", "train_config"):
+        del index["extra"][part]["padding_id"]
+    index[CHECKSUM] = index_checksum(index)
+    with open(path, "w") as f:
+        json.dump(index, f)
+
+
+def test_a_fine_tune_that_trained_the_pad_row_resumes_as_it_trained(text, tmp_path, capsys):
+    """Seen: a fine-tune of a Llama with pad_token_id begun by a meshtorch without padding_id (which
+    trained the pad row) could not resume: '--padding-id 2 (the run has -1). Pass --padding-id -1',
+    which gave the same error (-1 is the default, so --init-from's config decides). It now resumes
+    as it trained, bit for bit, saying so in a note, and again after that (its checkpoint then records
+    -1); --allow-change padding_id takes the config's pad id. A config.json changed in another option
+    is refused with advice that can work: no flag contradicts --init-from."""
+    import meshtorch as mt
+    from meshtorch.models import DecoderLM, TransformerConfig, export_hf
+
+    plain, padded = tmp_path / "plain", tmp_path / "padded"
+    cfg = TransformerConfig(vocab=264, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=16,
+                            positions="rotary", norm="rms", activation="silu", gated=True)
+    mt.launch(lambda: export_hf(plain, DecoderLM(cfg, seed=1)))
+    shutil.copytree(plain, padded)
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**config, "pad_token_id": 32}))  # ' ': in every batch
+    small = {**{k: v for k, v in TINY.items() if k not in cfg.__dict__}, "sample_tokens": 0}
+    runs = {name: str(tmp_path / name) for name in ("straight", "old", "changed")}
+    train(TrainConfig.of(steps=4, out=runs["straight"], data=text, init_from=str(plain), **small))
+    train(TrainConfig.of(steps=2, out=runs["old"], data=text, init_from=str(plain), **small))
+    _forget_padding_id(runs["old"])
+    shutil.copytree(runs["old"], runs["changed"])
+    capsys.readouterr()
+    train(TrainConfig.of(steps=3, resume=runs["old"], data=text, init_from=str(padded), **small))
+    note = ("note: --resume '{}' trained with --padding-id -1 (the default; a run older than the option "
+            "trained so) and goes on so, though --init-from '{}' has pad_token_id=32; add --allow-change "
+            "padding_id to train with the config's from here on").format(runs["old"], padded)
+    assert note in capsys.readouterr().out
+    assert recorded(runs["old"])["model_config"]["padding_id"] == -1
+    train(TrainConfig.of(steps=4, resume=runs["old"], data=text, init_from=str(padded), **small))
+    assert note in capsys.readouterr().out
+    assert_same_bits(checkpoint_tensors(runs["old"]), checkpoint_tensors(runs["straight"]))
+    # opting in: from step 3 on the pad row's lookups no longer train it
+    train(TrainConfig.of(steps=4, resume=runs["changed"], data=text, init_from=str(padded),
+                         allow_change="padding_id", **small))
+    assert "note:" not in capsys.readouterr().out
+    assert recorded(runs["changed"])["model_config"]["padding_id"] == 32
+    pad_rows = [checkpoint_tensors(runs[r])["model/embed.table@0,0"][32] for r in ("changed", "straight")]
+    assert not torch.equal(*pad_rows)
+    (padded / "config.json").write_text(json.dumps({**config, "pad_token_id": 32, "rope_theta": 500.0,
+                                                    "rope_parameters": {"rope_type": "default",
+                                                                        "rope_theta": 500.0}}))
+    with pytest.raises(ArgumentError, match=r"--rotary-base 500.0 \(the run has 10000.0\)\. Put back the "
+                                            r"config.json the run started from \(--init-from '.*'s sets "
+                                            r"--rotary-base now\) to continue the run as it was, or "
+                                            r"--allow-change rotary_base") as e:
+        train(TrainConfig.of(steps=5, resume=runs["old"], data=text, init_from=str(padded), **small))
+    assert "Pass --" not in str(e.value)
+    with pytest.raises(ArgumentError, match=r"Pass --top-k 2 and put back the config.json the run started "
+                                            r"from \(--init-from '.*'s sets --rotary-base now\)"):
+        train(TrainConfig.of(steps=5, resume=runs["old"], data=text, init_from=str(padded), top_k=1, **small))

@@ -126,9 +126,10 @@ def gpt2_config(state_dict: Mapping[str, torch.Tensor], config: Any = None,
     return config_from_hf(config_dict(config), Source.of(state_dict), heads)
 
 
-# the TransformerConfig fields a GPT-2 has these values of (besides misfits' shape checks)
+# the TransformerConfig fields a GPT-2 has these values of (besides misfits' shape checks); its
+# embedding has no padding_idx (pad_token_id is only a config entry), so a padding_id could not train so
 WANT = {"positions": "learned", "norm": "layer", "bias": True, "gated": False, "experts": 0,
-        "encoder_layers": 0}
+        "encoder_layers": 0, "padding_id": -1}
 
 
 def misfits(cfg: TransformerConfig) -> list[str]:

@@ -161,10 +161,15 @@ def _check_directory(path: str) -> None:
                               "(config.json + model.safetensors), or a model object")
     if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in (SINGLE, HF_INDEX)):
         return
-    pickles = sorted(f for f in os.listdir(path) if f.startswith("pytorch_model") and f.endswith(".bin"))
-    held = f"holds {pickles[0]} (a PyTorch pickle), and from_hf reads safetensors only" if pickles else \
-        f"has no {SINGLE} or {HF_INDEX}"
-    raise CheckpointError(f"{path!r} {held}: load it with transformers and re-save it, "
+    names = sorted(os.listdir(path))
+    pickles = [f for f in names if f.startswith("pytorch_model") and f.endswith(".bin")]
+    if not pickles:  # nothing transformers could re-save either: say what is there instead
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} entries)" if len(names) > 6 else "")
+        raise CheckpointError(f"{path!r} holds no model weights (no {SINGLE}, {HF_INDEX} or pytorch_model"
+                              f"*.bin; {f'it holds {shown}' if names else 'it is empty'}): pass the "
+                              f"directory save_pretrained wrote ({CONFIG} + {SINGLE}), or a model object")
+    raise CheckpointError(f"{path!r} holds {pickles[0]} (a PyTorch pickle), and from_hf reads safetensors "
+                          "only: load it with transformers and re-save it, "
                           "AutoModelForCausalLM.from_pretrained(path).save_pretrained(path) (which writes "
                           f"{SINGLE}), or pass that model object to from_hf")
 
@@ -379,7 +384,13 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
                 params[name] = (list(view.shape.names), full.to(dtype) if dtype is not None else full)
     tensors = assemble(arch.pieces(cfg), params) if rank0 else {}
     config = arch.config_to_hf(cfg)
-    config.update({k: v for k, v in cfg.extra.get(HF_EXTRA, {}).items() if k in TOKEN_IDS})
+    # a token id the architecture has a field for is the model's (a Llama's pad_token_id is its
+    # padding_id); the source's ids kept in extra fill in only the others (bos, eos; GPT-2's pad)
+    kept = cfg.extra.get(HF_EXTRA, {})
+    config.update({k: v for k, v in kept.items() if k in TOKEN_IDS and k not in arch.CONFIG_FIELDS.values()})
+    raw = kept.get("pad_token_id")
+    if isinstance(raw, int) and config.get("pad_token_id") == raw % cfg.vocab:
+        config["pad_token_id"] = raw  # spelled as the source spelled it (-1: the last id)
     config["torch_dtype"] = str(dtype or torch.float32).removeprefix("torch.")
     return write_consolidated(path, tensors, max_shard_bytes=max_shard_bytes,
                               files={CONFIG: json.dumps(config, indent=2)})

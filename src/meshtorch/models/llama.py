@@ -74,10 +74,12 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
     if bool(config.get("mlp_bias", False)) != bias:
         raise CheckpointError(f"LlamaConfig attention_bias={bias} but mlp_bias={not bias}: DecoderLM's dense "
                               "layers all have biases or none")
-    pad = config.get("pad_token_id")
-    if pad is not None and not (isinstance(pad, int) and 0 <= pad < config["vocab_size"]):
-        raise CheckpointError(f"LlamaConfig pad_token_id={pad!r} is not an id of vocab_size="
-                              f"{config['vocab_size']}; transformers' embedding needs one (or null)")
+    pad, vocab = config.get("pad_token_id"), config["vocab_size"]
+    # nn.Embedding(padding_idx) counts a negative id from the end (legacy LLaMA conversions have -1)
+    if pad is not None and not (isinstance(pad, int) and not isinstance(pad, bool) and -vocab <= pad < vocab):
+        raise CheckpointError(f"LlamaConfig pad_token_id={pad!r} is not an id of vocab_size={vocab} (nor "
+                              "one counted from its end, -1 the last); transformers' embedding needs one "
+                              "(or null)")
     n_heads = config["num_attention_heads"]
     kv = config.get("num_key_value_heads") or n_heads
     d_model = config["hidden_size"]
@@ -90,7 +92,7 @@ def config_from_hf(config: Mapping[str, Any] | None, src: Source | None = None,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)), norm="rms",
         activation=HF_ACTIVATIONS[act], bias=bias, eps=config.get("rms_norm_eps", 1e-6),
         kv_heads=0 if kv == n_heads else kv, gated=True, rotary_base=theta, rope_scaling=scaling,
-        padding_id=-1 if pad is None else pad)
+        padding_id=-1 if pad is None else pad % vocab)
 
 
 # the TransformerConfig fields a Llama has these values of

@@ -25,6 +25,7 @@ import functools
 import torch
 
 from meshtorch import nn
+from meshtorch.context import current
 from meshtorch.errors import ShapeError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.layers import (
@@ -38,7 +39,8 @@ from meshtorch.models.layers import (
 from meshtorch.ops.elementwise import add, equal, where
 from meshtorch.ops.nn import cross_entropy, dropout
 from meshtorch.ops.reduce import reduce_mean
-from meshtorch.shape import Dim
+from meshtorch.random import normal
+from meshtorch.shape import Dim, Shape
 from meshtorch.tensor import MeshTensor, as_mesh_tensor, zeros
 
 
@@ -120,7 +122,7 @@ class Stack(nn.Module):
         super().__init__()
         self.cfg = cfg
         if embed is None:
-            embed = nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+            embed = token_table(cfg)
             self.embed = embed
         self._shared = [embed]  # a list keeps a shared table from being registered twice
         if cfg.positions == "learned":
@@ -214,6 +216,36 @@ def rotary_of(cfg: TransformerConfig, n: int, offset: int = 0) -> tuple[MeshTens
             + rotary_tables(n, cfg.d_kv, MEMORY, offset, cfg.rotary_base, cfg.rope_scaling))
 
 
+def token_table(cfg: TransformerConfig) -> nn.Embedding:
+    """The token embedding ``[vocab, d_model]``, drawn from N(0, 0.02²), with the row of
+    ``cfg.padding_id`` zero as transformers' ``nn.Embedding(padding_idx)`` draws it (each
+    processor zeroes its part of that row, wherever the rules split ``vocab`` and ``d_model``).
+
+    Example:
+        >>> import meshtorch as mt
+        >>> from meshtorch.models import TransformerConfig
+        >>> cfg = TransformerConfig(vocab=8, d_model=4, heads=1, d_kv=4, d_ff=8, layers=1, padding_id=5)
+        >>> def rows():
+        ...     table = token_table(cfg).table.mesh_tensor.to_global()
+        ...     return table[5].abs().sum().item(), bool(table[4].abs().sum() > 0)
+        >>> mt.launch(rows, mesh="m:2", rules="vocab:m")
+        [(0.0, True), (0.0, True)]
+    """
+    if cfg.padding_id < 0:
+        return nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+    pad = cfg.padding_id
+
+    def init(shape: Shape, seed: int, stream: str) -> MeshTensor:
+        table = normal(shape, 0.0, 0.02, seed=seed, stream=stream)
+        axis = table.shape.index("vocab")
+        start, size = table.layout.slices(current().coords)[axis]
+        if start <= pad < start + size:
+            table.local.select(axis, pad - start).zero_()
+        return table
+
+    return nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init=init)
+
+
 def output_layer(cfg: TransformerConfig) -> nn.Dense:
     """The output layer ``d_model -> vocab`` of a model whose embeddings are not tied."""
     return nn.Dense(cfg.dim("d_model"), cfg.dim("vocab"), bias=False, init="normal", std=cfg.d_model ** -0.5)
@@ -230,7 +262,7 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: TransformerConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+        self.embed = token_table(cfg)
         self.decoder = Stack(cfg, cfg.layers, cross=False, embed=self.embed)
         if not cfg.tie_embeddings:
             self.head = output_layer(cfg)

@@ -25,15 +25,18 @@ import torch
 
 from meshtorch import nn
 from meshtorch.context import processor_device
+from meshtorch.errors import ArgumentError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.decode import length_whole
 from meshtorch.models.layers import LENGTH, MEMORY, padding_bias
-from meshtorch.models.lm import Stack, output_layer, weighted_mean
+from meshtorch.models.lm import Stack, output_layer, token_table, weighted_mean
 from meshtorch.ops.elementwise import not_equal
 from meshtorch.ops.nn import cross_entropy
 from meshtorch.ops.reshape import rename
 from meshtorch.shape import Dim
 from meshtorch.tensor import MeshTensor, from_global
+
+PAD = 256  # the source padding id without cfg.padding_id: the bytes tokenizer's pad
 
 
 class EncoderDecoder(nn.Module):
@@ -43,13 +46,19 @@ class EncoderDecoder(nn.Module):
     Args:
         cfg: sizes; ``encoder_layers`` encoder blocks and ``layers`` decoder blocks.
         seed: parameters are a pure function of ``seed`` and their names.
-        pad: the source padding id (masked out of attention).
+        pad: the source padding id (masked out of attention); default ``cfg.padding_id`` where
+            it is set (its lookups also train nothing), else 256 (the bytes tokenizer's pad).
     """
 
-    def __init__(self, cfg: TransformerConfig, seed: int = 0, pad: int = 256):
+    def __init__(self, cfg: TransformerConfig, seed: int = 0, pad: int | None = None):
         super().__init__()
-        self.cfg, self.pad = cfg, pad
-        self.embed = nn.Embedding(cfg.dim("vocab"), cfg.dim("d_model"), init="normal", std=0.02)
+        if pad is not None and cfg.padding_id >= 0 and pad != cfg.padding_id:
+            raise ArgumentError(f"EncoderDecoder(pad={pad}) but cfg.padding_id={cfg.padding_id}: the source "
+                                "padding the encoder masks out is the id whose lookups train nothing; pass "
+                                "one of them (drop pad=, or set padding_id to the same id)")
+        self.cfg = cfg
+        self.pad = (cfg.padding_id if cfg.padding_id >= 0 else PAD) if pad is None else pad
+        self.embed = token_table(cfg)
         self.encoder = Stack(cfg, max(cfg.encoder_layers, 1), cross=False, embed=self.embed)
         self.decoder = Stack(cfg, cfg.layers, cross=True, embed=self.embed)
         if not cfg.tie_embeddings:

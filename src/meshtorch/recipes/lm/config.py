@@ -23,6 +23,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtorch.data import ByteTokenizer
 from meshtorch.errors import ArgumentError, LayoutError, MeshError, MeshTorchError, PipelineError
 from meshtorch.layout import LayoutRules, format_axes
 from meshtorch.mesh import Mesh
@@ -551,6 +552,13 @@ def check_model_flags(cfg: TrainConfig) -> None:
     """
     if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
         raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
+    pad = ByteTokenizer.pad
+    if cfg.model.name == "seq2seq" and cfg.model.padding_id not in (-1, pad):
+        # EncoderDecoder masks out the source padding id, which is its padding_id when set
+        raise ArgumentError(f"--padding-id {cfg.model.padding_id}: --model seq2seq's spelling task pads "
+                            f"with id {pad} (the bytes tokenizer's pad), which the encoder masks out; its "
+                            f"padding id is that one: pass --padding-id {pad} (its lookups then train "
+                            "nothing) or drop it")
 
 
 def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:

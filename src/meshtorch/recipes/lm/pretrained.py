@@ -19,15 +19,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from meshtorch.data import ByteTokenizer
 from meshtorch.data.corpus import DataError
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import ArgumentError
+from meshtorch.models import DecoderLM, TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import ModelSection, TrainConfig
-from meshtorch.recipes.lm.run_files import TOKENIZER_DIR, keep_tokenizer, resumed_tokenizer
+from meshtorch.recipes.lm.run_files import TOKENIZER_DIR, keep_tokenizer, kept_on_resume, resumed_tokenizer
 
 AUTO_BPE = 2048  # ids of the BPE that --tokenizer auto fits: measured best for the ~1 minute default run
 
@@ -52,6 +54,7 @@ def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
                             "(drop --model or pass --model lm)")
     kind, hf, fields = _hf(path)
     defaults, wanted = ModelSection(), {}
+    kept = kept_on_resume(cfg, hf)  # what a resumed run keeps as it trained it (resume_note says so)
     for f in dataclasses.fields(ModelSection):
         if f.name not in fields or f.name in RUN_OPTIONS:
             continue
@@ -62,7 +65,7 @@ def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
             raise ArgumentError(f"{flag} {mine!r} conflicts with --init-from {path!r}: its config.json "
                                 f"({kind}) has {field} -> {f.name}={theirs!r}; drop {flag}, the model's "
                                 "architecture comes from --init-from")
-        wanted[f.name] = theirs
+        wanted[f.name] = kept[f.name][0] if f.name in kept else theirs
     if cfg.run.length > hf.max_length:
         # learned positions have no row past the table; rotary ones would, but the model (and its
         # KV cache) is built for max_position_embeddings, which the run keeps for its export
@@ -72,6 +75,20 @@ def with_pretrained_model(cfg: TrainConfig) -> TrainConfig:
                             f"--init-from {path!r} ({fields['max_length']}={hf.max_length}); pass --length "
                             f"{hf.max_length} or less{more}")
     return cfg.replace(**wanted)
+
+
+def pretrained_model(cfg: TrainConfig, model: TransformerConfig) -> DecoderLM:
+    """``--init-from``'s model (``from_hf``), with ``model``'s run options (dropout, attention) and
+    the padding id a resumed run keeps (:func:`~meshtorch.recipes.lm.run_files.kept_on_resume`): on
+    this processor, inside the run's launch."""
+    from meshtorch.models import from_hf
+    from meshtorch.models.hf import CONFIG
+
+    path, config = cfg.run.init_from, None
+    if model.padding_id != _hf(path)[1].padding_id:  # kept: the config read with the run's pad id
+        with open(os.path.join(path, CONFIG)) as f:
+            config = {**json.load(f), "pad_token_id": model.padding_id if model.padding_id >= 0 else None}
+    return from_hf(path, config=config, options={o: getattr(model, o) for o in RUN_OPTIONS})
 
 
 def resolve_tokenizer(cfg: TrainConfig, out: str, fit: bool = True) -> TrainConfig:

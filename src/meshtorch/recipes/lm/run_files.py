@@ -29,10 +29,51 @@ from meshtorch.recipes.lm.guards import LOCK, check_weights, lock_holder, record
 # (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
 SAME_FUNCTION = (*RUN_OPTIONS, "recompute")
 TOKENIZER_DIR = "tokenizer"  # the run's own copy of its tokenizer (a fitted BPE is written there)
+# model options a resumed fine-tune keeps as its run trained them where --init-from's config.json now says
+# otherwise: a run from before meshtorch had padding_id trained the pad row (-1), and the pad row is all it
+# changes (the model computes the same function). The run goes on as it trained, --allow-change takes the
+# config's value; the other options must agree with config.json (check_resumed_model)
+KEPT_ON_RESUME = ("padding_id",)
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def kept_on_resume(cfg: TrainConfig, hf: TransformerConfig) -> dict[str, tuple[Any, Any]]:
+    """``{option: (the run's value, hf's)}`` for each of :data:`KEPT_ON_RESUME` in which ``--resume``'s
+    run (its recorded value, else the option's default: a run older than the option trained with that)
+    differs from ``hf``, ``--init-from``'s config, unless ``--allow-change`` names it; empty without
+    ``--resume``. The resumed run keeps the run's values (:func:`resume_note` says so)."""
+    resume = cfg.run.resume
+    if not resume or not os.path.isdir(os.path.join(resume, "checkpoint")):
+        return {}  # (check_resume names what is wrong with it)
+    saved = recorded(resume).get("model_config")
+    if saved is None:
+        return {}
+    theirs, allowed = TransformerConfig.from_dict(saved), allowed_changes(cfg)
+    return {n: (getattr(theirs, n), getattr(hf, n)) for n in KEPT_ON_RESUME
+            if n not in allowed and getattr(theirs, n) != getattr(hf, n)}
+
+
+def resume_note(cfg: TrainConfig) -> str | None:
+    """The note that ``--resume``'s fine-tune keeps options as it trained them, not as ``--init-from``'s
+    config.json now has them (:func:`kept_on_resume`), and how to take the config's; ``None`` if none."""
+    if not cfg.run.init_from:
+        return None
+    from meshtorch.models import hf_config
+
+    _, hf, fields = hf_config(cfg.run.init_from)
+    kept = kept_on_resume(cfg, hf)
+    if not kept:
+        return None
+    defaults = TransformerConfig()
+    run = ", ".join(f"{_flag(n)} {a}" + (" (the default; a run older than the option trained so)"
+                                          if a == getattr(defaults, n) else "") for n, (a, _) in kept.items())
+    theirs = ", ".join(f"{fields.get(n, n)}={b!r}" for n, (_, b) in kept.items())
+    return (f"note: --resume {cfg.run.resume!r} trained with {run} and goes on so, though --init-from "
+            f"{cfg.run.init_from!r} has {theirs}; add --allow-change {','.join(kept)} to train with the "
+            "config's from here on")
 
 
 def allowed_changes(cfg: TrainConfig) -> set[str]:
@@ -115,6 +156,16 @@ def _as_flags(changes: list[tuple[str, Any, Any]]) -> str:
                     for n, a, _ in changes)
 
 
+def _init_from_fields(cfg: TrainConfig) -> dict[str, str]:
+    """The model options ``--init-from``'s config.json sets, each to the config field that sets it
+    (none without ``--init-from``)."""
+    if not cfg.run.init_from:
+        return {}
+    from meshtorch.models import hf_config
+
+    return hf_config(cfg.run.init_from)[2]
+
+
 def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
     """Raise :class:`ArgumentError` if ``cfg``'s model differs from the one the resumed run trained
     (:func:`model_changes`) in an option that ``--allow-change`` does not name: a change that keeps the
@@ -129,7 +180,15 @@ def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
         return
     what = "; ".join(f"{_flag(n)} {b!r} (the run has {a!r})" for n, a, b in refused)
     same_shapes = [c for c in refused if c[0] not in reshaping]
-    fix = f"Pass {_as_flags(refused)} to continue the run as it was"
+    # --init-from's config.json sets the options it has a field for, and no flag may contradict it
+    configured = _init_from_fields(cfg)
+    flags = [c for c in refused if c[0] not in configured]
+    fix = f"Pass {_as_flags(flags)}" if flags else ""
+    if len(flags) < len(refused):
+        names = ", ".join(_flag(n) for n, _, _ in refused if n in configured)
+        fix += (" and put back" if fix else "Put back") + (
+            f" the config.json the run started from (--init-from {cfg.run.init_from!r}'s sets {names} now)")
+    fix += " to continue the run as it was"
     if same_shapes:
         fix += f", or --allow-change {','.join(n for n, _, _ in same_shapes)} to change it on purpose"
     reshaped = [c for c in refused if c[0] in reshaping]
@@ -300,6 +359,9 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
     if lead:
         print(f"resumed from {cfg.run.resume} at step {start}"
               + (f"; optimizer options now as given: {', '.join(changed)}" if changed else ""))
+        note = resume_note(cfg)
+        if note:
+            print(note)
     return start
 
 

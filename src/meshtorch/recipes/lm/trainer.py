@@ -49,6 +49,7 @@ from meshtorch.recipes.lm.plan_cli import choose_rules, describe_choice
 from meshtorch.recipes.lm.pretrained import (
     model_vocab,
     planned_vocab,
+    pretrained_model,
     resolve_tokenizer_once,
     tokenizer_of,
     with_pretrained_model,
@@ -85,11 +86,9 @@ def build_task(cfg: TrainConfig, corpus: Corpus | None,
 
         task = SpellingTask(batch=run.batch, seed=run.seed)
         mcfg = dataclasses.replace(mcfg, max_length=max(task.max_target, task.max_source))
-        return EncoderDecoder(mcfg, seed=run.seed), task, task.heldout(run.eval_batches)
+        return EncoderDecoder(mcfg, seed=run.seed, pad=task.tok.pad), task, task.heldout(run.eval_batches)
     if run.init_from:
-        from meshtorch.models import from_hf
-
-        model = from_hf(run.init_from, options={"dropout": mcfg.dropout, "attention": mcfg.attention})
+        model = pretrained_model(cfg, mcfg)
     else:
         model = DecoderLM(mcfg, seed=run.seed)
     train = LMBatches(corpus.train, run.batch, run.length, seed=run.seed)
