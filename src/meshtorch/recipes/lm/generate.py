@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 
 from meshtorch.checkpoint.format import INDEX
@@ -15,8 +16,9 @@ from meshtorch.checkpoint.state import from_json
 from meshtorch.checkpoint.versions import POINTER
 from meshtorch.data import ByteTokenizer
 from meshtorch.data.tokenizer import Tokenizer
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
+from meshtorch.models.decode import room
 
 
 def checkpoint_dir(path: str) -> str:
@@ -87,13 +89,44 @@ def load_lm(path: str) -> DecoderLM:
     return model
 
 
+def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int = 40, beams: int = 0) -> int:
+    """Raise :class:`ArgumentError` naming the ``meshtorch generate`` flag unless the request can run
+    on the LM of checkpoint ``path``; the number of tokens it will add: ``max_new_tokens``, or fewer
+    where the model's context (its run's ``--length``) ends first (:func:`~meshtorch.models.decode.room`).
+    A prompt that leaves no room is refused, rather than answered with the prompt alone."""
+    for flag, value in (("--tokens", max_new_tokens), ("--top-k", top_k), ("--beams", beams)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ArgumentError(f"{flag} {value!r} is out of range: it must be a whole number >= 0")
+    if not 0 <= temperature < math.inf:  # nan too
+        raise ArgumentError(f"--temperature {temperature!r} is out of range: it must be >= 0 (0: greedy)")
+    path = checkpoint_dir(path)
+    kind, cfg = model_config(path)
+    if kind == "seq2seq":
+        raise CheckpointError(f"checkpoint {path!r} is of a --model seq2seq run, which spells numbers (its "
+                              "run prints its held-out exact match); meshtorch generate continues text "
+                              "with the LM of a --model lm or moe run")
+    tok = run_tokenizer(path)
+    if beams > tok.sample_limit:
+        raise ArgumentError(f"--beams {beams} exceeds the {tok.sample_limit} tokens the model may emit: "
+                            f"pass --beams {tok.sample_limit} or fewer")
+    n = len(prompt_ids(tok, prompt))
+    if room(cfg.max_length, n) == 0:
+        raise ArgumentError(f"--prompt is {n - 1} tokens (plus the end-of-text token that starts it), more "
+                            f"than the model's context of {cfg.max_length} positions holds (its run's "
+                            f"--length): shorten it to at most {cfg.max_length - 1} tokens")
+    return min(max_new_tokens, room(cfg.max_length, n))
+
+
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
                              beams: int = 0) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
-    or with ``beams >= 1`` the best of a beam search of that width)."""
+    or with ``beams >= 1`` the best of a beam search of that width) of ``max_new_tokens`` tokens,
+    or fewer where the model's context ends (:func:`check_request` says how many)."""
     from meshtorch.launcher import launch
 
+    check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
     path = checkpoint_dir(path)
     tok = run_tokenizer(path)
 
