@@ -1,13 +1,19 @@
 """The ``meshtorch`` command as a user runs it, each test a case that once went wrong: ``generate`` past
-the model's context and its flags' errors."""
+the model's context, its flags' errors, a resume with another ``--length``, pipeline and MoE flags that
+cannot work together, and ``--tokenizer bpe:0``."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
 
 import meshtorch as mt
 from meshtorch import cli
+from meshtorch.errors import ArgumentError
+from meshtorch.recipes.lm import TrainConfig, check_config
 from run_harness import tiny_train, write_corpus
 
 # learned positions over --length 16: the model's context is 16 positions
@@ -89,3 +95,59 @@ def test_generate_names_the_flag_out_of_range(run, capsys, flag, value, needle):
     assert cli.main(["generate", "--checkpoint", run, flag, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"meshtorch generate: error: {needle}"), err
+
+
+def test_resume_with_another_length_of_a_learned_position_table_is_refused_naming_length(run, tmp_path,
+                                                                                          capsys, text):
+    """Seen: 'processor 0 {'b': 0} raised CheckpointError: tensor 'model/decoder.pos.table' has shape
+    [positions:8,d_model:16] here but [positions:16,d_model:16] in ...; build the model with the saved
+    dims'. --length sizes the learned position table."""
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy)
+    assert cli.main(["train", "--steps", "4", "--resume", copy, "--data", text, *TINY, "--length", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--length 8 (the run has 16). Pass --length 16 to continue the run as it was; --length would " \
+        "give the model other parameters than the run's checkpoint holds" in err, err
+    assert os.listdir(os.path.join(copy, "checkpoint")) == os.listdir(os.path.join(run, "checkpoint"))
+    # rotary positions have no table: another --length resumes the same parameters
+    from meshtorch.recipes.lm.run_files import model_changes
+
+    for positions, changes in (("learned", [("length", 16, 8)]), ("rotary", [])):
+        base = dict(positions=positions, length=16, resume=copy)
+        record = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict(),
+                  "train_config": TrainConfig.of(**base).options()}
+        assert model_changes(TrainConfig.of(**{**base, "length": 8}), record) == changes
+    # the table has at least 8 positions: --length 4 and 8 make the same one
+    base = dict(length=8, resume=copy)
+    record = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
+    assert model_changes(TrainConfig.of(**{**base, "length": 4}), record) == []
+
+
+def test_pipeline_micro_batches_that_do_not_divide_a_processors_rows_are_refused_up_front(tmp_path, capsys,
+                                                                                          text):
+    """Seen: the run started, then stopped with 'processor 2 {'stage': 1, 'b': 0} raised PipelineError:
+    dim 'batch' has 2 entries per processor, not divisible into 4 micro-batches' (meshtorch plan too)."""
+    out = tmp_path / "piped"
+    flags = [*TINY, "--layers", "2", "--pipeline-stages", "2", "--microbatches", "4"]  # --batch 4 over b:2
+    want = ("--batch 4 split over 2 processors by --rules gives each processor 2 sequences, which "
+            "--microbatches 4 does not divide; pass --microbatches 2 (a divisor of 2), or --batch a multiple "
+            "of 8")
+    assert cli.main(["train", "--steps", "2", "--out", str(out), "--data", text, *flags]) == 2
+    assert want in capsys.readouterr().err and not out.exists()
+    assert cli.main(["plan", *flags]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_an_moe_model_without_an_moe_layer_is_refused():
+    """Seen: --model moe --layers 1 trained a dense LM (7,648 parameters, as --model lm) with the rule
+    'experts:b' accepted: under --moe-every 2 only the second block has experts."""
+    with pytest.raises(ArgumentError, match="--model moe with --layers 1 has no MoE layer: under "
+                       "--moe-every 2 the blocks 2, 4, ... are; pass --layers 2 or more, or --moe-every 1"):
+        check_config(TrainConfig.of(model="moe", layers=1, rules="batch:b; experts:b"))
+    check_config(TrainConfig.of(model="moe", layers=1, moe_every=1, rules="batch:b; experts:b"))
+
+
+def test_a_bpe_below_its_least_size_names_tokenizer(capsys):
+    """Seen: 'TransformerConfig.vocab must be >= 1, got 0' for --tokenizer bpe:0 (bpe:100 named the flag)."""
+    assert cli.main(["plan", "--tokenizer", "bpe:0"]) == 2
+    assert "error: --tokenizer 'bpe:0': give the BPE's number of ids, at least 260" in capsys.readouterr().err

@@ -73,6 +73,11 @@ def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, A
         a, b = getattr(theirs, f.name), getattr(mine, f.name)
         if a != b:
             changes.append((f.name, a, b))
+    # max_length comes from --length: it sizes a learned position table (a parameter), which --length
+    # must then keep; rotary positions have no table, so their runs may resume with another --length
+    if theirs.positions == "learned" and mine.positions == "learned" and theirs.max_length != mine.max_length:
+        length = (record.get("train_config") or {}).get("length", theirs.max_length)
+        changes.append(("length", length, cfg.run.length))
     return changes
 
 
@@ -104,6 +109,7 @@ def _reshaping(cfg: TrainConfig, record: dict[str, Any], changes: list[tuple[str
     theirs = TransformerConfig.from_dict(record["model_config"])
     kind = record.get("model", "lm")
     variants = [(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)) if name == "model"
+                else (kind, dataclasses.replace(theirs, max_length=max(value, 8))) if name == "length"
                 else (kind, dataclasses.replace(theirs, **{name: value})) for name, _, value in changes]
     saved, *others = _parameter_dims([(kind, theirs), *variants])
     return {name for (name, _, _), other in zip(changes, others) if other != saved}
