@@ -1,9 +1,10 @@
 """The ``meshtorch`` command as a user runs it, each test a case that once went wrong: ``generate`` past
 the model's context, its flags' errors, a resume with another ``--length``, pipeline and MoE flags that
-cannot work together, and ``--tokenizer bpe:0``."""
+cannot work together, ``--tokenizer bpe:0``, and a reader of the output that goes away (``| head``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -151,3 +152,37 @@ def test_a_bpe_below_its_least_size_names_tokenizer(capsys):
     """Seen: 'TransformerConfig.vocab must be >= 1, got 0' for --tokenizer bpe:0 (bpe:100 named the flag)."""
     assert cli.main(["plan", "--tokenizer", "bpe:0"]) == 2
     assert "error: --tokenizer 'bpe:0': give the BPE's number of ids, at least 260" in capsys.readouterr().err
+
+
+class _Head:
+    """Standard output read by ``head -1``: the first line, then the pipe is closed."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        if "\n" in self.text:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_reader_that_goes_away_costs_the_run_nothing(text, tmp_path, monkeypatch, capsys):
+    """Seen: ``meshtorch train ... | head -1`` ended with 'processor 0 {'b': 0} raised BrokenPipeError'
+    at the held-out line, after the checkpoint but before summary.json and loss.png."""
+    head = _Head()
+    monkeypatch.setattr("sys.stdout", head)
+    out = str(tmp_path / "run")
+    assert cli.main(["train", "--steps", "2", "--out", out, "--data", text, *TINY]) == 0
+    assert head.text.startswith("model lm: ") and head.text.count("\n") == 1
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["steps"] == 2 and summary["heldout_loss"] > 0
+    assert os.path.exists(os.path.join(out, "loss.png")) == summary["loss_png"]
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
