@@ -186,3 +186,16 @@ def test_a_reader_that_goes_away_costs_the_run_nothing(text, tmp_path, monkeypat
     assert os.path.exists(os.path.join(out, "loss.png")) == summary["loss_png"]
     monkeypatch.undo()
     assert capsys.readouterr().err == ""
+
+
+def test_generate_reads_one_version_of_a_runs_checkpoint(text, tmp_path, capsys):
+    """Seen: ``--checkpoint RUN/checkpoint/step-000002`` (an older version, which ``--keep`` keeps) said
+    the run's BPE tokenizer 'is gone' from RUN/checkpoint/tokenizer: it is in RUN/tokenizer."""
+    out = str(tmp_path / "bpe")
+    assert cli.main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", out, "--data", text,
+                     *tiny_train(tokenizer="bpe:300", sample_tokens=0, log_every=2)]) == 0
+    capsys.readouterr()
+    older = os.path.join(out, "checkpoint", "step-000002")
+    assert cli.main(["generate", "--checkpoint", older, "--tokens", "3", "--temperature", "0"]) == 0
+    got = capsys.readouterr().out
+    assert got == _greedy(older, "def ", 3) + "\n"

@@ -81,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="continue a prompt with a trained checkpoint",
                        description="Continue a prompt with the LM of a meshtorch train checkpoint, "
                        "on any mesh.")
-    g.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
+    g.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/, or one "
+                   "version in it: checkpoint/step-000200)")
     g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     g.add_argument("--tokens", type=int, default=200, help="tokens to generate, at most what the model's "
                    "context (its run's --length) holds after the prompt (default: 200)")
@@ -97,7 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a trained checkpoint as a Hugging Face model directory",
                        description="Write the LM of a meshtorch train checkpoint as config.json + "
                        "safetensors in transformers' names (Llama or GPT-2), with the run's tokenizer.")
-    e.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
+    e.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/, or one "
+                   "version in it: checkpoint/step-000200)")
     e.add_argument("--out", required=True, help="the directory to write")
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="(default: fp32)")
     e.set_defaults(func=run_export)

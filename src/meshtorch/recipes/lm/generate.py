@@ -22,12 +22,28 @@ from meshtorch.models.decode import room
 
 
 def checkpoint_dir(path: str) -> str:
-    """``path`` itself if it is a checkpoint, else its ``checkpoint/`` subdirectory."""
+    """``path`` itself if it is a checkpoint (a run's ``checkpoint/``, or one version in it), else its
+    ``checkpoint/`` subdirectory."""
     for d in (path, os.path.join(path, "checkpoint")):
         if any(os.path.exists(os.path.join(d, f)) for f in (POINTER, INDEX)):
             return d
     raise CheckpointError(f"{path!r} holds no checkpoint (no {POINTER} or {INDEX} in it or in its "
                           "checkpoint/); pass the --out directory of a meshtorch train run")
+
+
+def run_directory(path: str) -> str:
+    """The run directory of checkpoint ``path``: the parent of the run's ``checkpoint/``, which is
+    ``path`` itself or, for one version of it (``checkpoint/step-000200``), ``path``'s parent.
+
+    Example:
+        >>> run_directory("runs/a/checkpoint") == os.path.abspath("runs/a")
+        True
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if not os.path.exists(os.path.join(path, POINTER)) and os.path.exists(os.path.join(parent, POINTER)):
+        path = parent
+    return os.path.dirname(path)
 
 
 def model_config(path: str) -> tuple[str, TransformerConfig]:
@@ -45,13 +61,12 @@ def run_tokenizer(path: str) -> Tokenizer:
     where = (extra.get("train_config") or {}).get("tokenizer")
     kept = extra.get("tokenizer")  # the run's own copy, in the run directory (wherever it was moved)
     if kept and kept.get("path") in ("bytes", "tokenizer"):  # never a path out of the run directory
-        where = kept["path"] if kept["path"] == "bytes" else os.path.join(
-            os.path.dirname(os.path.abspath(path)), kept["path"])
+        where = kept["path"] if kept["path"] == "bytes" else os.path.join(run_directory(path), kept["path"])
     if not where or where == "bytes":
         return ByteTokenizer()
     from meshtorch.data.hf_tokenizer import HFTokenizer
 
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer")
+    beside = os.path.join(run_directory(path), "tokenizer")
     if not os.path.exists(where) and os.path.basename(where) == "tokenizer" and os.path.isdir(beside):
         where = beside  # a BPE fitted by the run, in a run directory that was moved
     if not os.path.exists(where):
