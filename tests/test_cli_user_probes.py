@@ -199,3 +199,21 @@ def test_generate_reads_one_version_of_a_runs_checkpoint(text, tmp_path, capsys)
     assert cli.main(["generate", "--checkpoint", older, "--tokens", "3", "--temperature", "0"]) == 0
     got = capsys.readouterr().out
     assert got == _greedy(older, "def ", 3) + "\n"
+
+
+def test_resume_names_the_training_options_that_differ_from_the_runs(run, text, tmp_path, capsys):
+    """Seen: a run of --lr 0.01 --batch 8 resumed without those flags trained on with the defaults (lr
+    0.003 on a cosine schedule, batch 16) and said only 'resumed from ... at step 2'. They may change;
+    the line now names them (each flag left out takes its default, not the run's)."""
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy)
+    capsys.readouterr()
+    assert cli.main(["train", "--steps", "3", "--resume", copy, "--data", os.path.join(text, "."), *TINY,
+                     "--batch", "8", "--lr", "0.01"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == (f"resumed from {copy} at step 2; options other than the run's, in effect from here: "
+                    "--lr 0.01 (the run had 0.003), --batch 8 (the run had 4)")
+    # the record is what ran: resumed again with the same flags, nothing differs
+    assert cli.main(["train", "--steps", "4", "--resume", copy, "--data", text, *TINY, "--batch", "8",
+                     "--lr", "0.01"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"resumed from {copy} at step 3"

@@ -29,6 +29,10 @@ from meshtorch.recipes.lm.guards import LOCK, check_weights, lock_holder, record
 # (the attention kernel, recomputing activations, and dropout, which the weights never compute with)
 SAME_FUNCTION = (*RUN_OPTIONS, "recompute")
 TOKENIZER_DIR = "tokenizer"  # the run's own copy of its tokenizer (a fitted BPE is written there)
+# options that may differ from the resumed run's and change what its next steps compute (the model's
+# are compared by check_resumed_model, the weight decay is told from the optimizer's groups): the line
+# that says the run resumed names those that differ, as a flag left out takes its default, not the run's
+TOLD_ON_RESUME = ("lr", "warmup", "lr_schedule", "clip", "batch", "length", "data", "precision")
 
 
 def _flag(name: str) -> str:
@@ -145,6 +149,31 @@ def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
                 "as a new run (another --out)")
     raise ArgumentError(f"--resume {cfg.run.resume!r} trained another model than these options ask for: "
                         f"{what}. {fix}")
+
+
+def other_than_the_run(cfg: TrainConfig, record: dict[str, Any]) -> list[str]:
+    """The options of :data:`TOLD_ON_RESUME` in which ``cfg`` differs from the run ``record``
+    (:func:`recorded`) describes, each as ``--flag now (the run had before)``.
+
+    Example:
+        >>> record = {"train_config": TrainConfig.of(lr=0.01, batch=8).options()}
+        >>> other_than_the_run(TrainConfig.of(batch=8), record)
+        ['--lr 0.003 (the run had 0.01)']
+    """
+    theirs, mine = record.get("train_config") or {}, cfg.options()
+    told = []
+    for name in TOLD_ON_RESUME:
+        if name not in theirs:
+            continue
+        a, b = theirs[name], mine[name]
+        if name == "data":  # one directory by two spellings is the same data; "" is the stdlib
+            if os.path.realpath(a or "") == os.path.realpath(b or "") and bool(a) == bool(b):
+                continue
+            a, b = (repr(v) if v else "the Python stdlib (no --data)" for v in (a, b))
+        elif a == b:
+            continue
+        told.append(f"{_flag(name)} {b} (the run had {a})")
+    return told
 
 
 def check_resumed_optimizer(cfg: TrainConfig, record: dict[str, Any]) -> None:
@@ -304,8 +333,10 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
         g.update(mine)
     start = int(state["step"])
     if lead:
+        other = other_than_the_run(cfg, recorded(cfg.run.resume))
         print(f"resumed from {cfg.run.resume} at step {start}"
-              + (f"; optimizer options now as given: {', '.join(changed)}" if changed else ""))
+              + (f"; optimizer options now as given: {', '.join(changed)}" if changed else "")
+              + (f"; options other than the run's, in effect from here: {', '.join(other)}" if other else ""))
     return start
 
 
