@@ -152,15 +152,18 @@ def _trainer_step(**options) -> tuple[str, set[str]]:
     from meshtorch.recipes.lm import TrainConfig
     from meshtorch.recipes.lm.steps import prepare
 
-    cfg = TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8, mesh="b:2",
-                         rules="batch:b", clip=1.0, **options)
+    base = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8, mesh="b:2",
+                rules="batch:b", clip=1.0)
+    cfg = TrainConfig.of(**{**base, **options})
     step, batch = prepare(cfg)  # the trainer's own strategy, warmed up by one step
     step.run([batch], 1)
     loss = step.model.loss(*batch)
     return loss.device.type, {p.device.type for p in step.model.parameters()}
 
 
-@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"model": "moe", "optimizer": "adafactor"},
+# (an MoE model of 2 blocks: --moe-every 2 gives the second its experts)
+@pytest.mark.parametrize("options", [{"precision": "bf16"},
+                                     {"model": "moe", "optimizer": "adafactor", "layers": 2},
                                      {"model": "seq2seq", "positions": "learned"}])
 def test_the_trainers_step_runs_on_the_processors_device(monkeypatch, options):
     """``meshtorch train``'s step (model, autocast, clipping, optimizer) makes no host tensor

@@ -270,8 +270,10 @@ def test_model_options_are_the_transformer_config_fields(tmp_path):
                                                ("seq2seq", "batch:b", "heldout_accuracy")])
 def test_moe_and_seq2seq_runs(model, rules, key, text, tmp_path):
     out = str(tmp_path / model)
+    # an MoE model of 2 blocks: the second (--moe-every 2) is its expert layer
+    deep = ["--layers", "2"] if model == "moe" else []
     assert cli.main(["train", "--model", model, "--steps", "2", "--rules", rules, "--out", out,
-                     "--data", text, *TINY]) == 0
+                     "--data", text, *TINY, *deep]) == 0
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert key in summary and summary["heldout_loss"] > 0
     if model == "seq2seq":  # --eval-batches 1 of --batch 4 numbers

@@ -63,7 +63,8 @@ def test_plan_defaults_are_trains_and_the_vocab_is_the_tokenizers():
 
 @pytest.mark.parametrize("flags", [[],
                                    ["--kv-heads", "2", "--gated", "--positions", "rotary", "--norm", "rms"],
-                                   ["--no-tie-embeddings", "--activation", "relu", "--model", "moe"]])
+                                   ["--no-tie-embeddings", "--activation", "relu", "--model", "moe",
+                                    "--layers", "2"]])
 def test_the_planned_parameters_are_those_of_trains_model(capsys, flags):
     """The plan traces the model of train's config: its parameter count is the model's, built from the
     config ``meshtorch train`` makes of the same flags (on one processor)."""

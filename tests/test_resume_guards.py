@@ -52,7 +52,8 @@ def _files(out: str) -> dict[str, bytes]:
     ({"activation": "relu"}, "--activation 'relu' (the run has 'gelu')"),
     ({"eps": 1e-6}, "--eps 1e-06 (the run has 1e-05)"),
     ({"rotary_base": 500.0}, "--rotary-base 500.0 (the run has 10000.0)"),
-    ({"model": "moe"}, "--model 'moe' (the run has 'lm')"),
+    # (an MoE model of one block needs --moe-every 1: it is refused without a block of experts)
+    ({"model": "moe", "moe_every": 1}, "--model 'moe' (the run has 'lm')"),
     ({"bias": True, "gated": True}, "--bias True (the run has False); --gated True (the run has False)"),
 ])
 def test_resume_refuses_a_model_change_that_keeps_the_shapes(change, needle, run2, text):
@@ -63,8 +64,10 @@ def test_resume_refuses_a_model_change_that_keeps_the_shapes(change, needle, run
     assert needle in msg, msg
     names = ",".join(k for k in change)
     if "model" in change:  # the kind alone: its experts follow from it and are not "changes" to undo
-        assert "--experts" not in msg and "Pass --model lm to continue" in msg, msg
-    if "gated" in change:  # booleans are named as their flags
+        assert "--experts" not in msg and "Pass --model lm --moe-every 2 to continue" in msg, msg
+        # its block of experts holds parameters the checkpoint lacks
+        assert "--model would give the model other parameters" in msg, msg
+    elif "gated" in change:  # booleans are named as their flags
         assert "Pass --no-bias --no-gated to continue" in msg, msg
         # a bias and a second input projection are parameters the checkpoint lacks: --allow-change
         # cannot resume them, so the error does not offer it

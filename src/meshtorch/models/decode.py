@@ -73,6 +73,19 @@ def pick(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, *, seed
     return (logits.double() + temperature * gumbel).argmax(-1)
 
 
+def room(max_length: int, prompt: int) -> int:
+    """How many tokens a model of ``max_length`` positions can add to a prompt of ``prompt`` tokens:
+    each new token is predicted from the positions before it, so the last one is predicted from
+    a context of all ``max_length`` positions (0 when the prompt is longer than that).
+
+    Example:
+        >>> from meshtorch.models.decode import room
+        >>> room(8, 3), room(8, 8), room(8, 9)
+        (6, 1, 0)
+    """
+    return max(0, max_length - prompt + 1)
+
+
 def _pad_rows(seq: torch.Tensor, n: int) -> torch.Tensor:
     """``seq``'s rows repeated up to a multiple of ``n`` (the pieces the rules split ``batch``
     into); callers keep the first rows of the result."""
@@ -155,8 +168,9 @@ def until_eos(tokens: Sequence[int], eos: Sequence[int]) -> list[int]:
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, use_cache: bool = True, limit: int | None = None,
              eos: int | Sequence[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
-    """Continue each prompt by ``max_new_tokens`` tokens (fewer if ``max_length`` is reached, or
-    once every sequence has ended).
+    """Continue each prompt by ``max_new_tokens`` tokens (fewer if ``max_length`` is reached: a
+    prompt of ``n`` tokens gets at most ``max_length - n + 1``, the last predicted from a full
+    context; :func:`room` says how many; or fewer once every sequence has ended).
 
     A sequence ends at an end-of-sequence id (:func:`stop_ids`: ``eos``, else the model's
     config's ``eos_token_id``, e.g. a Llama's from :func:`~meshtorch.models.from_hf`), which it
@@ -196,7 +210,7 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     was_training = model.training
     model.eval()
     n0 = lengths.pop()
-    max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
+    max_new_tokens = min(max_new_tokens, room(model.cfg.max_length, n0))
     rows = len(prompts)
     # the tokens live on the processor's device: one copy of the prompts there, none per token
     dev = processor_device()
@@ -238,7 +252,7 @@ def beam_search(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, be
     token, first). The beams share one KV cache of ``prompts × beams`` rows, reordered after
     each step by the beams' parents with a one-hot einsum, so it works under any rules (those
     that split ``batch`` included). Sequences all have ``max_new_tokens`` tokens (fewer if
-    ``max_length`` is reached). ``beams=1`` is greedy decoding.
+    ``max_length`` is reached: :func:`room`). ``beams=1`` is greedy decoding.
 
     Args:
         model: a :class:`~meshtorch.models.DecoderLM`.
@@ -277,7 +291,7 @@ def _beam_search(model, prompts, max_new_tokens, beams, limit):
     was_training = model.training
     model.eval()
     rows, n0 = len(prompts), len(prompts[0])
-    max_new_tokens = min(max_new_tokens, model.cfg.max_length - n0)
+    max_new_tokens = min(max_new_tokens, room(model.cfg.max_length, n0))
     ctx = current()
     dev = processor_device()
     prompt = _pad_rows(torch.tensor([list(p) for p in prompts], dtype=torch.int64, device=dev),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from meshtorch.recipes.lm import plan_cli
 from meshtorch.recipes.lm.flags import add_train_flags, config_from_args
@@ -46,13 +47,17 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     """``meshtorch generate``: print the prompt and its continuation; the exit status."""
-    from meshtorch.recipes.lm.generate import generate_from_checkpoint
+    from meshtorch.recipes.lm.generate import check_request, generate_from_checkpoint
 
+    made = check_request(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.beams)
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                                     temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                                     mesh=args.mesh, rules=args.rules, beams=args.beams,
                                     ignore_eos=args.ignore_eos)
     print(text)
+    if made < args.tokens:  # said after the text, on stderr: `> file` keeps the text alone
+        print(f"meshtorch generate: {made} of --tokens {args.tokens} generated: the model's context ends "
+              "there (its run's --length, prompt included)", file=sys.stderr)
     return 0
 
 
@@ -77,9 +82,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="continue a prompt with a trained checkpoint",
                        description="Continue a prompt with the LM of a meshtorch train checkpoint, "
                        "on any mesh.")
-    g.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
+    g.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/, or one "
+                   "version in it: checkpoint/step-000200)")
     g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    g.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    g.add_argument("--tokens", type=int, default=200, help="tokens to generate, at most what the model's "
+                   "context (its run's --length) holds after the prompt (default: 200)")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest, 0 = all "
                    "(default: 40)")
@@ -95,7 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("export", help="write a trained checkpoint as a Hugging Face model directory",
                        description="Write the LM of a meshtorch train checkpoint as config.json + "
                        "safetensors in transformers' names (Llama or GPT-2), with the run's tokenizer.")
-    e.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/)")
+    e.add_argument("--checkpoint", required=True, help="a run directory (or its checkpoint/, or one "
+                   "version in it: checkpoint/step-000200)")
     e.add_argument("--out", required=True, help="the directory to write")
     e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="(default: fp32)")
     e.set_defaults(func=run_export)

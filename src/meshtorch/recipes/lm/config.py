@@ -484,6 +484,16 @@ def check_stages(cfg: TrainConfig) -> None:
         raise PipelineError(f"--layers {layers} do not divide into --pipeline-stages {p} × --virtual-stages "
                             f"{v} = {p * v} model chunks of equal depth; use --layers {want}, or fewer "
                             "stages or virtual stages")
+    # each processor cuts its own rows of the batch into the micro-batches
+    parsed, batch = par.parsed, cfg.run.batch
+    pieces = parsed.rules.pieces("batch", parsed.mesh)
+    rows = batch // pieces
+    if rows % m:
+        split = f" split over {pieces} processors by --rules" if pieces > 1 else ""
+        fits = [k for k in range(m, 0, -1) if rows % k == 0][0]
+        raise PipelineError(f"--batch {batch}{split} gives each processor {rows} sequences, which "
+                            f"--microbatches {m} does not divide; pass --microbatches {fits} (a divisor of "
+                            f"{rows}), or --batch a multiple of {m * pieces}")
 
 
 def check_nodes(cfg: TrainConfig) -> None:
@@ -559,6 +569,11 @@ def check_model_flags(cfg: TrainConfig) -> None:
                             f"with id {pad} (the bytes tokenizer's pad), which the encoder masks out; its "
                             f"padding id is that one: pass --padding-id {pad} (its lookups then train "
                             "nothing) or drop it")
+    if cfg.model.name == "moe" and cfg.model.layers < cfg.model.moe_every:
+        layers, every = cfg.model.layers, cfg.model.moe_every
+        raise ArgumentError(f"--model moe with --layers {layers} has no MoE layer: under --moe-every {every} "
+                            f"the blocks {every}, {2 * every}, ... are; pass --layers {every} or more, or "
+                            f"--moe-every {layers}")
 
 
 def check_config(cfg: TrainConfig, vocab: int = 264, world: int | None = None) -> None:

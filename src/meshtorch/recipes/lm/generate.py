@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 
 from meshtorch.checkpoint.format import INDEX
@@ -16,18 +17,34 @@ from meshtorch.checkpoint.state import from_json
 from meshtorch.checkpoint.versions import POINTER
 from meshtorch.data import ByteTokenizer
 from meshtorch.data.tokenizer import Tokenizer
-from meshtorch.errors import CheckpointError
+from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
-from meshtorch.models.decode import stop_ids, until_eos
+from meshtorch.models.decode import room, stop_ids, until_eos
 
 
 def checkpoint_dir(path: str) -> str:
-    """``path`` itself if it is a checkpoint, else its ``checkpoint/`` subdirectory."""
+    """``path`` itself if it is a checkpoint (a run's ``checkpoint/``, or one version in it), else its
+    ``checkpoint/`` subdirectory."""
     for d in (path, os.path.join(path, "checkpoint")):
         if any(os.path.exists(os.path.join(d, f)) for f in (POINTER, INDEX)):
             return d
     raise CheckpointError(f"{path!r} holds no checkpoint (no {POINTER} or {INDEX} in it or in its "
                           "checkpoint/); pass the --out directory of a meshtorch train run")
+
+
+def run_directory(path: str) -> str:
+    """The run directory of checkpoint ``path``: the parent of the run's ``checkpoint/``, which is
+    ``path`` itself or, for one version of it (``checkpoint/step-000200``), ``path``'s parent.
+
+    Example:
+        >>> run_directory("runs/a/checkpoint") == os.path.abspath("runs/a")
+        True
+    """
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if not os.path.exists(os.path.join(path, POINTER)) and os.path.exists(os.path.join(parent, POINTER)):
+        path = parent
+    return os.path.dirname(path)
 
 
 def model_config(path: str) -> tuple[str, TransformerConfig]:
@@ -45,13 +62,12 @@ def run_tokenizer(path: str) -> Tokenizer:
     where = (extra.get("train_config") or {}).get("tokenizer")
     kept = extra.get("tokenizer")  # the run's own copy, in the run directory (wherever it was moved)
     if kept and kept.get("path") in ("bytes", "tokenizer"):  # never a path out of the run directory
-        where = kept["path"] if kept["path"] == "bytes" else os.path.join(
-            os.path.dirname(os.path.abspath(path)), kept["path"])
+        where = kept["path"] if kept["path"] == "bytes" else os.path.join(run_directory(path), kept["path"])
     if not where or where == "bytes":
         return ByteTokenizer()
     from meshtorch.data.hf_tokenizer import HFTokenizer
 
-    beside = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer")
+    beside = os.path.join(run_directory(path), "tokenizer")
     if not os.path.exists(where) and os.path.basename(where) == "tokenizer" and os.path.isdir(beside):
         where = beside  # a BPE fitted by the run, in a run directory that was moved
     if not os.path.exists(where):
@@ -89,15 +105,47 @@ def load_lm(path: str) -> DecoderLM:
     return model
 
 
+def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int = 40, beams: int = 0) -> int:
+    """Raise :class:`ArgumentError` naming the ``meshtorch generate`` flag unless the request can run
+    on the LM of checkpoint ``path``; the number of tokens it will add: ``max_new_tokens``, or fewer
+    where the model's context (its run's ``--length``) ends first (:func:`~meshtorch.models.decode.room`).
+    A prompt that leaves no room is refused, rather than answered with the prompt alone."""
+    for flag, value in (("--tokens", max_new_tokens), ("--top-k", top_k), ("--beams", beams)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ArgumentError(f"{flag} {value!r} is out of range: it must be a whole number >= 0")
+    if not 0 <= temperature < math.inf:  # nan too
+        raise ArgumentError(f"--temperature {temperature!r} is out of range: it must be >= 0 (0: greedy)")
+    path = checkpoint_dir(path)
+    kind, cfg = model_config(path)
+    if kind == "seq2seq":
+        raise CheckpointError(f"checkpoint {path!r} is of a --model seq2seq run, which spells numbers (its "
+                              "run prints its held-out exact match); meshtorch generate continues text "
+                              "with the LM of a --model lm or moe run")
+    tok = run_tokenizer(path)
+    if beams > tok.sample_limit:
+        raise ArgumentError(f"--beams {beams} exceeds the {tok.sample_limit} tokens the model may emit: "
+                            f"pass --beams {tok.sample_limit} or fewer")
+    n = len(prompt_ids(tok, prompt))
+    if room(cfg.max_length, n) == 0:
+        raise ArgumentError(f"--prompt is {n - 1} tokens (plus the end-of-text token that starts it), more "
+                            f"than the model's context of {cfg.max_length} positions holds (its run's "
+                            f"--length): shorten it to at most {cfg.max_length - 1} tokens")
+    return min(max_new_tokens, room(cfg.max_length, n))
+
+
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
                              beams: int = 0, ignore_eos: bool = False) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
     or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
     end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
-    Face model), unless ``ignore_eos``; a beam search runs ``max_new_tokens`` whatever it emits."""
+    Face model), unless ``ignore_eos``; a beam search runs ``max_new_tokens`` whatever it emits.
+    Of ``max_new_tokens`` it writes fewer where the model's context ends (:func:`check_request` says
+    how many)."""
     from meshtorch.launcher import launch
 
+    check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
     path = checkpoint_dir(path)
     tok = run_tokenizer(path)
 

@@ -125,13 +125,7 @@ def resolve_tokenizer(cfg: TrainConfig, out: str, fit: bool = True) -> TrainConf
         except ImportError:
             return cfg.replace(tokenizer="bytes")
         spec = f"bpe:{AUTO_BPE}"
-    try:
-        size = int(spec.removeprefix("bpe:"))
-    except ValueError:
-        size = 0
-    if size < 260:
-        raise ArgumentError(f"--tokenizer {spec!r}: give the BPE's number of ids, at least 260 (256 bytes, "
-                            "end-of-text, merges), e.g. bpe:1024")
+    size = bpe_size(spec)
     from meshtorch.data.corpus import train_texts
     from meshtorch.data.hf_tokenizer import train_bpe
 
@@ -181,9 +175,26 @@ def planned_vocab(cfg: TrainConfig) -> int:
     if cfg.run.init_from or cfg.model.name == "seq2seq" or not (spec == "auto" or spec.startswith("bpe:")):
         fitted = spec == "auto" or spec.startswith("bpe:")
         return model_vocab(cfg, ByteTokenizer() if fitted else tokenizer_of(cfg))
-    size = spec.removeprefix("bpe:")
-    size = int(size) if size.isdigit() else AUTO_BPE
+    size = AUTO_BPE if spec == "auto" else bpe_size(spec)
     return -(-size // 8) * 8
+
+
+def bpe_size(spec: str) -> int:
+    """The number of ids of ``--tokenizer bpe:N``; an :class:`ArgumentError` naming the flag unless N is
+    a whole number of at least 260 (256 bytes, end-of-text and merges).
+
+    Example:
+        >>> bpe_size("bpe:1024")
+        1024
+    """
+    try:
+        size = int(spec.removeprefix("bpe:"))
+    except ValueError:
+        size = 0
+    if size < 260:
+        raise ArgumentError(f"--tokenizer {spec!r}: give the BPE's number of ids, at least 260 (256 bytes, "
+                            "end-of-text, merges), e.g. bpe:1024")
+    return size
 
 
 def tokenizer_of(cfg: TrainConfig) -> Tokenizer:

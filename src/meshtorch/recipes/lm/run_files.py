@@ -34,6 +34,10 @@ TOKENIZER_DIR = "tokenizer"  # the run's own copy of its tokenizer (a fitted BPE
 # changes (the model computes the same function). The run goes on as it trained, --allow-change takes the
 # config's value; the other options must agree with config.json (check_resumed_model)
 KEPT_ON_RESUME = ("padding_id",)
+# options that may differ from the resumed run's and change what its next steps compute (the model's
+# are compared by check_resumed_model, the weight decay is told from the optimizer's groups): the line
+# that says the run resumed names those that differ, as a flag left out takes its default, not the run's
+TOLD_ON_RESUME = ("lr", "warmup", "lr_schedule", "clip", "batch", "length", "data", "precision")
 
 
 def _flag(name: str) -> str:
@@ -114,6 +118,11 @@ def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, A
         a, b = getattr(theirs, f.name), getattr(mine, f.name)
         if a != b:
             changes.append((f.name, a, b))
+    # max_length comes from --length: it sizes a learned position table (a parameter), which --length
+    # must then keep; rotary positions have no table, so their runs may resume with another --length
+    if theirs.positions == "learned" and mine.positions == "learned" and theirs.max_length != mine.max_length:
+        length = (record.get("train_config") or {}).get("length", theirs.max_length)
+        changes.append(("length", length, cfg.run.length))
     return changes
 
 
@@ -145,6 +154,7 @@ def _reshaping(cfg: TrainConfig, record: dict[str, Any], changes: list[tuple[str
     theirs = TransformerConfig.from_dict(record["model_config"])
     kind = record.get("model", "lm")
     variants = [(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)) if name == "model"
+                else (kind, dataclasses.replace(theirs, max_length=max(value, 8))) if name == "length"
                 else (kind, dataclasses.replace(theirs, **{name: value})) for name, _, value in changes]
     saved, *others = _parameter_dims([(kind, theirs), *variants])
     return {name for (name, _, _), other in zip(changes, others) if other != saved}
@@ -198,6 +208,31 @@ def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
                 "as a new run (another --out)")
     raise ArgumentError(f"--resume {cfg.run.resume!r} trained another model than these options ask for: "
                         f"{what}. {fix}")
+
+
+def other_than_the_run(cfg: TrainConfig, record: dict[str, Any]) -> list[str]:
+    """The options of :data:`TOLD_ON_RESUME` in which ``cfg`` differs from the run ``record``
+    (:func:`recorded`) describes, each as ``--flag now (the run had before)``.
+
+    Example:
+        >>> record = {"train_config": TrainConfig.of(lr=0.01, batch=8).options()}
+        >>> other_than_the_run(TrainConfig.of(batch=8), record)
+        ['--lr 0.003 (the run had 0.01)']
+    """
+    theirs, mine = record.get("train_config") or {}, cfg.options()
+    told = []
+    for name in TOLD_ON_RESUME:
+        if name not in theirs:
+            continue
+        a, b = theirs[name], mine[name]
+        if name == "data":  # one directory by two spellings is the same data; "" is the stdlib
+            if os.path.realpath(a or "") == os.path.realpath(b or "") and bool(a) == bool(b):
+                continue
+            a, b = (repr(v) if v else "the Python stdlib (no --data)" for v in (a, b))
+        elif a == b:
+            continue
+        told.append(f"{_flag(name)} {b} (the run had {a})")
+    return told
 
 
 def check_resumed_optimizer(cfg: TrainConfig, record: dict[str, Any]) -> None:
@@ -357,8 +392,10 @@ def resume_run(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimi
         g.update(mine)
     start = int(state["step"])
     if lead:
+        other = other_than_the_run(cfg, recorded(cfg.run.resume))
         print(f"resumed from {cfg.run.resume} at step {start}"
-              + (f"; optimizer options now as given: {', '.join(changed)}" if changed else ""))
+              + (f"; optimizer options now as given: {', '.join(changed)}" if changed else "")
+              + (f"; options other than the run's, in effect from here: {', '.join(other)}" if other else ""))
         note = resume_note(cfg)
         if note:
             print(note)

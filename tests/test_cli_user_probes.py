@@ -1,0 +1,219 @@
+"""The ``meshtorch`` command as a user runs it, each test a case that once went wrong: ``generate`` past
+the model's context, its flags' errors, a resume with another ``--length``, pipeline and MoE flags that
+cannot work together, ``--tokenizer bpe:0``, and a reader of the output that goes away (``| head``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import meshtorch as mt
+from meshtorch import cli
+from meshtorch.errors import ArgumentError
+from meshtorch.recipes.lm import TrainConfig, check_config
+from run_harness import tiny_train, write_corpus
+
+# learned positions over --length 16: the model's context is 16 positions
+TINY = tiny_train(tokenizer="bytes", sample_tokens=4, log_every=2)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), files=4)
+
+
+@pytest.fixture(scope="module")
+def run(text, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs") / "two")
+    assert cli.main(["train", "--steps", "2", "--out", out, "--data", text, *TINY]) == 0
+    return out
+
+
+def _greedy(out: str, prompt: str, n: int) -> str:
+    """``prompt`` and ``n`` greedy tokens by calling the run's model on the whole sequence each time
+    (no cache), on one processor: the reference ``meshtorch generate --temperature 0`` must equal."""
+    from meshtorch.recipes.lm.generate import checkpoint_dir, load_lm, prompt_ids, run_tokenizer
+
+    tok = run_tokenizer(checkpoint_dir(out))
+
+    def prog():
+        model = load_lm(out).eval()
+        ids = prompt_ids(tok, prompt)
+        for _ in range(n):
+            x = mt.from_global(torch.tensor([ids]), f"batch:1,length:{len(ids)}")
+            with torch.no_grad():
+                ids.append(int(model(x).to_global()[0, -1, :tok.sample_limit].argmax()))
+        return tok.decode(ids)
+
+    return mt.launch(prog)[0]
+
+
+def test_generate_fills_the_context_equals_a_direct_model_call_and_says_it_stopped_short(run, capsys):
+    """Seen: ``--tokens 100`` on a --length 16 run printed 11 tokens and nothing else; a model of 16
+    positions continues the 5 of "def " (end-of-text + 4 bytes) by 12, the last from all 16."""
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", run, "--prompt", "def ", "--tokens", "100",
+                     "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == _greedy(run, "def ", 12) + "\n"
+    assert "12 of --tokens 100 generated: the model's context ends there" in err
+    # a beam of one is greedy, to the same length
+    assert cli.main(["generate", "--checkpoint", run, "--prompt", "def ", "--tokens", "100",
+                     "--beams", "1"]) == 0
+    assert capsys.readouterr().out == out
+    # asked for no more than the context holds: nothing said
+    assert cli.main(["generate", "--checkpoint", run, "--tokens", "3", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert out == _greedy(run, "def ", 3) + "\n" and err == ""
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_prompt(run, capsys):
+    """Seen: the prompt came back alone, exit status 0."""
+    assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 16]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--prompt is 16 tokens (plus the end-of-text token that starts it), more than the " \
+        "model's context of 16 positions holds (its run's --length): shorten it to at most 15 tokens" in err
+    assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 15, "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == "x" * 15 + _greedy(run, "x" * 15, 1)[15:] + "\n"
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--tokens", "-1", "--tokens -1 is out of range: it must be a whole number >= 0"),
+    ("--top-k", "-1", "--top-k -1 is out of range"),
+    ("--beams", "-2", "--beams -2 is out of range"),
+    ("--temperature", "-1", "--temperature -1.0 is out of range: it must be >= 0 (0: greedy)"),
+    ("--temperature", "nan", "--temperature nan is out of range"),
+    ("--beams", "100000", "--beams 100000 exceeds the 259 tokens the model may emit: pass --beams 259 or "
+                          "fewer"),
+])
+def test_generate_names_the_flag_out_of_range(run, capsys, flag, value, needle):
+    """Seen: 'processor 0 {} raised ArgumentError: generate: temperature=0.8 must be >= 0 (0: greedy),
+    top_k=40 >= 0 (0: all) and max_new_tokens=-1 >= 0', naming the function's arguments."""
+    assert cli.main(["generate", "--checkpoint", run, flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"meshtorch generate: error: {needle}"), err
+
+
+def test_resume_with_another_length_of_a_learned_position_table_is_refused_naming_length(run, tmp_path,
+                                                                                          capsys, text):
+    """Seen: 'processor 0 {'b': 0} raised CheckpointError: tensor 'model/decoder.pos.table' has shape
+    [positions:8,d_model:16] here but [positions:16,d_model:16] in ...; build the model with the saved
+    dims'. --length sizes the learned position table."""
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy)
+    assert cli.main(["train", "--steps", "4", "--resume", copy, "--data", text, *TINY, "--length", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--length 8 (the run has 16). Pass --length 16 to continue the run as it was; --length would " \
+        "give the model other parameters than the run's checkpoint holds" in err, err
+    assert os.listdir(os.path.join(copy, "checkpoint")) == os.listdir(os.path.join(run, "checkpoint"))
+    # rotary positions have no table: another --length resumes the same parameters
+    from meshtorch.recipes.lm.run_files import model_changes
+
+    for positions, changes in (("learned", [("length", 16, 8)]), ("rotary", [])):
+        base = dict(positions=positions, length=16, resume=copy)
+        record = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict(),
+                  "train_config": TrainConfig.of(**base).options()}
+        assert model_changes(TrainConfig.of(**{**base, "length": 8}), record) == changes
+    # the table has at least 8 positions: --length 4 and 8 make the same one
+    base = dict(length=8, resume=copy)
+    record = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
+    assert model_changes(TrainConfig.of(**{**base, "length": 4}), record) == []
+
+
+def test_pipeline_micro_batches_that_do_not_divide_a_processors_rows_are_refused_up_front(tmp_path, capsys,
+                                                                                          text):
+    """Seen: the run started, then stopped with 'processor 2 {'stage': 1, 'b': 0} raised PipelineError:
+    dim 'batch' has 2 entries per processor, not divisible into 4 micro-batches' (meshtorch plan too)."""
+    out = tmp_path / "piped"
+    flags = [*TINY, "--layers", "2", "--pipeline-stages", "2", "--microbatches", "4"]  # --batch 4 over b:2
+    want = ("--batch 4 split over 2 processors by --rules gives each processor 2 sequences, which "
+            "--microbatches 4 does not divide; pass --microbatches 2 (a divisor of 2), or --batch a multiple "
+            "of 8")
+    assert cli.main(["train", "--steps", "2", "--out", str(out), "--data", text, *flags]) == 2
+    assert want in capsys.readouterr().err and not out.exists()
+    assert cli.main(["plan", *flags]) == 2
+    assert want in capsys.readouterr().err
+
+
+def test_an_moe_model_without_an_moe_layer_is_refused():
+    """Seen: --model moe --layers 1 trained a dense LM (7,648 parameters, as --model lm) with the rule
+    'experts:b' accepted: under --moe-every 2 only the second block has experts."""
+    with pytest.raises(ArgumentError, match="--model moe with --layers 1 has no MoE layer: under "
+                       "--moe-every 2 the blocks 2, 4, ... are; pass --layers 2 or more, or --moe-every 1"):
+        check_config(TrainConfig.of(model="moe", layers=1, rules="batch:b; experts:b"))
+    check_config(TrainConfig.of(model="moe", layers=1, moe_every=1, rules="batch:b; experts:b"))
+
+
+def test_a_bpe_below_its_least_size_names_tokenizer(capsys):
+    """Seen: 'TransformerConfig.vocab must be >= 1, got 0' for --tokenizer bpe:0 (bpe:100 named the flag)."""
+    assert cli.main(["plan", "--tokenizer", "bpe:0"]) == 2
+    assert "error: --tokenizer 'bpe:0': give the BPE's number of ids, at least 260" in capsys.readouterr().err
+
+
+class _Head:
+    """Standard output read by ``head -1``: the first line, then the pipe is closed."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, s: str) -> int:
+        if "\n" in self.text:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_reader_that_goes_away_costs_the_run_nothing(text, tmp_path, monkeypatch, capsys):
+    """Seen: ``meshtorch train ... | head -1`` ended with 'processor 0 {'b': 0} raised BrokenPipeError'
+    at the held-out line, after the checkpoint but before summary.json and loss.png."""
+    head = _Head()
+    monkeypatch.setattr("sys.stdout", head)
+    out = str(tmp_path / "run")
+    assert cli.main(["train", "--steps", "2", "--out", out, "--data", text, *TINY]) == 0
+    assert head.text.startswith("model lm: ") and head.text.count("\n") == 1
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["steps"] == 2 and summary["heldout_loss"] > 0
+    assert os.path.exists(os.path.join(out, "loss.png")) == summary["loss_png"]
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+
+
+def test_generate_reads_one_version_of_a_runs_checkpoint(text, tmp_path, capsys):
+    """Seen: ``--checkpoint RUN/checkpoint/step-000002`` (an older version, which ``--keep`` keeps) said
+    the run's BPE tokenizer 'is gone' from RUN/checkpoint/tokenizer: it is in RUN/tokenizer."""
+    out = str(tmp_path / "bpe")
+    assert cli.main(["train", "--steps", "4", "--checkpoint-every", "2", "--out", out, "--data", text,
+                     *tiny_train(tokenizer="bpe:300", sample_tokens=0, log_every=2)]) == 0
+    capsys.readouterr()
+    older = os.path.join(out, "checkpoint", "step-000002")
+    assert cli.main(["generate", "--checkpoint", older, "--tokens", "3", "--temperature", "0"]) == 0
+    got = capsys.readouterr().out
+    assert got == _greedy(older, "def ", 3) + "\n"
+
+
+def test_resume_names_the_training_options_that_differ_from_the_runs(run, text, tmp_path, capsys):
+    """Seen: a run of --lr 0.01 --batch 8 resumed without those flags trained on with the defaults (lr
+    0.003 on a cosine schedule, batch 16) and said only 'resumed from ... at step 2'. They may change;
+    the line now names them (each flag left out takes its default, not the run's)."""
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run, copy)
+    capsys.readouterr()
+    assert cli.main(["train", "--steps", "3", "--resume", copy, "--data", os.path.join(text, "."), *TINY,
+                     "--batch", "8", "--lr", "0.01"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == (f"resumed from {copy} at step 2; options other than the run's, in effect from here: "
+                    "--lr 0.01 (the run had 0.003), --batch 8 (the run had 4)")
+    # the record is what ran: resumed again with the same flags, nothing differs
+    assert cli.main(["train", "--steps", "4", "--resume", copy, "--data", text, *TINY, "--batch", "8",
+                     "--lr", "0.01"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == f"resumed from {copy} at step 3"
