@@ -15,11 +15,12 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
+from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError, ShapeError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
@@ -153,17 +154,47 @@ def _reshaping(cfg: TrainConfig, record: dict[str, Any], changes: list[tuple[str
         return set()
     theirs = TransformerConfig.from_dict(record["model_config"])
     kind = record.get("model", "lm")
-    variants = [(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)) if name == "model"
-                else (kind, dataclasses.replace(theirs, max_length=max(value, 8))) if name == "length"
-                else (kind, dataclasses.replace(theirs, **{name: value})) for name, _, value in changes]
+    mine = dataclasses.replace(cfg.model, name=kind).config(vocab=theirs.vocab, length=cfg.run.length)
+
+    def variant(name: str, value: Any) -> tuple[str, TransformerConfig]:
+        if name == "model":
+            return value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)
+        change = {"max_length": max(value, 8)} if name == "length" else {name: value}
+        if change.get("positions", theirs.positions) != "rotary":
+            change["rope_scaling"] = None  # (it rescales rotary positions only, and holds no parameter)
+        try:
+            return kind, dataclasses.replace(theirs, **change)
+        except ShapeError:
+            # the option alone makes no model with the run's others (--heads 2 under the run's --kv-heads
+            # 4): it changes with those cfg changes too, so it is told by the model cfg asks for
+            return kind, mine
+
+    variants = [variant(name, value) for name, _, value in changes]
     saved, *others = _parameter_dims([(kind, theirs), *variants])
     return {name for (name, _, _), other in zip(changes, others) if other != saved}
 
 
 def _as_flags(changes: list[tuple[str, Any, Any]]) -> str:
-    """The run's values of ``changes``, spelled as flags."""
-    return " ".join((_flag(n) if a else _flag("no_" + n)) if isinstance(a, bool) else f"{_flag(n)} {a}"
-                    for n, a, _ in changes)
+    """What sets the run's values of ``changes`` again, as a shell takes it: ``Pass`` the flags (a JSON
+    object quoted, ``--rope-scaling '{"rope_type": "linear", "factor": 2.0}'``) and ``drop`` those whose
+    value is none (no flag sets ``None``).
+
+    Example:
+        >>> print(_as_flags([("rope_scaling", {"factor": 2.0}, None), ("gated", False, True)]))
+        Pass --rope-scaling '{"factor": 2.0}' --no-gated
+        >>> print(_as_flags([("activation", "relu", "gelu"), ("rope_scaling", None, {"factor": 2.0})]))
+        Pass --activation relu and drop --rope-scaling
+    """
+    def spelled(n: str, a: Any) -> str:
+        if isinstance(a, bool):
+            return _flag(n) if a else _flag("no_" + n)
+        return f"{_flag(n)} {shlex.quote(json.dumps(a) if isinstance(a, dict) else str(a))}"
+
+    given = " ".join(spelled(n, a) for n, a, _ in changes if a is not None)
+    dropped = ", ".join(_flag(n) for n, a, _ in changes if a is None)
+    if not dropped:
+        return f"Pass {given}"
+    return f"Pass {given} and drop {dropped}" if given else f"Drop {dropped}"
 
 
 def _init_from_fields(cfg: TrainConfig) -> dict[str, str]:
@@ -193,7 +224,10 @@ def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
     # --init-from's config.json sets the options it has a field for, and no flag may contradict it
     configured = _init_from_fields(cfg)
     flags = [c for c in refused if c[0] not in configured]
-    fix = f"Pass {_as_flags(flags)}" if flags else ""
+    if (any(n == "positions" and a != "rotary" for n, a, _ in flags) and cfg.model.rope_scaling is not None
+            and "rope_scaling" not in {n for n, _, _ in flags}):
+        flags.append(("rope_scaling", None, cfg.model.rope_scaling))  # (allowed, but it needs rotary ones)
+    fix = _as_flags(flags) if flags else ""
     if len(flags) < len(refused):
         names = ", ".join(_flag(n) for n, _, _ in refused if n in configured)
         fix += (" and put back" if fix else "Put back") + (
