@@ -97,6 +97,41 @@ def test_generation_stops_at_the_configs_eos_as_transformers_generate(pad):
                            for row in free] and n < 12
 
 
+@pytest.mark.parametrize("pad", [-1, 96], ids=["legacy-minus-one", "past-the-vocab"])
+def test_a_pad_token_id_outside_the_vocab_pads_with_the_eos(pad):
+    """Seen (review16d): a config's pad_token_id=-1 (a legacy LLaMA's; from_hf takes it) went back into
+    the model as the next input of a finished row: 'embedding: ids hold -1' as soon as one row ended
+    before the others. A pad that is no id of the vocabulary pads with the first eos id, as without
+    a pad_token_id; the other rows go on as without eos."""
+    hf = small_llama(num_key_value_heads=1, pad_token_id=-1)  # (transformers refuses a Llama's 96)
+    prompts = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def prog(eos_at):
+        model = from_hf(hf)
+        free = generate(model, prompts, 10, ignore_eos=True)
+        if eos_at is None:
+            return free
+        ids = model.cfg.extra["hf_config"]
+        ids["eos_token_id"], ids["pad_token_id"] = [free[r][i] for r, i in eos_at], pad
+        return generate(model, prompts, 10)
+
+    free = mt.launch(prog, None)[0]
+    # an eos each row meets at a different step (the first whose id the rows before never emitted)
+    eos_at = [(0, 1), (2, 4)]
+    eos = [free[r][i] for r, i in eos_at]
+    cut = [until_eos(row, eos) for row in free]
+    assert 1 < len({len(c) for c in cut}), cut  # one row ends before another
+    want = [c + [eos[0]] * (max(map(len, cut)) - len(c)) for c in cut]
+    for mesh, rules in [("b:1", ""), ("b:2", "batch:b; vocab:b")]:
+        assert all(got == want for got in mt.launch(prog, eos_at, mesh=mesh, rules=rules)), mesh
+
+
+def test_generate_names_eos_for_the_stop_it_no_longer_takes():
+    hf = small_llama(num_key_value_heads=1)
+    with pytest.raises(ArgumentError, match=r"generate\(stop=3\) is gone: pass eos=3.*pads it"):
+        generate(from_hf(hf), [[1, 2]], 4, stop=3)
+
+
 def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, capsys):
     from meshtorch.data import ByteTokenizer
     from meshtorch.recipes.lm.generate import prompt_ids
