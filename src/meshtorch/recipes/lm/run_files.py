@@ -357,13 +357,35 @@ def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
     return own
 
 
-def tokenizer_record(cfg: TrainConfig) -> dict[str, str]:
+def is_init_froms_tokenizer(init_from: str, tokenizer: str) -> bool:
+    """Whether ``tokenizer`` (a directory, or ``"bytes"``) computes what ``--init-from``'s own
+    ``tokenizer.json`` does: only then are the token ids its ``config.json`` names (``eos_token_id``)
+    the run's."""
+    if not init_from or tokenizer == "bytes" or not os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        return False
+    return tokenizer_digest(tokenizer) == tokenizer_digest(init_from)
+
+
+def tokenizer_record(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint records of the run's tokenizer (``cfg``'s, the run's own copy after
-    :func:`keep_tokenizer`): where it is, relative to the run directory, and its digest."""
-    spec = cfg.run.tokenizer
+    :func:`keep_tokenizer`): where it is, relative to the run directory, and its digest; for a
+    fine-tune, also whether it is ``--init-from``'s own (:func:`is_init_froms_tokenizer`, as
+    ``"init_from"``), which says whose end-of-text id a sample stops at."""
+    spec, init_from = cfg.run.tokenizer, cfg.run.init_from
+    own = {"init_from": is_init_froms_tokenizer(init_from, spec)} if init_from else {}
     if spec == "bytes":
-        return {"path": "bytes"}
-    return {"path": TOKENIZER_DIR, "sha256": tokenizer_digest(spec)}
+        return {"path": "bytes", **own}
+    return {"path": TOKENIZER_DIR, "sha256": tokenizer_digest(spec), **own}
+
+
+def sample_eos(model: torch.nn.Module, tok: Any, init_from: str, own_tokenizer: bool) -> list[int] | None:
+    """The ``eos=`` a sample of the run's ``model`` stops at (``None``: the model config's,
+    :func:`~meshtorch.models.decode.stop_ids`): a fine-tune (``init_from``) whose tokenizer is not
+    ``--init-from``'s own (``own_tokenizer`` false: ``--tokenizer bytes`` or ``bpe:N``) stops at its
+    tokenizer's end-of-text id ``tok.eos``, not at the ids its ``config.json`` names, which are
+    another vocabulary's; a fine-tune with its own tokenizer, and a run from scratch (whose config
+    knows no eos), at the config's."""
+    return [tok.eos] if init_from and not own_tokenizer else None
 
 
 def resumed_tokenizer(cfg: TrainConfig) -> str:
