@@ -58,6 +58,27 @@ def test_inverse_frequencies_equal_transformers(kind):
         assert ratio == pytest.approx([4.0] * 4)
 
 
+@pytest.mark.parametrize("both", [1.0, 2.0, 4.0])
+def test_equal_low_and_high_freq_factors_load_as_transformers_computes_them(both):
+    """Seen (review16d): low_freq_factor == high_freq_factor was refused ('the blend divides by their
+    difference'), though transformers loads such a config (it only warns): no band is blended, each
+    frequency is kept or divided by factor. Logits as transformers' too."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {**LLAMA3, "low_freq_factor": both, "high_freq_factor": both}
+    hf = small_llama(rope_parameters=dict(rope), max_position_embeddings=64)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf.config, "cpu")
+    got = inverse_frequencies(8, rope["rope_theta"], ours_of(rope))
+    torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=0)
+    ratio = (inverse_frequencies(8, rope["rope_theta"]) / got).tolist()
+    assert {round(r, 6) for r in ratio} == {1.0, 8.0}, ratio  # kept or divided, none blended
+    ids = data()[0]
+    with torch.no_grad():
+        logits = hf(ids).logits
+    got_logits = mt.launch(lambda: from_hf(hf).eval()(named(ids)).to_global(), mesh="m:2", rules="heads:m")
+    assert all((g - logits).abs().max().item() < 1e-5 for g in got_logits)
+
+
 @pytest.mark.parametrize("mesh, rules", [("b:1", ""), ("b:2,m:2", "length:b; heads:m; kv_heads:m")],
                          ids=["one", "ring+heads"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -134,8 +155,8 @@ def test_what_is_not_supported_is_named():
     for kind in ("dynamic", "yarn"):
         with pytest.raises(CheckpointError, match=f"rope_type='{kind}' is not supported .*{supported}"):
             from_hf(small_llama(rope_parameters={"rope_type": kind, "factor": 2.0, "rope_theta": 1e4}))
-    bad = {**LLAMA3, "low_freq_factor": 4.0}
-    with pytest.raises(CheckpointError, match=r"high_freq_factor=4.0 must exceed low_freq_factor=4.0"):
+    bad = {**LLAMA3, "low_freq_factor": 5.0}
+    with pytest.raises(CheckpointError, match=r"high_freq_factor=4.0 must be at least low_freq_factor=5.0"):
         llama.config_from_hf({"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
                               "num_hidden_layers": 1, "num_attention_heads": 4, "rope_parameters": bad})
     rotary = dict(d_model=8, heads=2, d_kv=4, positions="rotary")

@@ -97,33 +97,110 @@ def test_generation_stops_at_the_configs_eos_as_transformers_generate(pad):
                            for row in free] and n < 12
 
 
-def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, capsys):
+@pytest.mark.parametrize("pad", [-1, 96], ids=["legacy-minus-one", "past-the-vocab"])
+def test_a_pad_token_id_outside_the_vocab_pads_with_the_eos(pad):
+    """Seen (review16d): a config's pad_token_id=-1 (a legacy LLaMA's; from_hf takes it) went back into
+    the model as the next input of a finished row: 'embedding: ids hold -1' as soon as one row ended
+    before the others. A pad that is no id of the vocabulary pads with the first eos id, as without
+    a pad_token_id; the other rows go on as without eos."""
+    hf = small_llama(num_key_value_heads=1, pad_token_id=-1)  # (transformers refuses a Llama's 96)
+    prompts = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def prog(eos_at):
+        model = from_hf(hf)
+        free = generate(model, prompts, 10, ignore_eos=True)
+        if eos_at is None:
+            return free
+        ids = model.cfg.extra["hf_config"]
+        ids["eos_token_id"], ids["pad_token_id"] = [free[r][i] for r, i in eos_at], pad
+        return generate(model, prompts, 10)
+
+    free = mt.launch(prog, None)[0]
+    # an eos each row meets at a different step (the first whose id the rows before never emitted)
+    eos_at = [(0, 1), (2, 4)]
+    eos = [free[r][i] for r, i in eos_at]
+    cut = [until_eos(row, eos) for row in free]
+    assert 1 < len({len(c) for c in cut}), cut  # one row ends before another
+    want = [c + [eos[0]] * (max(map(len, cut)) - len(c)) for c in cut]
+    for mesh, rules in [("b:1", ""), ("b:2", "batch:b; vocab:b")]:
+        assert all(got == want for got in mt.launch(prog, eos_at, mesh=mesh, rules=rules)), mesh
+
+
+def test_generate_names_eos_for_the_stop_it_no_longer_takes():
+    hf = small_llama(num_key_value_heads=1)
+    with pytest.raises(ArgumentError, match=r"generate\(stop=3\) is gone: pass eos=3.*pads it"):
+        generate(from_hf(hf), [[1, 2]], 4, stop=3)
+
+
+@pytest.mark.parametrize("tokenizer", ["init-from", "bytes"])
+def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, capsys, monkeypatch, tokenizer):
+    """A fine-tune with --init-from's own tokenizer stops at its config.json's eos_token_id; one with
+    another tokenizer (here bytes: the directory has no tokenizer.json) at that tokenizer's end of
+    text. Seen (review16d): it stopped at config.json's id, another vocabulary's (a byte here)."""
     from meshtorch.data import ByteTokenizer
+    from meshtorch.data.hf_tokenizer import train_bpe
     from meshtorch.recipes.lm.generate import prompt_ids
 
     (tmp_path / "corpus").mkdir()
     write_corpus(tmp_path / "corpus", files=4)
     hf = small_llama(vocab_size=304, num_hidden_layers=1)
-    tok = ByteTokenizer()
+    if tokenizer == "bytes":
+        tok = ByteTokenizer()
+    else:
+        texts = [f.read_text() for f in sorted((tmp_path / "corpus").iterdir())]
+        tok = train_bpe(texts, 300, tmp_path / "llama")
     ids = prompt_ids(tok, "def f")
-    with torch.no_grad():  # the greedy continuation, over the ids the byte tokenizer may emit
-        full = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                           pad_token_id=0, suppress_tokens=list(range(tok.sample_limit, 304)),
-                           attention_mask=torch.ones(1, len(ids), dtype=torch.int64))[0, len(ids):].tolist()
-    k = full.index(full[3])
-    hf.config.eos_token_id = full[3]
+
+    def greedy():  # the greedy continuation, over the ids the tokenizer may emit
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0, suppress_tokens=list(range(tok.sample_limit, 304)),
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.int64))
+        return out[0, len(ids):].tolist()
+
+    full = greedy()
+    if tokenizer == "bytes":  # the byte tokenizer's end of text made likely: the model emits it
+        with torch.no_grad():
+            hf.lm_head.weight[tok.eos] = hf.lm_head.weight[full[4]] * 1.5
+        full = greedy()
+        k = full.index(tok.eos)
+        hf.config.eos_token_id = full[0]  # config.json's id: a byte before the end of text
+        assert 0 < k < 7 and full[0] != tok.eos
+    else:
+        k = full.index(full[3])
+        hf.config.eos_token_id = full[3]
+        assert full[3] != tok.eos
     hf.save_pretrained(tmp_path / "llama")
     # a step at lr 1e-12 moves no float32 weight: the checkpoint is transformers' model, with its eos
     assert cli.main(["train", "--init-from", str(tmp_path / "llama"), "--data", str(tmp_path / "corpus"),
                      "--steps", "1", "--lr", "1e-12", "--batch", "2", "--length", "16", "--eval-batches", "1",
-                     "--sample-tokens", "0", "--no-progress", "--out", str(tmp_path / "run")]) == 0
+                     "--sample-tokens", "8", "--temperature", "0", "--prompt", "def f", "--no-progress",
+                     "--out", str(tmp_path / "run")]) == 0
     capsys.readouterr()
+    # the run's own sample, and meshtorch generate's, stop at the eos
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["sample"] == tok.decode(ids + full[:k + 1]), summary["sample"]
     run = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def f", "--temperature", "0",
            "--tokens", "8"]
     assert cli.main(run) == 0
     assert capsys.readouterr().out == tok.decode(ids + full[:k + 1]) + "\n"
     assert cli.main([*run, "--ignore-eos"]) == 0
     assert capsys.readouterr().out == tok.decode(ids + full) + "\n" != tok.decode(ids + full[:k + 1]) + "\n"
+    # a checkpoint from before the run recorded whose tokenizer it has: told by comparing the tokenizers
+    from meshtorch.recipes.lm import generate as recipe
+
+    ckpt, want = recipe.checkpoint_dir(str(tmp_path / "run")), [tok.eos] if tokenizer == "bytes" else None
+    assert recipe.run_eos(ckpt, None, tok) == want
+    real = recipe.read_index
+
+    def older(path):
+        index = real(path)
+        kept = {k: v for k, v in index["extra"]["tokenizer"].items() if k != "init_from"}
+        return {**index, "extra": {**index["extra"], "tokenizer": kept}}
+
+    monkeypatch.setattr(recipe, "read_index", older)
+    assert "init_from" not in recipe.read_index(ckpt)["extra"]["tokenizer"]
+    assert recipe.run_eos(ckpt, None, tok) == want
 
 
 def _token_ids(config) -> tuple:

@@ -163,3 +163,39 @@ def test_kv_cache_decoding_matches_recomputation_on_any_mesh():
     assert len(one[0][0]) == 6
     outs = mt.launch(prog, mesh="b:2,m:2", rules="batch:b; heads:m; vocab:m")
     assert all(o == one for o in outs)
+
+
+def test_decoding_caches_the_requests_positions_not_max_length():
+    """Seen (review16d): the KV cache held max_length positions whatever the request (a Llama 3.1's
+    131072: 64 MiB a row for this toy and a write over all of them for each token). generate and
+    beam_search size it to the prompt and its new tokens; the tokens are the plain-torch greedy
+    reference's, also with the cache's positions split unevenly (memory_length 9 over 2)."""
+    from meshtorch.models import beam_search, generate
+
+    cfg = TransformerConfig(**{**TINY, "max_length": 4096}, positions="rotary")
+    prompts, steps = [[1, 2, 3], [4, 5, 6], [7, 8, 9]], 6
+    P = _params(DecoderLM(cfg, seed=5))
+    seq = torch.tensor(prompts)
+    for _ in range(steps):  # greedy decoding by full recomputation in plain torch
+        seq = torch.cat([seq, reference_logits(P, cfg, seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    want = seq[:, 3:].tolist()
+
+    def prog():
+        model = DecoderLM(cfg, seed=5)
+        sizes, made = [], model.new_cache
+
+        def new_cache(batch, dtype=torch.float32, length=None):
+            cache = made(batch, dtype, length)
+            sizes.append(cache.entries[0]["k"].shape["memory_length"].size)
+            return cache
+
+        model.new_cache = new_cache
+        short = DecoderLM(TransformerConfig(**{**TINY, "max_length": 9}, positions="rotary"), seed=5)
+        beams = beam_search(model, prompts, steps, beams=3)
+        assert beams == beam_search(short, prompts, steps, beams=3)  # the same weights, 9 positions
+        return generate(model, prompts, steps), beam_search(model, prompts, steps, beams=1), beams, sizes
+
+    for mesh, rules in [("b:1", ""), ("b:3,m:2", "batch:b; memory_length:m; heads:m")]:
+        for greedy, one_beam, _, sizes in mt.launch(prog, mesh=mesh, rules=rules):
+            assert greedy == one_beam == want, mesh
+            assert sizes == [3 + steps] * 3, sizes  # each decode of the model

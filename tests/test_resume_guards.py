@@ -119,6 +119,82 @@ def test_the_changes_are_told_apart_in_one_planning_launch(monkeypatch):
     check_resumed_model(cfg.replace(d_model=16, layers=2), record)  # the shape-keeping ones, allowed
 
 
+def _pasted(msg: str, base: dict) -> TrainConfig:
+    """The options of ``base`` with the flags the error says to pass (and drop), as the shell and the
+    command line take them: the hint pasted."""
+    import argparse
+    import shlex
+
+    from meshtorch.recipes.lm.flags import add_train_flags, config_from_args
+
+    hint = re.search(r"\. (Pass (.*?)(?: and drop (.*?))?|Drop (.*?)) to continue the run as it was", msg)
+    assert hint, msg
+    given, dropped = hint.group(2) or "", (hint.group(3) or hint.group(4) or "").split(", ")
+    p = argparse.ArgumentParser()
+    add_train_flags(p)
+    args = p.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in base.items()] + shlex.split(given))
+    for flag in filter(None, dropped):
+        setattr(args, flag[2:].replace("-", "_"), None)
+    return config_from_args(args)
+
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8}
+
+
+def test_a_rope_scaled_run_resumed_without_its_flags_names_them_as_a_shell_takes_them():
+    """Seen (review16d): a --positions rotary --rope-scaling run resumed with neither flag raised
+    TransformerConfig's own ShapeError ('rope_scaling=... rescales rotary positions, but
+    positions='learned'') from building the changed model, hiding the resume guard's error; and the
+    guard's hint spelled --rope-scaling as a Python dict, which the command line refuses as JSON."""
+    from meshtorch.recipes.lm.run_files import check_resumed_model
+
+    base = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=2, length=16, resume="/r")
+    record = {"model": "lm", "model_config": TrainConfig.of(**base, positions="rotary", rope_scaling=SCALING)
+              .model_config(264).to_dict()}
+    for given in ({}, {"positions": "rotary"}):
+        with pytest.raises(ArgumentError) as e:
+            check_resumed_model(TrainConfig.of(**base, **given), record)
+        msg = str(e.value)
+        assert "--rope-scaling None (the run has" in msg, msg
+        assert ("--positions would give the model other parameters" in msg) == ("positions" not in given), msg
+        # the hint pasted gives the run's model back: that one resumes
+        pasted = _pasted(msg, {**{k: v for k, v in base.items() if k != "resume"}, **given})
+        assert pasted.model.rope_scaling == SCALING and pasted.model.positions == "rotary", msg
+        check_resumed_model(pasted.replace(resume="/r"), record)
+    # a run without scaling resumed with it: the hint says to drop the flag
+    plain = {"model": "lm",
+             "model_config": TrainConfig.of(**base, positions="rotary").model_config(264).to_dict()}
+    with pytest.raises(ArgumentError) as e:
+        check_resumed_model(TrainConfig.of(**base, positions="rotary", rope_scaling=SCALING), plain)
+    msg = str(e.value)
+    assert "Drop --rope-scaling to continue the run as it was, or --allow-change rope_scaling" in msg, msg
+    pasted = _pasted(msg, {"positions": "rotary", "rope_scaling": json.dumps(SCALING),
+                           **{k: v for k, v in base.items() if k != "resume"}})
+    assert pasted.model.rope_scaling is None
+    check_resumed_model(pasted.replace(resume="/r"), plain)
+    # a learned run resumed as a scaled rotary one: --rope-scaling alone holds no parameter
+    learned = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
+    with pytest.raises(ArgumentError) as e:
+        check_resumed_model(TrainConfig.of(**base, positions="rotary", rope_scaling=SCALING,
+                                           allow_change="rope_scaling"), learned)
+    msg = str(e.value)
+    assert "; --positions would give the model other parameters" in msg, msg
+    assert "Pass --positions learned and drop --rope-scaling" in msg, msg
+
+
+def test_an_option_that_makes_no_model_alone_is_told_with_the_others_it_changes_with():
+    """--heads 2 --kv-heads 2 resuming a --heads 4 --kv-heads 4 run: --heads 2 under the run's
+    --kv-heads 4 is no model (kv_heads must divide heads); the guard's error, not that ShapeError."""
+    from meshtorch.recipes.lm.run_files import check_resumed_model
+
+    base = dict(d_model=16, heads=4, kv_heads=4, d_kv=8, d_ff=32, layers=1, length=16, resume="/r")
+    record = {"model": "lm", "model_config": TrainConfig.of(**base).model_config(264).to_dict()}
+    with pytest.raises(ArgumentError) as e:
+        check_resumed_model(TrainConfig.of(**{**base, "heads": 2, "kv_heads": 2}), record)
+    assert "--heads, --kv-heads would give the model other parameters" in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("kind", ["lm", "moe", "seq2seq"])
 def test_every_model_field_is_compared_on_resume_but_those_that_compute_the_same_function(kind):
     """Each model option changed alone, against the record of a ``--model kind`` run (no training): every

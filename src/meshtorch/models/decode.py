@@ -131,7 +131,9 @@ def stop_ids(model, eos: int | Sequence[int] | None = None,
     """The ids :func:`generate` stops a sequence at and the id it pads finished sequences with:
     ``eos`` if given, else the model's config's ``eos_token_id`` (:meth:`TransformerConfig.token_ids`:
     a model loaded by :func:`~meshtorch.models.from_hf`, or a checkpoint of one, knows it); the pad
-    is the config's ``pad_token_id``, else the first eos id, as in transformers' ``generate``.
+    is the config's ``pad_token_id``, else the first eos id, as in transformers' ``generate``. A
+    ``pad_token_id`` that is no id of the vocabulary (a legacy LLaMA's ``-1``) is not: a finished
+    row's pad goes back into the model as its next input, so the first eos id pads it.
     ``ignore_eos`` (or no eos known): ``([], -1)``, no stop.
 
     Example:
@@ -147,7 +149,7 @@ def stop_ids(model, eos: int | Sequence[int] | None = None,
     ids = model.cfg.token_ids("eos_token_id") if eos is None else [eos] if isinstance(eos, int) else list(eos)
     if not ids:
         return [], -1
-    pads = model.cfg.token_ids("pad_token_id")
+    pads = [p for p in model.cfg.token_ids("pad_token_id") if 0 <= p < model.cfg.vocab]
     return ids, pads[0] if pads else ids[0]
 
 
@@ -167,7 +169,8 @@ def until_eos(tokens: Sequence[int], eos: Sequence[int]) -> list[int]:
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, use_cache: bool = True, limit: int | None = None,
-             eos: int | Sequence[int] | None = None, ignore_eos: bool = False) -> list[list[int]]:
+             eos: int | Sequence[int] | None = None, ignore_eos: bool = False,
+             stop: int | None = None) -> list[list[int]]:
     """Continue each prompt by ``max_new_tokens`` tokens (fewer if ``max_length`` is reached: a
     prompt of ``n`` tokens gets at most ``max_length - n + 1``, the last predicted from a full
     context; :func:`room` says how many; or fewer once every sequence has ended).
@@ -179,8 +182,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
     sequence has ended. :func:`until_eos` cuts a row after its eos.
 
     Args:
-        model: a :class:`~meshtorch.models.DecoderLM` (anything with ``new_cache``
-            and ``forward(ids, cache)``).
+        model: a :class:`~meshtorch.models.DecoderLM` (anything with ``new_cache(batch, length=)``
+            and ``forward(ids, cache)``); the KV cache holds the prompt's and the new tokens'
+            positions, not ``max_length``'s.
         prompts: token ids, all of the same length (at least 1).
         temperature, top_k: sampling (``temperature=0``: greedy).
         use_cache: reuse keys/values (else recompute the whole prefix each step;
@@ -189,10 +193,17 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
         eos: the end-of-sequence id(s) (default: the config's; none for a model trained from
             scratch, which then runs ``max_new_tokens``).
         ignore_eos: never stop at an end-of-sequence id (``meshtorch generate --ignore-eos``).
+        stop: removed (an :class:`~meshtorch.errors.ArgumentError` naming ``eos=``): it ran every
+            row on until all had emitted the id; ``eos=`` pads each row after its own.
 
     Returns:
         The new tokens of each prompt (all rows of one length).
     """
+    if stop is not None:
+        raise ArgumentError(f"generate(stop={stop}) is gone: pass eos={stop}, which ends each sequence at "
+                            "its own eos and pads it after that with the pad id (stop= ran every sequence "
+                            "on until all had emitted the id); decode.until_eos(row, [id]) cuts a row after "
+                            "its eos, and ignore_eos=True never stops")
     if not 0 <= temperature < float("inf") or top_k < 0 or max_new_tokens < 0:
         raise ArgumentError(f"generate: temperature={temperature} must be >= 0 (0: greedy), top_k={top_k} "
                             f">= 0 (0: all) and max_new_tokens={max_new_tokens} >= 0")
@@ -219,7 +230,9 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
     ctx = current()
     seq = _pad_rows(seq, ctx.rules.pieces("batch", ctx.mesh))
     batch = Dim("batch", seq.shape[0])
-    cache = model.new_cache(batch) if use_cache else None
+    # the cache holds the request's positions (the last new token is never fed back), not max_length's
+    length = min(model.cfg.max_length, n0 + max_new_tokens)
+    cache = model.new_cache(batch, length=length) if use_cache else None
     ids = seq
     out: list[torch.Tensor] = []
     stop = torch.tensor(stops, dtype=torch.int64, device=dev)
@@ -298,7 +311,7 @@ def _beam_search(model, prompts, max_new_tokens, beams, limit):
                        ctx.rules.pieces("batch", ctx.mesh))
     groups = prompt.shape[0]
     batch = Dim("batch", groups * beams)
-    cache = model.new_cache(batch)
+    cache = model.new_cache(batch, length=min(model.cfg.max_length, n0 + max_new_tokens))
     ids = prompt.repeat_interleave(beams, 0)             # row g * beams + b: beam b of prompt g
     # only the first beam of each prompt is live at the start, so the first step's beams differ
     score = torch.full((groups, beams), float("-inf"), dtype=torch.float64, device=dev)

@@ -93,21 +93,32 @@ class KVCache:
     """Keys and values of every block for incremental decoding.
 
     ``offset`` is the number of positions already written; each block's entry
-    holds ``k`` and ``v`` of shape ``[batch, memory_length:max_length, heads, d_kv]``
-    (``kv_heads`` in place of ``heads`` under grouped-query attention).
+    holds ``k`` and ``v`` of shape ``[batch, memory_length:length, heads, d_kv]``
+    (``kv_heads`` in place of ``heads`` under grouped-query attention), ``length`` the positions
+    the cache holds: ``cfg.max_length`` unless given (at most that). A decode sizes it to its
+    request, a prompt and the tokens it adds: a Llama 3.1's ``max_length`` of 131072 positions
+    would cost GiBs a row and a write over all of them for every token.
     """
 
-    def __init__(self, cfg: TransformerConfig, batch: Dim, layers: int, dtype: torch.dtype = torch.float32):
-        self.max_length = cfg.max_length
-        shape = [batch, Dim(MEMORY, cfg.max_length), cfg.key_heads(), cfg.dim("d_kv")]
+    def __init__(self, cfg: TransformerConfig, batch: Dim, layers: int, dtype: torch.dtype = torch.float32,
+                 length: int | None = None):
+        length = cfg.max_length if length is None else length
+        if not 1 <= length <= cfg.max_length:
+            raise ShapeError(f"a KV cache of length={length} positions: it holds 1 to max_length="
+                             f"{cfg.max_length} (the model's positions)")
+        self.max_length, self.model_length = length, cfg.max_length
+        shape = [batch, Dim(MEMORY, length), cfg.key_heads(), cfg.dim("d_kv")]
         self.entries = [{"k": zeros(shape, dtype), "v": zeros(shape, dtype), "offset": 0}
                         for _ in range(layers)]
         self.offset = 0
 
     def check(self, n: int) -> None:
         if self.offset + n > self.max_length:
-            raise ShapeError(f"KV cache holds max_length={self.max_length} positions; {self.offset} "
-                             f"are used and {n} more do not fit — raise TransformerConfig.max_length")
+            fix = ("raise TransformerConfig.max_length" if self.max_length == self.model_length else
+                   f"make the cache longer (new_cache(batch, length=...), up to max_length="
+                   f"{self.model_length})")
+            raise ShapeError(f"KV cache holds {self.max_length} positions; {self.offset} are used and {n} "
+                             f"more do not fit — {fix}")
 
     def advance(self, n: int) -> None:
         self.offset += n
@@ -283,9 +294,21 @@ class DecoderLM(nn.Module):
         self.last_aux = aux
         return self.logits_of(h)
 
-    def new_cache(self, batch: Dim, dtype: torch.dtype = torch.float32) -> KVCache:
-        """An empty KV cache for ``batch`` sequences of up to ``max_length`` tokens."""
-        return KVCache(self.cfg, batch, self.cfg.layers, dtype)
+    def new_cache(self, batch: Dim, dtype: torch.dtype = torch.float32, length: int | None = None) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``length`` tokens (default and at most:
+        ``max_length``); :func:`~meshtorch.models.generate` makes one of its prompt's and new
+        tokens' length.
+
+        Example:
+            >>> import meshtorch as mt
+            >>> from meshtorch.models import DecoderLM, TransformerConfig
+            >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1,
+            ...                         max_length=64)
+            >>> mt.launch(lambda: DecoderLM(cfg).new_cache(mt.shape.Dim("batch", 1), length=8)
+            ...           .entries[0]["k"].shape["memory_length"].size)
+            [8]
+        """
+        return KVCache(self.cfg, batch, self.cfg.layers, dtype, length)
 
     def loss(self, ids: MeshTensor, targets: MeshTensor, weights: MeshTensor | None = None) -> MeshTensor:
         """Mean next-token cross-entropy (nats) of ``targets`` given ``ids``, plus the

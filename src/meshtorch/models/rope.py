@@ -9,7 +9,8 @@ change the inverse frequencies once, whatever the sequence length:
 - ``llama3`` (``factor, low_freq_factor, high_freq_factor, original_max_position_embeddings``):
   frequencies whose wavelength exceeds ``original_max_position_embeddings / low_freq_factor``
   are divided by ``factor``, those below ``original_max_position_embeddings / high_freq_factor``
-  are kept, and those between blend the two linearly in ``original / wavelength``.
+  are kept, and those between blend the two linearly in ``original / wavelength`` (none where
+  ``low_freq_factor == high_freq_factor``; ``high_freq_factor < low_freq_factor`` is refused).
 
 ``dynamic`` and ``yarn`` depend on the sequence length or scale the attention, and are not
 supported (:data:`ROPE_TYPES` lists what is).
@@ -79,10 +80,12 @@ def check_rope_scaling(scaling: Any, where: str = "rope_scaling") -> None:
         whole = k == "original_max_position_embeddings"
         if not _number(v) or (whole and not isinstance(v, int)):
             raise ArgumentError(f"{where} {k}={v!r} must be a {'whole' if whole else 'finite'} number > 0")
-    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
-        raise ArgumentError(f"{where} high_freq_factor={scaling['high_freq_factor']} must exceed "
-                            f"low_freq_factor={scaling['low_freq_factor']} (the blend between them divides "
-                            "by their difference)")
+    if kind == "llama3" and scaling["high_freq_factor"] < scaling["low_freq_factor"]:
+        # (equal factors blend no band, which transformers loads: each frequency is kept or divided)
+        raise ArgumentError(f"{where} high_freq_factor={scaling['high_freq_factor']} must be at least "
+                            f"low_freq_factor={scaling['low_freq_factor']} (wavelengths below "
+                            "original_max_position_embeddings / high_freq_factor are kept, those above "
+                            "original_max_position_embeddings / low_freq_factor divided by factor)")
 
 
 def inverse_frequencies(d_kv: int, base: float, scaling: Mapping[str, Any] | None = None) -> torch.Tensor:
@@ -100,7 +103,10 @@ def inverse_frequencies(d_kv: int, base: float, scaling: Mapping[str, Any] | Non
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     wavelength = 2 * math.pi / inv
     # long wavelengths (low frequencies) slow down by factor, short ones stay; between, a blend
-    blend = (old / wavelength - low) / (high - low)
-    between = (1 - blend) * inv / factor + blend * inv
+    if high > low:
+        blend = (old / wavelength - low) / (high - low)
+        between = (1 - blend) * inv / factor + blend * inv
+    else:  # no band between: a wavelength of exactly old / low is divided (transformers' 0 / 0 there)
+        between = inv / factor
     out = torch.where(wavelength > old / low, inv / factor, between)
     return torch.where(wavelength < old / high, inv, out)

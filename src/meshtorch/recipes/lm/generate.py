@@ -20,6 +20,7 @@ from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
 from meshtorch.models.decode import room, stop_ids, until_eos
+from meshtorch.recipes.lm.run_files import TOKENIZER_DIR, is_init_froms_tokenizer, sample_eos
 
 
 def checkpoint_dir(path: str) -> str:
@@ -74,6 +75,25 @@ def run_tokenizer(path: str) -> Tokenizer:
         raise CheckpointError(f"checkpoint {path!r} was trained with --tokenizer {where!r}, which is gone; "
                               "put the tokenizer back there")
     return HFTokenizer(where)
+
+
+def run_eos(path: str, model: DecoderLM, tok: Tokenizer) -> list[int] | None:
+    """The ``eos=`` the run of checkpoint ``path`` samples with (:func:`run_files.sample_eos
+    <meshtorch.recipes.lm.run_files.sample_eos>`): its tokenizer's end-of-text id for a fine-tune
+    with another tokenizer than ``--init-from``'s, else ``None`` (the model config's eos ids). A
+    checkpoint from before the run recorded which tokenizer it had is told by comparing the
+    tokenizers, where ``--init-from`` is still there (else the config's, as then)."""
+    extra = from_json(read_index(path).get("extra")) or {}
+    init_from = (extra.get("train_config") or {}).get("init_from") or ""
+    kept = extra.get("tokenizer") or {}
+    own = kept.get("init_from")
+    if own is None and init_from:
+        if kept.get("path") == "bytes" or not os.path.isdir(init_from):
+            own = kept.get("path") != "bytes"
+        else:
+            tokenizer = os.path.join(run_directory(path), TOKENIZER_DIR)
+            own = os.path.isdir(tokenizer) and is_init_froms_tokenizer(init_from, tokenizer)
+    return sample_eos(model, tok, init_from, bool(own))
 
 
 def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
@@ -140,9 +160,10 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
     or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
     end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
-    Face model), unless ``ignore_eos``; a beam search runs ``max_new_tokens`` whatever it emits.
-    Of ``max_new_tokens`` it writes fewer where the model's context ends (:func:`check_request` says
-    how many)."""
+    Face model with that model's tokenizer; with another, ``--tokenizer bytes`` or ``bpe:N``, at
+    that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``; a beam search runs
+    ``max_new_tokens`` whatever it emits. Of ``max_new_tokens`` it writes fewer where the model's
+    context ends (:func:`check_request` says how many)."""
     from meshtorch.launcher import launch
 
     check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
@@ -155,9 +176,10 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
         if beams:
             new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit)[0]
         else:
+            eos = run_eos(path, model, tok)
             new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
-                           limit=tok.sample_limit, ignore_eos=ignore_eos)[0]
-            new = until_eos(new, stop_ids(model, ignore_eos=ignore_eos)[0])
+                           limit=tok.sample_limit, eos=eos, ignore_eos=ignore_eos)[0]
+            new = until_eos(new, stop_ids(model, eos, ignore_eos)[0])
         return tok.decode(ids + new)
 
     return launch(prog, mesh=mesh, rules=rules)[0]

@@ -28,6 +28,7 @@ from meshtorch.models.decode import stop_ids, until_eos
 from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm.config import TrainConfig
 from meshtorch.recipes.lm.generate import prompt_ids
+from meshtorch.recipes.lm.run_files import is_init_froms_tokenizer, sample_eos
 
 
 def json_text(record: dict[str, Any], path: str, indent: int | None = None) -> str:
@@ -198,9 +199,12 @@ def report(cfg: TrainConfig, model: torch.nn.Module, heldout: Any, corpus: Corpu
     bpb = bits_per_byte(loss, heldout, cfg.run.eval_batches, tok)
     entropy = corpus.unigram_entropy("heldout")
     prompt = prompt_ids(tok, cfg.run.prompt)
+    # a fine-tune with another tokenizer than --init-from's stops at that tokenizer's end of text
+    init_from = cfg.run.init_from
+    eos = sample_eos(model, tok, init_from, is_init_froms_tokenizer(init_from, cfg.run.tokenizer))
     new = generate(model, [prompt], cfg.run.sample_tokens, temperature=cfg.run.temperature, top_k=40,
-                   seed=cfg.run.seed, limit=tok.sample_limit)[0]
-    new = until_eos(new, stop_ids(model)[0])  # the padding after the model's eos, if it emitted one
+                   seed=cfg.run.seed, limit=tok.sample_limit, eos=eos)[0]
+    new = until_eos(new, stop_ids(model, eos)[0])  # the padding after the model's eos, if it emitted one
     sample = tok.decode(prompt + new)
     if lead:
         unit = "byte" if tok.name == "bytes" else "token"

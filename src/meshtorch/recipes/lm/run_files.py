@@ -15,11 +15,12 @@ import functools
 import hashlib
 import json
 import os
+import shlex
 from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError
+from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError, ShapeError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
@@ -153,17 +154,47 @@ def _reshaping(cfg: TrainConfig, record: dict[str, Any], changes: list[tuple[str
         return set()
     theirs = TransformerConfig.from_dict(record["model_config"])
     kind = record.get("model", "lm")
-    variants = [(value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)) if name == "model"
-                else (kind, dataclasses.replace(theirs, max_length=max(value, 8))) if name == "length"
-                else (kind, dataclasses.replace(theirs, **{name: value})) for name, _, value in changes]
+    mine = dataclasses.replace(cfg.model, name=kind).config(vocab=theirs.vocab, length=cfg.run.length)
+
+    def variant(name: str, value: Any) -> tuple[str, TransformerConfig]:
+        if name == "model":
+            return value, cfg.model.config(vocab=theirs.vocab, length=cfg.run.length)
+        change = {"max_length": max(value, 8)} if name == "length" else {name: value}
+        if change.get("positions", theirs.positions) != "rotary":
+            change["rope_scaling"] = None  # (it rescales rotary positions only, and holds no parameter)
+        try:
+            return kind, dataclasses.replace(theirs, **change)
+        except ShapeError:
+            # the option alone makes no model with the run's others (--heads 2 under the run's --kv-heads
+            # 4): it changes with those cfg changes too, so it is told by the model cfg asks for
+            return kind, mine
+
+    variants = [variant(name, value) for name, _, value in changes]
     saved, *others = _parameter_dims([(kind, theirs), *variants])
     return {name for (name, _, _), other in zip(changes, others) if other != saved}
 
 
 def _as_flags(changes: list[tuple[str, Any, Any]]) -> str:
-    """The run's values of ``changes``, spelled as flags."""
-    return " ".join((_flag(n) if a else _flag("no_" + n)) if isinstance(a, bool) else f"{_flag(n)} {a}"
-                    for n, a, _ in changes)
+    """What sets the run's values of ``changes`` again, as a shell takes it: ``Pass`` the flags (a JSON
+    object quoted, ``--rope-scaling '{"rope_type": "linear", "factor": 2.0}'``) and ``drop`` those whose
+    value is none (no flag sets ``None``).
+
+    Example:
+        >>> print(_as_flags([("rope_scaling", {"factor": 2.0}, None), ("gated", False, True)]))
+        Pass --rope-scaling '{"factor": 2.0}' --no-gated
+        >>> print(_as_flags([("activation", "relu", "gelu"), ("rope_scaling", None, {"factor": 2.0})]))
+        Pass --activation relu and drop --rope-scaling
+    """
+    def spelled(n: str, a: Any) -> str:
+        if isinstance(a, bool):
+            return _flag(n) if a else _flag("no_" + n)
+        return f"{_flag(n)} {shlex.quote(json.dumps(a) if isinstance(a, dict) else str(a))}"
+
+    given = " ".join(spelled(n, a) for n, a, _ in changes if a is not None)
+    dropped = ", ".join(_flag(n) for n, a, _ in changes if a is None)
+    if not dropped:
+        return f"Pass {given}"
+    return f"Pass {given} and drop {dropped}" if given else f"Drop {dropped}"
 
 
 def _init_from_fields(cfg: TrainConfig) -> dict[str, str]:
@@ -193,7 +224,10 @@ def check_resumed_model(cfg: TrainConfig, record: dict[str, Any]) -> None:
     # --init-from's config.json sets the options it has a field for, and no flag may contradict it
     configured = _init_from_fields(cfg)
     flags = [c for c in refused if c[0] not in configured]
-    fix = f"Pass {_as_flags(flags)}" if flags else ""
+    if (any(n == "positions" and a != "rotary" for n, a, _ in flags) and cfg.model.rope_scaling is not None
+            and "rope_scaling" not in {n for n, _, _ in flags}):
+        flags.append(("rope_scaling", None, cfg.model.rope_scaling))  # (allowed, but it needs rotary ones)
+    fix = _as_flags(flags) if flags else ""
     if len(flags) < len(refused):
         names = ", ".join(_flag(n) for n, _, _ in refused if n in configured)
         fix += (" and put back" if fix else "Put back") + (
@@ -323,13 +357,35 @@ def keep_tokenizer(path: str, out: str, write: bool = True) -> str:
     return own
 
 
-def tokenizer_record(cfg: TrainConfig) -> dict[str, str]:
+def is_init_froms_tokenizer(init_from: str, tokenizer: str) -> bool:
+    """Whether ``tokenizer`` (a directory, or ``"bytes"``) computes what ``--init-from``'s own
+    ``tokenizer.json`` does: only then are the token ids its ``config.json`` names (``eos_token_id``)
+    the run's."""
+    if not init_from or tokenizer == "bytes" or not os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        return False
+    return tokenizer_digest(tokenizer) == tokenizer_digest(init_from)
+
+
+def tokenizer_record(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint records of the run's tokenizer (``cfg``'s, the run's own copy after
-    :func:`keep_tokenizer`): where it is, relative to the run directory, and its digest."""
-    spec = cfg.run.tokenizer
+    :func:`keep_tokenizer`): where it is, relative to the run directory, and its digest; for a
+    fine-tune, also whether it is ``--init-from``'s own (:func:`is_init_froms_tokenizer`, as
+    ``"init_from"``), which says whose end-of-text id a sample stops at."""
+    spec, init_from = cfg.run.tokenizer, cfg.run.init_from
+    own = {"init_from": is_init_froms_tokenizer(init_from, spec)} if init_from else {}
     if spec == "bytes":
-        return {"path": "bytes"}
-    return {"path": TOKENIZER_DIR, "sha256": tokenizer_digest(spec)}
+        return {"path": "bytes", **own}
+    return {"path": TOKENIZER_DIR, "sha256": tokenizer_digest(spec), **own}
+
+
+def sample_eos(model: torch.nn.Module, tok: Any, init_from: str, own_tokenizer: bool) -> list[int] | None:
+    """The ``eos=`` a sample of the run's ``model`` stops at (``None``: the model config's,
+    :func:`~meshtorch.models.decode.stop_ids`): a fine-tune (``init_from``) whose tokenizer is not
+    ``--init-from``'s own (``own_tokenizer`` false: ``--tokenizer bytes`` or ``bpe:N``) stops at its
+    tokenizer's end-of-text id ``tok.eos``, not at the ids its ``config.json`` names, which are
+    another vocabulary's; a fine-tune with its own tokenizer, and a run from scratch (whose config
+    knows no eos), at the config's."""
+    return [tok.eos] if init_from and not own_tokenizer else None
 
 
 def resumed_tokenizer(cfg: TrainConfig) -> str:
