@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
+from meshtorch.layout import format_axes
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
 from meshtorch.shape import Dim, Shape, dim_name
-from meshtorch.tensor import MeshTensor, as_mesh_tensor
+from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
 
 # SDPA's enable_gqa= (torch >= 2.5); without it the processor's key/value heads are repeated locally
 HAS_ENABLE_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
@@ -307,18 +308,21 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
     perm = [q.names.index(d) for d in order]
     back = [order.index(d) for d in q.names]
     full = q.shape[seq].size
+    # the axes that split the sequence in the result (the computation's layout): decided from
+    # the layout, the same on every processor, never from a slice's size (uneven pieces differ)
+    axes = layout_for(q.shape, name).axes_of(seq)
+    if len(axes) > 1:
+        raise LayoutError(
+            f"ring_attention: dim {seq!r} is split over axes {format_axes(axes)}; ring attention runs "
+            f"along one mesh axis: give {seq!r} a rule of one axis (e.g. '{seq}:{axes[0]}'), or use "
+            "mt.attention, which gathers the keys (TransformerConfig(attention=\"gather\"))")
+    axis = axes[0] if axes else None
 
     def local_fn(view, ql, kl, vl):
-        axis = None
-        if view.size(seq) != full:
-            axis = current().rules.axis_of(seq)
-            if not isinstance(axis, str):
-                raise LayoutError(f"ring_attention: dim {seq!r} is split over {axis!r}; ring attention runs "
-                                  "along one mesh axis — give the rule one axis")
         flat = [t.permute(perm) for t in (ql, kl, vl)]
         lead = flat[0].shape[:-2]
         flat = [t.reshape(math.prod(lead), *t.shape[-2:]) for t in flat]
-        out = ring_slices(*flat, axis, causal=causal, scale=scale, balance=balance)
+        out = ring_slices(*flat, axis, causal=causal, scale=scale, balance=balance, length=full)
         return out.reshape(*lead, *out.shape[-2:]).permute(back)
 
     return lower("ring_attention", [q, k, v], q.shape, local_fn, whole={feat}, name=name)
