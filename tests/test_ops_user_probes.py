@@ -53,3 +53,27 @@ def test_ring_attention_over_two_axes_names_them_and_the_fix():
 
     with pytest.raises(LayoutError, match=r"split over axes \(a,c\).*'length:a'.*mt\.attention"):
         mt.launch(prog, mesh="a:2,c:2", rules="length:(a,c)")
+
+
+def test_einsum_with_an_equation_and_output_shape_takes_the_sizes_or_names_the_disagreement():
+    # the unknown-dim error says to give the size in output_shape=; a user who kept the equation
+    # had output_shape= ignored: the same error again, or, where the equation was complete, the
+    # equation's result whatever output_shape= said
+    x = mt.from_global(torch.arange(6.0).reshape(2, 3), "a:2,b:3")
+    out = mt.einsum("a b -> a c", x, output_shape=["a", mt.Dim("c", 2)])
+    assert out.shape == mt.Shape("a:2,c:2") and out.to_global().tolist() == [[3.0, 3.0], [12.0, 12.0]]
+    assert mt.einsum("a b -> b", x, output_shape="b:3").to_global().tolist() == [3.0, 5.0, 7.0]
+    with pytest.raises(mt.errors.ArgumentError, match=r"names the output dims \['a'\], but output_shape= "
+                                                       r"names \['b'\]"):
+        mt.einsum("a b -> a", x, output_shape="b:3")
+
+
+@pytest.mark.parametrize("reduce", [mt.reduce_sum, mt.reduce_mean, mt.reduce_max, mt.reduce_any,
+                                    mt.reduce_logsumexp])
+def test_a_reduction_given_dims_and_output_shape_that_disagree_names_both(reduce):
+    # output_shape= won silently: reduce_sum(x, "a", output_shape="a:2") summed over b
+    x = mt.from_global(torch.arange(6.0).reshape(2, 3), "a:2,b:3")
+    with pytest.raises(mt.errors.ArgumentError,
+                       match=rf"{reduce.__name__} of \[a:2,b:3\].*dims='a'.*keeps \['a'\]"):
+        reduce(x, "a", output_shape="a:2")
+    assert reduce(x, "a", output_shape="b:3").shape == mt.Shape("b:3")  # the same dims both ways

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from meshtorch.caching import BoundedCache
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower, resolved
 from meshtorch.meta_autocast import autocast_enabled
 from meshtorch.ops.elementwise import broadcast_shape, cast
@@ -73,7 +73,19 @@ def einsum(
         [[3.0, 3.0], [5.0, 5.0], [7.0, 7.0]]
     """
     by_equation = isinstance(equation, str)
-    if by_equation:
+    if by_equation and output_shape is not None:
+        # both: the equation names the operands' dims, output_shape= gives the result's sizes (a
+        # dim no operand has); they must name the same output dims, else one would be ignored
+        _check_operands(xs)
+        named = _parse(equation, xs)
+        spec = output_shape if isinstance(output_shape, (Shape, str)) else tuple(output_shape)
+        given = list(as_shape(spec).names) if isinstance(spec, str) else [dim_name(d) for d in spec]
+        if named != given:
+            raise ArgumentError(
+                f"einsum {equation!r} names the output dims {named}, but output_shape= names {given}; "
+                "make them agree, or pass only one of them")
+        by_equation = False
+    elif by_equation:
         spec = equation
     else:  # the first operand: checked with the others below
         xs = (equation,) + xs
