@@ -77,3 +77,21 @@ def test_a_reduction_given_dims_and_output_shape_that_disagree_names_both(reduce
                        match=rf"{reduce.__name__} of \[a:2,b:3\].*dims='a'.*keeps \['a'\]"):
         reduce(x, "a", output_shape="a:2")
     assert reduce(x, "a", output_shape="b:3").shape == mt.Shape("b:3")  # the same dims both ways
+
+
+# a contraction whose contracted dim leaves some processor an empty piece (4 over 3: 2, 2, 0):
+# the local matmul reshaped with -1 beside a 0 and raised on that processor
+DOTS = [("a, a ->", "a:{a}", "a:{a}", "i,i->"), ("b a, a -> b", "b:3,a:{a}", "a:{a}", "ba,a->b"),
+        ("a, a c d -> c d", "a:{a}", "a:{a},c:2,d:2", "a,acd->cd"),
+        ("b a, c d a -> b c d", "b:2,a:{a}", "c:2,d:2,a:{a}", "ba,cda->bcd"),
+        ("b a e, a e c -> b c", "b:2,a:{a},e:3", "a:{a},e:3,c:2", "bae,aec->bc")]
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=st.sampled_from(DOTS), a=st.sampled_from([1, 2, 4, 5]), layout=st.sampled_from(
+       [("p:3", "a:p"), ("p:8", "a:p"), ("p:2,q:3", "a:(p,q); c:q"), ("p:4", "a:p; b:p")]))
+def test_a_contraction_over_empty_pieces_equals_dense(case, a, layout):
+    eq, sa, sb, torch_eq = case
+    sa, sb = sa.format(a=a), sb.format(a=a)
+    inputs = [(rand(*mt.Shape(s).sizes, seed=i), s) for i, s in enumerate((sa, sb))]
+    check_op(lambda x, y: mt.einsum(eq, x, y), lambda x, y: torch.einsum(torch_eq, x, y), inputs, *layout)

@@ -278,14 +278,16 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
                     return torch.matmul(x.flatten(na - k), w.flatten(0, k - 1) if w_leading
                                         else w.flatten(1).t())
                 # one mm on [rows, k] x [k, n], reshaping (viewing, where the slices allow) only
-                # what is not 2-D already: the mm that torch.matmul folds x @ W into
+                # what is not 2-D already: the mm that torch.matmul folds x @ W into. Sizes are
+                # spelled out, never -1: an uneven split leaves some processors an empty piece of
+                # a contracted dim, and reshape cannot infer -1 beside a 0
                 if w_leading:
                     size_k, out = math.prod(w.shape[:k]), (*x.shape[: na - k], *w.shape[k:])
-                    w2 = w if w_flat else w.reshape(size_k, -1)
+                    w2 = w if w_flat else w.reshape(size_k, math.prod(w.shape[k:]))
                 else:
                     size_k, out = math.prod(w.shape[nb - k:]), (*x.shape[: na - k], *w.shape[: nb - k])
-                    w2 = (w if w_flat else w.reshape(-1, size_k)).t()
-                y = torch.mm(x if x_flat else x.reshape(-1, size_k), w2)
+                    w2 = (w if w_flat else w.reshape(math.prod(w.shape[: nb - k]), size_k)).t()
+                y = torch.mm(x if x_flat else x.reshape(math.prod(x.shape[: na - k]), size_k), w2)
                 return y if y.shape == out else y.view(out)
             return torch.tensordot(x, w, dims=dot)
 
