@@ -236,8 +236,9 @@ def conv_transpose1d(x: MeshTensor, kernel: MeshTensor, dims: str | Sequence[str
                      kernel_dims: str | Sequence[str] = ("kw",), padding: Padding = "same",
                      stride: int = 1, dilation: int = 1, name: str | None = None) -> MeshTensor:
     """Transposed 1-D convolution (the gradient of :func:`conv1d` with respect to its input):
-    ``"same"`` gives ``size * stride`` positions, ``"valid"`` every position the kernel reaches
-    (TensorFlow's ``conv1d_transpose``), an int crops that many from each end (torch's).
+    ``"same"`` gives ``size * stride`` positions, ``"valid"`` every position the kernel reaches,
+    at least ``size * stride`` (TensorFlow's ``conv1d_transpose``: ``size * stride + max(span -
+    stride, 0)``), an int crops that many from each end (torch's).
 
     Example:
         >>> import torch, meshtorch as mt
