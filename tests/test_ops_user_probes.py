@@ -95,3 +95,25 @@ def test_a_contraction_over_empty_pieces_equals_dense(case, a, layout):
     sa, sb = sa.format(a=a), sb.format(a=a)
     inputs = [(rand(*mt.Shape(s).sizes, seed=i), s) for i, s in enumerate((sa, sb))]
     check_op(lambda x, y: mt.einsum(eq, x, y), lambda x, y: torch.einsum(torch_eq, x, y), inputs, *layout)
+
+
+# a boolean padding mask handed to mt.attention as its bias (the docs: the bias is SDPA's
+# attn_mask) was added to the scores as 1.0 and 0.0: nothing was masked
+@settings(max_examples=10, deadline=None)
+@given(causal=st.booleans(), layout=st.sampled_from(
+       [("a:1", ""), ("a:2", "batch:a"), ("a:3", "memory_length:a"), ("a:2,c:2", "length:(a,c); heads:c"),
+        ("a:2,c:2", "heads:a; memory_length:c")]), seed=st.integers(0, 99))
+def test_a_boolean_bias_masks_keys_as_sdpas_attn_mask(causal, layout, seed):
+    b, n, h, d = 2, 5, 2, 4
+    keep = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.4
+    keep[:, 0] = True  # every query keeps a key (the first), also under the causal mask
+    inputs = [(rand(b, n, h, d, seed=seed), f"batch:{b},length:{n},heads:{h},d_kv:{d}"),
+              *[(rand(b, n, h, d, seed=seed + i), f"batch:{b},memory_length:{n},heads:{h},d_kv:{d}")
+                for i in (1, 2)], (keep, f"batch:{b},memory_length:{n}")]
+
+    def dense(q, k, v, m):
+        t = [x.transpose(1, 2) for x in (q, k, v)]
+        mask = m[:, None, None, :] & (torch.ones(n, n, dtype=torch.bool).tril() if causal else True)
+        return torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=mask).transpose(1, 2)
+
+    check_op(lambda q, k, v, m: mt.attention(q, k, v, bias=m, causal=causal), dense, inputs, *layout)

@@ -80,7 +80,9 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     cache) sees keys ``j <= offset + i``. Queries at the keys' positions use ``is_causal=True``;
     split queries or an offset use a boolean lower-right mask, made once per device, and keys past
     the last local query are not computed at all. ``bias`` (dims among ``q``'s and ``memory``, e.g.
-    a padding mask) is added to the scores, cast to the compute dtype (never promoting to float32).
+    a padding mask) is added to the scores, cast to the compute dtype (never promoting to float32);
+    a boolean ``bias`` is a mask, as SDPA's boolean ``attn_mask``: keys where it is False take no
+    part.
 
     Layouts: any rules for the batch dims, ``heads`` and ``dim``. ``memory``, ``features`` and
     ``kv_heads`` are kept whole on a processor: where the rules split them, the lowering gathers
@@ -150,10 +152,13 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
         if bl is not None:
             b = align(bl, bias.names, target)
             b = b.expand(*lead, *b.shape[len(lead):]).reshape(rows, *b.shape[len(lead):])[..., :keys]
-            b = b.to(_sdpa_dtype(qs))
             if is_causal:   # is_causal and attn_mask do not combine: the causal mask joins the bias
                 mask, is_causal = causal_mask(n, keys, 0, ql.device), False
-            mask = b if mask is None else torch.where(mask, b, b + NEG)
+            if b.dtype == torch.bool:  # a mask, as SDPA's boolean attn_mask: True takes part
+                mask = b if mask is None else mask & b
+            else:
+                b = b.to(_sdpa_dtype(qs))
+                mask = b if mask is None else torch.where(mask, b, b + NEG)
         gqa = False
         if grouped:
             start, size = view.slices[hd]
