@@ -117,3 +117,16 @@ def test_a_boolean_bias_masks_keys_as_sdpas_attn_mask(causal, layout, seed):
         return torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=mask).transpose(1, 2)
 
     check_op(lambda q, k, v, m: mt.attention(q, k, v, bias=m, causal=causal), dense, inputs, *layout)
+
+
+@pytest.mark.parametrize("t, shape, hint", [
+    (torch.zeros(3, 4), "batch:4,d:3", "name the dims in the tensor's order, or permute it"),
+    (torch.zeros(3, 4), "batch:3", "name one dim per torch dim"),
+    (torch.zeros(3, 4), "batch:3,d:5", "give the named dims the tensor's sizes")])
+def test_from_global_of_the_wrong_size_names_the_tensor_and_the_fix(t, shape, hint):
+    # it read "tensor  has torch shape" (no name, two spaces) and said nothing of the fix
+    with pytest.raises(mt.errors.ShapeError,
+                       match=rf"^from_global: tensor 'x' has torch shape \[3, 4\].*; {hint}$"):
+        mt.from_global(t, shape, name="x")
+    with pytest.raises(mt.errors.ShapeError, match=r"^from_global: tensor has torch shape"):
+        mt.from_global(t, shape)
