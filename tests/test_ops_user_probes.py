@@ -130,3 +130,27 @@ def test_from_global_of_the_wrong_size_names_the_tensor_and_the_fix(t, shape, hi
         mt.from_global(t, shape, name="x")
     with pytest.raises(mt.errors.ShapeError, match=r"^from_global: tensor has torch shape"):
         mt.from_global(t, shape)
+
+
+# einsum (and Dense) promote mixed dtypes; a convolution of a bf16 image with a float32 kernel
+# raised torch's "Input type ... and weight type ... should be the same" instead
+@pytest.mark.parametrize("conv, dtype", [(mt.conv2d, torch.bfloat16), (mt.conv_transpose2d, torch.float64)])
+def test_a_convolution_promotes_mixed_dtypes_as_einsum_does(conv, dtype):
+    x, k = rand(2, 5, 4, 3, seed=1).to(dtype), rand(3, 3, 3, 2, seed=2).float()
+    want = torch.promote_types(dtype, torch.float32)
+
+    def prog():
+        xm = mt.from_global(x, "b:2,h:5,w:4,c:3")
+        km = mt.from_global(k, "kh:3,kw:3,c:3,o:2", requires_grad=True)
+        y = conv(xm, km)
+        mt.reduce_sum(y).backward()
+        return y.to_global(), km.grad.dtype
+
+    def dense():
+        return mt.launch(lambda: conv(mt.from_global(x.to(want), "b:2,h:5,w:4,c:3"),
+                                      mt.from_global(k.to(want), "kh:3,kw:3,c:3,o:2")).to_global())[0]
+
+    ref = dense()
+    for y, grad_dtype in mt.launch(prog, mesh="a:2,c:2", rules="h:a; o:c"):
+        assert y.dtype == want and grad_dtype == torch.float32  # each gradient keeps its input's dtype
+        torch.testing.assert_close(y, ref)

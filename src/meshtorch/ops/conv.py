@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.halo import window
+from meshtorch.ops.einsum import _promoted
 from meshtorch.ops.spatial import Window, lower_windowed
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
@@ -100,7 +101,8 @@ def _channels(op: str, x: MeshTensor, kernel: MeshTensor, dims: tuple[str, ...],
 
 def _conv(op: str, x: MeshTensor, kernel: MeshTensor, dims, kernel_dims, padding: Padding, stride,
           dilation, transpose: bool, rank: int, name: str | None) -> MeshTensor:
-    x, kernel = as_mesh_tensor(x), as_mesh_tensor(kernel)
+    # mixed dtypes promote as einsum's operands do (torch's convolutions refuse them)
+    x, kernel = _promoted((as_mesh_tensor(x), as_mesh_tensor(kernel)))
     dims = tuple(dim_name(d) for d in ((dims,) if isinstance(dims, (str, Dim)) else dims))
     kernel_dims = tuple(dim_name(d) for d in ((kernel_dims,) if isinstance(kernel_dims, (str, Dim))
                                               else kernel_dims))
