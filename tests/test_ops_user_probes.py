@@ -154,3 +154,23 @@ def test_a_convolution_promotes_mixed_dtypes_as_einsum_does(conv, dtype):
     for y, grad_dtype in mt.launch(prog, mesh="a:2,c:2", rules="h:a; o:c"):
         assert y.dtype == want and grad_dtype == torch.float32  # each gradient keeps its input's dtype
         torch.testing.assert_close(y, ref)
+
+
+# ops.md maps mtf.gather(table, ids, dim) to mt.embedding; Mesh-TF's gather matches the dims ids
+# and table share (a batched gather: ids [batch, k] into [batch, length, d]), mt.embedding raised
+# "share dims {'batch'}" with no way out
+@pytest.mark.parametrize("mesh, rules", [("a:1", ""), ("a:2", "batch:a"), ("a:3", "length:a"),
+                                         ("a:2,c:2", "batch:a; length:c; k:a")])
+def test_embedding_with_dims_the_ids_share_is_a_batched_gather(mesh, rules):
+    x = rand(3, 7, 2, seed=1)
+    ids = torch.randint(0, 7, (3, 4), generator=torch.Generator().manual_seed(0))
+    check_op(lambda x, i: mt.embedding(x, i, "length"), lambda x, i: x[torch.arange(3)[:, None], i],
+             [(x, "batch:3,length:7,d:2"), (ids, "batch:3,k:4")], mesh, rules)
+
+
+def test_embedding_ids_out_of_range_or_on_the_indexed_dim_raise_naming_it():
+    table = mt.from_global(rand(3, 7, seed=1), "batch:3,length:7")
+    with pytest.raises(mt.errors.ArgumentError, match="ids hold 7, outside dim 'length'"):
+        mt.embedding(table, mt.from_global(torch.full((3, 2), 7), "batch:3,k:2"), "length")
+    with pytest.raises(mt.errors.ShapeError, match="have the dim 'length' they index"):
+        mt.embedding(table, mt.from_global(torch.zeros(7, dtype=torch.long), "length:7"), "length")
