@@ -174,3 +174,30 @@ def test_embedding_ids_out_of_range_or_on_the_indexed_dim_raise_naming_it():
         mt.embedding(table, mt.from_global(torch.full((3, 2), 7), "batch:3,k:2"), "length")
     with pytest.raises(mt.errors.ShapeError, match="have the dim 'length' they index"):
         mt.embedding(table, mt.from_global(torch.zeros(7, dtype=torch.long), "length:7"), "length")
+
+
+def _gloo_probes() -> list[torch.Tensor]:
+    """The probes above on one mesh of processes, each output and input gradient made whole."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (mt.from_global(torch.randn(2, 10, 2, 4, generator=g), "batch:2,length:10,heads:2,d_kv:4",
+                              requires_grad=True) for _ in range(3))
+    ring = mt.ring_attention(q, k, v, causal=True)                      # length 10 over m:3: 4, 4, 2
+    x = mt.from_global(torch.randn(4, 3, generator=g), "length:4,d:3", requires_grad=True)
+    dot = mt.einsum("length d, length -> d", x, mt.ones("length:4"))   # 4 over m:3: 2, 2, 0
+    keep = mt.from_global(torch.tensor([[True] * 7 + [False] * 3] * 2), "batch:2,memory_length:10")
+    kk, vv = (mt.rename(t, "length", "memory_length") for t in (k, v))
+    masked = mt.attention(q, kk, vv, bias=keep)
+    ids = mt.from_global(torch.randint(0, 10, (2, 3), generator=g), "batch:2,j:3")
+    rows = mt.embedding(mt.reduce_sum(q, "d_kv"), ids, "length")        # a batched gather
+    loss = sum(mt.reduce_sum(t * t) for t in (ring, dot, masked, rows))
+    loss.backward()
+    outs = [t.to_global().detach() for t in (ring, dot, masked, rows)]
+    return outs + [t.grad.to_global() for t in (q, k, v, x)]
+
+
+@pytest.mark.timeout(120)
+def test_the_probes_on_gloo_processes_equal_one_processor():
+    one = mt.launch(_gloo_probes)[0]
+    for got in mt.launch(_gloo_probes, mesh="m:3", rules="length:m", backend="torch", timeout=90):
+        for a, b in zip(got, one):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
