@@ -201,3 +201,30 @@ def test_the_probes_on_gloo_processes_equal_one_processor():
     for got in mt.launch(_gloo_probes, mesh="m:3", rules="length:m", backend="torch", timeout=90):
         for a, b in zip(got, one):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# docs: "block must divide each processor's piece"; uneven pieces it divides (10 over 3: 4, 4, 2
+# with block 2) were refused all the same, with advice to take a block dividing 3
+@pytest.mark.parametrize("length, block, mesh, rules", [
+    (10, 2, "a:3", "length:a"), (12, 3, "a:5", "length:a"), (5, 1, "a:4", "length:a"),
+    (20, 2, "a:2,c:3", "length:(a,c)")])  # 10, 10: 4, 4, 2 each
+def test_local_attention_over_uneven_pieces_the_block_divides_equals_dense(length, block, mesh, rules):
+    i = torch.arange(length)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - block)
+
+    def dense(q, k, v):
+        t = [x.transpose(1, 2) for x in (q, k, v)]
+        return torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=mask).transpose(1, 2)
+
+    shape = f"batch:2,length:{length},heads:2,d_kv:4"
+    check_op(lambda q, k, v: mt.local_attention(q, k, v, block), dense,
+             [(rand(2, length, 2, 4, seed=s), shape) for s in range(3)], mesh, rules)
+
+
+def test_local_attention_names_the_pieces_a_block_does_not_divide_and_a_length_that_works():
+    def prog():
+        q = mt.zeros("batch:1,length:7,d_kv:2")
+        return mt.local_attention(q, q, q, 3)
+
+    with pytest.raises(mt.errors.ShapeError, match=r"pieces of \[3, 4\].*make 'length' a multiple of 6"):
+        mt.launch(prog, mesh="a:2", rules="length:a")

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
-from meshtorch.layout import format_axes
+from meshtorch.layout import format_axes, piece
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
@@ -343,8 +344,8 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
     With ``dim`` split, the previous block of the first local block lives on the left neighbour:
     it comes with one point-to-point shift of ``block`` positions of the keys and one of the
     values (``mt.shift``'s halo), and nothing else moves; backward sends the same back. ``block``
-    must divide each processor's piece of ``dim``. Other dims (``batch``, ``heads``) are
-    independent; ``q``, ``k`` and ``v`` have one shape.
+    must divide each processor's piece of ``dim`` (uneven ``torch.chunk`` pieces too). Other dims
+    (``batch``, ``heads``) are independent; ``q``, ``k`` and ``v`` have one shape.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -367,13 +368,19 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
             raise ShapeError(f"local_attention: queries [{q.shape}] have no dim {d!r}; name the sequence "
                              "dim with dim= and the contracted dim with features=")
     axes = q.layout.axes_of(seq)
-    pieces = math.prod(current().mesh.axis_size(a) for a in axes)
+    mesh = current().mesh
     length = q.shape[seq].size
-    if block < 1 or length % pieces or (length // pieces) % block:
+    # the pieces' lengths (torch.chunk pieces: uneven ones differ, the last ones may be empty)
+    sizes = sorted({piece(length, list(zip([mesh.axis_size(a) for a in axes], at)))[1]
+                    for at in itertools.product(*[range(mesh.axis_size(a)) for a in axes])})
+    if block < 1 or any(n % block for n in sizes):
+        fit = functools.reduce(math.gcd, sizes)
         raise ShapeError(
             f"local_attention: block={block} must divide each processor's piece of dim {seq!r} "
-            f"({length} positions in {pieces} pieces, split over axes {list(axes)}); choose a block "
-            f"dividing {length // pieces}, or split {seq!r} over fewer processors")
+            f"({length} positions in pieces of {sizes} over axes {list(axes)}); "
+            + (f"choose a block dividing {fit}" if fit > 1 else f"make {seq!r} a multiple of "
+               f"{math.prod(mesh.axis_size(a) for a in axes) * block}")
+            + f", or split {seq!r} over fewer processors")
     scale = q.shape[feat].size ** -0.5 if scale is None else scale
     # the previous block of every position: the halo of the first local block from the left
     k_prev, v_prev = shift(k, seq, block), shift(v, seq, block)
