@@ -123,8 +123,8 @@ def from_dtensor(dt: DTensor, shape: Shape | str | Iterable[Dim], name: str | No
     shape = as_shape(shape)
     if tuple(dt.shape) != shape.sizes:
         raise ShapeError(
-            f"from_dtensor: DTensor {name or ''} has shape {list(dt.shape)} but the named shape "
-            f"[{shape}] needs {list(shape.sizes)}")
+            f"from_dtensor: DTensor{f' {name!r}' if name else ''} has shape {list(dt.shape)} but the named "
+            f"shape [{shape}] needs {list(shape.sizes)}")
     mine = device_mesh()
     theirs = dt.device_mesh
     mesh = current().mesh

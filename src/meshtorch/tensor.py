@@ -48,7 +48,7 @@ class MeshTensor:
         want = layout.even_sizes or local_shape(layout)
         if tuple(local.shape) != want:
             raise ShapeError(
-                f"tensor {name or ''} of shape [{shape}] with layout {layout} needs a local slice "
+                f"tensor{_called(name)} of shape [{shape}] with layout {layout} needs a local slice "
                 f"of size {list(want)}, got {list(local.shape)}"
             )
         self.shape = shape
@@ -301,9 +301,12 @@ def from_global(
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t)
     if tuple(t.shape) != shape.sizes:
+        hint = ("name one dim per torch dim" if t.dim() != len(shape.sizes) else
+                "name the dims in the tensor's order, or permute it" if sorted(t.shape) == sorted(shape.sizes)
+                else "give the named dims the tensor's sizes")
         raise ShapeError(
-            f"from_global: tensor {name or ''} has torch shape {list(t.shape)} but the named "
-            f"shape [{shape}] needs {list(shape.sizes)}"
+            f"from_global: tensor{_called(name)} has torch shape {list(t.shape)} but the named "
+            f"shape [{shape}] needs {list(shape.sizes)}; {hint}"
         )
     layout = layout_for(shape, name)
     comm = (here.ctx or current()).comm
@@ -324,6 +327,11 @@ def from_global(
         if requires_grad:
             local.requires_grad_(True)
     return MeshTensor(local, shape, layout, name)
+
+
+def _called(name: str | None) -> str:
+    """`` 'name'`` for a message about a tensor, or nothing where it has no name."""
+    return f" {name!r}" if name else ""
 
 
 def on_processor(t: torch.Tensor) -> torch.Tensor:
@@ -349,7 +357,7 @@ def _check_same_everywhere(t: torch.Tensor, shape: Shape, name: str | None) -> N
     axes = comm.mesh.axis_names
     if not torch.equal(comm.all_reduce(sig, axes, "max"), comm.all_reduce(sig, axes, "min")):
         raise ShapeError(
-            f"from_global: tensor {name or ''} of shape [{shape}] differs between processors; "
+            f"from_global: tensor{_called(name)} of shape [{shape}] differs between processors; "
             "from_global needs the same whole tensor on every processor — seed it (e.g. "
             "torch.Generator().manual_seed(0)) or use mt.random"
         )

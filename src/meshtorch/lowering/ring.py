@@ -55,24 +55,34 @@ Segments = list[tuple[int, int, int]]  # (offset in the local slice, global star
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str | None, *,
-                   causal: bool, scale: float, balance: bool = True) -> torch.Tensor:
+                   causal: bool, scale: float, balance: bool = True,
+                   length: int | None = None) -> torch.Tensor:
     """``softmax(q kᵀ·scale [+ causal mask]) v`` on local ``[B, L, D]`` slices of a sequence
     split contiguously over ``axis`` (``None``: the sequence is whole here).
 
     ``q``, ``k`` and ``v`` hold the same positions. ``balance`` (used when ``causal`` and the
     local length is even) computes in zigzag order; the result is this processor's slice
-    either way.
+    either way. ``length``: the whole sequence's, cut in ``torch.chunk`` pieces over ``axis``
+    (``None``: every processor holds as many positions). Uneven pieces travel padded to the
+    largest one, and the padding takes no part: no query or key past ``length`` is computed.
     """
     comm = current().comm
     n = 1 if axis is None else comm.mesh.axis_size(axis)
     if n == 1:
-        return _RingAttention.apply(q, k, v, comm, None, causal, scale, False)
-    zigzag = balance and causal and q.shape[1] % 2 == 0
+        return _RingAttention.apply(q, k, v, comm, None, causal, scale, False, None)
+    local = q.shape[1]
+    piece = local if length is None else -(-length // n)
+    if piece != local:  # a short (or empty) piece: every processor sends slices of one size
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, piece - local)) for t in (q, k, v))
+    # (decided from the padded size, the same on every processor of the axis)
+    zigzag = balance and causal and piece % 2 == 0
     if not zigzag:
-        return _RingAttention.apply(q, k, v, comm, axis, causal, scale, False)
-    qkv = _to_zigzag(torch.stack([q, k, v]), comm, axis, 2)
-    out = _RingAttention.apply(qkv[0], qkv[1], qkv[2], comm, axis, causal, scale, True)
-    return _from_zigzag(out, comm, axis, 1)
+        out = _RingAttention.apply(q, k, v, comm, axis, causal, scale, False, length)
+    else:
+        qkv = _to_zigzag(torch.stack([q, k, v]), comm, axis, 2)
+        out = _RingAttention.apply(qkv[0], qkv[1], qkv[2], comm, axis, causal, scale, True, length)
+        out = _from_zigzag(out, comm, axis, 1)
+    return out if piece == local else out[:, :local]
 
 
 def segments(p: int, n: int, length: int, zigzag: bool) -> Segments:
@@ -87,6 +97,14 @@ def segments(p: int, n: int, length: int, zigzag: bool) -> Segments:
         return [(0, p * length, length)]
     c = length // 2
     return [(0, p * c, c), (c, (2 * n - 1 - p) * c, c)]
+
+
+def _within(segs: Segments, total: int | None) -> Segments:
+    """``segs`` cut to the positions before ``total`` (``None``: all of them): padding is never
+    computed on."""
+    if total is None:
+        return segs
+    return [(o, g, min(s, total - g)) for o, g, s in segs if g < total]
 
 
 def _zigzag_sources(n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -219,7 +237,7 @@ def _fused_backward(op, aux, g, q, k, v, out, lse, causal, scale):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm, axis, causal, scale, zigzag):
+    def forward(ctx, q, k, v, comm, axis, causal, scale, zigzag, total):
         n = 1 if axis is None else comm.mesh.axis_size(axis)
         p = 0 if axis is None else comm.coords[axis]
         length = q.shape[1]
@@ -229,10 +247,10 @@ class _RingAttention(torch.autograd.Function):
             # the running output (normalised) and log-sum-exp of each query over the blocks so far
             lse = torch.full(q.shape[:2], float("-inf"), device=q.device, dtype=dt)
             acc = torch.zeros(q.shape, device=q.device, dtype=dt)
-            qs = segments(p, n, length, zigzag)
+            qs = _within(segments(p, n, length, zigzag), total)
             kv = torch.stack([k, v])
             for step in range(n):
-                ks = segments((p - step) % n, n, length, zigzag)
+                ks = _within(segments((p - step) % n, n, length, zigzag), total)
                 for (qo, qg, qn), (ko, kg, kn), masked in _pairs(qs, ks, causal):
                     o_b, lse_b, aux = _block_forward(q[:, qo:qo + qn], kv[0][:, ko:ko + kn],
                                                    kv[1][:, ko:ko + kn], qg, kg, masked, scale, dt)
@@ -248,6 +266,7 @@ class _RingAttention(torch.autograd.Function):
             out = acc
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.axis, ctx.causal, ctx.scale, ctx.zigzag = comm, axis, causal, scale, zigzag
+        ctx.total = total
         ctx.fused = fused
         return out.to(q.dtype)
 
@@ -273,9 +292,9 @@ class _RingAttention(torch.autograd.Function):
             # keys, values and their gradients travel as one message, in the accumulation dtype
             zeros = torch.zeros((2, *k.shape), device=q.device, dtype=dt)
             msg = torch.cat([torch.stack([k, v]).to(dt), zeros])
-            qs = segments(p, n, length, ctx.zigzag)
+            qs = _within(segments(p, n, length, ctx.zigzag), ctx.total)
             for step in range(n):
-                ks = segments((p - step) % n, n, length, ctx.zigzag)
+                ks = _within(segments((p - step) % n, n, length, ctx.zigzag), ctx.total)
                 kf, vf, dk, dv = msg[0], msg[1], msg[2], msg[3]
                 for (qo, qg, qn), (ko, kg, kn), masked in _pairs(qs, ks, causal):
                     # the fused kernels take the inputs' own dtype: the travelling copies go back
@@ -289,4 +308,4 @@ class _RingAttention(torch.autograd.Function):
                 if step < n - 1:
                     msg = comm.shift(msg, axis, 1, wrap=True)
             dkv = msg[2:] if n == 1 else comm.shift(msg[2:].contiguous(), axis, 1, wrap=True)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None

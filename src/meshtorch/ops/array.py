@@ -27,6 +27,7 @@ from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, lower
 from meshtorch.lowering.scan import cumsum_slice
 from meshtorch.lowering.shift import shift_slice
+from meshtorch.ops.einsum import einsum
 from meshtorch.shape import Dim, Shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
@@ -263,6 +264,9 @@ def embedding(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | No
     ``dim``. With ``dim`` split, each processor looks up the ids in its range and
     the partial results are summed (one all_reduce or reduce_scatter). An id outside
     ``dim`` raises :class:`~meshtorch.errors.ArgumentError` (see :func:`check_ids`).
+    Dims the ids and the table share (``batch`` of ids ``[batch, k]`` into a table ``[batch,
+    length, d]``) are matched, not crossed: row ``ids[b, k]`` of table ``b``, as Mesh-TF's
+    ``gather`` (computed as its one-hot einsum).
 
     Example:
         >>> import torch, meshtorch as mt
@@ -276,11 +280,16 @@ def embedding(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | No
     vi = table.shape.index(v)
     if ids.dtype.is_floating_point:
         raise ShapeError(f"embedding: ids must be integers, got {ids.dtype}; pass integer token ids")
-    clash = set(ids.names) & set(table.names)
-    if clash:
-        raise ShapeError(f"embedding: ids [{ids.shape}] and table [{table.shape}] share dims {clash}")
-    out = ids.shape + table.shape.without([v])
+    shared = [n for n in table.names if n in ids.shape]
+    if v in shared:
+        raise ShapeError(f"embedding: ids [{ids.shape}] have the dim {v!r} they index; name the ids' dim "
+                         "otherwise (mt.rename)")
+    out = ids.shape + table.shape.without([v, *shared])
     check_ids(ids, table.shape[v], "embedding")
+    if shared:
+        # a batched gather (ids and table share dims, matched rather than crossed), as Mesh-TF's
+        # gather: the one-hot einsum it is written as there (the ids' sizes checked by einsum)
+        return einsum(one_hot(ids, table.shape[v], dtype=table.dtype), table, output_shape=out, name=name)
     whole = table.shape[v].size
 
     def local_fn(view, tab, idx):

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -32,11 +33,12 @@ import torch.nn.functional as F
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
+from meshtorch.layout import format_axes, piece
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
 from meshtorch.shape import Dim, Shape, dim_name
-from meshtorch.tensor import MeshTensor, as_mesh_tensor
+from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
 
 # SDPA's enable_gqa= (torch >= 2.5); without it the processor's key/value heads are repeated locally
 HAS_ENABLE_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
@@ -79,7 +81,9 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     cache) sees keys ``j <= offset + i``. Queries at the keys' positions use ``is_causal=True``;
     split queries or an offset use a boolean lower-right mask, made once per device, and keys past
     the last local query are not computed at all. ``bias`` (dims among ``q``'s and ``memory``, e.g.
-    a padding mask) is added to the scores, cast to the compute dtype (never promoting to float32).
+    a padding mask) is added to the scores, cast to the compute dtype (never promoting to float32);
+    a boolean ``bias`` is a mask, as SDPA's boolean ``attn_mask``: keys where it is False take no
+    part.
 
     Layouts: any rules for the batch dims, ``heads`` and ``dim``. ``memory``, ``features`` and
     ``kv_heads`` are kept whole on a processor: where the rules split them, the lowering gathers
@@ -149,10 +153,13 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
         if bl is not None:
             b = align(bl, bias.names, target)
             b = b.expand(*lead, *b.shape[len(lead):]).reshape(rows, *b.shape[len(lead):])[..., :keys]
-            b = b.to(_sdpa_dtype(qs))
             if is_causal:   # is_causal and attn_mask do not combine: the causal mask joins the bias
                 mask, is_causal = causal_mask(n, keys, 0, ql.device), False
-            mask = b if mask is None else torch.where(mask, b, b + NEG)
+            if b.dtype == torch.bool:  # a mask, as SDPA's boolean attn_mask: True takes part
+                mask = b if mask is None else mask & b
+            else:
+                b = b.to(_sdpa_dtype(qs))
+                mask = b if mask is None else torch.where(mask, b, b + NEG)
         gqa = False
         if grouped:
             start, size = view.slices[hd]
@@ -307,18 +314,21 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
     perm = [q.names.index(d) for d in order]
     back = [order.index(d) for d in q.names]
     full = q.shape[seq].size
+    # the axes that split the sequence in the result (the computation's layout): decided from
+    # the layout, the same on every processor, never from a slice's size (uneven pieces differ)
+    axes = layout_for(q.shape, name).axes_of(seq)
+    if len(axes) > 1:
+        raise LayoutError(
+            f"ring_attention: dim {seq!r} is split over axes {format_axes(axes)}; ring attention runs "
+            f"along one mesh axis: give {seq!r} a rule of one axis (e.g. '{seq}:{axes[0]}'), or use "
+            "mt.attention, which gathers the keys (TransformerConfig(attention=\"gather\"))")
+    axis = axes[0] if axes else None
 
     def local_fn(view, ql, kl, vl):
-        axis = None
-        if view.size(seq) != full:
-            axis = current().rules.axis_of(seq)
-            if not isinstance(axis, str):
-                raise LayoutError(f"ring_attention: dim {seq!r} is split over {axis!r}; ring attention runs "
-                                  "along one mesh axis — give the rule one axis")
         flat = [t.permute(perm) for t in (ql, kl, vl)]
         lead = flat[0].shape[:-2]
         flat = [t.reshape(math.prod(lead), *t.shape[-2:]) for t in flat]
-        out = ring_slices(*flat, axis, causal=causal, scale=scale, balance=balance)
+        out = ring_slices(*flat, axis, causal=causal, scale=scale, balance=balance, length=full)
         return out.reshape(*lead, *out.shape[-2:]).permute(back)
 
     return lower("ring_attention", [q, k, v], q.shape, local_fn, whole={feat}, name=name)
@@ -334,8 +344,8 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
     With ``dim`` split, the previous block of the first local block lives on the left neighbour:
     it comes with one point-to-point shift of ``block`` positions of the keys and one of the
     values (``mt.shift``'s halo), and nothing else moves; backward sends the same back. ``block``
-    must divide each processor's piece of ``dim``. Other dims (``batch``, ``heads``) are
-    independent; ``q``, ``k`` and ``v`` have one shape.
+    must divide each processor's piece of ``dim`` (uneven ``torch.chunk`` pieces too). Other dims
+    (``batch``, ``heads``) are independent; ``q``, ``k`` and ``v`` have one shape.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -358,13 +368,19 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
             raise ShapeError(f"local_attention: queries [{q.shape}] have no dim {d!r}; name the sequence "
                              "dim with dim= and the contracted dim with features=")
     axes = q.layout.axes_of(seq)
-    pieces = math.prod(current().mesh.axis_size(a) for a in axes)
+    mesh = current().mesh
     length = q.shape[seq].size
-    if block < 1 or length % pieces or (length // pieces) % block:
+    # the pieces' lengths (torch.chunk pieces: uneven ones differ, the last ones may be empty)
+    sizes = sorted({piece(length, list(zip([mesh.axis_size(a) for a in axes], at)))[1]
+                    for at in itertools.product(*[range(mesh.axis_size(a)) for a in axes])})
+    if block < 1 or any(n % block for n in sizes):
+        fit = functools.reduce(math.gcd, sizes)
         raise ShapeError(
             f"local_attention: block={block} must divide each processor's piece of dim {seq!r} "
-            f"({length} positions in {pieces} pieces, split over axes {list(axes)}); choose a block "
-            f"dividing {length // pieces}, or split {seq!r} over fewer processors")
+            f"({length} positions in pieces of {sizes} over axes {list(axes)}); "
+            + (f"choose a block dividing {fit}" if fit > 1 else f"make {seq!r} a multiple of "
+               f"{math.prod(mesh.axis_size(a) for a in axes) * block}")
+            + f", or split {seq!r} over fewer processors")
     scale = q.shape[feat].size ** -0.5 if scale is None else scale
     # the previous block of every position: the halo of the first local block from the left
     k_prev, v_prev = shift(k, seq, block), shift(v, seq, block)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.halo import window
+from meshtorch.ops.einsum import _promoted
 from meshtorch.ops.spatial import Window, lower_windowed
 from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
@@ -100,7 +101,8 @@ def _channels(op: str, x: MeshTensor, kernel: MeshTensor, dims: tuple[str, ...],
 
 def _conv(op: str, x: MeshTensor, kernel: MeshTensor, dims, kernel_dims, padding: Padding, stride,
           dilation, transpose: bool, rank: int, name: str | None) -> MeshTensor:
-    x, kernel = as_mesh_tensor(x), as_mesh_tensor(kernel)
+    # mixed dtypes promote as einsum's operands do (torch's convolutions refuse them)
+    x, kernel = _promoted((as_mesh_tensor(x), as_mesh_tensor(kernel)))
     dims = tuple(dim_name(d) for d in ((dims,) if isinstance(dims, (str, Dim)) else dims))
     kernel_dims = tuple(dim_name(d) for d in ((kernel_dims,) if isinstance(kernel_dims, (str, Dim))
                                               else kernel_dims))
@@ -236,8 +238,9 @@ def conv_transpose1d(x: MeshTensor, kernel: MeshTensor, dims: str | Sequence[str
                      kernel_dims: str | Sequence[str] = ("kw",), padding: Padding = "same",
                      stride: int = 1, dilation: int = 1, name: str | None = None) -> MeshTensor:
     """Transposed 1-D convolution (the gradient of :func:`conv1d` with respect to its input):
-    ``"same"`` gives ``size * stride`` positions, ``"valid"`` every position the kernel reaches
-    (TensorFlow's ``conv1d_transpose``), an int crops that many from each end (torch's).
+    ``"same"`` gives ``size * stride`` positions, ``"valid"`` every position the kernel reaches,
+    at least ``size * stride`` (TensorFlow's ``conv1d_transpose``: ``size * stride + max(span -
+    stride, 0)``), an int crops that many from each end (torch's).
 
     Example:
         >>> import torch, meshtorch as mt

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from meshtorch.caching import BoundedCache
-from meshtorch.errors import ShapeError
+from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower, resolved
 from meshtorch.meta_autocast import autocast_enabled
 from meshtorch.ops.elementwise import broadcast_shape, cast
@@ -73,7 +73,19 @@ def einsum(
         [[3.0, 3.0], [5.0, 5.0], [7.0, 7.0]]
     """
     by_equation = isinstance(equation, str)
-    if by_equation:
+    if by_equation and output_shape is not None:
+        # both: the equation names the operands' dims, output_shape= gives the result's sizes (a
+        # dim no operand has); they must name the same output dims, else one would be ignored
+        _check_operands(xs)
+        named = _parse(equation, xs)
+        spec = output_shape if isinstance(output_shape, (Shape, str)) else tuple(output_shape)
+        given = list(as_shape(spec).names) if isinstance(spec, str) else [dim_name(d) for d in spec]
+        if named != given:
+            raise ArgumentError(
+                f"einsum {equation!r} names the output dims {named}, but output_shape= names {given}; "
+                "make them agree, or pass only one of them")
+        by_equation = False
+    elif by_equation:
         spec = equation
     else:  # the first operand: checked with the others below
         xs = (equation,) + xs
@@ -266,14 +278,16 @@ def _plan(xs: tuple[MeshTensor, ...], out_names: list[str]) -> tuple[Shape, Call
                     return torch.matmul(x.flatten(na - k), w.flatten(0, k - 1) if w_leading
                                         else w.flatten(1).t())
                 # one mm on [rows, k] x [k, n], reshaping (viewing, where the slices allow) only
-                # what is not 2-D already: the mm that torch.matmul folds x @ W into
+                # what is not 2-D already: the mm that torch.matmul folds x @ W into. Sizes are
+                # spelled out, never -1: an uneven split leaves some processors an empty piece of
+                # a contracted dim, and reshape cannot infer -1 beside a 0
                 if w_leading:
                     size_k, out = math.prod(w.shape[:k]), (*x.shape[: na - k], *w.shape[k:])
-                    w2 = w if w_flat else w.reshape(size_k, -1)
+                    w2 = w if w_flat else w.reshape(size_k, math.prod(w.shape[k:]))
                 else:
                     size_k, out = math.prod(w.shape[nb - k:]), (*x.shape[: na - k], *w.shape[: nb - k])
-                    w2 = (w if w_flat else w.reshape(-1, size_k)).t()
-                y = torch.mm(x if x_flat else x.reshape(-1, size_k), w2)
+                    w2 = (w if w_flat else w.reshape(math.prod(w.shape[: nb - k]), size_k)).t()
+                y = torch.mm(x if x_flat else x.reshape(math.prod(x.shape[: na - k]), size_k), w2)
                 return y if y.shape == out else y.view(out)
             return torch.tensordot(x, w, dims=dot)
 

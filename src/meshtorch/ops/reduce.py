@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from meshtorch.errors import MeshTorchError, ShapeError
+from meshtorch.errors import ArgumentError, MeshTorchError, ShapeError
 from meshtorch.lowering.fused import Fused
 from meshtorch.lowering.lower import lower
 from meshtorch.ops.elementwise import add, exp, log, nary, unary
@@ -32,13 +32,19 @@ from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
 
-def _reduced_names(x: MeshTensor, dims, output_shape) -> list[str]:
+def _reduced_names(x: MeshTensor, dims, output_shape, op: str) -> list[str]:
     if output_shape is not None:
         keep = {dim_name(d) for d in as_shape(output_shape)} if isinstance(
             output_shape, (Shape, str)) else {dim_name(d) for d in output_shape}
         for k in keep:
             x.shape.index(k)
-        return [n for n in x.names if n not in keep]
+        names = [n for n in x.names if n not in keep]
+        if dims is not None and set(_reduced_names(x, dims, None, op)) != set(names):
+            # both given and one would be ignored: say so rather than pick
+            raise ArgumentError(
+                f"{op} of [{x.shape}] was given dims={dims!r} to reduce but output_shape={output_shape!r} "
+                f"keeps {sorted(keep)}; pass the dims to reduce or the dims to keep (output_shape=)")
+        return names
     if dims is None:
         return list(x.names)
     if isinstance(dims, (str, Dim)):
@@ -82,9 +88,9 @@ def _in_order(r: MeshTensor, x: MeshTensor, output_shape) -> MeshTensor:
     return transpose(r, order)
 
 
-def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower):
+def _reduce(x: MeshTensor, dims, output_shape, how: str, name, lower_fn=lower, op: str | None = None):
     x = as_mesh_tensor(x)
-    names = _reduced_names(x, dims, output_shape)
+    names = _reduced_names(x, dims, output_shape, op or f"reduce_{how}")
     out = x.shape.without(names)
     idx = [x.shape.index(n) for n in names]
     if not idx:
@@ -233,7 +239,7 @@ def reduce_all(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> Mes
 def _truth(x, dims, output_shape, how: str, op: str, name) -> MeshTensor:
     # collectives reduce numbers, not bools: any/all are max/min of 0/1 flags
     flags = unary(lambda t: (t.detach() != 0).to(torch.int32), as_mesh_tensor(x), op)
-    return unary(lambda t: t.bool(), _reduce(flags, dims, output_shape, how, name), op)
+    return unary(lambda t: t.bool(), _reduce(flags, dims, output_shape, how, name, op=op), op)
 
 
 def reduce_mean(x: MeshTensor, dims=None, *, output_shape=None, name=None) -> MeshTensor:
@@ -265,7 +271,7 @@ def reduce_logsumexp(x: MeshTensor, dims=None, *, output_shape=None, extra_logit
         True
     """
     x = as_mesh_tensor(x)
-    names = _reduced_names(x, dims, output_shape)
+    names = _reduced_names(x, dims, output_shape, "reduce_logsumexp")
     out = x.shape.without(names)
     if isinstance(extra_logit, MeshTensor) and not all(n in out for n in extra_logit.names):
         raise ShapeError(f"reduce_logsumexp: extra_logit has dims [{extra_logit.shape}], but the result "
