@@ -228,3 +228,26 @@ def test_local_attention_names_the_pieces_a_block_does_not_divide_and_a_length_t
 
     with pytest.raises(mt.errors.ShapeError, match=r"pieces of \[3, 4\].*make 'length' a multiple of 6"):
         mt.launch(prog, mesh="a:2", rules="length:a")
+
+
+# the same mask through a model's Attention in training with dropout: its path forms the scores
+# itself (layout-invariant dropout masks), and added a boolean bias as 1.0 / 0.0, masking nothing
+@pytest.mark.parametrize("mesh, rules", [("", ""), ("a:2", "batch:a; memory_length:a")])
+def test_a_boolean_bias_masks_keys_in_attention_with_dropout_too(mesh, rules):
+    from meshtorch.models import TransformerConfig
+    from meshtorch.models.layers import Attention
+
+    cfg = TransformerConfig(vocab=64, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=16)
+    keep = torch.tensor([[True] * 3 + [False] * 2, [True] * 4 + [False]])
+
+    def prog():
+        attn = Attention(cfg)
+        x = mt.random.normal("batch:2,length:5,d_model:16", seed=0)
+        mask = mt.from_global(keep, "batch:2,memory_length:5")
+        fused = attn.eval()(x, bias=mask).to_global()
+        attn.train()
+        attn.rate = 1e-12  # the dropout path, which then drops nothing (its scale 1 / (1 - 1e-12) is 1.0)
+        dropped = attn(x, bias=mask).to_global()
+        return (fused - dropped).abs().max().item()
+
+    assert max(mt.launch(prog, mesh=mesh, rules=rules)) < 1e-5

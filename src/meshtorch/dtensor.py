@@ -31,7 +31,7 @@ from meshtorch.context import current
 from meshtorch.errors import CommError, LayoutError, ShapeError
 from meshtorch.layout import Layout, format_axes
 from meshtorch.shape import Dim, Shape, as_shape
-from meshtorch.tensor import MeshTensor, layout_for, local_shape
+from meshtorch.tensor import MeshTensor, _called, layout_for, local_shape
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -123,7 +123,7 @@ def from_dtensor(dt: DTensor, shape: Shape | str | Iterable[Dim], name: str | No
     shape = as_shape(shape)
     if tuple(dt.shape) != shape.sizes:
         raise ShapeError(
-            f"from_dtensor: DTensor{f' {name!r}' if name else ''} has shape {list(dt.shape)} but the named "
+            f"from_dtensor: DTensor{_called(name)} has shape {list(dt.shape)} but the named "
             f"shape [{shape}] needs {list(shape.sizes)}")
     mine = device_mesh()
     theirs = dt.device_mesh

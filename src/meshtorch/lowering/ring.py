@@ -61,10 +61,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: str 
     split contiguously over ``axis`` (``None``: the sequence is whole here).
 
     ``q``, ``k`` and ``v`` hold the same positions. ``balance`` (used when ``causal`` and the
-    local length is even) computes in zigzag order; the result is this processor's slice
-    either way. ``length``: the whole sequence's, cut in ``torch.chunk`` pieces over ``axis``
-    (``None``: every processor holds as many positions). Uneven pieces travel padded to the
-    largest one, and the padding takes no part: no query or key past ``length`` is computed.
+    largest piece, ``ceil(length / n)``, is even) computes in zigzag order; the result is this
+    processor's slice either way. ``length``: the whole sequence's, cut in ``torch.chunk``
+    pieces over ``axis`` (``None``: every processor holds as many positions). Uneven pieces
+    travel padded to the largest one, and the padding takes no part: no query or key past
+    ``length`` is computed.
     """
     comm = current().comm
     n = 1 if axis is None else comm.mesh.axis_size(axis)

@@ -153,7 +153,8 @@ class Attention(nn.Module):
     ``forward(x, memory=None, bias=None, rotary=None, cache=None, ring=False, causal=False)``:
     self-attention over ``x`` (with ``memory=None``) or cross-attention to
     ``memory`` (which has a ``memory_length`` dim). ``causal`` masks later keys (with ``cache``,
-    relative to the cache's offset); ``bias`` is added to the scores (e.g. a padding mask),
+    relative to the cache's offset); ``bias`` is added to the scores (e.g. a padding mask; a
+    boolean one is a mask, True where a key takes part, as :func:`meshtorch.attention` takes it),
     ``rotary`` is ``(cos_q, sin_q, cos_k, sin_k)``. ``cache`` (a :class:`KVCache` entry) makes
     self-attention write this call's keys and values into the cache and attend to all of it.
 
@@ -213,7 +214,8 @@ class Attention(nn.Module):
         if causal:
             scores = scores + causal_bias(q.shape[LENGTH].size, k.shape[MEMORY].size, offset, scores.dtype)
         if bias is not None:
-            scores = scores + bias
+            # a boolean bias is a mask (True: attend), as meshtorch.attention takes it
+            scores = scores + (cast(padding_bias(bias), scores.dtype) if bias.dtype == torch.bool else bias)
         w = dropout(softmax(scores, MEMORY), self.rate)
         ctx = einsum(w, v, output_shape=others + [LENGTH, "heads", "d_kv"])
         return ctx

@@ -293,8 +293,9 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
     positions of ``dim``. Every other dim (``batch``, ``heads``, ...) is independent. ``scale``
     defaults to ``features ** -0.5``. When the rules split ``dim`` over an axis, this runs as
     ring attention: ``(n - 1)`` point-to-point shifts of the local keys and values along the
-    axis, no all-gather. With ``causal`` and ``balance`` (and an even local length) the work is
-    balanced over the axis by computing in zigzag order; the result's layout is the usual one.
+    axis, no all-gather. With ``causal`` and ``balance`` (and an even largest piece,
+    ``ceil(length / n)``) the work is balanced over the axis by computing in zigzag order; the
+    result's layout is the usual one.
     """
     q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
     seq, feat = dim_name(dim), dim_name(features)
@@ -334,6 +335,28 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
     return lower("ring_attention", [q, k, v], q.shape, local_fn, whole={feat}, name=name)
 
 
+# (length, axis sizes) -> the distinct lengths of its pieces: asked by every local_attention call
+_PIECE_SIZES = BoundedCache(256)
+
+
+def _piece_sizes(length: int, axis_sizes: tuple[int, ...]) -> list[int]:
+    """The distinct lengths, ascending, of ``length`` positions cut in ``torch.chunk`` pieces over
+    axes of ``axis_sizes`` (uneven pieces differ, the last ones may be empty); one piece where
+    ``axis_sizes`` is empty.
+
+    Example:
+        >>> _piece_sizes(10, (3,)), _piece_sizes(8, (2, 3)), _piece_sizes(6, ())
+        ([2, 4], [0, 2], [6])
+    """
+    key = (length, axis_sizes)
+    sizes = _PIECE_SIZES.get(key)
+    if sizes is None:
+        sizes = _PIECE_SIZES.put(key, sorted({
+            piece(length, list(zip(axis_sizes, at)))[1]
+            for at in itertools.product(*[range(n) for n in axis_sizes])}))
+    return sizes
+
+
 def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, scale: float | None = None,
                     dim: str | Dim = "length", features: str | Dim = "d_kv",
                     name: str | None = None) -> MeshTensor:
@@ -370,9 +393,7 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
     axes = q.layout.axes_of(seq)
     mesh = current().mesh
     length = q.shape[seq].size
-    # the pieces' lengths (torch.chunk pieces: uneven ones differ, the last ones may be empty)
-    sizes = sorted({piece(length, list(zip([mesh.axis_size(a) for a in axes], at)))[1]
-                    for at in itertools.product(*[range(mesh.axis_size(a)) for a in axes])})
+    sizes = _piece_sizes(length, tuple(mesh.axis_size(a) for a in axes))
     if block < 1 or any(n % block for n in sizes):
         fit = functools.reduce(math.gcd, sizes)
         raise ShapeError(
