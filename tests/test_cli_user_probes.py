@@ -124,6 +124,28 @@ def test_resume_with_another_length_of_a_learned_position_table_is_refused_namin
     assert model_changes(TrainConfig.of(**{**base, "length": 4}), record) == []
 
 
+def test_runs_whose_table_length_is_not_length_resume_with_their_own_flags(text, tmp_path, capsys):
+    """Seen (review16e): the --length check refused to resume a default ``--model seq2seq`` run and a
+    GPT-2 ``--init-from`` fine-tune given their own flags ('--length 16 (the run has 16)'): their
+    max_length is the spelling task's and config.json's (32 positions here), not --length's."""
+    from meshtorch.models import DecoderLM, TransformerConfig, export_hf
+
+    gpt2 = tmp_path / "gpt2"
+    cfg = TransformerConfig(vocab=300, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=32,
+                            bias=True)
+    mt.launch(lambda: export_hf(gpt2, DecoderLM(cfg, seed=1)))
+    assert json.loads((gpt2 / "config.json").read_text())["n_positions"] == 32
+    small = tiny_train(tokenizer="bytes", sample_tokens=0, d_model=None, heads=None, d_kv=None, d_ff=None,
+                       layers=None)
+    for name, flags in (("s2s", [*TINY, "--model", "seq2seq"]),
+                        ("gpt2", [*small, "--init-from", str(gpt2)])):
+        out = str(tmp_path / name)
+        assert cli.main(["train", "--steps", "2", "--out", out, "--data", text, *flags]) == 0
+        assert cli.main(["train", "--steps", "3", "--resume", out, "--data", text, *flags]) == 0, \
+            capsys.readouterr().err
+        assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 3
+
+
 def test_pipeline_micro_batches_that_do_not_divide_a_processors_rows_are_refused_up_front(tmp_path, capsys,
                                                                                           text):
     """Seen: the run started, then stopped with 'processor 2 {'stage': 1, 'b': 0} raised PipelineError:

@@ -120,8 +120,12 @@ def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, A
         if a != b:
             changes.append((f.name, a, b))
     # max_length comes from --length: it sizes a learned position table (a parameter), which --length
-    # must then keep; rotary positions have no table, so their runs may resume with another --length
-    if theirs.positions == "learned" and mine.positions == "learned" and theirs.max_length != mine.max_length:
+    # must then keep; rotary positions have no table, so their runs may resume with another --length.
+    # A fine-tune's table is config.json's (--init-from) and a seq2seq model's the spelling task's, not
+    # --length's: their runs resume with their own flags whatever max_length they record
+    run_init_from = (record.get("train_config") or {}).get("init_from")
+    sized = not cfg.run.init_from and not run_init_from and kind != "seq2seq"
+    if sized and theirs.positions == mine.positions == "learned" and theirs.max_length != mine.max_length:
         length = (record.get("train_config") or {}).get("length", theirs.max_length)
         changes.append(("length", length, cfg.run.length))
     return changes
