@@ -14,13 +14,14 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import shlex
 from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError, ShapeError
+from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError, ShapeError, TrainingError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
@@ -505,12 +506,27 @@ def earlier_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
     return records
 
 
+def json_text(record: dict[str, Any], path: str, indent: int | None = None) -> str:
+    """``record`` as strict JSON for ``path`` (``metrics.jsonl``, ``summary.json``): a NaN or an
+    infinity, which ``json.dumps`` would write as the non-JSON ``NaN``, is an error naming the field.
+
+    Example:
+        >>> json_text({"step": 2, "loss": 1.5}, "metrics.jsonl")
+        '{"step": 2, "loss": 1.5}'
+    """
+    try:
+        return json.dumps(record, indent=indent, allow_nan=False)
+    except ValueError:
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        raise TrainingError(f"{path}: the record {record!r} has fields {bad} that are not finite numbers, "
+                            "which JSON cannot hold; not writing it") from None
+
+
 def start_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
     """:func:`earlier_metrics`, also written as ``out/metrics.jsonl`` (the records after ``start``, which
     the resumed run logs again, dropped) through a temporary file: a run that fails or is killed
     meanwhile leaves the old file or the new one, never an empty one."""
     from meshtorch.files import write_atomic
-    from meshtorch.recipes.lm.report import json_text
 
     path = os.path.join(out, "metrics.jsonl")
     records = earlier_metrics(cfg, out, start)
