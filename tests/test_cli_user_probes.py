@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -208,6 +210,49 @@ def test_a_reader_that_goes_away_costs_the_run_nothing(text, tmp_path, monkeypat
     assert os.path.exists(os.path.join(out, "loss.png")) == summary["loss_png"]
     monkeypatch.undo()
     assert capsys.readouterr().err == ""
+
+
+def _without_reader(argv: list[str], unbuffered: bool,
+                    stderr_too: bool = False) -> subprocess.CompletedProcess:
+    """``meshtorch ARGV | head -0`` (``2>&1 | head -0`` with ``stderr_too``): the command's standard
+    output is a pipe whose reader has gone before the first line, as a real ``head`` leaves one.
+    PYTHONUNBUFFERED set (``unbuffered``) makes each line fail as it is written; unset, as in most
+    users' shells, lines wait in the buffers until a flush or the exit."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "meshtorch", *argv], stdout=write, timeout=240, env=env,
+                              stderr=write if stderr_too else subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_a_pipe_whose_reader_left_costs_the_run_nothing_on_either_backend(backend, unbuffered, text,
+                                                                          tmp_path):
+    """Seen (review16e): ``meshtorch train --backend torch ... | head -1`` still ended with 'processor 0
+    {'b': 0} raised BrokenPipeError' (the processors it spawns wrote to the pipe unwrapped); on the
+    threads backend, lines still buffered when the reader left (PYTHONUNBUFFERED unset) failed the
+    exit with status 120."""
+    out = str(tmp_path / backend)
+    argv = ["train", "--steps", "2", "--out", out, "--data", text, *TINY, "--backend", backend]
+    done = _without_reader(argv, unbuffered)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 2
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_pipe_of_both_streams_whose_reader_left_costs_the_command_nothing(run, unbuffered):
+    """``meshtorch generate ... 2>&1 | head``: the note past the context goes to stderr, the same pipe,
+    whose reader has gone: dropped as the text is, not a BrokenPipeError."""
+    done = _without_reader(["generate", "--checkpoint", run, "--tokens", "100", "--temperature", "0"],
+                           unbuffered, stderr_too=True)
+    assert done.returncode == 0
 
 
 def test_generate_reads_one_version_of_a_runs_checkpoint(text, tmp_path, capsys):
