@@ -73,6 +73,20 @@ def test_generate_fills_the_context_equals_a_direct_model_call_and_says_it_stopp
     assert out == _greedy(run, "def ", 3) + "\n" and err == ""
 
 
+def test_generate_checks_its_request_once(run, capsys, monkeypatch):
+    """Seen (review16e): check_request (which reads the checkpoint's config and tokenizer) ran twice per
+    ``meshtorch generate``: in the command, to say how many tokens it writes, and in
+    generate_from_checkpoint. A library call still checks its request."""
+    import meshtorch.recipes.lm.generate as gen
+
+    calls, real = [], gen.check_request
+    monkeypatch.setattr(gen, "check_request", lambda *a: calls.append(a) or real(*a))
+    assert cli.main(["generate", "--checkpoint", run, "--tokens", "3", "--temperature", "0"]) == 0
+    assert len(calls) == 1 and capsys.readouterr().out == _greedy(run, "def ", 3) + "\n"
+    with pytest.raises(ArgumentError, match="--tokens -1 is out of range"):
+        gen.generate_from_checkpoint(run, "def ", max_new_tokens=-1)
+
+
 def test_a_prompt_longer_than_the_context_is_refused_naming_prompt(run, capsys):
     """Seen: the prompt came back alone, exit status 0."""
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 16]) == 2

@@ -53,7 +53,7 @@ def run_generate(args: argparse.Namespace) -> int:
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                                     temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                                     mesh=args.mesh, rules=args.rules, beams=args.beams,
-                                    ignore_eos=args.ignore_eos)
+                                    ignore_eos=args.ignore_eos, checked=True)
     print(text)
     if made < args.tokens:  # said after the text, on stderr: `> file` keeps the text alone
         print(f"meshtorch generate: {made} of --tokens {args.tokens} generated: the model's context ends "

@@ -156,17 +156,20 @@ def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature
 
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
-                             beams: int = 0, ignore_eos: bool = False) -> str:
+                             beams: int = 0, ignore_eos: bool = False, checked: bool = False) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
     or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
     end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
     Face model with that model's tokenizer; with another, ``--tokenizer bytes`` or ``bpe:N``, at
     that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``; a beam search runs
     ``max_new_tokens`` whatever it emits. Of ``max_new_tokens`` it writes fewer where the model's
-    context ends (:func:`check_request` says how many)."""
+    context ends (:func:`check_request` says how many). ``checked``: the caller has passed the request
+    through :func:`check_request` already (``meshtorch generate`` does, to say how many tokens it
+    writes), which reads the checkpoint's config and tokenizer: it is not checked again."""
     from meshtorch.launcher import launch
 
-    check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
+    if not checked:
+        check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
     path = checkpoint_dir(path)
     tok = run_tokenizer(path)
 
