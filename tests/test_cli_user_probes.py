@@ -62,7 +62,8 @@ def test_generate_fills_the_context_equals_a_direct_model_call_and_says_it_stopp
                      "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert out == _greedy(run, "def ", 12) + "\n"
-    assert "12 of --tokens 100 generated: the model's context ends there" in err
+    assert "12 of --tokens 100 generated: the model's context ends there (max_length: the run's --length, " \
+        "or config.json's for --init-from; prompt included)" in err
     # a beam of one is greedy, to the same length
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "def ", "--tokens", "100",
                      "--beams", "1"]) == 0
@@ -92,7 +93,8 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_prompt(run, capsys):
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 16]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "--prompt is 16 tokens (plus the end-of-text token that starts it), more than the " \
-        "model's context of 16 positions holds (its run's --length): shorten it to at most 15 tokens" in err
+        "model's context of 16 positions holds (max_length: the run's --length, or config.json's for " \
+        "--init-from): shorten it to at most 15 tokens" in err
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 15, "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "x" * 15 + _greedy(run, "x" * 15, 1)[15:] + "\n"
 

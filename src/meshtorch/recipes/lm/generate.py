@@ -129,7 +129,8 @@ def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature
                   top_k: int = 40, beams: int = 0) -> int:
     """Raise :class:`ArgumentError` naming the ``meshtorch generate`` flag unless the request can run
     on the LM of checkpoint ``path``; the number of tokens it will add: ``max_new_tokens``, or fewer
-    where the model's context (its run's ``--length``) ends first (:func:`~meshtorch.models.decode.room`).
+    where the model's context (``max_length``: its run's ``--length``, or ``config.json``'s for
+    ``--init-from``) ends first (:func:`~meshtorch.models.decode.room`).
     A prompt that leaves no room is refused, rather than answered with the prompt alone."""
     for flag, value in (("--tokens", max_new_tokens), ("--top-k", top_k), ("--beams", beams)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -149,8 +150,9 @@ def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature
     n = len(prompt_ids(tok, prompt))
     if room(cfg.max_length, n) == 0:
         raise ArgumentError(f"--prompt is {n - 1} tokens (plus the end-of-text token that starts it), more "
-                            f"than the model's context of {cfg.max_length} positions holds (its run's "
-                            f"--length): shorten it to at most {cfg.max_length - 1} tokens")
+                            f"than the model's context of {cfg.max_length} positions holds (max_length: the "
+                            f"run's --length, or config.json's for --init-from): shorten it to at most "
+                            f"{cfg.max_length - 1} tokens")
     return min(max_new_tokens, room(cfg.max_length, n))
 
 
