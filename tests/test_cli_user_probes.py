@@ -15,7 +15,7 @@ import torch
 
 import meshtorch as mt
 from meshtorch import cli
-from meshtorch.errors import ArgumentError
+from meshtorch.errors import ArgumentError, PipelineError
 from meshtorch.recipes.lm import TrainConfig, check_config
 from run_harness import tiny_train, write_corpus
 
@@ -177,6 +177,26 @@ def test_pipeline_micro_batches_that_do_not_divide_a_processors_rows_are_refused
     assert want in capsys.readouterr().err and not out.exists()
     assert cli.main(["plan", *flags]) == 2
     assert want in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batch, microbatches, hint", [
+    (12, 4, "pass --microbatches 2 (a divisor of 6 and a multiple of --pipeline-stages 2), or --batch a "
+            "multiple of 8"),
+    (6, 2, "pass --batch a multiple of 4"),  # no even divisor of 3: only --batch
+])
+def test_the_micro_batch_hint_under_interleaved_is_one_the_checks_accept(batch, microbatches, hint):
+    """Seen (review16e): under --schedule interleaved the hint said '--microbatches 3 (a divisor of 6)',
+    which the next check refused: interleaved takes a multiple of --pipeline-stages."""
+    import re
+
+    base = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=4, length=16, pipeline_stages=2,
+                virtual_stages=2, schedule="interleaved")
+    with pytest.raises(PipelineError) as e:
+        check_config(TrainConfig.of(**base, batch=batch, microbatches=microbatches))
+    assert hint in str(e.value), str(e.value)
+    for flag, value in re.findall(r"--(microbatches|batch) (?:a multiple of )?(\d+)", hint):
+        given = {"batch": batch, "microbatches": microbatches, flag: int(value)}
+        check_config(TrainConfig.of(**base, **given))
 
 
 def test_an_moe_model_without_an_moe_layer_is_refused():
