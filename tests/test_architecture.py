@@ -183,7 +183,8 @@ def test_only_front_ends_print():
 LEVELS = [
     # (meta_autocast: the planner's autocast of meta tensors, which imports only torch and errors;
     # the lowering asks it whether a meta step runs under autocast, as it asks torch for real ones)
-    ("meshtorch.errors", "meshtorch.shape", "meshtorch.mesh", "meshtorch.caching", "meshtorch.meta_autocast"),
+    ("meshtorch.errors", "meshtorch.shape", "meshtorch.mesh", "meshtorch.caching", "meshtorch.meta_autocast",
+     "meshtorch.streams"),
     ("meshtorch.layout",),
     ("meshtorch.comm",),
     ("meshtorch.context",),

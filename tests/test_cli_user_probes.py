@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import meshtorch as mt
 from meshtorch import cli
-from meshtorch.errors import ArgumentError
+from meshtorch.errors import ArgumentError, PipelineError
 from meshtorch.recipes.lm import TrainConfig, check_config
 from run_harness import tiny_train, write_corpus
 
@@ -60,7 +62,8 @@ def test_generate_fills_the_context_equals_a_direct_model_call_and_says_it_stopp
                      "--temperature", "0"]) == 0
     out, err = capsys.readouterr()
     assert out == _greedy(run, "def ", 12) + "\n"
-    assert "12 of --tokens 100 generated: the model's context ends there" in err
+    assert "12 of --tokens 100 generated: the model's context ends there (max_length: the run's --length, " \
+        "or config.json's for --init-from; prompt included)" in err
     # a beam of one is greedy, to the same length
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "def ", "--tokens", "100",
                      "--beams", "1"]) == 0
@@ -71,12 +74,27 @@ def test_generate_fills_the_context_equals_a_direct_model_call_and_says_it_stopp
     assert out == _greedy(run, "def ", 3) + "\n" and err == ""
 
 
+def test_generate_checks_its_request_once(run, capsys, monkeypatch):
+    """Seen (review16e): check_request (which reads the checkpoint's config and tokenizer) ran twice per
+    ``meshtorch generate``: in the command, to say how many tokens it writes, and in
+    generate_from_checkpoint. A library call still checks its request."""
+    import meshtorch.recipes.lm.generate as gen
+
+    calls, real = [], gen.check_request
+    monkeypatch.setattr(gen, "check_request", lambda *a: calls.append(a) or real(*a))
+    assert cli.main(["generate", "--checkpoint", run, "--tokens", "3", "--temperature", "0"]) == 0
+    assert len(calls) == 1 and capsys.readouterr().out == _greedy(run, "def ", 3) + "\n"
+    with pytest.raises(ArgumentError, match="--tokens -1 is out of range"):
+        gen.generate_from_checkpoint(run, "def ", max_new_tokens=-1)
+
+
 def test_a_prompt_longer_than_the_context_is_refused_naming_prompt(run, capsys):
     """Seen: the prompt came back alone, exit status 0."""
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 16]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "--prompt is 16 tokens (plus the end-of-text token that starts it), more than the " \
-        "model's context of 16 positions holds (its run's --length): shorten it to at most 15 tokens" in err
+        "model's context of 16 positions holds (max_length: the run's --length, or config.json's for " \
+        "--init-from): shorten it to at most 15 tokens" in err
     assert cli.main(["generate", "--checkpoint", run, "--prompt", "x" * 15, "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "x" * 15 + _greedy(run, "x" * 15, 1)[15:] + "\n"
 
@@ -124,6 +142,28 @@ def test_resume_with_another_length_of_a_learned_position_table_is_refused_namin
     assert model_changes(TrainConfig.of(**{**base, "length": 4}), record) == []
 
 
+def test_runs_whose_table_length_is_not_length_resume_with_their_own_flags(text, tmp_path, capsys):
+    """Seen (review16e): the --length check refused to resume a default ``--model seq2seq`` run and a
+    GPT-2 ``--init-from`` fine-tune given their own flags ('--length 16 (the run has 16)'): their
+    max_length is the spelling task's and config.json's (32 positions here), not --length's."""
+    from meshtorch.models import DecoderLM, TransformerConfig, export_hf
+
+    gpt2 = tmp_path / "gpt2"
+    cfg = TransformerConfig(vocab=300, d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, max_length=32,
+                            bias=True)
+    mt.launch(lambda: export_hf(gpt2, DecoderLM(cfg, seed=1)))
+    assert json.loads((gpt2 / "config.json").read_text())["n_positions"] == 32
+    small = tiny_train(tokenizer="bytes", sample_tokens=0, d_model=None, heads=None, d_kv=None, d_ff=None,
+                       layers=None)
+    for name, flags in (("s2s", [*TINY, "--model", "seq2seq"]),
+                        ("gpt2", [*small, "--init-from", str(gpt2)])):
+        out = str(tmp_path / name)
+        assert cli.main(["train", "--steps", "2", "--out", out, "--data", text, *flags]) == 0
+        assert cli.main(["train", "--steps", "3", "--resume", out, "--data", text, *flags]) == 0, \
+            capsys.readouterr().err
+        assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 3
+
+
 def test_pipeline_micro_batches_that_do_not_divide_a_processors_rows_are_refused_up_front(tmp_path, capsys,
                                                                                           text):
     """Seen: the run started, then stopped with 'processor 2 {'stage': 1, 'b': 0} raised PipelineError:
@@ -137,6 +177,26 @@ def test_pipeline_micro_batches_that_do_not_divide_a_processors_rows_are_refused
     assert want in capsys.readouterr().err and not out.exists()
     assert cli.main(["plan", *flags]) == 2
     assert want in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batch, microbatches, hint", [
+    (12, 4, "pass --microbatches 2 (a divisor of 6 and a multiple of --pipeline-stages 2), or --batch a "
+            "multiple of 8"),
+    (6, 2, "pass --batch a multiple of 4"),  # no even divisor of 3: only --batch
+])
+def test_the_micro_batch_hint_under_interleaved_is_one_the_checks_accept(batch, microbatches, hint):
+    """Seen (review16e): under --schedule interleaved the hint said '--microbatches 3 (a divisor of 6)',
+    which the next check refused: interleaved takes a multiple of --pipeline-stages."""
+    import re
+
+    base = dict(d_model=16, heads=2, d_kv=8, d_ff=32, layers=4, length=16, pipeline_stages=2,
+                virtual_stages=2, schedule="interleaved")
+    with pytest.raises(PipelineError) as e:
+        check_config(TrainConfig.of(**base, batch=batch, microbatches=microbatches))
+    assert hint in str(e.value), str(e.value)
+    for flag, value in re.findall(r"--(microbatches|batch) (?:a multiple of )?(\d+)", hint):
+        given = {"batch": batch, "microbatches": microbatches, flag: int(value)}
+        check_config(TrainConfig.of(**base, **given))
 
 
 def test_an_moe_model_without_an_moe_layer_is_refused():
@@ -186,6 +246,49 @@ def test_a_reader_that_goes_away_costs_the_run_nothing(text, tmp_path, monkeypat
     assert os.path.exists(os.path.join(out, "loss.png")) == summary["loss_png"]
     monkeypatch.undo()
     assert capsys.readouterr().err == ""
+
+
+def _without_reader(argv: list[str], unbuffered: bool,
+                    stderr_too: bool = False) -> subprocess.CompletedProcess:
+    """``meshtorch ARGV | head -0`` (``2>&1 | head -0`` with ``stderr_too``): the command's standard
+    output is a pipe whose reader has gone before the first line, as a real ``head`` leaves one.
+    PYTHONUNBUFFERED set (``unbuffered``) makes each line fail as it is written; unset, as in most
+    users' shells, lines wait in the buffers until a flush or the exit."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run([sys.executable, "-m", "meshtorch", *argv], stdout=write, timeout=240, env=env,
+                              stderr=write if stderr_too else subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_a_pipe_whose_reader_left_costs_the_run_nothing_on_either_backend(backend, unbuffered, text,
+                                                                          tmp_path):
+    """Seen (review16e): ``meshtorch train --backend torch ... | head -1`` still ended with 'processor 0
+    {'b': 0} raised BrokenPipeError' (the processors it spawns wrote to the pipe unwrapped); on the
+    threads backend, lines still buffered when the reader left (PYTHONUNBUFFERED unset) failed the
+    exit with status 120."""
+    out = str(tmp_path / backend)
+    argv = ["train", "--steps", "2", "--out", out, "--data", text, *TINY, "--backend", backend]
+    done = _without_reader(argv, unbuffered)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert json.load(open(os.path.join(out, "summary.json")))["steps"] == 2
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_pipe_of_both_streams_whose_reader_left_costs_the_command_nothing(run, unbuffered):
+    """``meshtorch generate ... 2>&1 | head``: the note past the context goes to stderr, the same pipe,
+    whose reader has gone: dropped as the text is, not a BrokenPipeError."""
+    done = _without_reader(["generate", "--checkpoint", run, "--tokens", "100", "--temperature", "0"],
+                           unbuffered, stderr_too=True)
+    assert done.returncode == 0
 
 
 def test_generate_reads_one_version_of_a_runs_checkpoint(text, tmp_path, capsys):

@@ -128,7 +128,7 @@ def test_a_non_finite_run_stops_and_keeps_the_last_good_checkpoint(nan_from, mes
 
 
 def test_metrics_are_strict_json():
-    from meshtorch.recipes.lm.report import json_text
+    from meshtorch.recipes.lm.run_files import json_text
 
     assert json.loads(json_text({"step": 1, "loss": 2.5, "flop_utilisation": None}, "m")) == {
         "step": 1, "loss": 2.5, "flop_utilisation": None}

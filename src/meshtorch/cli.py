@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import os
 import re
 import sys
-from typing import Any
 
 from meshtorch.errors import MeshTorchError
+from meshtorch.streams import reader_may_leave
 
 # module that registers each sub-command, in the order `--help` lists them
 SUBCOMMANDS: dict[str, str] = {
@@ -192,55 +191,6 @@ def _every_command(parser: CommandParser) -> dict[str, argparse.ArgumentParser]:
     return {**commands, **sub.choices}
 
 
-class ReaderMayLeave:
-    """A command's standard output, whose reader may go away before the command ends (``meshtorch
-    train ... | head``): from then on its lines are dropped, and the command goes on (a run still
-    writes its summary.json and loss.png) instead of failing with ``BrokenPipeError`` at its next
-    line. The stream's descriptor is pointed at ``/dev/null`` too, so that its buffered lines flush
-    without another error when the interpreter exits.
-
-    Example:
-        >>> class Gone:
-        ...     def write(self, text):
-        ...         raise BrokenPipeError(32, "Broken pipe")
-        >>> out = ReaderMayLeave(Gone())
-        >>> out.write("step 1"), out.gone
-        (6, True)
-    """
-
-    def __init__(self, stream: Any) -> None:
-        self.stream, self.gone = stream, False
-
-    def write(self, text: str) -> int:
-        if not self.gone:
-            try:
-                return self.stream.write(text)
-            except BrokenPipeError:
-                self._leave()
-        return len(text)
-
-    def flush(self) -> None:
-        if not self.gone:
-            try:
-                self.stream.flush()
-            except BrokenPipeError:
-                self._leave()
-
-    def _leave(self) -> None:
-        self.gone = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, self.stream.fileno())
-            finally:
-                os.close(devnull)
-        except (AttributeError, OSError, ValueError):  # no descriptor (io.UnsupportedOperation is both)
-            pass
-
-    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...: the stream's
-        return getattr(self.stream, name)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshtorch`` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -252,14 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    out, sys.stdout = sys.stdout, ReaderMayLeave(sys.stdout)
-    try:
-        return int(args.func(args) or 0)
-    except MeshTorchError as e:
-        print(f"meshtorch {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        sys.stdout = out
+    with reader_may_leave():  # `meshtorch train ... | head`: the run goes on when the reader leaves
+        try:
+            return int(args.func(args) or 0)
+        except MeshTorchError as e:
+            print(f"meshtorch {args.command}: error: {e}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from meshtorch.launcher.world import (
 )
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
+from meshtorch.streams import reader_may_leave
 
 
 def launch_processes(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules,
@@ -221,37 +222,40 @@ def _child(rank: int, world: int, rendezvous: str, payload: bytes, q, launcher_p
     """Body of one processor: join the world, run, report to the launcher. ``forked``: started
     by the fork server (an :class:`_Inherited` in the launcher), else spawned."""
     die_with_parent(_leave_fork_server(launcher_pid) if forked else launcher_pid)
-    try:
-        import torch.distributed as dist
-
-        fn, args, kwargs, mesh, rules, timeout, check, device = pickle.loads(payload)
-        # the user's OMP_NUM_THREADS stands; set here, not left to torch: a forked processor's OpenMP
-        # read the environment when the fork server started, not the launch's
-        torch.set_num_threads(threads_for(world))
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_WORLD_SIZE=str(world))
-        # every processor is on this machine: gloo's and NCCL's bootstrap connections
-        # need no other interface (a user's setting still wins)
-        lo = _loopback_interface()
-        if lo:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
-        store = dist.FileStore(os.path.join(rendezvous, "store"), world)
-        store.set_timeout(datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
-        init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
-                         world_size=world, device=device)
-        out = run_program(fn, args, kwargs)
-        q.put((rank, "ok", pickle.dumps(out)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
-        tb = traceback.format_exc()
+    # `meshtorch train --backend torch ... | head`: processor 0's lines go to the same pipe, whose
+    # reader may leave; the run goes on without them
+    with reader_may_leave():
         try:
-            blob = pickle.dumps(e)
-            pickle.loads(blob)
-        except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
-            blob = None
-        q.put((rank, "err", (blob, type(e).__name__, str(e), tb)))
-    finally:
-        shutdown()
+            import torch.distributed as dist
+
+            fn, args, kwargs, mesh, rules, timeout, check, device = pickle.loads(payload)
+            # the user's OMP_NUM_THREADS stands; set here, not left to torch: a forked processor's OpenMP
+            # read the environment when the fork server started, not the launch's
+            torch.set_num_threads(threads_for(world))
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                              LOCAL_WORLD_SIZE=str(world))
+            # every processor is on this machine: gloo's and NCCL's bootstrap connections
+            # need no other interface (a user's setting still wins)
+            lo = _loopback_interface()
+            if lo:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+            store = dist.FileStore(os.path.join(rendezvous, "store"), world)
+            store.set_timeout(datetime.timedelta(seconds=max(timeout, RENDEZVOUS_MIN_S)))
+            init_distributed(mesh, rules, check=check, timeout=timeout, store=store, rank=rank,
+                             world_size=world, device=device)
+            out = run_program(fn, args, kwargs)
+            q.put((rank, "ok", pickle.dumps(out)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which re-raises
+            tb = traceback.format_exc()
+            try:
+                blob = pickle.dumps(e)
+                pickle.loads(blob)
+            except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text
+                blob = None
+            q.put((rank, "err", (blob, type(e).__name__, str(e), tb)))
+        finally:
+            shutdown()
 
 
 class _Signalled(BaseException):

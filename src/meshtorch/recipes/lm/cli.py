@@ -53,11 +53,12 @@ def run_generate(args: argparse.Namespace) -> int:
     text = generate_from_checkpoint(args.checkpoint, args.prompt, max_new_tokens=args.tokens,
                                     temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                                     mesh=args.mesh, rules=args.rules, beams=args.beams,
-                                    ignore_eos=args.ignore_eos)
+                                    ignore_eos=args.ignore_eos, checked=True)
     print(text)
     if made < args.tokens:  # said after the text, on stderr: `> file` keeps the text alone
         print(f"meshtorch generate: {made} of --tokens {args.tokens} generated: the model's context ends "
-              "there (its run's --length, prompt included)", file=sys.stderr)
+              "there (max_length: the run's --length, or config.json's for --init-from; prompt included)",
+              file=sys.stderr)
     return 0
 
 
@@ -86,7 +87,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "version in it: checkpoint/step-000200)")
     g.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     g.add_argument("--tokens", type=int, default=200, help="tokens to generate, at most what the model's "
-                   "context (its run's --length) holds after the prompt (default: 200)")
+                   "context (max_length: the run's --length, or config.json's for --init-from) holds after "
+                   "the prompt (default: 200)")
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest, 0 = all "
                    "(default: 40)")

@@ -490,10 +490,15 @@ def check_stages(cfg: TrainConfig) -> None:
     rows = batch // pieces
     if rows % m:
         split = f" split over {pieces} processors by --rules" if pieces > 1 else ""
-        fits = [k for k in range(m, 0, -1) if rows % k == 0][0]
+        # a value the checks above accept too: under interleaved, a multiple of the stages
+        rounds = p if par.schedule == "interleaved" else 1
+        fit = [k for k in range(1, rows + 1) if rows % k == 0 and k % rounds == 0]
+        fits = max([k for k in fit if k <= m], default=min(fit, default=0))
+        what = f"a divisor of {rows}" + (f" and a multiple of --pipeline-stages {p}" if rounds > 1 else "")
+        micro = f"--microbatches {fits} ({what}), or " if fits else ""
         raise PipelineError(f"--batch {batch}{split} gives each processor {rows} sequences, which "
-                            f"--microbatches {m} does not divide; pass --microbatches {fits} (a divisor of "
-                            f"{rows}), or --batch a multiple of {m * pieces}")
+                            f"--microbatches {m} does not divide; pass {micro}--batch a multiple of "
+                            f"{m * pieces}")
 
 
 def check_nodes(cfg: TrainConfig) -> None:

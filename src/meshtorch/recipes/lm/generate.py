@@ -129,7 +129,8 @@ def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature
                   top_k: int = 40, beams: int = 0) -> int:
     """Raise :class:`ArgumentError` naming the ``meshtorch generate`` flag unless the request can run
     on the LM of checkpoint ``path``; the number of tokens it will add: ``max_new_tokens``, or fewer
-    where the model's context (its run's ``--length``) ends first (:func:`~meshtorch.models.decode.room`).
+    where the model's context (``max_length``: its run's ``--length``, or ``config.json``'s for
+    ``--init-from``) ends first (:func:`~meshtorch.models.decode.room`).
     A prompt that leaves no room is refused, rather than answered with the prompt alone."""
     for flag, value in (("--tokens", max_new_tokens), ("--top-k", top_k), ("--beams", beams)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -149,24 +150,28 @@ def check_request(path: str, prompt: str, max_new_tokens: int = 200, temperature
     n = len(prompt_ids(tok, prompt))
     if room(cfg.max_length, n) == 0:
         raise ArgumentError(f"--prompt is {n - 1} tokens (plus the end-of-text token that starts it), more "
-                            f"than the model's context of {cfg.max_length} positions holds (its run's "
-                            f"--length): shorten it to at most {cfg.max_length - 1} tokens")
+                            f"than the model's context of {cfg.max_length} positions holds (max_length: the "
+                            f"run's --length, or config.json's for --init-from): shorten it to at most "
+                            f"{cfg.max_length - 1} tokens")
     return min(max_new_tokens, room(cfg.max_length, n))
 
 
 def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
-                             beams: int = 0, ignore_eos: bool = False) -> str:
+                             beams: int = 0, ignore_eos: bool = False, checked: bool = False) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
     or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
     end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
     Face model with that model's tokenizer; with another, ``--tokenizer bytes`` or ``bpe:N``, at
     that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``; a beam search runs
     ``max_new_tokens`` whatever it emits. Of ``max_new_tokens`` it writes fewer where the model's
-    context ends (:func:`check_request` says how many)."""
+    context ends (:func:`check_request` says how many). ``checked``: the caller has passed the request
+    through :func:`check_request` already (``meshtorch generate`` does, to say how many tokens it
+    writes), which reads the checkpoint's config and tokenizer: it is not checked again."""
     from meshtorch.launcher import launch
 
-    check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
+    if not checked:
+        check_request(path, prompt, max_new_tokens, temperature, top_k, beams)
     path = checkpoint_dir(path)
     tok = run_tokenizer(path)
 

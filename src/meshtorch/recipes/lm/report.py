@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -21,7 +20,6 @@ import torch
 from meshtorch.context import processor_device
 from meshtorch.data import Corpus
 from meshtorch.data.tokenizer import Tokenizer
-from meshtorch.errors import TrainingError
 from meshtorch.files import save_figure
 from meshtorch.models import TransformerConfig, generate
 from meshtorch.models.decode import stop_ids, until_eos
@@ -29,22 +27,6 @@ from meshtorch.plan.devices import matmul_rate
 from meshtorch.recipes.lm.config import TrainConfig
 from meshtorch.recipes.lm.generate import prompt_ids
 from meshtorch.recipes.lm.run_files import is_init_froms_tokenizer, sample_eos
-
-
-def json_text(record: dict[str, Any], path: str, indent: int | None = None) -> str:
-    """``record`` as strict JSON for ``path`` (``metrics.jsonl``, ``summary.json``): a NaN or an
-    infinity, which ``json.dumps`` would write as the non-JSON ``NaN``, is an error naming the field.
-
-    Example:
-        >>> json_text({"step": 2, "loss": 1.5}, "metrics.jsonl")
-        '{"step": 2, "loss": 1.5}'
-    """
-    try:
-        return json.dumps(record, indent=indent, allow_nan=False)
-    except ValueError:
-        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-        raise TrainingError(f"{path}: the record {record!r} has fields {bad} that are not finite numbers, "
-                            "which JSON cannot hold; not writing it") from None
 
 
 class Progress:

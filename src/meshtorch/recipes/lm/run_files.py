@@ -14,13 +14,14 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import shlex
 from typing import Any
 
 import torch
 
-from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError, ShapeError
+from meshtorch.errors import ArgumentError, CheckpointError, MeshTorchError, ShapeError, TrainingError
 from meshtorch.models.config import TransformerConfig
 from meshtorch.models.hf import RUN_OPTIONS
 from meshtorch.recipes.lm.config import RUN_DECIDES, ModelSection, TrainConfig
@@ -120,8 +121,12 @@ def model_changes(cfg: TrainConfig, record: dict[str, Any]) -> list[tuple[str, A
         if a != b:
             changes.append((f.name, a, b))
     # max_length comes from --length: it sizes a learned position table (a parameter), which --length
-    # must then keep; rotary positions have no table, so their runs may resume with another --length
-    if theirs.positions == "learned" and mine.positions == "learned" and theirs.max_length != mine.max_length:
+    # must then keep; rotary positions have no table, so their runs may resume with another --length.
+    # A fine-tune's table is config.json's (--init-from) and a seq2seq model's the spelling task's, not
+    # --length's: their runs resume with their own flags whatever max_length they record
+    run_init_from = (record.get("train_config") or {}).get("init_from")
+    sized = not cfg.run.init_from and not run_init_from and kind != "seq2seq"
+    if sized and theirs.positions == mine.positions == "learned" and theirs.max_length != mine.max_length:
         length = (record.get("train_config") or {}).get("length", theirs.max_length)
         changes.append(("length", length, cfg.run.length))
     return changes
@@ -501,12 +506,27 @@ def earlier_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
     return records
 
 
+def json_text(record: dict[str, Any], path: str, indent: int | None = None) -> str:
+    """``record`` as strict JSON for ``path`` (``metrics.jsonl``, ``summary.json``): a NaN or an
+    infinity, which ``json.dumps`` would write as the non-JSON ``NaN``, is an error naming the field.
+
+    Example:
+        >>> json_text({"step": 2, "loss": 1.5}, "metrics.jsonl")
+        '{"step": 2, "loss": 1.5}'
+    """
+    try:
+        return json.dumps(record, indent=indent, allow_nan=False)
+    except ValueError:
+        bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        raise TrainingError(f"{path}: the record {record!r} has fields {bad} that are not finite numbers, "
+                            "which JSON cannot hold; not writing it") from None
+
+
 def start_metrics(cfg: TrainConfig, out: str, start: int) -> list[dict]:
     """:func:`earlier_metrics`, also written as ``out/metrics.jsonl`` (the records after ``start``, which
     the resumed run logs again, dropped) through a temporary file: a run that fails or is killed
     meanwhile leaves the old file or the new one, never an empty one."""
     from meshtorch.files import write_atomic
-    from meshtorch.recipes.lm.report import json_text
 
     path = os.path.join(out, "metrics.jsonl")
     records = earlier_metrics(cfg, out, start)

@@ -56,7 +56,6 @@ from meshtorch.recipes.lm.pretrained import (
 )
 from meshtorch.recipes.lm.report import (
     Progress,
-    json_text,
     matmul_peak_flops,
     plot_losses,
     report,
@@ -70,7 +69,7 @@ from meshtorch.recipes.lm.restarts import (
     train_restarting,
     worker_failed,
 )
-from meshtorch.recipes.lm.run_files import check_resume, save_run, start_metrics
+from meshtorch.recipes.lm.run_files import check_resume, json_text, save_run, start_metrics
 from meshtorch.recipes.lm.strategies import strategy_for
 from meshtorch.recipes.lm.telemetry import MetricsBoard, throughput
 
