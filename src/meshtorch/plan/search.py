@@ -67,8 +67,8 @@ from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.layered import (
     MAX_TRACED_LAYERS,
     check_pipelined_depth,
-    extrapolate,
     lin,
+    settled_extrapolation,
     shallow_programs,
 )
 from meshtorch.plan.pipeline import estimate_pipeline, microbatch_work, program_pipeline
@@ -208,7 +208,15 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         if not whole and bound and loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
         t2 = traced(depths[1], c)
-        return from_trace(extrapolate(t1, t2, periods), c[0], spec, algorithm)
+        # where the shallow steps' buckets are not capped as the deep one's, deeper ones are traced
+        # (or the whole step, which is then this candidate's full trace)
+
+        def deeper(f: Program) -> Trace:
+            if f is prog:
+                full.add(c)
+            return traced(f, c)
+
+        return from_trace(settled_extrapolation(prog, t1, t2, periods, deeper), c[0], spec, algorithm)
 
     def best_time() -> float:
         return min((e.step_seconds for e in done.values() if e.fits), default=math.inf)

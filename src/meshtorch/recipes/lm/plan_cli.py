@@ -493,9 +493,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "<cache>/<gpu name>.json, which meshtorch train --rules auto uses on that GPU)")
     g.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
     g.add_argument("--layered", action=argparse.BooleanOptionalAction, default=True,
-                   help="trace two shallow copies of a deep model and extrapolate (parameters, FLOPs, bytes, "
-                   "kernels and memory as the full trace's; what --search does); --no-layered traces "
-                   "every layer")
+                   help="trace two shallow copies of a deep model and extrapolate (parameters, FLOPs, bytes "
+                   "and kernels as the full trace's, the peak too without overlap, within 10%% with it; "
+                   "what --search does); --no-layered traces every layer")
     g.add_argument("--processors", type=int, default=0, help="with --search: the processors to lay out")
     g.add_argument("--top", type=int, default=10, help="with --search: candidates shown")
     g.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
