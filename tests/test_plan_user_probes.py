@@ -4,6 +4,7 @@ and the flags ``meshtorch plan`` cannot honour, refused with the flag and the fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -64,6 +65,23 @@ def test_the_search_table_keeps_its_columns_apart_and_tells_small_steps_apart():
     assert re.search(rf" {re.escape(long_rules)} +>={slow * 1e3:.3g} +>=533.50 KiB ", rows[2]), rows[2]
     assert f">={slow * 1e3:.3g}" in second and ">=533.50" in second
     assert f"step time >= {slow * 1e3:.3g} ms (lower bound) >= best {fast * 1e3:.3g} ms" in rows[2]
+
+
+def test_where_nothing_fits_the_table_ranks_the_best_first():
+    """Seen: `meshtorch plan --search --hardware tiny.json` (nothing fits) ranked candidates pruned for
+    their parameters (>= 163 KiB, a bound) above the traced one it named best (1.41 MiB), which the
+    top rows did not show."""
+    spec = dataclasses.replace(mt.plan.device("tpu-v2"), name="tiny", memory_bytes=1000)
+    step = training_step(TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8),
+                         vocab=16)
+    best = estimate(step, "b:2", "batch:b; d_model:b", device=spec)
+    other = estimate(step, "b:2", "batch:b", device=spec)
+    assert not best.fits and best.memory_bytes["total"] < other.memory_bytes["total"]
+    huge = Pruned("b:2", "heads:b", 0.0, best.memory_bytes["total"] / 8, "memory")
+    res = SearchResult([best, other], "tiny", 0.1, space=3, pruned_candidates=[huge])
+    assert res.ranking() == [best, other, huge]
+    rows = res.table().splitlines()
+    assert "batch:b; d_model:b" in rows[1] and res.best is best and "nothing fits" in rows[-1]
 
 
 @pytest.mark.parametrize("flags, names", [

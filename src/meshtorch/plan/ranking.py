@@ -85,12 +85,15 @@ class SearchResult:
 
     def ranking(self) -> list[Estimate | Pruned]:
         """Traced and pruned candidates in one ranking: fitting ones by step time (a pruned
-        one by its bound), then those that do not fit by memory."""
+        one by its bound), then those traced that do not fit by memory, then those whose
+        parameters alone do not fit by that bound (a bound below a traced candidate's memory
+        does not make them smaller: ranked among them, one came before the best of a search where
+        nothing fits)."""
 
         def key(c: Estimate | Pruned) -> tuple:
             if isinstance(c, Pruned):
-                return (c.by == "memory", c.seconds if c.by == "time" else c.memory_bytes, 1)
-            return (*rank_key(c), 0)
+                return (2, c.memory_bytes, 1) if c.by == "memory" else (0, c.seconds, 1)
+            return (int(not c.fits), rank_key(c)[1], 0)
 
         return sorted([*self.candidates, *self.pruned_candidates], key=key)
 
