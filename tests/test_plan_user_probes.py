@@ -13,7 +13,7 @@ import torch
 
 import meshtorch as mt
 from meshtorch.cli import main
-from meshtorch.errors import PlanError
+from meshtorch.errors import ArgumentError, PlanError
 from meshtorch.plan.estimate import estimate
 from meshtorch.plan.ranking import Pruned, SearchResult
 from meshtorch.recipes.lm import TrainConfig, plan_cli
@@ -67,6 +67,19 @@ def test_the_search_table_keeps_its_columns_apart_and_tells_small_steps_apart():
     assert f"step time >= {slow * 1e3:.3g} ms (lower bound) >= best {fast * 1e3:.3g} ms" in rows[2]
 
 
+def test_a_tie_is_called_a_tie():
+    """Seen (README's search on 8 a100s): '#2 b:2,m:4 batch:(b,m) 1.38 ... 0% slower than #1: more
+    all_reduce@b,m (+0.53 ms)' under '#1 b:8 batch:b 1.38': the same step, its all_reduce named
+    after other axes."""
+    step = training_step(TrainConfig.of(d_model=16, heads=2, d_kv=8, d_ff=32, layers=1, batch=4, length=8),
+                         vocab=16)
+    one, two = (estimate(step, mesh, rules, device="a100") for mesh, rules in (("b:4", "batch:b"),
+                                                                              ("b:2,m:2", "batch:(b,m)")))
+    assert one.step_seconds == two.step_seconds and set(one.comm_seconds) != set(two.comm_seconds)
+    why = SearchResult([one, two], "a100", 0.1).why(two)
+    assert why.startswith("as fast as #1") and "more" not in why
+
+
 def test_where_nothing_fits_the_table_ranks_the_best_first():
     """Seen: `meshtorch plan --search --hardware tiny.json` (nothing fits) ranked candidates pruned for
     their parameters (>= 163 KiB, a bound) above the traced one it named best (1.41 MiB), which the
@@ -117,6 +130,14 @@ def test_model_flags_that_cannot_work_are_refused_in_their_words(capsys, flags, 
     assert main(["plan", *TINY, *flags]) == 2
     err = capsys.readouterr().err
     assert all(name in err for name in names) and "ShapeError" not in err, err
+
+
+def test_the_planned_training_step_refuses_what_train_refuses():
+    """``mt.plan.estimate(training_step(cfg))`` of an MoE config without an expert layer (2 blocks a
+    period, 1 layer) planned a dense LM, labelled MoE; meshtorch train refuses the config."""
+    with pytest.raises(ArgumentError, match="--layers 1 has no MoE layer"):
+        training_step(TrainConfig.of(model="moe", layers=1, experts=4, top_k=2), vocab=16)
+    assert training_step(TrainConfig.of(model="moe", layers=2, experts=4, top_k=2), vocab=16).period == 2
 
 
 def test_plan_holds_the_step_to_the_memory_budget_of_its_run(capsys):
