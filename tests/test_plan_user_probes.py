@@ -140,6 +140,21 @@ def test_the_planned_training_step_refuses_what_train_refuses():
     assert training_step(TrainConfig.of(model="moe", layers=2, experts=4, top_k=2), vocab=16).period == 2
 
 
+@pytest.mark.parametrize("train, search", [
+    (["--mesh", "b:2", "--rules", "auto"], ["--mesh", "b:2", "--search", "--fixed-mesh"]),
+    (["--mesh", "auto:2", "--rules", "auto"], ["--search", "--processors", "2"]),
+])
+def test_a_rules_auto_command_line_plans_the_search_train_runs(capsys, train, search):
+    """`meshtorch train ... --rules auto` with train replaced by plan was refused, advising --search
+    --fixed-mesh, which --mesh auto:N refused in turn (it wants --rules auto)."""
+    picked = []
+    for flags in (train, search):
+        assert main(["plan", *TINY, "--no-pipeline", "--json", *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        picked.append((out["mesh"], out["rules"], out["step_seconds"], len(out["pruned"])))
+    assert picked[0] == picked[1]
+
+
 def test_plan_holds_the_step_to_the_memory_budget_of_its_run(capsys):
     """``meshtorch train --memory-budget`` refuses a step over the budget; ``meshtorch plan`` of the
     same flags said it fits (its capacity was the priced hardware's)."""

@@ -268,8 +268,8 @@ class ParallelismSection:
         """
         if self.auto_rules or self.auto_mesh:
             raise ArgumentError("--rules auto is resolved by meshtorch train when it starts (the planner's "
-                                "search picks the rules for --mesh); here pass explicit rules, or use "
-                                "meshtorch plan --search --fixed-mesh to see what it would pick")
+                                "search picks the rules for --mesh); here pass explicit rules (meshtorch "
+                                "plan with the same flags runs that search and prints what it would pick)")
         return self._current()
 
     def _current(self) -> Parallelism:

@@ -410,6 +410,8 @@ def run(args: argparse.Namespace) -> int:
     if par.pipeline_stages > 1 and args.search:
         raise PlanError("--search tries pipeline stages itself (--no-pipeline leaves them out); "
                         "--pipeline-stages N prices one pipelined layout: drop one of the two")
+    if par.auto_rules:
+        as_rules_auto(args, cfg)
     check_search_flags(args, cfg)
     if not args.search:
         check_config(cfg, vocab)  # meshtorch train's own checks (layout, --compile with pipelines, ...)
@@ -427,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.search:
         step = training_step(cfg, vocab)
         target: int | str = args.mesh if args.mesh and args.fixed_mesh else (
-            args.processors or (par.parsed.mesh.size if args.mesh else 0))
+            args.processors or (Mesh(par.mesh).size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
         # meshtorch train's own checks of the model flags (the search picks the mesh and rules)
@@ -465,6 +467,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def as_rules_auto(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """``meshtorch plan`` of a ``meshtorch train --rules auto`` command line: the search that run
+    makes when it starts (:func:`choose_rules`), priced on ``--hardware``: the rules of ``--mesh``
+    (``--search --fixed-mesh``), or with ``--mesh auto:N`` the meshes of ``N`` processors and, for
+    ``--model lm``, their pipeline splits (``--search --processors N``). It was refused, advising
+    ``--search --fixed-mesh``, which ``--mesh auto:N`` refused in turn."""
+    par = cfg.parallelism
+    if par.pipeline_stages > 1:
+        raise PlanError(f"--rules auto searches the layout of a plain step; --pipeline-stages "
+                        f"{par.pipeline_stages} needs explicit --rules (--search also tries pipeline stages "
+                        "and prints the flags of the best)")
+    if not par.auto_mesh:
+        args.search, args.fixed_mesh, args.mesh = True, True, par.mesh
+        return
+    if par.processors is None:
+        raise PlanError(f"--mesh {par.mesh} takes its processor count from torchrun; here pass --mesh "
+                        "auto:N (e.g. auto:4)")
+    if args.processors and args.processors != par.processors:
+        raise PlanError(f"--processors {args.processors} and --mesh {par.mesh} disagree: drop --processors")
+    args.search, args.processors, args.mesh = True, par.processors, None
+
+
 def check_search_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
     """Refuse the options of ``--search`` without it, and ``--fixed-mesh`` without a mesh to keep or
     with a processor count or meshes of its own, naming the flag and the fix (each was dropped
@@ -487,7 +511,7 @@ def check_search_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
         raise PlanError("--fixed-mesh keeps --mesh and searches its rules, but no --mesh was given: pass "
                         "--mesh (e.g. --mesh b:2,m:2), or drop --fixed-mesh to search the meshes of "
                         "--processors N")
-    size = cfg.parallelism.parsed.mesh.size
+    size = Mesh(mesh).size  # (the rules may be auto: the mesh alone)
     if args.processors and args.processors != size:
         raise PlanError(f"--processors {args.processors} and --fixed-mesh --mesh {mesh} ({size} processors) "
                         "disagree: drop --processors (the fixed mesh's size is searched), or --fixed-mesh to "
