@@ -182,10 +182,16 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         e = price(program, fns, c, whole)
         if e is not None and not e.fits and resharded is not None:
             # memory is tight: free gathered parameters after forward, gather them again for backward
+            # (c is in full where the estimate kept is a whole trace)
+            plain_full = c in full
+            full.discard(c)
             again = price(resharded, shallow_resharded[:2] if shallow_resharded else (resharded,), c, whole,
                           bound=False)
             if again is not None and again.memory_bytes["total"] < e.memory_bytes["total"]:
                 return replace(again, reshard_after_forward=True)
+            full.discard(c)
+            if plain_full:
+                full.add(c)
         return e
 
     def price(prog: Program, depths, c: tuple[str, str], whole: bool, bound: bool = True) -> Estimate | None:
