@@ -204,16 +204,23 @@ def caller_frees() -> Iterator[None]:
     after gloo's worker thread has let go of the call's tensors, so that the caller's thread,
     which the profiler watches, frees them; each call is a window named ``meshtorch_collective``."""
     saved = {n: getattr(dist, n) for n in (*_BLOCKING, *_ASYNC, "batch_isend_irecv")}
+    # P2POp accepts only the op that is distributed_c10d's own isend or irecv (ring attention's
+    # batch_isend_irecv builds them from dist.isend): wrapped there too, the wrappers are those ops
+    c10d = dist.distributed_c10d
+    saved_c10d = {n: getattr(c10d, n) for n in _ASYNC}
     try:
         for n in _BLOCKING:
             setattr(dist, n, _blocking(saved[n]))
         for n in _ASYNC:
             setattr(dist, n, _asynchronous(saved[n]))
+            setattr(c10d, n, getattr(dist, n))
         dist.batch_isend_irecv = _asynchronous(saved["batch_isend_irecv"], many=True)
         yield
     finally:
         for n, fn in saved.items():
             setattr(dist, n, fn)
+        for n, fn in saved_c10d.items():
+            setattr(c10d, n, fn)
 
 
 def step_peaks(setup: Callable[[], Any], step: Callable[[Any], Any], repeats: int = 3) -> list[int]:

@@ -115,6 +115,18 @@ def test_a_device_file_is_planned_with(tmp_path):
     ('{"peak_flops": {"float32": 1}, "memory_bytes": 1, "link": {"bandwidth": 1, "latency": 0}, "tflops": 3}',
      r"unknown field\(s\) \['tflops'\]"),
     ("{not json", "is not JSON"),
+    # a field of the wrong type or sign: it raised ValueError ("invalid literal for int()") or a
+    # spec that divides by zero
+    ('{"peak_flops": {"float32": 1}, "memory_bytes": "lots", "link": {"bandwidth": 1, "latency": 0}}',
+     "memory_bytes must be a positive number, got 'lots'"),
+    ('{"peak_flops": {"float32": 0}, "memory_bytes": 1, "link": {"bandwidth": 1, "latency": 0}}',
+     "peak_flops.float32 must be a positive number, got 0"),
+    ('{"peak_flops": {"float32": 1}, "memory_bytes": 1, "link": {"bandwidth": "fast", "latency": 0}}',
+     "link.bandwidth must be a positive number"),
+    ('{"peak_flops": {"float32": 1}, "memory_bytes": 1, "link": {"bandwidth": 1, "latency": 0}, '
+     '"links": [1]}', "links must map mesh axes to links"),
+    ('{"peak_flops": {"float32": 1}, "memory_bytes": 1, "link": {"bandwidth": 1, "latency": 0}, '
+     '"launch_seconds": -3e-6}', "launch_seconds must be a non-negative number"),
 ])
 def test_device_file_errors_name_the_file_and_field(tmp_path, text, match):
     path = tmp_path / "bad.json"

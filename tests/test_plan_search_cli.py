@@ -130,17 +130,22 @@ def test_plan_device_is_the_deprecated_name_of_hardware(capsys):
 SMALL = TrainConfig.of(d_model=16, heads=4, d_kv=4, d_ff=32, layers=1, batch=8, length=8, experts=4, top_k=2)
 
 
-@pytest.mark.parametrize("model, mesh, optimizer, overlap", [("lm", "b:2,m:2", "adafactor", True),
-                                                             ("moe", "b:2,m:2", "adamw", False)])
-def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model, mesh, optimizer, overlap):
+# the MoE needs 2 layers: under moe_every 2 its first expert layer is block 2 (one layer is a dense LM)
+@pytest.mark.parametrize("model, layers, mesh, optimizer, overlap", [("lm", 1, "b:2,m:2", "adafactor", True),
+                                                                     ("moe", 2, "b:2,m:2", "adamw", False)])
+def test_lower_bounds_hold_for_every_candidate_and_pruning_keeps_the_best(model, layers, mesh, optimizer,
+                                                                          overlap):
     from meshtorch.plan.bounds import REFERENCE_MESH, dims_of, lower_bounds
 
-    cfg = SMALL.replace(model=model, optimizer=optimizer, overlap=overlap)
+    cfg = SMALL.replace(model=model, layers=layers, optimizer=optimizer, overlap=overlap)
     step = training_step(cfg, vocab=32)
     spec = device("tpu-v2")
     ref = trace(step, mesh=REFERENCE_MESH)
+    space = rules_for(mesh, dims_of(ref))
+    # the MoE's space holds its expert layouts (experts on b: Mesh-TF's MoE layout)
+    assert any("experts:" in r for r in space) == (model == "moe")
     everything = []
-    for rules in rules_for(mesh, dims_of(ref)):
+    for rules in space:
         est = mt.plan.estimate(step, mesh, rules, device=spec)
         t, m = lower_bounds(ref, mesh, rules, spec)
         assert 0 < t <= est.step_seconds * (1 + 1e-9), rules

@@ -523,11 +523,20 @@ def save_spec(spec: DeviceSpec, path: str | os.PathLike) -> None:
     write_atomic(path, json.dumps(spec_to_json(spec), indent=1, sort_keys=True).encode())
 
 
+def _number(path: Path, where: str, v: Any, positive: bool = False) -> float:
+    """A device file's number ``where``, or a :class:`PlanError` naming the file and the field."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or (positive and v <= 0):
+        raise PlanError(f"device file {path}: {where} must be a {'positive' if positive else 'non-negative'} "
+                        f"number, got {v!r}")
+    return float(v)
+
+
 def _link(path: Path, where: str, v: Any) -> Link:
     if not isinstance(v, dict) or set(v) != {"bandwidth", "latency"}:
         raise PlanError(f"device file {path}: {where} must be {{\"bandwidth\": bytes/s, \"latency\": s}}, "
                         f"got {v!r}")
-    return Link(float(v["bandwidth"]), float(v["latency"]))
+    return Link(_number(path, f"{where}.bandwidth", v["bandwidth"], positive=True),
+                _number(path, f"{where}.latency", v["latency"]))
 
 
 def load_spec(path: str | os.PathLike) -> DeviceSpec:
@@ -572,14 +581,20 @@ def load_spec(path: str | os.PathLike) -> DeviceSpec:
         raise PlanError(f"device file {path}: peak_flops must map dtypes to FLOP/s and include "
                         f"\"float32\", got {flops!r}")
     links = d.get("links", {})
-    return DeviceSpec(str(d.get("name", path.stem)), {str(k): float(v) for k, v in flops.items()},
-                      int(d["memory_bytes"]), float(d.get("memory_bandwidth", 0.0)),
-                      _link(path, "link", d["link"]), float(d.get("achievable", 0.5)),
+    if not isinstance(links, dict):
+        raise PlanError(f"device file {path}: links must map mesh axes to links, got {links!r}")
+
+    def num(field: str, default: float, positive: bool = False) -> float:
+        return _number(path, field, d.get(field, default), positive)
+
+    return DeviceSpec(str(d.get("name", path.stem)),
+                      {str(k): _number(path, f"peak_flops.{k}", v, positive=True) for k, v in flops.items()},
+                      int(num("memory_bytes", 0, positive=True)), num("memory_bandwidth", 0.0),
+                      _link(path, "link", d["link"]), num("achievable", 0.5, positive=True),
                       {str(a): _link(path, f"links.{a}", v) for a, v in links.items()},
-                      float(d.get("op_seconds", 0.0)),
-                      **{k: float(d.get(k, 0.0)) for k in KERNEL_FIELDS},
-                      memory_margin=float(d.get("memory_margin", 0.0)),
-                      context_bytes=int(d.get("context_bytes", 0)))
+                      num("op_seconds", 0.0),
+                      **{k: num(k, 0.0) for k in KERNEL_FIELDS},
+                      memory_margin=num("memory_margin", 0.0), context_bytes=int(num("context_bytes", 0)))
 
 
 def cpu(processors: int = 1) -> DeviceSpec:

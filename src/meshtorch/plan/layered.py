@@ -225,6 +225,68 @@ def _deep_count(prefix: list, period: list, suffix: list, copies: int, caps: tup
     return rule.calls()
 
 
+#: The deepest shallow trace :func:`settled_depth` moves the extrapolation to (beyond it, the
+#: shallowest depths are kept, and an overlapped step's peak is approximate: tracing that deep
+#: costs what tracing the step does)
+MAX_SETTLED_LAYERS = 32
+
+
+def _regime(caps: tuple, key: tuple, total: int) -> str:
+    """Which bound caps a bucket of ``key`` (:meth:`Cut.cap`) when its kind holds ``total`` bytes:
+    ``bucket_mb``/``gather_mb`` (``"top"``), :data:`FIRST_BUCKET` (``"first"``), or a share of the
+    total (``"share"``: the bucket grows with the model)."""
+    bucket, gather, first, share, gather_share = caps
+    top, part = (bucket, total // share) if key[0] == "all_reduce" else (gather, total // gather_share)
+    cap = min(top, max(first, part))
+    return "top" if cap == top else "first" if cap == first else "share"
+
+
+def settled_depth(t1: Trace, t2: Trace, depth: int, period: int, layers: int) -> int:
+    """The shallowest depth, ``depth`` plus whole periods, at which every bucket of the step's
+    (``mt.overlap``'s gradient buckets and grouped gathers: :attr:`Trace.cuts`) is capped by the
+    bound that caps the ``layers``-deep step's (:func:`_regime`), given ``t1`` and ``t2`` traced at
+    ``depth`` and one period deeper; ``depth`` for a step that cuts none.
+
+    A bucket's cap is a share of its kind's bytes between a floor and a ceiling, so a shallow
+    step's buckets may grow with depth where the deep step's are at the ceiling: its peak (the
+    buckets in flight) then grows faster by depth than the deep step's, and a line through two
+    shallow peaks misses the deep one (a 12-layer FSDP LM's by 41%). Traced where the caps
+    are the deep step's, one period adds what it adds to the deep step.
+
+    Example (gathers of a third of the gathered bytes, at least 1 MB and at most 4 MB: a period of
+    3 MB reaches the 4 MB of a 12-period step at 4 periods; one of 12 MB at once):
+        >>> from meshtorch.plan.layered import settled_depth
+        >>> from meshtorch.plan.tracing import Trace
+        >>> key, mb = ("all_gather", ("b",), None, None), 2**20
+        >>> caps = (25 * mb, 4 * mb, mb, 4, 3)
+        >>> def at(periods, size):
+        ...     items = [(key, size, False)] * periods
+        ...     return Trace(mesh="b:4", rules="", backend="meta", cuts=[(items, caps)])
+        >>> [settled_depth(at(1, size), at(2, size), 1, 1, 12) for size in (3 * mb, 12 * mb)]
+        [4, 1]
+    """
+    if len(t1.cuts) != len(t2.cuts):
+        return depth
+    last = (layers - depth) // period  # the deep step, in periods past depth
+    need = 0
+    for (items1, _), (items2, caps) in zip(t1.cuts, t2.cuts):
+        totals1, totals2 = _totals(items1), _totals(items2)
+        for key in totals1.keys() | totals2.keys():
+            a, step = totals1.get(key, 0), totals2.get(key, 0) - totals1.get(key, 0)
+            if step < 0:
+                return depth
+            deep = _regime(caps, key, a + last * step)
+            lo, hi = 0, last  # the regimes rise with the bytes: the first period in the deep one's
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _regime(caps, key, a + mid * step) == deep:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            need = max(need, lo)
+    return depth + need * period
+
+
 def _lean(t: Trace) -> Trace:
     """``t`` without its op lists (kept only to price its overlap)."""
     return replace(t, ops=[], flop_ops=[], aten_names=[], param_shapes=[])
@@ -299,16 +361,37 @@ def layered_trace(step_fn: Callable[[], Any] | Program, mesh: str, rules: str,
         >>> layered_trace(step, "b:2", "batch:b").parameters == mt.plan.trace(step, mesh="b:2").parameters
         True
     """
-    shallow = shallow_programs(program_of(step_fn))
-    if shallow is None:
-        return trace(step_fn, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device,
+    program = program_of(step_fn)
+    shallow = shallow_programs(program)
+
+    def traced(f: Callable[[], Any]) -> Trace:
+        return trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device,
                      compiled=compiled)
-    t1, t2 = (trace(f, mesh=mesh, rules=rules, backend="meta", staging=staging, device=device,
-                    compiled=compiled)
-              for f in shallow[:2])
-    return extrapolate(t1, t2, shallow[2])
+
+    if shallow is None:
+        return traced(step_fn)
+    t1, t2 = (traced(f) for f in shallow[:2])
+    return settled_extrapolation(program, t1, t2, shallow[2], traced)
 
 
-__all__ = ["MAX_CUT_PERIODS", "MAX_TRACED_LAYERS", "bucket_calls", "check_pipelined_depth",
-           "deep_bucket_calls", "extrapolate", "layered_trace", "lin",
-           "shallow_depths", "shallow_programs", "whole_trace"]
+def settled_extrapolation(program: Program, t1: Trace, t2: Trace, periods: int,
+                          traced: Callable[[Program], Trace]) -> Trace:
+    """``program``'s trace from ``t1`` and ``t2``, its shallow copies ``periods`` and ``periods - 1``
+    periods shallower (:func:`shallow_programs`), traced by ``traced``: extrapolated from them, or
+    where their buckets are not capped as the deep step's are (:func:`settled_depth`), from two
+    traced where they are (up to :data:`MAX_SETTLED_LAYERS` layers), or the whole step where that is
+    as deep."""
+    p, layers = program.period, program.layers
+    depth = layers - periods * p
+    settled = settled_depth(t1, t2, depth, p, layers)
+    if settled + p >= layers and layers <= MAX_SETTLED_LAYERS:
+        return traced(program)
+    if settled == depth or settled + p > min(layers - 1, MAX_SETTLED_LAYERS):
+        return extrapolate(t1, t2, periods)
+    t1, t2 = traced(program.with_layers(settled)), traced(program.with_layers(settled + p))
+    return extrapolate(t1, t2, (layers - settled) // p)
+
+
+__all__ = ["MAX_CUT_PERIODS", "MAX_SETTLED_LAYERS", "MAX_TRACED_LAYERS", "bucket_calls",
+           "check_pipelined_depth", "deep_bucket_calls", "extrapolate", "layered_trace", "lin",
+           "settled_depth", "settled_extrapolation", "shallow_depths", "shallow_programs", "whole_trace"]

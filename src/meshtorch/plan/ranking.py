@@ -40,8 +40,8 @@ class Pruned:
     def reason(self) -> str:
         if self.by == "memory":
             return f"pruned: parameter bytes alone >= {_fmt_bytes(self.memory_bytes)} do not fit"
-        return (f"pruned: step time >= {self.seconds * 1e3:.2f} ms (lower bound) >= best "
-                f"{self.best * 1e3:.2f} ms")
+        return (f"pruned: step time >= {_fmt_ms(self.seconds)} ms (lower bound) >= best "
+                f"{_fmt_ms(self.best)} ms")
 
     def to_json(self) -> dict[str, Any]:
         return {"mesh": self.mesh, "rules": self.rules, "pipeline": self.pipeline, "pruned": self.by,
@@ -85,12 +85,15 @@ class SearchResult:
 
     def ranking(self) -> list[Estimate | Pruned]:
         """Traced and pruned candidates in one ranking: fitting ones by step time (a pruned
-        one by its bound), then those that do not fit by memory."""
+        one by its bound), then those traced that do not fit by memory, then those whose
+        parameters alone do not fit by that bound (a bound below a traced candidate's memory
+        does not make them smaller: ranked among them, one came before the best of a search where
+        nothing fits)."""
 
         def key(c: Estimate | Pruned) -> tuple:
             if isinstance(c, Pruned):
-                return (c.by == "memory", c.seconds if c.by == "time" else c.memory_bytes, 1)
-            return (*rank_key(c), 0)
+                return (2, c.memory_bytes, 1) if c.by == "memory" else (0, c.seconds, 1)
+            return (int(not c.fits), rank_key(c)[1], 0)
 
         return sorted([*self.candidates, *self.pruned_candidates], key=key)
 
@@ -111,13 +114,18 @@ class SearchResult:
             return (f"fits memory ({_fmt_bytes(c.memory_bytes['total'])} of "
                     f"{_fmt_bytes(c.memory_capacity)}); fastest, {c.reason()}")
         slower = (c.step_seconds / best.step_seconds - 1) * 100 if best.step_seconds else 0.0
-        mine = {"compute": c.compute_seconds, **c.comm_seconds}
-        theirs = {"compute": best.compute_seconds, **best.comm_seconds}
-        part, extra = max(((k, mine.get(k, 0.0) - theirs.get(k, 0.0)) for k in {*mine, *theirs}),
-                          key=lambda kv: (kv[1], kv[0]))
-        out = f"{slower:.0f}% slower than #1"
-        if extra > 0:
-            out += f": more {part} (+{extra * 1e3:.2f} ms)"
+        if c.step_seconds <= best.step_seconds * (1 + 1e-9):
+            # (the same costs under other names, e.g. all_reduce@b on b:8 and all_reduce@b,m on
+            # b:2,m:4: "0% slower than #1: more all_reduce@b,m (+0.53 ms)" said otherwise)
+            out = "as fast as #1 (a tie; ranked after it)"
+        else:
+            mine = {"compute": c.compute_seconds, **c.comm_seconds}
+            theirs = {"compute": best.compute_seconds, **best.comm_seconds}
+            part, extra = max(((k, mine.get(k, 0.0) - theirs.get(k, 0.0)) for k in {*mine, *theirs}),
+                              key=lambda kv: (kv[1], kv[0]))
+            out = f"{slower:.1f}% slower than #1" if slower < 1 else f"{slower:.0f}% slower than #1"
+            if extra > 0:
+                out += f": more {part} (+{_fmt_ms(extra)} ms)"
         less = best.memory_bytes["total"] - c.memory_bytes["total"]
         if less > 0:
             out += f"; {_fmt_bytes(less)} less memory"
@@ -132,15 +140,16 @@ class SearchResult:
     def table(self, top: int = 10) -> str:
         """The ``top`` candidates of :meth:`ranking` with the reason for each (:meth:`why`);
         pruned ones show their lower bounds (``>=``)."""
-        rows = [f"{'#':>3}  {'mesh':<14}{'rules':<48}{'step ms':>10}{'memory':>12}  fits  why"]
+        # each column after a space: a value wider than its column (long rules, a bound's ">=")
+        # pushes the rest right instead of running into its neighbour
+        rows = [f"{'#':>3}  {'mesh':<13} {'rules':<47} {'step ms':>9} {'memory':>12}  fits  why"]
         for i, c in enumerate(self.ranking()[:top], 1):
             if isinstance(c, Pruned):
-                rows.append(f"{i:>3}  {c.mesh:<14}{_what(c):<48}"
-                            f"{'>=' + format(c.seconds * 1e3, '.2f'):>10}"
+                rows.append(f"{i:>3}  {c.mesh:<13} {_what(c):<47} {'>=' + _fmt_ms(c.seconds):>9} "
                             f"{'>=' + _fmt_bytes(c.memory_bytes):>12}  "
                             f"{'NO ' if c.by == 'memory' else '?':<4}  {c.reason()}")
                 continue
-            rows.append(f"{i:>3}  {c.mesh:<14}{_what(c):<48}{c.step_seconds * 1e3:>10.2f}"
+            rows.append(f"{i:>3}  {c.mesh:<13} {_what(c):<47} {_fmt_ms(c.step_seconds):>9} "
                         f"{_fmt_bytes(c.memory_bytes['total']):>12}  {'yes' if c.fits else 'NO ':<4}  "
                         f"{self.why(c)}")
         n = self.pruned
@@ -172,10 +181,22 @@ class SearchResult:
             return (f"{what}; fits memory where {other} does not ({_fmt_bytes(rival.memory_bytes['total'])} "
                     f"> {_fmt_bytes(rival.memory_capacity)})")
         return (f"{what}; {rival.step_seconds / best.step_seconds:.2f}x faster than {other} "
-                f"(--mesh {rival.mesh} --rules \"{rival.rules}\": {rival.step_seconds * 1e3:.2f} ms)")
+                f"(--mesh {rival.mesh} --rules \"{rival.rules}\": {_fmt_ms(rival.step_seconds)} ms)")
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _fmt_ms(seconds: float) -> str:
+    """Milliseconds to two decimals, or to three significant digits below 0.1 ms (a small model's
+    steps, which two decimals would all show as 0.01).
+
+    Example:
+        >>> _fmt_ms(1.5e-3), _fmt_ms(1.234e-5), _fmt_ms(0.0)
+        ('1.50', '0.0123', '0.00')
+    """
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if 0 < abs(ms) < 0.1 else f"{ms:.2f}"
 
 
 def _what(c: Estimate | Pruned) -> str:

@@ -67,8 +67,8 @@ from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.layered import (
     MAX_TRACED_LAYERS,
     check_pipelined_depth,
-    extrapolate,
     lin,
+    settled_extrapolation,
     shallow_programs,
 )
 from meshtorch.plan.pipeline import estimate_pipeline, microbatch_work, program_pipeline
@@ -182,10 +182,16 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         e = price(program, fns, c, whole)
         if e is not None and not e.fits and resharded is not None:
             # memory is tight: free gathered parameters after forward, gather them again for backward
+            # (c is in full where the estimate kept is a whole trace)
+            plain_full = c in full
+            full.discard(c)
             again = price(resharded, shallow_resharded[:2] if shallow_resharded else (resharded,), c, whole,
                           bound=False)
             if again is not None and again.memory_bytes["total"] < e.memory_bytes["total"]:
                 return replace(again, reshard_after_forward=True)
+            full.discard(c)
+            if plain_full:
+                full.add(c)
         return e
 
     def price(prog: Program, depths, c: tuple[str, str], whole: bool, bound: bool = True) -> Estimate | None:
@@ -208,7 +214,15 @@ def search(step_fn: Callable[[], Any] | Program, processors: int | str | Mesh,
         if not whole and bound and loses(c, e1.step_seconds + periods * lb[c][2]):
             return None
         t2 = traced(depths[1], c)
-        return from_trace(extrapolate(t1, t2, periods), c[0], spec, algorithm)
+        # where the shallow steps' buckets are not capped as the deep one's, deeper ones are traced
+        # (or the whole step, which is then this candidate's full trace)
+
+        def deeper(f: Program) -> Trace:
+            if f is prog:
+                full.add(c)
+            return traced(f, c)
+
+        return from_trace(settled_extrapolation(prog, t1, t2, periods, deeper), c[0], spec, algorithm)
 
     def best_time() -> float:
         return min((e.step_seconds for e in done.values() if e.fits), default=math.inf)

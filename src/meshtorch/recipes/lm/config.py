@@ -268,8 +268,8 @@ class ParallelismSection:
         """
         if self.auto_rules or self.auto_mesh:
             raise ArgumentError("--rules auto is resolved by meshtorch train when it starts (the planner's "
-                                "search picks the rules for --mesh); here pass explicit rules, or use "
-                                "meshtorch plan --search --fixed-mesh to see what it would pick")
+                                "search picks the rules for --mesh); here pass explicit rules (meshtorch "
+                                "plan with the same flags runs that search and prints what it would pick)")
         return self._current()
 
     def _current(self) -> Parallelism:
@@ -567,6 +567,13 @@ def check_model_flags(cfg: TrainConfig) -> None:
     """
     if cfg.model.name == "moe" and cfg.model.experts < cfg.model.top_k:
         raise MeshTorchError(f"--experts {cfg.model.experts} must be >= --top-k {cfg.model.top_k}")
+    heads, kv = cfg.model.heads, cfg.model.kv_heads
+    if kv and heads % kv:
+        small = [d for d in range(1, math.isqrt(heads) + 1) if heads % d == 0]
+        divisors = ", ".join(str(d) for d in sorted({*small, *(heads // d for d in small)}))
+        raise ArgumentError(f"--kv-heads {kv} must divide --heads {heads} (each key/value head serves "
+                            f"--heads / --kv-heads query heads): pass one of {divisors}, or --kv-heads 0 "
+                            "for plain multi-head attention")
     pad = ByteTokenizer.pad
     if cfg.model.name == "seq2seq" and cfg.model.padding_id not in (-1, pad):
         # EncoderDecoder masks out the source padding id, which is its padding_id when set

@@ -33,7 +33,7 @@ from typing import Any
 from meshtorch.errors import PlanError
 from meshtorch.files import save_figure
 from meshtorch.mesh import Mesh
-from meshtorch.plan.devices import calibrate, calibration_path, save_spec
+from meshtorch.plan.devices import DeviceSpec, calibrate, calibration_path, save_spec
 from meshtorch.plan.estimate import Estimate, from_trace
 from meshtorch.plan.gpu_calibration import device_name, gpu_calibration_path, measure_gpu
 from meshtorch.plan.gpus import FALLBACK_LINK, GPUS, assumed, gpu_kind, not_known
@@ -59,6 +59,9 @@ def config_of(args: argparse.Namespace) -> tuple[TrainConfig, int]:
     from meshtorch.recipes.lm.flags import config_from_args
     from meshtorch.recipes.lm.pretrained import planned_vocab, with_pretrained_model
 
+    if args.vocab is not None and args.vocab < 1:
+        raise PlanError(f"--vocab {args.vocab}: the model needs at least one token id; pass --vocab N >= 1, "
+                        "or drop it for the vocabulary meshtorch train's tokenizer would have")
     cfg = with_pretrained_model(config_from_args(args))
     vocab = planned_vocab(cfg)
     if args.vocab is not None and cfg.run.init_from and args.vocab != vocab:
@@ -189,6 +192,32 @@ def assumed_note(hardware: str) -> str | None:
     return f"meshtorch plan: {kind.spec} is priced at its data sheet's rates with {assumed(kind)}"
 
 
+def budgeted(hardware: str | DeviceSpec, cfg: TrainConfig, processors: int) -> str | DeviceSpec:
+    """``hardware`` (a name, a device file or a spec, priced for ``processors`` processors) with the
+    memory ``--memory-budget`` gives a processor, where ``cfg`` states one: the limit ``meshtorch
+    train``'s memory check holds the run to (:func:`meshtorch.recipes.lm.fit.check_memory`; on a GPU
+    the allocator's peak with its margin and the CUDA context must fit it, as the spec's
+    ``usable_memory`` says), so that a plan's ``fits`` and a search's layouts are the run's.
+
+    Example:
+        >>> spec = budgeted("tpu-v2", TrainConfig.of(memory_budget=2.0), 4)
+        >>> spec.memory_bytes / 2 ** 30, spec.name
+        (2.0, 'tpu-v2 (--memory-budget 2 GiB)')
+        >>> budgeted("tpu-v2", TrainConfig.of(), 4)
+        'tpu-v2'
+    """
+    import dataclasses
+
+    from meshtorch.plan.devices import device
+
+    budget = cfg.run.memory_budget
+    if budget <= 0:
+        return hardware
+    spec = device(hardware, processors=processors)
+    return dataclasses.replace(spec, memory_bytes=int(budget * 2 ** 30),
+                               name=f"{spec.name} (--memory-budget {budget:g} GiB)")
+
+
 def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainConfig, dict[str, Any] | None]:
     """``meshtorch train --rules auto``: the planner's search (:func:`meshtorch.plan.search`) over the
     layout rules of ``--mesh`` for the trainer's own step (:func:`training_step`, over ``vocab`` ids)
@@ -236,8 +265,10 @@ def choose_rules(cfg: TrainConfig, vocab: int, processes: int) -> tuple[TrainCon
     # trainer can pipeline the run (the LM, eager); a run that compiles is priced compiled: the
     # layout that wins may differ from the eager step's
     pipelined = par.auto_mesh and cfg.model.name == "lm" and not cfg.run.compile
-    res = search(training_step(cfg, vocab), target, device=hardware, pipeline=pipelined, staging=staging,
-                 compiled=cfg.run.compile)
+    # a --memory-budget is the limit the run's memory check holds it to: the layouts that fit are those
+    n = target if isinstance(target, int) else Mesh(target).size
+    res = search(training_step(cfg, vocab), target, device=budgeted(hardware, cfg, n), pipeline=pipelined,
+                 staging=staging, compiled=cfg.run.compile)
     ranked = res.ranking()
     best = res.best
 
@@ -379,6 +410,9 @@ def run(args: argparse.Namespace) -> int:
     if par.pipeline_stages > 1 and args.search:
         raise PlanError("--search tries pipeline stages itself (--no-pipeline leaves them out); "
                         "--pipeline-stages N prices one pipelined layout: drop one of the two")
+    if par.auto_rules:
+        as_rules_auto(args, cfg)
+    check_search_flags(args, cfg)
     if not args.search:
         check_config(cfg, vocab)  # meshtorch train's own checks (layout, --compile with pipelines, ...)
     if par.pipeline_stages > 1:
@@ -386,7 +420,8 @@ def run(args: argparse.Namespace) -> int:
             raise PlanError(f"--pipeline-stages plans --model lm (the model meshtorch train pipelines); "
                             f"got --model {cfg.model.name!r}")
         est = estimate_pipeline(pipelined_training_step(cfg, vocab), par.parsed.mesh, par.parsed.rules,
-                                device=args.hardware, algorithm=args.algorithm, staging=staging)
+                                device=budgeted(args.hardware, cfg, par.parsed.mesh.size),
+                                algorithm=args.algorithm, staging=staging)
         ests: list[Estimate] = [est]
         out = est.to_json()
         if not args.json:
@@ -394,11 +429,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.search:
         step = training_step(cfg, vocab)
         target: int | str = args.mesh if args.mesh and args.fixed_mesh else (
-            args.processors or (par.parsed.mesh.size if args.mesh else 0))
+            args.processors or (Mesh(par.mesh).size if args.mesh else 0))
         if not target:
             raise PlanError("--search needs --processors N (or --mesh, whose size is used)")
-        res = search(step, target, device=args.hardware, algorithm=args.algorithm, pipeline=args.pipeline,
-                     staging=staging, axes=args.axes, compiled=compiled)
+        # meshtorch train's own checks of the model flags (the search picks the mesh and rules)
+        check_config(cfg.replace(mesh=target if isinstance(target, str) else "", rules=""), vocab)
+        n = target if isinstance(target, int) else Mesh(target).size
+        res = search(step, target, device=budgeted(args.hardware, cfg, n), algorithm=args.algorithm,
+                     pipeline=args.pipeline is not False, staging=staging, axes=args.axes or 2,
+                     compiled=compiled)
         if not args.json:
             print(res.table(args.top))
         ests = res.candidates
@@ -409,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         from meshtorch.plan.devices import device as get_device
 
         mesh, rules = par.parsed.mesh, par.parsed.rules
-        spec = get_device(args.hardware, processors=mesh.size)
+        spec = get_device(budgeted(args.hardware, cfg, mesh.size), processors=mesh.size)
         t = traced(training_step(cfg, vocab), mesh, rules, staging, compiled=compiled, layered=args.layered,
                    device=spec.device_type)
         est = from_trace(t, mesh, spec, args.algorithm)
@@ -426,6 +465,61 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, sort_keys=True))
     return 0
+
+
+def as_rules_auto(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """``meshtorch plan`` of a ``meshtorch train --rules auto`` command line: the search that run
+    makes when it starts (:func:`choose_rules`), priced on ``--hardware``: the rules of ``--mesh``
+    (``--search --fixed-mesh``), or with ``--mesh auto:N`` the meshes of ``N`` processors and, for
+    ``--model lm``, their pipeline splits (``--search --processors N``). It was refused, advising
+    ``--search --fixed-mesh``, which ``--mesh auto:N`` refused in turn."""
+    par = cfg.parallelism
+    if par.pipeline_stages > 1:
+        raise PlanError(f"--rules auto searches the layout of a plain step; --pipeline-stages "
+                        f"{par.pipeline_stages} needs explicit --rules (--search also tries pipeline stages "
+                        "and prints the flags of the best)")
+    if not par.auto_mesh:
+        args.search, args.fixed_mesh, args.mesh = True, True, par.mesh
+        return
+    if par.processors is None:
+        raise PlanError(f"--mesh {par.mesh} takes its processor count from torchrun; here pass --mesh "
+                        "auto:N (e.g. auto:4)")
+    if args.processors and args.processors != par.processors:
+        raise PlanError(f"--processors {args.processors} and --mesh {par.mesh} disagree: drop --processors")
+    args.search, args.processors, args.mesh = True, par.processors, None
+
+
+def check_search_flags(args: argparse.Namespace, cfg: TrainConfig) -> None:
+    """Refuse the options of ``--search`` without it, and ``--fixed-mesh`` without a mesh to keep or
+    with a processor count or meshes of its own, naming the flag and the fix (each was dropped
+    unsaid: ``meshtorch plan --processors 4`` planned ``--mesh b:2``)."""
+    mesh = cfg.parallelism.mesh
+    if not args.search:
+        if args.processors:
+            raise PlanError(f"--processors {args.processors} is the processor count --search lays out; "
+                            f"without --search the plan is of --mesh {mesh}: add --search, or pass a "
+                            f"--mesh of {args.processors} processors (e.g. --mesh b:{args.processors})")
+        for flag, given in (("--fixed-mesh", args.fixed_mesh), (f"--axes {args.axes}", args.axes is not None),
+                            ("--pipeline" if args.pipeline else "--no-pipeline", args.pipeline is not None)):
+            if given:
+                raise PlanError(f"{flag} is an option of --search; without it the plan is of --mesh {mesh} "
+                                f"--rules {cfg.parallelism.rules!r}: add --search, or drop {flag.split()[0]}")
+        return
+    if not args.fixed_mesh:
+        return
+    if not args.mesh:
+        raise PlanError("--fixed-mesh keeps --mesh and searches its rules, but no --mesh was given: pass "
+                        "--mesh (e.g. --mesh b:2,m:2), or drop --fixed-mesh to search the meshes of "
+                        "--processors N")
+    size = Mesh(mesh).size  # (the rules may be auto: the mesh alone)
+    if args.processors and args.processors != size:
+        raise PlanError(f"--processors {args.processors} and --fixed-mesh --mesh {mesh} ({size} processors) "
+                        "disagree: drop --processors (the fixed mesh's size is searched), or --fixed-mesh to "
+                        f"search the meshes of {args.processors} processors")
+    for flag, given in ((f"--axes {args.axes}", args.axes is not None), ("--pipeline", bool(args.pipeline))):
+        if given:
+            raise PlanError(f"{flag} chooses the meshes --search tries, but --fixed-mesh keeps --mesh "
+                            f"{mesh}: drop {flag.split()[0]} or --fixed-mesh")
 
 
 def _link_source(name: str, gpus: int) -> str:
@@ -493,17 +587,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "<cache>/<gpu name>.json, which meshtorch train --rules auto uses on that GPU)")
     g.add_argument("--algorithm", choices=("ring", "tree"), default="ring")
     g.add_argument("--layered", action=argparse.BooleanOptionalAction, default=True,
-                   help="trace two shallow copies of a deep model and extrapolate (parameters, FLOPs, bytes, "
-                   "kernels and memory as the full trace's; what --search does); --no-layered traces "
-                   "every layer")
+                   help="trace two shallow copies of a deep model and extrapolate (parameters, FLOPs, bytes "
+                   "and kernels as the full trace's, the peak too without overlap, within 10%% with it; "
+                   "what --search does); --no-layered traces every layer")
     g.add_argument("--processors", type=int, default=0, help="with --search: the processors to lay out")
     g.add_argument("--top", type=int, default=10, help="with --search: candidates shown")
     g.add_argument("--search", action="store_true", help="search meshes and rules for the fastest that fits")
-    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=True,
+    # (None: not given, so that a search option given without --search is refused, not dropped)
+    g.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="with --search: also try pipeline stages (2, 4, ...) x the layouts of the "
-                   "processors left x micro-batch counts (--model lm)")
-    g.add_argument("--axes", type=int, choices=(1, 2, 3), default=2,
-                   help="with --search: meshes of up to this many axes (3 adds b:x,m:y,x:z)")
+                   "processors left x micro-batch counts (--model lm; the default)")
+    g.add_argument("--axes", type=int, choices=(1, 2, 3), default=None,
+                   help="with --search: meshes of up to this many axes (3 adds b:x,m:y,x:z; default 2)")
     g.add_argument("--fixed-mesh", action="store_true", help="with --search: keep --mesh, search rules only")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     g.add_argument("--png", default=None, help="write time and memory per candidate to this PNG")

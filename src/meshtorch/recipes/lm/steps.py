@@ -34,7 +34,7 @@ import torch
 
 from meshtorch.plan.program import Pipelining, SpaceDims, measured_run
 from meshtorch.plan.tracing import measure
-from meshtorch.recipes.lm.config import TrainConfig
+from meshtorch.recipes.lm.config import TrainConfig, check_model_flags
 from meshtorch.recipes.lm.optimizer import make_optimizer, optimizer_step
 from meshtorch.recipes.lm.strategies import TrainStep, overlaps, pipelining, precision_context, strategy_for
 
@@ -117,6 +117,9 @@ class TrainingProgram:
 
     def __init__(self, cfg: TrainConfig, vocab: int, *, update: bool = True, pipelined: bool = False,
                  probe: bool = False) -> None:
+        # the model flags meshtorch train refuses (an MoE without an expert layer was planned as a
+        # dense LM, its search's space without experts)
+        check_model_flags(cfg)
         # --compile runs the same ops and collectives (a meta trace of the compiled step counts the
         # eager one's, and compiling it on meta costs ~15 s even for a tiny model): trace it eagerly
         # a compiled run does not overlap (strategies.overlapped): neither does its eager trace
