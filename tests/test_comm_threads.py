@@ -135,7 +135,7 @@ def test_check_mode_catches_from_global_of_different_tensors():
     def prog():
         return mt.from_global(torch.randn(4, 4), "a:4,b:4", name="x").to_global()  # unseeded: differs
 
-    with pytest.raises(ProcessorError, match="tensor x of shape \\[a:4,b:4\\] differs between processors"):
+    with pytest.raises(ProcessorError, match="tensor 'x' of shape \\[a:4,b:4\\] differs between processors"):
         mt.launch(prog, mesh="b:2", check=True)
 
     def seeded():

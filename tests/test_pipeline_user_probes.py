@@ -288,15 +288,7 @@ def test_a_placed_plain_module_runs_on_thread_processors(monkeypatch):
     model = torch.nn.Sequential(*layers)
     data = [(torch.randn(8, 6, generator=g, dtype=torch.float64),
              torch.randn(8, 2, generator=g, dtype=torch.float64)) for _ in range(2)]
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    want = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.mse_loss(ref(x), y)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want, state = _dense_sgd(model, data)
     placement = place(trace(torch.fx.symbolic_trace(model), data[0][0], spec=DeviceSpec(link_bandwidth=1e18)),
                       Problem(devices=3))
     assert len(placement.stages) == 3
@@ -309,7 +301,7 @@ def test_a_placed_plain_module_runs_on_thread_processors(monkeypatch):
     monkeypatch.setattr(torch.fx.Tracer, "call_module", slow)
     for losses in mt.launch(_placed, model, placement, data, mesh="stage:3"):
         assert losses == pytest.approx(want, rel=1e-12)
-    for name, t in ref.state_dict().items():
+    for name, t in state.items():
         torch.testing.assert_close(model.state_dict()[name], t, rtol=1e-10, atol=1e-12)
     with pytest.raises(ProcessorError, match=r"the placement has 3 stages but axis 'stage' has 2 processors "
                                              r"\(the placer uses fewer stages .*use a mesh with 'stage:3'"):
