@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 import weakref
@@ -167,6 +168,24 @@ class Trace:
         return "\n".join(lines)
 
 
+
+def _optimizer_count(t: torch.Tensor) -> bool:
+    """Whether ``.item()`` of ``t`` is a torch optimizer reading its step count on the meta backend:
+    torch 2.11's optimizers make the count with ``torch.tensor(0.0)``, which the meta backend's
+    default device puts on ``meta`` (torch 2.13 makes it on the CPU), and then read it. Its value
+    only sets the update's size, which a trace never computes: 1 stands in. Any other ``.item()``
+    of a meta tensor still raises, as the values it would branch on are unknown."""
+    if t.device.type != "meta" or t.dim() != 0:
+        return False
+    frame = sys._getframe(2)
+    for _ in range(8):  # (the optimizer's frame is a few above: _get_value, its caller)
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.optim."):
+            return True
+        frame = frame.f_back
+    return False
+
 class Tracer(TorchDispatchMode):
     """Dispatch mode recording FLOPs and storage lifetimes of one processor's ops; the
     processor's tracer (:class:`meshtorch.context.ProcessorTracer`) while it traces."""
@@ -266,6 +285,8 @@ class Tracer(TorchDispatchMode):
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and _optimizer_count(args[0]):
+            return 1.0 if args[0].is_floating_point() else 1
         out = run_op(func, args, kwargs)
         if self._paused:
             return out
