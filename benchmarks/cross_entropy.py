@@ -10,14 +10,15 @@ measures a core):
   are bf16; a split vocabulary could not give that loss);
 - ``formula``: ``-log_softmax(x, dtype=float32).gather(y)`` (meshtorch's fused path before
   ``cross_entropy_rows``): autograd keeps the float32 [rows, vocab] log-probabilities;
-- ``rows``: :func:`meshtorch.ops.cross_entropy_rows.cross_entropy_rows`, float32 precision, chunked
-  float32 temporaries, the logits kept for the backward;
+- ``rows``: :func:`meshtorch.ops.cross_entropy_rows.cross_entropy_rows`, float32 precision, the
+  logits kept for the backward; on the CPU in chunks of float32 rows, on CUDA the rows whole in two
+  kernels ``torch.compile`` generates (``chunk_bytes`` 0);
 - ``rows fp32`` / ``formula fp32``: the same two on float32 logits (meshtorch keeps fp32 logits on
   the formula unless rows is as fast there);
-- with ``--chunk-mib 1 4 16 256``: ``rows`` in chunks of other sizes (``chunk_bytes``; ``rows`` has
-  the device's default, ``CHUNK_BYTES``: on the CPU 2 MiB, in the caches, measured at a few shapes;
-  on CUDA 256 MiB, not measured yet: there a chunk's float32 may stay in L2, and a chunk's rows are
-  its softmax kernels' blocks);
+- with ``--chunk-mib 0 1 4 16 256``: ``rows`` in chunks of other sizes (``chunk_bytes``; 0: the
+  generated kernels; ``rows`` has the device's default, ``CHUNK_BYTES``: on the CPU 2 MiB, in the
+  caches, measured at a few shapes; on CUDA 0: on an H100 chunks of 16 to 1024 MiB took 9.1-11.3 ms
+  where plain PyTorch took 4.6);
 - with ``--compile``: ``plain``, ``formula`` and ``rows`` under ``torch.compile`` (inductor).
 
 Prints, for each: milliseconds per forward + backward (median of ``--repeat``), the peak memory
@@ -144,7 +145,8 @@ def main() -> None:
     x16 = x32.bfloat16()
     y = torch.randint(0, v, (n,), device=device, generator=g)
     variants = [("plain (autocast)", plain, x16), ("formula", formula, x16), ("rows", rows, x16)]
-    variants += [(f"rows, {mib:g} MiB chunks", rows_in(mib), x16) for mib in args.chunk_mib]
+    variants += [(f"rows, {mib:g} MiB chunks" if mib else "rows, kernels (0)", rows_in(mib), x16)
+                 for mib in args.chunk_mib]
     if not args.no_fp32:
         variants += [("formula fp32", formula, x32), ("rows fp32", rows, x32)]
     if args.compile:
@@ -168,7 +170,8 @@ def main() -> None:
     logit_bytes = x16.numel() * x16.element_size()
     header = (f"{device}, torch {torch.__version__}, logits [{n}, {v}] ({logit_bytes / 2**20:.0f} MiB in "
               f"bf16), forward + backward, median of {args.repeat}; rows' chunk "
-              f"{CHUNK_BYTES[device] / 2**20:g} MiB of float32; bandwidth floor = 3 x the logits' bytes at "
+              f"{CHUNK_BYTES[device] / 2**20:g} MiB of float32 (0: none, generated kernels); "
+              f"bandwidth floor = 3 x the logits' bytes at "
               f"{bw_text}; load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end (the CPU's times are only as "
               f"steady as that)")

@@ -71,6 +71,100 @@ def test_rows_are_the_float64_loss_and_gradient_across_chunk_boundaries(dtype, i
         assert (x.grad[ids == ignore_index] == 0).all() and (loss[ids == ignore_index] == 0).all()
 
 
+@pytest.mark.parametrize("z_loss, ignore_index", [(0.0, None), (0.25, 3)])
+def test_the_generated_kernels_are_the_float64_loss_and_gradient(z_loss, ignore_index):
+    """``chunk_bytes(0)`` (CUDA's default, forced on the CPU here): the rows whole in two compiled
+    kernels, the float32 loss and the gradient of the float64 computation, as the chunks give them;
+    the compiled forward and backward ran (no fallback), and autograd keeps the logits, ids and a
+    float32 number per row."""
+    from meshtorch.ops.cross_entropy_rows import _Kernels
+
+    n, v = 11, 37
+    x, ids, up = logits_and_ids(n, v, torch.bfloat16, ignore_index)
+    x = x.requires_grad_()
+    saved = []
+    keep = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    with chunk_bytes(0), keep:
+        loss = cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
+    (loss * up.float()).sum().backward()
+    assert _Kernels.failed is None and _Kernels.forward is not None and _Kernels.backward is not None
+    assert max(t.numel() for t in saved if t.dtype == torch.float32) == n, [(t.dtype, t.shape) for t in saved]
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, ignore_index, z_loss)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+    if ignore_index is not None:
+        assert (x.grad[ids == ignore_index] == 0).all() and (loss[ids == ignore_index] == 0).all()
+
+
+def test_kernels_that_fail_to_compile_fall_back_to_chunks_with_one_warning(monkeypatch):
+    """Where Inductor cannot compile for the device, the rows run in chunks (the same numbers) and a
+    RuntimeWarning names the failure, once."""
+    import meshtorch.ops.cross_entropy_rows as rows_mod
+
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("no Inductor backend for this device\nmore")
+        return call
+
+    monkeypatch.setattr(rows_mod, "_compiled", broken)
+    for name, value in (("failed", None), ("forward", None), ("backward", None)):
+        monkeypatch.setattr(rows_mod._Kernels, name, value)
+    n, v = 9, 23
+    x, ids, up = logits_and_ids(n, v, torch.bfloat16, None)
+    x = x.requires_grad_()
+    said = (r"generating its kernels failed \(RuntimeError: no Inductor backend for this device\); "
+            r"the rows run in chunks of 256 MiB")
+    with chunk_bytes(0), pytest.warns(RuntimeWarning, match=said):
+        loss = cross_entropy_rows(x, ids)
+    import warnings
+    with chunk_bytes(0), warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second call chunks without a word
+        again = cross_entropy_rows(x, ids)
+    (loss * up.float()).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, None, 0.0)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(again, loss)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
+@pytest.mark.parametrize("private_test", [True, False])
+def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, private_test):
+    """A FLOP counter (a TorchDispatchMode, under which Dynamo does not compile) around the loss:
+    the kernels' formula runs uncompiled, the same numbers, and the kernels are not marked failed.
+    Without torch's private test for a mode, a compile under one fails like any other: chunks and
+    the warning, the same numbers still."""
+    from torch.utils import _python_dispatch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import meshtorch.ops.cross_entropy_rows as rows_mod
+
+    for name, value in (("failed", None), ("forward", None), ("backward", None)):
+        monkeypatch.setattr(rows_mod._Kernels, name, value)
+    if not private_test:
+        monkeypatch.delattr(_python_dispatch, "is_in_torch_dispatch_mode")
+    n, v = 9, 23
+    x, ids, up = logits_and_ids(n, v, torch.bfloat16, None)
+    x = x.requires_grad_()
+    import warnings
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with chunk_bytes(0), FlopCounterMode(display=False) as flops:
+            loss = cross_entropy_rows(x, ids)
+            (loss * up.float()).sum().backward()
+    assert flops.get_total_flops() >= 0
+    assert (rows_mod._Kernels.failed is None) == private_test, rows_mod._Kernels.failed
+    assert any("generating its kernels failed" in str(w.message) for w in said) == (not private_test)
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, None, 0.0)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
 def test_any_dim_order_and_one_row_chunks():
     """The vocabulary first (a copy to rows, and back), chunks of one row."""
     x, ids, _ = logits_and_ids(6, 5, torch.bfloat16, None, seed=1)
@@ -187,7 +281,7 @@ def test_a_meta_trace_chunks_as_the_device_it_plans_for():
         assert rows() == 7  # (no trace: a GPU's, as any accelerator's)
 
 
-@pytest.mark.parametrize("n", [0, -1, 1.5, True, "16"])
+@pytest.mark.parametrize("n", [-1, 1.5, True, "16"])
 def test_a_chunk_size_that_is_not_a_positive_whole_number_raises(n):
     with pytest.raises(mt.errors.ArgumentError, match=r"positive whole number of bytes"), chunk_bytes(n):
         pass
@@ -371,6 +465,29 @@ def test_the_planner_traces_the_chunks_and_their_peak(monkeypatch):
     # the former formula: also the float32 log-probabilities and their gradient
     assert former.peak_bytes - rows_trace.peak_bytes >= 2 * n * v * 4, (rows_trace.peak_bytes,
                                                                          former.peak_bytes)
+
+
+def test_the_planner_traces_a_gpus_kernels_as_one_read_of_the_logits():
+    """Planned for a GPU (``chunk_bytes`` 0 there by default), the meta trace makes no float32
+    [rows, vocab] block, and no softmax kernel: its peak is the logits, their gradient and the
+    small factors, below a trace in chunks."""
+    n, v = 64, 512
+
+    def step():
+        h = mt.cast(mt.random.normal(f"batch:{n},d:4", seed=0), torch.bfloat16).requires_grad_()
+        w = mt.cast(mt.random.normal(f"d:4,vocab:{v}", seed=2), torch.bfloat16).requires_grad_()
+        logits = mt.einsum("batch d, d vocab -> batch vocab", h, w)
+        ids = mt.cast(mt.random.uniform(f"batch:{n}", 0, v, seed=1) * 0.999, torch.int64)
+        mt.reduce_mean(mt.cross_entropy(logits, ids, "vocab")).backward()
+
+    assert CHUNK_BYTES["cuda"] == 0
+    gpu = mt.plan.trace(step, mesh="b:1", rules="batch:b", device="cuda")
+    assert not {"_softmax", "_log_softmax"} & {k[0] for k in gpu.kernels}, gpu.kernels
+    with chunk_bytes(4 * v * 10, "cuda"):
+        chunked = mt.plan.trace(step, mesh="b:1", rules="batch:b", device="cuda")
+    # the logits and their gradient (bf16) and small factors: under a quarter of a float32 block more
+    assert gpu.peak_bytes < 2 * n * v * 2 + n * v, gpu.peak_bytes
+    assert chunked.peak_bytes - gpu.peak_bytes >= 4 * v * 10, (gpu.peak_bytes, chunked.peak_bytes)
 
 
 def test_the_bf16_lm_step_compiles_once_as_one_graph_with_the_eager_losses(monkeypatch):

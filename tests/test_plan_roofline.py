@@ -206,10 +206,6 @@ def test_the_124m_gpt2_step_on_an_h100_is_planned_within_a_quarter(monkeypatch):
     adamw = {k: c for k, c in est.trace.kernels.items() if "adam" in k[0]}
     assert {k[0] for k in adamw} == {"_fused_adamw_"}
     assert sum(k[3] * c for k, c in adamw.items()) == 7 * 4 * est.parameters + 4 * len(est.trace.param_shapes)
-    assert 0.75 <= est.step_seconds / MEASURED_124M_H100_S <= 1.25, est.table()
-    # the bar is every row the planner can express: the other eager SDPA rows too
-    for row, seconds in MEASURED_124M_OTHER_EAGER_H100_S.items():
-        assert 0.75 <= est.step_seconds / seconds <= 1.25, row
     # compiled: runs of memory-bound ops fused (the per-parameter AdamW's ops too, ~a fused AdamW)
     fused = mt.plan.estimate(training_step(cfg, vocab=50304), "b:1", "batch:b", device="h100", compiled=True)
     assert fused.compute_terms["matmul"] == terms["matmul"]
@@ -225,12 +221,22 @@ def test_the_124m_gpt2_step_on_an_h100_is_planned_within_a_quarter(monkeypatch):
     formula_fused = mt.plan.estimate(training_step(cfg, vocab=50304), "b:1", "batch:b", device="h100",
                                      compiled=True)
     monkeypatch.undo()
+    # the eager times were measured with that loss too (plain PyTorch's F.cross_entropy under
+    # autocast: float32 log-probabilities kept, as the formula): the bar is every row the
+    # planner can express, the other eager SDPA rows too
+    assert 0.75 <= formula.step_seconds / MEASURED_124M_H100_S <= 1.25, formula.table()
+    for row, seconds in MEASURED_124M_OTHER_EAGER_H100_S.items():
+        assert 0.75 <= formula.step_seconds / seconds <= 1.25, row
+    # meshtorch's own loss, the rows whole in two generated kernels on a GPU: one read of the bf16
+    # logits forward and one read and write backward, where the formula writes and reads float32
+    # [rows, vocab] blocks: planned faster (~4 ms of the formula's 28)
+    assert est.step_seconds < formula.step_seconds - 3e-3, (est.step_seconds, formula.step_seconds)
     assert 0.9 <= formula.memory_bytes["total"] / (MEASURED_124M_H100_PEAK_GIB * gib) <= 1.1, formula.table()
     assert 0.9 <= formula_fused.memory_bytes["total"] / (MEASURED_124M_COMPILED_H100_PEAK_GIB * gib) <= 1.1
     # the loss of bf16 logits is cross_entropy_rows now: neither the float32 log-probabilities nor
-    # their gradient (1.5 GiB each) is held, only two float32 chunks of 256 MiB (eager planned 6.51
-    # GiB, to be measured on a GPU); compiled, plain PyTorch's compiled peak, which meshtorch's missed
-    # by about one of them (planned 5.06 GiB)
+    # their gradient (1.5 GiB each) is held (eager planned 6.01 GiB; with the former 256 MiB chunks
+    # 6.51, measured 6.59 on the H100); compiled, plain PyTorch's compiled peak, which meshtorch's
+    # missed by about one of them (planned 5.0 GiB, measured 5.11)
     rows_fp32 = 8192 * 50304 * 4
     assert formula.memory_bytes["total"] - est.memory_bytes["total"] >= 1.5 * rows_fp32, est.table()
     assert 0.9 <= fused.memory_bytes["total"] / (MEASURED_124M_COMPILED_PLAIN_PEAK_GIB * gib) <= 1.1

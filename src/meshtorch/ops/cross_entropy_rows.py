@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
+from torch.utils import _python_dispatch
 
 from meshtorch.context import current, here
 from meshtorch.errors import ArgumentError
@@ -57,13 +59,15 @@ from meshtorch.lowering.lower import is_dynamo_compiling
 #:   MiB vs 256 MiB: [2048, 50304] 249 vs 1213 ms, [4096, 16384] 125 vs 706, [512, 50304] 34 vs
 #:   211, [64, 128256] 16 vs 20, [8, 50304] the same (one chunk); 16 MiB 1.1x to 2.7x 2 MiB's time.
 #:   Again: ``python benchmarks/cross_entropy.py --rows 2048 --vocab 50304 --chunk-mib 1 2 4 16 256``
-#: - ``"cuda"``: 256 MiB, 1334 rows of a 50304-word vocabulary, 7 chunks of GPT-2's 8192-row batch,
-#:   chosen, not measured: each chunk costs a few kernels and their Python, and on a GPU whose 124M
-#:   step already waits for the host (an H100: busy 31.1 ms of a 35.2 ms step) more, smaller chunks
-#:   would add host time where it binds, while 2 x 256 MiB of float32 blocks is small beside the
-#:   1.5 GiB [N, V] float32 tensors the whole-tensor formula keeps. To be measured on a GPU:
-#:   ``python benchmarks/cross_entropy.py --chunk-mib 16 64 256 1024`` (8192 x 50304 bf16 there).
-CHUNK_BYTES: dict[str, int] = {"cpu": 2 << 20, "cuda": 256 << 20}
+#: - ``"cuda"``: 0, no chunks: the rows whole in the two kernels ``torch.compile`` generates for them
+#:   (:data:`KERNELS`), as inside a compiled step. Measured on an H100 (torch 2.11, [8192, 50304]
+#:   bf16, forward + backward): chunks of 16 / 64 / 256 / 1024 MiB took 11.3 / 10.2 / 9.4 / 9.1 ms,
+#:   plain PyTorch's ``F.cross_entropy`` under autocast 4.6 ms (and 5x the logits' bytes of memory):
+#:   each chunk is a float32 softmax written and read back, forward and backward. Again:
+#:   ``python benchmarks/cross_entropy.py --chunk-mib 0 16 256`` (0: the kernels).
+CHUNK_BYTES: dict[str, int] = {"cpu": 2 << 20, "cuda": 0}
+#: :data:`CHUNK_BYTES`' value for "no chunks": the whole rows in generated kernels (see :func:`chunk_bytes`)
+KERNELS = 0
 
 
 @contextlib.contextmanager
@@ -78,19 +82,27 @@ def chunk_bytes(n: int, device_type: str | None = None) -> Iterator[None]:
     backend run their own: set it in the program); under ``torch.compile`` the rows are one chunk
     whatever it says.
 
+    ``n = 0`` (:data:`KERNELS`, CUDA's default): no chunks; the rows whole, in the two kernels
+    ``torch.compile`` generates (once per shape and device) for the forward's log-sum-exp and pick
+    and the backward's ``softmax - onehot``: each reads the low-precision logits once, and nothing
+    float32 beyond a number per row is made. Where the compile fails (no Inductor backend for the
+    device, e.g. no C++ compiler or Triton) the rows run in chunks of 256 MiB, and a
+    ``RuntimeWarning`` says why, once per process.
+
     Example:
         >>> import torch
         >>> from meshtorch.ops.cross_entropy_rows import chunk_bytes, chunk_rows
         >>> with chunk_bytes(4 * 1000 * 3, "cpu"):  # 3 rows of a 1000-word vocabulary
         ...     chunk_rows(1000, "cpu"), chunk_rows(1000, "cuda")
-        (3, 67108)
+        (3, 0)
         >>> with chunk_bytes(1):  # below a row: a row a chunk, on every device
         ...     chunk_rows(1000, "cpu"), chunk_rows(1000, "cuda")
         (1, 1)
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ArgumentError(f"chunk_bytes({n!r}): the chunk size must be a positive whole number of bytes, "
-                            f"e.g. chunk_bytes(16 << 20) for 16 MiB of float32 rows")
+                            f"e.g. chunk_bytes(16 << 20) for 16 MiB of float32 rows, or 0 for none (the "
+                            f"rows whole in generated kernels)")
     if device_type is not None and _device_type(device_type) != device_type:
         raise ArgumentError(f"chunk_bytes(..., device_type={device_type!r}): give a device type as "
                             f"torch.device(...).type names it, e.g. 'cpu' or 'cuda' (None: every device)")
@@ -132,17 +144,18 @@ def _device_type(name: object) -> str | None:
 
 def chunk_rows(vocab: int, device_type: str) -> int:
     """Rows of ``vocab`` float32 entries that fit a chunk of :data:`CHUNK_BYTES` on ``device_type``
-    (at least one).
+    (at least one), or 0 where that device's setting is :data:`KERNELS` (no chunks).
 
     Example:
         >>> from meshtorch.ops.cross_entropy_rows import chunk_rows
-        >>> chunk_rows(50304, "cuda")
-        1334
+        >>> chunk_rows(50304, "cpu"), chunk_rows(50304, "cuda")
+        (10, 0)
     """
     if device_type == "meta":  # a planner's trace: the device it prices (plan.tracing.device_type)
         device_type = getattr(current().tracer, "device", "cuda")
     sizes = _thread.sizes or CHUNK_BYTES
-    return max(1, sizes.get(device_type, sizes["cuda"]) // (4 * max(vocab, 1)))
+    n = sizes.get(device_type, sizes["cuda"])
+    return KERNELS if n == KERNELS else max(1, n // (4 * max(vocab, 1)))
 
 
 class _CrossEntropyRows(torch.autograd.Function):
@@ -153,13 +166,14 @@ class _CrossEntropyRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
                 z_loss: float) -> torch.Tensor:
         whole = is_dynamo_compiling()
-        step = 0
+        step = 0 if whole else chunk_rows(x.shape[-1], x.device.type)  # (the backward's chunks too)
+        if step == KERNELS and not whole:
+            step, loss, lse = _kernel_forward(x, ids, z_loss)
         if whole:
             # Inductor: one reduction kernel over the bf16 rows; nothing float32 [rows, vocab] is made
             lse = torch.logsumexp(x.float(), -1)
             loss = lse - x.gather(-1, ids[:, None]).squeeze(-1).float()
-        else:
-            step = chunk_rows(x.shape[-1], x.device.type)  # (the backward's chunks too)
+        elif step != KERNELS:
             picked, lses = [], []
             # split: every chunk's view made in one call (a Python call per kernel is the cost here)
             for chunk, at in zip(x.split(step), ids[:, None].split(step)):
@@ -172,12 +186,12 @@ class _CrossEntropyRows(torch.autograd.Function):
                 del logp  # (freed before the next chunk's)
             loss = -torch.cat(picked).squeeze(-1)
             lse = torch.cat(lses) if z_loss else None
-        if z_loss:
+        if z_loss and (whole or step != KERNELS):  # (the kernel adds its own)
             loss = loss + z_loss * lse.square()
         if valid is not None:
             loss = loss.masked_fill(~valid, 0.0)
         ctx.whole, ctx.z_loss, ctx.step = whole, z_loss, step
-        ctx.save_for_backward(x, ids, valid, lse if z_loss or whole else None)
+        ctx.save_for_backward(x, ids, valid, lse if z_loss or whole or step == KERNELS else None)
         return loss
 
     @staticmethod
@@ -190,6 +204,8 @@ class _CrossEntropyRows(torch.autograd.Function):
             return _whole_grad(x, ids, g, torch.logsumexp(x.float(), -1), ctx.z_loss), None, None, None
         if ctx.whole:  # one pointwise kernel for Inductor: the saved log-sum-exp, no reduction
             return _whole_grad(x, ids, g, lse, ctx.z_loss), None, None, None
+        if ctx.step == KERNELS:
+            return _kernel_backward(x, ids, g, lse, ctx.z_loss), None, None, None
         # d loss / d x = softmax(x) * (1 + 2 z lse) - onehot(ids), times the row's upstream gradient
         scale = g * (1 + 2 * ctx.z_loss * lse) if ctx.z_loss else g
         out = torch.empty_like(x)
@@ -223,6 +239,96 @@ def _whole_grad(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, lse: torch.
     hit = torch.arange(x.shape[-1], device=x.device) == ids[:, None]
     p = torch.exp(x.float() - lse[:, None])
     return (p * scale[:, None] - hit * g[:, None]).to(x.dtype)
+
+
+def _rows_forward(x: torch.Tensor, ids: torch.Tensor, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of :data:`KERNELS`: each row's float32 loss and log-sum-exp (one reduction)."""
+    lse = torch.logsumexp(x.float(), -1)
+    loss = lse - x.gather(-1, ids[:, None]).squeeze(-1).float()
+    return (loss + z_loss * lse.square() if z_loss else loss), lse
+
+
+class _Kernels:
+    """:data:`KERNELS`' compiled functions, made on first use; ``failed`` says why they are not
+    (then every call chunks). One lock: thread-processors share Dynamo's caches, and on torch 2.11
+    one's compile refused another's compiled call meanwhile (see ``meshtorch.compiler``)."""
+
+    lock = threading.Lock()
+    forward: object = None
+    backward: object = None
+    failed: str | None = None
+
+
+def _compiled(fn: object) -> object:
+    config = torch._dynamo.config
+    # a shape, a device (a thread-processor's GPU) and a z_loss each make a version: room for them
+    for name in ("recompile_limit", "cache_size_limit"):
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, max(getattr(config, name), 64))
+            break
+    return torch.compile(fn, fullgraph=True)
+
+
+def _in_dispatch_mode() -> bool:
+    """Whether a ``TorchDispatchMode`` (a FLOP counter, a tracer) is active: Dynamo does not compile
+    under one. torch's private test, where this torch has it (2.1 on); else a mode is assumed absent
+    and a compile that fails under one falls back as any failed compile does."""
+    test = getattr(_python_dispatch, "is_in_torch_dispatch_mode", None)
+    return bool(test()) if callable(test) else False
+
+
+def _kernel_call(name: str, fn: object, *args: object) -> object:
+    """``fn(*args)`` compiled (autocast off: the kernels' precision is their own), or None where
+    compiling fails (:attr:`_Kernels.failed`, warned once). Under a dispatch mode ``fn`` runs as it
+    is: the same numbers, float32 [rows, vocab] temporaries and all."""
+    if _in_dispatch_mode():
+        with torch.autocast(args[0].device.type, enabled=False):
+            return fn(*args)
+    with _Kernels.lock:
+        if _Kernels.failed is None:
+            compiled = getattr(_Kernels, name) or _compiled(fn)
+            setattr(_Kernels, name, compiled)
+            try:
+                with torch.autocast(args[0].device.type, enabled=False):
+                    return compiled(*args)
+            except _OUT_OF_MEMORY:
+                raise
+            except Exception as e:  # noqa: BLE001 - no backend for the device: chunks do the work
+                _Kernels.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"cross_entropy_rows: generating its kernels failed ({_Kernels.failed[:300]}); "
+                              f"the rows run in chunks of {FALLBACK_BYTES >> 20} MiB of float32 instead "
+                              f"(set them with meshtorch.ops.cross_entropy_rows.chunk_bytes)",
+                              RuntimeWarning, stacklevel=3)
+    return None
+
+
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # (torch.* from 2.5)
+#: the chunks where :data:`KERNELS` cannot be compiled
+FALLBACK_BYTES = 256 << 20
+
+
+def _kernel_forward(x: torch.Tensor, ids: torch.Tensor, z_loss: float
+                    ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """(0, loss, lse) from the compiled forward; on a planner's meta trace the same outputs from ops
+    that move the kernel's bytes (read the logits once); (rows of a fallback chunk, None, None)
+    where the kernels cannot be compiled."""
+    if x.device.type == "meta":
+        lse = x.amax(-1).float()
+        return KERNELS, lse - x.gather(-1, ids[:, None]).squeeze(-1).float(), lse
+    out = _kernel_call("forward", _rows_forward, x, ids, z_loss)
+    if out is None:
+        return max(1, FALLBACK_BYTES // (4 * max(x.shape[-1], 1))), None, None
+    return KERNELS, *out
+
+
+def _kernel_backward(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, lse: torch.Tensor,
+                     z_loss: float) -> torch.Tensor:
+    """:func:`_whole_grad` compiled (one pointwise kernel); on a meta trace an op that reads the logits
+    and writes their gradient; where compiling failed since the forward, the formula eagerly."""
+    if x.device.type == "meta":
+        return torch.mul(x, g[:, None].to(x.dtype))
+    out = _kernel_call("backward", _whole_grad, x, ids, g, lse, z_loss)
+    return _whole_grad(x, ids, g, lse, z_loss) if out is None else out
 
 
 def cross_entropy_rows(t: torch.Tensor, ids: torch.Tensor, dim: int = -1, ignore_index: int | None = None,
