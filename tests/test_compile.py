@@ -10,6 +10,8 @@ where the processes trace in parallel.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from functorch.compile import make_boxed_func
@@ -139,20 +141,23 @@ class Compiles:
         return self.backend(gm, inputs)
 
 
-def train_counted(steps: int = 5) -> tuple[list[float], list[float], list[tuple[int, int]]]:
+def train_counted(steps: int = 5, profiled: tuple[int, ...] = ()
+                  ) -> tuple[list[float], list[float], list[tuple[int, int]]]:
     """``steps`` steps of the tiny LM eager and compiled (``fullgraph=True``, :class:`Compiles`),
     from the same weights: the losses of each and, after each compiled step, the graphs
-    compiled so far (forward, backward)."""
+    compiled so far (forward, backward). The compiled steps numbered in ``profiled`` (from 0)
+    run, forward and backward, under ``torch.profiler.profile()``."""
     eager, _ = train(None, steps)
     counted = Compiles()
     model = DecoderLM(CFG, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_fn = compile_step(model.loss, counted, fullgraph=True)
     losses, graphs = [], []
-    for ids, tgt in batches(steps):
-        loss = loss_fn(mt.from_global(ids, SHAPE), mt.from_global(tgt, SHAPE))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+    for i, (ids, tgt) in enumerate(batches(steps)):
+        with torch.profiler.profile() if i in profiled else nullcontext():
+            loss = loss_fn(mt.from_global(ids, SHAPE), mt.from_global(tgt, SHAPE))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         mt.optim.clip_grad_norm_(model, 1.0)
         opt.step()
         losses.append(loss.item())
@@ -165,6 +170,18 @@ def test_lm_step_compiles_once_as_one_graph():
     first step and never again over five AdamW steps (clipping and the update run eagerly
     between them), with the eager step's losses."""
     eager, losses, graphs = train_counted()
+    assert graphs == [(1, 1)] * 5
+    assert losses == pytest.approx(eager, rel=1e-5)
+    assert graph_breaks() == {}
+
+
+def test_lm_step_compiles_once_with_the_profiler_started_and_stopped():
+    """A compiled step run under ``torch.profiler`` (as ``benchmarks/gpu_step.py --profile``
+    does) uses the graph compiled without it: the profiler's flag, a module global flipped by
+    the profiler, is no guard of the graph (mt.nn.Module.__call__ reads it only in eager). The
+    profiler on at the second and third steps, off at the fourth, on at the fifth: still the
+    first step's graph, with the eager step's losses."""
+    eager, losses, graphs = train_counted(5, profiled=(1, 2, 4))
     assert graphs == [(1, 1)] * 5
     assert losses == pytest.approx(eager, rel=1e-5)
     assert graph_breaks() == {}
