@@ -6,8 +6,8 @@ gradient, on CUDA where there is one (default [8192, 50304] bf16: GPT-2-small's 
 on the CPU otherwise (default [4096, 16384], 4 chunks of rows; one intra-op thread, as ``limits.py``
 measures a core):
 
-- ``plain``: ``F.cross_entropy(x, y)`` under the device's bf16 autocast (on CUDA its log-probabilities
-  are bf16; a split vocabulary could not give that loss);
+- ``plain``: ``F.cross_entropy(x, y)`` under the device's bf16 autocast (on CUDA autocast runs its
+  ``log_softmax`` in float32 and keeps the float32 log-probabilities);
 - ``formula``: ``-log_softmax(x, dtype=float32).gather(y)`` (meshtorch's fused path before
   ``cross_entropy_rows``): autograd keeps the float32 [rows, vocab] log-probabilities;
 - ``rows``: :func:`meshtorch.ops.cross_entropy_rows.cross_entropy_rows`, float32 precision, the
