@@ -165,6 +165,32 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
+@pytest.mark.parametrize("off", ["stance", "disable"])
+def test_with_dynamo_off_the_kernels_rows_run_in_chunks(monkeypatch, off):
+    """Under ``torch.compiler.set_stance("force_eager")`` or with Dynamo disabled, compiled functions
+    run eagerly: the kernels' formulas would make float32 [rows, vocab] blocks, so the rows go in
+    chunks (the saved tensors show it: no float32 number per row kept), the same numbers."""
+    import contextlib
+
+    n, v = 9, 23
+    x, ids, up = logits_and_ids(n, v, torch.bfloat16, None)
+    x = x.requires_grad_()
+    saved = []
+    keep = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    if off == "disable":
+        monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    eager = torch.compiler.set_stance("force_eager") if off == "stance" else contextlib.nullcontext()
+    with chunk_bytes(0), keep, eager:
+        loss = cross_entropy_rows(x, ids)
+    assert not [t for t in saved if t.dtype == torch.float32], [(t.dtype, t.shape) for t in saved]
+    (loss * up.float()).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, None, 0.0)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
 def test_any_dim_order_and_one_row_chunks():
     """The vocabulary first (a copy to rows, and back), chunks of one row."""
     x, ids, _ = logits_and_ids(6, 5, torch.bfloat16, None, seed=1)

@@ -282,6 +282,18 @@ def _in_dispatch_mode() -> bool:
     return bool(test()) if callable(test) else False
 
 
+def _dynamo_off() -> bool:
+    """Whether compiled functions run eagerly now: Dynamo disabled (``TORCHDYNAMO_DISABLE=1``,
+    ``torch._dynamo.config.disable``) or ``torch.compiler.set_stance("force_eager")`` (its stance read
+    from torch's private ``eval_frame._stance`` where this torch has one). The kernels' formulas run
+    eagerly would make float32 [rows, vocab] blocks: the forward chunks instead."""
+    dynamo = torch._dynamo
+    if getattr(dynamo.config, "disable", False):
+        return True
+    stance = getattr(getattr(dynamo, "eval_frame", None), "_stance", None)
+    return getattr(stance, "stance", "default") == "force_eager"
+
+
 def _kernel_call(name: str, fn: object, *args: object) -> object:
     """``fn(*args)`` compiled (autocast off: the kernels' precision is their own), or None where
     compiling fails (:attr:`_Kernels.failed`, warned once). Under a dispatch mode ``fn`` runs as it
@@ -316,11 +328,11 @@ def _kernel_forward(x: torch.Tensor, ids: torch.Tensor, z_loss: float
                     ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
     """(0, loss, lse) from the compiled forward; on a planner's meta trace the same outputs from ops
     that move the kernel's bytes (read the logits once); (rows of a fallback chunk, None, None)
-    where the kernels cannot be compiled."""
+    where the kernels cannot be compiled or Dynamo is off (:func:`_dynamo_off`)."""
     if x.device.type == "meta":
         lse = x.amax(-1).float()
         return KERNELS, lse - x.gather(-1, ids[:, None]).squeeze(-1).float(), lse
-    out = _kernel_call("forward", _rows_forward, x, ids, z_loss)
+    out = None if _dynamo_off() else _kernel_call("forward", _rows_forward, x, ids, z_loss)
     if out is None:
         return max(1, FALLBACK_BYTES // (4 * max(x.shape[-1], 1))), None, None
     return KERNELS, *out
