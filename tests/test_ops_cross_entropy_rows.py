@@ -177,6 +177,10 @@ def test_with_dynamo_off_the_kernels_rows_run_in_chunks(monkeypatch, off):
     x = x.requires_grad_()
     saved = []
     keep = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    import meshtorch.ops.cross_entropy_rows as rows_mod
+
+    for name, value in (("failed", None), ("forward", None), ("backward", None)):
+        monkeypatch.setattr(rows_mod._Kernels, name, value)  # (compiled anew under the setting)
     if off == "disable":
         monkeypatch.setattr(torch._dynamo.config, "disable", True)
     eager = torch.compiler.set_stance("force_eager") if off == "stance" else contextlib.nullcontext()
@@ -184,6 +188,7 @@ def test_with_dynamo_off_the_kernels_rows_run_in_chunks(monkeypatch, off):
         loss = cross_entropy_rows(x, ids)
     assert not [t for t in saved if t.dtype == torch.float32], [(t.dtype, t.shape) for t in saved]
     (loss * up.float()).sum().backward()
+    assert rows_mod._Kernels.failed is None  # (nothing compiled, nothing failed: later calls compile)
     x64 = x.detach().double().requires_grad_()
     want = reference(x64, ids, None, 0.0)
     (want * up).sum().backward()

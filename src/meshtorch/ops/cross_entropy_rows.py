@@ -296,9 +296,9 @@ def _dynamo_off() -> bool:
 
 def _kernel_call(name: str, fn: object, *args: object) -> object:
     """``fn(*args)`` compiled (autocast off: the kernels' precision is their own), or None where
-    compiling fails (:attr:`_Kernels.failed`, warned once). Under a dispatch mode ``fn`` runs as it
-    is: the same numbers, float32 [rows, vocab] temporaries and all."""
-    if _in_dispatch_mode():
+    compiling fails (:attr:`_Kernels.failed`, warned once). Under a dispatch mode or with Dynamo off
+    ``fn`` runs as it is: the same numbers, float32 [rows, vocab] temporaries and all."""
+    if _in_dispatch_mode() or _dynamo_off():  # (no compile then: a failure here would be for good)
         with torch.autocast(args[0].device.type, enabled=False):
             return fn(*args)
     with _Kernels.lock:
