@@ -21,8 +21,8 @@ backward's softmax is ``exp(x - lse)`` from the saved log-sum-exp and the one-ho
 Inductor makes the forward one reduction kernel and the backward one pointwise kernel, each reading
 the bf16 logits (and the backward writing their bf16 gradient), holding no float32 [rows, vocab]
 block at all. Eager on CUDA, those two kernels are made by ``torch.compile`` of the two formulas
-(once per shape and device): 1.44 ms forward and backward at [8192, 50304] bf16 on an H100, where
-256 MiB chunks took 9.33 and plain PyTorch 4.52.
+(for the first shape, then one version for any number of rows; per device): 1.44 ms forward and
+backward at [8192, 50304] bf16 on an H100, where 256 MiB chunks took 9.33 and plain PyTorch 4.52.
 
 Example:
     >>> import torch, torch.nn.functional as F
@@ -88,11 +88,12 @@ def chunk_bytes(n: int, device_type: str | None = None) -> Iterator[None]:
     whatever it says.
 
     ``n = 0`` (:data:`KERNELS`, CUDA's default): no chunks; the rows whole, in the two kernels
-    ``torch.compile`` generates (once per shape and device) for the forward's log-sum-exp and pick
-    and the backward's ``softmax - onehot``: each reads the low-precision logits once, and nothing
-    float32 beyond a number per row is made. Where the compile fails (no Inductor backend for the
-    device, e.g. no C++ compiler or Triton) the rows run in chunks of 256 MiB, and a
-    ``RuntimeWarning`` says why, once per process.
+    ``torch.compile`` generates (for the first shape, then one for any number of rows; per device)
+    for the forward's log-sum-exp and pick and the backward's ``softmax - onehot``: each reads the
+    low-precision logits once, and nothing float32 beyond a number per row is made. Its values equal
+    the chunks' to float32 rounding (between chunk sizes they are bitwise equal). Where the compile
+    fails (no Inductor backend for the device, e.g. no C++ compiler or Triton) the rows run in
+    chunks (:func:`fallback_bytes`), and a ``RuntimeWarning`` says why, once per process and device.
 
     Example:
         >>> import torch
@@ -105,8 +106,8 @@ def chunk_bytes(n: int, device_type: str | None = None) -> Iterator[None]:
         (1, 1)
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ArgumentError(f"chunk_bytes({n!r}): the chunk size must be a positive whole number of bytes, "
-                            f"e.g. chunk_bytes(16 << 20) for 16 MiB of float32 rows, or 0 for none (the "
+        raise ArgumentError(f"chunk_bytes({n!r}): the chunk size must be a whole number of bytes, 0 or more, "
+                            f"e.g. chunk_bytes(16 << 20) for 16 MiB of float32 rows, or 0 for no chunks (the "
                             f"rows whole in generated kernels)")
     if device_type is not None and _device_type(device_type) != device_type:
         raise ArgumentError(f"chunk_bytes(..., device_type={device_type!r}): give a device type as "
@@ -207,7 +208,9 @@ class _CrossEntropyRows(torch.autograd.Function):
             # a backward with create_graph=True (a gradient penalty's second backward): the whole
             # formula, which autograd differentiates again, its log-sum-exp made differentiably
             return _whole_grad(x, ids, g, torch.logsumexp(x.float(), -1), ctx.z_loss), None, None, None
-        if ctx.whole:  # one pointwise kernel for Inductor: the saved log-sum-exp, no reduction
+        # one pointwise kernel for Inductor: the saved log-sum-exp, no reduction (a compiled
+        # backward, compiled autograd's too, traces the formula inline: no nested compile)
+        if ctx.whole or (ctx.step == KERNELS and is_dynamo_compiling()):
             return _whole_grad(x, ids, g, lse, ctx.z_loss), None, None, None
         if ctx.step == KERNELS:
             return _kernel_backward(x, ids, g, lse, ctx.z_loss), None, None, None
@@ -254,23 +257,28 @@ def _rows_forward(x: torch.Tensor, ids: torch.Tensor, z_loss: float) -> tuple[to
 
 
 class _Kernels:
-    """:data:`KERNELS`' compiled functions, made on first use; ``failed`` says why they are not
-    (then every call chunks). One lock: thread-processors share Dynamo's caches, and on torch 2.11
-    one's compile refused another's compiled call meanwhile (see ``meshtorch.compiler``)."""
+    """:data:`KERNELS`' compiled functions, made on first use; ``failed`` says, by device type, why
+    they cannot be made there (then that device's calls chunk). One lock: thread-processors share
+    Dynamo's caches, and on torch 2.11 one's compile refused another's compiled call meanwhile (see
+    ``meshtorch.compiler``)."""
 
     lock = threading.Lock()
     forward: object = None
     backward: object = None
-    failed: str | None = None
+    failed: dict[str, str] = {}
+
+
+def _recompile_room() -> contextlib.AbstractContextManager:
+    """Dynamo's recompile limit at least 64 for a kernel call (a device, a z_loss and the first shape
+    each make a version; later row counts share one dynamic version), the user's setting elsewhere."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # (the older name: torch < 2.6)
+        if isinstance(getattr(config, name, None), int):
+            return config.patch(**{name: max(getattr(config, name), 64)})
+    return contextlib.nullcontext()
 
 
 def _compiled(fn: object) -> object:
-    config = torch._dynamo.config
-    # a shape, a device (a thread-processor's GPU) and a z_loss each make a version: room for them
-    for name in ("recompile_limit", "cache_size_limit"):
-        if isinstance(getattr(config, name, None), int):
-            setattr(config, name, max(getattr(config, name), 64))
-            break
     return torch.compile(fn, fullgraph=True)
 
 
@@ -284,44 +292,65 @@ def _in_dispatch_mode() -> bool:
 
 def _dynamo_off() -> bool:
     """Whether compiled functions run eagerly now: Dynamo disabled (``TORCHDYNAMO_DISABLE=1``,
-    ``torch._dynamo.config.disable``) or ``torch.compiler.set_stance("force_eager")`` (its stance read
+    ``torch._dynamo.config.disable``) or ``torch.compiler.set_stance("force_eager")`` or
+    ``"eager_on_recompile"`` (its stance read
     from torch's private ``eval_frame._stance`` where this torch has one). The kernels' formulas run
     eagerly would make float32 [rows, vocab] blocks: the forward chunks instead."""
     dynamo = torch._dynamo
     if getattr(dynamo.config, "disable", False):
         return True
     stance = getattr(getattr(dynamo, "eval_frame", None), "_stance", None)
-    return getattr(stance, "stance", "default") == "force_eager"
+    # (eager_on_recompile: a new shape would run the formula eagerly, with no word)
+    return getattr(stance, "stance", "default") in ("force_eager", "eager_on_recompile")
 
 
 def _kernel_call(name: str, fn: object, *args: object) -> object:
-    """``fn(*args)`` compiled (autocast off: the kernels' precision is their own), or None where
-    compiling fails (:attr:`_Kernels.failed`, warned once). Under a dispatch mode or with Dynamo off
-    ``fn`` runs as it is: the same numbers, float32 [rows, vocab] temporaries and all."""
-    if _in_dispatch_mode() or _dynamo_off():  # (no compile then: a failure here would be for good)
-        with torch.autocast(args[0].device.type, enabled=False):
+    """``fn(*args)`` compiled (autocast off: the kernels' precision is their own), or None where it
+    cannot be: compiling failed for the device (:attr:`_Kernels.failed`, warned once), or the call
+    raised anything else (a user's bad ids, a refused recompile: this call alone chunks, where the
+    error comes back in the user's words). Under a dispatch mode or with Dynamo off ``fn`` runs as
+    it is: the same numbers, float32 [rows, vocab] temporaries and all."""
+    device = args[0].device.type
+    if _in_dispatch_mode() or _dynamo_off():  # (no compile then: it would fail, or run eagerly)
+        with torch.autocast(device, enabled=False):
             return fn(*args)
     with _Kernels.lock:
-        if _Kernels.failed is None:
-            compiled = getattr(_Kernels, name) or _compiled(fn)
-            setattr(_Kernels, name, compiled)
-            try:
-                with torch.autocast(args[0].device.type, enabled=False):
-                    return compiled(*args)
-            except _OUT_OF_MEMORY:
-                raise
-            except Exception as e:  # noqa: BLE001 - no backend for the device: chunks do the work
-                _Kernels.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"cross_entropy_rows: generating its kernels failed ({_Kernels.failed[:300]}); "
-                              f"the rows run in chunks of {FALLBACK_BYTES >> 20} MiB of float32 instead "
-                              f"(set them with meshtorch.ops.cross_entropy_rows.chunk_bytes)",
-                              RuntimeWarning, stacklevel=3)
+        if device in _Kernels.failed:
+            return None
+        compiled = getattr(_Kernels, name) or _compiled(fn)
+        setattr(_Kernels, name, compiled)
+        try:
+            with torch.autocast(device, enabled=False), _recompile_room():
+                return compiled(*args)
+        except _COMPILE_FAILED as e:  # no backend for the device (no C++ compiler, no Triton)
+            said = str(e).strip().splitlines()
+            _Kernels.failed[device] = f"{type(e).__name__}: {said[0] if said else ''}"[:300]
+            warnings.warn(f"cross_entropy_rows: generating its kernels failed on {device} "
+                          f"({_Kernels.failed[device]}); the rows run in chunks of "
+                          f"{fallback_bytes(device) >> 20} MiB of float32 there instead (set them "
+                          f"with meshtorch.ops.cross_entropy_rows.chunk_bytes)", RuntimeWarning, stacklevel=3)
+        except _OUT_OF_MEMORY:
+            raise
+        except Exception:  # noqa: BLE001 - this call's own trouble: chunks say it in the user's words
+            pass
     return None
 
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # (torch.* from 2.5)
-#: the chunks where :data:`KERNELS` cannot be compiled
-FALLBACK_BYTES = 256 << 20
+#: what a compile that cannot be done raises (Inductor's errors, a missing compiler among them)
+_COMPILE_FAILED = getattr(getattr(torch._dynamo, "exc", None), "BackendCompilerFailed", RuntimeError)
+
+
+def fallback_bytes(device_type: str) -> int:
+    """The chunks where :data:`KERNELS` cannot be compiled on ``device_type``: the CPU's measured
+    size there, 256 MiB elsewhere.
+
+    Example:
+        >>> from meshtorch.ops.cross_entropy_rows import fallback_bytes
+        >>> fallback_bytes("cpu") >> 20, fallback_bytes("cuda") >> 20
+        (2, 256)
+    """
+    return 2 << 20 if device_type == "cpu" else 256 << 20
 
 
 def _kernel_forward(x: torch.Tensor, ids: torch.Tensor, z_loss: float
@@ -334,7 +363,7 @@ def _kernel_forward(x: torch.Tensor, ids: torch.Tensor, z_loss: float
         return KERNELS, lse - x.gather(-1, ids[:, None]).squeeze(-1).float(), lse
     out = None if _dynamo_off() else _kernel_call("forward", _rows_forward, x, ids, z_loss)
     if out is None:
-        return max(1, FALLBACK_BYTES // (4 * max(x.shape[-1], 1))), None, None
+        return max(1, fallback_bytes(x.device.type) // (4 * max(x.shape[-1], 1))), None, None
     return KERNELS, *out
 
 
