@@ -114,17 +114,16 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     # arguments as given (hashed in C where they are strings: no Shape.__hash__ or dim_name frame)
     compiled = is_dynamo_compiling()
     qs, ks, vs, bs = q.shape, k.shape, v.shape, None if bias is None else bias.shape
-    # (a Dim by its name: getattr is a call into C, a Dim's dataclass __hash__ a Python one; a name
-    # is its own, and anything else is kept as it is, for dim_name's error below)
+    # (a Dim as it is, its size checked against the shapes when the plan is made: its dataclass
+    # __hash__ is a Python call, paid only where a Dim is passed; a name hashes in C)
     key = (qs.names, qs.sizes, ks.names, ks.sizes, vs.names, vs.sizes,
-           None if bs is None else (bs.names, bs.sizes), getattr(dim, "name", dim),
-           getattr(memory, "name", memory), getattr(features, "name", features),
-           getattr(heads, "name", heads), getattr(kv_heads, "name", kv_heads))
+           None if bs is None else (bs.names, bs.sizes), dim, memory, features, heads, kv_heads)
     plan = None if compiled else _PLANS.get(key)
     if plan is None:
-        seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)
-        plan = _attention_plan(qs, ks, vs, bs, seq, mem, feat, hd,
-                               hd if kv_heads is None else dim_name(kv_heads))
+        seq, hd, feat = (dim_name(d, qs, "attention", "the queries") for d in (dim, heads, features))
+        mem, kvh = (dim_name(d, ks, "attention", "the keys")
+                    for d in (memory, hd if kv_heads is None else kv_heads))
+        plan = _attention_plan(qs, ks, vs, bs, seq, mem, feat, hd, kvh)
         if not compiled:
             _PLANS.put(key, plan)
     others, q_perm, k_perm, back, target, whole, feat_size, grouped, group, seq, hd = plan
@@ -298,7 +297,8 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
     result's layout is the usual one.
     """
     q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
-    seq, feat = dim_name(dim), dim_name(features)
+    seq = dim_name(dim, q, "ring_attention", "the queries")
+    feat = dim_name(features, q, "ring_attention", "the queries")
     for what, x in (("keys", k), ("values", v)):
         if x.shape != q.shape:
             raise ShapeError(f"ring_attention: {what} [{x.shape}] must have the queries' shape "
@@ -382,7 +382,8 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
         True
     """
     q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
-    seq, feat = dim_name(dim), dim_name(features)
+    seq = dim_name(dim, q, "local_attention", "the queries")
+    feat = dim_name(features, q, "local_attention", "the queries")
     for what, x in (("keys", k), ("values", v)):
         if x.shape != q.shape:
             raise ShapeError(f"local_attention: {what} [{x.shape}] must have the queries' shape [{q.shape}]")
