@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import torch
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
-from meshtorch.layout import format_axes, piece
+from meshtorch.layout import format_axes, lengths
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
@@ -336,27 +335,6 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
 
 
 # (length, axis sizes) -> the distinct lengths of its pieces: asked by every local_attention call
-_PIECE_SIZES = BoundedCache(256)
-
-
-def _piece_sizes(length: int, axis_sizes: tuple[int, ...]) -> list[int]:
-    """The distinct lengths, ascending, of ``length`` positions cut in ``torch.chunk`` pieces over
-    axes of ``axis_sizes`` (uneven pieces differ, the last ones may be empty); one piece where
-    ``axis_sizes`` is empty.
-
-    Example:
-        >>> _piece_sizes(10, (3,)), _piece_sizes(8, (2, 3)), _piece_sizes(6, ())
-        ([2, 4], [0, 2], [6])
-    """
-    key = (length, axis_sizes)
-    sizes = _PIECE_SIZES.get(key)
-    if sizes is None:
-        sizes = _PIECE_SIZES.put(key, sorted({
-            piece(length, list(zip(axis_sizes, at)))[1]
-            for at in itertools.product(*[range(n) for n in axis_sizes])}))
-    return sizes
-
-
 def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, scale: float | None = None,
                     dim: str | Dim = "length", features: str | Dim = "d_kv",
                     name: str | None = None) -> MeshTensor:
@@ -394,7 +372,8 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
     axes = q.layout.axes_of(seq)
     mesh = current().mesh
     length = q.shape[seq].size
-    sizes = _piece_sizes(length, tuple(mesh.axis_size(a) for a in axes))
+    pieces = lengths(mesh, axes, length)  # (kept per mesh, axes and length: None where all are equal)
+    sizes = [length // math.prod(mesh.axis_size(a) for a in axes)] if pieces is None else sorted(set(pieces))
     if block < 1 or any(n % block for n in sizes):
         fit = functools.reduce(math.gcd, sizes)
         raise ShapeError(
