@@ -24,6 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -66,6 +68,26 @@ def piece(size: int, parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
         lo = min(i * chunk, length)
         start, length = start + lo, min(lo + chunk, length) - lo
     return start, length
+
+
+def lengths(mesh: Mesh, axes: str | Iterable[str], whole: int) -> list[int] | None:
+    """Each group member's length (in group order) when a length ``whole`` is cut over ``axes``
+    (in mesh order), or ``None`` when the pieces are equal (no axes: one piece).
+
+    Example:
+        >>> lengths(Mesh("b:2,m:2"), ("b", "m"), 5), lengths(Mesh("b:2"), "b", 4)
+        ([2, 1, 1, 1], None)
+    """
+    # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
+    return (_lengths.__wrapped__ if caching.compiling() else _lengths)(mesh, _as_axes(axes), whole)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lengths(mesh: Mesh, axes: Axes, whole: int) -> list[int] | None:
+    counts = [mesh.axis_size(a) for a in axes]
+    if whole % math.prod(counts) == 0:
+        return None
+    return [piece(whole, zip(counts, idx))[1] for idx in itertools.product(*map(range, counts))]
 
 
 def format_axes(axes: Axes) -> str:

@@ -187,8 +187,8 @@ def bernoulli(shape, p: float = 0.5, *, seed: int | None = None, stream: int | s
                  lambda *a: (_uniform53(*a) < p).double())
 
 
-def _fan(shape: Shape, dims: Iterable[str | Dim] | None, default: list[str]) -> int:
-    names = default if dims is None else [dim_name(d) for d in dims]
+def _fan(shape: Shape, dims: Iterable[str | Dim] | None, default: list[str], op: str) -> int:
+    names = default if dims is None else [dim_name(d, shape, op, "the shape") for d in dims]
     return math.prod(shape[n].size for n in names) if names else 1
 
 
@@ -204,8 +204,8 @@ def xavier_uniform(shape, fan_in: Iterable[str | Dim] | None = None,
         True
     """
     shape = as_shape(shape)
-    fi = _fan(shape, fan_in, list(shape.names[:-1]))
-    fo = _fan(shape, fan_out, list(shape.names[-1:]))
+    fi = _fan(shape, fan_in, list(shape.names[:-1]), "xavier_uniform")
+    fo = _fan(shape, fan_out, list(shape.names[-1:]), "xavier_uniform")
     a = gain * math.sqrt(6.0 / (fi + fo))
     return uniform(shape, -a, a, **kw)
 
@@ -221,5 +221,5 @@ def kaiming_normal(shape, fan_in: Iterable[str | Dim] | None = None, gain: float
         Shape('d_in:16,d_out:4')
     """
     shape = as_shape(shape)
-    fi = _fan(shape, fan_in, list(shape.names[:-1]))
+    fi = _fan(shape, fan_in, list(shape.names[:-1]), "kaiming_normal")
     return normal(shape, 0.0, gain / math.sqrt(fi), **kw)

@@ -16,6 +16,7 @@ import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from meshtorch import caching
 from meshtorch.errors import ShapeError
@@ -78,13 +79,49 @@ class Dim:
         return f"{self.name}:{self.size}"
 
 
-def dim_name(d: Dim | str) -> str:
-    """The name of a dim given as a ``Dim`` or a name."""
-    if isinstance(d, Dim):
-        return d.name
-    if isinstance(d, str):
+def dim_name(d: Dim | str, of: Shape | HasShape | None = None, op: str | None = None,
+             what: str = "the tensor") -> str:
+    """The name of a dim argument given as a ``Dim`` or a name.
+
+    ``of``: the shape (or the tensor) whose dim the argument names. A ``Dim`` there is that
+    dim, size and all: where ``of`` has a dim of its name but another size, a
+    :class:`ShapeError` names the op ``op``, the dim, both sizes and the tensor (by its own
+    name, or else ``what``: "the logits"); a dim ``of`` lacks is the caller's to report. Ops
+    leave unchecked the dims they make (an output dim of a new size: ``one_hot``, ``range``).
+
+    Example:
+        >>> x = Shape("batch:2,vocab:4")
+        >>> dim_name("vocab", x, "softmax"), dim_name(Dim("vocab", 4), x, "softmax")
+        ('vocab', 'vocab')
+        >>> try:
+        ...     dim_name(Dim("vocab", 5), x, "softmax")
+        ... except ShapeError as e:
+        ...     print(e)  # doctest: +NORMALIZE_WHITESPACE
+        softmax: dim vocab:5 has size 5, but 'vocab' is 4 in the tensor [batch:2,vocab:4];
+        pass the name 'vocab', or Dim('vocab', 4)
+    """
+    if isinstance(d, str):  # (first: most arguments are names)
         return d
-    raise ShapeError(f"expected a Dim or a dim name, got {d!r}")
+    if isinstance(d, Dim):
+        if of is not None:
+            shape = of if isinstance(of, Shape) else of.shape
+            i = shape._index.get(d.name)
+            if i is not None and shape.sizes[i] != d.size:
+                name = getattr(of, "name", None)  # (a tensor's own name, where it has one)
+                _wrong_size(d, shape.sizes[i], shape, op, f"tensor {name!r}" if name else what)
+        return d.name
+    raise ShapeError(f"{op + ': ' if op else ''}expected a Dim or a dim name, got {d!r}")
+
+
+class HasShape(Protocol):
+    """What :func:`dim_name` reads of a tensor: its shape and (optional) name."""
+
+    shape: Shape
+
+
+def _wrong_size(d: Dim, size: int, shape: Shape, op: str | None, what: str) -> None:
+    raise ShapeError(f"{op + ': ' if op else ''}dim {d} has size {d.size}, but {d.name!r} is {size} in "
+                     f"{what} [{shape}]; pass the name {d.name!r}, or Dim({d.name!r}, {size})")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -162,8 +199,9 @@ class Shape:
         return len(self.dims)
 
     def index(self, d: Dim | str) -> int:
-        """Position of a dim, with an error naming the dims that exist."""
-        name = d if isinstance(d, str) else dim_name(d)  # (a name: no call)
+        """Position of a dim, with an error naming the dims that exist (or, for a ``Dim`` of
+        another size than this shape's, both sizes)."""
+        name = d if isinstance(d, str) else dim_name(d, self, what="the shape")  # (a name: no call)
         try:
             return self._index[name]
         except KeyError:
@@ -240,7 +278,7 @@ class Shape:
         return self.derived(("without", names), lambda: self._without(names))
 
     def _without(self, names: tuple[Dim | str, ...]) -> Shape:
-        drop = {dim_name(n) for n in names}
+        drop = {dim_name(n, self, what="the shape") for n in names}
         for n in drop:
             self.index(n)
         return Shape([d for d in self.dims if d.name not in drop])

@@ -140,13 +140,21 @@ class MeshTensor:
 
         Every processor calls it (SPMD), as it calls every other op.
 
+        With ``create_graph=True`` a leaf's ``.grad`` holds a graph that refers to the leaf: a
+        reference cycle, of which torch warns on the first such call of a process. Take the
+        gradient out and set ``.grad`` to ``None`` after use, as torch recommends, which breaks
+        it (or take the gradient with ``torch.autograd.grad(loss.local, leaves, create_graph=True)``,
+        which makes no ``.grad``).
+
         Example (a gradient penalty: the gradient of ``sum(x**3)`` is ``3x**2``, its square's sum's
         gradient ``36x**3``):
-            >>> import torch, meshtorch as mt
+            >>> import torch, warnings, meshtorch as mt
             >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
             >>> x = mt.from_global(w, "d:2")
-            >>> mt.reduce_sum(x ** 3).backward(create_graph=True)
-            >>> g, w.grad = w.grad, None
+            >>> with warnings.catch_warnings():  # the cycle is broken below: no warning of it
+            ...     warnings.filterwarnings("ignore", "Using backward.*create_graph=True")
+            ...     mt.reduce_sum(x ** 3).backward(create_graph=True)
+            >>> g, w.grad = w.grad, None  # the gradient out of .grad: no cycle left
             >>> (g ** 2).sum().backward()
             >>> w.grad.tolist()
             [36.0, 288.0]

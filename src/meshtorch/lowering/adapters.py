@@ -54,17 +54,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
 import threading
 
 import torch
 
-from meshtorch import caching
 from meshtorch.comm.base import Communicator, as_axes
-from meshtorch.layout import piece
-from meshtorch.mesh import Mesh
+from meshtorch.layout import lengths, piece
 
 #: Whether Dynamo is tracing this call, in one call into torch (:func:`meshtorch.caching.compiling`'s
 #: test without its frame: the lowering, ops and layers ask it per op, paid cold between large
@@ -74,26 +69,6 @@ is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or to
 
 # one axis, or a group of axes in mesh order (the collective runs over their sub-mesh)
 AxisGroup = str | tuple[str, ...]
-
-
-def lengths(mesh: Mesh, axes: str | tuple[str, ...], whole: int) -> list[int] | None:
-    """Each group member's length (in group order) when a length ``whole`` is cut over ``axes``
-    (in mesh order), or ``None`` when the pieces are equal.
-
-    Example:
-        >>> lengths(Mesh("b:2,m:2"), ("b", "m"), 5), lengths(Mesh("b:2"), "b", 4)
-        ([2, 1, 1, 1], None)
-    """
-    # Dynamo traces the memo's function itself (it would bypass the lru_cache anyway, warning)
-    return (_lengths.__wrapped__ if caching.compiling() else _lengths)(mesh, as_axes(axes), whole)
-
-
-@functools.lru_cache(maxsize=4096)
-def _lengths(mesh: Mesh, axes: tuple[str, ...], whole: int) -> list[int] | None:
-    counts = [mesh.axis_size(a) for a in axes]
-    if whole % math.prod(counts) == 0:
-        return None
-    return [piece(whole, zip(counts, idx))[1] for idx in itertools.product(*map(range, counts))]
 
 
 def _extent(comm: Communicator, total: int, prefix: tuple[str, ...]) -> int:

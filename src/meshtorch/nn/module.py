@@ -37,7 +37,7 @@ from torch.nn.modules import module as _torch_module
 
 from meshtorch.context import current, traced
 from meshtorch.layout import Layout
-from meshtorch.lowering.adapters import is_dynamo_compiling
+from meshtorch.lowering.lower import is_dynamo_compiling
 from meshtorch.lowering.overlap import release_parameters
 from meshtorch.lowering.redistribute import LastingMemo
 from meshtorch.nn.parameter import MeshParameter, as_mesh_parameter, mesh_state

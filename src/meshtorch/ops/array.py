@@ -42,7 +42,7 @@ def slice(x: MeshTensor, dim: str | Dim, begin: int, size: int, name: str | None
         [1.0, 2.0, 3.0]
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "slice")]
     if begin < 0 or size < 0 or begin + size > d.size:
         raise ShapeError(f"slice [{begin}, {begin + size}) is outside dim {d} of [{x.shape}]")
     i = x.shape.index(d.name)
@@ -71,6 +71,8 @@ def concat(xs: Sequence[MeshTensor], dim: str | Dim, name: str | None = None) ->
             )
     total = sum(x.shape[n].size for x in xs)
     out = first.shape.replace(n, Dim(n, total))
+    if isinstance(dim, Dim) and any(x.shape[n].size != dim.size for x in xs):
+        dim_name(dim, out, "concat", "the result")  # a Dim is the inputs' dim (all one size) or the result's
     i = first.shape.index(n)
     return lower("concat", xs, out, lambda view, *ts: torch.cat(ts, i), whole={n}, name=name)
 
@@ -85,7 +87,7 @@ def pad(x: MeshTensor, dim: str | Dim, before: int, after: int, value: float = 0
         [0.0, 1.0, 1.0, 0.0, 0.0]
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "pad")]
     if before < 0 or after < 0:
         raise ShapeError(f"pad of {d.name!r} needs before, after >= 0 (got {before}, {after})")
     i = x.shape.index(d.name)
@@ -111,7 +113,7 @@ def shift(x: MeshTensor, dim: str | Dim, offset: int, wrap: bool = False,
         [1.0, 2.0, 3.0, 0.0]
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "shift")]
     i = x.shape.index(d.name)
     out = shift_slice(x.local, i, x.layout.axes_of(d.name), offset, wrap, d.size)
     return MeshTensor(out, x.shape, x.layout, name)
@@ -164,7 +166,7 @@ def cumsum(x: MeshTensor, dim: str | Dim, exclusive: bool = False, name: str | N
         ([1.0, 3.0, 6.0, 10.0], [0.0, 1.0, 3.0, 6.0])
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "cumsum")]
     out = cumsum_slice(x.local, x.shape.index(d.name), x.layout.axes_of(d.name), exclusive)
     return MeshTensor(out, x.shape, x.layout, name)
 
@@ -276,7 +278,7 @@ def embedding(table: MeshTensor, ids: MeshTensor, dim: str | Dim, name: str | No
         [[4.0, 5.0], [0.0, 1.0]]
     """
     table, ids = as_mesh_tensor(table), as_mesh_tensor(ids)
-    v = dim_name(dim)
+    v = dim_name(dim, table, "embedding", "the table")
     vi = table.shape.index(v)
     if ids.dtype.is_floating_point:
         raise ShapeError(f"embedding: ids must be integers, got {ids.dtype}; pass integer token ids")
@@ -371,7 +373,7 @@ def add_rows(x: MeshTensor, table: MeshTensor, dim: str | Dim, out: Dim, offset:
 def _row_range(table: MeshTensor, dim: str | Dim, out: Dim, offset: int, op: str) -> tuple[str, int, int]:
     """``(name, index, size)`` of ``table``'s dim ``dim``, whose rows ``offset ..`` make the new
     dim ``out`` (checked)."""
-    v = dim_name(dim)
+    v = dim_name(dim, table, op, "the table")
     if not isinstance(out, Dim):
         raise ShapeError(f"{op} needs a Dim (name and size) for the new dim, got {out!r}")
     if out.name in table.shape:

@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import torch
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from meshtorch.caching import BoundedCache
 from meshtorch.context import current
 from meshtorch.errors import LayoutError, ShapeError
-from meshtorch.layout import format_axes, piece
+from meshtorch.layout import format_axes, lengths
 from meshtorch.lowering.lower import align, is_dynamo_compiling, lower
 from meshtorch.lowering.ring import ring_attention as ring_slices
 from meshtorch.ops.array import shift
@@ -114,17 +113,16 @@ def attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool = Fal
     # arguments as given (hashed in C where they are strings: no Shape.__hash__ or dim_name frame)
     compiled = is_dynamo_compiling()
     qs, ks, vs, bs = q.shape, k.shape, v.shape, None if bias is None else bias.shape
-    # (a Dim by its name: getattr is a call into C, a Dim's dataclass __hash__ a Python one; a name
-    # is its own, and anything else is kept as it is, for dim_name's error below)
+    # (a Dim as it is, its size checked against the shapes when the plan is made: its dataclass
+    # __hash__ is a Python call, paid only where a Dim is passed; a name hashes in C)
     key = (qs.names, qs.sizes, ks.names, ks.sizes, vs.names, vs.sizes,
-           None if bs is None else (bs.names, bs.sizes), getattr(dim, "name", dim),
-           getattr(memory, "name", memory), getattr(features, "name", features),
-           getattr(heads, "name", heads), getattr(kv_heads, "name", kv_heads))
+           None if bs is None else (bs.names, bs.sizes), dim, memory, features, heads, kv_heads)
     plan = None if compiled else _PLANS.get(key)
     if plan is None:
-        seq, mem, feat, hd = dim_name(dim), dim_name(memory), dim_name(features), dim_name(heads)
-        plan = _attention_plan(qs, ks, vs, bs, seq, mem, feat, hd,
-                               hd if kv_heads is None else dim_name(kv_heads))
+        seq, hd, feat = (dim_name(d, qs, "attention", "the queries") for d in (dim, heads, features))
+        mem, kvh = (dim_name(d, ks, "attention", "the keys")
+                    for d in (memory, hd if kv_heads is None else kv_heads))
+        plan = _attention_plan(qs, ks, vs, bs, seq, mem, feat, hd, kvh)
         if not compiled:
             _PLANS.put(key, plan)
     others, q_perm, k_perm, back, target, whole, feat_size, grouped, group, seq, hd = plan
@@ -298,7 +296,8 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
     result's layout is the usual one.
     """
     q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
-    seq, feat = dim_name(dim), dim_name(features)
+    seq = dim_name(dim, q, "ring_attention", "the queries")
+    feat = dim_name(features, q, "ring_attention", "the queries")
     for what, x in (("keys", k), ("values", v)):
         if x.shape != q.shape:
             raise ShapeError(f"ring_attention: {what} [{x.shape}] must have the queries' shape "
@@ -336,27 +335,6 @@ def ring_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, *, causal: bool 
 
 
 # (length, axis sizes) -> the distinct lengths of its pieces: asked by every local_attention call
-_PIECE_SIZES = BoundedCache(256)
-
-
-def _piece_sizes(length: int, axis_sizes: tuple[int, ...]) -> list[int]:
-    """The distinct lengths, ascending, of ``length`` positions cut in ``torch.chunk`` pieces over
-    axes of ``axis_sizes`` (uneven pieces differ, the last ones may be empty); one piece where
-    ``axis_sizes`` is empty.
-
-    Example:
-        >>> _piece_sizes(10, (3,)), _piece_sizes(8, (2, 3)), _piece_sizes(6, ())
-        ([2, 4], [0, 2], [6])
-    """
-    key = (length, axis_sizes)
-    sizes = _PIECE_SIZES.get(key)
-    if sizes is None:
-        sizes = _PIECE_SIZES.put(key, sorted({
-            piece(length, list(zip(axis_sizes, at)))[1]
-            for at in itertools.product(*[range(n) for n in axis_sizes])}))
-    return sizes
-
-
 def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, scale: float | None = None,
                     dim: str | Dim = "length", features: str | Dim = "d_kv",
                     name: str | None = None) -> MeshTensor:
@@ -382,7 +360,8 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
         True
     """
     q, k, v = as_mesh_tensor(q), as_mesh_tensor(k), as_mesh_tensor(v)
-    seq, feat = dim_name(dim), dim_name(features)
+    seq = dim_name(dim, q, "local_attention", "the queries")
+    feat = dim_name(features, q, "local_attention", "the queries")
     for what, x in (("keys", k), ("values", v)):
         if x.shape != q.shape:
             raise ShapeError(f"local_attention: {what} [{x.shape}] must have the queries' shape [{q.shape}]")
@@ -393,7 +372,8 @@ def local_attention(q: MeshTensor, k: MeshTensor, v: MeshTensor, block: int, *, 
     axes = q.layout.axes_of(seq)
     mesh = current().mesh
     length = q.shape[seq].size
-    sizes = _piece_sizes(length, tuple(mesh.axis_size(a) for a in axes))
+    pieces = lengths(mesh, axes, length)  # (kept per mesh, axes and length: None where all are equal)
+    sizes = [length // math.prod(mesh.axis_size(a) for a in axes)] if pieces is None else sorted(set(pieces))
     if block < 1 or any(n % block for n in sizes):
         fit = functools.reduce(math.gcd, sizes)
         raise ShapeError(

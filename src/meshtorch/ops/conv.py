@@ -103,9 +103,9 @@ def _conv(op: str, x: MeshTensor, kernel: MeshTensor, dims, kernel_dims, padding
           dilation, transpose: bool, rank: int, name: str | None) -> MeshTensor:
     # mixed dtypes promote as einsum's operands do (torch's convolutions refuse them)
     x, kernel = _promoted((as_mesh_tensor(x), as_mesh_tensor(kernel)))
-    dims = tuple(dim_name(d) for d in ((dims,) if isinstance(dims, (str, Dim)) else dims))
-    kernel_dims = tuple(dim_name(d) for d in ((kernel_dims,) if isinstance(kernel_dims, (str, Dim))
-                                              else kernel_dims))
+    dims = tuple(dim_name(d, x, op, "the input") for d in ((dims,) if isinstance(dims, (str, Dim)) else dims))
+    kernel_dims = tuple(dim_name(d, kernel, op, "the kernel")
+                        for d in ((kernel_dims,) if isinstance(kernel_dims, (str, Dim)) else kernel_dims))
     if len(dims) != rank:
         raise ShapeError(f"{op} convolves {rank} spatial dims, got dims={dims}")
     cin, cout = _channels(op, x, kernel, dims, kernel_dims)

@@ -206,6 +206,9 @@ def _broadcast_plan(xs: tuple[MeshTensor, ...], out_dims: list[Dim | str]
     every = broadcast_shape(*(x.shape for x in xs))
     new = []
     for d in out_dims:
+        if isinstance(d, Dim):  # an operand's dim: its size too
+            for i, x in enumerate(xs):
+                dim_name(d, x, "einsum", f"operand {i}")
         n = dim_name(d)
         if n in every.names:
             continue

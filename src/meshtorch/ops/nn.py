@@ -60,7 +60,7 @@ def softmax(x: MeshTensor, dim: str | Dim, extra_logit: float | MeshTensor | Non
         [0.333333, 0.333333]
     """
     x = as_mesh_tensor(x)
-    n = dim_name(dim)
+    n = dim_name(dim, x, "softmax")
     if _whole_in(x, n) and extra_logit is None:
         i = x.shape.index(n)
         return lower("softmax", [x], x.shape, lambda view, t: torch.softmax(t, i), whole=[n])
@@ -77,7 +77,7 @@ def log_softmax(x: MeshTensor, dim: str | Dim, extra_logit: float | MeshTensor |
         True
     """
     x = as_mesh_tensor(x)
-    n = dim_name(dim)
+    n = dim_name(dim, x, "log_softmax")
     if _whole_in(x, n) and extra_logit is None:
         i = x.shape.index(n)
         return lower("log_softmax", [x], x.shape, lambda view, t: torch.log_softmax(t, i), whole=[n])
@@ -126,7 +126,7 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
     if reduction not in REDUCTIONS:
         raise ArgumentError(f"cross_entropy: reduction={reduction!r} is not one of {REDUCTIONS}")
     logits, targets = as_mesh_tensor(logits), as_mesh_tensor(targets)
-    v = logits.shape[dim_name(dim)]
+    v = logits.shape[dim_name(dim, logits, "cross_entropy", "the logits")]
     out = logits.shape.without([v.name])
     soft = targets.dtype.is_floating_point
     if soft:
@@ -232,7 +232,7 @@ def layer_norm(
     """
     if not isinstance(x, MeshTensor):  # (the checks' calls made only where they fail: per layer)
         as_mesh_tensor(x)
-    n = dim if isinstance(dim, str) else dim_name(dim)
+    n = dim if isinstance(dim, str) else dim_name(dim, x, "layer_norm")
     params, only_dim = [], (n,)
     fused = n not in x.layout.split  # (_whole_in, and below a loop, without their calls)
     for p in (weight, bias):
@@ -275,7 +275,7 @@ def rms_norm(x: MeshTensor, dim: str | Dim, weight: MeshTensor | None = None,
         [0.849, 1.131]
     """
     x = as_mesh_tensor(x)
-    y = x * rsqrt(reduce_mean(x * x, dim_name(dim)) + eps)
+    y = x * rsqrt(reduce_mean(x * x, dim_name(dim, x, "rms_norm")) + eps)
     return y * weight if weight is not None else y
 
 
@@ -317,8 +317,8 @@ def _noise_shape(x: MeshTensor, noise_shape) -> Shape:
     given = list(as_shape(noise_shape)) if isinstance(noise_shape, (str, Shape)) else list(noise_shape)
     dims = []
     for d in given:
-        n = dim_name(d)
-        if n not in x.shape or (isinstance(d, Dim) and x.shape[n] != d):
+        n = dim_name(d, x, "dropout's noise_shape", "x")
+        if n not in x.shape:
             raise ShapeError(f"dropout: noise_shape dim {d!s} is not a dim of x [{x.shape}]; "
                              f"noise_shape takes some of the dims of x")
         dims.append(x.shape[n])

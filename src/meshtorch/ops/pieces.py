@@ -35,7 +35,7 @@ def split(x: MeshTensor, dim: str | Dim, num_or_size_splits: int | Sequence[int]
         [[0.0, 1.0], [2.0, 3.0, 4.0]]
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "split")]
     if isinstance(num_or_size_splits, int):
         if num_or_size_splits <= 0 or d.size % num_or_size_splits:
             raise ShapeError(
@@ -99,7 +99,7 @@ def unstack(x: MeshTensor, dim: str | Dim, name: str | None = None) -> list[Mesh
         [[0.0, 2.0], [1.0, 3.0]]
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "unstack")]
     i = x.shape.index(d.name)
     if x.layout.axes_of(d.name):
         x = rename(x, d.name, _unruled_name(x, d.name))

@@ -36,7 +36,7 @@ _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 def _pool(op: str, x: MeshTensor, dims, size, stride, padding: str, name: str | None) -> MeshTensor:
     x = as_mesh_tensor(x)
-    dims = tuple(dim_name(d) for d in ((dims,) if isinstance(dims, (str, Dim)) else dims))
+    dims = tuple(dim_name(d, x, op, "the input") for d in ((dims,) if isinstance(dims, (str, Dim)) else dims))
     if not 1 <= len(dims) <= 3 or any(d not in x.shape for d in dims):
         raise ShapeError(f"{op}: dims={dims} must name 1 to 3 spatial dims of [{x.shape}]")
     rank = len(dims)

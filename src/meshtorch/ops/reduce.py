@@ -34,8 +34,8 @@ from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
 def _reduced_names(x: MeshTensor, dims, output_shape, op: str) -> list[str]:
     if output_shape is not None:
-        keep = {dim_name(d) for d in as_shape(output_shape)} if isinstance(
-            output_shape, (Shape, str)) else {dim_name(d) for d in output_shape}
+        keep = {dim_name(d, x, op) for d in (as_shape(output_shape) if isinstance(
+            output_shape, (Shape, str)) else output_shape)}
         for k in keep:
             x.shape.index(k)
         names = [n for n in x.names if n not in keep]
@@ -49,7 +49,7 @@ def _reduced_names(x: MeshTensor, dims, output_shape, op: str) -> list[str]:
         return list(x.names)
     if isinstance(dims, (str, Dim)):
         dims = [dims]
-    names = [dim_name(d) for d in dims]
+    names = [dim_name(d, x, op) for d in dims]
     for n in names:
         x.shape.index(n)
     return names

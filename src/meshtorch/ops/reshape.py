@@ -79,7 +79,7 @@ def rename(x: MeshTensor, old: str | Dim, new: str | Dim, name: str | None = Non
 
 
 def _renamed(shape: Shape, old: str | Dim, new: str | Dim) -> Shape:
-    d = shape[old]
+    d = shape[dim_name(old, shape, "rename")]
     new_dim = new if isinstance(new, Dim) else Dim(new, d.size)
     if new_dim.size != d.size:
         raise ShapeError(f"rename keeps sizes: {d} cannot become {new_dim}; use mt.reshape")
@@ -96,7 +96,7 @@ def transpose(x: MeshTensor, order: Iterable[str | Dim], name: str | None = None
         Shape('b:3,a:2')
     """
     x = as_mesh_tensor(x)
-    names = [dim_name(d) for d in order]
+    names = [dim_name(d, x, "transpose") for d in order]
     if sorted(names) != sorted(x.names):
         raise ShapeError(f"transpose order {names} must list exactly the dims of [{x.shape}]")
     out = Shape([x.shape[n] for n in names])
@@ -151,7 +151,7 @@ def replace_dims(
         Shape('b:2,hd:6')
     """
     x = as_mesh_tensor(x)
-    old_names = [dim_name(d) for d in old]
+    old_names = [dim_name(d, x, "replace_dims") for d in old]
     idx = [x.shape.index(n) for n in old_names]
     if idx != list(range(idx[0], idx[0] + len(idx))):
         raise ShapeError(

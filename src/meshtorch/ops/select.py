@@ -22,13 +22,13 @@ from meshtorch.lowering.lower import lower
 from meshtorch.ops.elementwise import unary
 from meshtorch.ops.reduce import reduce_max, reduce_min
 from meshtorch.random import uniform
-from meshtorch.shape import Dim
+from meshtorch.shape import Dim, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
 
 
 def _arg_extreme(x: MeshTensor, dim: str | Dim, how: str, name: str | None) -> MeshTensor:
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, f"arg{how}")]
     i = x.shape.index(d.name)
     x = x.detach()
     best = (reduce_max if how == "max" else reduce_min)(x, d.name)
@@ -90,7 +90,7 @@ def top_k(x: MeshTensor, dim: str | Dim, k_dim: Dim,
         ([9.0, 4.0], [1, 2])
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "top_k")]
     if not isinstance(k_dim, Dim):
         raise ShapeError(f"top_k needs a Dim (name and size) for the new dim, got {k_dim!r}")
     if k_dim.name in x.shape:
@@ -137,7 +137,8 @@ def sample_with_temperature(logits: MeshTensor, dim: str | Dim, temperature: flo
                             "(0: the argmax)")
     if temperature == 0:
         return argmax(logits, dim, name)
-    logits.shape[dim]  # the dim must exist before noise is drawn for it
+    # the dim must exist (at its size) before noise is drawn for it
+    logits.shape[dim_name(dim, logits, "sample_with_temperature", "the logits")]
     dtype = torch.promote_types(logits.dtype, torch.float32)
     tiny = torch.finfo(dtype).tiny
     u = uniform(logits.shape, seed=seed, dtype=dtype)

@@ -39,4 +39,17 @@ def slicewise(
     xs = tuple(as_mesh_tensor(x) for x in xs)
     out = xs[0].shape if output_shape is None else as_shape(output_shape)
     return lower(getattr(fn, "__name__", "slicewise"), xs, out, lambda view, *ls: fn(*ls),
-                 whole={dim_name(d) for d in whole}, reduced=reduced, name=name)
+                 whole=_whole_names(whole, xs, out), reduced=reduced, name=name)
+
+
+def _whole_names(whole: Iterable[str | Dim], xs: tuple[MeshTensor, ...], out: Shape) -> set[str]:
+    """The names of the ``whole`` dims; a ``Dim`` among them is checked against each operand
+    and the output that has a dim of its name."""
+    names = set()
+    for d in whole:
+        if isinstance(d, Dim):
+            for i, x in enumerate(xs):
+                dim_name(d, x, "slicewise", f"operand {i}")
+            dim_name(d, out, "slicewise", "the output")
+        names.add(dim_name(d))
+    return names

@@ -27,7 +27,7 @@ from meshtorch.errors import ShapeError
 from meshtorch.layout import piece
 from meshtorch.lowering.halo import halo_slice, window
 from meshtorch.lowering.lower import LocalView, lower
-from meshtorch.shape import Dim, Shape
+from meshtorch.shape import Dim, Shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor, layout_for
 
 
@@ -50,7 +50,7 @@ def halo_exchange(x: MeshTensor, dim: str | Dim, left: int, right: int, wrap: bo
         [0.0, 0.0, 1.0, 2.0, 3.0, 0.0, 0.0]
     """
     x = as_mesh_tensor(x)
-    d = x.shape[dim]
+    d = x.shape[dim_name(dim, x, "halo_exchange")]
     if left < 0 or right < 0:
         raise ShapeError(f"halo_exchange of {d.name!r}: left and right must be >= 0 (got {left}, {right})")
     i = x.shape.index(d.name)
