@@ -53,3 +53,27 @@ def test_meta_plans_a_512_processor_mesh_without_storage():
 def test_meta_errors_name_the_processor():
     with pytest.raises(mt.errors.ProcessorError, match="meta backend"):
         mt.launch(lambda: mt.ones("a:3") + mt.ones("a:4"), mesh="x:2", rules="a:x", backend="meta")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_torch_optimizers_make_their_host_counters_on_the_host_as_in_a_run(autocast):
+    # torch's optimizers make their host counters with torch.tensor(0.0) (NAdam its mu_product
+    # too, Adagrad in its constructor) and read them with .item(): on the meta backend they were
+    # meta tensors (NAdam's read raised, or with 1 standing in divided by zero); now they are host
+    # tensors holding the real count, while the moments follow the parameters (meta), and so
+    # does every other factory call, also under mt.autocast (a mode above the meta default)
+    def step():
+        w = torch.nn.Parameter(torch.ones(4))
+        opts = [torch.optim.NAdam([w], lr=0.1), torch.optim.Adagrad([w], lr=0.1)]
+        for _ in range(2):
+            with mt.autocast(torch.bfloat16, enabled=autocast):
+                (w * w).sum().backward()
+                for opt in opts:
+                    opt.step()
+        nadam, adagrad = (opt.state[w] for opt in opts)
+        return (w.device.type, nadam["exp_avg"].device.type, adagrad["sum"].device.type,
+                [(st["step"].device.type, float(st["step"])) for st in (nadam, adagrad)],
+                nadam["mu_product"].device.type, torch.zeros(1).device.type)
+
+    assert mt.launch(step, mesh="b:2", backend="meta") == [
+        ("meta", "meta", "meta", [("cpu", 2.0), ("cpu", 2.0)], "cpu", "meta")]

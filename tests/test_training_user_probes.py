@@ -459,6 +459,75 @@ def test_loss_scaler_with_two_optimizers_matches_torchs_grad_scaler(recipe, over
     assert want[-1] == (2.0 ** 11 if overflow else 2.0 ** 13)  # (torch backed off once)
 
 
+def two_losses(env, overflow: bool, update: bool = True) -> list[float]:
+    """torch's recipe with two optimizers and two losses: per optimizer ``scale(loss)``,
+    ``backward``, ``unscale_``, clip, ``step``; then one ``update()`` (or none, meshtorch's loop).
+    The second loss is scaled after the first optimizer stepped. ``overflow``: infs in the first
+    kernel's gradient at steps 0 and 3 (on the processors at m=1)."""
+    p = env.params
+    kernels = [v for n, v in p.items() if n.endswith("kernel")]
+    vectors = [v for n, v in p.items() if not n.endswith("kernel")]
+    opts = [(torch.optim.SGD(kernels, lr=0.1, momentum=0.9), kernels),
+            (torch.optim.Adam(vectors, lr=0.01), vectors)]
+    kw = dict(init_scale=2.0 ** 10, growth_interval=2)
+    dense = isinstance(env, DenseEnv)
+    scaler = torch.amp.GradScaler("cpu", **kw) if dense else mt.amp.LossScaler(**kw)
+    log = []
+    for step in range(6):
+        for opt, _ in opts:
+            opt.zero_grad()
+        for micro, (opt, params) in enumerate(opts):
+            loss = env.loss(step, micro, 2)
+            scaler.scale(loss).backward()
+            if overflow and micro == 0 and step in (0, 3):
+                if dense:
+                    p["0.kernel"].grad[:, DF // 2:].fill_(math.inf)
+                elif mt.current().coords["m"] == 1:
+                    p["0.kernel"].grad.fill_(math.inf)
+            scaler.unscale_(opt)
+            log.append(float(env.clip(params, 0.5)))
+            scaler.step(opt)
+            log.append(loss.item())
+        if update:
+            scaler.update()
+        log.append(scaler.get_scale() if dense else scaler.scale_value)
+    return log
+
+
+def two_losses_on_mesh(overflow: bool, update: bool) -> list[float]:
+    return two_losses(MeshEnv(), overflow, update)
+
+
+@pytest.mark.parametrize("overflow, update", [(False, True), (True, True), (True, False)])
+def test_loss_scaler_with_two_losses_scaled_between_steps_matches_torchs_grad_scaler(overflow, update):
+    """Seen: the second optimizer's ``scaler.scale(loss)``, after the first optimizer's step and
+    before the first ``update()``, updated the scale there (taken for a loop that calls no
+    ``update()``): the first iteration's scale changed twice (growth twice as fast as torch's),
+    and after an overflow the second loss was scaled by half the scale its optimizer's gradients
+    (the first loss's too) were divided by. Without ``update()`` (meshtorch's loop) the numbers
+    are torch's with it: the scale changes once per iteration, after both optimizers' steps."""
+    mesh, rules = LAYOUTS["tp"]
+    want = two_losses(DenseEnv(), overflow)
+    for got in mt.launch(two_losses_on_mesh, overflow, update, mesh=mesh, rules=rules):
+        close(got, want, f"overflow={overflow}, update={update}")
+
+
+def test_loss_scaler_refuses_a_second_step_with_no_loss_scaled_between():
+    def run():
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.25)
+        scaler = mt.amp.LossScaler(init_scale=4.0)
+        scaler.scale((w * w).sum()).backward()
+        scaler.step(opt)
+        with pytest.raises(ArgumentError, match="step.* already called .* no loss was scaled since"):
+            scaler.step(opt)  # would divide the unscaled gradients by the scale again
+        opt.zero_grad()
+        scaler.scale((w * w).sum()).backward()  # a loop without update(): the next iteration
+        return scaler.step(opt), w.tolist()
+
+    assert mt.launch(run, mesh="b:1") == [(True, [0.25, 0.25])]
+
+
 def test_loss_scaler_step_communicates_on_every_processor_whatever_unscale_was_given():
     """Each processor holds other parameters (as a pipeline's stages do) and unscales those it clips:
     processor 0 leaves one of its parameters to ``step``, processor 1 none. ``step`` decided whether

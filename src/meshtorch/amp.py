@@ -76,7 +76,11 @@ class LossScaler:
     As with torch's ``GradScaler``, the overflow check is per optimizer (an optimizer whose
     gradients overflowed skips its step; the others step) and the scale changes once per
     iteration, after the last ``step``: at :meth:`update`, which torch's recipe calls at the end of
-    every iteration, or, in a loop that never calls it, at the next :meth:`scale`. To clip,
+    every iteration. Until then every :meth:`scale` multiplies by the same scale, also one called
+    after an optimizer stepped (a second optimizer's loss). A loop that never calls :meth:`update`
+    shows it when an optimizer steps (or is unscaled) a second time: that iteration still runs at
+    the first one's scale, and from then on the scale is updated at the :meth:`scale` that follows
+    the steps of every optimizer the previous iteration stepped. To clip,
     unscale first: ``scaler.unscale_(optimizer)``, ``mt.optim.clip_grad_norm_(...)``, then
     ``scaler.step(optimizer)``, which does not divide those gradients again.
 
@@ -97,6 +101,12 @@ class LossScaler:
         self.growth_interval, self.enabled = growth_interval, enabled
         self.good_steps = 0
         self._explicit_update = False  # the caller calls update() (torch's recipe): never implied
+        # in a loop known to call no update(): the optimizers its last iteration stepped (an
+        # iteration ends once they all stepped again), and the update the iteration that showed
+        # it owes (applied with that iteration's own, as its losses were scaled before it)
+        self._last: frozenset[int] | None = None
+        self._owed: tuple[float, int] | None = None
+        self._scaled_after_step = False  # scale() called since the last step(): a new iteration may begin
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
@@ -111,8 +121,9 @@ class LossScaler:
 
     @property
     def scale_value(self) -> float:
-        """The scale the next :meth:`scale` multiplies by."""
-        return self._next()[0] if self._update_due() else self._scale
+        """The scale as torch's ``GradScaler.get_scale()`` gives it after ``update()``: in a loop
+        that calls no :meth:`update`, with the update of the iteration whose steps ran."""
+        return self._shown()[0]
 
     @scale_value.setter
     def scale_value(self, value: float) -> None:
@@ -129,7 +140,9 @@ class LossScaler:
         if not self.enabled:
             return loss
         if self._update_due():
+            self._last = self._stepped()
             self._apply_update()
+        self._scaled_after_step = True
         return loss * self._scale
 
     def unscale_(self, params: Params | torch.optim.Optimizer) -> bool:
@@ -141,19 +154,23 @@ class LossScaler:
         if isinstance(params, torch.optim.Optimizer):
             key = id(params)
             stage = self._stage.get(key)
-            if stage is not None:
+            if stage == "stepped" and self._next_iteration():
+                self._owe_update()
+            elif stage is not None:
                 raise ArgumentError(
                     "LossScaler.unscale_() was already called on this optimizer since the last "
                     "update(): its gradients would be divided by the scale twice; call it once per "
                     "iteration, before clipping" if stage == "unscaled" else
-                    "LossScaler.unscale_() after step() on this optimizer: unscale_ before step, and "
-                    "call scaler.scale(loss) (or update()) before the next iteration's")
+                    "LossScaler.unscale_() after step() on this optimizer since the last update(): "
+                    "unscale_ before step, and call scaler.update() at the end of each iteration")
             self._opt_found[key] = self._unscale(_local_params(params), False)
             self._stage[key] = "unscaled"
             return self._found_any
         tensors = [p for p, _ in layouts_of(params)]
         again = [p for p in tensors if id(p) in self._param_found]
-        if again:
+        if again and "stepped" in self._stage.values() and self._next_iteration():
+            self._owe_update()
+        elif again:
             raise ArgumentError(f"LossScaler.unscale_() was already called on {len(again)} of these "
                                 "parameters since the last update(): their gradients would be divided by "
                                 "the scale twice; call it once per iteration, before clipping (step() "
@@ -187,10 +204,14 @@ class LossScaler:
             return True
         key = id(optimizer)
         stage = self._stage.get(key)
+        if stage == "stepped" and self._next_iteration():
+            self._owe_update()
+            stage = None
         if stage == "stepped":
             raise ArgumentError("LossScaler.step() was already called on this optimizer since the last "
-                                "update(): call scaler.scale(loss) for the next iteration (or update(), "
-                                "as torch's GradScaler recipe does)")
+                                "update(), and no loss was scaled since: call scaler.update() at the "
+                                "end of each iteration, after every optimizer's step (torch's "
+                                "GradScaler recipe), and scaler.scale(loss) before the next step")
         if stage == "unscaled":  # unscale_(optimizer) agreed on its overflow: nothing to communicate
             found = self._opt_found[key]
         else:
@@ -202,6 +223,7 @@ class LossScaler:
             seen = any([found_before[id(p)] for p in tensors if id(p) in found_before])
             found = self._unscale(todo, seen)
         self._stage[key] = "stepped"
+        self._scaled_after_step = False
         if found:
             return False
         optimizer.step()
@@ -214,30 +236,62 @@ class LossScaler:
         if not self.enabled:
             return
         self._explicit_update = True
-        if self._stage or self._param_found:
+        if self._stage or self._param_found or self._owed:
             self._apply_update()
 
+    def _stepped(self) -> frozenset[int]:
+        return frozenset(k for k, stage in self._stage.items() if stage == "stepped")
+
     def _update_due(self) -> bool:
-        return not self._explicit_update and "stepped" in self._stage.values()
+        """Whether the next :meth:`scale` begins an iteration of a loop that calls no update()
+        (before one is seen to, a scale() after a step is a further loss of the same iteration,
+        as with torch's GradScaler)."""
+        if self._explicit_update or self._last is None:
+            return False
+        stepped = self._stepped()
+        return bool(stepped) and stepped >= self._last
+
+    def _next_iteration(self) -> bool:
+        """Whether a step (or unscale_) of an optimizer that stepped since the last update begins
+        the next iteration of a loop that calls no update(): a loss was scaled since (a second step
+        with none between is the caller's mistake, refused as torch's GradScaler refuses it)."""
+        return not self._explicit_update and self._scaled_after_step
+
+    def _owe_update(self) -> None:
+        """An optimizer steps (or is unscaled) a second time with no update() between: the loop
+        calls none, and this is the next iteration, whose losses were scaled before the update."""
+        self._owed = self._next()
+        self._last = self._stepped()
+        self._reset_iteration()
 
     def _next(self) -> tuple[float, int]:
         """The scale and clean-iteration count after this iteration's update."""
+        scale, good = self._owed or (self._scale, self.good_steps)
         if self._found_any:
-            return self._scale * self.backoff_factor, 0
-        if self.good_steps + 1 >= self.growth_interval:
-            return self._scale * self.growth_factor, 0
-        return self._scale, self.good_steps + 1
+            return scale * self.backoff_factor, 0
+        if good + 1 >= self.growth_interval:
+            return scale * self.growth_factor, 0
+        return scale, good + 1
 
     def _apply_update(self) -> None:
         self._scale, self.good_steps = self._next()
+        self._owed = None
         self._reset_iteration()
 
+    def _shown(self) -> tuple[float, int]:
+        """The scale and clean-iteration count a checkpoint holds: in a loop that calls no
+        update(), after the update of the iteration whose steps ran."""
+        if not self._explicit_update and "stepped" in self._stage.values():
+            return self._next()
+        return self._owed or (self._scale, self.good_steps)
+
     def state_dict(self) -> dict:
-        scale, good = self._next() if self._update_due() else (self._scale, self.good_steps)
+        scale, good = self._shown()
         return {"scale": scale, "good_steps": good}
 
     def load_state_dict(self, state: dict) -> None:
         self._scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self._owed = None
         self._reset_iteration()
 
 

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,11 +24,17 @@ from meshtorch.launcher.failures import processor_error
 from meshtorch.layout import LayoutRules
 from meshtorch.mesh import Mesh
 
+try:  # what ``with torch.device(...)`` pushes, and the factories it gives a device (private)
+    from torch.utils._device import DeviceContext, _device_constructors
+except ImportError:  # pragma: no cover
+    DeviceContext = None
 
 def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules,
              rank: int = 0) -> Any:
-    """``fn(*args, **kwargs)`` as processor ``rank`` (default 0) of ``mesh`` under
-    ``torch.device("meta")``.
+    """``fn(*args, **kwargs)`` as processor ``rank`` (default 0) of ``mesh`` with ``meta`` as the
+    default device, except for the tensors ``torch.optim`` makes without a device: the step
+    counters its optimizers make with ``torch.tensor(0.0)`` (and read with ``.item()``) are host
+    scalars, as in a real run, not meta ones.
 
     Example:
         >>> import meshtorch as mt
@@ -38,7 +45,31 @@ def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rule
     comm = MetaCommunicator(mesh, rank)
     ctx = ProcessorContext(comm, rules)
     try:
-        with use(ctx), torch.device("meta"):
+        with use(ctx), (_MetaDefault() if DeviceContext is not None else torch.device("meta")):
             return fn(*args, **kwargs)
     except Exception as e:
         raise processor_error(e, rank, mesh.coords(rank), where="(meta backend)") from e
+
+
+if DeviceContext is not None:
+    class _MetaDefault(DeviceContext):
+        """``torch.device("meta")`` as a context, but not for the factories ``torch.optim`` calls."""
+
+        def __init__(self) -> None:
+            super().__init__("meta")
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in _device_constructors() and _called_by_torch_optim():
+                # as in a run, which has no default device: a number's tensor on the host, a
+                # tensor's where it is
+                return func(*args, **(kwargs or {}))
+            return super().__torch_function__(func, types, args, kwargs)
+
+
+def _called_by_torch_optim() -> bool:
+    """Whether the factory being dispatched was called from a ``torch.optim`` module (past the
+    ``__torch_function__`` of modes stacked above this one, such as meshtorch's meta autocast)."""
+    frame = sys._getframe(2)  # (1: _MetaDefault.__torch_function__)
+    while frame is not None and frame.f_code.co_name == "__torch_function__":
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("torch.optim.")

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from meshtorch.checkpoint.consolidated import HF_INDEX, SINGLE, write_consolidated
+from meshtorch.checkpoint.writer import agree
+from meshtorch.comm.base import all_texts
 from meshtorch.context import current
 from meshtorch.errors import CheckpointError, LayoutError
 from meshtorch.layout import format_axes
@@ -267,34 +269,78 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
     with :func:`meshtorch.autocast`. The config's token ids (:data:`TOKEN_IDS`) are kept in
     ``model.cfg.extra`` for :func:`export_hf`.
 
+    Every processor reads the files itself (each host its own copy), and they agree before
+    going on: where one fails (a missing or unreadable file, a bad config), every processor
+    raises (it its own error, the others a :class:`CheckpointError` naming it), and a config
+    that differs between processors is refused on all of them, naming the field.
+
     Raises:
         LayoutError: the rules split a dim its axis does not divide (e.g. ``n_head=12``
             over an axis of size 5), naming the rule to change.
         CheckpointError: a weight or config.json is missing, or the config is not one
-            DecoderLM can express (named).
+            DecoderLM can express (named), or processors read different configs.
     """
-    arch, cfg, src = _read(source, config, heads)
-    if options:
-        bad = sorted(set(options) - set(RUN_OPTIONS))
-        if bad:
-            raise CheckpointError(f"from_hf options {bad} would change the weights' meaning; only "
-                                  f"{list(RUN_OPTIONS)} may be set")
-        cfg = dataclasses.replace(cfg, **options)
-    _check_layout(cfg, arch)
+    what = repr(os.fspath(source)) if isinstance(source, (str, os.PathLike)) else type(source).__name__
+    arch = cfg = src = error = None
+    try:
+        arch, cfg, src = _read(source, config, heads)
+        if options:
+            bad = sorted(set(options) - set(RUN_OPTIONS))
+            if bad:
+                raise CheckpointError(f"from_hf options {bad} would change the weights' meaning; only "
+                                      f"{list(RUN_OPTIONS)} may be set")
+            cfg = dataclasses.replace(cfg, **options)
+        _check_layout(cfg, arch)
+    except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+        error = e
+    _agree(error, f"from_hf({what}) failed on {{why}}; no model was built")
+    _same_config(cfg, what)
     model = DecoderLM(cfg)
     pieces = arch.pieces(cfg)
-    for key, shape in _hf_shapes(pieces, model).items():
-        if list(src.shape(key)) != shape:
-            raise CheckpointError(f"{arch.MODEL_TYPE} weight {key!r} has shape {list(src.shape(key))}, the "
-                                  f"config needs {shape}; are the config and the weights from one model?")
-    coords = current().coords
-    with torch.no_grad():
-        for name, view in model.named_mesh_parameters():
-            sizes = dict(zip(view.shape.names, view.shape.sizes))
-            region = dict(zip(view.shape.names, view.layout.slices(coords)))
-            view.local.copy_(read_slice(src, pieces[name], sizes, region).to(view.dtype))
+    try:
+        for key, shape in _hf_shapes(pieces, model).items():
+            if list(src.shape(key)) != shape:
+                raise CheckpointError(f"{arch.MODEL_TYPE} weight {key!r} has shape {list(src.shape(key))}, "
+                                      f"the config needs {shape}; are the config and the weights from one "
+                                      "model?")
+        coords = current().coords
+        with torch.no_grad():
+            for name, view in model.named_mesh_parameters():
+                sizes = dict(zip(view.shape.names, view.shape.sizes))
+                region = dict(zip(view.shape.names, view.layout.slices(coords)))
+                view.local.copy_(read_slice(src, pieces[name], sizes, region).to(view.dtype))
+    except BaseException as e:  # noqa: BLE001 - every processor must learn of it below
+        error = e
+    _agree(error, f"from_hf({what}): reading the weights failed on {{why}}; no model was returned")
     _check_finite(model, pieces, src)
     return model
+
+
+def _agree(error: BaseException | None, message: str) -> None:
+    """:func:`meshtorch.checkpoint.writer.agree` (every processor raises where one failed), but on
+    the meta backend, where this processor runs alone, its own error only."""
+    if current().comm.backend == "meta":
+        if error is not None:
+            raise error
+        return
+    agree(error, message)
+
+
+def _same_config(cfg: TransformerConfig, what: str) -> None:
+    """Refuse, on every processor, configs that differ between processors (each read its own
+    copy of the files): their models would compute differently, silently."""
+    comm = current().comm
+    if comm.mesh.size == 1 or comm.backend == "meta":
+        return
+    texts = all_texts(comm, json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str))
+    other = next((r for r, t in enumerate(texts) if t != texts[0]), None)
+    if other is None:
+        return
+    first, theirs = json.loads(texts[0]), json.loads(texts[other])
+    field = next(k for k in first if first[k] != theirs.get(k))
+    raise CheckpointError(f"from_hf({what}): the processors read different configs, {field}="
+                          f"{first[field]!r} on processor 0 and {theirs[field]!r} on processor {other}: "
+                          "each reads the files itself, so every host needs the same copy of them")
 
 
 def _check_finite(model: DecoderLM, pieces: Mapping[str, Piece], src: Source) -> None:

@@ -169,12 +169,13 @@ class Trace:
 
 
 
-def _optimizer_count(t: torch.Tensor) -> bool:
-    """Whether ``.item()`` of ``t`` is a torch optimizer reading its step count on the meta backend:
-    torch 2.11's optimizers make the count with ``torch.tensor(0.0)``, which the meta backend's
-    default device puts on ``meta`` (torch 2.13 makes it on the CPU), and then read it. Its value
-    only sets the update's size, which a trace never computes: 1 stands in. Any other ``.item()``
-    of a meta tensor still raises, as the values it would branch on are unknown."""
+def _optimizer_read(t: torch.Tensor) -> bool:
+    """Whether ``.item()`` of ``t`` is a torch optimizer reading a number it keeps on the device,
+    on the meta backend. Its host counters are host tensors there (``torch.optim``'s factories
+    keep torch's own default device, :mod:`meshtorch.launcher.meta`), but ``ASGD`` keeps its
+    counters and ``eta`` on the parameters' device, and ``Adafactor`` reads norms of its tensors.
+    These numbers only set the update's size, which a trace never computes: 1 stands in. Any
+    other ``.item()`` of a meta tensor still raises, as the values it would branch on are unknown."""
     if t.device.type != "meta" or t.dim() != 0:
         return False
     frame = sys._getframe(2)
@@ -285,7 +286,7 @@ class Tracer(TorchDispatchMode):
     # -------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and _optimizer_count(args[0]):
+        if func is torch.ops.aten._local_scalar_dense.default and _optimizer_read(args[0]):
             return 1.0 if args[0].is_floating_point() else 1
         out = run_op(func, args, kwargs)
         if self._paused:

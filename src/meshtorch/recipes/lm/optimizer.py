@@ -1,10 +1,8 @@
 """The optimizer of ``meshtorch train`` and its learning-rate schedule.
 
 Example:
+    >>> from meshtorch.recipes.lm.config import TrainConfig
     >>> from meshtorch.recipes.lm.optimizer import lr_at
-    >>> from typing import Any
-
-from meshtorch.recipes.lm.config import TrainConfig
     >>> cfg = TrainConfig.of(lr=1.0, warmup=2, steps=12)
     >>> [round(lr_at(cfg, s), 2) for s in (0, 1, 2, 12)]
     [0.5, 1.0, 1.0, 0.1]
@@ -46,16 +44,12 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opti
 
 
 def optimizer_step(opt: torch.optim.Optimizer) -> None:
-    """``opt.step()``, also on meta parameters (a planner's trace of the step).
-
-    Optimizers keep their step counter on the host and read it with
-    ``float()``/``.item()``; under the meta backend the default device is meta,
-    so the counter would have no value. Adafactor makes its counter lazily with
-    the default device: give it a host one. torch's optimizers make theirs
-    with ``torch.tensor``: let factories default to the host while they step
-    (their moments follow the parameters' device, meta).
+    """``opt.step()``, also on meta parameters (a planner's trace of the step): a fused AdamW
+    checks its parameters' device first and refuses meta, which :func:`_fused_on_meta` lets
+    through. (Its step counters are host tensors there as in a run: the meta backend leaves
+    ``torch.optim``'s factories torch's own default device, :mod:`meshtorch.launcher.meta`.)
     """
-    # the first parameter says where the step runs, read without listing them all or importing
+    # the first parameter says where the step runs, read without listing them all
     # (host time per step, which a GPU waits for at small sizes: issue 25)
     groups = opt.param_groups
     first = groups[0]["params"] if groups else ()
@@ -64,16 +58,7 @@ def optimizer_step(opt: torch.optim.Optimizer) -> None:
     if not first or first[0].device.type != "meta":
         opt.step()
         return
-    from meshtorch.optim import Adafactor
-
-    params = [p for g in groups for p in g["params"]]
-    if isinstance(opt, Adafactor):
-        for p in params:
-            if p.grad is not None and "step" not in opt.state[p]:  # made once, as Adafactor does
-                opt.state[p]["step"] = torch.zeros((), dtype=torch.float32, device="cpu")
-        opt.step()
-        return
-    with torch.device("cpu"), _fused_on_meta(opt):
+    with _fused_on_meta(opt):
         opt.step()
 
 
