@@ -57,10 +57,39 @@ def test_greedy_and_beam_decoding_equal_transformers_generate():
         model = from_hf(hf)
         # ignore_eos: transformers' generate above was told eos_token_id=None
         return (generate(model, prompts.tolist(), 12, ignore_eos=True),
-                beam_search(model, prompts.tolist(), 6, beams=3))
+                beam_search(model, prompts.tolist(), 6, beams=3, ignore_eos=True))
 
     for got_greedy, got_beams in mt.launch(prog, mesh="a:2,b:2", rules="heads:a; d_ff:a; batch:b; d_model:b"):
         assert got_greedy == greedy and got_beams == beams
+
+
+@pytest.mark.parametrize("seed,lengths", [(5, [4, 1, 3]), (3, [1, 1, 8])], ids=["all-end", "one-runs-on"])
+def test_beam_search_ends_at_the_configs_eos_as_transformers_generate(seed, lengths):
+    """Seen: beam_search ran all its tokens past the config's eos_token_id (a hypothesis went on after
+    its eos), where transformers' generate(num_beams=) keeps a hypothesis that ends, scored by its
+    mean log-probability (length_penalty 1.0), and stops once no running one may beat those kept.
+    Transformers' defaults; two eos ids made likely, so the rows end at different steps (or, with
+    `one-runs-on`, one at the last: the whole row); the scores are its sequences_scores."""
+    hf = small_llama(num_key_value_heads=1, eos_token_id=[7, 11], pad_token_id=3)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for e in (7, 11):
+            hf.lm_head.weight[e] += 0.2 * torch.randn(hf.lm_head.weight.shape[1], generator=g)
+    prompts = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=8,
+                          num_beams=3, output_scores=True, return_dict_in_generate=True)
+    want = out.sequences[:, 5:].tolist()
+    assert [len(until_eos(row, [7, 11])) for row in want] == lengths
+
+    def prog():
+        model = from_hf(hf)
+        return beam_search(model, prompts.tolist(), 8, beams=3, return_scores=True)
+
+    for seqs, scores in mt.launch(prog, mesh="a:2,b:2", rules="heads:a; vocab:a; batch:b"):
+        assert seqs == want
+        torch.testing.assert_close(torch.tensor(scores, dtype=torch.float32), out.sequences_scores,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pad", [3, None], ids=["pad_token_id", "no-pad"])
@@ -136,7 +165,8 @@ def test_generate_names_eos_for_the_stop_it_no_longer_takes():
 def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, capsys, monkeypatch, tokenizer):
     """A fine-tune with --init-from's own tokenizer stops at its config.json's eos_token_id; one with
     another tokenizer (here bytes: the directory has no tokenizer.json) at that tokenizer's end of
-    text. Seen (review16d): it stopped at config.json's id, another vocabulary's (a byte here)."""
+    text. Seen (review16d): it stopped at config.json's id, another vocabulary's (a byte here).
+    --beams stops there too (it ran all --tokens)."""
     from meshtorch.data import ByteTokenizer
     from meshtorch.data.hf_tokenizer import train_bpe
     from meshtorch.recipes.lm.generate import prompt_ids
@@ -186,6 +216,11 @@ def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, caps
     assert capsys.readouterr().out == tok.decode(ids + full[:k + 1]) + "\n"
     assert cli.main([*run, "--ignore-eos"]) == 0
     assert capsys.readouterr().out == tok.decode(ids + full) + "\n" != tok.decode(ids + full[:k + 1]) + "\n"
+    # one beam is greedy decoding, up to the same eos (it ran all --tokens before)
+    assert cli.main([*run, "--beams", "1"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids + full[:k + 1]) + "\n"
+    assert cli.main([*run, "--beams", "1", "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids + full) + "\n"
     # a checkpoint from before the run recorded whose tokenizer it has: told by comparing the tokenizers
     from meshtorch.recipes.lm import generate as recipe
 

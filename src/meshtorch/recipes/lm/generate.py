@@ -160,14 +160,15 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
                              beams: int = 0, ignore_eos: bool = False, checked: bool = False) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
-    or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
+    or with ``beams >= 1`` the best of a beam search of that width). Both end at the model's
     end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
     Face model with that model's tokenizer; with another, ``--tokenizer bytes`` or ``bpe:N``, at
-    that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``; a beam search runs
-    ``max_new_tokens`` whatever it emits. Of ``max_new_tokens`` it writes fewer where the model's
-    context ends (:func:`check_request` says how many). ``checked``: the caller has passed the request
-    through :func:`check_request` already (``meshtorch generate`` does, to say how many tokens it
-    writes), which reads the checkpoint's config and tokenizer: it is not checked again."""
+    that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``: a beam search keeps
+    the hypotheses that end there, as transformers' ``generate(num_beams=)`` does. Of
+    ``max_new_tokens`` it writes fewer where the model's context ends (:func:`check_request` says
+    how many). ``checked``: the caller has passed the request through :func:`check_request` already
+    (``meshtorch generate`` does, to say how many tokens it writes), which reads the checkpoint's
+    config and tokenizer: it is not checked again."""
     from meshtorch.launcher import launch
 
     if not checked:
@@ -178,13 +179,13 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
     def prog() -> str:
         model = load_lm(path)
         ids = prompt_ids(tok, prompt)
+        eos = run_eos(path, model, tok)
         if beams:
-            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit)[0]
+            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit, eos=eos,
+                              ignore_eos=ignore_eos)[0]
         else:
-            eos = run_eos(path, model, tok)
             new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                            limit=tok.sample_limit, eos=eos, ignore_eos=ignore_eos)[0]
-            new = until_eos(new, stop_ids(model, eos, ignore_eos)[0])
-        return tok.decode(ids + new)
+        return tok.decode(ids + until_eos(new, stop_ids(model, eos, ignore_eos)[0]))
 
     return launch(prog, mesh=mesh, rules=rules)[0]
