@@ -258,20 +258,52 @@ def test_export_keeps_the_token_ids(tmp_path, make):
     # and from a model object
     mt.launch(lambda: export_hf(tmp_path / "obj", from_hf(hf)))
     assert _token_ids(transformers.AutoConfig.from_pretrained(tmp_path / "obj")) == _token_ids(hf.config)
+    # token_ids= (a model trained with another tokenizer): those given, the source's dropped
+    mt.launch(lambda: export_hf(tmp_path / "tok", from_hf(hf), token_ids={"eos_token_id": [9, 4]}))
+    back = json.loads((tmp_path / "tok" / "config.json").read_text())
+    pad = hf.config.pad_token_id if back["model_type"] == "llama" else None  # a Llama's padding_id
+    assert (back.get("bos_token_id"), back["eos_token_id"], back.get("pad_token_id")) == (None, [9, 4], pad)
+    with pytest.raises(ArgumentError, match="eos_id is no token id field; it takes bos_token_id"):
+        export_hf(tmp_path / "bad", from_hf(hf), token_ids={"eos_id": 9})
+    if back["model_type"] == "llama":
+        with pytest.raises(ArgumentError, match="a llama's pad_token_id is the model's \\(3: its padding_id"):
+            export_hf(tmp_path / "bad", from_hf(hf), token_ids={"pad_token_id": 5})
 
 
-def test_fine_tune_and_export_keep_the_token_ids(tmp_path, capsys):
+@pytest.mark.parametrize("tokenizer", ["init-from", "bytes", "scratch"])
+def test_fine_tune_and_export_keep_the_token_ids(tmp_path, capsys, tokenizer):
+    """A fine-tune with --init-from's own tokenizer exports config.json's bos/eos ids; one with another
+    (bytes: the directory has no tokenizer.json) and a run from scratch (a BPE it fits) the run's
+    tokenizer's end-of-text id for both. Seen: the fine-tune on bytes exported the source's ids, another
+    vocabulary's (bytes 0x00 and 0x01 here); a run from scratch none, so transformers took a Llama's
+    class defaults (bytes 0x01 and 0x02). A Llama's pad_token_id is the model's padding_id."""
+    from meshtorch.data import ByteTokenizer
+    from meshtorch.data.hf_tokenizer import train_bpe
+
     (tmp_path / "corpus").mkdir()
     write_corpus(tmp_path / "corpus", files=4)
     hf = small_llama(vocab_size=304, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                      max_position_embeddings=16)
     hf.save_pretrained(tmp_path / "llama")
+    if tokenizer == "init-from":
+        train_bpe([f.read_text() for f in sorted((tmp_path / "corpus").iterdir())], 300, tmp_path / "llama")
     run = ["--batch", "2", "--length", "16", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
-    assert cli.main(["train", "--init-from", str(tmp_path / "llama"), "--data", str(tmp_path / "corpus"),
-                     "--steps", "1", "--out", str(tmp_path / "run"), *run]) == 0
+    model = (["--positions", "rotary", "--norm", "rms", "--gated", "--layers", "1", "--d-model", "16",
+              "--heads", "2", "--d-ff", "32"] if tokenizer == "scratch" else
+             ["--init-from", str(tmp_path / "llama")])
+    assert cli.main(["train", *model, "--data", str(tmp_path / "corpus"), "--steps", "1",
+                     "--out", str(tmp_path / "run"), *run]) == 0
     assert cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     back = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (back["bos_token_id"], back["eos_token_id"], back["pad_token_id"]) == (0, 1, 2)
+    if tokenizer == "scratch":  # the BPE the run fitted, as transformers reads the export's copy
+        eos = transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id
+        assert isinstance(eos, int)
+    else:
+        eos = ByteTokenizer.eos
+    want = {"init-from": (0, 1, 2), "bytes": (eos, eos, 2), "scratch": (eos, eos, None)}[tokenizer]
+    assert (back["bos_token_id"], back["eos_token_id"], back.get("pad_token_id")) == want
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert transformers.GenerationConfig.from_model_config(config).eos_token_id == want[1]
     capsys.readouterr()
 
 

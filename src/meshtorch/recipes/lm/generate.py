@@ -80,20 +80,31 @@ def run_tokenizer(path: str) -> Tokenizer:
 def run_eos(path: str, model: DecoderLM, tok: Tokenizer) -> list[int] | None:
     """The ``eos=`` the run of checkpoint ``path`` samples with (:func:`run_files.sample_eos
     <meshtorch.recipes.lm.run_files.sample_eos>`): its tokenizer's end-of-text id for a fine-tune
-    with another tokenizer than ``--init-from``'s, else ``None`` (the model config's eos ids). A
-    checkpoint from before the run recorded which tokenizer it had is told by comparing the
-    tokenizers, where ``--init-from`` is still there (else the config's, as then)."""
+    with another tokenizer than ``--init-from``'s, else ``None`` (the model config's eos ids)."""
     extra = from_json(read_index(path).get("extra")) or {}
     init_from = (extra.get("train_config") or {}).get("init_from") or ""
+    return sample_eos(model, tok, init_from, has_init_froms_tokenizer(path))
+
+
+def has_init_froms_tokenizer(path: str) -> bool:
+    """Whether the run of checkpoint ``path`` is a fine-tune that trained with ``--init-from``'s own
+    tokenizer, so that the token ids its ``config.json`` names (kept in the model config) are the
+    run's tokenizer's (false for a run from scratch). A checkpoint from before the run recorded
+    which tokenizer it had is told by comparing the tokenizers, where ``--init-from`` is still
+    there (else the config's ids are taken for the run's unless it trained on bytes, as then)."""
+    extra = from_json(read_index(path).get("extra")) or {}
+    init_from = (extra.get("train_config") or {}).get("init_from") or ""
+    if not init_from:
+        return False
     kept = extra.get("tokenizer") or {}
     own = kept.get("init_from")
-    if own is None and init_from:
+    if own is None:
         if kept.get("path") == "bytes" or not os.path.isdir(init_from):
             own = kept.get("path") != "bytes"
         else:
             tokenizer = os.path.join(run_directory(path), TOKENIZER_DIR)
             own = os.path.isdir(tokenizer) and is_init_froms_tokenizer(init_from, tokenizer)
-    return sample_eos(model, tok, init_from, bool(own))
+    return bool(own)
 
 
 def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
