@@ -346,14 +346,16 @@ def _decode():
     cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=10)
     model = DecoderLM(cfg, seed=5)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    return (generate(model, prompts, 5), generate(model, prompts, 5, temperature=1.0, top_k=6, seed=2),
-            beam_search(model, prompts, 3, beams=2))
+    greedy = generate(model, prompts, 5)
+    eos = [greedy[0][1], greedy[2][3]]  # beams that end at different steps
+    return (greedy, generate(model, prompts, 5, temperature=1.0, top_k=6, seed=2),
+            beam_search(model, prompts, 3, beams=2), beam_search(model, prompts, 5, beams=2, eos=eos))
 
 
 @pytest.mark.parametrize("device", ONE_GPU)
 def test_decoding_on_the_device_equals_the_cpu(device):
-    """Greedy, sampled and beam-search decoding run on the device (sampling draws its noise
-    from mt.random, not a device generator) and pick the CPU's tokens."""
+    """Greedy, sampled and beam-search decoding (with eos ids too) run on the device (sampling draws
+    its noise from mt.random, not a device generator) and pick the CPU's tokens."""
     want = mt.launch(_decode)[0]
     assert mt.launch(_decode, mesh="b:1", device=device) == [want]
     assert want[1] != want[0]  # the sampled tokens are not the greedy ones at this seed

@@ -57,10 +57,39 @@ def test_greedy_and_beam_decoding_equal_transformers_generate():
         model = from_hf(hf)
         # ignore_eos: transformers' generate above was told eos_token_id=None
         return (generate(model, prompts.tolist(), 12, ignore_eos=True),
-                beam_search(model, prompts.tolist(), 6, beams=3))
+                beam_search(model, prompts.tolist(), 6, beams=3, ignore_eos=True))
 
     for got_greedy, got_beams in mt.launch(prog, mesh="a:2,b:2", rules="heads:a; d_ff:a; batch:b; d_model:b"):
         assert got_greedy == greedy and got_beams == beams
+
+
+@pytest.mark.parametrize("seed,lengths", [(5, [4, 1, 3]), (3, [1, 1, 8])], ids=["all-end", "one-runs-on"])
+def test_beam_search_ends_at_the_configs_eos_as_transformers_generate(seed, lengths):
+    """Seen: beam_search ran all its tokens past the config's eos_token_id (a hypothesis went on after
+    its eos), where transformers' generate(num_beams=) keeps a hypothesis that ends, scored by its
+    mean log-probability (length_penalty 1.0), and stops once no running one may beat those kept.
+    Transformers' defaults; two eos ids made likely, so the rows end at different steps (or, with
+    `one-runs-on`, one at the last: the whole row); the scores are its sequences_scores."""
+    hf = small_llama(num_key_value_heads=1, eos_token_id=[7, 11], pad_token_id=3)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for e in (7, 11):
+            hf.lm_head.weight[e] += 0.2 * torch.randn(hf.lm_head.weight.shape[1], generator=g)
+    prompts = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=8,
+                          num_beams=3, output_scores=True, return_dict_in_generate=True)
+    want = out.sequences[:, 5:].tolist()
+    assert [len(until_eos(row, [7, 11])) for row in want] == lengths
+
+    def prog():
+        model = from_hf(hf)
+        return beam_search(model, prompts.tolist(), 8, beams=3, return_scores=True)
+
+    for seqs, scores in mt.launch(prog, mesh="a:2,b:2", rules="heads:a; vocab:a; batch:b"):
+        assert seqs == want
+        torch.testing.assert_close(torch.tensor(scores, dtype=torch.float32), out.sequences_scores,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pad", [3, None], ids=["pad_token_id", "no-pad"])
@@ -136,7 +165,8 @@ def test_generate_names_eos_for_the_stop_it_no_longer_takes():
 def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, capsys, monkeypatch, tokenizer):
     """A fine-tune with --init-from's own tokenizer stops at its config.json's eos_token_id; one with
     another tokenizer (here bytes: the directory has no tokenizer.json) at that tokenizer's end of
-    text. Seen (review16d): it stopped at config.json's id, another vocabulary's (a byte here)."""
+    text. Seen (review16d): it stopped at config.json's id, another vocabulary's (a byte here).
+    --beams stops there too (it ran all --tokens)."""
     from meshtorch.data import ByteTokenizer
     from meshtorch.data.hf_tokenizer import train_bpe
     from meshtorch.recipes.lm.generate import prompt_ids
@@ -186,6 +216,11 @@ def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, caps
     assert capsys.readouterr().out == tok.decode(ids + full[:k + 1]) + "\n"
     assert cli.main([*run, "--ignore-eos"]) == 0
     assert capsys.readouterr().out == tok.decode(ids + full) + "\n" != tok.decode(ids + full[:k + 1]) + "\n"
+    # one beam is greedy decoding, up to the same eos (it ran all --tokens before)
+    assert cli.main([*run, "--beams", "1"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids + full[:k + 1]) + "\n"
+    assert cli.main([*run, "--beams", "1", "--ignore-eos"]) == 0
+    assert capsys.readouterr().out == tok.decode(ids + full) + "\n"
     # a checkpoint from before the run recorded whose tokenizer it has: told by comparing the tokenizers
     from meshtorch.recipes.lm import generate as recipe
 
@@ -223,20 +258,52 @@ def test_export_keeps_the_token_ids(tmp_path, make):
     # and from a model object
     mt.launch(lambda: export_hf(tmp_path / "obj", from_hf(hf)))
     assert _token_ids(transformers.AutoConfig.from_pretrained(tmp_path / "obj")) == _token_ids(hf.config)
+    # token_ids= (a model trained with another tokenizer): those given, the source's dropped
+    mt.launch(lambda: export_hf(tmp_path / "tok", from_hf(hf), token_ids={"eos_token_id": [9, 4]}))
+    back = json.loads((tmp_path / "tok" / "config.json").read_text())
+    pad = hf.config.pad_token_id if back["model_type"] == "llama" else None  # a Llama's padding_id
+    assert (back.get("bos_token_id"), back["eos_token_id"], back.get("pad_token_id")) == (None, [9, 4], pad)
+    with pytest.raises(ArgumentError, match="eos_id is no token id field; it takes bos_token_id"):
+        export_hf(tmp_path / "bad", from_hf(hf), token_ids={"eos_id": 9})
+    if back["model_type"] == "llama":
+        with pytest.raises(ArgumentError, match="a llama's pad_token_id is the model's \\(3: its padding_id"):
+            export_hf(tmp_path / "bad", from_hf(hf), token_ids={"pad_token_id": 5})
 
 
-def test_fine_tune_and_export_keep_the_token_ids(tmp_path, capsys):
+@pytest.mark.parametrize("tokenizer", ["init-from", "bytes", "scratch"])
+def test_fine_tune_and_export_keep_the_token_ids(tmp_path, capsys, tokenizer):
+    """A fine-tune with --init-from's own tokenizer exports config.json's bos/eos ids; one with another
+    (bytes: the directory has no tokenizer.json) and a run from scratch (a BPE it fits) the run's
+    tokenizer's end-of-text id for both. Seen: the fine-tune on bytes exported the source's ids, another
+    vocabulary's (bytes 0x00 and 0x01 here); a run from scratch none, so transformers took a Llama's
+    class defaults (bytes 0x01 and 0x02). A Llama's pad_token_id is the model's padding_id."""
+    from meshtorch.data import ByteTokenizer
+    from meshtorch.data.hf_tokenizer import train_bpe
+
     (tmp_path / "corpus").mkdir()
     write_corpus(tmp_path / "corpus", files=4)
     hf = small_llama(vocab_size=304, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                      max_position_embeddings=16)
     hf.save_pretrained(tmp_path / "llama")
+    if tokenizer == "init-from":
+        train_bpe([f.read_text() for f in sorted((tmp_path / "corpus").iterdir())], 300, tmp_path / "llama")
     run = ["--batch", "2", "--length", "16", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress"]
-    assert cli.main(["train", "--init-from", str(tmp_path / "llama"), "--data", str(tmp_path / "corpus"),
-                     "--steps", "1", "--out", str(tmp_path / "run"), *run]) == 0
+    model = (["--positions", "rotary", "--norm", "rms", "--gated", "--layers", "1", "--d-model", "16",
+              "--heads", "2", "--d-ff", "32"] if tokenizer == "scratch" else
+             ["--init-from", str(tmp_path / "llama")])
+    assert cli.main(["train", *model, "--data", str(tmp_path / "corpus"), "--steps", "1",
+                     "--out", str(tmp_path / "run"), *run]) == 0
     assert cli.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     back = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (back["bos_token_id"], back["eos_token_id"], back["pad_token_id"]) == (0, 1, 2)
+    if tokenizer == "scratch":  # the BPE the run fitted, as transformers reads the export's copy
+        eos = transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id
+        assert isinstance(eos, int)
+    else:
+        eos = ByteTokenizer.eos
+    want = {"init-from": (0, 1, 2), "bytes": (eos, eos, 2), "scratch": (eos, eos, None)}[tokenizer]
+    assert (back["bos_token_id"], back["eos_token_id"], back.get("pad_token_id")) == want
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert transformers.GenerationConfig.from_model_config(config).eos_token_id == want[1]
     capsys.readouterr()
 
 

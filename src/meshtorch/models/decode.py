@@ -257,24 +257,43 @@ def _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cach
 
 @torch.no_grad()
 def beam_search(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, beams: int, *,
-                limit: int | None = None, return_scores: bool = False):
-    """The likeliest continuation of each prompt found by a beam search of width ``beams``.
+                limit: int | None = None, eos: int | Sequence[int] | None = None, ignore_eos: bool = False,
+                length_penalty: float = 1.0, return_scores: bool = False):
+    """The likeliest continuation of each prompt found by a beam search of width ``beams``, as
+    transformers' ``generate(num_beams=beams)`` finds it (its defaults: ``length_penalty=1.0``,
+    ``early_stopping=False``).
 
-    Every step extends each of the ``beams`` best sequences of a prompt by every token and keeps
-    the ``beams`` best of those by total log-probability (ties: the lower beam, then the lower
-    token, first). The beams share one KV cache of ``prompts × beams`` rows, reordered after
-    each step by the beams' parents with a one-hot einsum, so it works under any rules (those
-    that split ``batch`` included). Sequences all have ``max_new_tokens`` tokens (fewer if
-    ``max_length`` is reached: :func:`room`). ``beams=1`` is greedy decoding.
+    Every step extends each of the ``beams`` running sequences of a prompt by every token and ranks
+    those by total log-probability (ties: the lower beam, then the lower token, first). Of the best
+    ``(1 + number of eos ids) * beams`` (at least ``2 * beams``), one that ends in an end-of-sequence
+    id (:func:`stop_ids`: ``eos``, else the config's ``eos_token_id``) is a finished hypothesis if it
+    is among the first ``beams`` (below them it is dropped); the ``beams`` best that did not end run
+    on. A prompt keeps its ``beams`` best finished hypotheses by ``total log-probability / new
+    tokens ** length_penalty`` (its eos counted); at the last step (``max_new_tokens``, or fewer if
+    ``max_length`` is reached: :func:`room`) the running sequences finish too. A prompt is done
+    once it holds ``beams`` finished hypotheses and its best running sequence, so scored at its
+    present length, is no better than the worst of them (transformers' heuristic); the search
+    stops when every prompt is done. Without eos ids (``ignore_eos``, or a model trained from
+    scratch) every sequence runs to the last step. ``beams=1`` is greedy decoding, as
+    :func:`generate` does it.
+
+    The beams share one KV cache of ``prompts × beams`` rows, reordered after each step by the
+    beams' parents with a one-hot einsum, so it works under any rules (those that split ``batch``
+    included).
 
     Args:
         model: a :class:`~meshtorch.models.DecoderLM`.
         prompts: token ids, all of the same length (at least 1).
         limit: never emit ids ``>= limit``.
-        return_scores: also return each sequence's total log-probability.
+        eos, ignore_eos: the end-of-sequence ids, as :func:`generate` takes them.
+        length_penalty: the exponent of the new tokens' count a finished hypothesis's total
+            log-probability is divided by (0: the total; transformers' default 1.0: the mean).
+        return_scores: also return each best sequence's score (as transformers' ``sequences_scores``).
 
     Returns:
-        The new tokens of each prompt's best sequence (and, with ``return_scores``, the scores).
+        The new tokens of each prompt's best sequence, its eos included, the shorter rows padded
+        with the pad id (:func:`stop_ids`) to the longest (:func:`until_eos` cuts them), and with
+        ``return_scores`` the scores.
 
     Example:
         >>> import meshtorch as mt
@@ -285,60 +304,101 @@ def beam_search(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, be
         True
         >>> len(beam_search(model, [[1, 2]], 3, beams=4)[0])
         3
+        >>> first = generate(model, [[1, 2]], 3)[0][0]  # ends at once with that as its eos
+        >>> beam_search(model, [[1, 2]], 3, beams=1, eos=first) == [[first]]
+        True
     """
     if beams < 1 or max_new_tokens < 0:
         raise ArgumentError(f"beam_search: beams={beams} must be >= 1 and "
                             f"max_new_tokens={max_new_tokens} >= 0")
+    if not 0 * length_penalty == 0:  # nan and the infinities
+        raise ArgumentError(f"beam_search: length_penalty={length_penalty} must be a finite number "
+                            "(transformers' default: 1.0)")
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1 or 0 in lengths:
         raise ShapeError(f"beam_search needs non-empty prompts of one length, got lengths {sorted(lengths)}")
     vocab = model.cfg.vocab
     if (limit if limit is not None else vocab) < beams:
         raise ArgumentError(f"beam_search: beams={beams} exceeds the {limit or vocab} tokens it may emit")
+    stops, pad = stop_ids(model, eos, ignore_eos)
     with length_whole():
-        seqs, scores = _beam_search(model, prompts, max_new_tokens, beams, limit)
+        seqs, scores = _beam_search(model, prompts, max_new_tokens, beams, limit, stops, pad, length_penalty)
     return (seqs, scores) if return_scores else seqs
 
 
-def _beam_search(model, prompts, max_new_tokens, beams, limit):
+def _beam_search(model, prompts, max_new_tokens, beams, limit, stops, pad, length_penalty):
     was_training = model.training
     model.eval()
     rows, n0 = len(prompts), len(prompts[0])
-    max_new_tokens = min(max_new_tokens, room(model.cfg.max_length, n0))
+    steps = min(max_new_tokens, room(model.cfg.max_length, n0))
+    if steps == 0:
+        return [[] for _ in prompts], [0.0] * rows
     ctx = current()
     dev = processor_device()
     prompt = _pad_rows(torch.tensor([list(p) for p in prompts], dtype=torch.int64, device=dev),
                        ctx.rules.pieces("batch", ctx.mesh))
     groups = prompt.shape[0]
     batch = Dim("batch", groups * beams)
-    cache = model.new_cache(batch, length=min(model.cfg.max_length, n0 + max_new_tokens))
+    cache = model.new_cache(batch, length=min(model.cfg.max_length, n0 + steps))
     ids = prompt.repeat_interleave(beams, 0)             # row g * beams + b: beam b of prompt g
+    inf = float("-inf")
     # only the first beam of each prompt is live at the start, so the first step's beams differ
-    score = torch.full((groups, beams), float("-inf"), dtype=torch.float64, device=dev)
+    score = torch.full((groups, beams), inf, dtype=torch.float64, device=dev)
     score[:, 0] = 0.0
     out = torch.zeros(groups, beams, 0, dtype=torch.int64, device=dev)
+    # each prompt's best finished hypotheses, best first: score, new tokens (pad after), length
+    kept = torch.full((groups, beams), inf, dtype=torch.float64, device=dev)
+    kept_seq = torch.full((groups, beams, steps), pad, dtype=torch.int64, device=dev)
+    kept_len = torch.zeros(groups, beams, dtype=torch.int64, device=dev)
+    open_ = torch.ones(groups, dtype=torch.bool, device=dev)  # may a better hypothesis still finish
+    stop = torch.tensor(stops, dtype=torch.int64, device=dev)
     firsts = torch.arange(groups, device=dev)[:, None] * beams  # row of each prompt's first beam
+    # enough candidates that `beams` of them go on when the best all end (transformers' count)
+    wide = max(2, 1 + len(stops)) * beams
+    rank = torch.arange(wide, device=dev)[None, :]
     try:
-        for _ in range(max_new_tokens):
+        for step in range(steps):
             logits = _last(model(from_global(ids, [batch, Dim("length", ids.shape[1])]), cache)).double()
             if limit is not None:
-                logits[:, limit:] = float("-inf")
+                logits[:, limit:] = inf
             vocab = logits.shape[-1]
             cand = (score[:, :, None] + logits.log_softmax(-1).view(groups, beams, vocab)).view(groups, -1)
             # a stable sort: among equal scores the lower (beam, token) first, as the reference order
-            best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :beams]
-            score = cand.gather(1, best)
+            best = torch.sort(cand, dim=1, descending=True, stable=True).indices[:, :wide]
+            total = cand.gather(1, best)
             parent, token = best // vocab, best % vocab
-            out = torch.cat([out.gather(1, parent[:, :, None].expand(-1, -1, out.shape[2])),
-                             token[:, :, None]], 2)
-            rows_from = (parent + firsts).flatten()
-            _reorder(cache, rows_from)
+            seqs = torch.cat([out.gather(1, parent[:, :, None].expand(-1, -1, step)), token[:, :, None]], 2)
+            last = step == steps - 1
+            ends = torch.ones_like(token, dtype=torch.bool) if last else torch.isin(token, stop)
+            # an ending below the first `beams` is dropped; a done prompt takes no more
+            finished = ends & (rank[:, :best.shape[1]] < beams) & open_[:, None]
+            new = torch.where(finished, total / (step + 1) ** length_penalty, inf)
+            merged = torch.cat([kept, new], 1)  # the kept first: among equal scores they stay
+            pick = torch.sort(merged, dim=1, descending=True, stable=True).indices[:, :beams]
+            kept = merged.gather(1, pick)
+            padded = torch.cat([seqs, seqs.new_full((groups, seqs.shape[1], steps - step - 1), pad)], 2)
+            kept_seq = torch.cat([kept_seq, padded], 1).gather(1, pick[:, :, None].expand(-1, -1, steps))
+            kept_len = torch.cat([kept_len, torch.where(finished, step + 1, 0)], 1).gather(1, pick)
+            if last:
+                break
+            # the `beams` best that did not end run on
+            live = torch.where(ends, inf, total)
+            going = torch.sort(live, dim=1, descending=True, stable=True).indices[:, :beams]
+            score = live.gather(1, going)
+            parent, token = parent.gather(1, going), token.gather(1, going)
+            out = seqs.gather(1, going[:, :, None].expand(-1, -1, step + 1))
+            # transformers' early_stopping=False: done once `beams` have finished and the best running
+            # sequence, scored at its present length, does not beat the worst of them
+            full = (kept_len > 0).all(1)
+            open_ &= ~full | (score[:, 0] / (step + 1) ** length_penalty > kept.min(1).values)
+            if not bool(open_[:rows].any()):  # the repeated rows past `rows` are not returned
+                break
+            _reorder(cache, (parent + firsts).flatten())
             ids = token.reshape(-1, 1)
     finally:
         model.train(was_training)
-    top = score[:rows].argmax(1)
-    first = torch.arange(rows, device=dev)
-    return (out[first, top].tolist(), score[first, top].tolist())
+    n = int(kept_len[:rows, 0].max())
+    return kept_seq[:rows, 0, :n].tolist(), kept[:rows, 0].tolist()
 
 
 def _reorder(cache, rows_from: torch.Tensor) -> None:

@@ -33,7 +33,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -43,7 +43,7 @@ from meshtorch.checkpoint.consolidated import HF_INDEX, SINGLE, write_consolidat
 from meshtorch.checkpoint.writer import agree
 from meshtorch.comm.base import all_texts
 from meshtorch.context import current
-from meshtorch.errors import CheckpointError, LayoutError
+from meshtorch.errors import ArgumentError, CheckpointError, LayoutError
 from meshtorch.layout import format_axes
 from meshtorch.models import gpt2, llama
 from meshtorch.models.config import HF_EXTRA, TransformerConfig
@@ -394,7 +394,8 @@ def train_flags(cfg: TransformerConfig, arch: ModuleType) -> list[str]:
 
 
 def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> list[str]:
+              max_shard_bytes: int = 5 * 2**30,
+              token_ids: Mapping[str, int | Sequence[int]] | None = None) -> list[str]:
     """Write ``model`` as a Hugging Face directory (``config.json`` + safetensors in HF's names)
     that ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads with equal logits.
 
@@ -406,7 +407,25 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
     :func:`meshtorch.export_hf` (our own names, for :func:`meshtorch.import_hf`),
     this writes the names and layout transformers expects.
 
+    ``config.json``'s ``bos/eos/pad_token_id`` are those the model's config kept from its source
+    (:func:`from_hf`), or with ``token_ids`` (a model trained with another tokenizer than its
+    source's) those given, the source's all dropped; either way a field the architecture ties to
+    the model is the model's (a Llama's ``pad_token_id`` is its ``padding_id``).
+
     Returns the safetensors file names written (on processor 0; ``[]`` elsewhere).
+
+    Example:
+        >>> import json, os, tempfile
+        >>> import meshtorch as mt
+        >>> from meshtorch.models import DecoderLM, TransformerConfig, export_hf
+        >>> cfg = TransformerConfig(vocab=16, d_model=8, heads=2, d_kv=4, d_ff=16, layers=1, max_length=8,
+        ...                         positions="rotary", norm="rms", gated=True, activation="silu",
+        ...                         bias=False, extra={"hf_config": {"bos_token_id": 1, "eos_token_id": 2}})
+        >>> out = tempfile.mkdtemp()
+        >>> _ = mt.launch(lambda: export_hf(out, DecoderLM(cfg), token_ids={"eos_token_id": 9}))
+        >>> config = json.load(open(os.path.join(out, "config.json")))
+        >>> config["eos_token_id"], "bos_token_id" in config
+        (9, False)
     """
     if not isinstance(model, DecoderLM):
         raise CheckpointError(f"export_hf writes a DecoderLM as a Hugging Face causal LM, got "
@@ -421,6 +440,10 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
         raise CheckpointError(f"this model has no Hugging Face architecture to export to ({why}); a "
                               f"meshtorch train run with {fixes} makes one (train it again with them)")
     arch = ARCHITECTURES[kind]
+    config = arch.config_to_hf(cfg)
+    # a token id the architecture has a field for is the model's (a Llama's pad_token_id is its
+    # padding_id); the source's ids kept in extra fill in only the others (bos, eos; GPT-2's pad)
+    kept = cfg.extra.get(HF_EXTRA, {}) if token_ids is None else _token_ids(token_ids, config, arch)
     rank0 = current().rank == 0
     params = {}
     with torch.no_grad():
@@ -429,10 +452,6 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
             if rank0:
                 params[name] = (list(view.shape.names), full.to(dtype) if dtype is not None else full)
     tensors = assemble(arch.pieces(cfg), params) if rank0 else {}
-    config = arch.config_to_hf(cfg)
-    # a token id the architecture has a field for is the model's (a Llama's pad_token_id is its
-    # padding_id); the source's ids kept in extra fill in only the others (bos, eos; GPT-2's pad)
-    kept = cfg.extra.get(HF_EXTRA, {})
     config.update({k: v for k, v in kept.items() if k in TOKEN_IDS and k not in arch.CONFIG_FIELDS.values()})
     raw = kept.get("pad_token_id")
     if isinstance(raw, int) and config.get("pad_token_id") == raw % cfg.vocab:
@@ -440,3 +459,18 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
     config["torch_dtype"] = str(dtype or torch.float32).removeprefix("torch.")
     return write_consolidated(path, tensors, max_shard_bytes=max_shard_bytes,
                               files={CONFIG: json.dumps(config, indent=2)})
+
+
+def _token_ids(token_ids: Mapping[str, int | Sequence[int]], config: dict, arch) -> dict:
+    """``export_hf``'s ``token_ids``, checked: only :data:`TOKEN_IDS`, and none that contradicts a
+    field the architecture ties to the model."""
+    unknown = sorted(set(token_ids) - set(TOKEN_IDS))
+    if unknown:
+        raise ArgumentError(f"export_hf(token_ids=): {', '.join(unknown)} is no token id field; "
+                            f"it takes {', '.join(TOKEN_IDS)}")
+    for k, v in token_ids.items():
+        if k in arch.CONFIG_FIELDS.values() and v != config.get(k):
+            raise ArgumentError(f"export_hf(token_ids={{{k!r}: {v}}}): a {arch.MODEL_TYPE}'s {k} is the "
+                                f"model's ({config.get(k)}: its padding_id), which the weights were "
+                                f"trained with; leave {k} out")
+    return {k: v if isinstance(v, int) else list(v) for k, v in token_ids.items()}

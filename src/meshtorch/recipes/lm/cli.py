@@ -96,8 +96,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--beams", type=int, default=0, help="beam search of this width instead of "
                    "sampling (--temperature and --top-k are then unused; default: 0, sample)")
     g.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-sequence id "
-                   "(by default sampling stops there when the model's config names one: a fine-tune of a "
-                   "Hugging Face model, its eos_token_id)")
+                   "(by default sampling and --beams stop there when the model's config names one: a "
+                   "fine-tune of a Hugging Face model, its eos_token_id)")
     g.add_argument("--mesh", default="", help="mesh to load onto (default: one processor)")
     g.add_argument("--rules", default="", help="layout rules for --mesh")
     g.set_defaults(func=run_generate)

@@ -80,20 +80,31 @@ def run_tokenizer(path: str) -> Tokenizer:
 def run_eos(path: str, model: DecoderLM, tok: Tokenizer) -> list[int] | None:
     """The ``eos=`` the run of checkpoint ``path`` samples with (:func:`run_files.sample_eos
     <meshtorch.recipes.lm.run_files.sample_eos>`): its tokenizer's end-of-text id for a fine-tune
-    with another tokenizer than ``--init-from``'s, else ``None`` (the model config's eos ids). A
-    checkpoint from before the run recorded which tokenizer it had is told by comparing the
-    tokenizers, where ``--init-from`` is still there (else the config's, as then)."""
+    with another tokenizer than ``--init-from``'s, else ``None`` (the model config's eos ids)."""
     extra = from_json(read_index(path).get("extra")) or {}
     init_from = (extra.get("train_config") or {}).get("init_from") or ""
+    return sample_eos(model, tok, init_from, has_init_froms_tokenizer(path))
+
+
+def has_init_froms_tokenizer(path: str) -> bool:
+    """Whether the run of checkpoint ``path`` is a fine-tune that trained with ``--init-from``'s own
+    tokenizer, so that the token ids its ``config.json`` names (kept in the model config) are the
+    run's tokenizer's (false for a run from scratch). A checkpoint from before the run recorded
+    which tokenizer it had is told by comparing the tokenizers, where ``--init-from`` is still
+    there (else the config's ids are taken for the run's unless it trained on bytes, as then)."""
+    extra = from_json(read_index(path).get("extra")) or {}
+    init_from = (extra.get("train_config") or {}).get("init_from") or ""
+    if not init_from:
+        return False
     kept = extra.get("tokenizer") or {}
     own = kept.get("init_from")
-    if own is None and init_from:
+    if own is None:
         if kept.get("path") == "bytes" or not os.path.isdir(init_from):
             own = kept.get("path") != "bytes"
         else:
             tokenizer = os.path.join(run_directory(path), TOKENIZER_DIR)
             own = os.path.isdir(tokenizer) and is_init_froms_tokenizer(init_from, tokenizer)
-    return sample_eos(model, tok, init_from, bool(own))
+    return bool(own)
 
 
 def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
@@ -160,14 +171,15 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
                              top_k: int = 40, seed: int = 0, mesh: str = "", rules: str = "",
                              beams: int = 0, ignore_eos: bool = False, checked: bool = False) -> str:
     """Load the LM at ``path`` on ``mesh`` and return ``prompt`` plus its continuation (sampled,
-    or with ``beams >= 1`` the best of a beam search of that width). Sampling ends at the model's
+    or with ``beams >= 1`` the best of a beam search of that width). Both end at the model's
     end-of-sequence id (its eos included) where its config knows one (a fine-tune of a Hugging
     Face model with that model's tokenizer; with another, ``--tokenizer bytes`` or ``bpe:N``, at
-    that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``; a beam search runs
-    ``max_new_tokens`` whatever it emits. Of ``max_new_tokens`` it writes fewer where the model's
-    context ends (:func:`check_request` says how many). ``checked``: the caller has passed the request
-    through :func:`check_request` already (``meshtorch generate`` does, to say how many tokens it
-    writes), which reads the checkpoint's config and tokenizer: it is not checked again."""
+    that tokenizer's end-of-text id: :func:`run_eos`), unless ``ignore_eos``: a beam search keeps
+    the hypotheses that end there, as transformers' ``generate(num_beams=)`` does. Of
+    ``max_new_tokens`` it writes fewer where the model's context ends (:func:`check_request` says
+    how many). ``checked``: the caller has passed the request through :func:`check_request` already
+    (``meshtorch generate`` does, to say how many tokens it writes), which reads the checkpoint's
+    config and tokenizer: it is not checked again."""
     from meshtorch.launcher import launch
 
     if not checked:
@@ -178,13 +190,13 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int = 200, 
     def prog() -> str:
         model = load_lm(path)
         ids = prompt_ids(tok, prompt)
+        eos = run_eos(path, model, tok)
         if beams:
-            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit)[0]
+            new = beam_search(model, [ids], max_new_tokens, beams, limit=tok.sample_limit, eos=eos,
+                              ignore_eos=ignore_eos)[0]
         else:
-            eos = run_eos(path, model, tok)
             new = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                            limit=tok.sample_limit, eos=eos, ignore_eos=ignore_eos)[0]
-            new = until_eos(new, stop_ids(model, eos, ignore_eos)[0])
-        return tok.decode(ids + new)
+        return tok.decode(ids + until_eos(new, stop_ids(model, eos, ignore_eos)[0]))
 
     return launch(prog, mesh=mesh, rules=rules)[0]
