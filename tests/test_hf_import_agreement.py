@@ -55,6 +55,23 @@ def test_a_read_failing_on_one_processor_fails_every_processor(copies, monkeypat
         "processor 1: OSError: Input/output error" in got[0][0], got
 
 
+def test_building_the_model_failing_on_one_processor_fails_every_processor(copies, monkeypatch):
+    """Processor 1 ran out of memory building the model (after the configs agreed): every
+    processor raises, processor 0 naming processor 1's error, none left in a collective."""
+    build = hf.DecoderLM
+
+    def failing(cfg, *args, **kwargs):
+        if mt.current().rank == 1:
+            raise MemoryError("no room for the model")
+        return build(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "DecoderLM", failing)
+    got = mt.launch(_load_on_each, *copies, mesh="m:2", rules=RULES)
+    assert got[1] == ("MemoryError: no room for the model", None)
+    assert got[0][0].startswith("CheckpointError: from_hf(") and "failed on processor 1: MemoryError: " \
+        "no room for the model" in got[0][0], got
+
+
 def test_a_missing_file_on_one_processor_fails_every_processor(copies):
     good, bad = copies
     os.remove(os.path.join(bad, "model.safetensors"))

@@ -77,3 +77,18 @@ def test_torch_optimizers_make_their_host_counters_on_the_host_as_in_a_run(autoc
 
     assert mt.launch(step, mesh="b:2", backend="meta") == [
         ("meta", "meta", "meta", [("cpu", 2.0), ("cpu", 2.0)], "cpu", "meta")]
+
+
+def test_a_compiled_step_on_meta_makes_its_tensors_on_meta():
+    """``compile_step`` under the meta backend: the step's factories (``mt.ones``, ``torch.zeros``)
+    are traced (the default device's check of who calls a factory is not: Dynamo refuses
+    ``sys._getframe``) and make meta tensors, as on threads they make host ones."""
+    from meshtorch.compiler import compile_step
+
+    def program():
+        def step(x):
+            return mt.reduce_sum(x * mt.ones("batch:4")), torch.zeros(())
+        a, b = compile_step(step, backend="eager")(mt.from_global(torch.ones(4), "batch:4"))
+        return a.local.device.type, b.device.type
+
+    assert mt.launch(program, mesh="b:2", rules="batch:b", backend="meta") == [("meta", "meta")]

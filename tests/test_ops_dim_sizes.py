@@ -102,8 +102,12 @@ def test_other_dim_arguments_of_an_op_are_checked_where_the_tensor_has_them():
         mt.max_pool(x, Dim("w", 5), 2)
     with pytest.raises(ShapeError, match=r"^rename: dim h:4"):
         mt.rename(x, Dim("h", 4), "g")
-    with pytest.raises(ShapeError, match=r"^slicewise: dim w:3 has size 3, but 'w' is 4 in operand 0"):
+    with pytest.raises(ShapeError, match=r"^slicewise: whole dim w:3 has size 3, but 'w' is 4 in the"):
         mt.slicewise(lambda t: t, x, whole=[Dim("w", 3)])
+    # a function may resize a dim it takes whole (an FFT): a Dim of the operands' or the output's size
+    for w in (Dim("w", 4), Dim("w", 3), "w"):
+        y = mt.slicewise(lambda t: torch.fft.rfft(t, dim=2).real, x, output_shape="b:2,h:3,w:3", whole=[w])
+        torch.testing.assert_close(y.to_global(), torch.fft.rfft(x.to_global(), dim=2).real)
     with pytest.raises(ShapeError, match=r"^embedding: dim h:2 has size 2, but 'h' is 3 in the table"):
         mt.embedding(x, mt.from_global(torch.tensor([0, 1]), "i:2"), Dim("h", 2))
     with pytest.raises(ShapeError, match=r"^dropout's noise_shape: dim w:5"):

@@ -665,3 +665,26 @@ def test_clip_grad_norm_with_an_empty_piece_on_a_processor(norm_type, backend):
     assert [shape for shape, _, _ in out] == [(1,), (1,), (0,)]
     for _, norm, grad in out:
         close([norm] + grad, [want] + g.grad.tolist(), f"{norm_type}-norm on {backend}")
+
+
+def test_loss_scaler_in_a_loop_with_update_refuses_a_second_step_naming_update():
+    """A loop that calls update() and then steps an optimizer twice in an iteration (a loss scaled
+    between the steps): refused as torch's GradScaler refuses it, the message saying this loop calls
+    update(), not that no loss was scaled."""
+    def run():
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=0.25)
+        scaler = mt.amp.LossScaler(init_scale=4.0)
+        for _ in range(2):
+            scaler.scale((w * w).sum()).backward()
+            scaler.step(opt)
+            opt.zero_grad()
+        scaler.update()
+        scaler.scale((w * w).sum()).backward()
+        scaler.step(opt)
+        scaler.scale((w * w).sum()).backward()
+        with pytest.raises(ArgumentError, match=r"step.* already called .*, and this loop calls update\(\)"):
+            scaler.step(opt)
+        return True
+
+    assert mt.launch(run, mesh="b:1") == [True]

@@ -208,10 +208,12 @@ class LossScaler:
             self._owe_update()
             stage = None
         if stage == "stepped":
-            raise ArgumentError("LossScaler.step() was already called on this optimizer since the last "
-                                "update(), and no loss was scaled since: call scaler.update() at the "
-                                "end of each iteration, after every optimizer's step (torch's "
-                                "GradScaler recipe), and scaler.scale(loss) before the next step")
+            since = ("and no loss was scaled since" if not self._scaled_after_step
+                     else "and this loop calls update()")
+            raise ArgumentError(f"LossScaler.step() was already called on this optimizer since the last "
+                                f"update(), {since}: call scaler.update() at the end of each iteration, "
+                                f"after every optimizer's step (torch's GradScaler recipe), and "
+                                f"scaler.scale(loss) before the next step")
         if stage == "unscaled":  # unscale_(optimizer) agreed on its overflow: nothing to communicate
             found = self._opt_found[key]
         else:

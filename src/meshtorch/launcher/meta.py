@@ -59,7 +59,10 @@ if DeviceContext is not None:
             super().__init__("meta")
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in _device_constructors() and _called_by_torch_optim():
+            # (a factory naming its device needs no walk; a traced one none either: Dynamo refuses
+            # sys._getframe, and a compiled step on meta makes tensors as it says)
+            if (func in _device_constructors() and (kwargs is None or kwargs.get("device") is None)
+                    and not torch.compiler.is_compiling() and _called_by_torch_optim()):
                 # as in a run, which has no default device: a number's tensor on the host, a
                 # tensor's where it is
                 return func(*args, **(kwargs or {}))

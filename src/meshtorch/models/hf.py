@@ -295,9 +295,10 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
         error = e
     _agree(error, f"from_hf({what}) failed on {{why}}; no model was built")
     _same_config(cfg, what)
-    model = DecoderLM(cfg)
-    pieces = arch.pieces(cfg)
-    try:
+    model = None
+    try:  # (building the model too: a processor out of memory there must not leave the others waiting)
+        model = DecoderLM(cfg)
+        pieces = arch.pieces(cfg)
         for key, shape in _hf_shapes(pieces, model).items():
             if list(src.shape(key)) != shape:
                 raise CheckpointError(f"{arch.MODEL_TYPE} weight {key!r} has shape {list(src.shape(key))}, "

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from meshtorch.errors import ShapeError
 from meshtorch.lowering.lower import lower
 from meshtorch.shape import Dim, Shape, as_shape, dim_name
 from meshtorch.tensor import MeshTensor, as_mesh_tensor
@@ -43,13 +44,17 @@ def slicewise(
 
 
 def _whole_names(whole: Iterable[str | Dim], xs: tuple[MeshTensor, ...], out: Shape) -> set[str]:
-    """The names of the ``whole`` dims; a ``Dim`` among them is checked against each operand
-    and the output that has a dim of its name."""
+    """The names of the ``whole`` dims; a ``Dim`` among them must have the size of its name in the
+    operands, or in the output (a function may resize a dim it takes whole, an FFT say)."""
     names = set()
     for d in whole:
         if isinstance(d, Dim):
-            for i, x in enumerate(xs):
-                dim_name(d, x, "slicewise", f"operand {i}")
-            dim_name(d, out, "slicewise", "the output")
+            holders = [x.shape for x in xs if d.name in x.shape.names] + (
+                [out] if d.name in out.names else [])
+            if holders and not any(h[d.name].size == d.size for h in holders):
+                sizes = sorted({h[d.name].size for h in holders})
+                raise ShapeError(f"slicewise: whole dim {d} has size {d.size}, but '{d.name}' is "
+                                 f"{' or '.join(map(str, sizes))} in the operands and the output; pass "
+                                 f"the name '{d.name}', or Dim('{d.name}', {sizes[0]})")
         names.add(dim_name(d))
     return names
