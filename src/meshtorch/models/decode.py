@@ -209,7 +209,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, te
                             f">= 0 (0: all) and max_new_tokens={max_new_tokens} >= 0")
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1 or 0 in lengths:
-        raise ShapeError(f"generate needs non-empty prompts of one length, got lengths {sorted(lengths)}")
+        raise ShapeError(f"generate needs non-empty prompts of one length, got lengths {sorted(lengths)}: "
+                         f"call it once per length")
     stops, pad = stop_ids(model, eos, ignore_eos)
     with length_whole():
         return _generate(model, prompts, max_new_tokens, temperature, top_k, seed, use_cache, limit, stops,
@@ -316,7 +317,8 @@ def beam_search(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, be
                             "(transformers' default: 1.0)")
     lengths = {len(p) for p in prompts}
     if len(lengths) != 1 or 0 in lengths:
-        raise ShapeError(f"beam_search needs non-empty prompts of one length, got lengths {sorted(lengths)}")
+        raise ShapeError(f"beam_search needs non-empty prompts of one length, got lengths {sorted(lengths)}: "
+                         f"call it once per length")
     vocab = model.cfg.vocab
     if (limit if limit is not None else vocab) < beams:
         raise ArgumentError(f"beam_search: beams={beams} exceeds the {limit or vocab} tokens it may emit")

@@ -396,7 +396,7 @@ def train_flags(cfg: TransformerConfig, arch: ModuleType) -> list[str]:
 
 def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 5 * 2**30,
-              token_ids: Mapping[str, int | Sequence[int]] | None = None) -> list[str]:
+              token_ids: Mapping[str, int | Sequence[int] | None] | None = None) -> list[str]:
     """Write ``model`` as a Hugging Face directory (``config.json`` + safetensors in HF's names)
     that ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads with equal logits.
 
@@ -462,7 +462,7 @@ def export_hf(path: str | os.PathLike, model: DecoderLM, *, dtype: torch.dtype |
                               files={CONFIG: json.dumps(config, indent=2)})
 
 
-def _token_ids(token_ids: Mapping[str, int | Sequence[int]], config: dict, arch) -> dict:
+def _token_ids(token_ids: Mapping[str, int | Sequence[int] | None], config: dict, arch) -> dict:
     """``export_hf``'s ``token_ids``, checked: only :data:`TOKEN_IDS`, and none that contradicts a
     field the architecture ties to the model."""
     unknown = sorted(set(token_ids) - set(TOKEN_IDS))
@@ -474,4 +474,4 @@ def _token_ids(token_ids: Mapping[str, int | Sequence[int]], config: dict, arch)
             raise ArgumentError(f"export_hf(token_ids={{{k!r}: {v}}}): a {arch.MODEL_TYPE}'s {k} is the "
                                 f"model's ({config.get(k)}: its padding_id), which the weights were "
                                 f"trained with; leave {k} out")
-    return {k: v if isinstance(v, int) else list(v) for k, v in token_ids.items()}
+    return {k: v if v is None or isinstance(v, int) else list(v) for k, v in token_ids.items()}

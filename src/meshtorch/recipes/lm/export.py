@@ -22,21 +22,31 @@ import torch
 
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.files import replacing
-from meshtorch.recipes.lm.generate import checkpoint_dir, has_init_froms_tokenizer, load_lm, run_tokenizer
+from meshtorch.recipes.lm.generate import (
+    checkpoint_dir,
+    has_init_froms_tokenizer,
+    init_from_of,
+    load_lm,
+    run_tokenizer,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model")
 
 
-def token_ids(path: str, tok: Tokenizer) -> dict[str, int] | None:
+def token_ids(path: str, tok: Tokenizer) -> dict[str, int | None] | None:
     """The ``bos/eos_token_id`` the export of checkpoint ``path`` writes (``export_hf``'s
-    ``token_ids``): ``None``, those ``--init-from``'s ``config.json`` named, for a fine-tune with
-    that model's own tokenizer; else (another tokenizer: ``--tokenizer bytes`` or ``bpe:N``, or a
-    run from scratch) the run's tokenizer ``tok``'s end-of-text id for both, as GPT-2's
-    ``<|endoftext|>`` is: it ends each text the run trained on and starts the next (the config's ids
-    are another vocabulary's, or transformers' class defaults: a Llama's 1 and 2, two bytes)."""
+    ``token_ids``), the ids ``meshtorch generate`` stops at on that run (:func:`run_eos
+    <meshtorch.recipes.lm.generate.run_eos>`): ``None``, those ``--init-from``'s ``config.json``
+    named, for a fine-tune with that model's own tokenizer; for a fine-tune with another tokenizer
+    (``--tokenizer bytes`` or ``bpe:N``) its end-of-text id ``tok.eos`` for both, as GPT-2's
+    ``<|endoftext|>`` is (the config's ids are another vocabulary's); for a run from scratch none,
+    written as ``null`` (its samples run their length; without the fields transformers would take
+    its class defaults, a Llama's 1 and 2: two bytes)."""
     if has_init_froms_tokenizer(path):
         return None
+    if not init_from_of(path):
+        return {"bos_token_id": None, "eos_token_id": None}
     return {"bos_token_id": tok.eos, "eos_token_id": tok.eos}
 
 

@@ -81,9 +81,13 @@ def run_eos(path: str, model: DecoderLM, tok: Tokenizer) -> list[int] | None:
     """The ``eos=`` the run of checkpoint ``path`` samples with (:func:`run_files.sample_eos
     <meshtorch.recipes.lm.run_files.sample_eos>`): its tokenizer's end-of-text id for a fine-tune
     with another tokenizer than ``--init-from``'s, else ``None`` (the model config's eos ids)."""
+    return sample_eos(model, tok, init_from_of(path), has_init_froms_tokenizer(path))
+
+
+def init_from_of(path: str) -> str:
+    """The ``--init-from`` the run of checkpoint ``path`` started from ("" for a run from scratch)."""
     extra = from_json(read_index(path).get("extra")) or {}
-    init_from = (extra.get("train_config") or {}).get("init_from") or ""
-    return sample_eos(model, tok, init_from, has_init_froms_tokenizer(path))
+    return (extra.get("train_config") or {}).get("init_from") or ""
 
 
 def has_init_froms_tokenizer(path: str) -> bool:
