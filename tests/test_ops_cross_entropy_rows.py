@@ -115,7 +115,7 @@ def test_kernels_that_fail_to_compile_fall_back_to_chunks_with_one_warning(monke
         return call
 
     monkeypatch.setattr(rows_mod, "_compiled", broken)
-    monkeypatch.setattr(rows_mod, "_COMPILE_FAILED", NoBackend)
+    monkeypatch.setattr(rows_mod, "_compile_failed", lambda: NoBackend)
     for name, value in (("failed", {}), ("forward", None), ("backward", None)):
         monkeypatch.setattr(rows_mod._Kernels, name, value)
     n, v = 9, 23

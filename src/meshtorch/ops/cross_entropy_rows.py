@@ -322,23 +322,28 @@ def _kernel_call(name: str, fn: object, *args: object) -> object:
         try:
             with torch.autocast(device, enabled=False), _recompile_room():
                 return compiled(*args)
-        except _COMPILE_FAILED as e:  # no backend for the device (no C++ compiler, no Triton)
+        except _OUT_OF_MEMORY:
+            raise
+        except Exception as e:  # noqa: BLE001 - sorted below
+            if not isinstance(e, _compile_failed()):
+                return None  # this call's own trouble: chunks say it in the user's words
+            # no backend for the device (no C++ compiler, no Triton)
             said = str(e).strip().splitlines()
             _Kernels.failed[device] = f"{type(e).__name__}: {said[0] if said else ''}"[:300]
             warnings.warn(f"cross_entropy_rows: generating its kernels failed on {device} "
                           f"({_Kernels.failed[device]}); the rows run in chunks of "
                           f"{fallback_bytes(device) >> 20} MiB of float32 there instead (set them "
                           f"with meshtorch.ops.cross_entropy_rows.chunk_bytes)", RuntimeWarning, stacklevel=3)
-        except _OUT_OF_MEMORY:
-            raise
-        except Exception:  # noqa: BLE001 - this call's own trouble: chunks say it in the user's words
-            pass
     return None
 
 
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # (torch.* from 2.5)
-#: what a compile that cannot be done raises (Inductor's errors, a missing compiler among them)
-_COMPILE_FAILED = getattr(getattr(torch._dynamo, "exc", None), "BackendCompilerFailed", RuntimeError)
+
+
+def _compile_failed() -> type[BaseException]:
+    """What a compile that cannot be done raises (Inductor's errors, a missing compiler among them);
+    looked up when needed: importing Dynamo at meshtorch's import costs every process seconds."""
+    return getattr(getattr(torch._dynamo, "exc", None), "BackendCompilerFailed", RuntimeError)
 
 
 def fallback_bytes(device_type: str) -> int:
