@@ -43,7 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.autograd.profiler import profile
+from torch.profiler import record_function
 
 _CALL = "meshtorch_collective"  # the profiler's window around each torch.distributed call
 # an asynchronous call's issue and its wait, paired by a number: "meshtorch_issue_7", "meshtorch_wait_7"
@@ -51,11 +52,11 @@ _ISSUE, _WAIT = "meshtorch_issue_", "meshtorch_wait_"
 _issues = itertools.count()
 
 
-def _peaks(prof, names: list[str]) -> list[int]:
+def _peaks(prof: profile, names: list[str]) -> list[int]:
     events, windows, calls = [], {}, []
     issued: dict[str, tuple[int, int]] = {}  # number -> an asynchronous call's issue window
     waited: dict[str, int] = {}  # number -> the end of its wait
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    stack = list(prof.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
@@ -227,7 +228,10 @@ def step_peaks(setup: Callable[[], Any], step: Callable[[Any], Any], repeats: in
     """The allocator's peak bytes during each of ``repeats`` calls ``step(state)``,
     ``state = setup()`` (everything the steps use is made inside the profile)."""
     names = [f"meshtorch_step_{i}" for i in range(repeats)]
-    with caller_frees(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    # the autograd profiler that torch.profiler.profile drives, driven directly: the same CPU events,
+    # without torch.profiler's start-up, whose hasattr(torch, "_inductor") imports Inductor and
+    # Dynamo (about 1.2 s of CPU, once per measuring process)
+    with caller_frees(), profile(use_cpu=True, profile_memory=True, use_kineto=True) as prof:
         state = setup()
         for name in names:
             with record_function(name):

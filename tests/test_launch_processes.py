@@ -215,6 +215,19 @@ def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():
     assert out.stdout.split() == ["1", "False"]
 
 
+def _modules_a_first_optimizer_imports() -> list[str]:
+    before = set(sys.modules)
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    return sorted(set(sys.modules) - before)
+
+
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="the fork server preloads Dynamo without CUDA")
+def test_a_processor_makes_its_first_optimizer_without_importing_dynamo():
+    """torch's optimizers import Dynamo at their first add_param_group (about a second of CPU in each
+    processor that trains): the fork server has imported it for them."""
+    assert mt.launch(_modules_a_first_optimizer_imports, mesh="b:2", backend="torch") == [[], []]
+
+
 def sends_then_returns_before_it_is_received(n: int):
     comm = mt.current().comm
     if comm.rank == 0:

@@ -3,8 +3,9 @@
 The fork server (:mod:`meshtorch.launcher.processes`) imports this module once; every
 processor forked from it then starts with torch, ``torch.distributed``, the torch
 communicator and meshtorch's public API already imported, instead of importing them
-afresh (about a second of CPU per processor). Importing it starts no thread of
-meshtorch's and touches no GPU: a process forked after it may still use CUDA.
+afresh (about a second of CPU per processor), and on a torch without CUDA also Dynamo,
+which torch's optimizers import on first use (about another second). Importing it starts
+no thread of meshtorch's and touches no GPU: a process forked after it may still use CUDA.
 
 Example:
     >>> import sys
@@ -15,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import torch
 import torch.distributed  # noqa: F401 - imported for the processors forked after it
 
 import meshtorch
@@ -22,3 +24,10 @@ import meshtorch.comm.torch  # noqa: F401 - the communicator every processor mak
 
 # the package binds its public API lazily, on the first use of a name: bind it here, once
 meshtorch.__all__  # noqa: B018 - the attribute access is the point
+
+# torch.optim's optimizers import Dynamo at their first add_param_group (torch._disable_dynamo
+# imports it lazily): about a second of CPU in every processor that trains, paid here once instead.
+# Only where torch has no CUDA: that the import leaves the CUDA driver alone (a driver started
+# before the fork is unusable in the processors) is not checked on a CUDA build yet
+if not torch.backends.cuda.is_built():
+    import torch._dynamo  # noqa: F401
