@@ -11,6 +11,7 @@ submodule of a package whose ``__init__`` re-exports it would be in a cycle.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import networkx as nx
@@ -32,7 +33,13 @@ def _module_name(path: Path) -> str:
 
 
 MODULES: dict[str, Path] = {_module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
-TREES: dict[str, ast.Module] = {name: ast.parse(p.read_text(), str(p)) for name, p in MODULES.items()}
+
+
+@functools.cache
+def trees() -> dict[str, ast.Module]:
+    """Every module's syntax tree, parsed on first use: not as each xdist worker collects this file
+    (about a second of CPU at every worker's start, where one worker runs these tests)."""
+    return {name: ast.parse(p.read_text(), str(p)) for name, p in MODULES.items()}
 
 
 def _is_package(name: str) -> bool:
@@ -57,7 +64,7 @@ def _existing(name: str) -> str | None:
 
 def imports_of(name: str) -> list[tuple[str, int]]:
     """(imported meshtorch module, line) for every import statement in module ``name``."""
-    tree = TREES[name]
+    tree = trees()[name]
     skip = _type_checking_nodes(tree)
     found: list[tuple[str, int]] = []
     for node in ast.walk(tree):
@@ -158,7 +165,7 @@ def test_only_the_lowering_decides_communication(package):
 
 def test_no_bare_assert_in_the_library():
     # asserts vanish under python -O; a check the user can trip raises a meshtorch error instead
-    offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in TREES.items()
+    offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in trees().items()
                  for node in ast.walk(tree) if isinstance(node, ast.Assert)]
     assert not offenders, "bare assert in src/meshtorch (raise a meshtorch.errors class):\n" \
         + "\n".join(offenders)
@@ -168,7 +175,7 @@ def test_only_front_ends_print():
     def front_end(name: str) -> bool:
         return name.rpartition(".")[2] in FRONT_ENDS or any(_in(name, p) for p in FRONT_END_PACKAGES)
 
-    offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in TREES.items() if not front_end(name)
+    offenders = [f"{MODULES[name]}:{node.lineno}" for name, tree in trees().items() if not front_end(name)
                  for node in ast.walk(tree)
                  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                  and node.func.id == "print"]
