@@ -116,10 +116,6 @@ def test_kernels_that_fail_to_compile_fall_back_to_chunks_with_one_warning(monke
 
     monkeypatch.setattr(rows_mod, "_compiled", broken)
     monkeypatch.setattr(rows_mod, "_compile_failed", lambda: NoBackend)
-    # (the compile path itself: in one full run an earlier test on the same worker left the loss
-    # off that path, no compile tried, no warning; which state it was is not found yet)
-    monkeypatch.setattr(rows_mod, "_in_dispatch_mode", lambda: False)
-    monkeypatch.setattr(rows_mod, "_dynamo_off", lambda: False)
     for name, value in (("failed", {}), ("forward", None), ("backward", None)):
         monkeypatch.setattr(rows_mod._Kernels, name, value)
     n, v = 9, 23
@@ -187,12 +183,13 @@ def test_a_traced_backward_runs_the_kernels_formula_inline(monkeypatch):
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
-@pytest.mark.parametrize("private_test", [True, False])
+@pytest.mark.parametrize("private_test", ["stack", "flag", "none"])
 def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, private_test):
     """A FLOP counter (a TorchDispatchMode, under which Dynamo does not compile) around the loss:
-    the kernels' formula runs uncompiled, the same numbers, and the kernels are not marked failed.
-    Without torch's private test for a mode, a compile under one fails like any other: chunks and
-    the warning, the same numbers still."""
+    the kernels' formula runs uncompiled, the same numbers, and the kernels are not marked failed,
+    whether the mode is found on this thread's mode stack or (a torch without that) from torch's
+    flag. Without either private test, a compile under one fails like any other: chunks and the
+    warning, the same numbers still."""
     import types
 
     from torch.utils.flop_counter import FlopCounterMode
@@ -201,7 +198,9 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
 
     for name, value in (("failed", {}), ("forward", None), ("backward", None)):
         monkeypatch.setattr(rows_mod._Kernels, name, value)
-    if not private_test:  # (torch's own module keeps it: torch imports it itself)
+    if private_test != "stack":
+        monkeypatch.setattr(rows_mod, "_mode_stack_len", None)
+    if private_test == "none":  # (torch's own module keeps it: torch imports it itself)
         monkeypatch.setattr(rows_mod, "_python_dispatch", types.SimpleNamespace())
     n, v = 9, 23
     x, ids, up = logits_and_ids(n, v, torch.bfloat16, None)
@@ -215,10 +214,73 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
     assert flops.get_total_flops() >= 0
     # with torch's test the formula ran uncompiled; without it the compile under the mode fails
     # (this call chunks) or, on torch 2.11, runs eagerly: a warning only where a backend was refused
-    if private_test:
+    if private_test != "none":
         assert rows_mod._Kernels.failed == {}
     failed = "cpu" in rows_mod._Kernels.failed
     assert any("generating its kernels failed" in str(w.message) for w in said) == failed
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, None, 0.0)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+
+
+def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypatch):
+    """torch's "a dispatch mode is active" flag is one per process: two threads each entering a
+    FLOP counter, the first leaving before the second (thread-processors counting their own FLOPs)
+    leave it set after both have exited. The loss asks its own thread's mode stack instead: here,
+    with no mode on this thread, the kernels compile and run (the flag stays as torch left it
+    until this test ends)."""
+    import threading
+
+    from torch.utils import _python_dispatch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import meshtorch.ops.cross_entropy_rows as rows_mod
+
+    for name in ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+                 "_is_in_any_mode_without_ignore_compile_internals"):
+        if hasattr(_python_dispatch, name):  # (restored at the test's end: torch's own state)
+            monkeypatch.setattr(_python_dispatch, name, getattr(_python_dispatch, name))
+    setter = getattr(_python_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)
+    flag = getattr(_python_dispatch, "_is_in_any_mode_without_ignore_compile_internals", False)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with FlopCounterMode(display=False):
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def second():
+        a_in.wait()
+        with FlopCounterMode(display=False):
+            b_in.set()
+            a_out.wait()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        leaked = _python_dispatch.is_in_torch_dispatch_mode()
+        for name, value in (("failed", {}), ("forward", None), ("backward", None)):
+            monkeypatch.setattr(rows_mod._Kernels, name, value)
+        n, v = 9, 23
+        x, ids, up = logits_and_ids(n, v, torch.bfloat16, None)
+        x = x.requires_grad_()
+        with chunk_bytes(0):
+            loss = cross_entropy_rows(x, ids)
+            (loss * up.float()).sum().backward()
+    finally:
+        if setter is not None:
+            setter(flag)
+    # (what the test stands on: torch's flag left set, where torch still keeps one per process)
+    assert leaked or not hasattr(_python_dispatch, "_is_in_torch_dispatch_mode")
+    assert not rows_mod._in_dispatch_mode()
+    assert rows_mod._Kernels.forward is not None and rows_mod._Kernels.backward is not None
+    assert rows_mod._Kernels.failed == {}
     x64 = x.detach().double().requires_grad_()
     want = reference(x64, ids, None, 0.0)
     (want * up).sum().backward()

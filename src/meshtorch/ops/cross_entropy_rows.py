@@ -282,10 +282,19 @@ def _compiled(fn: object) -> object:
     return torch.compile(fn, fullgraph=True)
 
 
+_mode_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
 def _in_dispatch_mode() -> bool:
-    """Whether a ``TorchDispatchMode`` (a FLOP counter, a tracer) is active: Dynamo does not compile
-    under one. torch's private test, where this torch has it (2.1 on); else a mode is assumed absent
-    and a compile that fails under one falls back as any failed compile does."""
+    """Whether a ``TorchDispatchMode`` (a FLOP counter, a tracer) is active in this thread: Dynamo
+    does not compile under one. Read from this thread's mode stack (torch's private
+    ``_len_torch_dispatch_stack``, 2.0 on), not from ``is_in_torch_dispatch_mode()``: that is one
+    flag per process, which modes entered and left on several threads at once (a FLOP counter in
+    each thread-processor's program) leave set after they have all exited, so that every later
+    call would run uncompiled. Where this torch has neither, a mode is assumed absent and a compile
+    that fails under one falls back as any failed compile does."""
+    if callable(_mode_stack_len):
+        return _mode_stack_len() > 0
     test = getattr(_python_dispatch, "is_in_torch_dispatch_mode", None)
     return bool(test()) if callable(test) else False
 
