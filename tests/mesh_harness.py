@@ -8,6 +8,7 @@ computation written in plain torch (float64) on one processor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -155,6 +156,27 @@ def aten_ops(fn) -> tuple[list[str], object]:
     with Ops() as ops:
         out = fn()
     return ops.names, out
+
+
+@contextlib.contextmanager
+def torch_mode_flags_kept():
+    """torch's process-wide "a dispatch mode is active" flags put back at the block's end as they
+    were at its start: dispatch modes entered and left on several threads at once (a FLOP counter
+    in each thread-processor's program) leave them set after all have exited, for every later
+    test on the worker."""
+    from torch.utils import _python_dispatch as pd
+
+    names = ("_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+             "_is_in_any_mode_without_ignore_compile_internals")
+    before = {n: getattr(pd, n) for n in names if hasattr(pd, n)}
+    try:
+        yield
+    finally:
+        for n, v in before.items():
+            setattr(pd, n, v)
+        setter = getattr(pd, "set_is_in_mode_without_ignore_compile_internals", None)
+        if setter is not None and names[2] in before:
+            setter(before[names[2]])  # (its C++ twin, which Dynamo reads)
 
 
 class FailingBackward(torch.autograd.Function):

@@ -252,7 +252,7 @@ def test_a_use_block_left_on_another_thread_leaves_that_threads_default():
     """A generator holding ``with mt.use(ctx): yield`` may be finished on another thread, which has
     no context of its own: leaving the block there keeps that thread's default (it raised
     AttributeError)."""
-    from meshtorch.context import ProcessorContext, use
+    from meshtorch.context import ProcessorContext, here, use
 
     ctx = mt.current()
 
@@ -260,8 +260,6 @@ def test_a_use_block_left_on_another_thread_leaves_that_threads_default():
         with use(ctx):
             yield
 
-    gen = held()
-    next(gen)
     errors = []
 
     def finish():
@@ -271,9 +269,15 @@ def test_a_use_block_left_on_another_thread_leaves_that_threads_default():
         except Exception as e:  # noqa: BLE001 (the test reports it)
             errors.append(e)
 
-    t = threading.Thread(target=finish)
-    t.start()
-    t.join()
+    before = here.ctx
+    try:
+        gen = held()
+        next(gen)
+        t = threading.Thread(target=finish)
+        t.start()
+        t.join()
+    finally:
+        here.ctx = before  # (this thread's block was never left here: later tests see no context)
     assert len(errors) == 1 and isinstance(errors[0], ProcessorContext), errors
 
 

@@ -266,6 +266,7 @@ class _Kernels:
     forward: object = None
     backward: object = None
     failed: dict[str, str] = {}
+    last_error = ""  # the last call's own error, which sent it to the chunks (for a diagnosis)
 
 
 def _recompile_room() -> contextlib.AbstractContextManager:
@@ -335,6 +336,7 @@ def _kernel_call(name: str, fn: object, *args: object) -> object:
             raise
         except Exception as e:  # noqa: BLE001 - sorted below
             if not isinstance(e, _compile_failed()):
+                _Kernels.last_error = f"{type(e).__name__}: {e}"[:2000]
                 return None  # this call's own trouble: chunks say it in the user's words
             # no backend for the device (no C++ compiler, no Triton)
             said = str(e).strip().splitlines()
