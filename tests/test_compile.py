@@ -248,6 +248,34 @@ def test_one_processor_inductor_step_matches_eager():
     assert graph_breaks() == {}
 
 
+def test_a_compiled_step_under_a_flop_counter_runs_uncompiled_and_later_steps_compile():
+    """A compiled step called under ``FlopCounterMode`` (a user counting a step's FLOPs) runs as
+    it is: the eager value, the matmul's 2*m*n*k FLOPs counted. Calling the compiled function
+    there would mark compile_step's wrapper code never to compile again in the process (torch
+    2.13): afterwards the same step, and a new one, still compile, one graph each."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    kernel = mt.from_global(w, "d_model:8,d_ff:16")
+
+    def loss_fn(x):
+        return mt.reduce_sum(mt.einsum(x, kernel, output_shape="batch:4,d_ff:16"))
+
+    step = compile_step(loss_fn, backend="eager")
+    xs = mt.from_global(x, "batch:4,d_model:8")
+    with FlopCounterMode(display=False) as flops:
+        counted = step(xs).item()
+    assert flops.get_total_flops() == 2 * 4 * 8 * 16
+    assert counters["stats"]["unique_graphs"] == 0  # nothing compiled under the counter
+    want = (x @ w).sum().item()
+    assert counted == pytest.approx(want, rel=1e-6)
+    assert step(xs).item() == pytest.approx(want, rel=1e-6)
+    other = compile_step(lambda t: mt.reduce_sum(t * 2), backend="eager")
+    assert other(xs).item() == pytest.approx(2 * x.sum().item(), rel=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2 and graph_breaks() == {}
+
+
 def test_two_thread_processors_run_collectives_as_opaque_ops_of_the_graph():
     """Rules split the batch and d_ff over one axis, so the forward and backward all-gather,
     reduce-scatter and all-reduce; each processor compiles one graph without breaks, whose

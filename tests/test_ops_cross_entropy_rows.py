@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch._dynamo.backends.common import aot_autograd
 
 import meshtorch as mt
+import meshtorch.caching as caching
 import meshtorch.ops.nn as nn_ops
 from bench_harness import load_benchmark
 from mesh_harness import aten_ops, meshes, rules_for, torch_mode_flags_kept
@@ -198,10 +199,12 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
 
     for name, value in (("failed", {}), ("forward", None), ("backward", None)):
         monkeypatch.setattr(rows_mod._Kernels, name, value)
-    if private_test != "stack":
-        monkeypatch.setattr(rows_mod, "_mode_stack_len", None)
-    if private_test == "none":  # (torch's own module keeps it: torch imports it itself)
-        monkeypatch.setattr(rows_mod, "_python_dispatch", types.SimpleNamespace())
+    if private_test != "stack":  # (a torch without the first, or without both)
+        from torch.utils import _python_dispatch
+
+        flag = _python_dispatch.is_in_torch_dispatch_mode if private_test == "flag" else None
+        monkeypatch.setattr(caching, "_mode_tests", (None, flag))
+    if private_test == "none":
         # the kernels' functions as copies of new code objects: a compile tried under a mode
         # marks its code as never to compile again in this process (torch 2.13: any later
         # torch.compile of it finds "no compiled frames"), which would leave every later test
@@ -276,7 +279,7 @@ def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypa
             (loss * up.float()).sum().backward()
     # (what the test stands on: torch's flag left set, where torch still keeps one per process)
     assert leaked or not hasattr(_python_dispatch, "_is_in_torch_dispatch_mode")
-    assert not rows_mod._in_dispatch_mode()
+    assert not caching.dispatch_mode_active()
     assert rows_mod._Kernels.forward is not None and rows_mod._Kernels.backward is not None, \
         rows_mod._Kernels.last_error
     assert rows_mod._Kernels.failed == {}

@@ -107,6 +107,44 @@ def compiling() -> bool:
 _is_dynamo_compiling: Callable[[], bool] | None = None
 
 
+# (torch's two private tests of a dispatch mode: looked up at the first call, as this module
+# never imports torch; a test replaces them to stand for a torch without one)
+_mode_tests: tuple[Callable[[], int] | None, Callable[[], bool] | None] | None = None
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (a FLOP counter, a planner's tracer) is active on this
+    thread. ``torch.compile`` does not compile under one, and a compiled function called there is
+    marked never to compile again in the process (torch 2.13: its later calls find "no compiled
+    frames"), so callers run their code uncompiled instead.
+
+    Read from this thread's mode stack (torch's private ``_len_torch_dispatch_stack``, 2.0 on),
+    not from ``is_in_torch_dispatch_mode()``, one flag per process, which modes entered and left
+    on several threads at once (a FLOP counter in each thread-processor's program) leave set after
+    all have exited; that flag where this torch lacks the stack's length; False without either.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.flop_counter import FlopCounterMode
+        >>> from meshtorch.caching import dispatch_mode_active
+        >>> with FlopCounterMode(display=False):
+        ...     inside = dispatch_mode_active()
+        >>> inside, dispatch_mode_active()
+        (True, False)
+    """
+    global _mode_tests
+    if _mode_tests is None:
+        import torch
+        from torch.utils import _python_dispatch
+
+        _mode_tests = (getattr(torch._C, "_len_torch_dispatch_stack", None),
+                       getattr(_python_dispatch, "is_in_torch_dispatch_mode", None))
+    stack, flag = _mode_tests
+    if callable(stack):
+        return stack() > 0
+    return bool(flag()) if callable(flag) else False
+
+
 def cache_root() -> Path:
     """Where meshtorch keeps per-machine results (the planner's calibration, encoded corpora):
     ``$MESHTORCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/meshtorch`` (``~/.cache/meshtorch``).

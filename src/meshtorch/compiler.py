@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from meshtorch.caching import CONSTANT_RESULTS
+from meshtorch.caching import CONSTANT_RESULTS, dispatch_mode_active
 from meshtorch.comm.stats import begin_traced, traced_tally
 from meshtorch.context import current
 from meshtorch.tensor import MeshTensor
@@ -52,7 +52,8 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
     e.g. one that reads ``.item()``). Shapes are static by default: a batch of another shape
     compiles again. Under the threads backend every processor compiles its own graph of the
     same code (its plans, its slices) on its first call: Dynamo's recompile limits are raised
-    to allow one version per processor.
+    to allow one version per processor. Under a ``TorchDispatchMode`` (a FLOP counter) ``fn``
+    runs uncompiled, as the same values: ``torch.compile`` does not compile there.
 
     Example:
         >>> import torch, meshtorch as mt
@@ -87,6 +88,10 @@ def compile_step(fn: Callable[..., Any], backend: Any = "inductor", dynamic: boo
     compiled = torch.compile(traced, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
 
     def step(*args: Any, **kwargs: Any) -> Any:
+        if dispatch_mode_active():
+            # torch.compile would not compile here, and the try would mark `traced`'s code (every
+            # compiled step's) never to compile again in the process
+            return fn(*args, **kwargs)
         _values_in((args, kwargs))
         with _fx_trace_check_off(config) if shared else nullcontext():
             out, tally = compiled(*args, **kwargs)

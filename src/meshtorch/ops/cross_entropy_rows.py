@@ -46,8 +46,8 @@ import warnings
 from collections.abc import Iterator
 
 import torch
-from torch.utils import _python_dispatch
 
+from meshtorch.caching import dispatch_mode_active
 from meshtorch.context import current, here
 from meshtorch.errors import ArgumentError
 from meshtorch.lowering.lower import is_dynamo_compiling
@@ -283,23 +283,6 @@ def _compiled(fn: object) -> object:
     return torch.compile(fn, fullgraph=True)
 
 
-_mode_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
-
-
-def _in_dispatch_mode() -> bool:
-    """Whether a ``TorchDispatchMode`` (a FLOP counter, a tracer) is active in this thread: Dynamo
-    does not compile under one. Read from this thread's mode stack (torch's private
-    ``_len_torch_dispatch_stack``, 2.0 on), not from ``is_in_torch_dispatch_mode()``: that is one
-    flag per process, which modes entered and left on several threads at once (a FLOP counter in
-    each thread-processor's program) leave set after they have all exited, so that every later
-    call would run uncompiled. Where this torch has neither, a mode is assumed absent and a compile
-    that fails under one falls back as any failed compile does."""
-    if callable(_mode_stack_len):
-        return _mode_stack_len() > 0
-    test = getattr(_python_dispatch, "is_in_torch_dispatch_mode", None)
-    return bool(test()) if callable(test) else False
-
-
 def _dynamo_off() -> bool:
     """Whether compiled functions run eagerly now: Dynamo disabled (``TORCHDYNAMO_DISABLE=1``,
     ``torch._dynamo.config.disable``) or ``torch.compiler.set_stance("force_eager")`` or
@@ -321,7 +304,7 @@ def _kernel_call(name: str, fn: object, *args: object) -> object:
     error comes back in the user's words). Under a dispatch mode or with Dynamo off ``fn`` runs as
     it is: the same numbers, float32 [rows, vocab] temporaries and all."""
     device = args[0].device.type
-    if _in_dispatch_mode() or _dynamo_off():  # (no compile then: it would fail, or run eagerly)
+    if dispatch_mode_active() or _dynamo_off():  # (no compile then: see dispatch_mode_active)
         with torch.autocast(device, enabled=False):
             return fn(*args)
     with _Kernels.lock:
