@@ -105,6 +105,7 @@ def test_generation_stops_at_the_configs_eos_as_transformers_generate(pad):
     # a list of eos ids, as Llama 3 has: each row meets one, at different steps
     eos = [full[0][2], full[1][6], full[2][1]]
     hf.config.eos_token_id, hf.config.pad_token_id = eos, pad
+    hf.generation_config.eos_token_id = eos  # (what generate stops at: generation_config.json's)
     with torch.no_grad():
         want = hf.generate(prompts, eos_token_id=eos, pad_token_id=eos[0] if pad is None else pad,
                            **kw)[:, 5:].tolist()
@@ -194,11 +195,12 @@ def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, caps
             hf.lm_head.weight[tok.eos] = hf.lm_head.weight[full[4]] * 1.5
         full = greedy()
         k = full.index(tok.eos)
-        hf.config.eos_token_id = full[0]  # config.json's id: a byte before the end of text
+        # config.json's id (and generation_config.json's): a byte before the end of text
+        hf.config.eos_token_id = hf.generation_config.eos_token_id = full[0]
         assert 0 < k < 7 and full[0] != tok.eos
     else:
         k = full.index(full[3])
-        hf.config.eos_token_id = full[3]
+        hf.config.eos_token_id = hf.generation_config.eos_token_id = full[3]
         assert full[3] != tok.eos
     hf.save_pretrained(tmp_path / "llama")
     # a step at lr 1e-12 moves no float32 weight: the checkpoint is transformers' model, with its eos
@@ -268,6 +270,46 @@ def test_export_keeps_the_token_ids(tmp_path, make):
     if back["model_type"] == "llama":
         with pytest.raises(ArgumentError, match="a llama's pad_token_id is the model's \\(3: its padding_id"):
             export_hf(tmp_path / "bad", from_hf(hf), token_ids={"pad_token_id": 5})
+
+
+def test_generation_config_eos_ids_are_where_generation_stops_as_in_transformers(tmp_path):
+    """An instruct model lists its end-of-turn ids in generation_config.json, config.json one id:
+    transformers' generate stops at the former. from_hf reads them (from the directory, or a model
+    object's generation_config), generate stops where transformers' does, and the export writes
+    them into config.json, where transformers finds them again; a bad file is refused by name."""
+    hf = small_llama(num_key_value_heads=1, eos_token_id=2)
+    prompts = torch.randint(0, hf.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=12)
+    with torch.no_grad():
+        full = hf.generate(prompts, eos_token_id=None, pad_token_id=0, **kw)[:, 5:].tolist()
+    eos = [full[0][3], full[1][5], full[2][1]]  # each row meets one, at different steps
+    hf.generation_config.eos_token_id = eos
+    hf.save_pretrained(tmp_path / "in")
+    assert json.loads((tmp_path / "in" / "config.json").read_text())["eos_token_id"] == 2
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in").eval()
+    assert loaded.generation_config.eos_token_id == eos
+    with torch.no_grad():  # (finished rows padded with the first eos id, as without a pad_token_id)
+        want = loaded.generate(prompts, pad_token_id=eos[0], **kw)[:, 5:].tolist()
+    assert len(want[0]) < 12 and want != full
+
+    def prog(source):
+        model = from_hf(source)
+        export_hf(tmp_path / "out", model)
+        return model.cfg.token_ids("eos_token_id"), generate(model, prompts.tolist(), 12)
+
+    for source in (str(tmp_path / "in"), hf):
+        ids, got = mt.launch(prog, source, mesh="b:2", rules="batch:b")[0]
+        assert ids == eos and got == want
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+        assert back.config.eos_token_id == eos and back.generation_config.eos_token_id == eos
+    # without a generation_config.json, config.json's
+    (tmp_path / "in" / "generation_config.json").unlink()
+    assert mt.launch(lambda: from_hf(str(tmp_path / "in")).cfg.token_ids("eos_token_id"))[0] == [2]
+    wrong = "eos_token_id is '2'; it must be a token id or a list of them"
+    for text, said in (("{", "is not valid JSON"), ('{"eos_token_id": "2"}', wrong)):
+        (tmp_path / "in" / "generation_config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=said):
+            from_hf(str(tmp_path / "in"))
 
 
 @pytest.mark.parametrize("tokenizer", ["init-from", "bytes", "scratch"])

@@ -52,6 +52,9 @@ from meshtorch.models.lm import DecoderLM
 
 ARCHITECTURES: dict[str, ModuleType] = {gpt2.MODEL_TYPE: gpt2, llama.MODEL_TYPE: llama}
 CONFIG = "config.json"
+# where transformers keeps generate's settings beside config.json; its eos_token_id, where it names
+# one, is where transformers' generate stops (instruct models list their end-of-turn ids there)
+GENERATION_CONFIG = "generation_config.json"
 # TransformerConfig fields a loaded model may set freely: how it runs, not what its weights mean
 RUN_OPTIONS = ("dropout", "attention")
 # HF config fields the model does not use but its users do (transformers' generate stops at
@@ -211,9 +214,42 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
                               f"weight {arch.HEAD!r}, which {src.where} lacks (a bare {arch.BARE_CLASS} "
                               f"holds none); pass the {arch.LM_CLASS}, its state dict or its directory")
     kept = {k: hf_config[k] for k in TOKEN_IDS if hf_config is not None and hf_config.get(k) is not None}
+    eos = _generation_eos(source, path)
+    if eos is not None:
+        kept["eos_token_id"] = eos
     if kept:
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, HF_EXTRA: kept})
     return arch, cfg, src
+
+
+def _generation_eos(source: Any, path: str | None) -> int | list[int] | None:
+    """The ``eos_token_id`` transformers' ``generate`` stops at where it is not config.json's: the
+    one ``generation_config.json`` beside it names (a directory), or the model object's
+    ``generation_config`` (which transformers loaded from that file); ``None`` where neither names
+    one (config.json's then holds, as in transformers)."""
+    if path is not None:
+        gfile = os.path.join(path, GENERATION_CONFIG)
+        if not os.path.isfile(gfile):
+            return None
+        try:
+            with open(gfile) as f:
+                generation = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{gfile} is not valid JSON ({e}); fix it or remove it (it holds "
+                                  "transformers' generate settings, read for its eos_token_id)") from None
+        eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
+        where = gfile
+    else:
+        eos = getattr(getattr(source, "generation_config", None), "eos_token_id", None)
+        where = f"{type(source).__name__}.generation_config"
+    if eos is None:
+        return None
+    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in ids)):
+        raise CheckpointError(f"{where}: eos_token_id is {eos!r}; it must be a token id or a list of them, "
+                              f'e.g. "eos_token_id": [128001, 128009]; fix it or remove the field')
+    return eos if isinstance(eos, int) else list(ids)
 
 
 def hf_config(path: str | os.PathLike) -> tuple[str, TransformerConfig, dict[str, str]]:
@@ -267,7 +303,9 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
 
     Parameters are float32 (whatever the source dtype); train or run in bf16
     with :func:`meshtorch.autocast`. The config's token ids (:data:`TOKEN_IDS`) are kept in
-    ``model.cfg.extra`` for :func:`export_hf`.
+    ``model.cfg.extra`` for :func:`export_hf` and generation; ``eos_token_id`` is the one a
+    directory's ``generation_config.json`` (a model object's ``generation_config``) names, where
+    it names one: the ids transformers' ``generate`` stops at (an instruct model's end-of-turn).
 
     Every processor reads the files itself (each host its own copy), and they agree before
     going on: where one fails (a missing or unreadable file, a bad config), every processor
