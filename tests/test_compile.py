@@ -276,6 +276,33 @@ def test_a_compiled_step_under_a_flop_counter_runs_uncompiled_and_later_steps_co
     assert counters["stats"]["unique_graphs"] == 2 and graph_breaks() == {}
 
 
+def test_a_compiled_step_compiles_where_dynamo_compiles_under_a_mode_and_inside_a_compile():
+    """Under a dispatch mode that ignores compile internals (as selective checkpointing's does)
+    Dynamo compiles, and so does a compiled step (one graph); a compiled step called inside an
+    outer ``torch.compile(fullgraph=True)`` is traced into that one graph (the mode test is not
+    traced: it would break the graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Quiet(TorchDispatchMode):
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    xs = mt.from_global(x, "batch:4,d_model:8")
+    step = compile_step(lambda t: mt.reduce_sum(t * 3), backend="eager")
+    with Quiet():
+        assert step(xs).item() == pytest.approx(3 * x.sum().item(), rel=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
+    inner = compile_step(lambda t: mt.reduce_sum(t * 2), backend="eager")
+    outer = torch.compile(lambda t: inner(t) * 5, backend="eager", fullgraph=True)
+    assert outer(xs).item() == pytest.approx(10 * x.sum().item(), rel=1e-6)
+    assert counters["stats"]["unique_graphs"] == 2 and graph_breaks() == {}
+
+
 def test_two_thread_processors_run_collectives_as_opaque_ops_of_the_graph():
     """Rules split the batch and d_ff over one axis, so the forward and backward all-gather,
     reduce-scatter and all-reduce; each processor compiles one graph without breaks, whose

@@ -85,10 +85,11 @@ def test_the_generated_kernels_are_the_float64_loss_and_gradient(z_loss, ignore_
     x = x.requires_grad_()
     saved = []
     keep = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    calls = _Kernels.compiled_calls
     with chunk_bytes(0), keep:
         loss = cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
     (loss * up.float()).sum().backward()
-    assert "cpu" not in _Kernels.failed and _Kernels.forward is not None and _Kernels.backward is not None
+    assert "cpu" not in _Kernels.failed and _Kernels.compiled_calls == calls + 2, _Kernels.last_error
     assert max(t.numel() for t in saved if t.dtype == torch.float32) == n, [(t.dtype, t.shape) for t in saved]
     x64 = x.detach().double().requires_grad_()
     want = reference(x64, ids, ignore_index, z_loss)
@@ -203,7 +204,7 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
         from torch.utils import _python_dispatch
 
         flag = _python_dispatch.is_in_torch_dispatch_mode if private_test == "flag" else None
-        monkeypatch.setattr(caching, "_mode_tests", (None, flag))
+        monkeypatch.setattr(caching, "_mode_tests", (None, None, flag))
     if private_test == "none":
         # the kernels' functions as copies of new code objects: a compile tried under a mode
         # marks its code as never to compile again in this process (torch 2.13: any later
@@ -236,11 +237,15 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
-def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypatch):
+@pytest.mark.parametrize("dynamo_reads", ["stack", "flag"])
+def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypatch, dynamo_reads):
     """torch's "a dispatch mode is active" flag is one per process: two threads each entering a
     FLOP counter, the first leaving before the second (thread-processors counting their own FLOPs)
-    leave it set after both have exited. The loss asks its own thread's mode stack instead: here,
-    with no mode on this thread, the kernels compile and run (torch's flags put back after)."""
+    leave it set after both have exited. Where Dynamo asks the thread's mode stack (torch >= 2.10)
+    the loss does too: here, with no mode on this thread, the kernels compile and run. Where
+    Dynamo reads the flag (older torch, stood for by its config switched off), it would skip the
+    kernels and mark them never to compile again: the loss runs their formula uncompiled while the
+    flag is set, and compiles them once it is clear."""
     import threading
 
     from torch.utils import _python_dispatch
@@ -248,6 +253,8 @@ def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypa
 
     import meshtorch.ops.cross_entropy_rows as rows_mod
 
+    if dynamo_reads == "flag":
+        monkeypatch.setattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False, raising=False)
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
 
     def first():
@@ -262,6 +269,20 @@ def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypa
             b_in.set()
             a_out.wait()
 
+    def loss_and_gradient():
+        x, ids, up = logits_and_ids(9, 23, torch.bfloat16, None)
+        x = x.requires_grad_()
+        with chunk_bytes(0):
+            loss = cross_entropy_rows(x, ids)
+            (loss * up.float()).sum().backward()
+        x64 = x.detach().double().requires_grad_()
+        want = reference(x64, ids, None, 0.0)
+        (want * up).sum().backward()
+        torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+
+    for name, value in (("failed", {}), ("forward", None), ("backward", None)):
+        monkeypatch.setattr(rows_mod._Kernels, name, value)
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     with torch_mode_flags_kept():  # (torch's own state, as it was before the test)
         for t in threads:
@@ -269,25 +290,16 @@ def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypa
         for t in threads:
             t.join()
         leaked = _python_dispatch.is_in_torch_dispatch_mode()
-        for name, value in (("failed", {}), ("forward", None), ("backward", None)):
-            monkeypatch.setattr(rows_mod._Kernels, name, value)
-        n, v = 9, 23
-        x, ids, up = logits_and_ids(n, v, torch.bfloat16, None)
-        x = x.requires_grad_()
-        with chunk_bytes(0):
-            loss = cross_entropy_rows(x, ids)
-            (loss * up.float()).sum().backward()
+        calls = rows_mod._Kernels.compiled_calls
+        loss_and_gradient()
+        compiled_while_set = rows_mod._Kernels.compiled_calls - calls
     # (what the test stands on: torch's flag left set, where torch still keeps one per process)
     assert leaked or not hasattr(_python_dispatch, "_is_in_torch_dispatch_mode")
-    assert not caching.dispatch_mode_active()
-    assert rows_mod._Kernels.forward is not None and rows_mod._Kernels.backward is not None, \
+    assert compiled_while_set == (2 if dynamo_reads == "stack" else 0), rows_mod._Kernels.last_error
+    calls = rows_mod._Kernels.compiled_calls
+    loss_and_gradient()  # the flag clear again: compiled (not marked never to compile)
+    assert rows_mod._Kernels.compiled_calls == calls + 2 and rows_mod._Kernels.failed == {}, \
         rows_mod._Kernels.last_error
-    assert rows_mod._Kernels.failed == {}
-    x64 = x.detach().double().requires_grad_()
-    want = reference(x64, ids, None, 0.0)
-    (want * up).sum().backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
 @pytest.mark.parametrize("off", ["stance", "disable"])

@@ -107,21 +107,50 @@ def compiling() -> bool:
 _is_dynamo_compiling: Callable[[], bool] | None = None
 
 
-# (torch's two private tests of a dispatch mode: looked up at the first call, as this module
-# never imports torch; a test replaces them to stand for a torch without one)
-_mode_tests: tuple[Callable[[], int] | None, Callable[[], bool] | None] | None = None
+# torch's private tests of a dispatch mode, looked up at the first call (this module never imports
+# torch): this thread's mode stack's length; Dynamo's own test of it (torch >= 2.10: a non-infra
+# mode that does not ignore compile internals); the process-wide flag older Dynamo reads. A test
+# replaces them to stand for a torch without some of them.
+_mode_tests: tuple[Callable[[], Any] | None, ...] | None = None
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a ``TorchDispatchMode`` (a FLOP counter, a planner's tracer) is active on this
-    thread. ``torch.compile`` does not compile under one, and a compiled function called there is
-    marked never to compile again in the process (torch 2.13: its later calls find "no compiled
-    frames"), so callers run their code uncompiled instead.
+def _load_mode_tests() -> tuple:
+    global _mode_tests
+    if _mode_tests is None:
+        import inspect
 
-    Read from this thread's mode stack (torch's private ``_len_torch_dispatch_stack``, 2.0 on),
-    not from ``is_in_torch_dispatch_mode()``, one flag per process, which modes entered and left
-    on several threads at once (a FLOP counter in each thread-processor's program) leave set after
-    all have exited; that flag where this torch lacks the stack's length; False without either.
+        import torch
+        from torch.utils import _python_dispatch as pd
+
+        flag = getattr(pd, "is_in_any_mode_without_ignore_compile_internals", None)
+        if flag is None and callable(getattr(pd, "is_in_torch_dispatch_mode", None)):
+            test = pd.is_in_torch_dispatch_mode
+            infra = "include_infra_modes" in inspect.signature(test).parameters
+            flag = (lambda: test(include_infra_modes=False)) if infra else test
+        _mode_tests = (getattr(torch._C, "_len_torch_dispatch_stack", None),
+                       getattr(pd, "any_torch_dispatch_mode_on_stack", None), flag)
+    return _mode_tests
+
+
+def _dynamo_reads_the_stack(on_stack: Callable[[], bool] | None) -> bool:
+    """Whether Dynamo skips a frame for a mode on this thread's stack (torch >= 2.10, its config's
+    ``inline_torch_dispatch_torch_compile``, on by default), not for the process-wide flag."""
+    if on_stack is None:
+        return False
+    config = sys.modules.get("torch._dynamo.config")  # (not imported: nothing compiled yet, defaults)
+    return bool(getattr(config, "inline_torch_dispatch_torch_compile", True))
+
+
+def dispatch_mode_active(any_mode: bool = True) -> bool:
+    """Whether ``torch.compile`` would refuse to compile here because of a ``TorchDispatchMode`` (a
+    FLOP counter, a planner's tracer): Dynamo runs a frame uncompiled under one, and a function
+    compiled with ``fullgraph=True`` called there is marked never to compile again in the process
+    (torch 2.13: its later calls find "no compiled frames"), so callers run their code uncompiled
+    instead. Dynamo's own test: on torch >= 2.10 a mode on this thread's stack (modes of torch's
+    tracing infrastructure and those that ignore compile internals aside), before it one flag per
+    process, which modes entered and left on several threads at once leave set.
+    ``any_mode``: also True for any mode on this thread's stack, the infrastructure's too (code
+    that must not call a compiled function inside a trace, e.g. AOTAutograd's of a backward).
 
     Example:
         >>> import torch
@@ -132,16 +161,11 @@ def dispatch_mode_active() -> bool:
         >>> inside, dispatch_mode_active()
         (True, False)
     """
-    global _mode_tests
-    if _mode_tests is None:
-        import torch
-        from torch.utils import _python_dispatch
-
-        _mode_tests = (getattr(torch._C, "_len_torch_dispatch_stack", None),
-                       getattr(_python_dispatch, "is_in_torch_dispatch_mode", None))
-    stack, flag = _mode_tests
-    if callable(stack):
-        return stack() > 0
+    stack, on_stack, flag = _mode_tests or _load_mode_tests()
+    if any_mode and callable(stack) and stack() > 0:
+        return True
+    if _dynamo_reads_the_stack(on_stack):
+        return on_stack()
     return bool(flag()) if callable(flag) else False
 
 

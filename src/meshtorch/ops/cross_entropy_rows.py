@@ -267,6 +267,7 @@ class _Kernels:
     backward: object = None
     failed: dict[str, str] = {}
     last_error = ""  # the last call's own error, which sent it to the chunks (for a diagnosis)
+    compiled_calls = 0  # calls the compiled functions answered (fullgraph: none ran uncompiled)
 
 
 def _recompile_room() -> contextlib.AbstractContextManager:
@@ -314,7 +315,9 @@ def _kernel_call(name: str, fn: object, *args: object) -> object:
         setattr(_Kernels, name, compiled)
         try:
             with torch.autocast(device, enabled=False), _recompile_room():
-                return compiled(*args)
+                out = compiled(*args)
+            _Kernels.compiled_calls += 1
+            return out
         except _OUT_OF_MEMORY:
             raise
         except Exception as e:  # noqa: BLE001 - sorted below
