@@ -274,23 +274,24 @@ def test_export_keeps_the_token_ids(tmp_path, make):
 
 def test_generation_config_eos_ids_are_where_generation_stops_as_in_transformers(tmp_path):
     """An instruct model lists its end-of-turn ids in generation_config.json, config.json one id:
-    transformers' generate stops at the former. from_hf reads them (from the directory, or a model
-    object's generation_config), generate stops where transformers' does, and the export writes
-    them into config.json, where transformers finds them again; a bad file is refused by name."""
+    transformers' generate stops at the former, and pads finished rows with that file's
+    pad_token_id. from_hf reads them (from the directory, or a model object's generation_config),
+    generate stops and pads as transformers' does, and the export writes the eos ids into
+    config.json, where transformers finds them again; a bad file or field is refused by name."""
     hf = small_llama(num_key_value_heads=1, eos_token_id=2)
     prompts = torch.randint(0, hf.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(2))
     kw = dict(attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=12)
     with torch.no_grad():
         full = hf.generate(prompts, eos_token_id=None, pad_token_id=0, **kw)[:, 5:].tolist()
     eos = [full[0][3], full[1][5], full[2][1]]  # each row meets one, at different steps
-    hf.generation_config.eos_token_id = eos
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = eos, 7
     hf.save_pretrained(tmp_path / "in")
     assert json.loads((tmp_path / "in" / "config.json").read_text())["eos_token_id"] == 2
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in").eval()
     assert loaded.generation_config.eos_token_id == eos
-    with torch.no_grad():  # (finished rows padded with the first eos id, as without a pad_token_id)
-        want = loaded.generate(prompts, pad_token_id=eos[0], **kw)[:, 5:].tolist()
-    assert len(want[0]) < 12 and want != full
+    with torch.no_grad():
+        want = loaded.generate(prompts, **kw)[:, 5:].tolist()
+    assert len(want[0]) < 12 and want != full and 7 in want[1]  # (a finished row padded with 7)
 
     def prog(source):
         model = from_hf(source)
@@ -305,8 +306,14 @@ def test_generation_config_eos_ids_are_where_generation_stops_as_in_transformers
     # without a generation_config.json, config.json's
     (tmp_path / "in" / "generation_config.json").unlink()
     assert mt.launch(lambda: from_hf(str(tmp_path / "in")).cfg.token_ids("eos_token_id"))[0] == [2]
+    # a file that names no eos (or null) leaves config.json's
+    (tmp_path / "in" / "generation_config.json").write_text('{"eos_token_id": null, "pad_token_id": 4}')
+    kept = mt.launch(lambda: from_hf(str(tmp_path / "in")).cfg.extra["hf_config"])[0]
+    assert (kept["eos_token_id"], kept["pad_token_id"]) == (2, 4)
     wrong = "eos_token_id is '2'; it must be a token id or a list of them"
-    for text, said in (("{", "is not valid JSON"), ('{"eos_token_id": "2"}', wrong)):
+    for text, said in (("{", "is not valid JSON"), ("[2]", "holds a JSON list, not an object"),
+                       ('{"eos_token_id": "2"}', wrong),
+                       ('{"pad_token_id": [1]}', r"pad_token_id is \[1\]; it must be a token id, e.g.")):
         (tmp_path / "in" / "generation_config.json").write_text(text)
         with pytest.raises(CheckpointError, match=said):
             from_hf(str(tmp_path / "in"))

@@ -214,42 +214,52 @@ def _read(source: Any, config: Any, heads: int | None) -> tuple[ModuleType, Tran
                               f"weight {arch.HEAD!r}, which {src.where} lacks (a bare {arch.BARE_CLASS} "
                               f"holds none); pass the {arch.LM_CLASS}, its state dict or its directory")
     kept = {k: hf_config[k] for k in TOKEN_IDS if hf_config is not None and hf_config.get(k) is not None}
-    eos = _generation_eos(source, path)
-    if eos is not None:
-        kept["eos_token_id"] = eos
+    kept.update(_generation_ids(source, path))
     if kept:
         cfg = dataclasses.replace(cfg, extra={**cfg.extra, HF_EXTRA: kept})
     return arch, cfg, src
 
 
-def _generation_eos(source: Any, path: str | None) -> int | list[int] | None:
-    """The ``eos_token_id`` transformers' ``generate`` stops at where it is not config.json's: the
-    one ``generation_config.json`` beside it names (a directory), or the model object's
-    ``generation_config`` (which transformers loaded from that file); ``None`` where neither names
-    one (config.json's then holds, as in transformers)."""
+def _generation_ids(source: Any, path: str | None) -> dict[str, int | list[int]]:
+    """The token ids (:data:`TOKEN_IDS`) transformers' ``generate`` takes before config.json's:
+    those ``generation_config.json`` beside it names (a directory), or the model object's
+    ``generation_config`` (which transformers loaded from that file); only the fields it names,
+    not null (a file without ``eos_token_id`` leaves config.json's, where transformers' generate
+    would not stop at all)."""
     if path is not None:
         gfile = os.path.join(path, GENERATION_CONFIG)
         if not os.path.isfile(gfile):
-            return None
+            return {}
         try:
             with open(gfile) as f:
                 generation = json.load(f)
         except ValueError as e:
             raise CheckpointError(f"{gfile} is not valid JSON ({e}); fix it or remove it (it holds "
-                                  "transformers' generate settings, read for its eos_token_id)") from None
-        eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
+                                  "transformers' generate settings, read for its token ids)") from None
+        if not isinstance(generation, dict):
+            raise CheckpointError(f"{gfile} holds a JSON {type(generation).__name__}, not an object; it "
+                                  "must be transformers' generation config as save_pretrained writes it, "
+                                  "or be removed")
         where = gfile
     else:
-        eos = getattr(getattr(source, "generation_config", None), "eos_token_id", None)
+        config = getattr(source, "generation_config", None)
+        generation = {k: getattr(config, k, None) for k in TOKEN_IDS}
         where = f"{type(source).__name__}.generation_config"
-    if eos is None:
-        return None
-    ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else eos
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                  for i in ids)):
-        raise CheckpointError(f"{where}: eos_token_id is {eos!r}; it must be a token id or a list of them, "
-                              f'e.g. "eos_token_id": [128001, 128009]; fix it or remove the field')
-    return eos if isinstance(eos, int) else list(ids)
+    out: dict[str, int | list[int]] = {}
+    for name in TOKEN_IDS:
+        value = generation.get(name)
+        if value is None:
+            continue
+        one = isinstance(value, int) and not isinstance(value, bool)
+        many = name == "eos_token_id"  # (one id or a list: Llama 3 lists its end-of-turn ids)
+        if not (one or many and isinstance(value, list) and value
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+            shape = "a token id or a list of them" if many else "a token id"
+            example = "[128001, 128009]" if many else "0"
+            raise CheckpointError(f"{where}: {name} is {value!r}; it must be {shape}, e.g. "
+                                  f'"{name}": {example}; fix it or remove the field')
+        out[name] = value if one else list(value)
+    return out
 
 
 def hf_config(path: str | os.PathLike) -> tuple[str, TransformerConfig, dict[str, str]]:
@@ -303,9 +313,10 @@ def from_hf(source: Any, *, config: Any = None, heads: int | None = None,
 
     Parameters are float32 (whatever the source dtype); train or run in bf16
     with :func:`meshtorch.autocast`. The config's token ids (:data:`TOKEN_IDS`) are kept in
-    ``model.cfg.extra`` for :func:`export_hf` and generation; ``eos_token_id`` is the one a
-    directory's ``generation_config.json`` (a model object's ``generation_config``) names, where
-    it names one: the ids transformers' ``generate`` stops at (an instruct model's end-of-turn).
+    ``model.cfg.extra`` for :func:`export_hf` and generation; each is the one a directory's
+    ``generation_config.json`` (a model object's ``generation_config``) names where it names one,
+    as transformers' ``generate`` takes them (an instruct model's end-of-turn ids), also over a
+    ``config=`` given.
 
     Every processor reads the files itself (each host its own copy), and they agree before
     going on: where one fails (a missing or unreadable file, a bad config), every processor

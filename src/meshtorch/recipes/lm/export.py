@@ -38,11 +38,11 @@ def token_ids(path: str, tok: Tokenizer) -> dict[str, int | None] | None:
     """The ``bos/eos_token_id`` the export of checkpoint ``path`` writes (``export_hf``'s
     ``token_ids``), the ids ``meshtorch generate`` stops at on that run (:func:`run_eos
     <meshtorch.recipes.lm.generate.run_eos>`): ``None``, those ``--init-from``'s ``config.json``
-    named, for a fine-tune with that model's own tokenizer; for a fine-tune with another tokenizer
-    (``--tokenizer bytes`` or ``bpe:N``) its end-of-text id ``tok.eos`` for both, as GPT-2's
-    ``<|endoftext|>`` is (the config's ids are another vocabulary's); for a run from scratch none,
-    written as ``null`` (its samples run their length; without the fields transformers would take
-    its class defaults, a Llama's 1 and 2: two bytes)."""
+    (or ``generation_config.json``) named, for a fine-tune with that model's own tokenizer; for a
+    fine-tune with another tokenizer (``--tokenizer bytes`` or ``bpe:N``) its end-of-text id
+    ``tok.eos`` for both, as GPT-2's ``<|endoftext|>`` is (the config's ids are another
+    vocabulary's); for a run from scratch none, written as ``null`` (its samples run their length;
+    without the fields transformers would take its class defaults, a Llama's 1 and 2: two bytes)."""
     if has_init_froms_tokenizer(path):
         return None
     if not init_from_of(path):

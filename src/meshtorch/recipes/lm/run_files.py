@@ -387,7 +387,7 @@ def sample_eos(model: torch.nn.Module, tok: Any, init_from: str, own_tokenizer: 
     """The ``eos=`` a sample of the run's ``model`` stops at (``None``: the model config's,
     :func:`~meshtorch.models.decode.stop_ids`): a fine-tune (``init_from``) whose tokenizer is not
     ``--init-from``'s own (``own_tokenizer`` false: ``--tokenizer bytes`` or ``bpe:N``) stops at its
-    tokenizer's end-of-text id ``tok.eos``, not at the ids its ``config.json`` names, which are
+    tokenizer's end-of-text id ``tok.eos``, not at the ids its HF config names, which are
     another vocabulary's; a fine-tune with its own tokenizer, and a run from scratch (whose config
     knows no eos), at the config's."""
     return [tok.eos] if init_from and not own_tokenizer else None
