@@ -55,13 +55,26 @@ def test_meta_errors_name_the_processor():
         mt.launch(lambda: mt.ones("a:3") + mt.ones("a:4"), mesh="x:2", rules="a:x", backend="meta")
 
 
+@pytest.mark.parametrize("device_mode", ["torch's", "fallback"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_torch_optimizers_make_their_host_counters_on_the_host_as_in_a_run(autocast):
+def test_torch_optimizers_make_their_host_counters_on_the_host_as_in_a_run(monkeypatch, autocast,
+                                                                          device_mode):
     # torch's optimizers make their host counters with torch.tensor(0.0) (NAdam its mu_product
     # too, Adagrad in its constructor) and read them with .item(): on the meta backend they were
     # meta tensors (NAdam's read raised, or with 1 standing in divided by zero); now they are host
     # tensors holding the real count, while the moments follow the parameters (meta), and so
-    # does every other factory call, also under mt.autocast (a mode above the meta default)
+    # does every other factory call, also under mt.autocast (a mode above the meta default).
+    # The same on a torch without its private device mode and factory list (the fallback: a plain
+    # TorchFunctionMode and meshtorch's list)
+    if device_mode == "fallback":
+        from torch.overrides import TorchFunctionMode
+
+        import meshtorch.launcher.meta as meta
+
+        monkeypatch.setattr(meta, "_device_constructors", None)
+        assert torch.tensor in meta._factories() and torch.zeros in meta._factories()
+        monkeypatch.setattr(meta, "_MetaDefault", meta._meta_default_class(TorchFunctionMode))
+
     def step():
         w = torch.nn.Parameter(torch.ones(4))
         opts = [torch.optim.NAdam([w], lr=0.1), torch.optim.Adagrad([w], lr=0.1)]

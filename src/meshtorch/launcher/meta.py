@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from meshtorch.comm.meta import MetaCommunicator
 from meshtorch.context import ProcessorContext, use
@@ -26,8 +27,24 @@ from meshtorch.mesh import Mesh
 
 try:  # what ``with torch.device(...)`` pushes, and the factories it gives a device (private)
     from torch.utils._device import DeviceContext, _device_constructors
-except ImportError:  # pragma: no cover
-    DeviceContext = None
+except ImportError:  # (a torch without them: a plain mode and this list, see _meta_default_class)
+    DeviceContext = _device_constructors = None
+
+# the factories a default device applies to, where torch's own list (_device_constructors) is missing
+_FACTORIES = ("empty", "empty_strided", "ones", "zeros", "full", "arange", "linspace", "logspace", "eye",
+              "rand", "randn", "randint", "randperm", "tensor", "as_tensor", "asarray", "scalar_tensor",
+              "tril_indices", "triu_indices")
+
+
+_FALLBACK_FACTORIES = frozenset(getattr(torch, name) for name in _FACTORIES if hasattr(torch, name))
+
+
+def _factories() -> Any:
+    """torch's set of the factories a default device applies to, else :data:`_FACTORIES`'."""
+    # (torch's own set object: Dynamo, tracing a compiled step on meta, reads it as it reads
+    # DeviceContext's; a set made here of builtins it cannot hash)
+    return _device_constructors() if _device_constructors is not None else _FALLBACK_FACTORIES
+
 
 def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rules: LayoutRules,
              rank: int = 0) -> Any:
@@ -45,28 +62,41 @@ def run_meta(fn: Callable[..., Any], args: tuple, kwargs: dict, mesh: Mesh, rule
     comm = MetaCommunicator(mesh, rank)
     ctx = ProcessorContext(comm, rules)
     try:
-        with use(ctx), (_MetaDefault() if DeviceContext is not None else torch.device("meta")):
+        with use(ctx), _MetaDefault():
             return fn(*args, **kwargs)
     except Exception as e:
         raise processor_error(e, rank, mesh.coords(rank), where="(meta backend)") from e
 
 
-if DeviceContext is not None:
-    class _MetaDefault(DeviceContext):
-        """``torch.device("meta")`` as a context, but not for the factories ``torch.optim`` calls."""
+def _meta_default_class(base: type) -> type:
+    """``torch.device("meta")`` as a context, but not for the factories ``torch.optim`` calls:
+    built on torch's own device mode (``DeviceContext``: kept at the bottom of the mode stack,
+    ``torch.get_default_device()`` says meta), or on a plain ``TorchFunctionMode`` where this
+    torch has none."""
 
+    class _MetaDefault(base):
         def __init__(self) -> None:
-            super().__init__("meta")
+            if base is TorchFunctionMode:
+                super().__init__()
+            else:
+                super().__init__("meta")
+            self.device = torch.device("meta")
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
             # (a factory naming its device needs no walk; a traced one none either: Dynamo refuses
             # sys._getframe, and a compiled step on meta makes tensors as it says)
-            if (func in _device_constructors() and (kwargs is None or kwargs.get("device") is None)
-                    and not torch.compiler.is_compiling() and _called_by_torch_optim()):
-                # as in a run, which has no default device: a number's tensor on the host, a
-                # tensor's where it is
-                return func(*args, **(kwargs or {}))
-            return super().__torch_function__(func, types, args, kwargs)
+            if (func in _factories() and kwargs.get("device") is None
+                    and (torch.compiler.is_compiling() or not _called_by_torch_optim())):
+                kwargs["device"] = self.device
+            # (else as in a run, which has no default device: a number's tensor on the host, a
+            # tensor's where it is)
+            return func(*args, **kwargs)
+
+    return _MetaDefault
+
+
+_MetaDefault = _meta_default_class(DeviceContext if DeviceContext is not None else TorchFunctionMode)
 
 
 def _called_by_torch_optim() -> bool:
