@@ -116,16 +116,17 @@ _FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "scale_attn_by_in
 _NAMES = ("model_type", "activation_function", "hidden_act")
 
 
-def _config_file(cfile: str) -> dict[str, Any]:
+def _config_file(cfile: str, must_be: str = "the model's config.json as save_pretrained writes it"
+                 ) -> dict[str, Any]:
+    """The JSON object in ``cfile``; a ``CheckpointError`` saying it ``must_be`` where it is none."""
     try:
         with open(cfile) as f:
             config = json.load(f)
     except ValueError as e:
-        raise CheckpointError(f"{cfile} is not valid JSON ({e}); it must be the model's config.json as "
-                              "save_pretrained writes it") from None
+        raise CheckpointError(f"{cfile} is not valid JSON ({e}); it must be {must_be}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfile} holds a JSON {type(config).__name__}, not an object; it must be "
-                              "the model's config.json as save_pretrained writes it")
+                              f"{must_be}")
     return config
 
 
@@ -230,16 +231,8 @@ def _generation_ids(source: Any, path: str | None) -> dict[str, int | list[int]]
         gfile = os.path.join(path, GENERATION_CONFIG)
         if not os.path.isfile(gfile):
             return {}
-        try:
-            with open(gfile) as f:
-                generation = json.load(f)
-        except ValueError as e:
-            raise CheckpointError(f"{gfile} is not valid JSON ({e}); fix it or remove it (it holds "
-                                  "transformers' generate settings, read for its token ids)") from None
-        if not isinstance(generation, dict):
-            raise CheckpointError(f"{gfile} holds a JSON {type(generation).__name__}, not an object; it "
-                                  "must be transformers' generation config as save_pretrained writes it, "
-                                  "or be removed")
+        generation = _config_file(gfile, "transformers' generation config as save_pretrained writes it "
+                                         "(read for its token ids), or be removed")
         where = gfile
     else:
         config = getattr(source, "generation_config", None)
