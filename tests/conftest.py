@@ -34,3 +34,15 @@ def _switches_restored():
         raise AssertionError(f"this test left torch's process-wide switches changed: {before} -> {after} "
                              "(attention kernels flash/mem-efficient/math, conversion swap/overwrite); set "
                              "them around mt.launch, not inside thread-processors")
+
+
+@pytest.fixture(autouse=True)
+def _dispatch_mode_flags_restored():
+    """torch's process-wide "a dispatch mode is active" flags as they were before the test: dispatch
+    modes entered and left on several thread-processors at once (a FLOP counter or an op recorder
+    in each one's program) leave them set after all have exited, a torch bug no test can avoid."""
+    from mesh_harness import torch_mode_flags_kept
+
+    with torch_mode_flags_kept():
+        yield
+

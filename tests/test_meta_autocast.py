@@ -10,7 +10,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import meshtorch as mt
-from mesh_harness import torch_mode_flags_kept
 from meshtorch.meta_autocast import MetaAutocast, autocast_enabled
 from meshtorch.plan import trace
 from meshtorch.recipes.lm import TrainConfig
@@ -108,8 +107,7 @@ def real_step(cfg: TrainConfig, mesh: str, rules: str) -> tuple[dict, int]:
             step.run([batch], 1)
         return (mt.comm_stats() - before).as_dict(), flops.get_total_flops()
 
-    with torch_mode_flags_kept():  # (the threads' FLOP counters)
-        return mt.launch(program, mesh=mesh, rules=rules, backend="threads")[0]
+    return mt.launch(program, mesh=mesh, rules=rules, backend="threads")[0]
 
 
 @pytest.mark.parametrize("model, mesh, rules", CASES)
