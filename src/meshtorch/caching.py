@@ -162,10 +162,11 @@ def dispatch_mode_active(any_mode: bool = True) -> bool:
         (True, False)
     """
     stack, on_stack, flag = _mode_tests or _load_mode_tests()
-    if any_mode and callable(stack) and stack() > 0:
+    depth = stack() if callable(stack) else None
+    if any_mode and depth:
         return True
     if _dynamo_reads_the_stack(on_stack):
-        return on_stack()
+        return depth != 0 and on_stack()  # (an empty stack holds no mode: no walk, a call per step)
     return bool(flag()) if callable(flag) else False
 
 
