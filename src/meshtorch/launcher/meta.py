@@ -83,14 +83,18 @@ def _meta_default_class(base: type) -> type:
             self.device = torch.device("meta")
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
             # (a factory naming its device needs no walk; a traced one none either: Dynamo refuses
             # sys._getframe, and a compiled step on meta makes tensors as it says)
-            if (func in _factories() and kwargs.get("device") is None
-                    and (torch.compiler.is_compiling() or not _called_by_torch_optim())):
+            if (func in _factories() and (kwargs is None or kwargs.get("device") is None)
+                    and not torch.compiler.is_compiling() and _called_by_torch_optim()):
+                # as in a run, which has no default device: a number's tensor on the host, a
+                # tensor's where it is
+                return func(*args, **(kwargs or {}))
+            if base is not TorchFunctionMode:  # torch's device mode, as `with torch.device` runs it
+                return super().__torch_function__(func, types, args, kwargs)
+            kwargs = kwargs or {}
+            if func in _factories() and kwargs.get("device") is None:
                 kwargs["device"] = self.device
-            # (else as in a run, which has no default device: a number's tensor on the host, a
-            # tensor's where it is)
             return func(*args, **kwargs)
 
     return _MetaDefault
