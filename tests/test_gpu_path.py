@@ -404,3 +404,54 @@ def test_meshtorch_train_on_the_device(tmp_path, device, compiled):
     assert (cpu["device"], got["device"]) == ("cpu", "cpu" if device == "cpu" else "cuda:0")
     assert got["final_loss"] == pytest.approx(cpu["final_loss"], rel=1e-2 if device == "cuda" else 1e-3)
     assert got.get("sample"), got.keys()
+
+
+_DYNAMO_BEFORE_FORK = r"""
+import multiprocessing, os, sys
+import torch
+
+calls = []
+
+
+def spy(owner, name):
+    real = getattr(owner, name, None)
+    if real is not None:
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        setattr(owner, name, call)
+
+
+spy(torch.cuda, "_lazy_init")
+spy(torch._C, "_cuda_init")
+spy(torch._C, "_cuda_getDeviceCount")
+import meshtorch.launcher.preload  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - what the fork server would preload on a CUDA build too
+print("calls", calls, flush=True)
+if sys.argv[1] == "cuda":
+    def child():
+        os._exit(0 if torch.ones(3, device="cuda").sum().item() == 3.0 else 1)
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join()
+    print("child", p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_importing_dynamo_before_a_fork_leaves_cuda_to_the_forked_processors(device):
+    """The fork server preloads Dynamo only on a torch without CUDA, as importing it was not known to
+    leave the CUDA driver alone (a driver started before a fork is unusable in the forked
+    processes). Importing meshtorch's preload and Dynamo calls none of torch's CUDA initialisers
+    or device queries (spied in a fresh interpreter; on a CPU build torch answers some queries
+    without them, on a CUDA build, with a GPU or not, every one is seen), and on a GPU a process
+    forked after them computes on CUDA: the evidence to preload it on CUDA builds too."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _DYNAMO_BEFORE_FORK, device], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "calls []" in out.stdout, out.stdout
+    if device == "cuda":
+        assert "child 0" in out.stdout, out.stdout + out.stderr[-2000:]
