@@ -43,6 +43,18 @@ def logits_and_ids(n: int, v: int, dtype, ignore_index, seed: int = 0):
     return x, ids, torch.randn(n, generator=g, dtype=torch.float64)
 
 
+def assert_float64_loss_and_gradient(x: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, loss: torch.Tensor,
+                                     ignore_index=None, z_loss: float = 0.0) -> None:
+    """``loss`` within float32 rounding of the float64 loss of the same low-precision logits ``x``,
+    and ``x.grad`` (from ``(loss * up).sum().backward()``) within one step of ``x``'s dtype of the
+    float64 gradient."""
+    x64 = x.detach().double().requires_grad_()
+    want = reference(x64, ids, ignore_index, z_loss)
+    (want * up).sum().backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[x.dtype], atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ignore_index", [None, -100, 3])
 @pytest.mark.parametrize("z_loss", [0.0, 0.25])
@@ -57,17 +69,13 @@ def test_rows_are_the_float64_loss_and_gradient_across_chunk_boundaries(dtype, i
         loss = cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
         (loss * up.float()).sum().backward()
     assert loss.dtype == torch.float32 and x.grad.dtype == dtype
-    x64 = x.detach().double().requires_grad_()
-    want = reference(x64, ids, ignore_index, z_loss)
-    (want * up).sum().backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    assert_float64_loss_and_gradient(x, ids, up, loss, ignore_index, z_loss)
     safe = ids.clamp(0, v - 1)
     former = -torch.log_softmax(x.detach(), -1, dtype=torch.float32).gather(-1, safe[:, None]).squeeze(-1)
     former = former + z_loss * torch.logsumexp(x.detach().float(), -1).square()
     if ignore_index is not None:
         former = former.masked_fill(ids == ignore_index, 0.0)
     torch.testing.assert_close(loss, former, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[dtype], atol=1e-6)
     if ignore_index is not None:
         assert (x.grad[ids == ignore_index] == 0).all() and (loss[ids == ignore_index] == 0).all()
 
@@ -91,11 +99,7 @@ def test_the_generated_kernels_are_the_float64_loss_and_gradient(z_loss, ignore_
     (loss * up.float()).sum().backward()
     assert "cpu" not in _Kernels.failed and _Kernels.compiled_calls == calls + 2, _Kernels.last_error
     assert max(t.numel() for t in saved if t.dtype == torch.float32) == n, [(t.dtype, t.shape) for t in saved]
-    x64 = x.detach().double().requires_grad_()
-    want = reference(x64, ids, ignore_index, z_loss)
-    (want * up).sum().backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+    assert_float64_loss_and_gradient(x, ids, up, loss, ignore_index, z_loss)
     if ignore_index is not None:
         assert (x.grad[ids == ignore_index] == 0).all() and (loss[ids == ignore_index] == 0).all()
 
@@ -131,12 +135,8 @@ def test_kernels_that_fail_to_compile_fall_back_to_chunks_with_one_warning(monke
         warnings.simplefilter("error")  # once: the second call chunks without a word
         again = cross_entropy_rows(x, ids)
     (loss * up.float()).sum().backward()
-    x64 = x.detach().double().requires_grad_()
-    want = reference(x64, ids, None, 0.0)
-    (want * up).sum().backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
+    assert_float64_loss_and_gradient(x, ids, up, loss)
     torch.testing.assert_close(again, loss)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
 
 
 def test_a_users_bad_ids_raise_their_error_and_leave_the_kernels_on(monkeypatch):
@@ -230,11 +230,7 @@ def test_under_a_dispatch_mode_the_kernels_formula_runs_as_it_is(monkeypatch, pr
         assert rows_mod._Kernels.failed == {}
     failed = "cpu" in rows_mod._Kernels.failed
     assert any("generating its kernels failed" in str(w.message) for w in said) == failed
-    x64 = x.detach().double().requires_grad_()
-    want = reference(x64, ids, None, 0.0)
-    (want * up).sum().backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+    assert_float64_loss_and_gradient(x, ids, up, loss)
 
 
 @pytest.mark.parametrize("dynamo_reads", ["stack", "flag"])
@@ -278,11 +274,7 @@ def test_modes_left_on_other_threads_do_not_keep_the_kernels_uncompiled(monkeypa
         with chunk_bytes(0):
             loss = cross_entropy_rows(x, ids)
             (loss * up.float()).sum().backward()
-        x64 = x.detach().double().requires_grad_()
-        want = reference(x64, ids, None, 0.0)
-        (want * up).sum().backward()
-        torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
-        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+        assert_float64_loss_and_gradient(x, ids, up, loss)
 
     for name, value in (("failed", {}), ("forward", None), ("backward", None)):
         monkeypatch.setattr(rows_mod._Kernels, name, value)
@@ -329,11 +321,7 @@ def test_with_dynamo_off_the_kernels_rows_run_in_chunks(monkeypatch, off):
     assert not [t for t in saved if t.dtype == torch.float32], [(t.dtype, t.shape) for t in saved]
     (loss * up.float()).sum().backward()
     assert rows_mod._Kernels.failed == {}  # (nothing compiled, nothing failed: later calls compile)
-    x64 = x.detach().double().requires_grad_()
-    want = reference(x64, ids, None, 0.0)
-    (want * up).sum().backward()
-    torch.testing.assert_close(loss.double(), want.detach(), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=ULP[torch.bfloat16], atol=1e-6)
+    assert_float64_loss_and_gradient(x, ids, up, loss)
 
 
 def test_any_dim_order_and_one_row_chunks():
