@@ -228,15 +228,14 @@ def test_meshtorch_generate_stops_at_eos_unless_told_to_ignore_it(tmp_path, caps
 
     ckpt, want = recipe.checkpoint_dir(str(tmp_path / "run")), [tok.eos] if tokenizer == "bytes" else None
     assert recipe.run_eos(ckpt, None, tok) == want
-    real = recipe.read_index
+    real = recipe.checkpoint_extra
 
     def older(path):
-        index = real(path)
-        kept = {k: v for k, v in index["extra"]["tokenizer"].items() if k != "init_from"}
-        return {**index, "extra": {**index["extra"], "tokenizer": kept}}
+        extra = real(path)
+        return {**extra, "tokenizer": {k: v for k, v in extra["tokenizer"].items() if k != "init_from"}}
 
-    monkeypatch.setattr(recipe, "read_index", older)
-    assert "init_from" not in recipe.read_index(ckpt)["extra"]["tokenizer"]
+    monkeypatch.setattr(recipe, "checkpoint_extra", older)
+    assert "init_from" not in recipe.checkpoint_extra(ckpt)["tokenizer"]
     assert recipe.run_eos(ckpt, None, tok) == want
 
 

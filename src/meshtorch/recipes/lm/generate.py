@@ -12,14 +12,13 @@ import math
 import os
 
 from meshtorch.checkpoint.format import INDEX
-from meshtorch.checkpoint.index import read_index
-from meshtorch.checkpoint.state import from_json
 from meshtorch.checkpoint.versions import POINTER
 from meshtorch.data import ByteTokenizer
 from meshtorch.data.tokenizer import Tokenizer
 from meshtorch.errors import ArgumentError, CheckpointError
 from meshtorch.models import DecoderLM, TransformerConfig, beam_search, generate
 from meshtorch.models.decode import room, stop_ids, until_eos
+from meshtorch.recipes.lm.guards import checkpoint_extra
 from meshtorch.recipes.lm.run_files import TOKENIZER_DIR, is_init_froms_tokenizer, sample_eos
 
 
@@ -50,7 +49,7 @@ def run_directory(path: str) -> str:
 
 def model_config(path: str) -> tuple[str, TransformerConfig]:
     """The model kind and config a training run stored in its checkpoint."""
-    extra = from_json(read_index(path).get("extra")) or {}
+    extra = checkpoint_extra(path)
     if "model_config" not in extra:
         raise CheckpointError(f"checkpoint {path!r} does not record its model config; it was not written "
                               "by meshtorch train")
@@ -59,7 +58,7 @@ def model_config(path: str) -> tuple[str, TransformerConfig]:
 
 def run_tokenizer(path: str) -> Tokenizer:
     """The tokenizer the run of checkpoint ``path`` trained with (its ``--tokenizer``, else bytes)."""
-    extra = from_json(read_index(path).get("extra")) or {}
+    extra = checkpoint_extra(path)
     where = (extra.get("train_config") or {}).get("tokenizer")
     kept = extra.get("tokenizer")  # the run's own copy, in the run directory (wherever it was moved)
     if kept and kept.get("path") in ("bytes", "tokenizer"):  # never a path out of the run directory
@@ -86,7 +85,10 @@ def run_eos(path: str, model: DecoderLM, tok: Tokenizer) -> list[int] | None:
 
 def init_from_of(path: str) -> str:
     """The ``--init-from`` the run of checkpoint ``path`` started from ("" for a run from scratch)."""
-    extra = from_json(read_index(path).get("extra")) or {}
+    return _init_from(checkpoint_extra(path))
+
+
+def _init_from(extra: dict) -> str:
     return (extra.get("train_config") or {}).get("init_from") or ""
 
 
@@ -96,8 +98,8 @@ def has_init_froms_tokenizer(path: str) -> bool:
     run's tokenizer's (false for a run from scratch). A checkpoint from before the run recorded
     which tokenizer it had is told by comparing the tokenizers, where ``--init-from`` is still
     there (else the config's ids are taken for the run's unless it trained on bytes, as then)."""
-    extra = from_json(read_index(path).get("extra")) or {}
-    init_from = (extra.get("train_config") or {}).get("init_from") or ""
+    extra = checkpoint_extra(path)
+    init_from = _init_from(extra)
     if not init_from:
         return False
     kept = extra.get("tokenizer") or {}

@@ -188,10 +188,16 @@ def lock_holder(out: str) -> str | None:
 def recorded(resume: str) -> dict[str, Any]:
     """What the checkpoint of run directory ``resume`` records about its run (``extra``: the model kind
     ``model``, ``model_config``, ``train_config`` (every option by flag name), ``tokenizer``)."""
+    return checkpoint_extra(os.path.join(resume, "checkpoint"))
+
+
+def checkpoint_extra(path: str) -> dict[str, Any]:
+    """What checkpoint ``path`` (a run's ``checkpoint`` directory, or one version of it) records
+    about its run: :func:`recorded`'s fields, ``{}`` where it records none."""
     from meshtorch.checkpoint.index import read_index
     from meshtorch.checkpoint.state import from_json
 
-    return from_json(read_index(os.path.join(resume, "checkpoint")).get("extra")) or {}
+    return from_json(read_index(path).get("extra")) or {}
 
 
 def write_manifest(out: str, files: list[str]) -> None:
