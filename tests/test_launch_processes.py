@@ -203,16 +203,55 @@ def test_every_launcher_reads_omp_num_threads_the_same_way(monkeypatch, value):
     assert mt.launch(_intra_op_threads, mesh="m:2", backend="threads") == [sharing] * 2
 
 
-def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone():
+_FORK_SERVERS_IMPORTS = r"""
+import multiprocessing, os, sys, threading
+import torch
+
+calls = []
+
+
+def spy(owner, name):
+    real = getattr(owner, name, None)
+    if real is not None:
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        setattr(owner, name, call)
+
+
+spy(torch.cuda, "_lazy_init")
+spy(torch._C, "_cuda_init")
+spy(torch._C, "_cuda_getDeviceCount")
+import meshtorch.launcher.preload  # noqa: E402
+import torch._dynamo  # noqa: E402,F401 - what the fork server would preload on a CUDA build too
+print(threading.active_count(), torch.cuda.is_initialized(), "calls", calls, flush=True)
+if sys.argv[1] == "cuda":
+    def child():
+        os._exit(0 if torch.ones(3, device="cuda").sum().item() == 3.0 else 1)
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join()
+    print("child", p.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone(device):
     """What the fork server imports before forking processors (a forked process keeps only the
     forking thread, so a Python thread started there would be lost with any lock it held; CUDA
-    initialised there would be unusable in the processors)."""
-    code = ("import threading, torch, meshtorch.launcher.preload; "
-            "print(threading.active_count(), torch.cuda.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
-                         env={**os.environ, "PYTHONPATH": SRC})
+    initialised there would be unusable in the processors). With Dynamo too, which the server
+    preloads only on a torch without CUDA, as importing it was not known to leave the driver alone:
+    none of torch's CUDA initialisers or device queries is called (spied in a fresh interpreter; a
+    CPU build answers some queries without them, a CUDA build, with a GPU or not, calls each), and
+    on a GPU a process forked after the imports computes on CUDA (run by gpu_check.sh's tests): the
+    evidence to preload Dynamo on CUDA builds too."""
+    out = subprocess.run([sys.executable, "-c", _FORK_SERVERS_IMPORTS, device], capture_output=True,
+                         text=True, timeout=100, env={**os.environ, "PYTHONPATH": SRC})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["1", "False"]
+    assert out.stdout.split()[:4] == ["1", "False", "calls", "[]"], out.stdout
+    if device == "cuda":
+        assert "child 0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def _modules_a_first_optimizer_imports() -> list[str]:
