@@ -1,4 +1,5 @@
-"""``cross_entropy_rows``, ``mt.cross_entropy``'s fused hard-target path for bf16/fp16 logits: the
+"""``cross_entropy_rows``, ``mt.cross_entropy``'s fused hard-target path for bf16/fp16 logits (and
+float32 logits on the CPU, bitwise the eager chunks under an ``aot_eager`` compile): the
 float32 loss and the gradient of the float64 computation on the same logits, across chunk boundaries,
 with ``ignore_index`` and ``z_loss``, on every layout the strategies draw (a split vocabulary takes
 the composed float32 path: the same numbers); nothing float32 [rows, vocab] saved for the backward
@@ -17,6 +18,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import meshtorch as mt
 import meshtorch.caching as caching
+import meshtorch.ops.cross_entropy_rows as rows_module
 import meshtorch.ops.nn as nn_ops
 from bench_harness import load_benchmark
 from mesh_harness import aten_ops, meshes, rules_for, torch_mode_flags_kept
@@ -469,13 +471,14 @@ def test_a_target_outside_the_vocabulary_raises_the_id_check_s_error(ignore_inde
 SIZES = st.integers(1, 5)
 
 
-@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        z_loss=st.sampled_from([0.0, 0.1]), reduction=st.sampled_from(["none", "mean", "sum"]))
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 def test_low_precision_logits_give_the_float32_loss_on_any_layout(data, dtype, z_loss, reduction):
-    """``mt.cross_entropy`` of bf16/fp16 logits on a drawn mesh and rules (the vocabulary whole: rows,
-    in chunks of 2 rows; split: the composed float32 path) is the float64 loss of the same logits
-    within float32 rounding, its gradient the float64 one within a step of the logits' dtype."""
+    """``mt.cross_entropy`` of bf16/fp16 (and, on the CPU, float32) logits on a drawn mesh and rules
+    (the vocabulary whole: rows, in chunks of 2 rows; split: the composed float32 path) is the
+    float64 loss of the same logits within float32 rounding, its gradient the float64 one within a
+    step of the logits' dtype (float32's: a few of its steps)."""
     mesh = data.draw(meshes())
     rules = data.draw(rules_for(mesh, ["batch", "length", "vocab"]))
     b, n, v = data.draw(SIZES), data.draw(SIZES), data.draw(st.integers(2, 9))
@@ -502,7 +505,68 @@ def test_low_precision_logits_give_the_float32_loss_on_any_layout(data, dtype, z
     for dt, got, grad in outs:
         assert dt == torch.float32 and grad.dtype == dtype
         torch.testing.assert_close(got.double().reshape(want.shape), want.detach(), rtol=4e-6, atol=4e-6)
-        torch.testing.assert_close(grad.double().reshape(b * n, v), x64.grad, rtol=ULP[dtype], atol=1e-6)
+        torch.testing.assert_close(grad.double().reshape(b * n, v), x64.grad, rtol=ULP.get(dtype, 1e-5),
+                                   atol=1e-6)
+
+
+def _float32_loss_kernels(device: str | None = None) -> list[str]:
+    """The ATen ops (CPU) or traced kernels (``device``: ``mt.plan.trace`` on the meta backend,
+    pricing that device) of a forward and backward of the mean float32 loss of logits [6, 40]."""
+    n, v = 6, 40
+
+    def step():  # (drawn by the language: meta tensors in a trace)
+        lg = mt.random.normal(f"batch:{n},vocab:{v}", seed=0).requires_grad_()
+        ids = mt.cast(mt.random.uniform(f"batch:{n}", 0, v, seed=1) * 0.999, torch.int64)
+        mt.reduce_mean(mt.cross_entropy(lg, ids, "vocab")).backward()
+
+    if device is None:
+        return aten_ops(step)[0]
+    return [k[0] for k in mt.plan.trace(step, mesh="b:1", rules="batch:b", device=device).kernels]
+
+
+def test_float32_logits_take_the_rows_on_the_cpu_and_the_formula_on_other_devices(monkeypatch):
+    """On the CPU (``FLOAT32_DEVICES``) float32 logits take cross_entropy_rows (its backward a
+    softmax, no log-softmax backward), as the planner's trace pricing a CPU does; a trace pricing a
+    GPU, and the CPU taken out of ``FLOAT32_DEVICES``, take the formula (log_softmax and gather,
+    whose backward is log_softmax's)."""
+    rows = _float32_loss_kernels()
+    assert "_softmax.default" in rows and "_log_softmax_backward_data.default" not in rows, rows
+    traced_cpu, traced_gpu = _float32_loss_kernels("cpu"), _float32_loss_kernels("cuda")
+    assert "_softmax" in traced_cpu and "_log_softmax_backward_data" not in traced_cpu, traced_cpu
+    assert "_softmax" not in traced_gpu and "_log_softmax_backward_data" in traced_gpu, traced_gpu
+    monkeypatch.setattr(rows_module, "FLOAT32_DEVICES", ())
+    formula = _float32_loss_kernels()
+    assert "_softmax.default" not in formula and "_log_softmax_backward_data.default" in formula, formula
+
+
+@pytest.mark.parametrize("ignore_index", [None, -100])
+@pytest.mark.parametrize("z_loss", [0.0, 0.1])
+def test_compiled_float32_rows_are_the_eager_chunks_bitwise(ignore_index, z_loss):
+    """Float32 logits traced by Dynamo take the eager chunks' own ops over the rows as one chunk:
+    under ``aot_eager`` (the same ATen ops) the loss and gradient are bitwise those of the eager
+    rows in chunks of 3 rows (11 rows: 3 + 3 + 3 + 2), so that a compiled float32 step keeps the
+    eager step's values; no graph break."""
+    n, v = 11, 30
+    x0, ids, up = logits_and_ids(n, v, torch.float32, ignore_index)
+
+    def loss_and_grad(fn):
+        x = x0.clone().requires_grad_()
+        loss = fn(x)
+        (loss * up.float()).sum().backward()
+        return loss.detach(), x.grad
+
+    def rows(x):
+        return cross_entropy_rows(x, ids, ignore_index=ignore_index, z_loss=z_loss)
+
+    torch._dynamo.reset()
+    try:
+        compiled = loss_and_grad(torch.compile(rows, backend="aot_eager", fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    with chunk_bytes(4 * v * 3):
+        eager = loss_and_grad(rows)
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert graph_breaks() == {}
 
 
 def _saved_by_loss(n: int, v: int) -> list[tuple[torch.dtype, int]]:

@@ -6,7 +6,8 @@ float32 [rows, vocab] output for the backward, whose gradient is another: at GPT
 each is 1.5 GiB, twice the bf16 logits. Plain PyTorch's ``F.cross_entropy`` under CUDA autocast
 keeps them too (autocast runs ``log_softmax`` in float32: measured on an H100, its peak is 5x the
 logits' bytes). Float32 it must stay: a split vocabulary reduces a float32 ``reduce_logsumexp``
-across processors, and layouts never change results.
+across processors, and layouts never change results. Float32 logits on the CPU take it too
+(:data:`FLOAT32_DEVICES`): there its cache-sized chunks are faster than the whole-tensor formula.
 
 :func:`cross_entropy_rows` keeps float32 and drops the tensors. Forward, chunk by chunk of rows:
 ``log_softmax(chunk, dtype=float32)`` and the target's entry (the loss the whole-tensor formula
@@ -157,85 +158,146 @@ def chunk_rows(vocab: int, device_type: str) -> int:
         >>> chunk_rows(50304, "cpu"), chunk_rows(50304, "cuda")
         (10, 0)
     """
-    if device_type == "meta":  # a planner's trace: the device it prices (plan.tracing.device_type)
-        device_type = getattr(current().tracer, "device", "cuda")
+    device_type = _priced(device_type)
     sizes = _thread.sizes or CHUNK_BYTES
     n = sizes.get(device_type, sizes["cuda"])
     return KERNELS if n == KERNELS else max(1, n // (4 * max(vocab, 1)))
 
 
+def _priced(device_type: str) -> str:
+    """``device_type``, or for a planner's meta trace the device it prices (as
+    ``meshtorch.plan.tracing.device_type`` says; this module sits below the planner)."""
+    if device_type == "meta":
+        return getattr(current().tracer, "device", "cuda")
+    return device_type
+
+
+#: device types on which float32 logits take :func:`cross_entropy_rows` too (bf16 and fp16 logits
+#: take it everywhere): on this project's CPU, one thread, forward + backward against
+#: ``-log_softmax(x).gather(ids)`` (``benchmarks/cross_entropy.py``): [1024, 2048] 4.1 vs 9.0 ms,
+#: [4096, 16384] 296 vs 402 ms, [256, 50304] 40 vs 83 ms, and a peak of the logits plus a few chunks
+#: where the formula holds three float32 copies of them. Elsewhere float32 keeps the formula (its
+#: kernels unmeasured on a GPU against it).
+FLOAT32_DEVICES = ("cpu",)
+
+
+def takes_float32(device_type: str) -> bool:
+    """Whether float32 logits on ``device_type`` (a meta tensor's: the priced device) take
+    :func:`cross_entropy_rows` in ``mt.cross_entropy`` (:data:`FLOAT32_DEVICES`).
+
+    Example:
+        >>> from meshtorch.ops.cross_entropy_rows import takes_float32
+        >>> takes_float32("cpu"), takes_float32("cuda")
+        (True, False)
+    """
+    return _priced(device_type) in FLOAT32_DEVICES
+
+
 class _CrossEntropyRows(torch.autograd.Function):
     """``logsumexp_fp32(x) - x[ids]`` (+ ``z_loss * logsumexp**2``) per row of ``x`` [rows, vocab],
-    ``valid`` (a bool per row, or ``None``) zeroing the loss and gradient of ignored rows."""
+    ``valid`` (a bool per row, or ``None``) zeroing the loss and gradient of ignored rows.
+
+    How the rows are computed (``ctx.how``): ``"chunks"`` (eager, :func:`chunk_rows` rows at a
+    time), ``"kernels"`` (eager, :data:`KERNELS`), ``"whole"`` (traced by Dynamo: one reduction
+    forward, ``exp(x - lse)`` backward) or ``"one"`` (float32 logits traced by Dynamo: the chunks'
+    own ops over the rows as one chunk, so that a compiled step has the eager step's values row for
+    row, bitwise where its backend runs the same ATen ops, as ``aot_eager``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None,
                 z_loss: float) -> torch.Tensor:
-        whole = is_dynamo_compiling()
-        step = 0 if whole else chunk_rows(x.shape[-1], x.device.type)  # (the backward's chunks too)
-        if step == KERNELS and not whole:
-            step, loss, lse = _kernel_forward(x, ids, z_loss)
-        if whole:
+        step = 0
+        if is_dynamo_compiling():
+            how = "one" if x.dtype == torch.float32 else "whole"
+        else:
+            step = chunk_rows(x.shape[-1], x.device.type)  # (the backward's chunks too)
+            how = "chunks"
+            if step == KERNELS:
+                step, loss, lse = _kernel_forward(x, ids, z_loss)
+                if step == KERNELS:
+                    how = "kernels"
+        if how == "whole":
             # Inductor: one reduction kernel over the bf16 rows; nothing float32 [rows, vocab] is made
             lse = torch.logsumexp(x.float(), -1)
             loss = lse - x.gather(-1, ids[:, None]).squeeze(-1).float()
-        elif step != KERNELS:
+        elif how == "one":
+            picked, lse = _chunk_loss(x, ids[:, None], z_loss)
+            loss = -picked.squeeze(-1)
+        elif how == "chunks":
             picked, lses = [], []
             # split: every chunk's view made in one call (a Python call per kernel is the cost here)
             for chunk, at in zip(x.split(step), ids[:, None].split(step)):
-                logp = torch.log_softmax(chunk, -1, dtype=torch.float32)
-                picked.append(logp.gather(-1, at))
+                got, chunk_lse = _chunk_loss(chunk, at, z_loss)  # (its float32 block freed in there)
+                picked.append(got)
                 if z_loss:
-                    # log-sum-exp to float32 rounding: the largest log-probability is max - lse,
-                    # made from max - max = 0 exactly
-                    lses.append(chunk.amax(-1).float() - logp.amax(-1))
-                del logp  # (freed before the next chunk's)
+                    lses.append(chunk_lse)
             loss = -torch.cat(picked).squeeze(-1)
             lse = torch.cat(lses) if z_loss else None
-        if z_loss and (whole or step != KERNELS):  # (the kernel adds its own)
+        if z_loss and how != "kernels":  # (the kernel adds its own)
             loss = loss + z_loss * lse.square()
         if valid is not None:
             loss = loss.masked_fill(~valid, 0.0)
-        ctx.whole, ctx.z_loss, ctx.step = whole, z_loss, step
-        ctx.save_for_backward(x, ids, valid, lse if z_loss or whole or step == KERNELS else None)
+        ctx.how, ctx.z_loss, ctx.step = how, z_loss, step
+        ctx.save_for_backward(x, ids, valid, lse if z_loss or how in ("whole", "kernels") else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, ids, valid, lse = ctx.saved_tensors
         g = grad.float() if valid is None else grad.float().masked_fill(~valid, 0.0)
+        how = ctx.how
         if torch.is_grad_enabled():
             # a backward with create_graph=True (a gradient penalty's second backward): the whole
             # formula, which autograd differentiates again, its log-sum-exp made differentiably
             return _whole_grad(x, ids, g, torch.logsumexp(x.float(), -1), ctx.z_loss), None, None, None
         # one pointwise kernel for Inductor: the saved log-sum-exp, no reduction (a compiled
         # backward, compiled autograd's too, traces the formula inline: no nested compile)
-        if ctx.whole or (ctx.step == KERNELS and is_dynamo_compiling()):
+        if how == "whole" or (how == "kernels" and is_dynamo_compiling()):
             return _whole_grad(x, ids, g, lse, ctx.z_loss), None, None, None
-        if ctx.step == KERNELS:
+        if how == "kernels":
             return _kernel_backward(x, ids, g, lse, ctx.z_loss), None, None, None
         # d loss / d x = softmax(x) * (1 + 2 z lse) - onehot(ids), times the row's upstream gradient
         scale = g * (1 + 2 * ctx.z_loss * lse) if ctx.z_loss else g
+        if how == "one":
+            minus = (-g[:, None] if ctx.z_loss
+                     else torch.full((x.shape[0], 1), -1.0, dtype=torch.float32, device=x.device))
+            p = _chunk_grad(x, ids[:, None], scale[:, None], minus, ctx.z_loss)
+            return (p if ctx.z_loss else torch.mul(p, g[:, None])).to(x.dtype), None, None, None
         out = torch.empty_like(x)
         step = min(ctx.step, x.shape[0])  # (rows fewer than a chunk's: minus_one no longer than them)
         if ctx.z_loss:
             minus = (-g[:, None]).split(step)
             for chunk, at, into, by, less in zip(x.split(step), ids[:, None].split(step), out.split(step),
                                                  scale[:, None].split(step), minus):
-                p = torch.softmax(chunk, -1, dtype=torch.float32)
-                p.mul_(by)
-                p.scatter_add_(-1, at, less)
-                into.copy_(p)
-                del p
+                into.copy_(_chunk_grad(chunk, at, by, less, True))
         else:  # (p - onehot) * g, the product written in x's dtype: one float32 pass less
             minus_one = torch.full((step, 1), -1.0, dtype=torch.float32, device=x.device)
             for chunk, at, into, by in zip(x.split(step), ids[:, None].split(step), out.split(step),
                                            g[:, None].split(step)):
-                p = torch.softmax(chunk, -1, dtype=torch.float32)
-                p.scatter_add_(-1, at, minus_one[:len(at)])
-                torch.mul(p, by, out=into)
-                del p
+                torch.mul(_chunk_grad(chunk, at, by, minus_one[:len(at)], False), by, out=into)
         return out, None, None, None
+
+
+def _chunk_loss(chunk: torch.Tensor, at: torch.Tensor, z_loss: float
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of rows' forward: ``log_softmax(chunk, dtype=float32)[at]`` per row (a column) and,
+    with ``z_loss``, each row's log-sum-exp to float32 rounding (the largest log-probability is
+    ``max - lse``, made from ``max - max = 0`` exactly); the chunk's float32 block dies on return."""
+    logp = torch.log_softmax(chunk, -1, dtype=torch.float32)
+    return logp.gather(-1, at), (chunk.amax(-1).float() - logp.amax(-1)) if z_loss else None
+
+
+def _chunk_grad(chunk: torch.Tensor, at: torch.Tensor, by: torch.Tensor, less: torch.Tensor,
+                z_loss: float) -> torch.Tensor:
+    """One chunk of rows' float32 gradient: ``softmax(chunk)`` with, given ``z_loss``, each row
+    times ``by`` and ``less`` (``-g``) added at its target (the whole gradient), else ``less`` (-1)
+    added at its target (``softmax - onehot``: the caller multiplies by ``g`` as it writes it in
+    the logits' dtype, one float32 pass less)."""
+    p = torch.softmax(chunk, -1, dtype=torch.float32)
+    if z_loss:
+        p.mul_(by)
+    p.scatter_add_(-1, at, less)
+    return p
 
 
 def _whole_grad(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, lse: torch.Tensor,

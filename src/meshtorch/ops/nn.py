@@ -17,7 +17,7 @@ import torch
 from meshtorch.errors import ArgumentError, ShapeError
 from meshtorch.lowering.lower import align, lower
 from meshtorch.ops.array import check_ids, ids_read_on_host, one_hot
-from meshtorch.ops.cross_entropy_rows import cross_entropy_rows
+from meshtorch.ops.cross_entropy_rows import cross_entropy_rows, takes_float32
 from meshtorch.ops.elementwise import cast, exp, not_equal, rsqrt, square, where
 from meshtorch.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
 from meshtorch.random import bernoulli
@@ -86,9 +86,9 @@ def log_softmax(x: MeshTensor, dim: str | Dim, extra_logit: float | MeshTensor |
 
 REDUCTIONS = ("none", "mean", "sum")
 #: logits dtypes whose fused hard-target loss is :func:`~meshtorch.ops.cross_entropy_rows.cross_entropy_rows`
-#: (float32 precision, no float32 [rows, vocab] tensor kept); others take ``log_softmax`` and ``gather``.
-#: float32 stays there: rows was as fast on the CPU (benchmarks/cross_entropy.py) but unmeasured on a
-#: GPU, and an ``aot_eager`` compile of it (one chunk, other kernels) is not bitwise the eager step
+#: (float32 precision, no float32 [rows, vocab] tensor kept) on every device; float32 logits take it on
+#: the devices of :data:`~meshtorch.ops.cross_entropy_rows.FLOAT32_DEVICES` (the CPU: faster there, and
+#: the rows' float32 log-probabilities not kept), others ``log_softmax`` and ``gather``.
 ROWS_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -152,7 +152,8 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
         i = logits.shape.index(v.name)
         # low-precision logits, hard targets: cross_entropy_rows keeps float32 precision without
         # the float32 [rows, vocab] log-probabilities (and their gradient) autograd would keep
-        rows = not soft and logits.dtype in ROWS_DTYPES
+        rows = not soft and (logits.dtype in ROWS_DTYPES or logits.dtype == torch.float32
+                             and takes_float32(logits.local.device.type))
 
         def local_fn(view, t, tt):
             if rows:
