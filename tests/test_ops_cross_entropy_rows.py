@@ -474,7 +474,7 @@ SIZES = st.integers(1, 5)
 @given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        z_loss=st.sampled_from([0.0, 0.1]), reduction=st.sampled_from(["none", "mean", "sum"]))
 @settings(max_examples=16, deadline=None)
-def test_low_precision_logits_give_the_float32_loss_on_any_layout(data, dtype, z_loss, reduction):
+def test_rows_dtypes_give_the_float32_loss_on_any_layout(data, dtype, z_loss, reduction):
     """``mt.cross_entropy`` of bf16/fp16 (and, on the CPU, float32) logits on a drawn mesh and rules
     (the vocabulary whole: rows, in chunks of 2 rows; split: the composed float32 path) is the
     float64 loss of the same logits within float32 rounding, its gradient the float64 one within a

@@ -24,6 +24,10 @@ the bf16 logits (and the backward writing their bf16 gradient), holding no float
 block at all. Eager on CUDA, those two kernels are made by ``torch.compile`` of the two formulas
 (for the first shape, then one version for any number of rows; per device): 1.44 ms forward and
 backward at [8192, 50304] bf16 on an H100, where 256 MiB chunks took 9.33 and plain PyTorch 4.52.
+Float32 logits under ``torch.compile`` are one chunk of the chunks' own ops instead (``log_softmax``
+and ``gather`` forward, ``softmax`` and ``scatter_add`` backward), so that a compiled step keeps the
+eager step's values (bitwise where its backend runs the same ATen ops, as ``aot_eager``); Inductor
+fuses them.
 
 Example:
     >>> import torch, torch.nn.functional as F
@@ -174,10 +178,13 @@ def _priced(device_type: str) -> str:
 
 #: device types on which float32 logits take :func:`cross_entropy_rows` too (bf16 and fp16 logits
 #: take it everywhere): on this project's CPU, one thread, forward + backward against
-#: ``-log_softmax(x).gather(ids)`` (``benchmarks/cross_entropy.py``): [1024, 2048] 4.1 vs 9.0 ms,
-#: [4096, 16384] 296 vs 402 ms, [256, 50304] 40 vs 83 ms, and a peak of the logits plus a few chunks
-#: where the formula holds three float32 copies of them. Elsewhere float32 keeps the formula (its
-#: kernels unmeasured on a GPU against it).
+#: ``-log_softmax(x).gather(ids)`` (``benchmarks/cross_entropy.py``, a quiet run): [4096, 16384] 187
+#: vs 404 ms, [256, 50304] 40 vs 63 ms; at [1024, 2048] 3.8 vs 3.5 where the allocator keeps the
+#: formula's 8 MiB float32 blocks between calls (a loop of the loss alone) and 4.1 vs 9.0 where it
+#: page-faults them afresh; in a training step (issue 27's LM, one processor, the two losses
+#: interleaved) 3.7 ms less per 305 ms step. Its peak is the logits plus a few chunks, where the
+#: formula holds three float32 copies of them. Elsewhere float32 keeps the formula (its kernels
+#: unmeasured on a GPU against it).
 FLOAT32_DEVICES = ("cpu",)
 
 
