@@ -46,6 +46,8 @@ BY_HAND = {
                       "(fwd+bwd ms, peak, bytes vs the bandwidth floor); [8192, 50304] on a GPU: by hand"),
     "forward_calls": ("a diagnosis: Python frames and ATen ops per forward and backward, meshtorch vs "
                       "plain and DDP (counts, no speed figure): by hand"),
+    "replay_bound": ("a diagnosis: the forward replayed without the language's per-op Python, vs "
+                     "meshtorch and its plain twin (CPU ms): by hand"),
 }
 
 # name -> (arguments of a full run, arguments of a --quick run)
