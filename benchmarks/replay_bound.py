@@ -10,8 +10,9 @@ replayed) could win, on one processor, without collectives:
 - ``replayed``: the same forward's top-level torch calls, recorded once under a
   ``TorchFunctionMode`` (each call, its arguments, which earlier call made each tensor argument) and
   replayed from a list by one Python loop: the kernels the eager forward runs and none of the
-  language's Python (no plans, layouts, MeshTensors, module frames). Calls that make no tensor
-  (``.shape``, ``.dtype``) are not replayed: their values are constants of the recording;
+  language's Python (no plans, layouts, MeshTensors, module frames). Calls that make a value but
+  no tensor (``.shape``, ``.dtype``, ``torch.equal``) are not replayed: their values are constants
+  of the recording, as is the input (the bound replays one fixed batch);
 - ``plain torch twin``: ``fsdp_vs_fsdp2.BlockLM`` with the same weights and rows.
 
 Each step runs forward+loss (timed: the stepping thread's CPU time, ``time.thread_time``) and a
@@ -59,7 +60,10 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         made, _ = tree_flatten(out)
         outs = [(j, o) for j, o in enumerate(made) if isinstance(o, torch.Tensor)]
-        if not outs:  # (.shape, .dtype, .requires_grad: constants of the recording)
+        if not outs and out is not None:
+            # a value (.shape, .dtype, torch.equal, numel): a constant of the recording, as the
+            # eager forward's Python used it (this bound replays one fixed input); a call that
+            # returns None (a write: t[i] = v) is replayed
             return out
         flat, spec = tree_flatten((args, kwargs))
         fills = [(i, self.slots[id(a)]) for i, a in enumerate(flat)
@@ -70,7 +74,8 @@ class _Recorder(TorchFunctionMode):
             stored[i] = None
         places: list[tuple[int, int]] | None = []
         for j, o in outs:
-            self.slots[id(o)] = len(self.slots)
+            if id(o) not in self.slots:  # (an in-place op returns its input: the same slot)
+                self.slots[id(o)] = len(self.slots)
             places.append((j, self.slots[id(o)]))
         made_here = self.slots[id(out)] if isinstance(out, torch.Tensor) else None
         self.calls.append((func, stored, spec, fills, places if made_here is None else made_here))

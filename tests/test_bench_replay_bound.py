@@ -40,3 +40,23 @@ def test_the_replay_is_the_eager_forward_step_after_step():
             torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
         opt.step()  # (the next round: new values in the same parameter objects)
     assert not torch.equal(want, replay.recorded)  # the parameters did change in between
+
+
+def test_in_place_ops_and_writes_are_replayed_on_the_new_values():
+    """An in-place op (its result its input: the same slot), a call returning its input as it is
+    (``contiguous``) and a write returning None (``t[0] = v``) are replayed: after the input changes
+    in place, the replay is the eager function's new value, not the recording's."""
+    bench = load_benchmark("replay_bound")
+    a = torch.arange(4.0)
+
+    def fn():
+        b = a * 1
+        b.add_(1)
+        c = b.contiguous()
+        c[0] = 100.0
+        return c * 2 + (a + 1)
+
+    replay = bench.Replay(fn)
+    a.mul_(3)
+    assert torch.equal(replay(), fn()), (replay(), fn())
+    assert not torch.equal(fn(), replay.recorded)
