@@ -179,12 +179,12 @@ def _priced(device_type: str) -> str:
 #: device types on which float32 logits take :func:`cross_entropy_rows` too (bf16 and fp16 logits
 #: take it everywhere): on this project's CPU, one thread, forward + backward against
 #: ``-log_softmax(x).gather(ids)`` (``benchmarks/cross_entropy.py``): [4096, 16384] 194 vs 402 ms
-#: (``benchmarks/results/cross_entropy.md``), [256, 50304] 40 vs 63 ms (``--rows 256 --vocab 50304``); at [1024, 2048] 3.8 vs 3.5 where the allocator keeps the
-#: formula's 8 MiB float32 blocks between calls (a loop of the loss alone) and 4.1 vs 9.0 where it
-#: page-faults them afresh; in a training step (issue 27's LM, one processor, the two losses
-#: interleaved) 3.7 ms less per 305 ms step. Its peak is the logits plus a few chunks, where the
-#: formula holds three float32 copies of them. Elsewhere float32 keeps the formula (its kernels
-#: unmeasured on a GPU against it).
+#: (``benchmarks/results/cross_entropy.md``), [256, 50304] 40 vs 63 ms (``--rows 256 --vocab
+#: 50304``); at [1024, 2048] 3.8 vs 3.5 where the allocator keeps the formula's 8 MiB float32 blocks
+#: between calls (a loop of the loss alone) and 4.1 vs 9.0 where it page-faults them afresh; in a
+#: training step (issue 27's LM, one processor, the two losses interleaved) 3.7 ms less per 305 ms
+#: step. Its peak is the logits plus a few chunks, where the formula holds three float32 copies of
+#: them. Elsewhere float32 keeps the formula (its kernels unmeasured on a GPU against it).
 FLOAT32_DEVICES = ("cpu",)
 
 
