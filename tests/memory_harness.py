@@ -46,15 +46,7 @@ def collective_peaks() -> dict:
 
 
 def training_step_peak(cfg, vocab: int) -> int:
-    """The lesser of two measurements of a steady-state step's allocator peak, each from a fresh
-    model (``allocator_peak.training_step_peak``: the least of its three steps). In about 3% of
-    measurements on gloo (issue 27's tiny LM, data parallel: 3 of ~110) the profiler records no
-    free for one step's flat gradient buffer (its whole parameters' bytes, freed at the next
-    ``zero_grad``; the other steps' frees are recorded), so the block counts as live to the
-    profile's end and every later step reads that much higher: a missed event, not memory held
-    (the other processor, the other steps and the plan agree to the byte). Two independent
-    measurements both missing it are rare enough for the tests."""
-    return min(allocator_peak.training_step_peak(cfg, vocab) for _ in range(2))
+    return allocator_peak.training_step_peak(cfg, vocab)
 
 
 def late_step_peak(cfg, vocab: int, late: int, delay: float) -> int:
