@@ -168,6 +168,16 @@ class _Waited:
         return getattr(self._work, name)
 
 
+def _issued(start: Callable[[], Any], tensors: list[torch.Tensor], owners: list[tuple[int, int]]
+            ) -> _Waited | None:
+    """``start()``, an asynchronous call on ``tensors`` (``owners``: theirs before it), in a window
+    of its own; its work, whose ``wait()`` lets go of them."""
+    number = next(_issues)
+    with torch.profiler.record_function(f"{_ISSUE}{number}"):
+        out = start()
+    return None if out is None else _Waited(out, tensors, owners, number)
+
+
 def _blocking(fn):
     signature = inspect.signature(fn)
 
@@ -177,10 +187,7 @@ def _blocking(fn):
         if signature.bind_partial(*args, **kwargs).arguments.get("async_op"):
             # called asynchronously (FSDP2's prefetch, overlapped collectives): gloo holds the
             # tensors until the work completes, so the wait lets go of them, not the call
-            number = next(_issues)
-            with torch.profiler.record_function(f"{_ISSUE}{number}"):
-                out = fn(*args, **kwargs)
-            return None if out is None else _Waited(out, tensors, owners, number)
+            return _issued(lambda: fn(*args, **kwargs), tensors, owners)
         with torch.profiler.record_function(_CALL):
             out = fn(*args, **kwargs)
             _let_go(tensors, owners)
@@ -210,11 +217,7 @@ def _process_group_allreduce(find: Callable) -> Callable:
 
         def call(group, tensors, opts):
             held = list(tensors)
-            owners = [_owners(t) for t in held]
-            number = next(_issues)
-            with torch.profiler.record_function(f"{_ISSUE}{number}"):
-                work = method(group, tensors, opts)
-            return _Waited(work, held, owners, number)
+            return _issued(lambda: method(group, tensors, opts), held, [_owners(t) for t in held])
         return call
     return lookup
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import fsdp_vs_fsdp2 as bench
 import torch
+from dp_phases import interleaved
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -113,21 +114,15 @@ class Replay:
         return made[self.result]
 
 
-def interleaved(fns: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, list[float]]:
-    """Each forward's CPU seconds (then its backward, untimed) over ``rounds`` balanced rounds,
-    after 3 warm-up steps each."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn().backward()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            t = time.thread_time()
-            loss = fns[name]()
-            times[name].append(time.thread_time() - t)
-            loss.backward()
-    return times
+def forward_timed(fn: Callable[[], torch.Tensor]) -> Callable[[], float]:
+    """A step of ``fn``: its forward's CPU seconds (returned), then its backward, untimed."""
+    def step() -> float:
+        t = time.thread_time()
+        loss = fn()
+        spent = time.thread_time() - t
+        loss.backward()
+        return spent
+    return step
 
 
 def variants(quick: bool) -> tuple[dict[str, Callable[[], torch.Tensor]], int]:
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     fns, calls = variants(args.quick)
-    times = interleaved(fns, args.rounds)
+    times = interleaved({name: forward_timed(fn) for name, fn in fns.items()}, args.rounds)
     twin = times["plain torch twin"]
     print(f"forward+loss of one process's rows, median CPU ms of {args.rounds} interleaved steps "
           f"(the replay: {calls} torch calls, its loss bitwise the eager one)\n")
