@@ -240,19 +240,20 @@ def test_module_with_buffer_converts_under_each_flag(flag):
     assert out.to_global().tolist() == [3.0] * 4 and out.local.dtype == torch.float64
 
 
-def overlap_steps_around_a_conversion(flag: str, on: bool = True) -> list:
+def overlap_steps_around_a_conversion(on: bool = True) -> list:
     """Two steps inside mt.overlap() (which holds the parameters weakly, its lasting entries and
-    gather plans), ``.double()`` and a state-dict round trip under ``flag``, then a step more:
-    the gradients of each step after the first conversion, globally."""
+    gather plans), ``.double()`` and a state-dict round trip under the conversion flag the launch
+    runs under, then a step more: the gradients of each step after the first conversion, globally.
+    (torch's flags are one per process: set around the launch, not by each thread-processor,
+    whose enters and exits interleave and flipped the flag under another's conversion.)"""
     torch.manual_seed(0)
     net = mt.nn.Dense(mt.Dim("d", 4), mt.Dim("h", 6))
     x = mt.random.normal("batch:4,d:4", seed=1)
     grads = []
     for step in range(4):
         if step == 2:
-            with conversion_flag(flag):
-                net.double()
-                net.load_state_dict(net.state_dict())
+            net.double()
+            net.load_state_dict(net.state_dict())
             x = mt.cast(x, torch.float64)
         net.zero_grad()
         with mt.overlap(enabled=on):
@@ -268,8 +269,10 @@ def test_a_model_trained_inside_overlap_converts_and_loads_under_each_flag(flag,
     load swaps them (review15: "Couldn't swap Dense.kernel"), and the steps after are those of
     the per-use path, which no runtime touches (bitwise: a parameter of one use), data parallel
     and FSDP."""
-    ref = mt.launch(overlap_steps_around_a_conversion, "default", False, mesh="b:2", rules=rules)[0]
-    kinds, grads = mt.launch(overlap_steps_around_a_conversion, flag, mesh="b:2", rules=rules)[0]
+    with conversion_flag("default"):
+        ref = mt.launch(overlap_steps_around_a_conversion, False, mesh="b:2", rules=rules)[0]
+    with conversion_flag(flag):
+        kinds, grads = mt.launch(overlap_steps_around_a_conversion, mesh="b:2", rules=rules)[0]
     assert kinds == ["MeshParameter", "MeshParameter"]
     for got, want in zip(grads, ref[1]):
         for k in want:
