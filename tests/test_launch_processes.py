@@ -223,7 +223,7 @@ spy(torch.cuda, "_lazy_init")
 spy(torch._C, "_cuda_init")
 spy(torch._C, "_cuda_getDeviceCount")
 import meshtorch.launcher.preload  # noqa: E402
-import torch._dynamo  # noqa: E402,F401 - what the fork server would preload on a CUDA build too
+import torch._dynamo  # noqa: E402,F401 - (preload imports it: said here, should it ever stop)
 print(threading.active_count(), torch.cuda.is_initialized(), "calls", calls, flush=True)
 if sys.argv[1] == "cuda":
     def child():
@@ -240,12 +240,11 @@ if sys.argv[1] == "cuda":
 def test_the_fork_servers_imports_start_no_thread_and_leave_cuda_alone(device):
     """What the fork server imports before forking processors (a forked process keeps only the
     forking thread, so a Python thread started there would be lost with any lock it held; CUDA
-    initialised there would be unusable in the processors). With Dynamo too, which the server
-    preloads only on a torch without CUDA, as importing it was not known to leave the driver alone:
-    none of torch's CUDA initialisers or device queries is called (spied in a fresh interpreter; a
-    CPU build answers some queries without them, a CUDA build, with a GPU or not, calls each), and
-    on a GPU a process forked after the imports computes on CUDA (run by gpu_check.sh's tests): the
-    evidence to preload Dynamo on CUDA builds too."""
+    initialised there would be unusable in the processors), Dynamo among them: none of torch's CUDA
+    initialisers or device queries is called (spied in a fresh interpreter; a CPU build answers
+    some queries without them, a CUDA build, with a GPU or not, calls each), and on a GPU a process
+    forked after the imports computes on CUDA (run by gpu_check.sh's tests; passed on an H200 with
+    torch 2.11, which is why the server preloads Dynamo on CUDA builds too)."""
     out = subprocess.run([sys.executable, "-c", _FORK_SERVERS_IMPORTS, device], capture_output=True,
                          text=True, timeout=100, env={**os.environ, "PYTHONPATH": SRC})
     assert out.returncode == 0, out.stderr[-3000:]
@@ -260,7 +259,6 @@ def _modules_a_first_optimizer_imports() -> list[str]:
     return sorted(set(sys.modules) - before)
 
 
-@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="the fork server preloads Dynamo without CUDA")
 def test_a_processor_makes_its_first_optimizer_without_importing_dynamo():
     """torch's optimizers import Dynamo at their first add_param_group (about a second of CPU in each
     processor that trains): the fork server has imported it for them."""

@@ -3,8 +3,8 @@
 The fork server (:mod:`meshtorch.launcher.processes`) imports this module once; every
 processor forked from it then starts with torch, ``torch.distributed``, the torch
 communicator and meshtorch's public API already imported, instead of importing them
-afresh (about a second of CPU per processor), and on a torch without CUDA also Dynamo,
-which torch's optimizers import on first use (about another second). Importing it starts
+afresh (about a second of CPU per processor), and Dynamo, which torch's optimizers import
+on first use (about another second). Importing it starts
 no thread of meshtorch's and touches no GPU: a process forked after it may still use CUDA.
 
 Example:
@@ -27,7 +27,7 @@ meshtorch.__all__  # noqa: B018 - the attribute access is the point
 
 # torch.optim's optimizers import Dynamo at their first add_param_group (torch._disable_dynamo
 # imports it lazily): about a second of CPU in every processor that trains, paid here once instead.
-# Only where torch has no CUDA: that the import leaves the CUDA driver alone (a driver started
-# before the fork is unusable in the processors) is not checked on a CUDA build yet
-if not torch.backends.cuda.is_built():
-    import torch._dynamo  # noqa: F401
+# Importing it leaves the CUDA driver alone (a driver started before the fork would be unusable in
+# the processors): checked on CUDA builds with and without a GPU (torch 2.11 on an H200: no CUDA
+# initialiser called, and a process forked after it computes on CUDA; test_launch_processes)
+import torch._dynamo  # noqa: E402,F401
