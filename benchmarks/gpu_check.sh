@@ -40,7 +40,10 @@ gpu=$("$PY" -c "import torch, meshtorch; print(int(torch.cuda.is_available()))")
 if "$PY" -c "import pytest" 2>/dev/null; then
     others=$(grep -lE "torch\.cuda\.is_available\(\)|pytest\.mark\.cuda" tests/test_*.py | grep -v "tests/test_gpu_path.py")
     echo "== tests: tests/test_gpu_path.py${others:+ and -k 'cuda or gpu' in }$(echo $others)"
-    timeout -k 5 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_path.py
+    # (less the CPU's compiled training run, the CI's job: 64 s of the 150 on an H200, which left the
+    # benchmark too little time for its compiled and 1b rows)
+    timeout -k 5 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_path.py \
+        --deselect "tests/test_gpu_path.py::test_meshtorch_train_on_the_device[compiled-cpu]"
     rc=$?
     if [ -n "$others" ]; then
         t=$((150 - (SECONDS - start))); [ $t -lt 20 ] && t=20
