@@ -81,7 +81,7 @@ def test_a_device_file_carries_the_allocator_numbers(tmp_path):
 # A hand-made compiled step: p (a parameter, 100 B); x -> mm -> h -> gelu -> g -> mm -> o in the
 # forward; in the backward a fused pair reads g (-> dg) and h, dg (-> dh). Storages are 40 B.
 MM, ELT = ("mm", "float32", 8, 120, (1, 1, 1, 1), 1, 0), ("gelu", "float32", 0, 80, (), 1, 0)
-P, X, H, G, O, DG, DH = 1, 2, 3, 4, 5, 6, 7
+P, X, H, G, O, DG, DH, DX = 1, 2, 3, 4, 5, 6, 7, 8
 SEQ = [(MM, ((X, 40), (P, 100)), ((H, 40),)), (ELT, ((H, 40),), ((G, 40),)),
        (MM, ((G, 40), (P, 100)), ((O, 40),)),
        (ELT, ((G, 40),), ((DG, 40),)), (ELT, ((H, 40), (DG, 40)), ((DH, 40),))]
@@ -99,9 +99,9 @@ def test_a_compiled_step_keeps_neither_fused_temporaries_nor_what_it_can_remake(
     assert peak_of(eager, [], KIND, KINDS)[0] == 100 + 5 * 40   # p, x, h, g, o and dg at once
     got = compiled_timeline(SEQ, AT, BACKWARD, EVENTS, KIND)
     # dg lives inside the backward's fused kernel; g is dropped after its forward reader (h, which
-    # remakes it, is alive in the backward anyway); dh is a result, kept
-    assert [(s, d) for _, s, d in got] == [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (G, -40),
-                                          (DH, 40), (H, -40)]
+    # remakes it, is alive in the backward anyway); dh, a result, is written into h, which that
+    # kernel reads last (Inductor's in-place buffer): h's storage lives on as dh's
+    assert [(s, d) for _, s, d in got] == [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (G, -40)]
     assert peak_of(got, [], KIND, KINDS) == (100 + 4 * 40, {"parameters": 100, "gradients": 0,
                                                             "optimizer": 0, "activations": 160})
 
@@ -153,16 +153,52 @@ def test_what_costs_more_to_keep_than_to_save_is_saved():
     from meshtorch.plan.compiled_memory import compiled_timeline
 
     # h is not read in the backward (freed after gelu) and is twice g: remaking g would keep 80 B
-    # for 40, so g is saved as in eager; a backward reader outside a fused run reads it as it is
-    seq = [SEQ[0], SEQ[1], SEQ[2], (MM, ((G, 40),), ((DG, 40),))]
-    events = [(P, 100), (X, 40), (H, 80), (G, 40), (H, -80), (O, 40), (DG, 40), (G, -40)]
+    # for 40, so g is saved as in eager (its fused backward reader makes a result of another size)
+    seq = [SEQ[0], SEQ[1], SEQ[2], (ELT, ((G, 40),), ((DG, 20),))]
+    events = [(P, 100), (X, 40), (H, 80), (G, 40), (H, -80), (O, 40), (DG, 20), (G, -40)]
     got = compiled_timeline(seq, [3, 4, 6, 7], [False, False, False, True], events, KIND)
     assert [(p, s, d) for p, s, d in got] == [(float(i), s, d) for i, (s, d) in enumerate(events)]
-    # with h alive in the backward, g is remade there, into a buffer alive for the mm alone
+
+
+def test_what_a_backward_matmul_reads_is_saved_not_remade():
+    """Inductor's min-cut partitioner never remakes a forward result that an unfused backward op
+    (a matmul's weight gradient) reads (``ban_recompute_materialized_backward``: it would be
+    materialized there anyway), however cheap its inputs: GELU's output before the second
+    feed-forward matmul is saved (measured on an H200: both [tokens, d_ff] tensors of every layer)."""
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    seq = [SEQ[0], SEQ[1], SEQ[2], (MM, ((G, 40),), ((DG, 40),))]
     events = [(P, 100), (X, 40), (H, 80), (G, 40), (O, 40), (DG, 40), (G, -40), (H, -80)]
     got = compiled_timeline(seq, [3, 4, 5, 6], [False, False, False, True], events, KIND)
-    remade = [(p, d) for p, s, d in got if s < 0]
-    assert remade == [(4.9, 40), (5.75, -40)] and (4.75, G, -40) in got
+    assert [(p, s, d) for p, s, d in got] == [(float(i), s, d) for i, (s, d) in enumerate(events)]
+    # read by a fused backward op instead, with h alive there anyway: remade, g freed after o's mm
+    seq[3] = (ELT, ((G, 40),), ((DG, 40),))
+    got = compiled_timeline(seq, [3, 4, 5, 6], [False, False, False, True], events, KIND)
+    assert (4.75, G, -40) in got and (6.0, G, -40) not in got
+
+
+def test_a_fused_kernel_writes_its_result_into_an_input_it_reads_last():
+    """Inductor's in-place buffers: the loss's gradient takes the saved logits' storage, which the
+    backward's fused kernel reads for the last time (measured on an H200: the compiled step's peak
+    holds one of the two [tokens, vocab] tensors, not both). A same-size input still read later, or
+    of another size, is not taken."""
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    L, DL = 11, 12   # logits (saved), their gradient
+    seq = [(MM, ((X, 40), (P, 100)), ((L, 80),)), (ELT, ((L, 80),), ((DL, 80),))]
+    events = [(P, 100), (X, 40), (L, 80), (DL, 80), (L, -80)]
+    got = compiled_timeline(seq, [3, 4], [False, True], events, KIND)
+    assert [(s, d) for _, s, d in got] == [(P, 100), (X, 40), (L, 80)]
+    # the logits read again after the kernel: two storages
+    seq.append((MM, ((L, 80),), ((DX, 40),)))
+    events = [(P, 100), (X, 40), (L, 80), (DL, 80), (DX, 40), (L, -80)]
+    got = compiled_timeline(seq, [3, 4, 5], [False, True, True], events, KIND)
+    assert [(s, d) for _, s, d in got] == [(s, d) for s, d in events]
+    # a result of another size: two storages
+    seq = [seq[0], (ELT, ((L, 80),), ((DL, 40),))]
+    events = [(P, 100), (X, 40), (L, 80), (DL, 40), (L, -80)]
+    got = compiled_timeline(seq, [3, 4], [False, True], events, KIND)
+    assert [(s, d) for _, s, d in got] == [(s, d) for s, d in events]
 
 
 def test_without_autograds_task_id_nothing_is_remade(monkeypatch):

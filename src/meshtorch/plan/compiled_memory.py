@@ -2,17 +2,23 @@
 
 A step traced with ``compiled=True`` records its ops in order with the storages each reads and
 writes (:data:`~meshtorch.plan.kernels.SequenceOp`) and where each op stands among the tracer's
-allocation events. Inductor changes what is alive in two ways, both modelled here:
+allocation events. Inductor changes what is alive in three ways, modelled here after its defaults
+(checked on an H200, torch 2.11: what the compiled step saves for the backward and its peak):
 
 - **fusion**: a run of consecutive memory-bound ops is one kernel
   (:func:`~meshtorch.plan.kernels.fusible_runs`); a storage the run makes and only the run
   reads lives in registers, never in memory (the float32 copy of the logits a loss upcasts);
 - **recomputation** (the min-cut partitioner of ``torch._functorch.partitioners``): a storage a
-  forward run makes and the backward reads again is not saved when the run's inputs cost less to
-  keep until then (those already alive then cost nothing): it is dropped after its forward
-  uses and remade in the backward, inside the backward's fused kernel, or in a buffer alive
-  for the one op that reads it. The log-softmax of the loss (float32, vocabulary-wide) is
-  remade from the bf16 logits; GELU's output from its input.
+  forward run makes and the backward reads again, only in fused runs, is not saved when the run's
+  inputs cost less to keep until then (those already alive then cost nothing): it is dropped after
+  its forward uses (never made, where only its own run reads it forward) and remade inside the
+  backward's fused kernel. The log-softmax of the loss (float32, vocabulary-wide) is remade from
+  the bf16 logits. What an unfused backward op reads (a matmul's weight gradient: GELU's output,
+  a bf16 copy of a weight or of a layer norm's output) is saved, as the partitioner's
+  ``ban_recompute_materialized_backward`` does: remade, it would be made in memory anyway;
+- **in-place buffers**: a fused kernel writes a result into an input of the same size that it
+  reads for the last time (the loss's backward writes the logits' gradient into the saved
+  logits): one storage, never both alive.
 
 :func:`compiled_timeline` returns the events re-timed; :func:`peak_of` their peak by kind in the
 measured windows, what :meth:`meshtorch.plan.tracing.Tracer.peak` reports for a compiled trace.
@@ -68,8 +74,7 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
     for i0, j in runs:
         in_run.update(range(i0, j))
     removed: set[int] = set()
-    transients: Timeline = []
-    fresh = -1
+    moved: set[int] = set()   # storages whose free the recomputation moved
     for i0, j in runs:
         ours = [s for s, i in made.items() if i0 <= i < j and kind.get(s, "activations") == "activations"]
         inputs = {s for i in range(i0, j) for s, _ in sequence[i][1] if not i0 <= made.get(s, -1) < j}
@@ -82,26 +87,47 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
                 continue
             if backward[made[s]] or not backward[later[-1]]:
                 continue   # not saved from the forward for the backward: nothing to recompute
+            if any(backward[r] and r not in in_run for r in later):
+                continue   # a backward matmul (or another unfused op) reads it: it is saved
             forward = [r for r in later if not backward[r]]
             last = later[-1]
             keep = sum(size.get(x, 0) for x in inputs
                        if x not in removed and free.get(x, math.inf) < at[last])
             if keep >= size.get(s, 0):
                 continue   # saving it is cheaper than saving what remakes it
-            free[s] = at[forward[-1] if forward else j - 1] - 0.25
+            if forward:
+                free[s] = at[forward[-1]] - 0.25
+                moved.add(s)
+            else:   # only its run reads it forward: never leaves that kernel (the backward's remakes it)
+                removed.add(s)
             for x in inputs:
                 if x in free and free[x] < at[last]:
                     free[x] = at[last] - 0.25
-            for r in later:
-                if backward[r] and r not in in_run:   # remade into a buffer for the op that reads it
-                    transients += [(at[r - 1] - 0.1, fresh, size[s]), (at[r] - 0.25, fresh, -size[s])]
-                    fresh -= 1
+                    moved.add(x)
+    # a fused kernel writes a result into an input it reads last (Inductor's in-place buffers: the
+    # loss's gradient into the saved logits): one storage, never both alive
+    continued: dict[int, int] = {}   # a result written into an input's storage -> that input
+    ended: set[int] = set()          # inputs whose storage a result took over: no free of their own
+    for i0, j in runs:
+        dying = [x for x in dict.fromkeys(x for i in range(i0, j) for x, _ in sequence[i][1])
+                 if not i0 <= made.get(x, -1) < j and x in free and x not in moved | removed | ended
+                 and kind.get(x, "activations") == "activations" and i0 <= reads[x][-1] < j]
+        for o in (s for s, i in made.items() if i0 <= i < j and s not in removed | moved):
+            if kind.get(o, "activations") != "activations":
+                continue
+            x = next((x for x in dying if size[x] == size[o]), None)
+            if x is not None:
+                dying.remove(x)
+                continued[o] = x
+                ended.add(x)
     out: Timeline = []
     for idx, (serial, delta) in enumerate(events):
-        if serial in removed:
+        if serial in removed or (serial in continued if delta >= 0 else serial in ended):
             continue
-        out.append((free[serial] if delta < 0 else float(idx), serial, delta))
-    out += transients
+        at_ = free[serial] if delta < 0 else float(idx)
+        while serial in continued:   # the storage it was written into frees (the first of a chain)
+            serial = continued[serial]
+        out.append((at_, serial, delta))
     out.sort(key=lambda e: e[0])
     return out
 

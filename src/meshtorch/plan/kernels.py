@@ -164,6 +164,11 @@ def matmul_efficiency(m: int, n: int, k: int, knee: float) -> float:
 SequenceOp = tuple[Kernel, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]
 
 
+def _no_kernel(k: Kernel) -> bool:
+    """A view, a detach, ...: no kernel and no sync (it holds nothing up)."""
+    return k[5] == 0 and k[6] == 0
+
+
 def _fusible(k: Kernel) -> bool:
     name = k[0]
     return (k[5] == 1 and not k[2] and k[3] > 0 and name not in ATTENTION
@@ -172,7 +177,8 @@ def _fusible(k: Kernel) -> bool:
 
 def fusible_runs(sequence: list[SequenceOp]) -> list[tuple[int, int]]:
     """The ``[start, end)`` op ranges of ``sequence`` that ``torch.compile`` fuses into one kernel
-    each: the maximal runs of consecutive memory-bound ops (:func:`fuse_elementwise`).
+    each: the maximal runs of consecutive memory-bound ops (:func:`fuse_elementwise`); ops that
+    launch no kernel (views, ``detach``) between two of them do not end a run.
 
     Example:
         >>> from meshtorch.plan.kernels import fusible_runs
@@ -185,11 +191,14 @@ def fusible_runs(sequence: list[SequenceOp]) -> list[tuple[int, int]]:
         if not _fusible(sequence[i][0]):
             i += 1
             continue
-        j = i
-        while j < len(sequence) and _fusible(sequence[j][0]):
+        j = end = i + 1
+        # a view (or a detach) between them launches nothing and does not end the run
+        while j < len(sequence) and (_fusible(sequence[j][0]) or _no_kernel(sequence[j][0])):
             j += 1
-        runs.append((i, j))
-        i = j
+            if _fusible(sequence[j - 1][0]):
+                end = j
+        runs.append((i, end))
+        i = end
     return runs
 
 
