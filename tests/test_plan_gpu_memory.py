@@ -239,3 +239,50 @@ def test_the_planned_peak_is_the_allocators_on_this_gpu_cuda():
     measured = gpu_step.run_meshtorch(cfg, size["vocab"], data, torch.device("cuda"))["peak_bytes"]
     planned = mt.plan.trace(training_step(cfg, size["vocab"]), mesh="b:1", rules="batch:b", device="cuda")
     assert planned.peak_bytes == pytest.approx(measured, rel=0.1)
+
+
+def test_an_input_still_needed_is_not_taken_over():
+    """In-place only into an input the program is done with: not one that a storage remade later
+    in the backward is made from (h: g is remade from it after dh's kernel), nor one held past the
+    result's end (the logits l, kept by their caller until after their gradient's last use)."""
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    Y = 9
+    seq = [SEQ[0], SEQ[1], SEQ[2], (ELT, ((H, 40),), ((DH, 40),)), (MM, ((DH, 40), (P, 100)), ((Y, 40),)),
+           (ELT, ((G, 40),), ((DG, 20),))]
+    events = [(P, 100), (X, 40), (H, 40), (G, 40), (O, 40), (DH, 40), (Y, 40), (DH, -40), (DG, 20), (G, -40),
+              (H, -40)]
+    got = compiled_timeline(seq, [3, 4, 5, 6, 7, 9], [False, False, False, True, True, True], events, KIND)
+    assert (5.0, DH, 40) in got and (10.0, H, -40) in got   # dh its own storage; h alive to its end
+    assert (4.75, G, -40) in got                            # (g remade from h in the last kernel)
+    L, DL = 11, 12
+    seq = [(MM, ((X, 40), (P, 100)), ((L, 80),)), (ELT, ((L, 80),), ((DL, 80),)),
+           (MM, ((DL, 80),), ((Y, 40),))]
+    events = [(P, 100), (X, 40), (L, 80), (DL, 80), (Y, 40), (DL, -80), (Y, -40), (X, -40), (L, -80)]
+    got = compiled_timeline(seq, [3, 4, 5], [False, True, True], events, KIND)
+    assert [(s, d) for _, s, d in got] == events
+
+
+def test_what_only_its_own_kernel_reads_in_the_forward_is_never_made_there():
+    """A recomputed storage that no forward op after its fused run reads (the loss's float32
+    log-probabilities, gathered inside the run) never exists in the forward: Inductor makes it
+    inside the kernel and remakes it in the backward's."""
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    K = 9
+    seq = [SEQ[0], SEQ[1], (ELT, ((G, 40),), ((K, 40),)), (MM, ((K, 40), (P, 100)), ((O, 40),)),
+           (ELT, ((G, 40), (H, 40)), ((DG, 20),))]
+    events = [(P, 100), (X, 40), (H, 40), (G, 40), (K, 40), (O, 40), (DG, 20), (G, -40), (H, -40)]
+    got = compiled_timeline(seq, [3, 4, 5, 6, 7], [False, False, False, False, True], events, KIND)
+    assert G not in {s for _, s, _ in got} and (4.0, K, 40) in got
+
+
+def test_a_fused_run_ends_at_a_host_read_and_at_the_backward():
+    """Views and detaches do not end a run (Inductor fuses through them); a host read (``.item()``:
+    a graph break) and the start of the backward (a second graph) do."""
+    from meshtorch.plan.kernels import fusible_runs
+
+    view, item = ("view", "float32", 0, 0, (), 0, 0), ("_local_scalar_dense", "float32", 0, 0, (), 0, 0)
+    seq = [(ELT, (), ()), (view, (), ()), (ELT, (), ()), (item, (), ()), (ELT, (), ())]
+    assert fusible_runs(seq) == [(0, 3), (4, 5)]
+    assert fusible_runs(seq[:3], backward=[False, False, True]) == [(0, 1), (2, 3)]

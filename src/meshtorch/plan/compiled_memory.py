@@ -48,9 +48,11 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
     """``events`` (``(serial, +bytes | -bytes)`` in time order) as a compiled step has them:
     each at its index, storages internal to a fused run gone, recomputed ones freed after their
     forward uses (their run's inputs kept instead, until the backward's last read) and remade
-    where the backward reads them. ``at[i]`` is the event count once op ``i`` of ``sequence``
-    made its outputs; ``backward[i]`` whether it ran in the backward; ``kind`` the serials that
-    are not activations (only activations are dropped or recomputed)."""
+    where the backward reads them, a fused run's result written into an input of the same size
+    that the run reads last (one storage: the input's allocation, the result's free). ``at[i]``
+    is the event count once op ``i`` of ``sequence`` made its outputs; ``backward[i]`` whether it
+    ran in the backward; ``kind`` the serials that are not activations (only activations are
+    dropped, recomputed or taken over)."""
     alloc: dict[int, int] = {}
     free: dict[int, float] = {}
     size: dict[int, int] = {}
@@ -70,11 +72,12 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
             if serial not in made and start <= alloc.get(serial, -1) < at[i]:
                 made[serial] = i
     in_run: set[int] = set()
-    runs = fusible_runs(sequence)
+    runs = fusible_runs(sequence, backward)
     for i0, j in runs:
         in_run.update(range(i0, j))
     removed: set[int] = set()
     moved: set[int] = set()   # storages whose free the recomputation moved
+    remade_until: dict[int, int] = {}  # an input a recomputed storage is remade from -> its last remake
     for i0, j in runs:
         ours = [s for s, i in made.items() if i0 <= i < j and kind.get(s, "activations") == "activations"]
         inputs = {s for i in range(i0, j) for s, _ in sequence[i][1] if not i0 <= made.get(s, -1) < j}
@@ -101,21 +104,26 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
             else:   # only its run reads it forward: never leaves that kernel (the backward's remakes it)
                 removed.add(s)
             for x in inputs:
+                remade_until[x] = max(remade_until.get(x, -1), last)
+            for x in inputs:
                 if x in free and free[x] < at[last]:
                     free[x] = at[last] - 0.25
                     moved.add(x)
     # a fused kernel writes a result into an input it reads last (Inductor's in-place buffers: the
-    # loss's gradient into the saved logits): one storage, never both alive
+    # loss's gradient into the saved logits): one storage, never both alive. Not an input that a
+    # remade storage still needs, nor one held past the result's end (the caller's); Inductor also
+    # asks for the same dtype, which a storage here does not carry: the same bytes stand for it
     continued: dict[int, int] = {}   # a result written into an input's storage -> that input
     ended: set[int] = set()          # inputs whose storage a result took over: no free of their own
     for i0, j in runs:
         dying = [x for x in dict.fromkeys(x for i in range(i0, j) for x, _ in sequence[i][1])
                  if not i0 <= made.get(x, -1) < j and x in free and x not in moved | removed | ended
-                 and kind.get(x, "activations") == "activations" and i0 <= reads[x][-1] < j]
+                 and kind.get(x, "activations") == "activations" and i0 <= reads[x][-1] < j
+                 and remade_until.get(x, -1) < j]
         for o in (s for s, i in made.items() if i0 <= i < j and s not in removed | moved):
             if kind.get(o, "activations") != "activations":
                 continue
-            x = next((x for x in dying if size[x] == size[o]), None)
+            x = next((x for x in dying if size[x] == size[o] and free[x] <= free.get(o, math.inf)), None)
             if x is not None:
                 dying.remove(x)
                 continued[o] = x

@@ -165,8 +165,9 @@ SequenceOp = tuple[Kernel, tuple[tuple[int, int], ...], tuple[tuple[int, int], .
 
 
 def _no_kernel(k: Kernel) -> bool:
-    """A view, a detach, ...: no kernel and no sync (it holds nothing up)."""
-    return k[5] == 0 and k[6] == 0
+    """A view, a detach, ...: no kernel and no sync (it holds nothing up); not a host read
+    (``.item()``, a graph break even where no device waits for it)."""
+    return k[5] == 0 and k[6] == 0 and k[0] != "_local_scalar_dense"
 
 
 def _fusible(k: Kernel) -> bool:
@@ -175,16 +176,21 @@ def _fusible(k: Kernel) -> bool:
             and not name.startswith(("_foreach_", "_fused_")))
 
 
-def fusible_runs(sequence: list[SequenceOp]) -> list[tuple[int, int]]:
+def fusible_runs(sequence: list[SequenceOp], backward: list[bool] | None = None) -> list[tuple[int, int]]:
     """The ``[start, end)`` op ranges of ``sequence`` that ``torch.compile`` fuses into one kernel
     each: the maximal runs of consecutive memory-bound ops (:func:`fuse_elementwise`); ops that
-    launch no kernel (views, ``detach``) between two of them do not end a run.
+    launch no kernel (views, ``detach``) between two of them do not end a run. ``backward``
+    (whether each op ran in autograd's backward) ends a run where the backward begins: the forward
+    and the backward are two compiled graphs.
 
     Example:
         >>> from meshtorch.plan.kernels import fusible_runs
         >>> mul, mm = ("mul", "float32", 0, 12, (), 1, 0), ("mm", "float32", 8, 12, (1, 1, 1, 1), 1, 0)
-        >>> fusible_runs([(mul, (), ()), (mul, (), ()), (mm, (), ()), (mul, (), ())])
-        [(0, 2), (3, 4)]
+        >>> view = ("view", "float32", 0, 0, (), 0, 0)
+        >>> fusible_runs([(mul, (), ()), (view, (), ()), (mul, (), ()), (mm, (), ()), (mul, (), ())])
+        [(0, 3), (4, 5)]
+        >>> fusible_runs([(mul, (), ()), (mul, (), ())], backward=[False, True])
+        [(0, 1), (1, 2)]
     """
     runs, i = [], 0
     while i < len(sequence):
@@ -193,7 +199,8 @@ def fusible_runs(sequence: list[SequenceOp]) -> list[tuple[int, int]]:
             continue
         j = end = i + 1
         # a view (or a detach) between them launches nothing and does not end the run
-        while j < len(sequence) and (_fusible(sequence[j][0]) or _no_kernel(sequence[j][0])):
+        while j < len(sequence) and (_fusible(sequence[j][0]) or _no_kernel(sequence[j][0])) and (
+                backward is None or backward[j] == backward[i]):
             j += 1
             if _fusible(sequence[j - 1][0]):
                 end = j
@@ -202,12 +209,12 @@ def fusible_runs(sequence: list[SequenceOp]) -> list[tuple[int, int]]:
     return runs
 
 
-def fuse_elementwise(sequence: list[SequenceOp]) -> dict[Kernel, int]:
+def fuse_elementwise(sequence: list[SequenceOp], backward: list[bool] | None = None) -> dict[Kernel, int]:
     """The kernels of a compiled step (``torch.compile``'s inductor): each maximal run of
     consecutive memory-bound ops (no matmul, attention, tensor-list op or sync between) is one
     ``fused`` kernel that reads what the run did not make itself and writes what is read after
     it, is never read (a result) or was there before it (an update in place); the other ops
-    stay as they are.
+    stay as they are. ``backward``: as :func:`fusible_runs` takes it (no run spans the two graphs).
 
     Example:
         >>> from meshtorch.plan.kernels import fuse_elementwise
@@ -224,7 +231,7 @@ def fuse_elementwise(sequence: list[SequenceOp]) -> dict[Kernel, int]:
         for serial, _ in writes:
             made_at.setdefault(serial, i)
     out: dict[Kernel, int] = {}
-    runs = dict(fusible_runs(sequence))
+    runs = dict(fusible_runs(sequence, backward))
     i = 0
     while i < len(sequence):
         key = sequence[i][0]

@@ -642,7 +642,9 @@ def _traced(fn, args, kwargs, mesh, rules, backend, rank=0, staging="none", comp
                                for k, v in tr.param_shapes.items()],
                  start_by_kind=tr.start_by_kind, aten_ops=tr.aten_ops, phases=tr.phases,
                  aten_names=tr.aten_names,
-                 kernels=fuse_elementwise(tr.sequence) if compiled else dict(tr.kernels), compiled=compiled,
+                 kernels=(fuse_elementwise(tr.sequence, tr.sequence_backward) if compiled
+                          else dict(tr.kernels)),
+                 compiled=compiled,
                  timeline=tr.timeline if tr.timeline.asynchronous and not compiled else None,
                  end=tr.counted(), cuts=tr.cuts)
 
