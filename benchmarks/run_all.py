@@ -48,6 +48,8 @@ BY_HAND = {
                       "plain and DDP (counts, no speed figure): by hand"),
     "replay_bound": ("a diagnosis: the forward replayed without the language's per-op Python, vs "
                      "meshtorch and its plain twin (CPU ms): by hand"),
+    "compiled_saved": ("a diagnosis: what a step saves for its backward, eager and compiled, beside "
+                       "the planner's peaks (a GPU's sizes): by hand"),
 }
 
 # name -> (arguments of a full run, arguments of a --quick run)

@@ -128,3 +128,21 @@ def test_arguments_are_checked():
     assert (a.sizes, a.steps, a.warmup, a.precision, a.loss_rtol) == (["124m", "1b"], 5, 3, "bf16", 1e-2)
     d = gpu_step.parse(["--dry-run"])
     assert (d.sizes, d.precision, d.variants) == (["tiny"], "fp32", list(gpu_step.VARIANTS))
+
+
+def test_compiled_saved_lists_what_the_eager_step_saves_on_the_cpu(tmp_path, monkeypatch):
+    """benchmarks/compiled_saved.py (by hand on a GPU), its eager half on the CPU: the loss saves the
+    bf16 logits once ([tokens, vocab]; cross_entropy_rows keeps them, no float32 copy), each layer's
+    feed-forward its two [tokens, d_ff] tensors (the first matmul's output for GELU's backward, GELU's
+    for the second matmul's weight gradient), and a plan is priced beside it."""
+    _no_cuda(monkeypatch)
+    compiled_saved = load_benchmark("compiled_saved")
+    args = ["--device", "cpu", "--d-model", "64", "--layers", "2", "--batch", "1", "--length", "32",
+            "--vocab", "300", "--variants", "eager", "--out", str(tmp_path)]
+    assert compiled_saved.main(args) == 0
+    eager = json.loads((tmp_path / "compiled_saved.json").read_text())["variants"]["eager"]
+    by_shape = {(tuple(s), d): c for s, d, _, c in eager["saved"]}
+    assert by_shape.get(((32, 300), "bfloat16")) == 1 and ((32, 300), "float32") not in by_shape
+    ffn = by_shape.get(((32, 256), "bfloat16"), 0) + by_shape.get(((1, 32, 256), "bfloat16"), 0)
+    assert ffn == 2 * 2, eager["saved"]
+    assert eager["peak_bytes"] is None and eager["planned_bytes"] > eager["saved_bytes"] > 0
