@@ -49,7 +49,9 @@ ATTENTION = frozenset({
     "_efficient_attention_forward", "_efficient_attention_backward"})
 NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                        "_record_function_enter_new", "_record_function_exit", "lift_fresh",
-                       "resize_", "set_", "sym_size", "sym_stride", "sym_numel", "is_same_size"})
+                       "resize_", "set_", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+                       # a view its schema does not mark (a matmul's result reshaped): aliases, copies nothing
+                       "_unsafe_view"})
 WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "uniform_", "normal_", "random_", "bernoulli_",
                         "exponential_"})
 PICKS = frozenset({"gather", "index", "index_select", "embedding"})
