@@ -6,15 +6,17 @@ writes in place). For meshtorch's trainer step at one size (``gpu_step.py``'s mo
 the recipe's DecoderLM, AdamW, clip 1.0, bf16 autocast), eager and then compiled, it runs two
 warm-up steps and one more under ``torch.autograd.graph.saved_tensors_hooks``, and prints:
 
-- every storage the step saved for its backward, by shape and dtype (counted once per storage);
+- every storage the step saved for its backward, by dtype and size (counted once per storage,
+  whatever view it was saved through; one of its shapes shown);
 - the step's peak (``torch.cuda.max_memory_allocated``; ``n/a`` on the CPU) and the planner's
   (``mt.plan``'s trace of the same step for this device, eager or ``compiled=True``);
-- the shapes one variant saves and the other does not: where Inductor's partitioner and the
+- the storages one variant saves and the other does not: where Inductor's partitioner and the
   eager step differ, which the planner's rules must follow.
 
 On an H200 (torch 2.11, ~1.3B's width, 4 layers) compiled saved both [tokens, d_ff] tensors of
 every layer and every bf16 weight copy, as eager, and two bf16 [tokens, d_model] copies a layer
-fewer (docs/planner.md, "Re-measured on a lent H200"). No assertion; writes
+fewer (``benchmarks/results/h200/compiled_saved.md``; docs/planner.md, "Re-measured on a lent
+H200"). No assertion; writes
 ``RESULTS/compiled_saved.{json,md}``.
 
     python benchmarks/compiled_saved.py                       # on CUDA: ~1.3B's width, 4 layers
@@ -72,10 +74,19 @@ def _saved_step(cfg, vocab: int, data: list, device: str) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-    counts = collections.Counter((tuple(s), d, n) for s, d, n in saved.values())
+    # a storage by its dtype and bytes (the view it was saved through varies: a weight's bf16 copy
+    # is saved transposed by one variant and not the other), with the first shape seen as its label
+    counts = collections.Counter((d, n) for _, d, n in saved.values())
+    shapes = {}
+    for s, d, n in saved.values():
+        shapes.setdefault((d, n), s)
     return {"peak_bytes": peak, "saved_bytes": sum(n for *_, n in saved.values()),
-            "saved": [[list(s), d, n, c]
-                      for (s, d, n), c in sorted(counts.items(), key=lambda kv: -kv[0][2])]}
+            "saved": [[shapes[d, n], d, n, c]
+                      for (d, n), c in sorted(counts.items(), key=lambda kv: -kv[0][1])]}
+
+
+def _size(n: int) -> str:
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
 
 
 def planned_peak(cfg, vocab: int, hardware: str, compiled: bool) -> int:
@@ -98,14 +109,18 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {r['saved_bytes'] / MIB:.1f} | {measured} | "
                      f"{r['planned_bytes'] / 2 ** 30:.3f} | {ratio} |")
     for name, r in report["variants"].items():
-        lines += ["", f"{name} saved (shape, dtype, MiB each, storages):", ""]
-        lines += [f"- {s} {d} {n / MIB:.1f} x {c}" for s, d, n, c in r["saved"]]
+        lines += ["", f"{name} saved (dtype, size each, storages; a shape one of them was saved as):", ""]
+        lines += [f"- {d} {_size(n)} x {c} (e.g. {s})" for s, d, n, c in r["saved"]]
     if len(report["variants"]) == 2:
         (a, ra), (b, rb) = report["variants"].items()
-        ca = collections.Counter({(tuple(s), d): c for s, d, _, c in ra["saved"]})
-        cb = collections.Counter({(tuple(s), d): c for s, d, _, c in rb["saved"]})
-        lines += ["", f"saved by {a} and not by {b} (storages): {dict(ca - cb) or 'none'}",
-                  f"saved by {b} and not by {a} (storages): {dict(cb - ca) or 'none'}"]
+        ca = collections.Counter({(d, n): c for _, d, n, c in ra["saved"]})
+        cb = collections.Counter({(d, n): c for _, d, n, c in rb["saved"]})
+
+        def said(diff: collections.Counter) -> str:
+            return ", ".join(f"{c} x {d} {_size(n)}" for (d, n), c in sorted(diff.items())) or "none"
+
+        lines += ["", f"saved by {a} and not by {b} (storages, by dtype and size): {said(ca - cb)}",
+                  f"saved by {b} and not by {a} (storages, by dtype and size): {said(cb - ca)}"]
     return "\n".join(lines) + "\n"
 
 

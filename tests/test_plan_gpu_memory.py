@@ -286,3 +286,18 @@ def test_a_fused_run_ends_at_a_host_read_and_at_the_backward():
     seq = [(ELT, (), ()), (view, (), ()), (ELT, (), ()), (item, (), ()), (ELT, (), ())]
     assert fusible_runs(seq) == [(0, 3), (4, 5)]
     assert fusible_runs(seq[:3], backward=[False, False, True]) == [(0, 1), (2, 3)]
+
+
+def test_the_forward_and_the_backward_are_two_graphs_in_the_timeline_too():
+    """Consecutive memory-bound ops on either side of the backward's start are two runs: t, made by
+    the forward's and read by the backward's, is remade there from h (alive anyway), and dt, the
+    backward kernel's result, has its own storage. As one run (the flags ignored) t would never
+    leave the kernel and dt would be written into h."""
+    from meshtorch.plan.compiled_memory import compiled_timeline
+
+    T, DT = 9, 10
+    seq = [SEQ[0], (ELT, ((H, 40),), ((T, 40),)), (ELT, ((T, 40),), ((DT, 40),))]
+    events = [(P, 100), (X, 40), (H, 40), (T, 40), (DT, 40), (T, -40), (H, -40)]
+    got = compiled_timeline(seq, [3, 4, 5], [False, False, True], events, KIND)
+    assert {s for _, s, _ in got} == {P, X, H, DT}
+    assert {s for _, s, _ in compiled_timeline(seq, [3, 4, 5], [False] * 3, events, KIND)} == {P, X, H}

@@ -314,6 +314,23 @@ def test_a_compiled_step_fuses_a_chain_of_elementwise_ops():
     assert [k for k in compiled.kernels if k[0] == "mm"] == [k for k in eager.kernels if k[0] == "mm"]
 
 
+def test_no_fused_kernel_spans_the_forward_and_the_backward():
+    """The forward and the backward are two compiled graphs: the forward's last memory-bound ops and
+    the backward's first ones are two kernels, not one (the trace tells fuse_elementwise which ops ran
+    in the backward)."""
+    if not hasattr(torch._C, "_current_graph_task_id"):
+        pytest.skip("this torch does not say which ops run in the backward")
+    n = 1 << 16
+
+    def step():
+        x = _meta(n, dtype=torch.float32).requires_grad_()
+        with mt.plan.measure():
+            torch.relu(x * 2.0).sum().backward()
+
+    compiled = mt.plan.trace(step, mesh="b:1", compiled=True)
+    assert sum(c for k, c in compiled.kernels.items() if k[0] == "fused") == 2, compiled.kernels
+
+
 # The same step with the loss (forward and backward) under torch.compile (inductor), AdamW fused and
 # eager: 20.8 ms (steps_124m[3] of the same file).
 MEASURED_124M_COMPILED_H100_S = 20.8e-3

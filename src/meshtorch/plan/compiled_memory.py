@@ -18,7 +18,8 @@ allocation events. Inductor changes what is alive in three ways, modelled here a
   ``ban_recompute_materialized_backward`` does: remade, it would be made in memory anyway;
 - **in-place buffers**: a fused kernel writes a result into an input of the same size that it
   reads for the last time (the loss's backward writes the logits' gradient into the saved
-  logits): one storage, never both alive.
+  logits): one storage, never both alive; not where a storage remade later is made from that
+  input, nor where the input is held past the result's end.
 
 :func:`compiled_timeline` returns the events re-timed; :func:`peak_of` their peak by kind in the
 measured windows, what :meth:`meshtorch.plan.tracing.Tracer.peak` reports for a compiled trace.
