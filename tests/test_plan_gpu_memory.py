@@ -199,6 +199,14 @@ def test_a_fused_kernel_writes_its_result_into_an_input_it_reads_last():
     events = [(P, 100), (X, 40), (L, 80), (DL, 40), (L, -80)]
     got = compiled_timeline(seq, [3, 4], [False, True], events, KIND)
     assert [(s, d) for _, s, d in got] == [(s, d) for s, d in events]
+    # of the same size in another dtype (bf16 logits, a float32 result of half as many elements): two
+    seq = [seq[0], (ELT, ((L, 80),), ((DL, 80),))]
+    events = [(P, 100), (X, 40), (L, 80), (DL, 80), (L, -80)]
+    dtypes = {L: torch.bfloat16, DL: torch.float32}
+    got = compiled_timeline(seq, [3, 4], [False, True], events, KIND, dtypes)
+    assert [(s, d) for _, s, d in got] == [(s, d) for s, d in events]
+    assert len(compiled_timeline(seq, [3, 4], [False, True], events, KIND, {L: torch.bfloat16,
+                                                                           DL: torch.bfloat16})) == 3
 
 
 def test_without_autograds_task_id_nothing_is_remade(monkeypatch):

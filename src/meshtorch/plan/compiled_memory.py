@@ -45,7 +45,8 @@ Timeline = list[tuple[float, int, int]]  # (position among the events, storage s
 
 
 def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[bool],
-                      events: list[tuple[int, int]], kind: dict[int, str]) -> Timeline:
+                      events: list[tuple[int, int]], kind: dict[int, str],
+                      dtypes: dict[int, object] | None = None) -> Timeline:
     """``events`` (``(serial, +bytes | -bytes)`` in time order) as a compiled step has them:
     each at its index, storages internal to a fused run gone, recomputed ones freed after their
     forward uses (their run's inputs kept instead, until the backward's last read) and remade
@@ -53,7 +54,8 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
     that the run reads last (one storage: the input's allocation, the result's free). ``at[i]``
     is the event count once op ``i`` of ``sequence`` made its outputs; ``backward[i]`` whether it
     ran in the backward; ``kind`` the serials that are not activations (only activations are
-    dropped, recomputed or taken over)."""
+    dropped, recomputed or taken over); ``dtypes`` each serial's dtype, where known (a storage is
+    taken over only by a result of its dtype, as Inductor's buffer reuse asks)."""
     alloc: dict[int, int] = {}
     free: dict[int, float] = {}
     size: dict[int, int] = {}
@@ -112,8 +114,8 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
                     moved.add(x)
     # a fused kernel writes a result into an input it reads last (Inductor's in-place buffers: the
     # loss's gradient into the saved logits): one storage, never both alive. Not an input that a
-    # remade storage still needs, nor one held past the result's end (the caller's); Inductor also
-    # asks for the same dtype, which a storage here does not carry: the same bytes stand for it
+    # remade storage still needs, nor one held past the result's end (the caller's); of the same
+    # bytes and dtype (where ``dtypes`` says), as Inductor's buffer reuse asks
     continued: dict[int, int] = {}   # a result written into an input's storage -> that input
     ended: set[int] = set()          # inputs whose storage a result took over: no free of their own
     for i0, j in runs:
@@ -124,7 +126,8 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
         for o in (s for s, i in made.items() if i0 <= i < j and s not in removed | moved):
             if kind.get(o, "activations") != "activations":
                 continue
-            x = next((x for x in dying if size[x] == size[o] and free[x] <= free.get(o, math.inf)), None)
+            x = next((x for x in dying if size[x] == size[o] and free[x] <= free.get(o, math.inf)
+                      and (dtypes is None or dtypes.get(x) == dtypes.get(o))), None)
             if x is not None:
                 dying.remove(x)
                 continued[o] = x

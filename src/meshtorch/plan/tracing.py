@@ -203,6 +203,7 @@ class Tracer(TorchDispatchMode):
         self.stepping = 0  # inside measure() blocks, after their set-up
         self.flops_by_dtype: dict[str, int] = defaultdict(int)
         self.kind: dict[int, str] = {}          # storage serial -> kind (when not activations)
+        self.dtypes: dict[int, torch.dtype] = {}  # storage serial -> the dtype it was made for
         self.live: dict[int, tuple[int, int]] = {}  # id(storage) -> (serial, nbytes)
         self.events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes) in time order
         self.serial = 0
@@ -249,6 +250,7 @@ class Tracer(TorchDispatchMode):
         if self.device == "cuda" and st.device.type == "meta":
             n = block_bytes(n)  # a GPU's storage is a caching-allocator block (plan/allocator.py)
         self.live[key] = (self.serial, n)
+        self.dtypes[self.serial] = t.dtype
         self.events.append((self.serial, n))
         weakref.finalize(st, self._free, key)
         return self.serial
@@ -272,6 +274,7 @@ class Tracer(TorchDispatchMode):
         self.live[id(st)] = (self.serial, st.nbytes())
         if serial in self.kind:
             self.kind[self.serial] = self.kind[serial]
+        self.dtypes[self.serial] = t.dtype
         self.events.append((self.serial, st.nbytes()))
 
     def mark(self, t: torch.Tensor | None, kind: str) -> None:
@@ -478,7 +481,7 @@ class Tracer(TorchDispatchMode):
         if self.sequence is None:
             raise PlanError("compiled_peak needs the op sequence: trace with compiled=True")
         timeline = compiled_timeline(self.sequence, self.sequence_at, self.sequence_backward, self.events,
-                                     self.kind)
+                                     self.kind, self.dtypes)
         return peak_of(timeline, self.windows, self.kind, KINDS)
 
     def peak(self) -> tuple[int, dict[str, int]]:
