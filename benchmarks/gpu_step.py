@@ -269,13 +269,47 @@ def device_kernels(events: list) -> list:
     return [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
+def idle_gaps(kernels: list, host: list, top: int = 5, least_us: float = 20.0) -> dict[str, Any]:
+    """Where the GPU waited: the gaps between the union of ``kernels``' intervals (profiler events
+    with ``time_range`` in µs) of at least ``least_us``, their count and total, and the ``top``
+    longest, each with the host's innermost events running at its middle (``host``: CPU events,
+    user annotations such as ``Optimizer.step#AdamW.step`` among them), what the host was doing
+    while the GPU had nothing queued.
+
+    Example:
+        >>> from types import SimpleNamespace as E
+        >>> def ev(name, a, b):
+        ...     return E(name=name, time_range=E(start=a, end=b))
+        >>> kernels = [ev("gemm", 0, 100), ev("add", 90, 120), ev("gemm", 400, 500)]
+        >>> host = [ev("step", 0, 600), ev("aten::item", 130, 390), ev("aten::_local_scalar_dense", 140, 380)]
+        >>> g = idle_gaps(kernels, host)
+        >>> g["count"], g["total_us"], g["top"][0]["us"], g["top"][0]["host"]
+        (1, 280.0, 280.0, ['aten::_local_scalar_dense', 'aten::item', 'step'])
+    """
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a - end >= least_us:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    out: dict[str, Any] = {"count": len(gaps), "total_us": float(sum(b - a for a, b in gaps)), "top": []}
+    for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        mid = (a + b) / 2
+        around = sorted((e for e in host if e.time_range.start <= mid <= e.time_range.end),
+                        key=lambda e: e.time_range.end - e.time_range.start)
+        out["top"].append({"us": float(b - a), "host": [e.name[:80] for e in around[:3]]})
+    return out
+
+
 def profile_steps(step: Callable[[int], float], n: int, device: torch.device, top: int = 8) -> dict[str, Any]:
     """Where ``n`` steps' time goes, from ``torch.profiler`` (CPU, and CUDA on a GPU): the wall time
     per step (to a synchronize, the profiler's own overhead included), the time per step at least one
     GPU kernel or copy ran (``device_busy_ms``, the union of their intervals) and the rest
-    (``device_idle_ms``: the GPU waiting for the host, or for a sync), and the ``top`` kernels by GPU
-    time per step (on the CPU: the ops by self CPU time). Issue 25 used this to find that a 124M
-    step's GPU waited ~4 ms on meshtorch's host and spent 2.6 ms in a float32 log-softmax.
+    (``device_idle_ms``: the GPU waiting for the host, or for a sync), the ``top`` kernels by GPU
+    time per step (on the CPU: the ops by self CPU time), and on a GPU the idle gaps with what the
+    host was running in the longest (:func:`idle_gaps`, over all ``n`` steps). Issue 25 used this to
+    find that a 124M step's GPU waited ~4 ms on meshtorch's host and spent 2.6 ms in a float32
+    log-softmax.
 
     Example (the CPU: no device figures):
         >>> import torch
@@ -310,6 +344,8 @@ def profile_steps(step: Callable[[int], float], n: int, device: torch.device, to
         ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
         out["top"] = [{"name": k[:120], "ms": round(v[0] / 1e3 / n, 3), "calls": round(v[1] / n, 1)}
                       for k, v in ranked[:top]]
+        cpu = torch.autograd.DeviceType.CPU
+        out["gaps"] = idle_gaps(kernels, [e for e in prof.events() if e.device_type == cpu])
     else:
         rows = sorted(prof.key_averages(), key=lambda r: -r.self_cpu_time_total)
         out["top"] = [{"name": r.key[:120], "ms": round(r.self_cpu_time_total / 1e3 / n, 3),
@@ -517,6 +553,15 @@ def markdown(report: dict[str, Any]) -> str:
                 busy, idle, timed = ("n/a" if p.get(k) is None else f"{p[k]:.2f}" for k in
                                      ("device_busy_ms", "device_idle_ms", "device_idle_unprofiled_ms"))
                 lines.append(f"| {n} | {p['wall_ms']:.2f} | {busy} | {idle} | {timed} | {top} |")
+            gapped = [(n, p["gaps"]) for n, p in profiled if p.get("gaps")]
+            if gapped:
+                lines += ["", "The GPU's idle gaps of 20 µs or more over the profiled steps (their count and "
+                          "sum), and in the longest what the host was running (its innermost events at the "
+                          "gap's middle):", ""]
+                for n, g in gapped:
+                    longest = "; ".join(f"{t['us'] / 1e3:.2f} ms in {' < '.join(t['host']) or '?'}"
+                                        for t in g["top"])
+                    lines.append(f"- {n}: {g['count']} gaps, {g['total_us'] / 1e3:.2f} ms; {longest}")
         q = s["ratios"]
         fmt = (lambda x, t: "n/a" if x is None else f"**{x:.3f}** ({'meets' if x <= t else 'misses'} <= {t})")
         lines += ["", f"meshtorch / plain step: eager {fmt(q['eager'], TARGETS['eager'])}, compiled "

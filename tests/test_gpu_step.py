@@ -74,6 +74,29 @@ def test_profile_reports_each_variants_top_ops(tmp_path):
     assert "| meshtorch-eager |" in md and "GPU idle ms" in md
 
 
+def test_the_table_says_what_the_host_ran_while_the_gpu_waited():
+    """On a GPU the profile finds the GPU's idle gaps and what the host was running in the longest
+    (its innermost events at the gap's middle), and the table lists them per variant: here the
+    H200 run's report with gaps put into one variant's profile."""
+    from pathlib import Path
+    from types import SimpleNamespace as E
+
+    report = json.loads((Path(gpu_step.__file__).parent / "results" / "h200" / "gpu_step.json").read_text())
+
+    def ev(name, a, b):
+        return E(name=name, time_range=E(start=a, end=b))
+
+    kernels = [ev("gemm", 0, 100), ev("add", 90, 120), ev("gemm", 130, 140), ev("gemm", 1400, 1500)]
+    host = [ev("ProfilerStep#1", 0, 1600), ev("aten::copy_", 200, 1300), ev("cudaMemcpyAsync", 250, 1250)]
+    gaps = gpu_step.idle_gaps(kernels, host)
+    assert gaps["count"] == 1 and gaps["total_us"] == 1260.0   # 120 -> 130 is under 20 us
+    assert gaps["top"] == [{"us": 1260.0, "host": ["cudaMemcpyAsync", "aten::copy_", "ProfilerStep#1"]}]
+    report["sizes"]["124m"]["variants"]["meshtorch-eager"]["profile"]["gaps"] = gaps
+    md = gpu_step.markdown(report)
+    assert ("- meshtorch-eager: 1 gaps, 1.26 ms; 1.26 ms in cudaMemcpyAsync < aten::copy_ < ProfilerStep#1"
+            in md), md
+
+
 def test_loss_check_catches_a_plain_model_that_differs(tmp_path, monkeypatch):
     # attention that sees the future: the plain twin no longer computes meshtorch's model
     monkeypatch.setattr(gpu_step.PlainLM, "_attend",
