@@ -34,15 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_step import batches, train_config  # noqa: E402 - the one definition of the benchmark's step
+from gpu_step import batches, train_config, trainer_step  # noqa: E402 - the benchmark's one step
+from plan_vs_gpu_step import plan  # noqa: E402 - its one plan
 
 import meshtorch as mt
-from meshtorch.plan.devices import device as spec_of
-from meshtorch.plan.estimate import from_trace
 from meshtorch.plan.gpus import gpu_kind
-from meshtorch.plan.layered import whole_trace
-from meshtorch.recipes.lm.steps import build_model, make_optimizer, training_step
-from meshtorch.recipes.lm.strategies import PlainStep
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2 ** 20
@@ -51,10 +47,7 @@ MIB = 2 ** 20
 def _saved_step(cfg, vocab: int, data: list, device: str) -> dict[str, Any]:
     """The trainer's step (run by mt.launch): two warm-up steps, then one whose saved storages are
     listed (shape, dtype, bytes), with its peak on CUDA."""
-    model = build_model(cfg, vocab)
-    step = PlainStep(cfg, model, make_optimizer(cfg, model))
-    shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
-    meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
+    step, meshed = trainer_step(cfg, vocab, data)
     for i in range(2):
         step.run([meshed[i]], i)
     if device == "cuda":
@@ -87,13 +80,6 @@ def _saved_step(cfg, vocab: int, data: list, device: str) -> dict[str, Any]:
 
 def _size(n: int) -> str:
     return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n / 1024:.1f} KiB"
-
-
-def planned_peak(cfg, vocab: int, hardware: str, compiled: bool) -> int:
-    spec = spec_of(hardware)
-    t = whole_trace(training_step(cfg, vocab=vocab), "b:1", "batch:b", compiled=compiled,
-                    device=spec.device_type)
-    return int(from_trace(t, "b:1", spec).memory_bytes["total"])
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -163,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = train_config(size, "bf16", compiled, a.device, lr=3e-4)
         got = mt.launch(_saved_step, cfg, a.vocab, data, a.device, mesh="b:1", rules="batch:b",
                         device=a.device)[0]
-        got["planned_bytes"] = planned_peak(cfg, a.vocab, hardware, compiled)
+        got["planned_bytes"] = round(plan(size, "bf16", compiled, hardware)["peak_gib"] * 2 ** 30)
         report["variants"][variant] = got
         print(f"{variant}: saved {got['saved_bytes'] / MIB:.1f} MiB, peak "
               + (f"{got['peak_bytes'] / 2 ** 30:.3f} GiB" if got["peak_bytes"] else "n/a")

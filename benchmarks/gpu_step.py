@@ -235,19 +235,31 @@ def run_steps(step: Callable[[int], float], n: int, device: torch.device, profil
     return out
 
 
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals ``spans`` merged where they overlap, in order (kernels on several streams at
+    once count once).
+
+    Example:
+        >>> merged([(2, 6), (0, 4), (10, 11)]), merged([])
+        ([(0, 6), (10, 11)], [])
+    """
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 def covered(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of the intervals ``spans`` (kernels on several streams at once count once).
+    """The length of the union of the intervals ``spans`` (:func:`merged`).
 
     Example:
         >>> covered([(0, 4), (2, 6), (10, 11)]), covered([])
         (7.0, 0.0)
     """
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+    return float(sum(b - a for a, b in merged(spans)))
 
 
 def device_kernels(events: list) -> list:
@@ -286,12 +298,8 @@ def idle_gaps(kernels: list, host: list, top: int = 5, least_us: float = 20.0) -
         >>> g["count"], g["total_us"], g["top"][0]["us"], g["top"][0]["host"]
         (1, 280.0, 280.0, ['aten::_local_scalar_dense', 'aten::item', 'step'])
     """
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    gaps, end = [], None
-    for a, b in spans:
-        if end is not None and a - end >= least_us:
-            gaps.append((end, a))
-        end = b if end is None else max(end, b)
+    busy = merged([(e.time_range.start, e.time_range.end) for e in kernels])
+    gaps = [(end, a) for (_, end), (a, _) in zip(busy, busy[1:]) if a - end >= least_us]
     out: dict[str, Any] = {"count": len(gaps), "total_us": float(sum(b - a for a, b in gaps)), "top": []}
     for a, b in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
         mid = (a + b) / 2
@@ -353,14 +361,20 @@ def profile_steps(step: Callable[[int], float], n: int, device: torch.device, to
     return out
 
 
-def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str, profile: int = 0) -> dict[str, Any]:
-    device = mt.current().device or torch.get_default_device()
+def trainer_step(cfg: TrainConfig, vocab: int, data: list) -> tuple[PlainStep, list]:
+    """``meshtorch train``'s step of ``cfg`` on one processor (run inside ``mt.launch``) and the
+    batches ``data`` as its MeshTensors: ``step.run([meshed[i]], i)`` takes step ``i``."""
     model = build_model(cfg, vocab)
     step = PlainStep(cfg, model, make_optimizer(cfg, model))
-    if cfg.run.compile and backend != "inductor":  # the recipe compiles with inductor
-        step.loss = compile_step(model.loss, backend=backend)
     shape = f"batch:{cfg.run.batch},length:{cfg.run.length}"
-    meshed = [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
+    return step, [(mt.from_global(i, shape), mt.from_global(t, shape)) for i, t in data]
+
+
+def _mesh_program(cfg: TrainConfig, vocab: int, data: list, backend: str, profile: int = 0) -> dict[str, Any]:
+    device = mt.current().device or torch.get_default_device()
+    step, meshed = trainer_step(cfg, vocab, data)
+    if cfg.run.compile and backend != "inductor":  # the recipe compiles with inductor
+        step.loss = compile_step(step.model.loss, backend=backend)
     _reset_peak(device)
     return run_steps(lambda i: step.run([meshed[i]], i), len(meshed), device, profile)
 

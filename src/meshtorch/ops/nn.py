@@ -150,7 +150,7 @@ def cross_entropy(logits: MeshTensor, targets: MeshTensor, dim: str | Dim = "voc
     acc = torch.float32 if logits.dtype in (torch.bfloat16, torch.float16) else logits.dtype
     if fused:
         i = logits.shape.index(v.name)
-        # hard targets of low-precision logits (and of float32 ones on the CPU): cross_entropy_rows
+        # hard targets of low-precision logits (and of float32 ones on FLOAT32_DEVICES): cross_entropy_rows
         # keeps float32 precision without the float32 [rows, vocab] log-probabilities (and their
         # gradient) autograd would keep
         rows = not soft and (logits.dtype in ROWS_DTYPES or logits.dtype == torch.float32

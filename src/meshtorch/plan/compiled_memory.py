@@ -108,7 +108,6 @@ def compiled_timeline(sequence: list[SequenceOp], at: list[int], backward: list[
                 removed.add(s)
             for x in inputs:
                 remade_until[x] = max(remade_until.get(x, -1), last)
-            for x in inputs:
                 if x in free and free[x] < at[last]:
                     free[x] = at[last] - 0.25
                     moved.add(x)
